@@ -1,0 +1,28 @@
+// The one PYBIND11_MODULE of rapo_fast._C. Each op registers its functions from its own <op>_bindings.cpp so that
+// ops can be added without touching this file's logic; build facts are reported by build_info().
+// Not the place for op logic or argument checks beyond what keeps memory safe (Python validates first).
+#include <pybind11/pybind11.h>
+
+#include "rapo/registry.h"
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "rapo_fast compiled backends (C++ CPU, CUDA when built). Private: use the rapo_fast Python API.";
+  py::dict info;
+#ifdef RAPO_WITH_CUDA
+  info["cuda"] = true;
+#else
+  info["cuda"] = false;
+#endif
+  info["cuda_archs"] = std::string(RAPO_CUDA_ARCHS);
+#ifdef RAPO_WITH_OPENMP
+  info["openmp"] = true;
+#else
+  info["openmp"] = false;
+#endif
+  info["cpu"] = true;
+  m.attr("BUILD_INFO") = info;
+  rapo::register_retrieval(m);
+  rapo::register_kv_splice(m);
+}

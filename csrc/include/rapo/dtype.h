@@ -1,0 +1,65 @@
+// Dtype codes shared with rapo_fast/_ext.py (DTYPE_CODES), and fp16/bf16 <-> fp32 conversions usable on the host
+// and in CUDA device code. Not a place for op math.
+#pragma once
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#ifdef __CUDACC__
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#define RAPO_HD __host__ __device__ __forceinline__
+#else
+#define RAPO_HD inline
+#endif
+
+namespace rapo {
+
+enum class DType : int { F32 = 0, F16 = 1, BF16 = 2, I64 = 3, I32 = 4, U8 = 5, Bool = 6 };
+
+inline int dtype_size(DType d) {
+  switch (d) {
+    case DType::F32: return 4;
+    case DType::F16: return 2;
+    case DType::BF16: return 2;
+    case DType::I64: return 8;
+    case DType::I32: return 4;
+    case DType::U8: return 1;
+    case DType::Bool: return 1;
+  }
+  throw std::invalid_argument("unknown dtype code " + std::to_string(static_cast<int>(d)));
+}
+
+// bfloat16 is the top half of an fp32: exact widening, round-to-nearest-even narrowing, NaN kept NaN.
+RAPO_HD float bf16_bits_to_float(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+RAPO_HD uint16_t float_to_bf16_bits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+#ifndef __CUDACC__
+// Host half precision through the compiler's _Float16 (GCC >= 12, Clang >= 15 on x86-64): IEEE conversions with
+// correct rounding and subnormals, so no hand-written bit tricks are needed.
+inline float half_bits_to_float(uint16_t h) {
+  _Float16 v;
+  memcpy(&v, &h, sizeof(v));
+  return static_cast<float>(v);
+}
+inline uint16_t float_to_half_bits(float f) {
+  _Float16 v = static_cast<_Float16>(f);
+  uint16_t h;
+  memcpy(&h, &v, sizeof(h));
+  return h;
+}
+#endif
+
+}  // namespace rapo

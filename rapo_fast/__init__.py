@@ -1,0 +1,56 @@
+"""rapo_fast: custom kernels for retrieval-augmented RL of LLM agents (RAPO, ARPO).
+
+This module is the public API and nothing else: every public name is re-exported here, resolved lazily on first use
+so that `import rapo_fast` stays cheap (no Triton, no extension load until needed). Everything not listed in
+`__all__` is private. See README.md for the status of each path and DESIGN.md for the contracts.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_PUBLIC: dict[str, str] = {
+    # fused log-prob and policy loss (loss issue)
+    "token_logprobs": "rapo_fast.logprobs",
+    "rapo_loss": "rapo_fast.loss",
+    "RAPOLoss": "rapo_fast.loss",
+    "presets": "rapo_fast.presets",
+    "step_entropy": "rapo_fast.advantages",
+    "retrieval_reward": "rapo_fast.advantages",
+    "rapo_advantages": "rapo_fast.advantages",
+    # step buffer and retrieval (retrieval issue)
+    "StepBuffer": "rapo_fast.retrieval",
+    "ShardedStepBuffer": "rapo_fast.retrieval",
+    # KV splicing (KV-splice issue)
+    "StepKVStore": "rapo_fast.kv_splice",
+    "splice_kv": "rapo_fast.kv_splice",
+    "RopeSpec": "rapo_fast.kv_splice",
+    # rollout, trainer (trainer issue)
+    "StepTraces": "rapo_fast.step_traces",
+    "rollout": "rapo_fast.rollout",
+    "RAPOTrainer": "rapo_fast.trainer",
+    "TrainerConfig": "rapo_fast.trainer",
+    # build facts
+    "build_info": "rapo_fast._ext",
+}
+
+__all__ = sorted(_PUBLIC) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rapo_fast' has no attribute {name!r}")
+    mod = importlib.import_module(module)
+    # `presets` is a module of dicts; the others are attributes of their module.
+    value = mod if name == "presets" and not hasattr(mod, "presets") else getattr(mod, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

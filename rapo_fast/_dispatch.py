@@ -1,0 +1,67 @@
+"""Backend choice shared by every op: Triton on CUDA tensors, Triton on CPU tensors only under TRITON_INTERPRET=1,
+the plain-PyTorch reference otherwise; and the one helper through which ops are registered with torch.library.
+
+Not a place for op logic. DESIGN.md section 1 and STYLE.md item 6 give the rules implemented here.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+
+
+def interpret_mode() -> bool:
+    """True when Triton kernels run in the interpreter (CPU tensors); read once per call, it is cheap."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=1)
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def use_triton(device: torch.device) -> bool:
+    """Whether an op on tensors of `device` runs its Triton kernels (else the reference path)."""
+    if os.environ.get("RAPO_FAST_DISABLE_TRITON", "0") == "1":
+        return False
+    if device.type == "cuda":
+        return triton_available()
+    if device.type == "cpu":
+        return interpret_mode() and triton_available()
+    return False
+
+
+# Registration through one switch (FlashInfer keeps one too): RAPO_FAST_NO_CUSTOM_OP=1 calls the implementation
+# directly, should dispatcher overhead ever show up in a profile.
+_REGISTER = os.environ.get("RAPO_FAST_NO_CUSTOM_OP", "0") != "1"
+
+
+def register_op(
+    name: str,
+    fn: Callable,
+    *,
+    mutates_args: Iterable[str] | str = (),
+    fake: Callable | None = None,
+    backward: Callable | None = None,
+    setup_context: Callable | None = None,
+    device_types: Sequence[str] | str | None = None,
+) -> Callable:
+    """Register `fn` as the torch.library custom op `rapo_fast::<name>` with its fake and autograd formulas.
+
+    Returns the callable to use (the op, or `fn` itself when registration is switched off).
+    """
+    if not _REGISTER:
+        return fn
+    op = torch.library.custom_op(f"rapo_fast::{name}", fn, mutates_args=mutates_args, device_types=device_types)
+    if fake is not None:
+        op.register_fake(fake)
+    if backward is not None:
+        op.register_autograd(backward, setup_context=setup_context)
+    return op

@@ -1,0 +1,109 @@
+"""Safe loading of the compiled extension rapo_fast._C and the helpers that pass tensors to it.
+
+What this is: the one place that imports `rapo_fast._C`, remembers why an import failed (torchao's pattern), reports
+`build_info()`, and turns a torch tensor into the raw (pointer, shape, strides, dtype code, device, stream) that the
+extension takes, since the extension does not link libtorch (DESIGN.md section 1).
+What this is not: argument validation of any op (each op's Python module validates its own inputs first).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_C: Any = None
+_IMPORT_ERROR: BaseException | None = None
+try:  # pragma: no branch
+    from rapo_fast import _C as _C_mod  # type: ignore[attr-defined]
+
+    _C = _C_mod
+except Exception as exc:  # ImportError, or an OSError from a broken .so: keep the reason for later
+    _IMPORT_ERROR = exc
+
+REBUILD_HINT = (
+    "Rebuild the extension from the repository root with `pip install -e . --no-build-isolation` "
+    "(nvcc must be on PATH for the CUDA backend; RAPO_FAST_CUDA=1 makes a missing nvcc an error)."
+)
+
+# Dtype codes shared with csrc/include/rapo/dtype.h; keep the two in step.
+DTYPE_CODES: dict[torch.dtype, int] = {
+    torch.float32: 0,
+    torch.float16: 1,
+    torch.bfloat16: 2,
+    torch.int64: 3,
+    torch.int32: 4,
+    torch.uint8: 5,
+    torch.bool: 6,
+}
+
+
+def extension() -> Any:
+    """Return the loaded rapo_fast._C module, or raise a RuntimeError that says why it is missing and how to fix it."""
+    if _C is None:
+        raise RuntimeError(f"rapo_fast._C is not available ({_IMPORT_ERROR!r}). {REBUILD_HINT}")
+    return _C
+
+
+def has_extension() -> bool:
+    return _C is not None
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+
+        return str(triton.__version__)
+    except Exception:
+        return None
+
+
+def build_info() -> dict[str, Any]:
+    """Which backends of rapo_fast._C were built and for which CUDA architectures, plus the runtime's versions."""
+    info: dict[str, Any] = {
+        "extension": _C is not None,
+        "extension_error": None if _IMPORT_ERROR is None else repr(_IMPORT_ERROR),
+        "cpu": False,
+        "cuda": False,
+        "cuda_archs": [],
+        "openmp": False,
+        "torch": torch.__version__,
+        "triton": _triton_version(),
+        "cuda_available": torch.cuda.is_available(),
+    }
+    if _C is not None:
+        raw = dict(_C.BUILD_INFO)
+        info.update(
+            cpu=bool(raw.get("cpu", False)),
+            cuda=bool(raw.get("cuda", False)),
+            openmp=bool(raw.get("openmp", False)),
+            cuda_archs=[a for a in str(raw.get("cuda_archs", "")).split(",") if a],
+        )
+    return info
+
+
+def require_backend(device: torch.device) -> Any:
+    """The extension, checked to have a backend for `device`; a clear error (with the rebuild hint) otherwise."""
+    C = extension()
+    if device.type == "cuda" and not bool(C.BUILD_INFO["cuda"]):
+        raise RuntimeError(
+            "rapo_fast._C was built without its CUDA backend, but a CUDA tensor was given. " + REBUILD_HINT
+        )
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"rapo_fast._C supports cpu and cuda tensors, got a tensor on {device}")
+    return C
+
+
+def stream_of(device: torch.device) -> int:
+    """Raw handle of torch's current stream on `device` (0 for CPU), so CUDA work is ordered with torch's."""
+    if device.type == "cuda":
+        return int(torch.cuda.current_stream(device).cuda_stream)
+    return 0
+
+
+def raw(t: torch.Tensor) -> tuple[int, list[int], list[int], int, int]:
+    """(data pointer, shape, strides in elements, dtype code, device index or -1 for CPU) of a tensor."""
+    if t.dtype not in DTYPE_CODES:
+        raise TypeError(f"dtype {t.dtype} cannot cross into rapo_fast._C (supported: {list(DTYPE_CODES)})")
+    dev = -1 if t.device.type == "cpu" else int(t.device.index or 0)
+    return int(t.data_ptr()), list(t.shape), list(t.stride()), DTYPE_CODES[t.dtype], dev

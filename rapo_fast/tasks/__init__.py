@@ -1,0 +1,1 @@
+"""Synthetic multi-step tool tasks shipped with the package (no downloads), used by the demo and the tests."""
