@@ -44,7 +44,7 @@ class CMakeBuild(build_ext):
 
 
 setup(
-    packages=["rapo_fast", "rapo_fast.integrations", "rapo_fast.kernels", "rapo_fast.tasks"],
+    packages=["rapo_fast", "rapo_fast.integrations", "rapo_fast.reference", "rapo_fast.kernels", "rapo_fast.tasks"],
     package_dir={"rapo_fast": "rapo_fast", "rapo_fast.kernels": "kernels"},
     ext_modules=[CMakeExtension("rapo_fast._C")],
     cmdclass={"build_ext": CMakeBuild},

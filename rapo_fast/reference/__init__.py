@@ -1,0 +1,12 @@
+"""Plain-PyTorch references of every rapo_fast op: the spec the kernels are tested against.
+
+Imported as `rapo_fast.reference` (the design's reference.py). It is a package with one file per op so that each op's
+spec sits next to nothing else; everything public is re-exported here. Deliberate difference from flash-attn (one
+file): our four ops are large enough that one file would pass 500 lines (STYLE.md item 11).
+What this is not: a fast path. The CPU fallback of the loss uses these functions chunked, nothing more.
+"""
+
+from rapo_fast.reference.kv_splice import *  # noqa: F401,F403
+from rapo_fast.reference.logprobs import *  # noqa: F401,F403
+from rapo_fast.reference.policy_loss import *  # noqa: F401,F403
+from rapo_fast.reference.retrieval import *  # noqa: F401,F403
