@@ -1,0 +1,125 @@
+"""Shared bench plumbing: timing (do_bench on GPU, torch.utils.benchmark on CPU), peak memory, device naming, and the
+CSV row format (device, date, commit) every bench appends to bench/results/.
+
+Not a place for any op's providers: those live in bench/bench_<op>.py.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import os
+import platform
+import statistics
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = platform.processor() or "cpu"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model} ({os.cpu_count()} cores, torch threads {torch.get_num_threads()})"
+
+
+def commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=Path(__file__).parent,
+            capture_output=True, text=True,
+        ).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else "unknown"
+    except OSError:
+        return os.environ.get("RAPO_FAST_COMMIT", "unknown")
+
+
+def now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def time_fn(fn: Callable[[], object], device: torch.device, *, rep_ms: int = 200, min_runs: int = 5) -> dict:
+    """Median and 20/80% quantiles of `fn` in ms: triton's do_bench on CUDA, torch.utils.benchmark on CPU."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        q = do_bench(fn, rep=rep_ms, quantiles=[0.5, 0.2, 0.8], return_mode="median")
+        return {"median_ms": q[0], "p20_ms": q[1], "p80_ms": q[2]}
+    import torch.utils.benchmark as tub
+
+    fn()  # warm-up (compilation, allocator)
+    m = tub.Timer(stmt="fn()", globals={"fn": fn}).blocked_autorange(min_run_time=rep_ms / 1000.0)
+    times = [t * 1e3 for t in m.times]
+    while len(times) < min_runs:
+        extra = tub.Timer(stmt="fn()", globals={"fn": fn}).timeit(1)
+        times.append(extra.median * 1e3)
+    times.sort()
+    return {
+        "median_ms": statistics.median(times),
+        "p20_ms": times[int(0.2 * (len(times) - 1))],
+        "p80_ms": times[int(0.8 * (len(times) - 1))],
+    }
+
+
+def peak_memory_mb(fn: Callable[[], object], device: torch.device) -> float:
+    """Peak device memory above the baseline while `fn` runs (CUDA); NaN on the CPU, which has no allocator stats."""
+    if device.type != "cuda":
+        return float("nan")
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+
+
+def measure_copy_bandwidth_gbs(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Measured device-to-device copy bandwidth (bytes read + written per second), the roofline for our byte counts."""
+    n = nbytes // 4 if device.type == "cuda" else (1 << 26) // 4
+    src = torch.empty(n, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    t = time_fn(lambda: dst.copy_(src), device)["median_ms"]
+    return 2 * n * 4 / (t * 1e-3) / 1e9
+
+
+def append_rows(name: str, rows: list[dict], out_dir: Path | None = None) -> Path:
+    """Append rows to <out_dir or bench/results>/<name>.csv (header written once; columns = union, stable order)."""
+    out = (out_dir or RESULTS) / f"{name}.csv"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fields: list[str] = []
+    for r in rows:
+        for k in r:
+            if k not in fields:
+                fields.append(k)
+    exists = out.exists()
+    if exists:
+        with out.open() as f:
+            header = next(csv.reader(f), [])
+        fields = header + [k for k in fields if k not in header]
+        if header != fields:  # new columns: rewrite with the widened header
+            with out.open() as f:
+                old = list(csv.DictReader(f))
+            with out.open("w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=fields)
+                w.writeheader()
+                w.writerows(old)
+    with out.open("a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        if not exists:
+            w.writeheader()
+        w.writerows(rows)
+    return out

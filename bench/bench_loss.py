@@ -1,0 +1,180 @@
+"""Forward+backward time and peak memory of the fused policy loss against its anchors (issue 2, item 7).
+
+Providers, side by side in one run at each shape:
+- `rapo_fast_hidden`: rapo_loss(hidden=, weight=) — chunked, never an [N, V] tensor (Triton on GPU).
+- `rapo_fast_logits`: rapo_loss(logits=) — the logits path; its bytes (logits read twice, grad written once) are
+  compared with the measured copy bandwidth.
+- `torch_eager`: what a trainer does without us: logits = hidden @ W^T materialised, fp32 log-softmax, gather,
+  clipped surrogate (rapo_fast.reference), token-mean.
+- `torch_compile`: the same function under torch.compile.
+- `liger`: Liger-Kernel's LigerFusedLinearGRPOLoss (GPU only, when liger_kernel is importable).
+Usage: `rapo-fast bench loss [--quick] [--gpu] [--out DIR]`. Rows are appended to <out>/loss.csv with device, date and
+commit. What this is not: a correctness test (tests/ does that); it only checks that providers agree to a loose
+tolerance so that a broken provider cannot post a fast time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+from pathlib import Path
+
+import torch
+
+from _common import append_rows, commit, device_name, measure_copy_bandwidth_gbs, now, peak_memory_mb, time_fn
+
+GRID_GPU = [(n, 4096, v) for n in (4096, 16384, 65536) for v in (32768, 152064)]
+GRID_CPU_QUICK = [(256, 128, 1000), (512, 96, 4099)]
+GRID_CPU = [(1024, 256, 8192), (2048, 512, 32768)]
+EPS = 0.2
+
+
+def _inputs(n: int, h: int, v: int, dtype: torch.dtype, device: torch.device, seed: int = 0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    hidden = (torch.randn(n, h, generator=g) / math.sqrt(h)).to(device=device, dtype=dtype)
+    weight = (torch.randn(v, h, generator=g) * 0.5).to(device=device, dtype=dtype)
+    targets = torch.randint(0, v, (n,), generator=g).to(device)
+    old_logp = (-torch.rand(n, generator=g) * 8).to(device)
+    adv = torch.randn(n, generator=g).to(device)
+    mask = (torch.rand(n, generator=g) > 0.1).to(device)
+    return hidden, weight, targets, old_logp, adv, mask
+
+
+def _eager_loss(hidden, weight, targets, old_logp, adv, mask):
+    from rapo_fast.reference import linear_token_logprobs_ref
+
+    logp = linear_token_logprobs_ref(hidden, weight, targets)
+    ratio = torch.exp(torch.clamp(logp - old_logp, -20, 20))
+    token = -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - EPS, 1 + EPS) * adv)
+    m = mask.to(token.dtype)
+    return (token * m).sum() / m.sum().clamp_min(1)
+
+
+def _providers(device: torch.device, n: int, v: int):
+    import rapo_fast
+
+    def ours_hidden(hidden, weight, targets, old_logp, adv, mask):
+        return rapo_fast.rapo_loss(
+            hidden=hidden, weight=weight, targets=targets, old_logp=old_logp, advantages=adv, loss_mask=mask,
+            eps_low=EPS, eps_high=EPS, loss_agg="token-mean",
+        )
+
+    cache: dict = {}
+
+    def ours_logits(hidden, weight, targets, old_logp, adv, mask):
+        # The logits are an input of this provider (made once, outside the timed region), as in a trainer that already
+        # has them; only the loss and its backward into the logits are timed.
+        key = (hidden.data_ptr(), weight.data_ptr())
+        if key not in cache:
+            cache.clear()
+            cache[key] = (hidden @ weight.T).detach().requires_grad_(True)
+        logits = cache[key]
+        logits.grad = None
+        return rapo_fast.rapo_loss(
+            logits, targets=targets, old_logp=old_logp, advantages=adv, loss_mask=mask,
+            eps_low=EPS, eps_high=EPS, loss_agg="token-mean",
+        )
+
+    # torch_eager first: the other providers' losses are checked against its value
+    provs = {"torch_eager": _eager_loss, "rapo_fast_hidden": ours_hidden, "rapo_fast_logits": ours_logits}
+    provs["torch_compile"] = torch.compile(_eager_loss, dynamic=False)
+    if device.type == "cuda":
+        try:
+            from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+            liger = LigerFusedLinearGRPOLoss(beta=0.0, epsilon_low=EPS, epsilon_high=EPS, loss_type="dapo")
+
+            def liger_fn(hidden, weight, targets, old_logp, adv, mask):
+                out = liger(
+                    hidden.unsqueeze(0), weight, targets.unsqueeze(0), mask.unsqueeze(0).long(),
+                    adv.mean().reshape(1), old_per_token_logps=old_logp.unsqueeze(0),
+                )
+                return out[0] if isinstance(out, tuple) else out
+
+            provs["liger"] = liger_fn
+        except Exception as exc:  # not installed, or an API change: say so in the table, never fake a number
+            print(f"liger: unavailable ({exc!r})")
+    return provs
+
+
+def run(shapes, dtype, device, out_dir: Path | None, reps_ms: int) -> list[dict]:
+    rows = []
+    dev_name = device_name(device)
+    bw = measure_copy_bandwidth_gbs(device)
+    for n, h, v in shapes:
+        hidden, weight, targets, old_logp, adv, mask = _inputs(n, h, v, dtype, device)
+        ref_loss = None
+        for name, fn in _providers(device, n, v).items():
+            if name == "torch_eager" or name == "torch_compile":
+                # the eager reference holds [N, V] fp32 logits plus their grad: skip where that cannot fit
+                need = n * v * 4 * 3
+                if device.type == "cuda" and need > 0.8 * torch.cuda.get_device_properties(device).total_memory:
+                    rows.append({"provider": name, "N": n, "H": h, "V": v, "status": "skipped: OOM by design"})
+                    continue
+            hh = hidden.detach().requires_grad_(True)
+            ww = weight.detach().requires_grad_(True)
+
+            def step(fn=fn, hh=hh, ww=ww, rest=(targets, old_logp, adv, mask)):
+                hh.grad = None
+                ww.grad = None
+                loss = fn(hh, ww, *rest)
+                loss.backward()
+                return loss
+
+            try:
+                loss = step().detach()
+                if ref_loss is None:
+                    ref_loss = float(loss)
+                agree = abs(float(loss) - ref_loss) <= 5e-2 * max(1.0, abs(ref_loss))
+                t = time_fn(step, device, rep_ms=reps_ms)
+                mem = peak_memory_mb(step, device)
+                status = "ok" if agree else f"DISAGREES: loss {float(loss):.5g} vs {ref_loss:.5g}"
+            except Exception as exc:
+                rows.append({"provider": name, "N": n, "H": h, "V": v, "status": f"error: {exc!r}"[:200]})
+                continue
+            row = {
+                "provider": name, "N": n, "H": h, "V": v, "dtype": str(dtype).replace("torch.", ""),
+                "median_ms": round(t["median_ms"], 4), "p20_ms": round(t["p20_ms"], 4), "p80_ms": round(t["p80_ms"], 4),
+                "peak_mem_mb": round(mem, 1), "loss": float(loss), "status": status,
+            }
+            if name == "rapo_fast_logits":
+                esize = torch.empty((), dtype=dtype).element_size()
+                gbs = 3 * n * v * esize / (t["median_ms"] * 1e-3) / 1e9  # read twice (fwd, bwd) + write grad once
+                row.update(achieved_gbs=round(gbs, 1), copy_bw_gbs=round(bw, 1))
+                row["pct_of_copy_bw"] = round(100 * gbs / bw, 1)
+            rows.append(row)
+            print({k: row.get(k) for k in ("provider", "N", "H", "V", "median_ms", "peak_mem_mb", "status")})
+            gc.collect()
+    meta = {"device": dev_name, "date": now(), "commit": commit()}
+    rows = [{**r, **meta} for r in rows]
+    append_rows("loss", rows, out_dir)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="rapo-fast bench loss", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny CPU shapes (a smoke run of every provider)")
+    p.add_argument("--gpu", action="store_true", help="the issue's grid on CUDA (N in 4k/16k/64k, H=4096, V 32k/152k)")
+    p.add_argument("--out", type=Path, default=None, help="directory for loss.csv (default bench/results)")
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"])
+    args = p.parse_args(argv)
+    if args.gpu:
+        if not torch.cuda.is_available():
+            raise SystemExit("--gpu asked for but no CUDA device is visible")
+        device, shapes, dtype, reps = torch.device("cuda"), GRID_GPU, torch.bfloat16, 300
+    else:
+        device = torch.device("cpu")
+        shapes = GRID_CPU_QUICK if args.quick else GRID_CPU
+        # bf16 matmul on CPU is emulated and slow: the CPU default is fp32 (numbers are CPU numbers either way)
+        dtype, reps = torch.float32, (50 if args.quick else 300)
+    if args.dtype:
+        dtype = getattr(torch, args.dtype)
+    rows = run(shapes, dtype, device, args.out, reps)
+    bad = [r for r in rows if str(r.get("status", "")).startswith(("DISAGREES", "error"))]
+    print(f"bench loss: {len(rows)} rows, {len(bad)} disagreeing/erroring providers, device {device_name(device)}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
