@@ -2,7 +2,9 @@
 
 logp_t = log softmax(z_t / T)[y_t],  H_t = -sum_v p_tv log p_tv,  with z_t the logits row, or h_t W^T (+ b).
 Computed in fp32 (fp64 when given fp64) with plain torch ops so autograd gives the gradients. This is the spec the
-Triton kernels are tested against, and (chunked) the CPU fallback; it is not a fast path.
+Triton kernels are tested against, and (chunked, in rapo_fast/logprobs.py) the CPU fallback.
+What this is not: a fast or memory-bounded path (it materialises [N, V] fp32 tensors), nor a place for argument
+checks (rapo_fast.token_logprobs validates before calling it).
 """
 
 from __future__ import annotations
@@ -18,17 +20,23 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def token_logprobs_ref(
     logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, return_entropy: bool = False
-):
-    """logits [..., V] (any float dtype), targets [...] int64 -> logp [...] fp32 (fp64 for fp64 input), and entropy."""
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of the targets (and entropy) under softmax(logits / temperature).
+
+    logits [..., V] fp32/fp16/bf16/fp64, targets [...] int32/int64 in [0, V) ->
+    logp [...] fp32 (fp64 for fp64 logits), and entropy [...] of the same dtype when return_entropy.
+    Gradients reach `logits` through both outputs and come back in logits' dtype (autograd of the upcast).
+    """
     z = logits.to(_compute_dtype(logits.dtype)) / temperature
     lse = torch.logsumexp(z, dim=-1)
     logp = z.gather(-1, targets.unsqueeze(-1).long()).squeeze(-1) - lse
     if not return_entropy:
         return logp
     p = torch.exp(z - lse.unsqueeze(-1))
-    # -inf logits (masked vocab) have p = 0; 0 * -inf would be NaN, and their contribution is 0 (pitfall 3).
-    pz = torch.where(p > 0, p * z, torch.zeros_like(p))
-    entropy = lse - pz.sum(-1)
+    # -inf logits (masked vocabulary) have p = 0 and contribute 0; multiplying p by -inf would give NaN in the value
+    # and, through the product's backward (0 * -inf), in the gradient too, so zero z there first (pitfall 3).
+    z_finite = torch.where(p > 0, z, torch.zeros_like(z))
+    entropy = lse - (p * z_finite).sum(-1)
     return logp, entropy
 
 
@@ -39,10 +47,11 @@ def linear_token_logprobs_ref(
     bias: torch.Tensor | None = None,
     temperature: float = 1.0,
     return_entropy: bool = False,
-):
-    """hidden [..., H], weight [V, H], bias [V] or None: the same as token_logprobs_ref on hidden @ weight.T + bias.
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The same as token_logprobs_ref on logits = hidden @ weight.T + bias, computed in fp32 (fp64 for fp64).
 
-    Materialises the logits (this is the spec, not the memory-bounded path).
+    hidden [..., H], weight [V, H], bias [V] or None, targets [...] -> logp [...] (and entropy [...]).
+    Materialises the [..., V] logits: this is the spec, not the memory-bounded path.
     """
     cd = _compute_dtype(hidden.dtype)
     logits = hidden.to(cd) @ weight.to(cd).T

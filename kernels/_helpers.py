@@ -1,0 +1,81 @@
+"""Shared @triton.jit math of the rapo_fast kernels: the online log-sum-exp / entropy update over vocabulary blocks,
+its finalisation, the per-element gradient of (log-prob, entropy) w.r.t. the logits, and the interpreter switch for
+`tl.dot` operands.
+
+What this is: device functions other kernels inline (token_logprobs, the fused policy loss). What this is not: a
+kernel, a launcher, or anything that touches torch tensors.
+
+State of the online pass over one row, kept in fp32 (z are the temperature-scaled logits seen so far):
+    m = max z,   s = sum exp(z - m),   t = sum exp(z - m) * (z - m)
+so that lse = m + log s and H = lse - E_p[z] = log s - t / s. Keeping t relative to m (rather than sum p z) avoids the
+cancellation lse - E[z] when logits are large. -inf logits (masked vocabulary) contribute nothing: every term that
+would be exp(-inf - -inf) or 0 * -inf is guarded (DESIGN pitfalls 2 and 3).
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+
+def interpreter_upcast() -> bool:
+    """The value launchers pass as the UPCAST_DOT constexpr: True under TRITON_INTERPRET=1.
+
+    The interpreter returns garbage for `tl.dot` on bf16 operands (DESIGN.md section 7); fp32 operands are right.
+    On a GPU the operands stay in their dtype so tensor cores are used.
+    """
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def dot_operand(x, UPCAST_DOT: tl.constexpr):
+    """A `tl.dot` operand: upcast to fp32 only when the launcher says we run in the interpreter."""
+    if UPCAST_DOT:
+        return x.to(tl.float32)
+    else:
+        return x
+
+
+@triton.jit
+def online_lse_update(m, s, t, z):
+    """Fold one block `z` (fp32, masked lanes = -inf) of a row into the running (m, s, t); returns the new state.
+
+    m, s, t are fp32 scalars (m = -inf, s = t = 0 for an empty state).
+    """
+    m_new = tl.maximum(m, tl.max(z, axis=0))
+    # While everything seen is -inf, shift by 0 instead of -inf so no exp(-inf - -inf) appears (pitfall 3).
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_safe)
+    # Old t was relative to m; re-centre it on m_new: t' = alpha * (t + (m - m_new) * s). When m = -inf, s = t = 0.
+    shift = tl.where(m == float("-inf"), 0.0, m - m_safe)
+    d = z - m_safe
+    e = tl.exp(d)
+    ed = tl.where(e > 0.0, e * d, 0.0)
+    s_new = s * alpha + tl.sum(e, axis=0)
+    t_new = alpha * (t + shift * s) + tl.sum(ed, axis=0)
+    return m_new, s_new, t_new
+
+
+@triton.jit
+def lse_entropy_finalize(m, s, t):
+    """(m, s, t) -> (lse, entropy). A row of only -inf gives lse = -inf and entropy NaN, as the reference does."""
+    lse = m + tl.log(s)
+    ent = tl.log(s) - t / s
+    return lse, ent
+
+
+@triton.jit
+def logprob_entropy_grad(z, is_target, lse, ent, g_lp, g_ent, inv_temp, WITH_ENTROPY: tl.constexpr):
+    """d(g_lp * logp + g_ent * H)/d(logits) for one block, with z the temperature-scaled logits (fp32).
+
+    grad = (g_lp * (onehot - p) - g_ent * p * (log p + H)) / T. Lanes with p = 0 (-inf logits, padding) get no
+    entropy term, which would otherwise be 0 * -inf.
+    """
+    logp = z - lse
+    p = tl.exp(logp)
+    grad = g_lp * (is_target.to(tl.float32) - p)
+    if WITH_ENTROPY:
+        grad -= tl.where(p > 0.0, g_ent * p * (logp + ent), 0.0)
+    return grad * inv_temp
