@@ -1,0 +1,348 @@
+"""TRL adapter: `RAPOGRPOTrainer`, a `trl.GRPOTrainer` whose policy loss goes through `rapo_fast.rapo_loss`.
+
+What it is: a subclass that replaces GRPOTrainer's `_compute_loss` (TRL >= 1.x layout) with one call of the fused
+hidden-state loss (`rapo_loss(hidden=..., weight=lm_head.weight, ...)`), so neither the [B, T, V] logits nor a separate
+log-prob pass is materialised, plus `trl_to_rapo_options`, the documented mapping from TRL's configuration to our
+options. With retrieval off and the same options it reproduces TRL's own loss value and gradients (tests/
+test_integration_trl.py checks this against the installed trl). With the RAPO extras it adds importance shaping and
+off-policy (retrieved) tokens, read from extra keys of the inputs dict.
+
+What it is not: a re-implementation of TRL's generation, rewards or advantages (inherited unchanged), nor an
+approximation of TRL options that have no exact counterpart here: those raise `ValueError` naming the option.
+
+Mapping (TRL `GRPOConfig` / trainer attribute -> `rapo_loss` keyword):
+
+| TRL                                    | rapo_fast                                                              |
+|----------------------------------------|------------------------------------------------------------------------|
+| loss_type="grpo"                       | loss_agg="seq-mean-token-mean", global_num_tokens=B (all rows), /GA   |
+| loss_type="bnpo"                       | loss_agg="token-mean" (local token count), / grad-accum                |
+| loss_type="dr_grpo"                    | loss_agg="token-mean", global_num_tokens=B*max_completion_length, /GA  |
+| loss_type="dapo"                       | loss_agg="token-mean", global_num_tokens=TRL's num_items normaliser    |
+| loss_type="luspo"                      | loss_agg="token-mean", global_num_tokens=B (= seq-mean-token-sum), /GA |
+| loss_type="cispo" / "sapo" / "vespo"   | no equivalent surrogate: ValueError                                    |
+| epsilon (epsilon_low), epsilon_high    | eps_low, eps_high                                                      |
+| delta (two-sided clipping)             | dual_clip=delta (identical when delta > 1 + epsilon_high, else error)  |
+| importance_sampling_level              | importance_sampling_level ("token" / "sequence" = GSPO)                |
+| beta, ref_per_token_logps              | beta, ref_logp, kl_estimator="k3" (use_bias_correction_kl=False only)  |
+| temperature (/ model logit_scale)      | temperature / logit_scale (logit soft-capping: ValueError)             |
+| entropy_coef (static)                  | entropy_coef, only for loss_type="bnpo" (else ValueError)              |
+| vLLM IS, mode "token_truncate"         | behav_logp=sampling_per_token_logps, tis_cap=clip_max (clip_min unset) |
+| completion_mask * tool_mask            | loss_mask; completion_mask is response_mask (RAPO's trajectory length) |
+| top_entropy_quantile < 1, off_policy_mask_threshold, adaptive entropy, MoE aux loss, other vLLM IS modes,        |
+| multimodal inputs, DeepSpeed ZeRO-3                                      -> ValueError                          |
+
+RAPO extras: `rapo_options` (constructor argument) may set shaping_m, offpolicy_train, gamma, is_cap, tis_cap; the
+inputs dict may carry "retrieved_mask" ([B, T_completion], tokens inserted by retrieval) and, for off-policy
+training with offpolicy_train="truncated" or for tis_cap, "sampling_per_token_logps" (the behaviour log-probs).
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+try:
+    from trl import GRPOTrainer
+except ImportError as exc:  # pragma: no cover - trl is an optional dependency
+    raise ImportError("rapo_fast.integrations.trl needs `trl` (pip install trl)") from exc
+
+# Options a user may set through `rapo_options`; everything else comes from TRL's own configuration.
+RAPO_EXTRA_OPTIONS = ("shaping_m", "offpolicy_train", "gamma", "is_cap", "tis_cap")
+_EXACT_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+# Inputs TRL forwards for vision-language models; the hidden-state path here is text-only.
+_MULTIMODAL_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
+
+
+@dataclass
+class TRLLossPlan:
+    """How one TRL configuration maps onto `rapo_loss`: its keyword options and the normaliser TRL applies.
+
+    `global_num_tokens` is one of: None (rapo_loss's own count), "batch_x_max_len" (dr_grpo), "batch" (grpo: the
+    sequence count; luspo: the token-sum normaliser), "num_items" (dapo); it is resolved per call from the batch,
+    because TRL's normalisers depend on it.
+    `divide_by_grad_accum` says whether TRL divides the loss by its gradient-accumulation steps in training mode.
+    """
+
+    options: dict[str, Any] = field(default_factory=dict)
+    global_num_tokens: str | None = None
+    divide_by_grad_accum: bool = True
+    use_tis: bool = False
+
+
+def trl_to_rapo_options(trainer: Any, rapo_options: Mapping[str, Any] | None = None) -> TRLLossPlan:
+    """Map a GRPOTrainer's loss configuration (its attributes and `args`) onto `rapo_loss` options.
+
+    Reads the trainer attributes TRL's `_compute_loss` reads (loss_type, epsilon_low/high, beta, temperature,
+    importance_sampling_level, ...), so it reflects changes made to them after construction. Raises ValueError naming
+    the TRL option when there is no exact equivalent, instead of approximating it.
+    """
+    args = trainer.args
+    extras = dict(rapo_options or {})
+    unknown = sorted(set(extras) - set(RAPO_EXTRA_OPTIONS))
+    if unknown:
+        raise ValueError(f"rapo_options: unknown option(s) {unknown}; allowed: {list(RAPO_EXTRA_OPTIONS)}")
+
+    loss_type = trainer.loss_type
+    if loss_type not in _EXACT_LOSS_TYPES:
+        raise ValueError(
+            f"loss_type={loss_type!r} has no exact rapo_fast equivalent (its surrogate is not the PPO-clip one); "
+            f"use one of {list(_EXACT_LOSS_TYPES)}"
+        )
+    plan = TRLLossPlan()
+    if loss_type == "grpo":
+        # TRL averages over all B rows, an all-masked row counting as 0; verl's seq-mean over non-empty rows with the
+        # global sequence count B is the same number.
+        plan.options["loss_agg"] = "seq-mean-token-mean"
+        plan.global_num_tokens = "batch"
+    elif loss_type == "bnpo":
+        plan.options["loss_agg"] = "token-mean"
+    elif loss_type == "dr_grpo":
+        plan.options["loss_agg"] = "token-mean"
+        plan.global_num_tokens = "batch_x_max_len"
+    elif loss_type == "dapo":
+        plan.options["loss_agg"] = "token-mean"
+        plan.global_num_tokens = "num_items"
+        plan.divide_by_grad_accum = False  # TRL folds the accumulation steps into its num_items normaliser
+    else:  # luspo: (per_token_loss * mask).sum(-1).mean(), i.e. a token sum over the row count
+        plan.options["loss_agg"] = "token-mean"
+        plan.global_num_tokens = "batch"
+
+    eps_low, eps_high = float(trainer.epsilon_low), float(trainer.epsilon_high)
+    plan.options.update(eps_low=eps_low, eps_high=eps_high)
+    delta = getattr(args, "delta", None)
+    if delta is not None:
+        # TRL clamps the unclipped ratio at delta for every token; for A >= 0 the clipped term already wins, for A < 0
+        # this is verl's dual clip with c = delta, provided delta exceeds the upper clip bound.
+        if not delta > 1.0 + eps_high:
+            raise ValueError(f"delta={delta} must exceed 1 + epsilon_high={1 + eps_high} to map onto dual_clip")
+        plan.options["dual_clip"] = float(delta)
+
+    if trainer.importance_sampling_level not in ("token", "sequence"):
+        raise ValueError(f"importance_sampling_level={trainer.importance_sampling_level!r} is not 'token'/'sequence'")
+    plan.options["importance_sampling_level"] = trainer.importance_sampling_level
+
+    beta = float(trainer.beta)
+    if beta != 0.0:
+        if getattr(args, "use_bias_correction_kl", False):
+            raise ValueError(
+                "use_bias_correction_kl=True multiplies TRL's KL by the importance ratio; rapo_loss's k3 KL has no "
+                "such factor. Set use_bias_correction_kl=False to use RAPOGRPOTrainer with beta != 0."
+            )
+        plan.options.update(beta=beta, kl_estimator="k3")
+
+    if getattr(trainer, "top_entropy_quantile", 1.0) < 1.0:
+        raise ValueError("top_entropy_quantile < 1 (high-entropy token mask) is not supported by rapo_loss")
+    if getattr(trainer, "off_policy_mask_threshold", None) is not None:
+        raise ValueError("off_policy_mask_threshold (off-policy sequence mask) is not supported by rapo_loss")
+    if getattr(trainer, "use_adaptive_entropy", False):
+        raise ValueError("use_adaptive_entropy is not supported: set a static entropy_coef (bnpo only)")
+    entropy_coef = float(getattr(trainer, "entropy_coef", 0.0) or 0.0)
+    if entropy_coef != 0.0:
+        if loss_type != "bnpo":
+            raise ValueError(
+                f"entropy_coef != 0 with loss_type={loss_type!r}: TRL normalises its entropy bonus by the local token "
+                "count whatever the loss type, which rapo_loss reproduces only for loss_type='bnpo'"
+            )
+        plan.options["entropy_coef"] = entropy_coef
+    if getattr(trainer, "aux_loss_enabled", False):
+        raise ValueError("MoE router auxiliary loss is not supported: set router_aux_loss_coef=0")
+
+    if getattr(trainer, "use_vllm", False) and getattr(trainer, "vllm_importance_sampling_correction", False):
+        mode = trainer.vllm_importance_sampling_mode
+        clip_min = trainer.vllm_importance_sampling_clip_min
+        if mode != "token_truncate" or clip_min not in (None, 0, 0.0):
+            raise ValueError(
+                f"vllm_importance_sampling_mode={mode!r} (clip_min={clip_min}) has no rapo_fast equivalent; use "
+                "'token_truncate' without clip_min (truncated IS, min(exp(old - behav), clip_max))"
+            )
+        if "tis_cap" in extras:
+            raise ValueError("tis_cap given in rapo_options while TRL's vLLM importance sampling is on; set only one")
+        cap = trainer.vllm_importance_sampling_clip_max
+        plan.options["tis_cap"] = math.inf if cap is None else float(cap)
+        plan.use_tis = True
+
+    temperature = float(trainer.temperature)
+    scale = _logit_scale(trainer.model)
+    plan.options["temperature"] = temperature / scale
+
+    for key, value in extras.items():
+        plan.options[key] = value
+    if "tis_cap" in extras and extras["tis_cap"] is not None:
+        plan.use_tis = True
+    return plan
+
+
+def _logit_scale(model: Any) -> float:
+    """The logit multiplier TRL's fused head applies before the temperature (folded into our temperature)."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(cfg, "final_logit_softcapping", None) is not None:
+        raise ValueError("models with final_logit_softcapping are not supported by rapo_loss's hidden-state path")
+    # Same lookup order as trl.trainer.utils.add_fused_lm_head.
+    scale = getattr(cfg, "logit_scale", None)
+    if scale is None:
+        scale = getattr(cfg, "output_multiplier", None)
+    if scale is None:
+        scale = getattr(cfg, "lm_head_multiplier", None)
+    if scale is None and getattr(cfg, "logits_scaling", None) is not None:
+        scale = cfg.logits_scaling if cfg.model_type == "hyperclovax" else 1.0 / cfg.logits_scaling
+    scale = 1.0 if scale is None else float(scale)
+    if not scale > 0:
+        raise ValueError(f"logit scale {scale} must be > 0 to fold into the temperature")
+    return scale
+
+
+def _install_rapo_forward(model: torch.nn.Module, cast_lm_head_to_fp32: bool) -> None:
+    """Give `model.forward` a `rapo_fast_loss=` keyword that runs the backbone and the fused loss inside forward.
+
+    Running inside the (possibly DDP/FSDP-wrapped) model's forward keeps the wrappers' hooks armed, the same reason
+    TRL's own fused head is a forward keyword. Without the keyword the previous forward runs unchanged.
+    """
+    if getattr(model, "_rapo_fast_forward_installed", False):
+        return
+    previous_forward = model.forward
+
+    def _forward(self, *args, rapo_fast_loss: dict | None = None, **kwargs):
+        if rapo_fast_loss is None:
+            return previous_forward(*args, **kwargs)
+        import rapo_fast
+
+        loss_kwargs = dict(rapo_fast_loss)
+        keep = loss_kwargs.pop("logits_to_keep")
+        kwargs["use_cache"] = False
+        hidden = self.base_model(*args, **kwargs).last_hidden_state
+        # Completion token j is predicted by the hidden state one position earlier.
+        hidden = hidden[:, -keep - 1 : -1]
+        head = self.get_output_embeddings()
+        weight, bias = head.weight, head.bias
+        if hasattr(weight, "full_tensor"):  # FSDP2 DTensor: the gathered weight the model actually uses
+            weight = weight.full_tensor()
+            bias = None if bias is None else bias.full_tensor()
+        hidden = hidden.to(weight.device)
+        if cast_lm_head_to_fp32 or hidden.dtype != weight.dtype:
+            hidden = hidden.to(weight.dtype)
+        if loss_kwargs.get("old_logp") is None:
+            # TRL skips the old log-probs when they equal the current ones (one iteration per generation) and uses
+            # logp.detach(); a no-grad chunked pass gives the same values without holding [N, V].
+            with torch.no_grad():
+                loss_kwargs["old_logp"] = rapo_fast.token_logprobs(
+                    hidden=hidden,
+                    weight=weight,
+                    bias=bias,
+                    targets=loss_kwargs["targets"],
+                    temperature=loss_kwargs.get("temperature", 1.0),
+                )
+        return rapo_fast.rapo_loss(hidden=hidden, weight=weight, bias=bias, return_metrics=True, **loss_kwargs)
+
+    model.forward = types.MethodType(_forward, model)
+    model._rapo_fast_forward_installed = True
+
+
+class RAPOGRPOTrainer(GRPOTrainer):
+    """GRPOTrainer whose policy loss is `rapo_fast.rapo_loss` on the hidden states (see the module docstring).
+
+    Args:
+        *args, **kwargs: passed to `trl.GRPOTrainer` unchanged.
+        rapo_options: RAPO extras (keys of `RAPO_EXTRA_OPTIONS`), e.g. {"shaping_m": 0.05} for the paper's shaping.
+            Per-token extras come from the inputs dict: "retrieved_mask" and "sampling_per_token_logps".
+    """
+
+    def __init__(self, *args: Any, rapo_options: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.rapo_options = dict(rapo_options or {})
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+        if is_deepspeed_zero3_enabled():
+            # rapo_loss recomputes logits from the lm_head weight in backward, outside any ZeRO-3 gather.
+            raise ValueError("RAPOGRPOTrainer does not support DeepSpeed ZeRO-3")
+        trl_to_rapo_options(self, self.rapo_options)  # fail at construction, not at the first step
+        target = self.model.get_base_model() if _is_peft(self.model) else self.model
+        _install_rapo_forward(target, bool(getattr(self.args, "cast_lm_head_to_fp32", False)))
+
+    def rapo_loss_kwargs(self, inputs: Mapping[str, Any], plan: TRLLossPlan) -> dict[str, Any]:
+        """Build the `rapo_loss` keyword arguments (minus the model-dependent hidden/weight) for one batch."""
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+        batch, width = completion_ids.shape
+        old = inputs.get("old_per_token_logps")
+        kwargs: dict[str, Any] = dict(plan.options)
+        kwargs.update(
+            targets=completion_ids,
+            advantages=inputs["advantages"],
+            loss_mask=mask.bool(),
+            response_mask=completion_mask.bool(),
+            logits_to_keep=width,
+        )
+        kwargs["old_logp"] = old  # None: the current log-probs, detached (resolved in the model's forward)
+        if "retrieved_mask" in inputs and inputs["retrieved_mask"] is not None:
+            kwargs["retrieved_mask"] = inputs["retrieved_mask"].bool()
+        if plan.options.get("beta", 0.0) != 0.0:
+            kwargs["ref_logp"] = inputs["ref_per_token_logps"]
+        needs_behav = plan.use_tis or plan.options.get("offpolicy_train") == "truncated"
+        if needs_behav:
+            behav = inputs.get("sampling_per_token_logps")
+            if behav is None:
+                raise ValueError("tis_cap / offpolicy_train='truncated' need inputs['sampling_per_token_logps']")
+            kwargs["behav_logp"] = behav
+        mode = "train" if self.model.training else "eval"
+        if plan.global_num_tokens == "batch_x_max_len":
+            kwargs["global_num_tokens"] = batch * self.max_completion_length
+        elif plan.global_num_tokens == "batch":
+            kwargs["global_num_tokens"] = batch
+        elif plan.global_num_tokens == "num_items":
+            normaliser = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            if mode == "train":
+                normaliser = normaliser * self.current_gradient_accumulation_steps / self.args.steps_per_generation
+            kwargs["global_num_tokens"] = normaliser
+        return kwargs
+
+    def _compute_loss(self, model: torch.nn.Module, inputs: Mapping[str, Any]) -> torch.Tensor:
+        """TRL's loss hook, computed by `rapo_fast.rapo_loss` on the backbone's hidden states."""
+        present = [k for k in _MULTIMODAL_KEYS if inputs.get(k) is not None]
+        if present:
+            raise ValueError(f"RAPOGRPOTrainer handles text-only inputs; got {present}")
+        plan = trl_to_rapo_options(self, self.rapo_options)
+        loss_kwargs = self.rapo_loss_kwargs(inputs, plan)
+        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        loss, metrics = model(input_ids=input_ids, attention_mask=attention_mask, rapo_fast_loss=loss_kwargs)
+        mode = "train" if self.model.training else "eval"
+        if plan.divide_by_grad_accum and mode == "train":
+            loss = loss / self.current_gradient_accumulation_steps
+        self._log_rapo_metrics(mode, metrics)
+        return loss
+
+    def _log_rapo_metrics(self, mode: str, metrics: Mapping[str, torch.Tensor]) -> None:
+        """Record our metrics under TRL's names where one exists (a mean over processes of per-process values)."""
+        names = {
+            "clip_frac_low": "clip_ratio/low_mean",
+            "clip_frac_high": "clip_ratio/high_mean",
+            "kl": "kl",
+            "entropy": "entropy",
+            "ratio_mean": "rapo/ratio_mean",
+            "retrieved_frac": "rapo/retrieved_frac",
+        }
+        for key, value in metrics.items():
+            if not torch.is_tensor(value):
+                continue
+            name = names.get(key, f"rapo/{key}")
+            self._metrics[mode][name].append(self.accelerator.gather(value.detach().float().reshape(1)).mean().item())
+
+
+def _is_peft(model: Any) -> bool:
+    from accelerate.utils import is_peft_model
+
+    return bool(is_peft_model(model))
