@@ -52,7 +52,8 @@ def online_lse_update(m, s, t, z):
     shift = tl.where(m == float("-inf"), 0.0, m - m_safe)
     d = z - m_safe
     e = tl.exp(d)
-    ed = tl.where(e > 0.0, e * d, 0.0)
+    # e = 0 where z = -inf; zero d there before the product rather than mask 0 * -inf afterwards.
+    ed = e * tl.where(e > 0.0, d, 0.0)
     s_new = s * alpha + tl.sum(e, axis=0)
     t_new = alpha * (t + shift * s) + tl.sum(ed, axis=0)
     return m_new, s_new, t_new
@@ -77,5 +78,5 @@ def logprob_entropy_grad(z, is_target, lse, ent, g_lp, g_ent, inv_temp, WITH_ENT
     p = tl.exp(logp)
     grad = g_lp * (is_target.to(tl.float32) - p)
     if WITH_ENTROPY:
-        grad -= tl.where(p > 0.0, g_ent * p * (logp + ent), 0.0)
+        grad -= g_ent * p * tl.where(p > 0.0, logp + ent, 0.0)
     return grad * inv_temp
