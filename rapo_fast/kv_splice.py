@@ -1,0 +1,492 @@
+"""Splicing cached K/V of retrieved steps into live KV caches, keys re-rotated by RoPE (DESIGN.md section 4).
+
+What this is: `StepKVStore` (per payload id, every layer's K/V of a step computed once at positions 0..L-1, in one
+pooled tensor per K and V), `splice_kv` (many (payload_id, batch_row, position) requests in one backend call across all
+layers: C++ on CPU tensors, CUDA on CUDA tensors, the plain-torch reference on request), `PagedKVCache` (the
+flash-attn/vLLM paged layout) and `insert_segment` (the rollout's entry point: splice, exact re-prefill or blend).
+Accuracy caveat: spliced K/V are exact in layer 0 only. A segment computed without its preceding context lacks
+attention to that context, so from layer 1 on its K/V differ from a full forward (CacheBlend measured this and
+recomputes ~15% of tokens); `mode="exact"` re-prefills, `mode="blend"` recomputes the segment's last tokens. Sampling
+from a spliced cache is therefore a behaviour policy; record each token's behaviour log-prob and correct in the loss.
+What this is not: the rotation math (csrc/include/rapo/rope.h, reference in rapo_fast/reference/kv_splice.py) or
+HF cache internals (rapo_fast/_hf_cache.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from rapo_fast import _hf_cache as hfc
+from rapo_fast._rope import RopeSpec
+
+__all__ = ["StepKVStore", "RopeSpec", "PagedKVCache", "splice_kv", "insert_segment", "InsertResult"]
+
+
+@dataclass
+class PagedKVCache:
+    """Paged KV cache: keys/values per layer [num_blocks, block_size, H_kv, D] (a list, or one tensor with a leading
+    layer dim) and block_table [B, max_blocks] int32/int64 mapping sequence b's logical block i to a physical block."""
+
+    keys: Sequence[torch.Tensor] | torch.Tensor
+    values: Sequence[torch.Tensor] | torch.Tensor
+    block_table: torch.Tensor
+
+    @property
+    def block_size(self) -> int:
+        return int(self.keys[0].shape[1])
+
+
+class StepKVStore:
+    """Per payload id, the K/V of a step's tokens for every layer, computed once at positions 0..L-1.
+
+    Pools: keys_pool / values_pool [num_layers, capacity_tokens, H_kv, D] (keys as the attention saw them, i.e.
+    rotated to positions 0..L-1). A payload occupies tokens [offset, offset + L) of the pools; evicted ranges are
+    reused first-fit and the pools double when full. Payload ids are the StepBuffer's payload ids; re-adding a live
+    id raises unless replace=True (the StepBuffer overwrote that step).
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str = "cpu", capacity_tokens: int = 1024) -> None:
+        if min(num_layers, num_kv_heads, head_dim, capacity_tokens) < 1:
+            raise ValueError("num_layers, num_kv_heads, head_dim and capacity_tokens must be >= 1")
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.dtype, self.device = dtype, torch.device(device)
+        shape = (num_layers, capacity_tokens, num_kv_heads, head_dim)
+        self.keys_pool = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.values_pool = torch.zeros(shape, dtype=dtype, device=self.device)
+        self._where: dict[int, tuple[int, int]] = {}
+        self._tokens: dict[int, list[int]] = {}
+        self._free: list[tuple[int, int]] = [(0, capacity_tokens)]
+
+    @classmethod
+    def for_model(cls, model: Any, **kwargs: Any) -> StepKVStore:
+        """An empty store shaped for a transformers model (layers, KV heads, head dim, dtype, device)."""
+        from rapo_fast._rope import _head_dim, _text_config
+
+        cfg = _text_config(model.config)
+        heads = getattr(cfg, "num_attention_heads", None) or cfg.n_head
+        kv = getattr(cfg, "num_key_value_heads", None) or heads
+        layers = getattr(cfg, "num_hidden_layers", None) or cfg.n_layer
+        p = next(model.parameters())
+        kwargs.setdefault("dtype", p.dtype)
+        kwargs.setdefault("device", p.device)
+        return cls(int(layers), int(kv), _head_dim(cfg), **kwargs)
+
+    def __contains__(self, payload_id: int) -> bool:
+        return int(payload_id) in self._where
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.keys_pool.shape[1]
+
+    def payload_ids(self) -> list[int]:
+        return sorted(self._where)
+
+    def locate(self, payload_id: int) -> tuple[int, int]:
+        """(offset, length) of a payload in the pools; KeyError if absent."""
+        return self._where[int(payload_id)]
+
+    def tokens(self, payload_id: int) -> list[int] | None:
+        """The token ids stored with a payload (None when added without tokens)."""
+        return self._tokens.get(int(payload_id))
+
+    def get(self, payload_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views keys, values [num_layers, L, H_kv, D] of a payload; ValueError if unknown."""
+        if int(payload_id) not in self._where:
+            raise ValueError(f"unknown payload_id {payload_id}")
+        off, n = self._where[int(payload_id)]
+        return self.keys_pool[:, off:off + n], self.values_pool[:, off:off + n]
+
+    def _alloc(self, n: int) -> int:
+        for i, (start, size) in enumerate(self._free):
+            if size >= n:
+                self._free[i] = (start + n, size - n)
+                if size == n:
+                    del self._free[i]
+                return start
+        old = self.capacity_tokens
+        new = max(2 * old, old + n)
+        for name in ("keys_pool", "values_pool"):
+            pool = getattr(self, name)
+            grown = pool.new_zeros((pool.shape[0], new, *pool.shape[2:]))
+            grown[:, :old] = pool
+            setattr(self, name, grown)
+        self._release(old, new - old)
+        return self._alloc(n)
+
+    def _release(self, start: int, n: int) -> None:
+        if n <= 0:
+            return
+        free = sorted(self._free + [(start, n)])
+        merged: list[tuple[int, int]] = []
+        for s, k in free:
+            if merged and merged[-1][0] + merged[-1][1] == s:
+                merged[-1] = (merged[-1][0], merged[-1][1] + k)
+            else:
+                merged.append((s, k))
+        self._free = merged
+
+    def add(self, payload_ids: Sequence[int], keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], *,
+            tokens: Sequence[Sequence[int]] | None = None, replace: bool = False) -> None:
+        """Store segments: keys[i], values[i] [num_layers, L_i, H_kv, D] (rotated to positions 0..L_i-1)."""
+        if not (len(payload_ids) == len(keys) == len(values)):
+            raise ValueError(f"payload_ids ({len(payload_ids)}), keys ({len(keys)}), values ({len(values)}) differ")
+        want = (self.num_layers, self.num_kv_heads, self.head_dim)
+        for i, (pid, k, v) in enumerate(zip(payload_ids, keys, values)):
+            for nm, t in (("keys", k), ("values", v)):
+                if t.dim() != 4 or (t.shape[0], t.shape[2], t.shape[3]) != want:
+                    raise ValueError(f"{nm}[{i}] must be [num_layers={want[0]}, L, H_kv={want[1]}, D={want[2]}], "
+                                     f"got {tuple(t.shape)}")
+            if k.shape != v.shape:
+                raise ValueError(f"keys[{i}] {tuple(k.shape)} and values[{i}] {tuple(v.shape)} differ")
+            if int(pid) in self._where and not replace:
+                raise ValueError(f"payload_id {pid} is already stored (pass replace=True to overwrite it)")
+            if tokens is not None and len(tokens[i]) != k.shape[1]:
+                raise ValueError(f"tokens[{i}] has {len(tokens[i])} ids for {k.shape[1]} cached positions")
+        for i, (pid, k, v) in enumerate(zip(payload_ids, keys, values)):
+            self.evict([pid]) if int(pid) in self._where else None
+            off = self._alloc(k.shape[1])
+            self.keys_pool[:, off:off + k.shape[1]] = k.to(device=self.device, dtype=self.dtype)
+            self.values_pool[:, off:off + k.shape[1]] = v.to(device=self.device, dtype=self.dtype)
+            self._where[int(pid)] = (off, k.shape[1])
+            if tokens is not None:
+                self._tokens[int(pid)] = [int(x) for x in tokens[i]]
+
+    def evict(self, payload_ids: Sequence[int]) -> None:
+        """Forget payloads (unknown ids are ignored, as the StepBuffer may evict steps that were never cached)."""
+        for pid in payload_ids:
+            where = self._where.pop(int(pid), None)
+            self._tokens.pop(int(pid), None)
+            if where is not None:
+                self._release(*where)
+
+    @torch.no_grad()
+    def add_from_model(self, model: Any, payload_ids: Sequence[int], token_lists: Sequence[Sequence[int]], *,
+                       batch_size: int = 16, replace: bool = False) -> None:
+        """Run each step's tokens through `model` at positions 0..L-1 (no preceding context) and store its K/V.
+
+        Segments are right-padded in batches; with causal attention a token never sees the padding after it.
+        """
+        from transformers import DynamicCache
+
+        if len(payload_ids) != len(token_lists):
+            raise ValueError(f"payload_ids ({len(payload_ids)}) and token_lists ({len(token_lists)}) differ")
+        dev = next(model.parameters()).device
+        for s in range(0, len(token_lists), batch_size):
+            chunk = [list(map(int, t)) for t in token_lists[s:s + batch_size]]
+            if any(len(t) == 0 for t in chunk):
+                raise ValueError("every token list must hold at least one token")
+            n = max(len(t) for t in chunk)
+            ids = torch.tensor([t + [0] * (n - len(t)) for t in chunk], dtype=torch.long, device=dev)
+            cache = DynamicCache(config=model.config)
+            pos = torch.arange(n, device=dev)[None].expand(len(chunk), n)
+            model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+            ks, vs = hfc.layer_tensors(cache)
+            keys = [torch.stack([k[j, :, :len(t)].transpose(0, 1) for k in ks]) for j, t in enumerate(chunk)]
+            values = [torch.stack([v[j, :, :len(t)].transpose(0, 1) for v in vs]) for j, t in enumerate(chunk)]
+            self.add(payload_ids[s:s + batch_size], keys, values, tokens=chunk, replace=replace)
+
+
+def _launch_extension(ks, vs, store: StepKVStore, table, rope: RopeSpec, block_table) -> None:
+    """Pack pointers, strides and the request table for rapo_fast._C.kv_splice (validated by splice_kv already)."""
+    from rapo_fast import _ext
+
+    device = store.device
+    C = _ext.require_backend(device)
+    kp, vp = store.keys_pool, store.values_pool
+    req = torch.tensor(table, dtype=torch.int64).to(device)
+    kptr = torch.tensor([t.data_ptr() for t in ks], dtype=torch.int64).to(device)
+    vptr = torch.tensor([t.data_ptr() for t in vs], dtype=torch.int64).to(device)
+    inv = rope.inv_freq_on(device)
+    paged = block_table is not None
+    # HF layout [B, H, S, D]: (row, slot, head) strides; paged [blocks, block_size, H, D]: (block, in-block, head).
+    sr, ss, sh = (ks[0].stride(0), ks[0].stride(1), ks[0].stride(2)) if paged else (
+        ks[0].stride(0), ks[0].stride(2), ks[0].stride(1))
+    vsr, vss, vsh = (vs[0].stride(0), vs[0].stride(1), vs[0].stride(2)) if paged else (
+        vs[0].stride(0), vs[0].stride(2), vs[0].stride(1))
+    max_tokens = max(n for _o, n, _r, _p, _d in table)
+    aligned = all(t.data_ptr() % 16 == 0 for t in (*ks, *vs, kp, vp))
+    params = dict(
+        device=-1 if device.type == "cpu" else int(device.index or 0), stream=_ext.stream_of(device),
+        dtype=_ext.DTYPE_CODES[store.dtype], interleaved=rope.layout == "interleaved",
+        k_pool=kp.data_ptr(), v_pool=vp.data_ptr(),
+        pool_layer_stride=kp.stride(0), pool_token_stride=kp.stride(1), pool_head_stride=kp.stride(2),
+        dst_k_ptrs=kptr.data_ptr(), dst_v_ptrs=vptr.data_ptr(),
+        k_row_stride=sr, k_slot_stride=ss, k_head_stride=sh, v_row_stride=vsr, v_slot_stride=vss, v_head_stride=vsh,
+        num_layers=store.num_layers, num_heads=store.num_kv_heads, head_dim=store.head_dim,
+        rotary_dim=rope.rotary_dim, inv_freq=inv.data_ptr(),
+        requests=req.data_ptr(), num_requests=len(table), max_tokens=max_tokens,
+        block_table=block_table.data_ptr() if paged else 0,
+        block_table_stride=block_table.stride(0) if paged else 0,
+        block_size=ks[0].shape[1] if paged else 0, aligned16=aligned,
+    )
+    C.kv_splice(params)
+    if device.type == "cuda":
+        # req/kptr/vptr/inv must live until the kernel has read them: tie them to the stream instead of syncing.
+        for t in (req, kptr, vptr):
+            t.record_stream(torch.cuda.current_stream(device))
+
+
+def _as_requests(requests: Any) -> list[tuple[int, int, int]]:
+    if isinstance(requests, torch.Tensor):
+        if requests.dim() != 2 or requests.shape[1] != 3:
+            raise ValueError(f"requests must be [R, 3] (payload_id, batch_row, position), got {tuple(requests.shape)}")
+        return [tuple(int(x) for x in r) for r in requests.tolist()]
+    out = []
+    for i, r in enumerate(requests):
+        if len(r) != 3:
+            raise ValueError(f"requests[{i}] must be (payload_id, batch_row, position), got {r!r}")
+        out.append((int(r[0]), int(r[1]), int(r[2])))
+    return out
+
+
+def _check_layer_tensors(name: str, ts: list[torch.Tensor], store: StepKVStore, head_axis: int) -> None:
+    if len(ts) != store.num_layers:
+        raise ValueError(f"{name}: the cache has {len(ts)} layers, the store {store.num_layers}")
+    t0 = ts[0]
+    for i, t in enumerate(ts):
+        if t.dtype != store.dtype:
+            raise TypeError(f"{name}[{i}]: cache dtype {t.dtype} != store dtype {store.dtype}")
+        if t.device != store.device:
+            raise ValueError(f"{name}[{i}]: cache device {t.device} != store device {store.device}")
+        if t.dim() != 4 or t.shape[head_axis] != store.num_kv_heads or t.shape[-1] != store.head_dim:
+            raise ValueError(
+                f"{name}[{i}]: expected {store.num_kv_heads} KV heads of dim {store.head_dim} (axis {head_axis}, -1), "
+                f"got shape {tuple(t.shape)}"
+            )
+        if t.shape != t0.shape or t.stride() != t0.stride():
+            raise ValueError(f"{name}: every layer must have the same shape and strides (layer {i} differs)")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}[{i}]: the head dim must be contiguous (stride 1), got strides {t.stride()}")
+
+
+def splice_kv(
+    cache: Any,
+    store: StepKVStore,
+    requests: Sequence[tuple[int, int, int]] | torch.Tensor,
+    rope: RopeSpec,
+    *,
+    lengths: Sequence[int] | None = None,
+    rope_positions: Sequence[int] | None = None,
+    backend: Literal["auto", "reference", "cpu", "cuda"] = "auto",
+) -> int:
+    """Copy each requested segment's K/V into `cache` at `position` of `batch_row`, keys rotated by R(position).
+
+    cache: a transformers DynamicCache/StaticCache (per layer [B, H_kv, S, D]) or a PagedKVCache.
+    requests: (payload_id, batch_row, position) triples, or an int64 tensor [R, 3]. Token j of the segment lands at
+        slot position + j; its key, stored at rotation j, becomes rotation position + j (K' = R(delta) K, delta =
+        rope_positions[r] if given, else position: left-padded ragged batches pass their per-row logical position).
+    lengths: optional per-request number of leading tokens to splice (default: the whole stored segment).
+    Returns the HF cache's length after the call (for a DynamicCache: max(old length, max position + length); rows that
+    end earlier have unwritten slots the caller must mask) or 0 for a paged cache (it has no length of its own).
+    Raises ValueError/TypeError before any write for an unknown payload id, a row or position out of range, overlapping
+    requests, or a dtype / head count / head dim / layer count / device mismatch between store, rope and cache.
+    """
+    reqs = _as_requests(requests)
+    if not isinstance(rope, RopeSpec):
+        raise TypeError(f"rope must be a RopeSpec (e.g. RopeSpec.from_model(model)), got {type(rope).__name__}")
+    if rope.head_dim != store.head_dim:
+        raise ValueError(f"rope.head_dim={rope.head_dim} != store.head_dim={store.head_dim}")
+    if lengths is not None and len(lengths) != len(reqs):
+        raise ValueError(f"lengths has {len(lengths)} entries for {len(reqs)} requests")
+    if rope_positions is not None and len(rope_positions) != len(reqs):
+        raise ValueError(f"rope_positions has {len(rope_positions)} entries for {len(reqs)} requests")
+    rows_spans: dict[int, list[tuple[int, int]]] = {}
+    table = []
+    for i, (pid, row, pos) in enumerate(reqs):
+        if pid not in store:
+            raise ValueError(f"requests[{i}]: unknown payload_id {pid} (not in the StepKVStore)")
+        off, n_stored = store.locate(pid)
+        n = n_stored if lengths is None else int(lengths[i])
+        if not 0 <= n <= n_stored:
+            raise ValueError(f"lengths[{i}]={n} must be in [0, {n_stored}] (payload {pid} has {n_stored} tokens)")
+        if pos < 0:
+            raise ValueError(f"requests[{i}]: position must be >= 0, got {pos}")
+        delta = pos if rope_positions is None else int(rope_positions[i])
+        if delta < 0:
+            raise ValueError(f"rope_positions[{i}] must be >= 0, got {delta}")
+        for a, b in rows_spans.get(row, []):
+            if pos < b and a < pos + n:
+                raise ValueError(f"requests[{i}]: slots [{pos}, {pos + n}) of row {row} overlap another request's")
+        rows_spans.setdefault(row, []).append((pos, pos + n))
+        table.append((off, n, row, pos, delta))
+
+    block_table = None
+    new_len = 0
+    if isinstance(cache, PagedKVCache):
+        ks, vs = list(cache.keys), list(cache.values)
+        _check_layer_tensors("cache.keys", ks, store, 2)
+        _check_layer_tensors("cache.values", vs, store, 2)
+        bt = cache.block_table
+        if bt.dim() != 2 or bt.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"block_table must be [B, max_blocks] int32/int64, got {tuple(bt.shape)} {bt.dtype}")
+        if bt.device != store.device:
+            raise ValueError(f"block_table device {bt.device} != store device {store.device}")
+        bs, nb = ks[0].shape[1], ks[0].shape[0]
+        bt_cpu = bt.cpu()
+        for i, (_off, n, row, pos, _d) in enumerate(table):
+            if not 0 <= row < bt.shape[0]:
+                raise ValueError(f"requests[{i}]: batch_row {row} out of range [0, {bt.shape[0]})")
+            if n and (pos + n - 1) // bs >= bt.shape[1]:
+                raise ValueError(
+                    f"requests[{i}]: position {pos} + length {n} passes the block table's "
+                    f"{bt.shape[1]} blocks of {bs} tokens"
+                )
+            used = bt_cpu[row, pos // bs:(pos + n - 1) // bs + 1] if n else bt_cpu[row, :0]
+            if used.numel() and (used.min() < 0 or used.max() >= nb):
+                raise ValueError(f"requests[{i}]: block table row {row} maps these slots to blocks outside [0, {nb})")
+        block_table = bt.to(torch.int32) if bt.dtype != torch.int32 else bt
+    else:
+        kind = hfc.check_cache(cache)
+        cur = hfc.length(cache)
+        b = hfc.batch_size(cache)
+        if b is None:
+            b = max((row for _, _, row, _, _ in table), default=-1) + 1
+            hfc.ensure_layers(cache, store.num_layers, b, store.num_kv_heads, store.head_dim, store.dtype, store.device)
+        for i, (_off, _n, row, pos, _d) in enumerate(table):
+            if not 0 <= row < b:
+                raise ValueError(f"requests[{i}]: batch_row {row} out of range [0, {b})")
+            if kind == "dynamic" and pos > cur:
+                raise ValueError(
+                    f"requests[{i}]: position {pos} is past the cache's length {cur}; a DynamicCache cannot hold a gap"
+                )
+        new_len = max([cur] + [pos + n for _o, n, _r, pos, _d in table])
+        hfc.grow(cache, new_len)  # raises for a StaticCache without room, before any write
+        ks, vs = hfc.layer_tensors(cache)
+        _check_layer_tensors("cache keys", ks, store, 1)
+        _check_layer_tensors("cache values", vs, store, 1)
+    if table:
+        _launch(ks, vs, store, table, rope, block_table, backend)
+    if block_table is None:
+        hfc.set_length(cache, new_len) if hfc.check_cache(cache) == "static" else None
+        return new_len
+    return 0
+
+
+def _launch(ks, vs, store: StepKVStore, table, rope: RopeSpec, block_table, backend: str) -> None:
+    device = store.device
+    if backend == "auto":
+        from rapo_fast import _ext
+
+        backend = "reference"
+        if _ext.has_extension() and hasattr(_ext.extension(), "kv_splice"):
+            backend = device.type
+    if backend == "reference":
+        from rapo_fast.reference.kv_splice import splice_segment_ref
+
+        inv = rope.inv_freq_on(device)
+        for off, n, row, pos, delta in table:
+            if n == 0:
+                continue
+            sk = store.keys_pool[:, off:off + n]
+            sv = store.values_pool[:, off:off + n]
+            splice_segment_ref(ks, vs, sk, sv, row, pos, inv, rotary_dim=rope.rotary_dim, layout=rope.layout,
+                               rope_delta=delta, block_table=block_table,
+                               block_size=0 if block_table is None else ks[0].shape[1])
+        return
+    if backend != device.type:
+        raise ValueError(f"backend={backend!r} cannot run on {device.type} tensors")
+    _launch_extension(ks, vs, store, table, rope, block_table)
+
+
+@dataclass
+class InsertResult:
+    """What `insert_segment` leaves: next-token logits [B, V] fp32 after the segment, the cache slot where the next
+    token goes, and the rope position of the next token per row [B] (int64; equal to next_slot without rope offsets)."""
+
+    logits: torch.Tensor
+    next_slot: int
+    next_positions: torch.Tensor
+    recomputed_tokens: int
+
+
+@torch.no_grad()
+def insert_segment(
+    model: Any,
+    cache: Any,
+    segment_tokens: Sequence[Sequence[int]] | torch.Tensor,
+    rows: Sequence[int],
+    positions: Sequence[int],
+    *,
+    mode: Literal["splice", "exact", "blend"] = "splice",
+    store: StepKVStore | None = None,
+    payload_ids: Sequence[int] | None = None,
+    rope: RopeSpec | None = None,
+    blend_fraction: float = 0.15,
+    rope_positions: Sequence[int] | None = None,
+    attention_mask: torch.Tensor | None = None,
+    backend: Literal["auto", "reference", "cpu", "cuda"] = "auto",
+) -> InsertResult:
+    """Insert segment i at cache slot positions[i] of batch row rows[i] of an HF cache, and return next-token logits.
+
+    Contract for HF caches (one length for all rows): `rows` covers every batch row exactly once, all `positions` are
+    equal (slot p <= the cache's length; anything cached at slots >= p is discarded) and all segments have the same
+    length L; anything else raises ValueError. Ragged (left-padded) batches share the slot p and pass each row's
+    logical position in `rope_positions` (keys are rotated to it, position_ids follow it) plus their `attention_mask`
+    [B, p + L]. After the call the cache holds p + L tokens and generation continues at slot p + L with
+    position_ids = next_positions (a forward without position_ids gets p + L, right when there is no padding).
+
+    mode: "exact" re-prefills all L tokens through the model (position_ids p..p+L-1); "splice" copies tokens 0..L-2
+        from `store` (payload_ids[i], keys re-rotated) and runs only the last token through the model, so that logits
+        come out; "blend" splices the first L - r tokens and re-prefills the last r = max(1, ceil(blend_fraction * L))
+        (a suffix recompute: the recomputed tokens attend to the true context; not CacheBlend's deviation-based pick).
+    """
+    if mode not in ("splice", "exact", "blend"):
+        raise ValueError(f"mode must be 'splice', 'exact' or 'blend', got {mode!r}")
+    kind = hfc.check_cache(cache)
+    toks = [list(map(int, t)) for t in (segment_tokens.tolist() if isinstance(segment_tokens, torch.Tensor)
+                                        else segment_tokens)]
+    if not (len(toks) == len(rows) == len(positions)):
+        raise ValueError(f"segment_tokens ({len(toks)}), rows ({len(rows)}), positions ({len(positions)}) differ")
+    b = hfc.batch_size(cache) or len(rows)
+    if sorted(int(r) for r in rows) != list(range(b)):
+        raise ValueError(f"rows must list every batch row 0..{b - 1} exactly once (HF caches share one length), got "
+                         f"{list(rows)}")
+    if len(set(int(p) for p in positions)) != 1:
+        raise ValueError(f"all positions must be equal for an HF cache (one length for all rows), got "
+                         f"{list(positions)}; ragged batches share the slot and pass rope_positions")
+    if len({len(t) for t in toks}) != 1 or not toks[0]:
+        raise ValueError(f"all segments must have the same length >= 1, got lengths {[len(t) for t in toks]}")
+    p, seg_len = int(positions[0]), len(toks[0])
+    cur = hfc.length(cache)
+    if p > cur:
+        raise ValueError(f"position {p} is past the cache's length {cur}")
+    order = sorted(range(len(rows)), key=lambda i: int(rows[i]))
+    device = next(model.parameters()).device
+    tokens = torch.tensor([toks[i] for i in order], dtype=torch.long, device=device)
+    base = torch.full((b,), p, dtype=torch.long) if rope_positions is None else torch.tensor(
+        [int(rope_positions[i]) for i in order], dtype=torch.long)
+    n_exact = seg_len if mode == "exact" else 1 if mode == "splice" else max(1, math.ceil(blend_fraction * seg_len))
+    n_exact = min(n_exact, seg_len)
+    n_splice = seg_len - n_exact
+    if cur > p and cur > 0:
+        hfc.set_length(cache, p)
+    if n_splice > 0:
+        if store is None or payload_ids is None:
+            raise ValueError(f"mode={mode!r} needs store= and payload_ids= (the segments' cached K/V)")
+        if len(payload_ids) != len(rows):
+            raise ValueError(f"payload_ids has {len(payload_ids)} entries for {len(rows)} rows")
+        for i in order:
+            stored = store.tokens(int(payload_ids[i]))
+            if stored is not None and stored != toks[i]:
+                raise ValueError(f"payload {payload_ids[i]}'s stored tokens differ from segment_tokens[{i}]")
+        rope = RopeSpec.from_model(model) if rope is None else rope
+        reqs = [(int(payload_ids[i]), int(rows[i]), p) for i in order]
+        splice_kv(cache, store, reqs, rope, lengths=[n_splice] * b, rope_positions=base.tolist(), backend=backend)
+    pos_ids = (base[:, None] + torch.arange(n_splice, seg_len)[None, :]).to(device)
+    if kind == "static":
+        hfc.set_length(cache, p + n_splice)
+    out = model(input_ids=tokens[:, n_splice:], position_ids=pos_ids, past_key_values=cache, use_cache=True,
+                attention_mask=attention_mask)
+    return InsertResult(logits=out.logits[:, -1].float(), next_slot=p + seg_len,
+                        next_positions=(base + seg_len).to(device), recomputed_tokens=n_exact * b)
