@@ -1,3 +1,272 @@
-"""Reference (spec) of the policy_loss op; see rapo_fast/reference/__init__.py."""
+"""Reference (spec) of the RAPO policy loss: plain torch autograd over the formulas of DESIGN.md section 2.
 
-__all__: list[str] = []
+Two functions:
+- `policy_token_loss_ref`: the per-token loss and its metric terms, elementwise (broadcasting) over tokens. The Triton
+  kernel (kernels/policy_loss.py) computes the same formulas; the CPU fallback of rapo_fast.rapo_loss calls this one.
+- `rapo_loss_ref`: the whole loss the way verl writes it: sequences as rows of a padded [S, T] matrix (flat inputs with
+  cu_seqlens are padded row by row with a Python loop), per-row shaping factor and GSPO ratio, then verl's agg_loss
+  with an optional global normaliser. It computes the log-probs itself from logits/hidden when not given them.
+
+Per token t of row s (A the advantage, lr = logp - old_logp; every log-ratio clamped to [-20, 20] before exp):
+  r      = exp(lr)                                   ("token")
+         = exp(sg(mean_{on-policy t' of s} lr_t') + logp - sg(logp))   ("sequence", GSPO-token as in verl)
+  r_hat  = (1 + shaping_m * F_s) r,   F_s = retrieved_s / response_s
+  pg     = max(-A r_hat, -A clip(r_hat, 1 - eps_low, 1 + eps_high)); with dual_clip c and A < 0: min(pg, -A c)
+  pg    *= min(exp(old_logp - behav_logp), tis_cap)            (detached, when tis_cap is set)
+  retrieved tokens: excluded ("none"), -A p / (p + gamma) with p = exp(logp) ("shaped"),
+                    -A w logp with w = sg(min(exp(logp - behav_logp), is_cap)) ("truncated")
+  every token in the loss: + beta * KL_k(logp, ref_logp) - entropy_coef * H_t
+old_logp, behav_logp, ref_logp and advantages are data: they are detached. Not a fast path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rapo_fast.reference.logprobs import linear_token_logprobs_ref, token_logprobs_ref
+
+__all__ = ["policy_token_loss_ref", "rapo_loss_ref", "kl_penalty_ref", "LOG_RATIO_CLAMP"]
+
+LOG_RATIO_CLAMP = 20.0  # verl's clamp before exp (DESIGN.md pitfall 11)
+
+
+def kl_penalty_ref(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
+    """verl's kl_penalty: k1 = logp - ref; k2 = (logp - ref)^2 / 2; k3 = clamp(e^x - x - 1, -10, 10), x = clamp(ref -
+    logp, -20, 20). Same shape as logp."""
+    if estimator == "k1":
+        return logp - ref_logp
+    if estimator == "k2":
+        return 0.5 * (logp - ref_logp).square()
+    if estimator == "k3":
+        x = torch.clamp(ref_logp - logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        return torch.clamp(torch.exp(x) - x - 1, -10.0, 10.0)
+    raise ValueError(f"kl_estimator: expected one of ['k1', 'k2', 'k3'], got {estimator!r}")
+
+
+def policy_token_loss_ref(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    on_mask: torch.Tensor,
+    off_mask: torch.Tensor | None = None,
+    ratio_scale: torch.Tensor | float = 1.0,
+    seq_log_ratio: torch.Tensor | None = None,
+    behav_logp: torch.Tensor | None = None,
+    ref_logp: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    offpolicy_train: str = "none",
+    gamma: float = 0.1,
+    is_cap: float = 2.0,
+    tis_cap: float | None = None,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    dual_clip: float | None = None,
+    beta: float = 0.0,
+    kl_estimator: str = "k3",
+    entropy_coef: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token loss (unaggregated) and per-token metric terms; all tensors broadcast to logp's shape.
+
+    logp: float tensor (fp32/fp64) with grad; on_mask/off_mask: bool, the on-policy tokens in the loss and the
+    retrieved tokens trained off-policy; seq_log_ratio: per token, the (already detached) sequence mean log-ratio for
+    importance_sampling_level="sequence", else None. Returns (loss [...], terms) where loss is 0 outside on|off and
+    terms holds detached per-token values: clipped_high, clipped_low, dual_clipped (bool), ratio, approx_kl, kl,
+    tis_weight, offpolicy_weight.
+    """
+    old_logp = old_logp.detach().to(logp.dtype)
+    adv = advantages.detach().to(logp.dtype)
+    off_mask = torch.zeros_like(on_mask) if off_mask is None else off_mask
+    active = on_mask | off_mask
+    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+
+    if seq_log_ratio is None:
+        log_r = torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    else:
+        log_r = seq_log_ratio.detach().to(logp.dtype) + logp - logp.detach()
+        log_r = torch.clamp(log_r, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_r)
+    r_hat = ratio_scale * ratio
+    pg1 = -adv * r_hat
+    pg2 = -adv * torch.clamp(r_hat, 1.0 - eps_low, 1.0 + eps_high)
+    clipped = pg2 > pg1
+    pg = torch.maximum(pg1, pg2)
+    dual = torch.zeros_like(on_mask)
+    if dual_clip is not None:
+        pg3 = -adv * dual_clip
+        dual = (adv < 0) & (pg > pg3)
+        pg = torch.where(adv < 0, torch.minimum(pg, pg3), pg)
+    tis_w = None
+    if tis_cap is not None:
+        lw = torch.clamp(old_logp - behav_logp.detach().to(logp.dtype), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        tis_w = torch.clamp(torch.exp(lw), max=tis_cap)
+        pg = pg * tis_w
+    loss = torch.where(on_mask, pg, zero)
+
+    off_w = None
+    if offpolicy_train == "shaped":
+        p = torch.exp(logp)
+        off_w = p / (p + gamma)
+        loss = loss + torch.where(off_mask, -adv * off_w, zero)
+    elif offpolicy_train == "truncated":
+        lw = torch.clamp(logp.detach() - behav_logp.detach().to(logp.dtype), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        off_w = torch.clamp(torch.exp(lw), max=is_cap)
+        loss = loss + torch.where(off_mask, -adv * off_w * logp, zero)
+
+    kl = None
+    if ref_logp is not None:
+        kl = kl_penalty_ref(logp, ref_logp.detach().to(logp.dtype), kl_estimator)
+        if beta != 0.0:
+            loss = loss + torch.where(active, beta * kl, zero)
+    if entropy is not None and entropy_coef != 0.0:
+        loss = loss + torch.where(active, -entropy_coef * entropy.to(logp.dtype), zero)
+
+    shape = torch.broadcast_shapes(logp.shape, on_mask.shape)
+    nan = torch.full(shape, float("nan"), dtype=logp.dtype, device=logp.device)
+    hi = torch.as_tensor(1.0 + eps_high, dtype=logp.dtype)
+    lo = torch.as_tensor(1.0 - eps_low, dtype=logp.dtype)
+    terms = {
+        "clipped_high": (clipped & (r_hat > hi)).detach(),
+        "clipped_low": (clipped & (r_hat < lo)).detach(),
+        "dual_clipped": dual.detach(),
+        "ratio": ratio.detach(),
+        "approx_kl": (old_logp - logp).detach(),
+        "kl": nan if kl is None else kl.detach(),
+        "tis_weight": nan if tis_w is None else tis_w.detach(),
+        "offpolicy_weight": nan if off_w is None else off_w.detach(),
+    }
+    return loss, terms
+
+
+def _as_rows(x: torch.Tensor | None, cu: list[int] | None, width: int, fill=0) -> torch.Tensor | None:
+    """Flat [N, ...] -> padded [S, width, ...] (rows = cu_seqlens segments); padded input is returned unchanged."""
+    if x is None or cu is None:
+        return x
+    out = x.new_full((len(cu) - 1, width) + tuple(x.shape[1:]), fill)
+    for s in range(len(cu) - 1):
+        out[s, : cu[s + 1] - cu[s]] = x[cu[s] : cu[s + 1]]
+    return out
+
+
+def _masked_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    return torch.where(m, x, torch.zeros_like(x)).sum() / m.sum().clamp_min(1)
+
+
+def rapo_loss_ref(
+    logp: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    *,
+    logits: torch.Tensor | None = None,
+    hidden: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    targets: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    retrieved_mask: torch.Tensor | None = None,
+    response_mask: torch.Tensor | None = None,
+    shaping_m: float = 0.0,
+    offpolicy_train: str = "none",
+    gamma: float = 0.1,
+    is_cap: float = 2.0,
+    behav_logp: torch.Tensor | None = None,
+    tis_cap: float | None = None,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    dual_clip: float | None = None,
+    importance_sampling_level: str = "token",
+    ref_logp: torch.Tensor | None = None,
+    beta: float = 0.0,
+    kl_estimator: str = "k3",
+    entropy_coef: float = 0.0,
+    loss_agg: str = "token-mean",
+    cu_seqlens: torch.Tensor | None = None,
+    global_num_tokens=None,
+    return_metrics: bool = False,
+):
+    """The spec of rapo_fast.rapo_loss (same arguments and meaning; no validation). Either `logp` (and `entropy`
+    when entropy_coef != 0) shaped like targets, or logits [..., V] / hidden [..., H] + weight [V, H] with targets.
+    Returns a 0-dim loss, or (loss, metrics)."""
+    if logp is None:
+        if logits is not None:
+            logp, entropy = token_logprobs_ref(logits, targets, temperature, True)
+        else:
+            logp, entropy = linear_token_logprobs_ref(hidden, weight, targets, bias, temperature, True)
+    flat = logp.dim() == 1
+    if flat:
+        cu = [0, logp.shape[0]] if cu_seqlens is None else [int(c) for c in cu_seqlens.tolist()]
+        width = max([b - a for a, b in zip(cu[:-1], cu[1:])] + [0])
+        valid = _as_rows(torch.ones_like(logp, dtype=torch.bool), cu, width, False)
+        if advantages.shape != logp.shape:  # one advantage per segment
+            advantages = advantages[torch.repeat_interleave(torch.arange(len(cu) - 1), torch.tensor(cu).diff())]
+    else:
+        cu, width = None, logp.shape[-1]
+        valid = torch.ones_like(logp, dtype=torch.bool)
+        if advantages.dim() == 1:
+            advantages = advantages[:, None].expand_as(logp)
+    rows = lambda x, fill=0: _as_rows(x, cu, width, fill)  # noqa: E731
+    logp, entropy, old, adv = rows(logp), rows(entropy), rows(old_logp), rows(advantages)
+    behav, ref = rows(behav_logp), rows(ref_logp)
+    lm = rows(loss_mask != 0, False) & valid
+    ret = valid & (rows(retrieved_mask != 0, False) if retrieved_mask is not None else torch.zeros_like(valid))
+    resp = valid & (rows(response_mask != 0, False) if response_mask is not None else valid)
+
+    on = lm & ~ret
+    off = lm & ret if offpolicy_train != "none" else torch.zeros_like(on)
+    active = on | off
+    cd = logp.dtype
+    frac = ret.sum(-1).to(cd) / resp.sum(-1).clamp_min(1).to(cd)
+    scale = (1.0 + shaping_m * frac)[:, None]
+    seq_lr = None
+    if importance_sampling_level == "sequence":
+        lr = torch.where(on, logp.detach() - old.to(cd), torch.zeros_like(logp))
+        seq_lr = (lr.sum(-1) / on.sum(-1).clamp_min(1).to(cd))[:, None].expand_as(logp)
+
+    tok, terms = policy_token_loss_ref(
+        logp, old, adv, on_mask=on, off_mask=off, ratio_scale=scale, seq_log_ratio=seq_lr, behav_logp=behav,
+        ref_logp=ref, entropy=entropy, offpolicy_train=offpolicy_train, gamma=gamma, is_cap=is_cap, tis_cap=tis_cap,
+        eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip, beta=beta, kl_estimator=kl_estimator,
+        entropy_coef=entropy_coef,
+    )
+    tok = torch.where(active, tok, torch.zeros_like(tok))
+    # verl's agg_loss (the version with global normalisers), with the mask = tokens in the loss
+    g = None if global_num_tokens is None else torch.as_tensor(global_num_tokens, dtype=cd, device=tok.device)
+    if loss_agg == "token-mean":
+        loss = tok.sum() / (g if g is not None else active.sum().clamp_min(1).to(cd))
+    elif loss_agg in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        n = active.sum(-1)
+        seq = tok.sum(-1)
+        if loss_agg == "seq-mean-token-mean":
+            seq = seq / n.clamp_min(1).to(cd)
+        nonempty = n > 0
+        loss = torch.where(nonempty, seq, torch.zeros_like(seq)).sum() / (
+            g if g is not None else nonempty.sum().clamp_min(1).to(cd)
+        )
+    elif loss_agg == "seq-mean-token-sum-norm":
+        loss = tok.sum() / (g if g is not None else torch.tensor(float(max(width, 1)), dtype=cd))
+    else:
+        raise ValueError(f"loss_agg: unknown mode {loss_agg!r}")
+    if not return_metrics:
+        return loss
+
+    def mean(x, m):
+        return _masked_mean(x.to(cd), m).detach()
+
+    metrics = {
+        "clip_frac_high": mean(terms["clipped_high"], on),
+        "clip_frac_low": mean(terms["clipped_low"], on),
+        "dual_clip_frac": mean(terms["dual_clipped"], on),
+        "ratio_mean": mean(terms["ratio"].expand_as(logp), on),
+        "approx_kl": mean(terms["approx_kl"], on),
+        "kl": mean(terms["kl"], active) if ref is not None else torch.zeros((), dtype=cd),
+        "entropy": mean(entropy, active) if entropy is not None else torch.full((), float("nan"), dtype=cd),
+        "retrieved_frac": (ret.sum().to(cd) / resp.sum().clamp_min(1).to(cd)),
+        "tis_weight_mean": mean(terms["tis_weight"], on) if tis_cap is not None else torch.ones((), dtype=cd),
+        "offpolicy_weight_mean": mean(terms["offpolicy_weight"], off) if offpolicy_train != "none"
+        else torch.zeros((), dtype=cd),
+        "num_tokens": active.sum().to(cd),
+        "num_offpolicy_tokens": off.sum().to(cd),
+    }
+    return loss, metrics

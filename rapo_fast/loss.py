@@ -1,0 +1,420 @@
+"""rapo_fast.rapo_loss and rapo_fast.RAPOLoss: the drop-in RAPO / GRPO / DAPO / GSPO / PPO policy loss.
+
+Flow: validate (may sync with the device, before anything runs) -> logp (and entropy H when entropy_coef != 0 or
+metrics are asked for) = rapo_fast.token_logprobs(...) -> per-sequence quantities (shaping factor F, GSPO sequence
+log-ratio, aggregation weights) as small torch ops on [N]/[S] vectors -> one elementwise Triton kernel
+(kernels/policy_loss.py, registered as rapo_fast::policy_loss with a fake and an autograd formula) giving the weighted
+per-token loss and the metric partial sums; its backward gives dL/dlogp and dL/dH times the upstream gradient. Passes
+over the logits (or hidden @ weight chunks): one in the forward and one in the backward, both inside token_logprobs;
+the loss itself only touches [N] vectors. CPU tensors without TRITON_INTERPRET=1, and float64 inputs, take the same
+math through the reference's per-token function (rapo_fast/reference/policy_loss.py, the spec).
+No host sync after validation: metrics are 0-dim tensors computed from on-device sums.
+
+Aggregation (verl's agg_loss) and `global_num_tokens` (the normaliser of the whole global batch, so that the losses of
+data-parallel shards or gradient-accumulation micro-batches, and their gradients, sum to the one-big-batch loss):
+  token-mean               sum_t l_t / D,  D = tokens in the loss (global: all shards' count)
+  seq-mean-token-mean      sum_s (sum_{t in s} l_t / n_s) / G,  G = sequences with >= 1 token in the loss (global count)
+  seq-mean-token-sum       sum_s sum_{t in s} l_t / G
+  seq-mean-token-sum-norm  sum_t l_t / K,  K = T (padded) or the longest cu_seqlens segment (flat); global: a constant K
+Counts are clamped to >= 1 (an all-masked batch gives loss 0, no NaN). With DDP, which averages gradients over W ranks,
+multiply the loss by W as verl does (dp_size).
+What this is not: the log-prob kernel (rapo_fast/logprobs.py) or an advantage estimator (rapo_fast/advantages.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from rapo_fast import _checks as C
+from rapo_fast._dispatch import register_op, use_triton
+from rapo_fast.logprobs import token_logprobs
+from rapo_fast.reference.policy_loss import policy_token_loss_ref
+
+__all__ = ["rapo_loss", "RAPOLoss", "OPTION_DEFAULTS"]
+
+OFFPOLICY_MODES = ("none", "shaped", "truncated")
+IS_LEVELS = ("token", "sequence")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+# keyword options of rapo_loss (everything but the tensors); RAPOLoss and the presets use these names
+OPTION_DEFAULTS: dict[str, Any] = dict(
+    shaping_m=0.0, offpolicy_train="none", gamma=0.1, is_cap=2.0, tis_cap=None, eps_low=0.2, eps_high=0.2,
+    dual_clip=None, importance_sampling_level="token", beta=0.0, kl_estimator="k3", entropy_coef=0.0,
+    temperature=1.0, loss_agg="token-mean", return_metrics=False,
+)
+_NUM_METRICS = 12
+_BLOCK = 1024
+
+
+def _validate(a: dict) -> dict:
+    """Check every argument of rapo_loss; return facts the launcher needs (rows, segment count, K)."""
+    for k, choices in (("offpolicy_train", OFFPOLICY_MODES), ("importance_sampling_level", IS_LEVELS),
+                       ("kl_estimator", KL_ESTIMATORS), ("loss_agg", LOSS_AGG_MODES)):
+        C.check_choice(k, a[k], choices)
+    C.check_float("shaping_m", a["shaping_m"], min_value=-1.0, min_inclusive=False)
+    C.check_float("gamma", a["gamma"], min_value=0.0, min_inclusive=False)
+    C.check_float("is_cap", a["is_cap"], min_value=0.0, min_inclusive=False)
+    C.check_float("tis_cap", a["tis_cap"], min_value=0.0, min_inclusive=False, allow_none=True)
+    C.check_float("eps_low", a["eps_low"], min_value=0.0, max_value=1.0)
+    C.check_float("eps_high", a["eps_high"], min_value=0.0)
+    C.check_float("dual_clip", a["dual_clip"], min_value=1.0, min_inclusive=False, allow_none=True)
+    C.check_float("beta", a["beta"])
+    C.check_float("entropy_coef", a["entropy_coef"])
+    C.check_float("temperature", a["temperature"], min_value=0.0, min_inclusive=False)
+    if not isinstance(a["return_metrics"], bool):
+        raise TypeError(f"return_metrics: expected bool, got {type(a['return_metrics']).__name__}")
+
+    logits, hidden, weight, bias = a["logits"], a["hidden"], a["weight"], a["bias"]
+    if (logits is None) == (hidden is None):
+        raise ValueError("logits/hidden: pass exactly one of logits [..., V] or hidden [..., H] (+ weight [V, H]), "
+                         f"got {'both' if logits is not None else 'neither'}")
+    targets = C.check_tensor("targets", a["targets"], ndim=(1, 2), dtypes=C.INT_DTYPES)
+    tshape = tuple(targets.shape)
+    if logits is not None:
+        C.check_tensor("logits", logits, ndim=targets.dim() + 1, dtypes=C.FLOAT_DTYPES)
+        if tuple(logits.shape[:-1]) != tshape:
+            raise ValueError(f"logits: expected shape {tshape + ('V',)} (targets' shape + vocab), got "
+                             f"{tuple(logits.shape)}")
+        vocab = logits.shape[-1]
+        if weight is not None or bias is not None:
+            raise ValueError("weight/bias: only with hidden=, not with logits")
+    else:
+        C.check_tensor("hidden", hidden, ndim=targets.dim() + 1, dtypes=C.FLOAT_DTYPES)
+        if tuple(hidden.shape[:-1]) != tshape:
+            raise ValueError(f"hidden: expected shape {tshape + ('H',)} (targets' shape + hidden), got "
+                             f"{tuple(hidden.shape)}")
+        if weight is None:
+            raise ValueError("weight: required with hidden= (the lm_head weight [V, H])")
+        C.check_tensor("weight", weight, ndim=2, dtypes=(hidden.dtype,))
+        if weight.shape[1] != hidden.shape[-1]:
+            raise ValueError(f"weight: expected shape (V, {hidden.shape[-1]}), got {tuple(weight.shape)}")
+        vocab = weight.shape[0]
+        C.check_optional_tensor("bias", bias, shape=(vocab,), dtypes=(hidden.dtype,))
+    if vocab < 1:
+        raise ValueError("logits/weight: vocabulary size must be >= 1")
+
+    for k in ("old_logp", "behav_logp", "ref_logp"):
+        C.check_optional_tensor(k, a[k], shape=tshape, dtypes=C.FLOAT_DTYPES)
+    for k in ("loss_mask", "retrieved_mask", "response_mask"):
+        C.check_optional_tensor(k, a[k], shape=tshape, dtypes=C.MASK_DTYPES)
+    if a["old_logp"] is None or a["loss_mask"] is None:
+        raise ValueError("old_logp/loss_mask: required")
+    cu = a["cu_seqlens"]
+    flat = targets.dim() == 1
+    max_len = tshape[-1]
+    if cu is not None:
+        if not flat:
+            raise ValueError(f"cu_seqlens: only for flat inputs (targets [N]); targets has shape {tshape}")
+        rows = C.check_cu_seqlens("cu_seqlens", cu, tshape[0])
+        max_len = int(cu.detach().cpu().diff().max())
+    else:
+        rows = 1 if flat else tshape[0]
+    adv = C.check_tensor("advantages", a["advantages"], dtypes=C.FLOAT_DTYPES)
+    if tuple(adv.shape) not in (tshape, (rows,)):
+        raise ValueError(f"advantages: expected shape {tshape} (per token) or ({rows},) (per sequence), got "
+                         f"{tuple(adv.shape)}")
+    dev = C.check_same_device(targets=targets, logits=logits, hidden=hidden, weight=weight, bias=bias,
+                              old_logp=a["old_logp"], advantages=adv, loss_mask=a["loss_mask"],
+                              retrieved_mask=a["retrieved_mask"], response_mask=a["response_mask"],
+                              behav_logp=a["behav_logp"], ref_logp=a["ref_logp"], cu_seqlens=cu)
+    C.check_index_range("targets", targets, vocab)
+    C.check_finite("advantages", adv)
+    C.check_finite("old_logp", a["old_logp"], allow_inf=True)
+    if a["offpolicy_train"] == "truncated" and a["behav_logp"] is None:
+        raise ValueError("behav_logp: required when offpolicy_train='truncated' (the behaviour log-probs of the "
+                         "retrieved tokens)")
+    if a["tis_cap"] is not None and a["behav_logp"] is None:
+        raise ValueError("behav_logp: required when tis_cap is set (truncated importance sampling)")
+    if a["beta"] != 0.0 and a["ref_logp"] is None:
+        raise ValueError(f"ref_logp: required when beta != 0 (beta={a['beta']})")
+    for k in ("behav_logp", "ref_logp"):
+        if a[k] is not None:
+            C.check_finite(k, a[k], allow_inf=True)
+    g = a["global_num_tokens"]
+    if g is not None:
+        if isinstance(g, torch.Tensor):
+            if g.numel() != 1 or g.dtype == torch.bool:
+                raise ValueError(f"global_num_tokens: expected a number or a 1-element numeric tensor, got shape "
+                                 f"{tuple(g.shape)} dtype {g.dtype}")
+            if g.device != dev and g.device.type != "cpu":
+                raise ValueError(f"global_num_tokens: expected device {dev} or cpu, got {g.device}")
+        else:
+            C.check_float("global_num_tokens", g, min_value=0.0, min_inclusive=False)
+    return dict(flat=flat, rows=rows, max_len=max(max_len, 1), device=dev)
+
+
+# ---------------------------------------------------------------------------------------------------------- kernel op
+def _policy_loss_impl(
+    logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
+    code: torch.Tensor, seqlr: torch.Tensor | None, behav: torch.Tensor | None, ref: torch.Tensor | None,
+    ent: torch.Tensor | None, eps_low: float, eps_high: float, dual_c: float, gamma: float, is_cap: float,
+    tis_cap: float, beta: float, ent_coef: float, off_mode: int, kl_mode: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from rapo_fast.kernels import policy_loss as K  # lazy: `import rapo_fast.loss` must not need triton
+
+    n = logp.numel()
+    out = torch.empty_like(logp)
+    nb = max(1, -(-n // _BLOCK))
+    part = torch.zeros((nb, K.NUM_METRICS), dtype=torch.float32, device=logp.device)
+    if n > 0:
+        K._policy_loss_fwd_kernel[(nb,)](
+            logp, old, adv, w, scale, code, seqlr if seqlr is not None else logp, behav if behav is not None else logp,
+            ref if ref is not None else logp, ent if ent is not None else logp, out, part, n,
+            eps_low, eps_high, dual_c, gamma, is_cap, tis_cap, beta, ent_coef,
+            SEQ=seqlr is not None, DUAL=dual_c > 0, TIS=tis_cap > 0, OFF=off_mode, KL=kl_mode,
+            HAS_ENT=ent is not None, BLOCK=_BLOCK, NM=K.NUM_METRICS,
+        )
+    return out, part.sum(0)
+
+
+def _policy_loss_fake(logp, old, adv, w, scale, code, seqlr, behav, ref, ent, *args):
+    return torch.empty_like(logp), logp.new_empty((_NUM_METRICS,))
+
+
+def _policy_loss_bwd_impl(
+    grad: torch.Tensor, logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, w: torch.Tensor,
+    scale: torch.Tensor, code: torch.Tensor, seqlr: torch.Tensor | None, behav: torch.Tensor | None,
+    ref: torch.Tensor | None, has_ent: bool, eps_low: float, eps_high: float, dual_c: float, gamma: float,
+    is_cap: float, tis_cap: float, beta: float, ent_coef: float, off_mode: int, kl_mode: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from rapo_fast.kernels import policy_loss as K
+
+    n = logp.numel()
+    dlogp = torch.empty_like(logp)
+    dent = torch.empty_like(logp) if has_ent else logp.new_empty((0,))
+    if n > 0:
+        grad = grad.contiguous()
+        K._policy_loss_bwd_kernel[(max(1, -(-n // _BLOCK)),)](
+            grad, logp, old, adv, w, scale, code, seqlr if seqlr is not None else logp,
+            behav if behav is not None else logp, ref if ref is not None else logp, logp, dlogp,
+            dent if has_ent else dlogp, n,
+            eps_low, eps_high, dual_c, gamma, is_cap, tis_cap, beta, ent_coef,
+            SEQ=seqlr is not None, DUAL=dual_c > 0, TIS=tis_cap > 0, OFF=off_mode, KL=kl_mode,
+            HAS_ENT=has_ent, BLOCK=_BLOCK,
+        )
+    return dlogp, dent
+
+
+def _policy_loss_bwd_fake(grad, logp, old, adv, w, scale, code, seqlr, behav, ref, has_ent, *args):
+    return torch.empty_like(logp), (torch.empty_like(logp) if has_ent else logp.new_empty((0,)))
+
+
+_policy_loss_bwd_op = register_op("policy_loss_bwd", _policy_loss_bwd_impl, fake=_policy_loss_bwd_fake)
+
+
+def _setup_context(ctx, inputs, output):
+    logp, old, adv, w, scale, code, seqlr, behav, ref, ent = inputs[:10]
+    ctx.save_for_backward(logp, old, adv, w, scale, code, seqlr, behav, ref)
+    ctx.has_ent = ent is not None
+    ctx.scalars = inputs[10:]
+
+
+def _backward(ctx, g_out, g_part):
+    logp, old, adv, w, scale, code, seqlr, behav, ref = ctx.saved_tensors
+    dlogp, dent = _policy_loss_bwd_op(g_out, logp, old, adv, w, scale, code, seqlr, behav, ref, ctx.has_ent,
+                                      *ctx.scalars)
+    return (dlogp, None, None, None, None, None, None, None, None, dent if ctx.has_ent else None) + (None,) * 10
+
+
+policy_loss_op = register_op("policy_loss", _policy_loss_impl, fake=_policy_loss_fake, backward=_backward,
+                             setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------------- public entry
+def rapo_loss(
+    logits: torch.Tensor | None = None,
+    *,
+    hidden: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    targets: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    retrieved_mask: torch.Tensor | None = None,
+    response_mask: torch.Tensor | None = None,
+    shaping_m: float = 0.0,
+    offpolicy_train: str = "none",
+    gamma: float = 0.1,
+    is_cap: float = 2.0,
+    behav_logp: torch.Tensor | None = None,
+    tis_cap: float | None = None,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    dual_clip: float | None = None,
+    importance_sampling_level: str = "token",
+    ref_logp: torch.Tensor | None = None,
+    beta: float = 0.0,
+    kl_estimator: str = "k3",
+    entropy_coef: float = 0.0,
+    temperature: float = 1.0,
+    loss_agg: str = "token-mean",
+    cu_seqlens: torch.Tensor | None = None,
+    global_num_tokens: int | float | torch.Tensor | None = None,
+    return_metrics: bool = False,
+):
+    """RAPO policy loss (clipped surrogate with importance shaping, off-policy terms, TIS, KL, entropy bonus).
+
+    Shapes: padded targets [B, T] (rows are sequences) with logits [B, T, V] or hidden [B, T, H]; or flat targets [N]
+    with logits [N, V] / hidden [N, H] and cu_seqlens [S+1] (int32/int64; without it the N tokens are one sequence).
+    weight [V, H] and bias [V] (hidden's dtype) for the hidden path; logits/hidden fp32/fp16/bf16 (fp64: reference
+    path); targets integer in [0, V). old_logp, behav_logp, ref_logp: float, shaped like targets, at the same
+    temperature. advantages: float, per token (targets' shape) or per sequence ([B] or [S]; per token wins if both
+    fit). loss_mask / retrieved_mask / response_mask: bool or 0/1 numbers shaped like targets. loss_mask marks the
+    tokens eligible for the loss; retrieved tokens among them enter only with offpolicy_train "shaped"/"truncated".
+    response_mask (default: every position of the row / segment) is F's denominator. Options: see the module and
+    reference docstrings; global_num_tokens: the global normaliser of loss_agg (see module docstring).
+    Returns a 0-dim fp32 loss (fp64 for fp64 input), or (loss, metrics) with 0-dim detached metrics: clip_frac_low,
+    clip_frac_high, dual_clip_frac, ratio_mean, approx_kl (mean old - logp), kl, entropy (on tokens in the loss),
+    retrieved_frac (retrieved / response tokens), tis_weight_mean, offpolicy_weight_mean, num_tokens,
+    num_offpolicy_tokens.
+    """
+    a = dict(locals())
+    facts = _validate(a)
+    flat, S = facts["flat"], facts["rows"]
+    want_ent = entropy_coef != 0.0 or return_metrics
+    out = token_logprobs(logits, hidden=hidden, weight=weight, bias=bias, targets=targets, temperature=temperature,
+                         return_entropy=want_ent)
+    logp, ent = out if want_ent else (out, None)
+    if ent is not None and entropy_coef == 0.0:
+        ent = ent.detach()  # for the metric only: no backward through the entropy
+    cd = torch.float64 if logp.dtype == torch.float64 else torch.float32
+    n = targets.numel()
+    dev = logp.device
+    lp = logp.reshape(n).to(cd)
+
+    def vec(x):
+        return None if x is None else x.reshape(n).to(cd).contiguous()
+
+    old, behav, ref = vec(old_logp), vec(behav_logp), vec(ref_logp)
+    ent_v = vec(ent)
+    lm = loss_mask.reshape(n) != 0
+    ret = retrieved_mask.reshape(n) != 0 if retrieved_mask is not None else torch.zeros_like(lm)
+    on = lm & ~ret
+    off = lm & ret if offpolicy_train != "none" else torch.zeros_like(lm)
+    act = on | off
+    # segment id of each token; padded rows are segments of length T
+    if flat and cu_seqlens is not None:
+        seg = torch.searchsorted(cu_seqlens[1:].to(torch.int64), torch.arange(n, device=dev), right=True)
+    elif flat:
+        seg = torch.zeros(n, dtype=torch.int64, device=dev)
+    else:
+        seg = torch.arange(n, device=dev) // targets.shape[1]
+
+    def seg_sum(x):
+        return torch.zeros(S, dtype=cd, device=dev).index_add_(0, seg, x.to(cd))
+
+    resp = response_mask.reshape(n) != 0 if response_mask is not None else torch.ones_like(lm)
+    frac = seg_sum(ret) / seg_sum(resp).clamp_min(1)
+    scale = (1.0 + shaping_m * frac)[seg].contiguous()
+    n_on = seg_sum(on)
+    seqlr = None
+    if importance_sampling_level == "sequence":
+        lr = torch.where(on, lp.detach() - old, torch.zeros_like(lp))
+        seqlr = (seg_sum(lr) / n_on.clamp_min(1))[seg].contiguous()
+    adv = advantages.to(cd)
+    adv = (adv.reshape(n) if tuple(advantages.shape) == tuple(targets.shape) else adv[seg]).contiguous()
+
+    # aggregation weight of each token (no gradient: counts only)
+    g = None if global_num_tokens is None else torch.as_tensor(global_num_tokens, dtype=cd).to(dev).reshape(())
+    actf = act.to(cd)
+    if loss_agg == "token-mean":
+        w = actf / (g if g is not None else actf.sum().clamp_min(1))
+    elif loss_agg == "seq-mean-token-sum-norm":
+        w = actf / (g if g is not None else torch.tensor(float(facts["max_len"]), dtype=cd, device=dev))
+    else:
+        n_act = seg_sum(act)
+        denom = g if g is not None else (n_act > 0).sum().clamp_min(1).to(cd)
+        w = actf / denom
+        if loss_agg == "seq-mean-token-mean":
+            w = w / n_act.clamp_min(1)[seg]
+    w = w.contiguous()
+
+    if use_triton(dev) and cd == torch.float32:
+        code = (on.to(torch.int8) + 2 * off.to(torch.int8)).contiguous()
+        kl_mode = 0 if ref is None else 1 + KL_ESTIMATORS.index(kl_estimator)
+        tok, sums = policy_loss_op(
+            lp.contiguous(), old, adv, w, scale, code, seqlr, behav if (tis_cap is not None or
+                                                                          offpolicy_train == "truncated") else None,
+            ref if kl_mode else None, ent_v if (entropy_coef != 0.0 or return_metrics) else None,
+            float(eps_low), float(eps_high), float(dual_clip or 0.0), float(gamma), float(is_cap),
+            float(tis_cap or 0.0), float(beta), float(entropy_coef), OFFPOLICY_MODES.index(offpolicy_train), kl_mode,
+        )
+        loss = tok.sum()
+    else:
+        tok, terms = policy_token_loss_ref(
+            lp, old, adv, on_mask=on, off_mask=off, ratio_scale=scale, seq_log_ratio=seqlr, behav_logp=behav,
+            ref_logp=ref, entropy=ent_v, offpolicy_train=offpolicy_train, gamma=gamma, is_cap=is_cap,
+            tis_cap=tis_cap, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip, beta=beta,
+            kl_estimator=kl_estimator, entropy_coef=entropy_coef,
+        )
+        loss = (tok * w).sum()
+        sums = None
+        if return_metrics:
+            z = torch.zeros_like(lp)
+
+            def msum(x, m):
+                return torch.where(m, x.to(cd), z).sum()
+
+            sums = torch.stack([
+                on.sum().to(cd), off.sum().to(cd), act.sum().to(cd), msum(terms["clipped_high"], on),
+                msum(terms["clipped_low"], on), msum(terms["dual_clipped"], on), msum(terms["ratio"], on),
+                msum(terms["approx_kl"], on), msum(terms["kl"], act) if ref is not None else z.sum(),
+                msum(ent_v, act), msum(terms["tis_weight"], on) if tis_cap is not None else z.sum(),
+                msum(terms["offpolicy_weight"], off) if offpolicy_train != "none" else z.sum(),
+            ])
+    if not return_metrics:
+        return loss
+    sums = sums.detach().to(cd)
+    n_on_t, n_off_t, n_act_t = sums[0].clamp_min(1), sums[1].clamp_min(1), sums[2].clamp_min(1)
+    metrics = {
+        "clip_frac_high": sums[3] / n_on_t,
+        "clip_frac_low": sums[4] / n_on_t,
+        "dual_clip_frac": sums[5] / n_on_t,
+        "ratio_mean": sums[6] / n_on_t,
+        "approx_kl": sums[7] / n_on_t,
+        "kl": sums[8] / n_act_t,
+        "entropy": sums[9] / n_act_t,
+        "retrieved_frac": ret.sum().to(cd) / resp.sum().clamp_min(1).to(cd),
+        "tis_weight_mean": sums[10] / n_on_t if tis_cap is not None else torch.ones((), dtype=cd, device=dev),
+        "offpolicy_weight_mean": sums[11] / n_off_t,
+        "num_tokens": sums[2],
+        "num_offpolicy_tokens": sums[1],
+    }
+    return loss, metrics
+
+
+class RAPOLoss(nn.Module):
+    """nn.Module form of rapo_loss: options (and `preset`, a name in rapo_fast.presets or a dict) fixed at
+    construction, explicit keyword options overriding the preset; forward(logits=None, *, hidden, weight, bias,
+    targets, old_logp, advantages, loss_mask, retrieved_mask, response_mask, behav_logp, ref_logp, cu_seqlens,
+    global_num_tokens, return_metrics=None) takes the tensors and returns what rapo_loss returns."""
+
+    def __init__(self, preset: str | dict | None = None, **options: Any):
+        super().__init__()
+        from rapo_fast import presets as P
+
+        opts: dict[str, Any] = dict(OPTION_DEFAULTS)
+        if preset is not None:
+            opts.update(P.get(preset))
+        unknown = sorted(set(options) - set(OPTION_DEFAULTS))
+        if unknown:
+            raise TypeError(f"RAPOLoss: unknown option(s) {unknown}; expected some of {sorted(OPTION_DEFAULTS)}")
+        opts.update(options)
+        self.options = opts
+
+    def forward(self, logits: torch.Tensor | None = None, *, return_metrics: bool | None = None, **tensors):
+        bad = sorted(set(tensors) & set(OPTION_DEFAULTS))
+        if bad:
+            raise TypeError(f"RAPOLoss.forward: {bad} are constructor options, not forward arguments")
+        opts = dict(self.options)
+        if return_metrics is not None:
+            opts["return_metrics"] = return_metrics
+        return rapo_loss(logits, **tensors, **opts)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.options.items() if OPTION_DEFAULTS.get(k) != v)
