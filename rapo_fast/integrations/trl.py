@@ -318,7 +318,9 @@ class RAPOGRPOTrainer(GRPOTrainer):
         loss_kwargs = self.rapo_loss_kwargs(inputs, plan)
         input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-        loss, metrics = model(input_ids=input_ids, attention_mask=attention_mask, rapo_fast_loss=loss_kwargs)
+        # Same autocast context as TRL's log-prob pass, so mixed-precision runs see the same backbone numerics.
+        with self.accelerator.autocast():
+            loss, metrics = model(input_ids=input_ids, attention_mask=attention_mask, rapo_fast_loss=loss_kwargs)
         mode = "train" if self.model.training else "eval"
         if plan.divide_by_grad_accum and mode == "train":
             loss = loss / self.current_gradient_accumulation_steps
