@@ -131,10 +131,12 @@ class StepTraces:
         return pids
 
     def _store_kv(self, pids: list[int], segs: list[list[int]]) -> None:
-        from rapo_fast.kv_splice import compute_segment_kv
+        self.kv_store.add_from_model(self.model, pids, segs, batch_size=64, replace=True)
 
-        for pid, seg in zip(pids, segs):
-            self.kv_store.put(pid, compute_segment_kv(self.model, torch.tensor(seg)))
+    def refresh_kv(self) -> None:
+        """Recompute every payload's K/V with the current model (cached K/V go stale as the policy trains)."""
+        if self.kv_store is not None and self.payloads:
+            self._store_kv(list(range(len(self.payloads))), self.payloads)
 
     def add_steps(self, histories: Sequence[str], steps: Sequence[str], group_ids: Sequence[int],
                   scores: Sequence[float] | None = None) -> torch.Tensor:
