@@ -246,12 +246,16 @@ def _lin_bwd_impl(
     n, h = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
-    empty = hidden.new_empty(0)
+
+    # Outputs of a custom op may not alias each other: a fresh [0] tensor for each gradient not needed.
+    def empty():
+        return hidden.new_empty(0)
+
     if n == 0:
         return (
-            torch.zeros_like(hidden) if need_hidden else empty,
-            torch.zeros_like(weight) if need_weight else empty,
-            torch.zeros_like(bias) if (need_bias and bias is not None) else empty,
+            torch.zeros_like(hidden) if need_hidden else empty(),
+            torch.zeros_like(weight) if need_weight else empty(),
+            torch.zeros_like(bias) if (need_bias and bias is not None) else empty(),
         )
     k = _kernels()
     nc, vc = _tiles(n, v, hidden.element_size(), dev)
@@ -265,14 +269,14 @@ def _lin_bwd_impl(
     has_bias = bias is not None
     low_precision = hidden.dtype != torch.float32
 
-    grad_h = torch.empty_like(hidden) if need_hidden else empty
+    grad_h = torch.empty_like(hidden) if need_hidden else empty()
     # Sums over several tiles accumulate in fp32 (one rounding to the input dtype at the end), not in bf16.
     acc_h = (
         torch.zeros(n, h, dtype=torch.float32, device=dev) if need_hidden and n_vtiles > 1 and low_precision else None
     )
     if acc_h is None and need_hidden and n_vtiles > 1:
         grad_h.zero_()
-    grad_w = torch.empty_like(weight) if need_weight else empty
+    grad_w = torch.empty_like(weight) if need_weight else empty()
     acc_w = (
         torch.empty(vc, h, dtype=torch.float32, device=dev) if need_weight and n_rtiles > 1 and low_precision else None
     )
@@ -318,7 +322,7 @@ def _lin_bwd_impl(
             gw.copy_(acc_w[: v1 - v0])
     if acc_h is not None:
         grad_h.copy_(acc_h)
-    grad_b = grad_b32.to(bias.dtype) if grad_b32 is not None else empty
+    grad_b = grad_b32.to(bias.dtype) if grad_b32 is not None else empty()
     return grad_h, grad_w, grad_b
 
 
@@ -326,11 +330,14 @@ def _lin_bwd_fake(
     hidden, weight, bias, targets, lse, entropy, grad_logp, grad_entropy, temperature, with_entropy,
     need_hidden, need_weight, need_bias,
 ):  # fmt: skip
-    empty = hidden.new_empty(0)
+
+    def empty():
+        return hidden.new_empty(0)
+
     return (
-        torch.empty_like(hidden) if need_hidden else empty,
-        torch.empty_like(weight) if need_weight else empty,
-        torch.empty_like(bias) if (need_bias and bias is not None) else empty,
+        torch.empty_like(hidden) if need_hidden else empty(),
+        torch.empty_like(weight) if need_weight else empty(),
+        torch.empty_like(bias) if (need_bias and bias is not None) else empty(),
     )
 
 
