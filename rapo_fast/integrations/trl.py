@@ -38,7 +38,6 @@ training with offpolicy_train="truncated" or for tis_cap, "sampling_per_token_lo
 
 from __future__ import annotations
 
-import math
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -172,7 +171,9 @@ def trl_to_rapo_options(trainer: Any, rapo_options: Mapping[str, Any] | None = N
         if "tis_cap" in extras:
             raise ValueError("tis_cap given in rapo_options while TRL's vLLM importance sampling is on; set only one")
         cap = trainer.vllm_importance_sampling_clip_max
-        plan.options["tis_cap"] = math.inf if cap is None else float(cap)
+        if cap is None:
+            raise ValueError("vllm_importance_sampling_clip_max=None (untruncated IS) is not supported: set a cap")
+        plan.options["tis_cap"] = float(cap)
         plan.use_tis = True
 
     temperature = float(trainer.temperature)

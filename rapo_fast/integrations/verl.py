@@ -1,0 +1,319 @@
+"""verl adapter: a RAPO policy loss with verl's policy-loss registry signature, and fused log-prob helpers (actor).
+
+What it is:
+- `rapo_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)`,
+  the signature of verl's `PolicyLossFn` (verl/trainer/ppo/core_algos.py: `register_policy_loss`, `agg_loss`,
+  `compute_policy_loss_vanilla`), returning `(pg_loss, pg_metrics)` like verl's vanilla loss. With retrieval off it
+  equals verl's vanilla loss (PPO clip with clip_ratio_low/high, dual clip with clip_ratio_c, log-ratio clamped to
+  +-20, `agg_loss` with `config.global_batch_info`: dp_size, batch_num_tokens, global_batch_size, loss_scale_factor).
+  Keyword-only extras (retrieved_mask, shaping_m, offpolicy_train, ...) add RAPO's importance shaping and off-policy
+  tokens for callers that have them (verl's own actor passes only the registry arguments).
+  When verl is importable, importing this module registers it as policy loss "rapo"
+  (`actor.policy_loss.loss_mode=rapo`); `register_rapo_policy_loss(name, **options)` registers a variant with fixed
+  RAPO options.
+- `fused_logprobs_from_hidden(hidden_states, vocab_weights, input_ids, temperature)` -> (log_probs, entropy), the
+  contract of verl's `FusedLinearForPPO.forward` / `linear_cross_entropy(..., "none")` (the fused-kernel path of
+  verl/models/transformers/dense_common.py), computed by `rapo_fast.token_logprobs` on the hidden states without
+  materialising [N, V]; `RAPOFusedLinearForPPO` wraps it as a module with FusedLinearForPPO's forward signature.
+  `logprobs_from_logits` covers verl's unfused actor path (logits already computed).
+
+What it is not: a verl actor or trainer, and not the fused logits->loss kernel: verl's registry hands the loss
+log-probs that are already computed, so the loss here is rapo_fast's policy-loss spec evaluated on those log-probs
+(`rapo_fast.reference.policy_loss.rapo_loss_ref`, elementwise over [B, T]); the fusion that saves memory is in the
+log-prob helpers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from rapo_fast.reference.policy_loss import rapo_loss_ref
+
+__all__ = [
+    "rapo_policy_loss",
+    "register_rapo_policy_loss",
+    "verl_normaliser",
+    "fused_logprobs_from_hidden",
+    "logprobs_from_logits",
+    "RAPOFusedLinearForPPO",
+]
+
+VERL_LOSS_AGG_MODES = (
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
+_RAPO_KEYWORDS = ("shaping_m", "offpolicy_train", "gamma", "is_cap", "tis_cap", "importance_sampling_level")
+
+
+def _cfg(config: Any, name: str, default: Any = None) -> Any:
+    """Read an option from verl's ActorConfig (attributes, `.get`) or a plain mapping / DictConfig."""
+    if config is None:
+        return default
+    if isinstance(config, Mapping):
+        return config.get(name, default)
+    value = getattr(config, name, None)
+    if value is None and hasattr(config, "get"):
+        try:
+            value = config.get(name, default)
+        except (KeyError, AttributeError, TypeError):
+            value = None
+    return default if value is None else value
+
+
+def verl_normaliser(
+    loss_mask: torch.Tensor,
+    loss_agg_mode: str,
+    *,
+    dp_size: int = 1,
+    batch_num_tokens: Any = None,
+    global_batch_size: Any = None,
+    loss_scale_factor: Any = None,
+) -> tuple[str, torch.Tensor, int]:
+    """verl's `agg_loss` as (rapo loss_agg, global normaliser, dp_size): loss = agg(loss_agg, normaliser) * dp_size.
+
+    token-mean: masked sum / batch_num_tokens (default: this micro-batch's token count); token-sum: masked sum;
+    seq-mean-token-sum / -mean: per-row sum or mean over non-empty rows / global_batch_size (default: the number of
+    non-empty rows); seq-mean-token-sum-norm: the seq-mean-token-sum value / loss_scale_factor (default: T).
+    Raises ValueError for an unknown mode or for dp_size > 1 without the global count, as verl does.
+    """
+    mask = loss_mask.bool()
+    if loss_agg_mode not in VERL_LOSS_AGG_MODES:
+        raise ValueError(f"loss_agg_mode: expected one of {list(VERL_LOSS_AGG_MODES)}, got {loss_agg_mode!r}")
+    dev = loss_mask.device
+    if loss_agg_mode in ("token-mean", "token-sum"):
+        if loss_agg_mode == "token-sum":
+            g = torch.ones((), dtype=torch.float32, device=dev)
+        elif batch_num_tokens is None:
+            if dp_size > 1:
+                raise ValueError("(global) batch_num_tokens is required when dp_size > 1")
+            g = mask.sum().clamp_min(1).float()
+        else:
+            g = torch.as_tensor(batch_num_tokens, dtype=torch.float32, device=dev)
+        return "token-mean", g, dp_size
+    if global_batch_size is None:
+        if dp_size > 1:
+            raise ValueError("global_batch_size is required when dp_size > 1")
+        n_seq = mask.any(-1).sum().clamp_min(1).float()
+    else:
+        n_seq = torch.as_tensor(global_batch_size, dtype=torch.float32, device=dev)
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        factor = loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
+        # Sum over tokens / (sequences * factor): one token-mean normaliser gives the same number.
+        return "token-mean", n_seq * float(factor), dp_size
+    return loss_agg_mode, n_seq, dp_size
+
+
+def rapo_policy_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Any = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    *,
+    rollout_log_probs: torch.Tensor | None = None,
+    retrieved_mask: torch.Tensor | None = None,
+    **rapo_options: Any,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """RAPO policy loss with verl's `PolicyLossFn` signature; returns (pg_loss, pg_metrics) as verl's vanilla loss.
+
+    Args:
+        old_log_prob, log_prob, advantages, response_mask: [B, T] (log_prob carries the gradient).
+        loss_agg_mode: verl's mode, one of VERL_LOSS_AGG_MODES.
+        config: verl's ActorConfig (or a mapping): clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c (3.0),
+            global_batch_info (dp_size, batch_num_tokens, global_batch_size, loss_scale_factor), and, for the older
+            rollout_log_probs interface, tis_imp_ratio_cap.
+        rollout_is_weights: [B, T] detached rollout-correction weights (>= 0) multiplying each token's policy loss,
+            applied by scaling the advantages (the clipped surrogate is linear in A for a non-negative weight).
+        rollout_log_probs: older verl interface: behaviour log-probs; with config.tis_imp_ratio_cap > 0 they give
+            truncated IS min(exp(old - rollout), cap).
+        retrieved_mask: [B, T] tokens inserted by retrieval (RAPO); excluded from the loss unless offpolicy_train.
+        rapo_options: shaping_m, offpolicy_train, gamma, is_cap, tis_cap, importance_sampling_level.
+    Metrics (floats, verl's keys): actor/pg_clipfrac, actor/ppo_kl, actor/pg_clipfrac_lower, plus rapo/ratio_mean and
+    rapo/retrieved_frac.
+    """
+    unknown = sorted(set(rapo_options) - set(_RAPO_KEYWORDS))
+    if unknown:
+        raise TypeError(f"rapo_policy_loss: unknown option(s) {unknown}; expected some of {list(_RAPO_KEYWORDS)}")
+    clip_ratio = _cfg(config, "clip_ratio", 0.2)
+    eps_low = float(_cfg(config, "clip_ratio_low", clip_ratio))
+    eps_high = float(_cfg(config, "clip_ratio_high", clip_ratio))
+    clip_ratio_c = float(_cfg(config, "clip_ratio_c", 3.0))
+    if not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c: the dual-clip bound must be > 1.0, got {clip_ratio_c}")
+    info = dict(_cfg(config, "global_batch_info", {}) or {})
+    loss_agg, g, dp_size = verl_normaliser(
+        response_mask,
+        loss_agg_mode,
+        dp_size=int(info.get("dp_size", 1) or 1),
+        batch_num_tokens=info.get("batch_num_tokens"),
+        global_batch_size=info.get("global_batch_size"),
+        loss_scale_factor=info.get("loss_scale_factor"),
+    )
+    adv = advantages if rollout_is_weights is None else advantages * rollout_is_weights.detach()
+    opts = dict(rapo_options)
+    behav = None
+    cap = _cfg(config, "tis_imp_ratio_cap", 0.0)
+    if rollout_log_probs is not None and cap and float(cap) > 0:
+        behav = rollout_log_probs
+        opts.setdefault("tis_cap", float(cap))
+    elif opts.get("tis_cap") is not None or opts.get("offpolicy_train") == "truncated":
+        behav = rollout_log_probs
+        if behav is None:
+            raise ValueError("rollout_log_probs: required with tis_cap or offpolicy_train='truncated'")
+    loss, m = rapo_loss_ref(
+        log_prob,
+        old_logp=old_log_prob,
+        advantages=adv,
+        loss_mask=response_mask.bool(),
+        retrieved_mask=None if retrieved_mask is None else retrieved_mask.bool(),
+        response_mask=response_mask.bool(),
+        behav_logp=behav,
+        eps_low=eps_low,
+        eps_high=eps_high,
+        dual_clip=clip_ratio_c,
+        loss_agg=loss_agg,
+        global_num_tokens=g,
+        return_metrics=True,
+        **opts,
+    )
+    loss = loss * dp_size
+    metrics = {
+        "actor/pg_clipfrac": (m["clip_frac_high"] + m["clip_frac_low"]).item(),
+        "actor/ppo_kl": m["approx_kl"].item(),
+        "actor/pg_clipfrac_lower": m["dual_clip_frac"].item(),
+        "rapo/ratio_mean": m["ratio_mean"].item(),
+        "rapo/retrieved_frac": m["retrieved_frac"].item(),
+    }
+    return loss, metrics
+
+
+def register_rapo_policy_loss(name: str = "rapo", **options: Any) -> Callable[..., Any]:
+    """Register `rapo_policy_loss` (with `options` bound, e.g. shaping_m) in verl's policy-loss registry.
+
+    Returns the registered function. Raises ImportError when verl is not installed.
+    """
+    from verl.trainer.ppo.core_algos import register_policy_loss
+
+    unknown = sorted(set(options) - set(_RAPO_KEYWORDS))
+    if unknown:
+        raise TypeError(f"register_rapo_policy_loss: unknown option(s) {unknown}")
+
+    def policy_loss(
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        loss_agg_mode="token-mean",
+        config=None,
+        rollout_is_weights=None,
+        **kwargs,
+    ):
+        return rapo_policy_loss(
+            old_log_prob,
+            log_prob,
+            advantages,
+            response_mask,
+            loss_agg_mode,
+            config,
+            rollout_is_weights,
+            **{**options, **kwargs},
+        )
+
+    policy_loss.__name__ = f"rapo_policy_loss_{name}"
+    policy_loss.__doc__ = f"rapo_policy_loss with options {options!r} (registered as {name!r})."
+    return register_policy_loss(name)(policy_loss)
+
+
+# ------------------------------------------------------------------------------------------- fused log-prob helpers
+def fused_logprobs_from_hidden(
+    hidden_states: torch.Tensor,
+    vocab_weights: torch.Tensor,
+    input_ids: torch.Tensor,
+    temperature: float = 1.0,
+    bias: torch.Tensor | None = None,
+    return_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+    """Per-token log-prob (and entropy) of `input_ids` under softmax((hidden @ W^T + b) / T), never holding [N, V].
+
+    The contract of verl's `FusedLinearForPPO.forward(hidden_states, vocab_weights, input_ids, temperature)`:
+    hidden_states [..., H] (e.g. [B, S, H], or [1, total_nnz, H] with remove-padding), vocab_weights [V, H] (the
+    gathered lm_head weight), input_ids [...] the already shifted (rolled) labels. Returns fp32 (log_probs, entropy)
+    shaped like input_ids, or log_probs alone with return_entropy=False. Gradients flow to hidden, weight and bias.
+    """
+    if hidden_states.shape[:-1] != input_ids.shape:
+        raise ValueError(
+            f"input_ids: expected shape {tuple(hidden_states.shape[:-1])} (hidden_states without H), "
+            f"got {tuple(input_ids.shape)}"
+        )
+    import rapo_fast
+
+    shape = input_ids.shape
+    out = rapo_fast.token_logprobs(
+        hidden=hidden_states.reshape(-1, hidden_states.shape[-1]),
+        weight=vocab_weights,
+        bias=bias,
+        targets=input_ids.reshape(-1),
+        temperature=temperature,
+        return_entropy=return_entropy,
+    )
+    if return_entropy:
+        logp, ent = out
+        return logp.reshape(shape), ent.reshape(shape)
+    return out.reshape(shape)
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, return_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+    """verl's `logprobs_from_logits(logits / T, labels)` (and `entropy_from_logits`) through rapo_fast's kernel.
+
+    logits [..., V] (not yet divided by the temperature: pass it here instead of verl's in-place `div_`), labels
+    [...]. Returns fp32 log-probs (and entropy) shaped like labels.
+    """
+    import rapo_fast
+
+    shape = labels.shape
+    out = rapo_fast.token_logprobs(
+        logits.reshape(-1, logits.shape[-1]),
+        targets=labels.reshape(-1),
+        temperature=temperature,
+        return_entropy=return_entropy,
+    )
+    if return_entropy:
+        return out[0].reshape(shape), out[1].reshape(shape)
+    return out.reshape(shape)
+
+
+class RAPOFusedLinearForPPO(torch.nn.Module):
+    """Drop-in for verl's `FusedLinearForPPO`: forward(hidden_states, vocab_weights, input_ids, temperature) ->
+    (log_probs, entropy), computed by `fused_logprobs_from_hidden`."""
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        vocab_weights: torch.Tensor,
+        input_ids: torch.Tensor,
+        temperature: float = 1.0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return fused_logprobs_from_hidden(hidden_states, vocab_weights, input_ids, temperature)
+
+
+def _register_if_verl_present() -> bool:
+    """Register "rapo" in verl's registry when verl is importable; return whether it was."""
+    try:
+        import verl.trainer.ppo.core_algos  # noqa: F401
+    except ImportError:
+        return False
+    register_rapo_policy_loss("rapo")
+    return True
+
+
+VERL_REGISTERED = _register_if_verl_present()
