@@ -31,6 +31,7 @@ from torch import nn
 from rapo_fast import _checks as C
 from rapo_fast._dispatch import register_op, use_triton
 from rapo_fast.logprobs import token_logprobs
+from rapo_fast.reference.logprobs import linear_token_logprobs_ref, token_logprobs_ref
 from rapo_fast.reference.policy_loss import policy_token_loss_ref
 
 __all__ = ["rapo_loss", "RAPOLoss", "OPTION_DEFAULTS"]
@@ -277,8 +278,13 @@ def rapo_loss(
     facts = _validate(a)
     flat, S = facts["flat"], facts["rows"]
     want_ent = entropy_coef != 0.0 or return_metrics
-    out = token_logprobs(logits, hidden=hidden, weight=weight, bias=bias, targets=targets, temperature=temperature,
-                         return_entropy=want_ent)
+    x = logits if logits is not None else hidden
+    if x.dtype == torch.float64:  # a checking precision (gradcheck, tests): the reference, which keeps fp64
+        out = (token_logprobs_ref(logits, targets, temperature, want_ent) if logits is not None else
+               linear_token_logprobs_ref(hidden, weight, targets, bias, temperature, want_ent))
+    else:
+        out = token_logprobs(logits, hidden=hidden, weight=weight, bias=bias, targets=targets,
+                             temperature=temperature, return_entropy=want_ent)
     logp, ent = out if want_ent else (out, None)
     if ent is not None and entropy_coef == 0.0:
         ent = ent.detach()  # for the metric only: no backward through the entropy

@@ -1,0 +1,277 @@
+"""rapo_fast.rapo_loss, kernel path vs reference vs float64: loss, gradients and metrics over every aggregation mode,
+padded and flat (cu_seqlens) layouts, the logits and the hidden-state paths, fp32/fp16/bf16; the registered ops
+(opcheck, non-uniform upstream gradients); the CPU fallback path; all-masked rows.
+
+Tolerance (STYLE.md item 4, tests/helpers.py): |kernel - ref64| <= 2 |ref_dtype - ref64| + atol[dtype], atol 1e-4
+fp32, 1e-2 fp16, 5e-2 bf16, for the loss and every gradient. Metrics (detached) are compared with the reference in
+the same dtype (atol 1e-5, counts exactly). `make_batch` and `check_case` are shared with the other test_loss_* files.
+Not here: option-by-option semantics and hand-computed values (test_loss_options.py), accumulation
+(test_loss_accumulation.py), argument checks (test_loss_checks.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_close_verbose, assert_within_ref_error
+
+import rapo_fast
+from rapo_fast import loss as loss_mod
+from rapo_fast.reference import rapo_loss_ref, token_logprobs_ref
+
+AGG_MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+TENSOR_KEYS = ("old_logp", "advantages", "behav_logp", "ref_logp")
+
+
+def make_batch(
+    B=3, T=7, V=11, *, seg_lens=None, H=None, bias=True, per_seq_adv=False, mask_p=0.8, ret_p=0.3,
+    masked_rows=(), response=False, spread=0.3, seed=0,
+):
+    """Random inputs in fp32. Padded [B, T] unless seg_lens (flat, cu_seqlens from the lengths). H: hidden path."""
+    g = torch.Generator().manual_seed(seed)
+    flat = seg_lens is not None
+    lead = (sum(seg_lens),) if flat else (B, T)
+    rows = len(seg_lens) if flat else B
+    d = {}
+    if H is None:
+        d["logits"] = torch.randn(*lead, V, generator=g) * 2
+        z = d["logits"]
+    else:
+        d["hidden"] = torch.randn(*lead, H, generator=g)
+        d["weight"] = torch.randn(V, H, generator=g) / H**0.5 * 2
+        if bias:
+            d["bias"] = torch.randn(V, generator=g) * 0.1
+        z = d["hidden"] @ d["weight"].T + (d["bias"] if bias else 0)
+    d["targets"] = torch.randint(0, V, lead, generator=g)
+    logp = torch.log_softmax(z.double(), -1).gather(-1, d["targets"][..., None])[..., 0].float()
+    d["old_logp"] = logp + spread * torch.randn(lead, generator=g)
+    d["behav_logp"] = d["old_logp"] + 0.2 * torch.randn(lead, generator=g)
+    d["ref_logp"] = logp + spread * torch.randn(lead, generator=g)
+    d["advantages"] = torch.randn((rows,) if per_seq_adv else lead, generator=g)
+    lm = torch.rand(lead, generator=g) < mask_p
+    if flat:
+        cu = torch.tensor([0] + seg_lens).cumsum(0)
+        d["cu_seqlens"] = cu
+        for r in masked_rows:
+            lm[cu[r] : cu[r + 1]] = False
+    else:
+        for r in masked_rows:
+            lm[r] = False
+    d["loss_mask"] = lm
+    d["retrieved_mask"] = torch.rand(lead, generator=g) < ret_p
+    if response:
+        d["response_mask"] = torch.rand(lead, generator=g) < 0.9
+    return d
+
+
+def _inputs_for(d, dtype):
+    """Leaf copies: the float activations (logits/hidden/weight/bias) in `dtype` with grad, the rest as given."""
+    out, leaves = {}, []
+    for k, v in d.items():
+        if k in ("logits", "hidden", "weight", "bias"):
+            v = v.detach().to(dtype).requires_grad_(True)
+            leaves.append(k)
+        elif k in TENSOR_KEYS and dtype == torch.float64:
+            v = v.double()
+        out[k] = v
+    return out, leaves
+
+
+def _run(fn, d, dtype, opts):
+    x, leaves = _inputs_for(d, dtype)
+    loss, metrics = fn(**x, **opts, return_metrics=True)
+    grads = torch.autograd.grad(loss, [x[k] for k in leaves], allow_unused=True)
+    return loss, dict(zip(leaves, grads)), metrics
+
+
+def check_case(d, opts, dtype=torch.float32, *, fn=None, metrics_atol=1e-5):
+    """The tolerance rule on loss and every gradient, kernel (`fn`, default rapo_fast.rapo_loss) vs references."""
+    fn = fn or rapo_fast.rapo_loss
+    loss_k, g_k, m_k = _run(fn, d, dtype, opts)
+    loss_r, g_r, m_r = _run(rapo_loss_ref, d, dtype, opts)
+    loss_64, g_64, m_64 = _run(rapo_loss_ref, {k: (v.double() if v.is_floating_point() else v) for k, v in d.items()},
+                            torch.float64, opts)
+    assert loss_k.shape == () and loss_k.dtype == torch.float32
+    assert torch.isfinite(loss_k)
+    assert_within_ref_error(loss_k, loss_r, loss_64, dtype, name=f"loss {opts}")
+    for k in g_k:
+        assert g_k[k].dtype == dtype
+        assert_within_ref_error(g_k[k], g_r[k], g_64[k], dtype, name=f"grad {k} {opts}")
+    assert set(m_k) == set(m_r)
+    n_on = max(float(m_r["num_tokens"] - m_r["num_offpolicy_tokens"]), 1.0)
+    for k in m_k:
+        assert m_k[k].shape == () and not m_k[k].requires_grad
+        if k.startswith("num_"):
+            assert_close_verbose(m_k[k], m_r[k], atol=0.0, name=f"metric {k}")
+        elif dtype == torch.float32:
+            assert_close_verbose(m_k[k], m_r[k], atol=metrics_atol, name=f"metric {k} {opts}")
+        elif "frac" in k and k != "retrieved_frac":
+            # the kernel's logp in low precision may move a token across a clip boundary: allow two such tokens
+            assert_close_verbose(m_k[k], m_r[k], atol=2.5 / n_on, name=f"metric {k} {opts}")
+        else:
+            assert_within_ref_error(m_k[k], m_r[k], m_64[k], dtype, name=f"metric {k} {opts}")
+    return loss_k, g_k, m_k
+
+
+FULL = dict(offpolicy_train="truncated", tis_cap=1.5, dual_clip=3.0, beta=0.1, kl_estimator="k3", entropy_coef=0.01,
+            shaping_m=0.05)
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+@pytest.mark.parametrize("opts", [
+    dict(),
+    dict(shaping_m=0.05, offpolicy_train="shaped", eps_low=0.28, eps_high=0.28),
+    FULL,
+    dict(importance_sampling_level="sequence", eps_low=3e-4, eps_high=4e-4, offpolicy_train="shaped", beta=0.05,
+         kl_estimator="k2", ref_logp=None),
+], ids=["plain", "rapo-shaped", "full", "gspo"])
+@pytest.mark.parametrize("layout", ["padded", "flat"])
+def test_kernel_vs_reference_every_agg(agg, opts, layout):
+    opts = {k: v for k, v in opts.items() if k != "ref_logp"}
+    if layout == "padded":
+        d = make_batch(3, 7, 11, masked_rows=(1,), per_seq_adv=agg != "token-mean", response=True)
+    else:
+        d = make_batch(seg_lens=[5, 1, 0, 9, 3], V=13, masked_rows=(1,), per_seq_adv=agg == "seq-mean-token-sum")
+    check_case(d, dict(opts, loss_agg=agg))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("layout", ["padded", "flat"])
+def test_low_precision_logits(dtype, layout):
+    d = make_batch(2, 9, 37) if layout == "padded" else make_batch(seg_lens=[4, 7, 2], V=37)
+    check_case(d, dict(FULL, loss_agg="seq-mean-token-mean"), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_hidden_path(dtype, agg):
+    d = make_batch(2, 5, 19, H=13, per_seq_adv=True)
+    check_case(d, dict(FULL, loss_agg=agg, temperature=0.7), dtype)
+
+
+def test_hidden_path_flat_no_bias():
+    d = make_batch(seg_lens=[3, 6], V=23, H=9, bias=False)
+    check_case(d, dict(shaping_m=0.05, importance_sampling_level="sequence", loss_agg="seq-mean-token-sum"))
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1), (1, 1, 5), (2, 3, 1), (1, 33, 7)])
+def test_tiny_shapes(shape):
+    check_case(make_batch(*shape), dict(FULL, loss_agg="seq-mean-token-mean"))
+
+
+def test_larger_vocab_not_multiple_of_block():
+    d = make_batch(2, 3, 5003, spread=1.0)
+    check_case(d, dict(FULL, loss_agg="token-mean"))
+
+
+def test_all_masked_batch_gives_zero_and_no_nan():
+    d = make_batch(3, 4, 6, mask_p=0.0)
+    for agg in AGG_MODES:
+        loss, grads, metrics = check_case(d, dict(FULL, loss_agg=agg))
+        assert loss.item() == 0.0
+        assert torch.count_nonzero(grads["logits"]) == 0
+        assert all(torch.isfinite(v) for k, v in metrics.items() if k != "entropy") and metrics["num_tokens"] == 0
+
+
+def test_empty_offpolicy_mask():
+    d = make_batch(3, 6, 8, ret_p=0.0)
+    for mode in ("shaped", "truncated"):
+        _, _, m = check_case(d, dict(offpolicy_train=mode, shaping_m=0.05))
+        assert m["num_offpolicy_tokens"] == 0 and m["offpolicy_weight_mean"] == 0
+    # and with nothing retrieved, the off-policy modes equal "none"
+    x = {k: v for k, v in d.items()}
+    assert torch.equal(rapo_fast.rapo_loss(**x, offpolicy_train="shaped"), rapo_fast.rapo_loss(**x))
+
+
+def test_fallback_path_matches_reference(monkeypatch):
+    """The non-Triton path of rapo_loss (policy_token_loss_ref + loss.py's weights) vs the reference."""
+    monkeypatch.setattr(loss_mod, "use_triton", lambda device: False)
+    for agg in AGG_MODES:
+        check_case(make_batch(seg_lens=[3, 0, 5, 2], V=7, masked_rows=(2,)), dict(FULL, loss_agg=agg))
+    check_case(make_batch(2, 5, 7), dict(FULL, loss_agg="token-mean", importance_sampling_level="sequence"))
+
+
+def test_float64_inputs_match_reference_exactly_enough():
+    d = {k: (v.double() if v.is_floating_point() else v) for k, v in make_batch(2, 4, 5).items()}
+    x, _ = _inputs_for(d, torch.float64)
+    loss = rapo_fast.rapo_loss(**x, **FULL)
+    ref = rapo_loss_ref(**x, **FULL)
+    assert loss.dtype == torch.float64
+    assert_close_verbose(loss, ref, atol=1e-12)
+
+
+def test_gradcheck_float64():
+    d = {k: (v.double() if v.is_floating_point() else v) for k, v in make_batch(2, 3, 4, spread=0.05).items()}
+    logits = d.pop("logits").requires_grad_(True)
+    opts = dict(FULL, loss_agg="seq-mean-token-mean", dual_clip=None, tis_cap=None, offpolicy_train="shaped")
+    assert torch.autograd.gradcheck(lambda z: rapo_fast.rapo_loss(z, **d, **opts), (logits,))
+
+
+def _op_args(n=37, seq=True, with_ent=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lp = (-torch.rand(n, generator=g) * 3).requires_grad_(True)
+    old = lp.detach() + 0.3 * torch.randn(n, generator=g)
+    adv = torch.randn(n, generator=g)
+    w = torch.rand(n, generator=g) / n
+    scale = 1 + 0.05 * torch.rand(n, generator=g)
+    code = torch.randint(0, 3, (n,), generator=g, dtype=torch.int8)
+    seqlr = 0.2 * torch.randn(n, generator=g) if seq else None
+    behav = old + 0.1 * torch.randn(n, generator=g)
+    ref = lp.detach() + 0.2 * torch.randn(n, generator=g)
+    ent = (torch.rand(n, generator=g) * 2).requires_grad_(True) if with_ent else None
+    return (lp, old, adv, w, scale, code, seqlr, behav, ref, ent, 0.2, 0.28, 3.0, 0.1, 2.0, 1.5, 0.1, 0.01, 2, 3)
+
+
+@pytest.mark.parametrize("seq,with_ent", [(True, True), (False, False)])
+def test_opcheck_policy_loss_op(seq, with_ent):
+    args = _op_args(seq=seq, with_ent=with_ent)
+    torch.library.opcheck(torch.ops.rapo_fast.policy_loss.default, args)
+
+
+@pytest.mark.parametrize("n", [50, 2600])
+def test_op_honours_nonuniform_upstream_gradient(n):
+    """Pitfall 7: the backward multiplies by the per-token upstream gradient, not by an assumed scalar 1.
+    n = 2600 spans several kernel blocks (partial sums of several programs)."""
+    args = _op_args(n=n)
+    lp, ent = args[0], args[9]
+    tok, _ = loss_mod.policy_loss_op(*args)
+    up = torch.randn_like(tok)
+    g_lp, g_ent = torch.autograd.grad(tok, (lp, ent), up)
+    # the same per-token loss from the reference, weighted the same way
+    from rapo_fast.reference import policy_token_loss_ref
+
+    code = args[5]
+    lp2 = lp.detach().requires_grad_(True)
+    ent2 = ent.detach().requires_grad_(True)
+    ref_tok, _ = policy_token_loss_ref(
+        lp2, args[1], args[2], on_mask=code == 1, off_mask=code == 2, ratio_scale=args[4], seq_log_ratio=args[6],
+        behav_logp=args[7], ref_logp=args[8], entropy=ent2, offpolicy_train="truncated", gamma=0.1, is_cap=2.0,
+        tis_cap=1.5, eps_low=0.2, eps_high=0.28, dual_clip=3.0, beta=0.1, kl_estimator="k3", entropy_coef=0.01,
+    )
+    assert_close_verbose(tok, ref_tok * args[3], atol=1e-6, name="token loss")
+    r_lp, r_ent = torch.autograd.grad(ref_tok * args[3], (lp2, ent2), up)
+    assert_close_verbose(g_lp, r_lp, atol=1e-6, name="dlogp")
+    assert_close_verbose(g_ent, r_ent, atol=1e-6, name="dH")
+    # metric partial sums over all blocks: counts of each token class
+    _, sums = loss_mod.policy_loss_op(*args)
+    assert sums[0] == (code == 1).sum() and sums[1] == (code == 2).sum() and sums[2] == (code != 0).sum()
+
+
+def test_torch_compile_of_the_loss():
+    d = make_batch(2, 5, 7)
+    x, _ = _inputs_for(d, torch.float32)
+    opts = dict(shaping_m=0.05, loss_agg="seq-mean-token-mean")
+    eager = rapo_fast.rapo_loss(**x, **opts)
+    compiled = torch.compile(lambda **kw: rapo_fast.rapo_loss(**kw, **opts), backend="aot_eager")(**x)
+    assert_close_verbose(compiled, eager, atol=1e-6)
+
+
+def test_temperature_applies_to_policy_logprob():
+    """Pitfall 9: logp is taken at the temperature (old_logp given at the same temperature)."""
+    d = make_batch(2, 4, 9)
+    t = 0.6
+    logp_t = token_logprobs_ref(d["logits"], d["targets"], t)
+    d["old_logp"] = logp_t.detach()
+    _, m = rapo_fast.rapo_loss(**d, temperature=t, return_metrics=True)
+    assert_close_verbose(m["ratio_mean"], torch.tensor(1.0), atol=1e-5)
+    check_case(d, dict(temperature=t, entropy_coef=0.1))
