@@ -46,7 +46,11 @@ def _check_all(kern, ref_dt, ref64, dtype, names, grad_dtypes):
             assert e is None, f"{name}: no gradient"
             continue
         assert k.dtype == gd, f"grad {name} dtype {k.dtype}, want {gd}"
-        assert_within_ref_error(k, r, e, dtype, name=f"grad {name}")
+        # Weight and bias gradients sum over all tokens and grow with N; in bf16 one ulp of a value of magnitude M is
+        # M * 2^-8, which no bf16 output can beat elementwise. So the dtype floor applies relative to the gradient's
+        # scale (unchanged when that scale is <= 1).
+        scale = max(1.0, e[torch.isfinite(e)].abs().max().item()) if e.numel() else 1.0
+        assert_within_ref_error(k.double() / scale, r.double() / scale, e.double() / scale, dtype, name=f"grad {name}")
 
 
 def _upstream(shape, return_entropy):
