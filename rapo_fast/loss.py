@@ -76,16 +76,16 @@ def _validate(a: dict) -> dict:
     targets = C.check_tensor("targets", a["targets"], ndim=(1, 2), dtypes=C.INT_DTYPES)
     tshape = tuple(targets.shape)
     if logits is not None:
-        C.check_tensor("logits", logits, ndim=targets.dim() + 1, dtypes=C.FLOAT_DTYPES)
-        if tuple(logits.shape[:-1]) != tshape:
+        C.check_tensor("logits", logits, dtypes=C.FLOAT_DTYPES)
+        if logits.dim() != targets.dim() + 1 or tuple(logits.shape[:-1]) != tshape:
             raise ValueError(f"logits: expected shape {tshape + ('V',)} (targets' shape + vocab), got "
                              f"{tuple(logits.shape)}")
         vocab = logits.shape[-1]
         if weight is not None or bias is not None:
             raise ValueError("weight/bias: only with hidden=, not with logits")
     else:
-        C.check_tensor("hidden", hidden, ndim=targets.dim() + 1, dtypes=C.FLOAT_DTYPES)
-        if tuple(hidden.shape[:-1]) != tshape:
+        C.check_tensor("hidden", hidden, dtypes=C.FLOAT_DTYPES)
+        if hidden.dim() != targets.dim() + 1 or tuple(hidden.shape[:-1]) != tshape:
             raise ValueError(f"hidden: expected shape {tshape + ('H',)} (targets' shape + hidden), got "
                              f"{tuple(hidden.shape)}")
         if weight is None:
