@@ -61,10 +61,10 @@ def retrieval_reward(h_before: torch.Tensor, h_after: torch.Tensor) -> torch.Ten
     nb, na = torch.isnan(h_before), torch.isnan(h_after)
     if bool((nb != na).any()):
         raise ValueError("h_before/h_after: NaN (no retrieval) must be at the same positions in both")
-    C.check_finite("h_before", h_before.nan_to_num(0.0))
-    C.check_finite("h_after", h_after.nan_to_num(0.0))
-    hb = h_before.to(torch.float64).nan_to_num(0.0)
-    ha = h_after.to(torch.float64).nan_to_num(0.0)
+    hb = torch.where(nb, 0.0, h_before.to(torch.float64))
+    ha = torch.where(na, 0.0, h_after.to(torch.float64))
+    C.check_finite("h_before", hb)  # NaN means "no retrieval"; inf is an error
+    C.check_finite("h_after", ha)
     valid = ~nb & (hb != 0)
     delta = -(ha - hb) / torch.where(valid, hb, torch.ones_like(hb))
     z = torch.where(valid, torch.tanh(2.0 * delta) * hb, torch.zeros_like(hb))
