@@ -70,7 +70,9 @@ class StepBuffer:
         device: where the keys live; searches run there (C++ CPU backend or CUDA backend).
         metric: "ip" (inner product), "cosine", or "l2" (scores are -|q - k|^2, larger is better).
         eviction: when full, "fifo" overwrites the oldest step; "lowest_score" replaces the lowest-scored step (the
-            oldest among equals) if the new step's score is >= it, and otherwise drops the new step (slot -1).
+            oldest among equals) if the new step's score is >= it, and otherwise drops the new step (slot -1). A batch
+            keeps exactly the steps that adding its steps one by one would keep; its kept steps take the freed slots
+            in ascending order.
     """
 
     def __init__(
@@ -195,11 +197,10 @@ class StepBuffer:
         slots[:n_fill] = torch.arange(self._size, self._size + n_fill, device=dev)
         self._size += n_fill
         r = M - n_fill
-        if r > 0:  # overwrite from the oldest slot on; within the batch only the last C survive
-            pos = (self._head + torch.arange(r, device=dev)) % C
-            survive = torch.arange(r, device=dev) >= r - C
-            slots[n_fill:] = torch.where(survive, pos, torch.full_like(pos, -1))
+        if r > 0:  # overwrite in ring order from the oldest slot on
+            slots[n_fill:] = (self._head + torch.arange(r, device=dev)) % C
             self._head = (self._head + r) % C
+        slots[: max(0, M - C)] = -1  # steps of this batch overwritten by later ones of the same batch
         return slots
 
     def _assign_slots(self, new_score: torch.Tensor) -> torch.Tensor:
