@@ -95,7 +95,7 @@ def trainer():
     return _build()
 
 
-def _inputs(trainer, *, batch=5, prompt_len=4, width=7, with_old=True, empty_row=False, seed=1):
+def _inputs(trainer, *, batch=5, prompt_len=4, width=7, with_old=True, empty_row=False, seed=1, noise=0.3):
     """A batch shaped like GRPOTrainer._generate_and_score_completions' output (left-padded prompts)."""
     g = torch.Generator().manual_seed(seed)
     prompt_ids = torch.randint(0, V - 3, (batch, prompt_len), generator=g)
@@ -127,7 +127,7 @@ def _inputs(trainer, *, batch=5, prompt_len=4, width=7, with_old=True, empty_row
             width,
         )
     if with_old:
-        inputs["old_per_token_logps"] = logps + 0.3 * torch.randn(logps.shape, generator=g)
+        inputs["old_per_token_logps"] = logps + noise * torch.randn(logps.shape, generator=g)
     inputs["ref_per_token_logps"] = logps + 0.2 * torch.randn(logps.shape, generator=g)
     inputs["sampling_per_token_logps"] = logps + 0.25 * torch.randn(logps.shape, generator=g)
     return inputs
@@ -160,7 +160,9 @@ def _compare(trainer, inputs, loss_tol=LOSS_TOL, grad_tol=GRAD_TOL):
 CASES = {
     "grpo": dict(loss_type="grpo"),
     "grpo-empty-row": dict(loss_type="grpo", _empty_row=True),
-    "grpo-clip-higher-dual": dict(loss_type="grpo", epsilon_high=0.28, delta=1.9),
+    "grpo-clip-higher-dual": dict(
+        loss_type="grpo", epsilon_high=0.28, delta=1.5, _noise=0.8, _differs=dict(delta=None)
+    ),
     "grpo-gspo": dict(loss_type="grpo", importance_sampling_level="sequence"),
     "bnpo-kl": dict(loss_type="bnpo", beta=0.04),
     "bnpo-entropy": dict(loss_type="bnpo", entropy_coef=0.05),
@@ -198,7 +200,12 @@ def test_matches_trl_loss_and_grads(trainer, name):
     torch.manual_seed(0)
     case = CASES[name]
     _configure(trainer, case)
-    inputs = _inputs(trainer, with_old=case.get("_with_old", True), empty_row=case.get("_empty_row", False))
+    inputs = _inputs(
+        trainer,
+        with_old=case.get("_with_old", True),
+        empty_row=case.get("_empty_row", False),
+        noise=case.get("_noise", 0.3),
+    )
     if case.get("_vllm_tis") is not None:
         # Restated from GRPOTrainer._generate_and_score_completions (trl 1.16, mode "token_truncate"): the ratio TRL
         # multiplies its per-token loss by; our side derives the same weight from sampling_per_token_logps.
@@ -207,6 +214,13 @@ def test_matches_trl_loss_and_grads(trainer, name):
         inputs["importance_sampling_ratio"] = torch.clamp(torch.exp(diff), max=case["_vllm_tis"])
     try:
         _compare(trainer, inputs)
+        if "_differs" in case:
+            # The option under test changes TRL's own loss on these inputs, so the match above covers it.
+            with torch.no_grad():
+                with_opt = GRPOTrainer._compute_loss(trainer, trainer.model, dict(inputs))
+                _configure(trainer, {**case, **case["_differs"]})
+                without = GRPOTrainer._compute_loss(trainer, trainer.model, dict(inputs))
+            assert (with_opt - without).abs() > 1e-6
     finally:
         _configure(trainer, {})
 
