@@ -361,6 +361,9 @@ def splice_kv(
                     f"requests[{i}]: position {pos} is past the cache's length {cur}; a DynamicCache cannot hold a gap"
                 )
         new_len = max([cur] + [pos + n for _o, n, _r, pos, _d in table])
+        ks, vs = hfc.layer_tensors(cache)
+        _check_layer_tensors("cache keys", ks, store, 1)  # before growing: a refused call leaves the cache alone
+        _check_layer_tensors("cache values", vs, store, 1)
         hfc.grow(cache, new_len)  # raises for a StaticCache without room, before any write
         ks, vs = hfc.layer_tensors(cache)
         _check_layer_tensors("cache keys", ks, store, 1)
@@ -469,18 +472,23 @@ def insert_segment(
     n_exact = seg_len if mode == "exact" else 1 if mode == "splice" else max(1, math.ceil(blend_fraction * seg_len))
     n_exact = min(n_exact, seg_len)
     n_splice = seg_len - n_exact
-    if cur > p and cur > 0:
-        hfc.set_length(cache, p)
-    if n_splice > 0:
+    if n_splice > 0:  # every check before the cache is touched
         if store is None or payload_ids is None:
             raise ValueError(f"mode={mode!r} needs store= and payload_ids= (the segments' cached K/V)")
         if len(payload_ids) != len(rows):
             raise ValueError(f"payload_ids has {len(payload_ids)} entries for {len(rows)} rows")
         for i in order:
+            if int(payload_ids[i]) not in store:
+                raise ValueError(f"unknown payload_id {payload_ids[i]} (not in the StepKVStore)")
             stored = store.tokens(int(payload_ids[i]))
             if stored is not None and stored != toks[i]:
                 raise ValueError(f"payload {payload_ids[i]}'s stored tokens differ from segment_tokens[{i}]")
+            if store.locate(int(payload_ids[i]))[1] < n_splice:
+                raise ValueError(f"payload {payload_ids[i]} holds fewer than the {n_splice} tokens to splice")
         rope = RopeSpec.from_model(model) if rope is None else rope
+    if cur > p:
+        hfc.set_length(cache, p)
+    if n_splice > 0:
         reqs = [(int(payload_ids[i]), int(rows[i]), p) for i in order]
         splice_kv(cache, store, reqs, rope, lengths=[n_splice] * b, rope_positions=base.tolist(), backend=backend)
     pos_ids = (base[:, None] + torch.arange(n_splice, seg_len)[None, :]).to(device)

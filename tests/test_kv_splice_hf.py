@@ -234,6 +234,8 @@ def test_insert_segment_contract_errors():
         insert_segment(model, cache, seg, [0, 1], [4, 4], mode="splice")
     with pytest.raises(ValueError, match="past the cache"):
         insert_segment(model, cache, seg, [0, 1], [5, 5], mode="exact")
+    with pytest.raises(ValueError, match="unknown payload_id"):  # position 2 < length 4: must not crop first
+        insert_segment(model, cache, seg, [0, 1], [2, 2], store=store, payload_ids=[7, 7])
     with pytest.raises(ValueError, match="mode"):
         insert_segment(model, cache, seg, [0, 1], [4, 4], mode="approx")
     assert cache.get_seq_length() == 4, "a refused call must leave the cache alone"
