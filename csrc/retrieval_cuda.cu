@@ -1,11 +1,448 @@
-// Temporary: replaced by the fused CUDA kernel in this same session.
-#include <stdexcept>
+// CUDA backend of exact step retrieval: one fused kernel scores a tile of queries against a split of the keys and keeps
+// each query's running top-k in shared memory; a second kernel merges the splits. No [Q, C] score matrix exists: a
+// block holds one [BQ, BK] score tile at a time (DESIGN.md section 3).
+//
+// score_topk_kernel<T, BQ>: grid (ceil(Q / BQ), n_splits), 128 threads (4 warps).
+//   - per key tile of BK = 64 keys, the [BQ, 64] dot products are accumulated over D in chunks of DK = 32 staged in
+//     shared memory: fp16/bf16 on tensor cores (WMMA 16x16x16, fp32 accumulation), fp32 with FMA (exact fp32, no TF32);
+//   - the tile goes to shared memory as fp32; each warp then owns query rows: it applies the metric
+//     (retrieval_metric.h), the min_score / exclusion filter, and inserts admitted candidates into the row's sorted
+//     top-k list (shared memory, order of topk.h) with a warp-parallel shift;
+//   - the block writes its lists to the workspace [n_splits, Q, k].
+// merge_kernel: one warp per query, a k-way merge of the n_splits sorted lists by the same order.
+// BQ is 64 for k <= 128 and 16 above (lists take BQ * k * 8 bytes of shared memory; k <= 1024 fits on sm_80/sm_90).
+// Launched on the caller's stream (torch's current stream). Not here: argument validation (rapo_fast/retrieval.py).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <mma.h>
 
+#include <cfloat>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "rapo/dtype.h"
 #include "rapo/retrieval.h"
+#include "rapo/retrieval_metric.h"
+#include "rapo/topk.h"
 
 namespace rapo {
-void retrieval_search_cuda(const RetrievalSearchArgs&, float*, int32_t*, int, int, std::uintptr_t) {
-  throw std::runtime_error("retrieval CUDA backend not written yet");
+namespace {
+
+constexpr int kThreads = 128;
+constexpr int kWarps = kThreads / 32;
+constexpr int BK = 64;  // keys per tile
+constexpr int DK = 32;  // reduction chunk staged in shared memory
+constexpr int kMaxSplits = 32;  // the merge keeps one list head per lane
+
+inline int bq_for_k(int k) { return k <= 128 ? 64 : 16; }
+
+template <class T>
+struct Stage;  // shared-memory row pitch (elements) of the staged Q/K chunks, chosen for alignment and few conflicts
+template <>
+struct Stage<float> {
+  static constexpr int LD = DK + 4;  // 144 bytes: 16-byte aligned rows for vector stores
+};
+template <>
+struct Stage<__half> {
+  static constexpr int LD = DK + 8;  // 80 bytes: WMMA needs ldm % 8 == 0 and 32-byte aligned fragment pointers
+};
+template <>
+struct Stage<__nv_bfloat16> {
+  static constexpr int LD = DK + 8;
+};
+
+constexpr int LDS = BK + 4;  // fp32 score tile pitch (WMMA store needs ldm % 4 == 0)
+
+__host__ __device__ constexpr size_t align128(size_t x) { return (x + 127) / 128 * 128; }
+
+template <class T, int BQ>
+struct Smem {
+  static constexpr size_t q_off = 0;
+  static constexpr size_t k_off = align128(q_off + sizeof(T) * BQ * Stage<T>::LD);
+  static constexpr size_t s_off = align128(k_off + sizeof(T) * BK * Stage<T>::LD);
+  static constexpr size_t kaux_off = align128(s_off + sizeof(float) * BQ * LDS);
+  static constexpr size_t kgrp_off = align128(kaux_off + sizeof(float) * BK);
+  static constexpr size_t qaux_off = align128(kgrp_off + sizeof(int64_t) * BK);
+  static constexpr size_t qex_off = align128(qaux_off + sizeof(float) * BQ);
+  static constexpr size_t n_off = align128(qex_off + sizeof(int64_t) * BQ);
+  static constexpr size_t lists_off = align128(n_off + sizeof(int) * BQ);
+  static size_t bytes(int k) { return lists_off + size_t(BQ) * k * (sizeof(float) + sizeof(int32_t)); }
+};
+
+template <class T>
+__device__ __forceinline__ float to_f32(T v);
+template <>
+__device__ __forceinline__ float to_f32<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ float to_f32<__half>(__half v) { return __half2float(v); }
+template <>
+__device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <class T>
+__device__ __forceinline__ T zero_of();
+template <>
+__device__ __forceinline__ float zero_of<float>() { return 0.0f; }
+template <>
+__device__ __forceinline__ __half zero_of<__half>() { return __float2half(0.0f); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 zero_of<__nv_bfloat16>() { return __float2bfloat16(0.0f); }
+
+// Stage rows [row0, row0 + ROWS) x cols [d0, d0 + DK) of a row-major matrix into shared memory, zero outside
+// [0, nrows) x [0, D). vec: 16-byte loads are legal (D, the row stride and the base are multiples of 16 bytes).
+template <class T, int ROWS>
+__device__ __forceinline__ void stage(T* dst, const T* __restrict__ src, int64_t stride, int64_t row0, int64_t nrows,
+                                      int64_t d0, int64_t D, bool vec) {
+  constexpr int LD = Stage<T>::LD;
+  if (vec) {
+    constexpr int VE = 16 / sizeof(T);
+    constexpr int NV = DK / VE;
+    for (int idx = threadIdx.x; idx < ROWS * NV; idx += kThreads) {
+      const int r = idx / NV, cv = idx % NV;
+      const int64_t row = row0 + r, d = d0 + int64_t(cv) * VE;
+      uint4 v = make_uint4(0u, 0u, 0u, 0u);
+      if (row < nrows && d < D) v = *reinterpret_cast<const uint4*>(src + row * stride + d);
+      *reinterpret_cast<uint4*>(dst + r * LD + cv * VE) = v;
+    }
+  } else {
+    for (int idx = threadIdx.x; idx < ROWS * DK; idx += kThreads) {
+      const int r = idx / DK, c = idx % DK;
+      const int64_t row = row0 + r, d = d0 + c;
+      dst[r * LD + c] = (row < nrows && d < D) ? src[row * stride + d] : zero_of<T>();
+    }
+  }
 }
-int retrieval_cuda_splits(int64_t, int64_t, int, int) { return 1; }
+
+// [BQ, BK] += Qs[BQ, DK] . Ks[BK, DK]^T. Tensor cores for 16-bit types, FMA for fp32.
+template <class T, int BQ>
+struct TileMma {
+  static constexpr int TM = BQ / 16;
+  using FragA = nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, 16, 16, 16, T, nvcuda::wmma::row_major>;
+  using FragB = nvcuda::wmma::fragment<nvcuda::wmma::matrix_b, 16, 16, 16, T, nvcuda::wmma::col_major>;
+  using FragC = nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float>;
+  FragC acc[TM];
+
+  __device__ void zero() {
+    for (int i = 0; i < TM; ++i) nvcuda::wmma::fill_fragment(acc[i], 0.0f);
+  }
+  __device__ void step(const T* Qs, const T* Ks) {
+    constexpr int LD = Stage<T>::LD;
+    const int w = threadIdx.x / 32;  // warp w owns key columns [16w, 16w + 16) of the tile
+#pragma unroll
+    for (int kk = 0; kk < DK; kk += 16) {
+      FragB b;
+      nvcuda::wmma::load_matrix_sync(b, Ks + (w * 16) * LD + kk, LD);
+#pragma unroll
+      for (int i = 0; i < TM; ++i) {
+        FragA a;
+        nvcuda::wmma::load_matrix_sync(a, Qs + (i * 16) * LD + kk, LD);
+        nvcuda::wmma::mma_sync(acc[i], a, b, acc[i]);
+      }
+    }
+  }
+  __device__ void store(float* S) {
+    const int w = threadIdx.x / 32;
+    for (int i = 0; i < TM; ++i)
+      nvcuda::wmma::store_matrix_sync(S + (i * 16) * LDS + w * 16, acc[i], LDS, nvcuda::wmma::mem_row_major);
+  }
+};
+
+template <int BQ>
+struct TileMma<float, BQ> {
+  static constexpr int RPT = BQ / 8;  // rows per thread; 16 threads across 4 column groups of 16
+  float acc[RPT][4];
+
+  __device__ void zero() {
+    for (int i = 0; i < RPT; ++i)
+      for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
+  }
+  __device__ void step(const float* Qs, const float* Ks) {
+    constexpr int LD = Stage<float>::LD;
+    const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
+#pragma unroll 4
+    for (int d = 0; d < DK; ++d) {
+      float b[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) b[j] = Ks[(tx + 16 * j) * LD + d];
+#pragma unroll
+      for (int i = 0; i < RPT; ++i) {
+        const float a = Qs[(ty * RPT + i) * LD + d];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(a, b[j], acc[i][j]);
+      }
+    }
+  }
+  __device__ void store(float* S) {
+    const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
+    for (int i = 0; i < RPT; ++i)
+      for (int j = 0; j < 4; ++j) S[(ty * RPT + i) * LDS + tx + 16 * j] = acc[i][j];
+  }
+};
+
+// Insert (s, j) into a row's sorted list (best first) of n <= k entries, if it belongs in the top k. Warp-collective;
+// every lane passes the same (s, j). The list only ever holds admitted candidates, so no sentinel values are needed.
+__device__ void warp_insert(float* ls, int32_t* li, int* n_ptr, int k, float s, int32_t j) {
+  const int lane = threadIdx.x & 31;
+  const int n = *n_ptr;
+  if (n == k && !topk_better(s, j, ls[k - 1], li[k - 1])) return;
+  int cnt = 0;
+  for (int i = lane; i < n; i += 32) cnt += topk_better(ls[i], li[i], s, j) ? 1 : 0;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) cnt += __shfl_xor_sync(0xffffffffu, cnt, off);
+  const int pos = cnt;
+  const int last = n < k ? n : k - 1;  // entries [pos, last) move one to the right; a full list drops its tail
+  for (int base = last - 1; base >= pos; base -= 32) {
+    const int i = base - lane;
+    const bool act = i >= pos;
+    float vs = 0.0f;
+    int32_t vi = 0;
+    if (act) {
+      vs = ls[i];
+      vi = li[i];
+    }
+    __syncwarp();
+    if (act) {
+      ls[i + 1] = vs;
+      li[i + 1] = vi;
+    }
+    __syncwarp();
+  }
+  if (lane == 0) {
+    ls[pos] = s;
+    li[pos] = j;
+    *n_ptr = n < k ? n + 1 : k;
+  }
+  __syncwarp();
+}
+
+template <class T, int BQ>
+__global__ void __launch_bounds__(kThreads) score_topk_kernel(RetrievalSearchArgs a, float* __restrict__ ws_s,
+                                                              int32_t* __restrict__ ws_i, int64_t split_len,
+                                                              bool vec) {
+  using L = Smem<T, BQ>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* Qs = reinterpret_cast<T*>(smem + L::q_off);
+  T* Ks = reinterpret_cast<T*>(smem + L::k_off);
+  float* S = reinterpret_cast<float*>(smem + L::s_off);
+  float* kaux_s = reinterpret_cast<float*>(smem + L::kaux_off);
+  int64_t* kgrp_s = reinterpret_cast<int64_t*>(smem + L::kgrp_off);
+  float* qaux_s = reinterpret_cast<float*>(smem + L::qaux_off);
+  int64_t* qex_s = reinterpret_cast<int64_t*>(smem + L::qex_off);
+  int* n_s = reinterpret_cast<int*>(smem + L::n_off);
+  float* list_s = reinterpret_cast<float*>(smem + L::lists_off);
+  int32_t* list_i = reinterpret_cast<int32_t*>(smem + L::lists_off + sizeof(float) * size_t(BQ) * a.k);
+
+  const int k = a.k;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  const int64_t q0 = int64_t(blockIdx.x) * BQ;
+  const int split = blockIdx.y;
+  const int64_t c_begin = int64_t(split) * split_len;
+  const int64_t c_end = c_begin + split_len < a.C ? c_begin + split_len : a.C;
+  const T* keys = static_cast<const T*>(a.keys);
+  const T* queries = static_cast<const T*>(a.queries);
+  const float min_thr = fmaxf(a.min_score, -FLT_MAX);  // eligible: >= min_score and > -inf; NaN never passes
+
+  // Per-row setup: the query's aux value from its dtype-rounded elements, its excluded group, an empty list.
+  for (int r = warp; r < BQ; r += kWarps) {
+    const int64_t q = q0 + r;
+    float ss = 0.0f;
+    if (q < a.Q)
+      for (int64_t d = lane; d < a.D; d += 32) {
+        const float v = to_f32(queries[q * a.query_row_stride + d]);
+        ss = fmaf(v, v, ss);
+      }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    if (lane == 0) {
+      qaux_s[r] = retrieval_query_aux(a.metric, ss);
+      qex_s[r] = (q < a.Q && a.exclude != nullptr) ? a.exclude[q] : int64_t(-1);
+      n_s[r] = 0;
+    }
+  }
+
+  TileMma<T, BQ> mma;
+  for (int64_t j0 = c_begin; j0 < c_end; j0 += BK) {
+    for (int c = threadIdx.x; c < BK; c += kThreads) {
+      const int64_t j = j0 + c;
+      kaux_s[c] = (j < c_end && a.metric != kMetricIP) ? a.key_aux[j] : 0.0f;
+      kgrp_s[c] = (j < c_end && a.exclude != nullptr) ? a.groups[j] : int64_t(-1);
+    }
+    mma.zero();
+    for (int64_t d0 = 0; d0 < a.D; d0 += DK) {
+      stage<T, BQ>(Qs, queries, a.query_row_stride, q0, a.Q, d0, a.D, vec);
+      stage<T, BK>(Ks, keys, a.key_row_stride, j0, c_end, d0, a.D, vec);
+      __syncthreads();
+      mma.step(Qs, Ks);
+      __syncthreads();
+    }
+    mma.store(S);
+    __syncthreads();
+
+    for (int r = warp; r < BQ; r += kWarps) {
+      if (q0 + r >= a.Q) continue;
+      float* ls = list_s + size_t(r) * k;
+      int32_t* li = list_i + size_t(r) * k;
+      const float qa = qaux_s[r];
+      const int64_t ex = qex_s[r];
+#pragma unroll
+      for (int half = 0; half < BK / 32; ++half) {
+        const int c = lane + 32 * half;
+        const int64_t j = j0 + c;
+        const float s = retrieval_finish(a.metric, S[r * LDS + c], qa, kaux_s[c]);
+        bool pass = j < c_end && s >= min_thr && !(ex >= 0 && kgrp_s[c] == ex);
+        if (pass && n_s[r] == k) pass = topk_better(s, int32_t(j), ls[k - 1], li[k - 1]);
+        unsigned mask = __ballot_sync(0xffffffffu, pass);
+        while (mask != 0u) {
+          const int src = __ffs(mask) - 1;
+          mask &= mask - 1;
+          const float sb = __shfl_sync(0xffffffffu, s, src);
+          const int32_t jb = __shfl_sync(0xffffffffu, int32_t(j), src);
+          warp_insert(ls, li, n_s + r, k, sb, jb);
+        }
+      }
+    }
+    __syncthreads();
+  }
+  __syncthreads();  // an empty split never ran the tile loop: make the row setup visible before reading it
+
+  for (int r = warp; r < BQ; r += kWarps) {
+    const int64_t q = q0 + r;
+    if (q >= a.Q) continue;
+    const int n = n_s[r];
+    float* os = ws_s + (int64_t(split) * a.Q + q) * k;
+    int32_t* oi = ws_i + (int64_t(split) * a.Q + q) * k;
+    for (int i = lane; i < k; i += 32) {
+      os[i] = i < n ? list_s[size_t(r) * k + i] : -INFINITY;
+      oi[i] = i < n ? list_i[size_t(r) * k + i] : -1;
+    }
+  }
+}
+
+// One warp per query: k-way merge of the splits' sorted lists (each padded with -inf / -1) into the output.
+__global__ void merge_kernel(const float* __restrict__ ws_s, const int32_t* __restrict__ ws_i, int n_splits, int64_t Q,
+                             int k, float* __restrict__ out_s, int64_t* __restrict__ out_i) {
+  const int lane = threadIdx.x & 31;
+  const int64_t q = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (q >= Q) return;
+  int head = 0;
+  for (int o = 0; o < k; ++o) {
+    float s = -INFINITY;
+    int32_t j = -1;
+    bool live = false;
+    if (lane < n_splits && head < k) {
+      const int64_t off = (int64_t(lane) * Q + q) * k + head;
+      j = ws_i[off];
+      s = ws_s[off];
+      live = j >= 0;
+    }
+    // Best live candidate of the warp under the contract's order; dead lanes never win.
+    float bs = s;
+    int32_t bj = j;
+    int bl = live ? lane : -1;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      const float os = __shfl_xor_sync(0xffffffffu, bs, off);
+      const int32_t oj = __shfl_xor_sync(0xffffffffu, bj, off);
+      const int ol = __shfl_xor_sync(0xffffffffu, bl, off);
+      const bool take = ol >= 0 && (bl < 0 || topk_better(os, oj, bs, bj));
+      if (take) {
+        bs = os;
+        bj = oj;
+        bl = ol;
+      }
+    }
+    if (lane == 0) {
+      out_s[q * k + o] = bl >= 0 ? bs : -INFINITY;
+      out_i[q * k + o] = bl >= 0 ? int64_t(bj) : int64_t(-1);
+    }
+    if (bl >= 0 && lane == bl) ++head;
+  }
+}
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string("retrieval CUDA: ") + what + ": " + cudaGetErrorString(e));
+}
+
+struct DeviceGuard {
+  int prev = -1;
+  explicit DeviceGuard(int device) {
+    check(cudaGetDevice(&prev), "cudaGetDevice");
+    if (prev != device) check(cudaSetDevice(device), "cudaSetDevice");
+  }
+  ~DeviceGuard() {
+    int cur = -1;
+    if (cudaGetDevice(&cur) == cudaSuccess && cur != prev) cudaSetDevice(prev);
+  }
+};
+
+template <class T, int BQ>
+void launch(const RetrievalSearchArgs& a, float* ws_s, int32_t* ws_i, int n_splits, cudaStream_t stream) {
+  const size_t bytes = Smem<T, BQ>::bytes(a.k);
+  auto kernel = score_topk_kernel<T, BQ>;
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)),
+        "shared memory size (k too large for this device?)");
+  const int64_t tiles = (a.C + BK - 1) / BK;
+  const int64_t split_len = ((tiles + n_splits - 1) / n_splits) * BK;
+  constexpr int VE = 16 / sizeof(T);
+  const bool vec = a.D % VE == 0 && a.key_row_stride % VE == 0 && a.query_row_stride % VE == 0 &&
+                   reinterpret_cast<std::uintptr_t>(a.keys) % 16 == 0 &&
+                   reinterpret_cast<std::uintptr_t>(a.queries) % 16 == 0;
+  const dim3 grid(unsigned((a.Q + BQ - 1) / BQ), unsigned(n_splits));
+  kernel<<<grid, kThreads, bytes, stream>>>(a, ws_s, ws_i, split_len, vec);
+  check(cudaGetLastError(), "score_topk_kernel launch");
+}
+
+template <class T>
+void launch_dtype(const RetrievalSearchArgs& a, float* ws_s, int32_t* ws_i, int n_splits, cudaStream_t stream) {
+  if (bq_for_k(a.k) == 64)
+    launch<T, 64>(a, ws_s, ws_i, n_splits, stream);
+  else
+    launch<T, 16>(a, ws_s, ws_i, n_splits, stream);
+}
+
+}  // namespace
+
+int retrieval_cuda_splits(int64_t Q, int64_t C, int k, int device) {
+  if (k < 1 || Q < 0 || C < 0) throw std::invalid_argument("retrieval_cuda_splits: bad sizes");
+  DeviceGuard guard(device);
+  int sms = 1;
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "multiprocessor count");
+  const int64_t q_tiles = (Q + bq_for_k(k) - 1) / bq_for_k(k);
+  const int64_t k_tiles = (C + BK - 1) / BK;
+  int64_t splits = q_tiles > 0 ? (2 * int64_t(sms) + q_tiles - 1) / q_tiles : 1;  // about two waves of blocks
+  if (splits > k_tiles) splits = k_tiles;
+  if (splits > kMaxSplits) splits = kMaxSplits;
+  const int64_t per_split_bytes = Q * k * 8;  // workspace of one split; keep the total under 1 GiB
+  while (splits > 1 && splits * per_split_bytes > (int64_t(1) << 30)) --splits;
+  return int(splits < 1 ? 1 : splits);
+}
+
+void retrieval_search_cuda(const RetrievalSearchArgs& a, float* ws_scores, int32_t* ws_slots, int n_splits,
+                           int device, std::uintptr_t stream_handle) {
+  if (a.k < 1 || a.k > 1024) throw std::invalid_argument("retrieval CUDA: k must be in [1, 1024]");
+  if (a.D < 1 || a.C < 0 || a.Q < 0) throw std::invalid_argument("retrieval CUDA: bad sizes");
+  if (a.C >= (int64_t(1) << 31)) throw std::invalid_argument("retrieval CUDA: more than 2^31 - 1 keys");
+  if (n_splits < 1 || n_splits > kMaxSplits) throw std::invalid_argument("retrieval CUDA: bad n_splits");
+  if (a.metric < kMetricIP || a.metric > kMetricL2) throw std::invalid_argument("retrieval CUDA: unknown metric");
+  if (a.Q == 0) return;
+  if (a.queries == nullptr || a.out_scores == nullptr || a.out_slots == nullptr || ws_scores == nullptr ||
+      ws_slots == nullptr || (a.C > 0 && a.keys == nullptr) || (a.metric != kMetricIP && a.C > 0 && !a.key_aux) ||
+      (a.exclude != nullptr && a.C > 0 && a.groups == nullptr))
+    throw std::invalid_argument("retrieval CUDA: null pointer");
+  DeviceGuard guard(device);
+  cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  switch (static_cast<DType>(a.key_dtype)) {
+    case DType::F32: launch_dtype<float>(a, ws_scores, ws_slots, n_splits, stream); break;
+    case DType::F16: launch_dtype<__half>(a, ws_scores, ws_slots, n_splits, stream); break;
+    case DType::BF16: launch_dtype<__nv_bfloat16>(a, ws_scores, ws_slots, n_splits, stream); break;
+    default: throw std::invalid_argument("retrieval CUDA: keys must be float32, float16 or bfloat16");
+  }
+  constexpr int kMergeWarps = 4;
+  const unsigned blocks = unsigned((a.Q + kMergeWarps - 1) / kMergeWarps);
+  merge_kernel<<<blocks, 32 * kMergeWarps, 0, stream>>>(ws_scores, ws_slots, n_splits, a.Q, a.k, a.out_scores,
+                                                        a.out_slots);
+  check(cudaGetLastError(), "merge_kernel launch");
+}
+
 }  // namespace rapo
