@@ -475,6 +475,11 @@ def _reference_chunked(logits, hidden, weight, bias, targets, temperature, retur
     v = logits.shape[-1] if logits is not None else weight.shape[0]
     rows = max(1, _FALLBACK_BYTES // (4 * v))
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    if weight is not None:
+        # Upcast the parameters once, outside the chunks, so that their gradients sum over chunks in fp32 and are
+        # rounded to the input dtype once (by the backward of this cast), not once per chunk.
+        weight = weight.float()
+        bias = None if bias is None else bias.float()
 
     def run(xc, yc, w, b):
         if logits is not None:
