@@ -149,12 +149,48 @@ def _validate(a: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------- kernel op
+def _torch_policy_loss(
+    logp, old, adv, w, scale, code, seqlr, behav, ref, ent, eps_low, eps_high, dual_c, gamma, is_cap, tis_cap, beta,
+    ent_coef, off_mode, kl_mode,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op's math in torch (the reference's per-token function): weighted token losses and the metric sums.
+    Differentiable by autograd; the fallback of rapo_loss and of the registered op on devices without Triton."""
+    on, off = code == 1, code == 2
+    act = on | off
+    tok, terms = policy_token_loss_ref(
+        logp, old, adv, on_mask=on, off_mask=off, ratio_scale=scale, seq_log_ratio=seqlr, behav_logp=behav,
+        ref_logp=ref, entropy=ent, offpolicy_train=OFFPOLICY_MODES[off_mode], gamma=gamma, is_cap=is_cap,
+        tis_cap=tis_cap if tis_cap > 0 else None, eps_low=eps_low, eps_high=eps_high,
+        dual_clip=dual_c if dual_c > 0 else None, beta=beta, kl_estimator=KL_ESTIMATORS[max(kl_mode, 1) - 1],
+        entropy_coef=ent_coef,
+    )
+    z = torch.zeros_like(logp).detach()
+
+    def msum(x, m):
+        return torch.where(m, x.to(z.dtype), z).sum()
+
+    sums = torch.stack([
+        on.sum().to(z.dtype), off.sum().to(z.dtype), act.sum().to(z.dtype), msum(terms["clipped_high"], on),
+        msum(terms["clipped_low"], on), msum(terms["dual_clipped"], on), msum(terms["ratio"], on),
+        msum(terms["approx_kl"], on), msum(terms["kl"], act) if kl_mode else z.sum(),
+        msum(ent.detach(), act) if ent is not None else z.sum(),
+        msum(terms["tis_weight"], on) if tis_cap > 0 else z.sum(),
+        msum(terms["offpolicy_weight"], off) if off_mode else z.sum(),
+    ])
+    return tok * w, sums
+
+
 def _policy_loss_impl(
     logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     code: torch.Tensor, seqlr: torch.Tensor | None, behav: torch.Tensor | None, ref: torch.Tensor | None,
     ent: torch.Tensor | None, eps_low: float, eps_high: float, dual_c: float, gamma: float, is_cap: float,
     tis_cap: float, beta: float, ent_coef: float, off_mode: int, kl_mode: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if not use_triton(logp.device):
+        with torch.no_grad():
+            tok, sums = _torch_policy_loss(logp, old, adv, w, scale, code, seqlr, behav, ref, ent, eps_low, eps_high,
+                                           dual_c, gamma, is_cap, tis_cap, beta, ent_coef, off_mode, kl_mode)
+        return tok.to(logp.dtype), sums.to(torch.float32)
     from rapo_fast.kernels import policy_loss as K  # lazy: `import rapo_fast.loss` must not need triton
 
     n = logp.numel()
@@ -182,6 +218,17 @@ def _policy_loss_bwd_impl(
     ref: torch.Tensor | None, has_ent: bool, eps_low: float, eps_high: float, dual_c: float, gamma: float,
     is_cap: float, tis_cap: float, beta: float, ent_coef: float, off_mode: int, kl_mode: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if not use_triton(logp.device):
+        # autograd is off inside a custom op's implementation; torch.func.vjp still differentiates (the loss is
+        # linear in H, so any entropy value gives its gradient)
+        def tok_of(lp, ent):
+            return _torch_policy_loss(lp, old, adv, w, scale, code, seqlr, behav, ref, ent if has_ent else None,
+                                      eps_low, eps_high, dual_c, gamma, is_cap, tis_cap, beta, ent_coef, off_mode,
+                                      kl_mode)[0]
+
+        _, vjp = torch.func.vjp(tok_of, logp.detach(), torch.zeros_like(logp))
+        dlogp, dent = vjp(grad.to(logp.dtype))
+        return dlogp, (dent if has_ent else logp.new_empty((0,)))
     from rapo_fast.kernels import policy_loss as K
 
     n = logp.numel()
@@ -340,39 +387,17 @@ def rapo_loss(
             w = w / n_act.clamp_min(1)[seg]
     w = w.contiguous()
 
-    if use_triton(dev) and cd == torch.float32:
-        code = (on.to(torch.int8) + 2 * off.to(torch.int8)).contiguous()
-        kl_mode = 0 if ref is None else 1 + KL_ESTIMATORS.index(kl_estimator)
-        tok, sums = policy_loss_op(
-            lp.contiguous(), old, adv, w, scale, code, seqlr, behav if (tis_cap is not None or
-                                                                          offpolicy_train == "truncated") else None,
-            ref if kl_mode else None, ent_v if (entropy_coef != 0.0 or return_metrics) else None,
-            float(eps_low), float(eps_high), float(dual_clip or 0.0), float(gamma), float(is_cap),
-            float(tis_cap or 0.0), float(beta), float(entropy_coef), OFFPOLICY_MODES.index(offpolicy_train), kl_mode,
-        )
-        loss = tok.sum()
-    else:
-        tok, terms = policy_token_loss_ref(
-            lp, old, adv, on_mask=on, off_mask=off, ratio_scale=scale, seq_log_ratio=seqlr, behav_logp=behav,
-            ref_logp=ref, entropy=ent_v, offpolicy_train=offpolicy_train, gamma=gamma, is_cap=is_cap,
-            tis_cap=tis_cap, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip, beta=beta,
-            kl_estimator=kl_estimator, entropy_coef=entropy_coef,
-        )
-        loss = (tok * w).sum()
-        sums = None
-        if return_metrics:
-            z = torch.zeros_like(lp)
-
-            def msum(x, m):
-                return torch.where(m, x.to(cd), z).sum()
-
-            sums = torch.stack([
-                on.sum().to(cd), off.sum().to(cd), act.sum().to(cd), msum(terms["clipped_high"], on),
-                msum(terms["clipped_low"], on), msum(terms["dual_clipped"], on), msum(terms["ratio"], on),
-                msum(terms["approx_kl"], on), msum(terms["kl"], act) if ref is not None else z.sum(),
-                msum(ent_v, act), msum(terms["tis_weight"], on) if tis_cap is not None else z.sum(),
-                msum(terms["offpolicy_weight"], off) if offpolicy_train != "none" else z.sum(),
-            ])
+    code = (on.to(torch.int8) + 2 * off.to(torch.int8)).contiguous()
+    kl_mode = 0 if ref is None else 1 + KL_ESTIMATORS.index(kl_estimator)
+    args = (
+        lp.contiguous(), old, adv, w, scale, code, seqlr,
+        behav if (tis_cap is not None or offpolicy_train == "truncated") else None, ref if kl_mode else None,
+        ent_v, float(eps_low), float(eps_high), float(dual_clip or 0.0), float(gamma), float(is_cap),
+        float(tis_cap or 0.0), float(beta), float(entropy_coef), OFFPOLICY_MODES.index(offpolicy_train), kl_mode,
+    )
+    # fp64 (a checking precision) and devices without Triton: the same math in torch, differentiated by autograd
+    tok, sums = policy_loss_op(*args) if use_triton(dev) and cd == torch.float32 else _torch_policy_loss(*args)
+    loss = tok.sum()
     if not return_metrics:
         return loss
     sums = sums.detach().to(cd)

@@ -84,10 +84,11 @@ def _run(fn, d, dtype, opts):
     return loss, dict(zip(leaves, grads)), metrics
 
 
-def check_case(d, opts, dtype=torch.float32, *, fn=None, metrics_atol=1e-5):
-    """The tolerance rule on loss and every gradient, kernel (`fn`, default rapo_fast.rapo_loss) vs references."""
+def check_case(d, opts, dtype=torch.float32, *, fn=None, metrics_atol=1e-5, device="cpu"):
+    """The tolerance rule on loss and every gradient, kernel (`fn`, default rapo_fast.rapo_loss, on `device`) vs the
+    references (on the CPU)."""
     fn = fn or rapo_fast.rapo_loss
-    loss_k, g_k, m_k = _run(fn, d, dtype, opts)
+    loss_k, g_k, m_k = _run(fn, {k: v.to(device) for k, v in d.items()}, dtype, opts)
     loss_r, g_r, m_r = _run(rapo_loss_ref, d, dtype, opts)
     loss_64, g_64, m_64 = _run(rapo_loss_ref, {k: (v.double() if v.is_floating_point() else v) for k, v in d.items()},
                             torch.float64, opts)
@@ -207,7 +208,20 @@ def test_gradcheck_float64():
     assert torch.autograd.gradcheck(lambda z: rapo_fast.rapo_loss(z, **d, **opts), (logits,))
 
 
-def _op_args(n=37, seq=True, with_ent=True, seed=0):
+# the registered op is called directly here: on a GPU machine (no interpreter) its Triton path needs CUDA tensors
+OP_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _op_args(n=37, seq=True, with_ent=True, seed=0, device=OP_DEVICE):
+    args = _op_args_cpu(n, seq, with_ent, seed)
+    out = [a.detach().to(device) if isinstance(a, torch.Tensor) else a for a in args]
+    out[0].requires_grad_(True)
+    if with_ent:
+        out[9].requires_grad_(True)
+    return tuple(out)
+
+
+def _op_args_cpu(n, seq, with_ent, seed):
     g = torch.Generator().manual_seed(seed)
     lp = (-torch.rand(n, generator=g) * 3).requires_grad_(True)
     old = lp.detach() + 0.3 * torch.randn(n, generator=g)
@@ -222,25 +236,22 @@ def _op_args(n=37, seq=True, with_ent=True, seed=0):
     return (lp, old, adv, w, scale, code, seqlr, behav, ref, ent, 0.2, 0.28, 3.0, 0.1, 2.0, 1.5, 0.1, 0.01, 2, 3)
 
 
-@pytest.mark.parametrize("seq,with_ent", [(True, True), (False, False)])
-def test_opcheck_policy_loss_op(seq, with_ent):
+@pytest.mark.parametrize("seq,with_ent,triton", [(True, True, True), (False, False, True), (True, True, False)])
+def test_opcheck_policy_loss_op(seq, with_ent, triton, monkeypatch):
+    if not triton:  # the op's torch implementation, used on devices without Triton
+        monkeypatch.setattr(loss_mod, "use_triton", lambda device: False)
     args = _op_args(seq=seq, with_ent=with_ent)
     torch.library.opcheck(torch.ops.rapo_fast.policy_loss.default, args)
 
 
-@pytest.mark.parametrize("n", [50, 2600])
-def test_op_honours_nonuniform_upstream_gradient(n):
-    """Pitfall 7: the backward multiplies by the per-token upstream gradient, not by an assumed scalar 1.
-    n = 2600 spans several kernel blocks (partial sums of several programs)."""
-    args = _op_args(n=n)
-    lp, ent = args[0], args[9]
-    tok, _ = loss_mod.policy_loss_op(*args)
+def _check_op_against_reference(args):
+    lp, ent, code = args[0], args[9], args[5]
+    tok, sums = loss_mod.policy_loss_op(*args)
     up = torch.randn_like(tok)
     g_lp, g_ent = torch.autograd.grad(tok, (lp, ent), up)
     # the same per-token loss from the reference, weighted the same way
     from rapo_fast.reference import policy_token_loss_ref
 
-    code = args[5]
     lp2 = lp.detach().requires_grad_(True)
     ent2 = ent.detach().requires_grad_(True)
     ref_tok, _ = policy_token_loss_ref(
@@ -253,8 +264,26 @@ def test_op_honours_nonuniform_upstream_gradient(n):
     assert_close_verbose(g_lp, r_lp, atol=1e-6, name="dlogp")
     assert_close_verbose(g_ent, r_ent, atol=1e-6, name="dH")
     # metric partial sums over all blocks: counts of each token class
-    _, sums = loss_mod.policy_loss_op(*args)
     assert sums[0] == (code == 1).sum() and sums[1] == (code == 2).sum() and sums[2] == (code != 0).sum()
+    return tok, sums, g_lp, g_ent
+
+
+@pytest.mark.parametrize("n", [50, 2600])
+def test_op_honours_nonuniform_upstream_gradient(n):
+    """Pitfall 7: the backward multiplies by the per-token upstream gradient, not by an assumed scalar 1.
+    n = 2600 spans several kernel blocks (partial sums of several programs)."""
+    _check_op_against_reference(_op_args(n=n))
+
+
+def test_op_torch_fallback_equals_triton(monkeypatch):
+    """The registered op on a device without Triton (here: forced) computes the same values and gradients."""
+    torch.manual_seed(1)
+    tri = _check_op_against_reference(_op_args(n=300, device="cpu" if OP_DEVICE == "cpu" else "cuda"))
+    monkeypatch.setattr(loss_mod, "use_triton", lambda device: False)
+    torch.manual_seed(1)
+    fb = _check_op_against_reference(_op_args(n=300, device="cpu" if OP_DEVICE == "cpu" else "cuda"))
+    for a, b in zip(tri, fb):
+        assert_close_verbose(a, b, atol=1e-6, rtol=1e-5)
 
 
 def test_torch_compile_of_the_loss():
@@ -275,3 +304,33 @@ def test_temperature_applies_to_policy_logprob():
     _, m = rapo_fast.rapo_loss(**d, temperature=t, return_metrics=True)
     assert_close_verbose(m["ratio_mean"], torch.tensor(1.0), atol=1e-5)
     check_case(d, dict(temperature=t, entropy_coef=0.1))
+
+
+def test_strided_inputs():
+    """Non-contiguous per-token tensors and logits rows with a stride larger than V (a slice of a wider vocab)."""
+    d = make_batch(3, 6, 8)
+    wide = torch.randn(3, 6, 13)
+    wide[..., :8] = d["logits"]
+    d["logits"] = wide[..., :8]
+    for k in ("old_logp", "advantages", "loss_mask", "retrieved_mask", "ref_logp", "behav_logp"):
+        d[k] = d[k].t().contiguous().t()
+        assert not d[k].is_contiguous()
+    x = dict(d)
+    loss = rapo_fast.rapo_loss(**x, **FULL)
+    ref = rapo_loss_ref(**{k: v.contiguous() for k, v in d.items()}, **FULL)
+    assert_close_verbose(loss, ref, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_cuda_kernel_vs_reference(dtype, agg):
+    d = make_batch(seg_lens=[700, 1, 0, 1500, 333], V=1031, masked_rows=(1,), per_seq_adv=True)
+    check_case(d, dict(FULL, loss_agg=agg, importance_sampling_level="sequence"), dtype, device="cuda")
+    h = make_batch(4, 257, 999, H=129, per_seq_adv=True)
+    check_case(h, dict(FULL, loss_agg=agg), dtype, device="cuda")
+
+
+@pytest.mark.gpu
+def test_cuda_op_large_n():
+    _check_op_against_reference(_op_args(n=300_001, device="cuda"))
