@@ -193,7 +193,7 @@ def rollout(
                         r.steps.append([r.cur_start, end, end])
                         r.done = True
                         continue
-                    call = _last_call(r.tokens, tool_open)
+                    call = _last_call(r.tokens, tool_open, r.cur_start)
                     t0 = time.perf_counter()
                     obs = tokenizer.encode(env.execute(tokenizer.decode(call)))
                     timings["tool"] += time.perf_counter() - t0
@@ -223,19 +223,23 @@ def rollout(
                 r.to_feed = []
     if was_training:
         model.train()
-    rows = [r for r in rows if r.active]  # ARPO slots never used are not trajectories
+    keep = [i for i, r in enumerate(rows) if r.active]  # ARPO slots never used are not trajectories
+    new_index = {old: new for new, old in enumerate(keep)}
+    rows = [rows[i] for i in keep]
+    for r in rows:
+        r.parent = new_index.get(r.parent, -1)
     batch = _collate(rows, pad, mode)
     batch.completions = [tokenizer.decode(r.tokens[r.prompt_len :]) for r in rows]
     batch.timings = timings | {"total": time.perf_counter() - t_start}
     return batch
 
 
-def _last_call(tokens: list[int], tool_open: int) -> list[int]:
-    """The tokens between the last <tool> and the closing </tool> (exclusive)."""
-    for j in range(len(tokens) - 1, -1, -1):
+def _last_call(tokens: list[int], tool_open: int, step_start: int) -> list[int]:
+    """The tokens between the step's last <tool> and the closing </tool> (exclusive); empty without a <tool>."""
+    for j in range(len(tokens) - 2, step_start - 1, -1):
         if tokens[j] == tool_open:
             return tokens[j + 1 : -1]
-    return tokens[-1:-1]
+    return []
 
 
 def _feed(engine: DecodeEngine, rows: list[_Row], seqs: list[list[int]], pad: int) -> None:
