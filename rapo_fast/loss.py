@@ -359,6 +359,8 @@ def rapo_loss(
         seg = torch.arange(n, device=dev) // targets.shape[1]
 
     def seg_sum(x):
+        if not flat:  # rows: a plain (deterministic) row sum; index_add_ is atomic on CUDA
+            return x.to(cd).view(S, targets.shape[1]).sum(1)
         return torch.zeros(S, dtype=cd, device=dev).index_add_(0, seg, x.to(cd))
 
     resp = response_mask.reshape(n) != 0 if response_mask is not None else torch.ones_like(lm)

@@ -334,3 +334,16 @@ def test_cuda_kernel_vs_reference(dtype, agg):
 @pytest.mark.gpu
 def test_cuda_op_large_n():
     _check_op_against_reference(_op_args(n=300_001, device="cuda"))
+
+
+@pytest.mark.parametrize("shape,cu", [((2, 0), None), ((0,), [0, 0]), ((0, 3), None)])
+def test_empty_inputs_give_zero_loss_and_empty_grad(shape, cu):
+    logits = torch.randn(*shape, 5, requires_grad=True)
+    loss, m = rapo_fast.rapo_loss(
+        logits, targets=torch.zeros(shape, dtype=torch.long), old_logp=torch.zeros(shape),
+        advantages=torch.zeros(shape), loss_mask=torch.ones(shape, dtype=torch.bool),
+        cu_seqlens=None if cu is None else torch.tensor(cu), return_metrics=True, loss_agg="seq-mean-token-mean",
+        importance_sampling_level="sequence", entropy_coef=0.1,
+    )
+    (g,) = torch.autograd.grad(loss, logits)
+    assert loss.item() == 0.0 and g.shape == logits.shape and m["num_tokens"] == 0
