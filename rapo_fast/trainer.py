@@ -145,6 +145,8 @@ class RAPOTrainer:
             step=self.step_count,
             reward=float(rewards.mean()),
             success_rate=float((rewards > 0.5).float().mean()),
+            success_rate_onpolicy=float((rewards > 0.5).float()[~batch.hybrid].mean()) if (~batch.hybrid).any()
+            else float("nan"),
             retrieval_rate=float((n_ret > 0).float()[batch.hybrid].mean()) if batch.hybrid.any() else 0.0,
             retrievals_per_traj=float(n_ret.float().mean()),
             f_ret=float(batch.retrieved_fraction().mean()),
