@@ -20,6 +20,7 @@ import math
 import numbers
 
 import torch
+from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from rapo_fast._dispatch import interpret_mode, register_op, use_triton
@@ -30,7 +31,7 @@ __all__ = ["token_logprobs"]
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INDEX_DTYPES = (torch.int64, torch.int32)
 
-# Byte budget of one logits tile (input dtype) of the hidden path, and of one fp32 chunk of the reference fallback.
+# Byte budget of one logits tile (input dtype) of the hidden path; the fallback has its own (_FALLBACK_BYTES).
 # GPU: 512 MiB keeps GEMMs at full size (e.g. 16k x 16k bf16) while the tile is ~1/20 of [16k, 152k] bf16.
 # Interpreter / CPU: small, so tests exercise many tiles; tests patch these module attributes.
 _TILE_BYTES = {"gpu": 512 << 20, "cpu": 8 << 20}
@@ -62,14 +63,12 @@ def _row_strides(x: torch.Tensor) -> tuple[int, int, int]:
     return max(1, x.shape[1]), x.stride(0), x.stride(1)
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # logits path: rapo_fast::token_logprobs_fwd / _bwd
-# ----------------------------------------------------------------------------------------------------------------
 
 
 def _lp_fwd_impl(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    logits: Tensor, targets: Tensor, temperature: float, with_entropy: bool
+) -> tuple[Tensor, Tensor, Tensor]:
     """logits [N, V] or [B, T, V] (last dim contiguous), targets shaped like logits.shape[:-1] ->
     (logp, lse, entropy) fp32 shaped like targets (entropy is [0] when not with_entropy)."""
     shape = targets.shape
@@ -93,20 +92,13 @@ def _lp_fwd_impl(
 
 def _lp_fwd_fake(logits, targets, temperature, with_entropy):
     shape = targets.shape
-    out = [logits.new_empty(shape, dtype=torch.float32) for _ in range(2)]
-    return out[0], out[1], logits.new_empty(shape if with_entropy else (0,), dtype=torch.float32)
+    return tuple(logits.new_empty(m, dtype=torch.float32) for m in (shape, shape, shape if with_entropy else (0,)))
 
 
 def _lp_bwd_impl(
-    logits: torch.Tensor,
-    targets: torch.Tensor,
-    lse: torch.Tensor,
-    entropy: torch.Tensor,
-    grad_logp: torch.Tensor,
-    grad_entropy: torch.Tensor,
-    temperature: float,
-    with_entropy: bool,
-) -> torch.Tensor:
+    logits: Tensor, targets: Tensor, lse: Tensor, entropy: Tensor, grad_logp: Tensor, grad_entropy: Tensor,
+    temperature: float, with_entropy: bool,
+) -> Tensor:  # fmt: skip
     """grad_logits (contiguous, logits' dtype and shape) from the upstream fp32 grads of logp and entropy."""
     v = logits.shape[-1]
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
@@ -156,9 +148,7 @@ _token_logprobs_fwd = register_op(
 )
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # hidden path: rapo_fast::linear_token_logprobs_fwd / _bwd
-# ----------------------------------------------------------------------------------------------------------------
 
 
 def _tiles(n: int, v: int, elem: int, device: torch.device) -> tuple[int, int]:
@@ -174,13 +164,8 @@ def _tile_buffer(nc: int, vc: int, like: torch.Tensor) -> torch.Tensor:
 
 
 def _lin_fwd_impl(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    targets: torch.Tensor,
-    temperature: float,
-    with_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float, with_entropy: bool
+) -> tuple[Tensor, Tensor, Tensor]:
     """hidden [N, H], weight [V, H], bias [V] or None, targets [N] -> (logp, lse, entropy) fp32 [N] ([0] entropy
     when not with_entropy), without materialising [N, V]: tiles of [rows, V_chunk] and an online state per row."""
     n, v = hidden.shape[0], weight.shape[0]
@@ -218,29 +203,14 @@ def _lin_fwd_impl(
 
 def _lin_fwd_fake(hidden, weight, bias, targets, temperature, with_entropy):
     n = hidden.shape[0]
-    f32 = torch.float32
-    return (
-        hidden.new_empty(n, dtype=f32),
-        hidden.new_empty(n, dtype=f32),
-        hidden.new_empty(n if with_entropy else 0, dtype=f32),
-    )
+    return tuple(hidden.new_empty(m, dtype=torch.float32) for m in (n, n, n if with_entropy else 0))
 
 
 def _lin_bwd_impl(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    targets: torch.Tensor,
-    lse: torch.Tensor,
-    entropy: torch.Tensor,
-    grad_logp: torch.Tensor,
-    grad_entropy: torch.Tensor,
-    temperature: float,
-    with_entropy: bool,
-    need_hidden: bool,
-    need_weight: bool,
-    need_bias: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, lse: Tensor, entropy: Tensor,
+    grad_logp: Tensor, grad_entropy: Tensor, temperature: float, with_entropy: bool,
+    need_hidden: bool, need_weight: bool, need_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """(grad_hidden [N, H], grad_weight [V, H], grad_bias [V]) in the inputs' dtypes; a [0] tensor for each one not
     needed. Vocabulary tiles outer, row tiles inner: grad_W of one vocabulary tile is finished before the next."""
     n, h = hidden.shape
@@ -326,18 +296,12 @@ def _lin_bwd_impl(
     return grad_h, grad_w, grad_b
 
 
-def _lin_bwd_fake(
-    hidden, weight, bias, targets, lse, entropy, grad_logp, grad_entropy, temperature, with_entropy,
-    need_hidden, need_weight, need_bias,
-):  # fmt: skip
-
-    def empty():
-        return hidden.new_empty(0)
-
+def _lin_bwd_fake(hidden, weight, bias, *args):
+    need_h, need_w, need_b = args[-3:]
     return (
-        torch.empty_like(hidden) if need_hidden else empty(),
-        torch.empty_like(weight) if need_weight else empty(),
-        torch.empty_like(bias) if (need_bias and bias is not None) else empty(),
+        torch.empty_like(hidden) if need_h else hidden.new_empty(0),
+        torch.empty_like(weight) if need_w else hidden.new_empty(0),
+        torch.empty_like(bias) if (need_b and bias is not None) else hidden.new_empty(0),
     )
 
 
@@ -381,9 +345,7 @@ _linear_token_logprobs_fwd = register_op(
 )
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # argument checks, reference fallback, public function
-# ----------------------------------------------------------------------------------------------------------------
 
 # fp32 temporaries of one fallback chunk (the reference holds a handful of [rows, V] fp32 tensors per chunk).
 _FALLBACK_BYTES = 64 << 20
