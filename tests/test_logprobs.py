@@ -157,7 +157,7 @@ def test_logits_path(case, dtype):
         assert torch.equal(k[0], torch.zeros_like(k[0]))
 
 
-@pytest.mark.parametrize("v", [129920, 152064])
+@pytest.mark.parametrize("v", [129920, 151936, 152064])
 def test_logits_large_vocab(v):
     # Real vocabularies that are not multiples of 256 (pitfall 1); a +123 log-prob there collapsed training.
     z, y = _make_logits((2,), v, torch.bfloat16, "normal")
