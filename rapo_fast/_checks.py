@@ -45,6 +45,7 @@ def check_tensor(
 
 
 def check_optional_tensor(name: str, t, **kw) -> torch.Tensor | None:
+    """check_tensor for an argument that may be None."""
     return None if t is None else check_tensor(name, t, **kw)
 
 
@@ -63,6 +64,7 @@ def check_same_device(**tensors: torch.Tensor | None) -> torch.device | None:
 
 
 def check_choice(name: str, value, choices: Sequence[str]) -> str:
+    """`value` is one of the option strings `choices`."""
     if not isinstance(value, str):
         raise TypeError(f"{name}: expected one of {list(choices)}, got {type(value).__name__} {value!r}")
     if value not in choices:

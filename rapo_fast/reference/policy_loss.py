@@ -200,7 +200,8 @@ def rapo_loss_ref(
         width = max([b - a for a, b in zip(cu[:-1], cu[1:])] + [0])
         valid = _as_rows(torch.ones_like(logp, dtype=torch.bool), cu, width, False)
         if advantages.shape != logp.shape:  # one advantage per segment
-            advantages = advantages[torch.repeat_interleave(torch.arange(len(cu) - 1), torch.tensor(cu).diff())]
+            seg = torch.repeat_interleave(torch.arange(len(cu) - 1), torch.tensor(cu).diff())
+            advantages = advantages[seg.to(advantages.device)]
     else:
         cu, width = None, logp.shape[-1]
         valid = torch.ones_like(logp, dtype=torch.bool)
