@@ -455,7 +455,11 @@ void retrieval_search_cpu(const RetrievalSearchArgs& a, int num_threads, int isa
     throw std::invalid_argument("retrieval: null pointer");
   if (a.metric != kMetricIP && a.C > 0 && a.key_aux == nullptr) throw std::invalid_argument("retrieval: null aux");
   if (a.exclude != nullptr && a.C > 0 && a.groups == nullptr) throw std::invalid_argument("retrieval: null groups");
-  run_search(a, num_threads, resolve_isa(isa));
+  int use = resolve_isa(isa);
+  // A 32-query AVX-512 tile would be mostly padding for a few queries; the 16-query AVX2 tile wastes half as much.
+  const char* env = std::getenv("RAPO_FAST_CPU_ISA");
+  if (isa < 0 && (env == nullptr || *env == '\0') && use == kIsaAvx512 && a.Q <= 16) use = kIsaAvx2;
+  run_search(a, num_threads, use);
 }
 
 }  // namespace rapo
