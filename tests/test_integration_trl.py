@@ -257,6 +257,7 @@ def test_eval_mode_has_no_grad_accum_division(trainer):
         (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
         (dict(entropy_coef=0.01), "entropy_coef"),
         (dict(use_adaptive_entropy=True), "use_adaptive_entropy"),
+        (dict(use_vllm=True, vllm_importance_sampling_correction=True), "clip_max"),
         (
             dict(
                 use_vllm=True, vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="sequence_mask"
@@ -275,6 +276,18 @@ def test_options_without_exact_equivalent_raise(trainer, setting, match):
         fake.vllm_importance_sampling_clip_min = None
     with pytest.raises(ValueError, match=match):
         trl_to_rapo_options(fake)
+
+
+def test_logit_scale_folds_into_temperature_and_softcap_raises():
+    from types import SimpleNamespace
+
+    from rapo_fast.integrations.trl import _logit_scale
+
+    assert _logit_scale(SimpleNamespace(config=SimpleNamespace(logit_scale=2.0))) == 2.0
+    assert _logit_scale(SimpleNamespace(config=SimpleNamespace(model_type="granite", logits_scaling=4.0))) == 0.25
+    assert _logit_scale(SimpleNamespace(config=SimpleNamespace())) == 1.0
+    with pytest.raises(ValueError, match="softcapping"):
+        _logit_scale(SimpleNamespace(config=SimpleNamespace(final_logit_softcapping=30.0)))
 
 
 def test_unknown_rapo_option_raises(trainer):
@@ -352,4 +365,5 @@ def test_one_training_step_runs():
     changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(p.detach(), before[n])]
     assert changed, "the optimiser step changed no parameter"
     logged = trainer.state.log_history[0]
-    assert "clip_ratio/low_mean" in logged
+    # metrics only our loss path records: the step went through RAPOGRPOTrainer._compute_loss
+    assert "rapo/ratio_mean" in logged and "clip_ratio/low_mean" in logged
