@@ -502,6 +502,7 @@ def token_logprobs(
         logp, _, ent = _token_logprobs_fwd(logits, targets, temperature, return_entropy)
     else:
         h2 = hidden.reshape(-1, hidden.shape[-1])
+        bias = None if bias is None else bias.contiguous()  # the kernel indexes bias[v] densely
         logp, _, ent = _linear_token_logprobs_fwd(h2, weight, bias, targets.reshape(-1), temperature, return_entropy)
         logp = logp.view(targets.shape)
         ent = ent.view(targets.shape) if return_entropy else ent

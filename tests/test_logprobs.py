@@ -290,6 +290,35 @@ def test_hidden_path_fp32_accumulates_in_place(monkeypatch):
     _compare_linear(h, w, b, y, torch.float32, 0.9, True)
 
 
+def test_hidden_path_strided_parameters(monkeypatch):
+    # A transposed weight (a tied embedding stored [H, V]), a strided bias and a strided [B, T, H] hidden view, taken
+    # from leaf tensors inside the call so the launcher really sees the strides.
+    _small_tiles(monkeypatch, torch.float32)
+    hd, v = 12, 140
+    bases = [torch.randn(2, 6, hd), torch.randn(hd, v) * 0.5, torch.randn(2 * v)]
+    y = torch.randint(0, v, (2, 5))
+    g_lp, g_ent = _upstream(y.shape, True)
+
+    def views(hb, wb, bb):
+        h, w, b = hb[:, 1:], wb.T, bb[::2]
+        assert not (h.is_contiguous() or w.is_contiguous() or b.is_contiguous())
+        return h, w, b
+
+    def kern(hb, wb, bb):
+        h, w, b = views(hb, wb, bb)
+        return rapo_fast.token_logprobs(hidden=h, weight=w, bias=b, targets=y, return_entropy=True)
+
+    def ref(hb, wb, bb):
+        return linear_token_logprobs_ref(*views(hb, wb, bb)[:2], y, views(hb, wb, bb)[2], 1.0, True)
+
+    k = _fwd_bwd(kern, [x.requires_grad_() for x in bases], y.shape, True, g_lp, g_ent)
+    r = _fwd_bwd(ref, bases, y.shape, True, g_lp, g_ent)
+    for name, a, c in zip(
+        ["logp", "entropy", "grad hidden", "grad weight", "grad bias"], [*k[:2], *k[2]], [*r[:2], *r[2]]
+    ):
+        assert_close_verbose(a, c, atol=1e-5, rtol=1e-4, name=name)
+
+
 def test_hidden_path_large_vocab():
     # V = 152064 at small N and odd H: vocabulary tiles of the default CPU width, the last one partial.
     h, w, b, y = _make_linear((3,), 17, 152064, torch.bfloat16, False)
