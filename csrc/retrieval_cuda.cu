@@ -9,7 +9,7 @@
 //     (retrieval_metric.h), the min_score / exclusion filter, and inserts admitted candidates into the row's sorted
 //     top-k list (shared memory, order of topk.h) with a warp-parallel shift;
 //   - the block writes its lists to the workspace [n_splits, Q, k].
-// merge_kernel: one warp per query, a k-way merge of the n_splits sorted lists by the same order.
+// merge_kernel: one warp per query, the n_splits sorted lists fed through the same admission + insertion.
 // BQ is 64 for k <= 128 and 16 above (lists take BQ * k * 8 bytes of shared memory; k <= 1024 fits on sm_80/sm_90).
 // Launched on the caller's stream (torch's current stream). Not here: argument validation (rapo_fast/retrieval.py).
 #include <cuda_bf16.h>
@@ -34,7 +34,7 @@ constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
 constexpr int BK = 64;  // keys per tile
 constexpr int DK = 32;  // reduction chunk staged in shared memory
-constexpr int kMaxSplits = 32;  // the merge keeps one list head per lane
+constexpr int kMaxSplits = 4096;
 
 inline int bq_for_k(int k) { return k <= 128 ? 64 : 16; }
 
@@ -319,44 +319,45 @@ __global__ void __launch_bounds__(kThreads) score_topk_kernel(RetrievalSearchArg
   }
 }
 
-// One warp per query: k-way merge of the splits' sorted lists (each padded with -inf / -1) into the output.
-__global__ void merge_kernel(const float* __restrict__ ws_s, const int32_t* __restrict__ ws_i, int n_splits, int64_t Q,
-                             int k, float* __restrict__ out_s, int64_t* __restrict__ out_i) {
-  const int lane = threadIdx.x & 31;
-  const int64_t q = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
-  if (q >= Q) return;
-  int head = 0;
-  for (int o = 0; o < k; ++o) {
-    float s = -INFINITY;
-    int32_t j = -1;
-    bool live = false;
-    if (lane < n_splits && head < k) {
-      const int64_t off = (int64_t(lane) * Q + q) * k + head;
-      j = ws_i[off];
-      s = ws_s[off];
-      live = j >= 0;
-    }
-    // Best live candidate of the warp under the contract's order; dead lanes never win.
-    float bs = s;
-    int32_t bj = j;
-    int bl = live ? lane : -1;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      const float os = __shfl_xor_sync(0xffffffffu, bs, off);
-      const int32_t oj = __shfl_xor_sync(0xffffffffu, bj, off);
-      const int ol = __shfl_xor_sync(0xffffffffu, bl, off);
-      const bool take = ol >= 0 && (bl < 0 || topk_better(os, oj, bs, bj));
-      if (take) {
-        bs = os;
-        bj = oj;
-        bl = ol;
+// One warp per query: the splits' lists (each sorted, padded with -inf / -1) are fed through the same admission test
+// and warp_insert as the scoring kernel into a shared-memory list, which is then written out. A split's list is
+// sorted, so once a full list rejects a whole chunk of it the rest of that split is skipped.
+constexpr int kMergeWarps = 4;
+
+__global__ void __launch_bounds__(32 * kMergeWarps)
+    merge_kernel(const float* __restrict__ ws_s, const int32_t* __restrict__ ws_i, int n_splits, int64_t Q, int k,
+                 float* __restrict__ out_s, int64_t* __restrict__ out_i) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  const int64_t q = int64_t(blockIdx.x) * kMergeWarps + warp;
+  if (q >= Q) return;  // warp-uniform; no block-wide barrier follows
+  float* ls = reinterpret_cast<float*>(smem) + size_t(warp) * k;
+  int32_t* li = reinterpret_cast<int32_t*>(smem + sizeof(float) * size_t(kMergeWarps) * k) + size_t(warp) * k;
+  int* n_ptr = reinterpret_cast<int*>(smem + (sizeof(float) + sizeof(int32_t)) * size_t(kMergeWarps) * k) + warp;
+  if (lane == 0) *n_ptr = 0;
+  __syncwarp();
+  for (int sp = 0; sp < n_splits; ++sp) {
+    const float* ss = ws_s + (int64_t(sp) * Q + q) * k;
+    const int32_t* si = ws_i + (int64_t(sp) * Q + q) * k;
+    for (int base = 0; base < k; base += 32) {
+      const int i = base + lane;
+      const int32_t j = i < k ? si[i] : -1;
+      const float s = i < k ? ss[i] : -INFINITY;
+      bool pass = j >= 0;
+      if (pass && *n_ptr == k) pass = topk_better(s, j, ls[k - 1], li[k - 1]);
+      unsigned mask = __ballot_sync(0xffffffffu, pass);
+      if (mask == 0u) break;  // sorted list: nothing later in this split can be admitted (or it is padding)
+      while (mask != 0u) {
+        const int src = __ffs(mask) - 1;
+        mask &= mask - 1;
+        warp_insert(ls, li, n_ptr, k, __shfl_sync(0xffffffffu, s, src), __shfl_sync(0xffffffffu, j, src));
       }
     }
-    if (lane == 0) {
-      out_s[q * k + o] = bl >= 0 ? bs : -INFINITY;
-      out_i[q * k + o] = bl >= 0 ? int64_t(bj) : int64_t(-1);
-    }
-    if (bl >= 0 && lane == bl) ++head;
+  }
+  const int n = *n_ptr;
+  for (int i = lane; i < k; i += 32) {
+    out_s[q * k + i] = i < n ? ls[i] : -INFINITY;
+    out_i[q * k + i] = i < n ? int64_t(li[i]) : int64_t(-1);
   }
 }
 
@@ -410,7 +411,8 @@ int retrieval_cuda_splits(int64_t Q, int64_t C, int k, int device) {
   check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "multiprocessor count");
   const int64_t q_tiles = (Q + bq_for_k(k) - 1) / bq_for_k(k);
   const int64_t k_tiles = (C + BK - 1) / BK;
-  int64_t splits = q_tiles > 0 ? (2 * int64_t(sms) + q_tiles - 1) / q_tiles : 1;  // about two waves of blocks
+  // About 8 blocks per SM: a block stages its tiles synchronously, so several per SM keep enough loads in flight.
+  int64_t splits = q_tiles > 0 ? (8 * int64_t(sms) + q_tiles - 1) / q_tiles : 1;
   if (splits > k_tiles) splits = k_tiles;
   if (splits > kMaxSplits) splits = kMaxSplits;
   const int64_t per_split_bytes = Q * k * 8;  // workspace of one split; keep the total under 1 GiB
@@ -438,10 +440,12 @@ void retrieval_search_cuda(const RetrievalSearchArgs& a, float* ws_scores, int32
     case DType::BF16: launch_dtype<__nv_bfloat16>(a, ws_scores, ws_slots, n_splits, stream); break;
     default: throw std::invalid_argument("retrieval CUDA: keys must be float32, float16 or bfloat16");
   }
-  constexpr int kMergeWarps = 4;
   const unsigned blocks = unsigned((a.Q + kMergeWarps - 1) / kMergeWarps);
-  merge_kernel<<<blocks, 32 * kMergeWarps, 0, stream>>>(ws_scores, ws_slots, n_splits, a.Q, a.k, a.out_scores,
-                                                        a.out_slots);
+  const size_t merge_bytes = size_t(kMergeWarps) * a.k * (sizeof(float) + sizeof(int32_t)) + kMergeWarps * sizeof(int);
+  check(cudaFuncSetAttribute(merge_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(merge_bytes)),
+        "merge shared memory size");
+  merge_kernel<<<blocks, 32 * kMergeWarps, merge_bytes, stream>>>(ws_scores, ws_slots, n_splits, a.Q, a.k,
+                                                                  a.out_scores, a.out_slots);
   check(cudaGetLastError(), "merge_kernel launch");
 }
 
