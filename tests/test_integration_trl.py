@@ -210,7 +210,8 @@ def test_matches_trl_loss_and_grads(trainer, name):
         # Restated from GRPOTrainer._generate_and_score_completions (trl 1.16, mode "token_truncate"): the ratio TRL
         # multiplies its per-token loss by; our side derives the same weight from sampling_per_token_logps.
         mask = inputs["completion_mask"]
-        diff = (inputs["old_per_token_logps"] - inputs["sampling_per_token_logps"]) * mask
+        inputs["sampling_per_token_logps"][0, 1] = float("nan")  # a token vLLM could not score
+        diff = torch.nan_to_num((inputs["old_per_token_logps"] - inputs["sampling_per_token_logps"]) * mask, nan=0.0)
         inputs["importance_sampling_ratio"] = torch.clamp(torch.exp(diff), max=case["_vllm_tis"])
     try:
         _compare(trainer, inputs)
@@ -230,6 +231,13 @@ def test_matches_trl_under_bf16_autocast():
     trainer = _build(bf16=True)
     _configure(trainer, {"loss_type": "dapo", "epsilon_high": 0.28})
     _compare(trainer, _inputs(trainer, seed=7), grad_tol=BF16_GRAD_TOL)
+
+
+def test_matches_trl_with_fp32_lm_head_under_bf16_autocast():
+    """cast_lm_head_to_fp32=True: TRL runs the head in fp32 outside autocast; so does the adapter."""
+    trainer = _build(bf16=True, cast_lm_head_to_fp32=True)
+    _configure(trainer, {"loss_type": "bnpo"})
+    _compare(trainer, _inputs(trainer, seed=8), grad_tol=BF16_GRAD_TOL)
 
 
 def test_eval_mode_has_no_grad_accum_division(trainer):

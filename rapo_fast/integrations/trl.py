@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -235,18 +236,21 @@ def _install_rapo_forward(model: torch.nn.Module, cast_lm_head_to_fp32: bool) ->
         hidden = hidden.to(weight.device)
         if cast_lm_head_to_fp32 or hidden.dtype != weight.dtype:
             hidden = hidden.to(weight.dtype)
-        if loss_kwargs.get("old_logp") is None:
-            # TRL skips the old log-probs when they equal the current ones (one iteration per generation) and uses
-            # logp.detach(); a no-grad chunked pass gives the same values without holding [N, V].
-            with torch.no_grad():
-                loss_kwargs["old_logp"] = rapo_fast.token_logprobs(
-                    hidden=hidden,
-                    weight=weight,
-                    bias=bias,
-                    targets=loss_kwargs["targets"],
-                    temperature=loss_kwargs.get("temperature", 1.0),
-                )
-        return rapo_fast.rapo_loss(hidden=hidden, weight=weight, bias=bias, return_metrics=True, **loss_kwargs)
+        # TRL runs an fp32-cast head outside autocast; so does this path.
+        autocast_off = torch.autocast(hidden.device.type, enabled=False) if cast_lm_head_to_fp32 else nullcontext()
+        with autocast_off:
+            if loss_kwargs.get("old_logp") is None:
+                # TRL skips the old log-probs when they equal the current ones (one iteration per generation) and
+                # uses logp.detach(); a no-grad chunked pass gives the same values without holding [N, V].
+                with torch.no_grad():
+                    loss_kwargs["old_logp"] = rapo_fast.token_logprobs(
+                        hidden=hidden,
+                        weight=weight,
+                        bias=bias,
+                        targets=loss_kwargs["targets"],
+                        temperature=loss_kwargs.get("temperature", 1.0),
+                    )
+            return rapo_fast.rapo_loss(hidden=hidden, weight=weight, bias=bias, return_metrics=True, **loss_kwargs)
 
     model.forward = types.MethodType(_forward, model)
     model._rapo_fast_forward_installed = True
@@ -297,6 +301,9 @@ class RAPOGRPOTrainer(GRPOTrainer):
             behav = inputs.get("sampling_per_token_logps")
             if behav is None:
                 raise ValueError("tis_cap / offpolicy_train='truncated' need inputs['sampling_per_token_logps']")
+            if old is not None:
+                # TRL zeroes the log-ratio where vLLM could not score a token (NaN): weight 1, as with behav = old.
+                behav = torch.where(torch.isnan(behav), old, behav)
             kwargs["behav_logp"] = behav
         mode = "train" if self.model.training else "eval"
         if plan.global_num_tokens == "batch_x_max_len":
