@@ -15,12 +15,15 @@ from unittest import mock
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from helpers import assert_close_verbose
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import rapo_fast
 import rapo_fast.logprobs as lp_mod
+from rapo_fast.kernels._helpers import dot_operand, interpreter_upcast
 from rapo_fast.reference import linear_token_logprobs_ref, token_logprobs_ref
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -262,3 +265,22 @@ def test_kernels_compile_for_sm80_and_sm90(tmp_path):
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+
+
+@triton.jit
+def _dot_kernel(a_ptr, b_ptr, c_ptr, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, UPCAST: tl.constexpr):
+    rm, rk, rn = tl.arange(0, M), tl.arange(0, K), tl.arange(0, N)
+    a = dot_operand(tl.load(a_ptr + rm[:, None] * K + rk[None, :]), UPCAST)
+    b = dot_operand(tl.load(b_ptr + rk[:, None] * N + rn[None, :]), UPCAST)
+    tl.store(c_ptr + rm[:, None] * N + rn[None, :], tl.dot(a, b, out_dtype=tl.float32))
+
+
+def test_dot_operand_switch_gives_right_bf16_dot():
+    # kernels/_helpers.py's interpreter switch: bf16 tl.dot operands are upcast under the interpreter (where bf16
+    # tl.dot is wrong, DESIGN.md section 7) and left alone on a GPU.
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    a = torch.randn(16, 32, device=dev).bfloat16()
+    b = torch.randn(32, 16, device=dev).bfloat16()
+    c = torch.empty(16, 16, device=dev)
+    _dot_kernel[(1,)](a, b, c, M=16, K=32, N=16, UPCAST=interpreter_upcast())
+    assert_close_verbose(c, a.float() @ b.float(), atol=1e-3, rtol=1e-3, name="bf16 dot")
