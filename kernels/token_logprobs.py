@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from rapo_fast.kernels._helpers import lse_entropy_finalize, logprob_entropy_grad, online_lse_update
+from rapo_fast.kernels._helpers import logprob_entropy_grad, lse_entropy_finalize, online_lse_update
 
 
 @triton.jit
