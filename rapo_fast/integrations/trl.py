@@ -1,11 +1,12 @@
 """TRL adapter: `RAPOGRPOTrainer`, a `trl.GRPOTrainer` whose policy loss goes through `rapo_fast.rapo_loss`.
 
 What it is: a subclass that replaces GRPOTrainer's `_compute_loss` (TRL >= 1.x layout) with one call of the fused
-hidden-state loss (`rapo_loss(hidden=..., weight=lm_head.weight, ...)`), so neither the [B, T, V] logits nor a separate
-log-prob pass is materialised, plus `trl_to_rapo_options`, the documented mapping from TRL's configuration to our
-options. With retrieval off and the same options it reproduces TRL's own loss value and gradients (tests/
-test_integration_trl.py checks this against the installed trl). With the RAPO extras it adds importance shaping and
-off-policy (retrieved) tokens, read from extra keys of the inputs dict.
+hidden-state loss (`rapo_loss(hidden=..., weight=lm_head.weight, ...)`), so the [B, T, V] logits are never
+materialised (a second, no-grad log-prob pass runs only when TRL skipped the old log-probs), plus
+`trl_to_rapo_options`, the documented mapping from TRL's configuration to our options. With retrieval off and the
+same options it reproduces TRL's own loss value and gradients (tests/test_integration_trl.py checks this against the
+installed trl). With the RAPO extras it adds importance shaping and off-policy (retrieved) tokens, read from extra
+keys of the inputs dict.
 
 What it is not: a re-implementation of TRL's generation, rewards or advantages (inherited unchanged), nor an
 approximation of TRL options that have no exact counterpart here: those raise `ValueError` naming the option.
