@@ -6,7 +6,6 @@ Not a place for op logic. DESIGN.md section 1 and STYLE.md item 6 give the rules
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Callable, Iterable, Sequence
 
@@ -18,13 +17,20 @@ def interpret_mode() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@functools.lru_cache(maxsize=1)
+_TRITON_OK: bool | None = None
+
+
 def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:
-        return False
-    return True
+    # A module-level cache rather than functools.lru_cache: Dynamo warns on every trace through an lru_cache'd call.
+    global _TRITON_OK
+    if _TRITON_OK is None:
+        try:
+            import triton  # noqa: F401
+
+            _TRITON_OK = True
+        except Exception:
+            _TRITON_OK = False
+    return _TRITON_OK
 
 
 def use_triton(device: torch.device) -> bool:
