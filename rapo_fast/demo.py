@@ -212,17 +212,25 @@ def _write(out: Path, rows, results, timers, args, setting, total_wall):
 
 def main(argv: list[str] | None = None) -> int:
     """Run the demo (see the module docstring); returns 0."""
-    from rapo_fast._trainer_sft import sft_warmup
-    from rapo_fast.tasks import ChainArithmeticTask, solver_trajectories, write_jsonl
-    from rapo_fast.tiny_policy import build_tiny_policy
-
     args = _parse(argv)
     setting = dict(QUICK if args.quick else FULL)
     for k in ("sft_steps", "rl_steps", "eval_every", "lr"):
         if getattr(args, k) is not None:
             setting[k] = getattr(args, k)
+    threads = torch.get_num_threads()
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
+    try:
+        return _main(args, setting)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _main(args: argparse.Namespace, setting: dict) -> int:
+    from rapo_fast._trainer_sft import sft_warmup
+    from rapo_fast.tasks import ChainArithmeticTask, solver_trajectories, write_jsonl
+    from rapo_fast.tiny_policy import build_tiny_policy
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t_all = time.perf_counter()

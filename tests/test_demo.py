@@ -1,0 +1,43 @@
+"""The demo end to end in its --quick setting through the CLI: files written, both methods from the same start,
+retrieval statistics only for RAPO, wall-time split present; bad arguments rejected."""
+
+import csv
+
+import pytest
+import torch
+
+from rapo_fast import cli
+
+
+def test_demo_quick_writes_plot_and_summary(tmp_path, monkeypatch):
+    # the loss on its torch path: under the Triton interpreter (set by conftest on CPU machines) the kernels run
+    # ~50x slower, and they have their own tests
+    monkeypatch.setenv("RAPO_FAST_DISABLE_TRITON", "1")
+    threads = torch.get_num_threads()
+    out = tmp_path / "demo_out"
+    assert cli.main(["demo", "--quick", "--out", str(out), "--no-progress", "--seed", "3"]) == 0
+    assert torch.get_num_threads() == threads  # the demo restores the caller's thread count
+    png = (out / "curves.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    rows = {r["method"]: r for r in csv.DictReader((out / "summary.csv").open())}
+    assert set(rows) == {"RAPO", "GRPO"}
+    # same warmed-up weights and eval set: the same starting success
+    assert rows["RAPO"]["eval_success_start"] == rows["GRPO"]["eval_success_start"]
+    assert float(rows["RAPO"]["retrieval_rate"]) > 0 and float(rows["GRPO"]["retrieval_rate"]) == 0
+    assert float(rows["GRPO"]["mean_f_ret"]) == 0 and float(rows["RAPO"]["mean_f_ret"]) > 0
+    for r in rows.values():
+        assert 0 <= float(r["eval_success_final"]) <= 1
+        assert float(r["wall_s"]) > 0 and float(r["rollout_s"]) > 0 and float(r["loss_opt_s"]) > 0
+        assert "steps_to_0.6" in r
+    for m in ("RAPO", "GRPO"):
+        steps = list(csv.DictReader((out / f"metrics_{m}.csv").open()))
+        assert len(steps) == int(rows[m]["rl_steps"]) == 4
+    md = (out / "summary.md").read_text()
+    assert "| RAPO |" in md and "| GRPO |" in md and "Wall time" in md
+    assert (out / "offpolicy_trajectories.jsonl").stat().st_size > 0
+
+
+@pytest.mark.parametrize("bad", [["--target", "2"], ["--threads", "0"], ["--rl-steps", "-1"], ["--lr", "0"]])
+def test_demo_rejects_bad_arguments(bad, tmp_path):
+    with pytest.raises(SystemExit):
+        cli.main(["demo", "--out", str(tmp_path), *bad])
