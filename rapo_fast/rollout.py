@@ -19,7 +19,9 @@ or the loss.
 from __future__ import annotations
 
 import random
+import sys
 import time
+import types
 from collections.abc import Callable, Sequence
 
 import torch
@@ -323,3 +325,15 @@ def _collate(rows: list[_Row], pad: int, mode: str) -> RolloutBatch:
         completions=[],
         mode=mode,
     )
+
+
+class _CallableModule(types.ModuleType):
+    """`rapo_fast.rollout` is both this module and the public function: importing the submodule makes Python set
+    the package attribute `rollout` to the module, replacing the lazily exported function, so the module forwards
+    calls to the function and `rapo_fast.rollout(...)` works whichever happened first."""
+
+    def __call__(self, *args, **kwargs) -> RolloutBatch:
+        return rollout(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

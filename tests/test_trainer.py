@@ -219,3 +219,46 @@ def test_bad_trainer_arguments(world):
         TrainerConfig.preset("PPO")
     with pytest.raises(ValueError, match="num_steps"):
         RAPOTrainer(model, tok, task, None, TrainerConfig.GRPO(), problems).train(-1)
+
+
+def test_splice_mode_step_uses_behaviour_correction(world):
+    import random
+
+    from rapo_fast._trainer_sft import sft_examples
+    from rapo_fast.kv_splice import StepKVStore
+
+    task, tok, problems, path = world
+    model = build_tiny_policy(tok.vocab_size, hidden_size=32, num_heads=2, num_kv_heads=1, seed=0)
+    traces = StepTraces.from_jsonl(path, HashedNgramEncoder(), tok, kv_store=StepKVStore.for_model(model),
+                                   model=model)
+    # a fixed batch in the rollout's format: solutions with retrieved steps, behaviour log-probs off by a little
+    # (as sampling from a spliced cache would leave them)
+    ex = sft_examples(task, tok, problems[:2] * 2, retrieve_frac=1.0, rng=random.Random(0))
+    T = max(len(i) for i, _ in ex)
+    batch = _hand_batch(4, T, [[b, 1, 2] for b in range(4)], [], [0, 0, 1, 1])
+    for b, (ids, kinds) in enumerate(ex):
+        batch.input_ids[b, : len(ids)] = torch.tensor(ids)
+        batch.kinds[b] = 0
+        batch.kinds[b, : len(ids)] = torch.tensor(kinds, dtype=torch.int8)
+    batch.attention_mask = (batch.kinds != 0).long()
+    assert batch.retrieved_mask.any()
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float()
+    lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+    batch.behav_logp[:, 1:] = torch.where(batch.loss_mask[:, 1:], lp - 0.1, torch.zeros_like(lp))
+    seen = {}
+
+    def loss_fn(**kw):
+        seen.update(kw)
+        return rapo_loss(**kw)
+
+    cfg = _cfg(mode="splice", tis_cap=2.0)
+    trainer = RAPOTrainer(model, tok, task, traces, cfg, problems, rollout_fn=lambda *a, **k: batch,
+                          reward_fn=lambda env, p, b: torch.tensor([1.0, 0.0, 0.0, 1.0]), loss_fn=loss_fn)
+    m = trainer.step()
+    assert seen["tis_cap"] == 2.0 and torch.equal(seen["behav_logp"], batch.behav_logp[:, 1:])
+    # old_logp - behav_logp = 0.1 on every trained token: the truncated IS weight is exp(0.1) there
+    assert m["tis_weight_mean"] == pytest.approx(math.exp(0.1), rel=1e-4)
+    assert m["f_ret"] == pytest.approx(float(batch.retrieved_fraction().mean()))
+    with pytest.raises(ValueError, match="kv_store"):
+        RAPOTrainer(model, tok, task, StepTraces.from_jsonl(path, HashedNgramEncoder(), tok), cfg, problems)
