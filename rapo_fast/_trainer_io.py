@@ -10,7 +10,6 @@ What this is not: the training loop (rapo_fast/trainer.py).
 from __future__ import annotations
 
 import csv
-import json
 import math
 import shutil
 from pathlib import Path
@@ -121,4 +120,3 @@ def load_checkpoint(trainer, directory: str | Path) -> None:
             raise ValueError("load_checkpoint: the checkpoint holds a step buffer but the trainer has none")
         trainer.buffer = StepTraces.load(d / "buffer", old.encoder, old.tokenizer, kv_store=old.kv_store,
                                          model=old.model)
-    json.dumps(saved.to_dict())  # the config stays serialisable

@@ -119,6 +119,11 @@ class RAPOTrainer:
         return self.py_rng.sample(self.problems, k)
 
     def step(self) -> dict[str, float]:
+        """One RL step; returns (and logs) its metrics: reward, success_rate (all rollouts), success_rate_onpolicy
+        (non-hybrid rollouts), retrieval_rate (hybrid rollouts with >= 1 retrieval), retrievals_per_traj, f_ret,
+        retrieval_reward (mean Z over trajectories with a scored retrieval), loss, entropy, the loss's clip/ratio/
+        TIS metrics, tokens_per_s (response tokens per rollout second) and seconds per phase (t_rollout excludes
+        t_retrieval and t_splice; t_logprob, t_loss_opt, t_buffer)."""
         cfg, t0 = self.config, time.perf_counter()
         problems = self.sample_problems()
         if cfg.mode == "splice" and self.buffer is not None and self.step_count % cfg.refresh_kv_every == 0:
