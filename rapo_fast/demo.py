@@ -20,13 +20,15 @@ from pathlib import Path
 
 import torch
 
-# The default takes ~3-4 minutes on 2 shared CPU cores; the SFT length leaves the policy at roughly half the held-out
-# problems solved, so that RL has room to show. lr 3e-4 and 8 prompts x G=8 per step: at lr 1e-3 both methods
-# degraded within 40-60 steps in our runs (RAPO more), and 4 prompts per step left the curves inside eval noise.
-QUICK = dict(sft_steps=60, rl_steps=4, eval_every=2, n_eval=16, group_size=8, prompts_per_step=2, n_train=16,
-             lr=3e-4)
-FULL = dict(sft_steps=300, rl_steps=80, eval_every=10, n_eval=128, group_size=8, prompts_per_step=8, n_train=64,
-            lr=3e-4)
+# The default takes ~2-3 minutes on 2 idle CPU cores (more when shared). SFT runs in chunks until the greedy success
+# on a validation set (not the eval set) reaches --sft-target or sft_steps pass: how fast the tiny policy learns to
+# count operations varies a lot with the seed (0.45 to 0.87 after 300 steps in our runs), and RL needs room above
+# the start. lr 3e-4 and 8 prompts x G=8 per step: at lr 1e-3 both methods degraded within 40-60 steps in our runs
+# (RAPO more), and 4 prompts per step left the curves inside eval noise.
+QUICK = dict(sft_steps=60, sft_chunk=60, rl_steps=4, eval_every=2, n_eval=16, group_size=8, prompts_per_step=2,
+             n_train=16, lr=3e-4)
+FULL = dict(sft_steps=400, sft_chunk=50, rl_steps=120, eval_every=10, n_eval=128, group_size=8, prompts_per_step=8,
+            n_train=64, lr=3e-4)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -37,6 +39,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sft-steps", type=int, default=None)
     p.add_argument("--rl-steps", type=int, default=None)
     p.add_argument("--eval-every", type=int, default=None)
+    p.add_argument("--sft-target", type=float, default=0.4,
+                   help="stop the SFT warm-up once validation greedy success reaches this (default 0.4)")
     p.add_argument("--lr", type=float, default=None, help="RL learning rate (default 3e-4)")
     p.add_argument("--target", type=float, default=0.6, help="success rate whose first crossing is reported")
     p.add_argument("--encoder", choices=("hashed", "minilm", "policy"), default="hashed",
@@ -52,6 +56,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= {1 if name == 'eval_every' else 0}, got {v}")
     if a.lr is not None and not a.lr > 0:
         p.error(f"--lr must be > 0, got {a.lr}")
+    if not 0.0 <= a.sft_target <= 1.0:
+        p.error(f"--sft-target must be in [0, 1], got {a.sft_target}")
     if not 0.0 <= a.target <= 1.0:
         p.error(f"--target must be in [0, 1], got {a.target}")
     if a.threads < 1:
@@ -154,6 +160,7 @@ def _summaries(results, timers, args, setting):
             "mean_retrieval_reward": round(_nanmean([h["retrieval_reward"] for h in hist]), 4),
             "mean_f_ret": round(_nanmean([h["f_ret"] for h in hist]), 4),
             "rl_steps": len(hist),
+            "sft_steps": setting["sft_done"],
             "wall_s": round(timers[f"{name}_total"], 1),
             "eval_s": round(timers[f"{name}_eval"], 1),
             **{k[2:] + "_s": round(v, 1) for k, v in phase.items()},
@@ -170,7 +177,8 @@ def _write(out: Path, rows, results, timers, args, setting, total_wall):
     lines = [
         "# rapo-fast demo: RAPO vs GRPO on chain arithmetic with a calculator tool",
         "",
-        f"Seed {args.seed}, {'quick' if args.quick else 'default'} setting: SFT {setting['sft_steps']} steps, then "
+        f"Seed {args.seed}, {'quick' if args.quick else 'default'} setting: SFT {setting['sft_done']} steps "
+        f"(validation greedy success {setting['sft_valid_success']:.2f}, target {args.sft_target:g}), then "
         f"{setting['rl_steps']} RL steps per method ({setting['prompts_per_step']} prompts x G={setting['group_size']}"
         f", RAPO with {setting['group_size'] // 2} hybrid rollouts, p=0.5, encoder {args.encoder}, mode {args.mode}) "
         f"from the same warmed-up weights. Eval = greedy success without retrieval on {setting['n_eval']} held-out "
@@ -228,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args: argparse.Namespace, setting: dict) -> int:
-    from rapo_fast._trainer_sft import sft_warmup
+    from rapo_fast._trainer_sft import evaluate, sft_warmup
     from rapo_fast.tasks import ChainArithmeticTask, solver_trajectories, write_jsonl
     from rapo_fast.tiny_policy import build_tiny_policy
 
@@ -246,9 +254,17 @@ def _main(args: argparse.Namespace, setting: dict) -> int:
     torch.manual_seed(args.seed)
     model = build_tiny_policy(tok.vocab_size, seed=args.seed).to(args.device)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"demo: policy {n_params} parameters, SFT warm-up {setting['sft_steps']} steps ...", flush=True)
-    sft_warmup(model, tok, task, sft_pool, steps=setting["sft_steps"], batch_size=32, lr=3e-3, seed=args.seed,
-               progress=not args.no_progress)
+    print(f"demo: policy {n_params} parameters, SFT warm-up (up to {setting['sft_steps']} steps) ...", flush=True)
+    valid = task.make_problems(64, seed=args.seed + 3, start_qid=300_000)
+    done, sft_success = 0, 0.0
+    while done < setting["sft_steps"] and (done == 0 or sft_success < args.sft_target):
+        n = min(setting["sft_chunk"], setting["sft_steps"] - done)
+        # one optimiser across chunks would be smoother; a fresh AdamW per chunk is what the measured runs used
+        sft_warmup(model, tok, task, sft_pool, steps=n, batch_size=32, lr=3e-3, seed=args.seed + done,
+                   progress=not args.no_progress)
+        done += n
+        sft_success = evaluate(model, tok, task, valid, max_step_tokens=16)
+    setting["sft_done"], setting["sft_valid_success"] = done, sft_success
     warm_state = copy.deepcopy(model.state_dict())
     timers["sft"] = time.perf_counter() - t0
 
