@@ -85,6 +85,13 @@ __attribute__((noinline)) void admit(TileCtx& c, int lane, int t, float score) {
 
 // ---- micro-kernels: score tile NK keys x QT queries over the whole D, then the epilogue ----
 
+// Dot mode (few queries, see dot_avx512): KB keys x QG queries per block, KB * QG <= 24 accumulators.
+constexpr int kDotMaxQ = 16;
+constexpr int kDotOut = 24;
+constexpr int dot_kb(int qg) { return qg <= 3 ? 8 : 4; }
+inline int dot_qg(int64_t Q) { return Q <= 3 ? static_cast<int>(Q) : 6; }
+using DotFn = void (*)(const void*, int64_t, int64_t, int64_t, const float*, int64_t, int64_t, float*);
+
 constexpr int kScalarNK = 4;
 constexpr int kScalarQT = 8;
 
@@ -198,6 +205,78 @@ __attribute__((target("avx512f"))) void tile_avx512(const float* __restrict qp, 
   }
 }
 
+// Few queries (Q <= kDotMaxQ): packing keys would cost more than scoring them, so keys are read straight from the
+// buffer (converted 16 at a time) and dotted with up to kDotQG queries, vectorised over D: each key vector is loaded
+// once per group and reused by every query of it. Queries are fp32 rows zero-padded to a multiple of 16.
+template <int DT>
+__attribute__((target("avx512f"))) inline __m512 load16_avx512(const void* base, int64_t off) {
+  if constexpr (DT == static_cast<int>(DType::F32)) {
+    return _mm512_loadu_ps(static_cast<const float*>(base) + off);
+  } else {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + off));
+    if constexpr (DT == static_cast<int>(DType::F16)) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+
+// out[t * QG + l] = <key j0 + t, query l> for t < KB, l < QG; rows past the chunk are clamped to a valid row and
+// never admitted (admit checks jend). Vector loop over D rounded down to 16; the tail is added in scalar code.
+template <int DT, int QG>
+__attribute__((target("avx512f"))) void dot_avx512(const void* keys, int64_t ks, int64_t j0, int64_t jlast,
+                                                   const float* __restrict qrows, int64_t D, int64_t Dp, float* out) {
+  constexpr int kDotKB = dot_kb(QG);
+  constexpr int kDotQG = QG;
+  const int esz = DT == static_cast<int>(DType::F32) ? 4 : 2;
+  const char* kb = static_cast<const char*>(keys);
+  const void* kr[kDotKB];
+  for (int t = 0; t < kDotKB; ++t) kr[t] = kb + std::min(j0 + t, jlast) * ks * esz;
+  __m512 acc[kDotKB][kDotQG];
+  for (int t = 0; t < kDotKB; ++t)
+    for (int l = 0; l < kDotQG; ++l) acc[t][l] = _mm512_setzero_ps();
+  const int64_t D16 = D / 16 * 16;
+  for (int64_t d = 0; d < D16; d += 16) {
+    __m512 kv[kDotKB];
+#pragma GCC unroll 8
+    for (int t = 0; t < kDotKB; ++t) kv[t] = load16_avx512<DT>(kr[t], d);
+#pragma GCC unroll 6
+    for (int l = 0; l < kDotQG; ++l) {
+      const __m512 qv = _mm512_loadu_ps(qrows + l * Dp + d);
+#pragma GCC unroll 8
+      for (int t = 0; t < kDotKB; ++t) acc[t][l] = _mm512_fmadd_ps(kv[t], qv, acc[t][l]);
+    }
+  }
+  for (int t = 0; t < kDotKB; ++t)
+    for (int l = 0; l < kDotQG; ++l) {
+      float v = _mm512_reduce_add_ps(acc[t][l]);
+      for (int64_t d = D16; d < D; ++d) {
+        float kvs;
+        if constexpr (DT == static_cast<int>(DType::F32)) kvs = static_cast<const float*>(kr[t])[d];
+        else if constexpr (DT == static_cast<int>(DType::F16))
+          kvs = half_bits_to_float(static_cast<const uint16_t*>(kr[t])[d]);
+        else
+          kvs = bf16_bits_to_float(static_cast<const uint16_t*>(kr[t])[d]);
+        v += kvs * qrows[l * Dp + d];
+      }
+      out[t * kDotQG + l] = v;
+    }
+}
+
+template <int QG>
+DotFn pick_dot_qg(int dtype) {
+  if (dtype == static_cast<int>(DType::F32)) return dot_avx512<static_cast<int>(DType::F32), QG>;
+  if (dtype == static_cast<int>(DType::F16)) return dot_avx512<static_cast<int>(DType::F16), QG>;
+  return dot_avx512<static_cast<int>(DType::BF16), QG>;
+}
+
+DotFn pick_dot(int dtype, int qg) {
+  switch (qg) {
+    case 1: return pick_dot_qg<1>(dtype);
+    case 2: return pick_dot_qg<2>(dtype);
+    case 3: return pick_dot_qg<3>(dtype);
+    default: return pick_dot_qg<6>(dtype);
+  }
+}
+
 // fp16/bf16 rows to fp32, 8 at a time (F16C for fp16; bf16 is a 16-bit shift).
 __attribute__((target("avx2,f16c"))) void convert_row_avx2(const void* src, int dtype, int64_t D, float* dst) {
   const uint16_t* s = static_cast<const uint16_t*>(src);
@@ -276,11 +355,16 @@ int resolve_isa(int isa) {
   return isa;
 }
 
-void run_search(const RetrievalSearchArgs& a, int num_threads, int isa) {
+void run_search(const RetrievalSearchArgs& a, int num_threads, int isa, bool dot_mode) {
   int NK = kScalarNK, QT = kScalarQT;
   TileFn tile = tile_scalar;
+  DotFn dot = nullptr;
 #ifdef RAPO_X86
-  if (isa == kIsaAvx512) {
+  if (dot_mode) {
+    QT = dot_qg(a.Q);
+    NK = dot_kb(QT);
+    dot = pick_dot(a.key_dtype, QT);
+  } else if (isa == kIsaAvx512) {
     NK = kAvx512NK;
     QT = kAvx512QT;
     tile = tile_avx512;
@@ -303,20 +387,23 @@ void run_search(const RetrievalSearchArgs& a, int num_threads, int isa) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const bool use_aux = a.metric != kMetricIP;
 
-  // Pack every query once: panels [D][QT], zero lanes past Q (their threshold is NaN, so never admitted).
+  // Pack every query once: panels [D][QT], zero lanes past Q (their threshold is NaN, so never admitted); in dot
+  // mode rows [QT][Dp] per group instead.
   const int64_t nqt_all = (Q + QT - 1) / QT;
-  FloatBuf qpanel = aligned_floats(nqt_all * D * QT);
+  const int64_t Dp = (D + 15) / 16 * 16;
+  FloatBuf qpanel = aligned_floats(nqt_all * Dp * QT);
   std::vector<float> qaux(static_cast<size_t>(nqt_all * QT), 0.0f);
   {
     std::vector<float> row(static_cast<size_t>(D));
-    std::fill(qpanel.get(), qpanel.get() + nqt_all * D * QT, 0.0f);
+    std::fill(qpanel.get(), qpanel.get() + nqt_all * Dp * QT, 0.0f);
     const int esz = a.key_dtype == static_cast<int>(DType::F32) ? 4 : 2;
     for (int64_t q = 0; q < Q; ++q) {
       convert_row(static_cast<const char*>(a.queries) + q * a.query_row_stride * esz, a.key_dtype, D, row.data(), isa);
-      float* p = qpanel.get() + (q / QT) * D * QT + (q % QT);
+      float* p = dot_mode ? qpanel.get() + q * Dp : qpanel.get() + (q / QT) * D * QT + (q % QT);
+      const int64_t pstride = dot_mode ? 1 : QT;
       float ss = 0.0f;
       for (int64_t d = 0; d < D; ++d) {
-        p[d * QT] = row[d];
+        p[d * pstride] = row[d];
         ss += row[d] * row[d];
       }
       qaux[q] = retrieval_query_aux(a.metric, ss);
@@ -361,7 +448,7 @@ void run_search(const RetrievalSearchArgs& a, int num_threads, int isa) {
 #endif
       ThreadHeaps& h = heaps[static_cast<size_t>(tid)];
       const int64_t ntile_max = (Kc + NK - 1) / NK;
-      FloatBuf kpanel = aligned_floats(ntile_max * D * NK);
+      FloatBuf kpanel = aligned_floats(dot_mode ? 1 : ntile_max * D * NK);
       std::vector<float> kaux(static_cast<size_t>(ntile_max * NK), 0.0f);
       std::vector<float> row(static_cast<size_t>(D));
       TileCtx c{};
@@ -378,6 +465,28 @@ void run_search(const RetrievalSearchArgs& a, int num_threads, int isa) {
         const int64_t j_begin = ch * Kc;
         const int64_t j_end = std::min(C, j_begin + Kc);
         const int64_t ntile = (j_end - j_begin + NK - 1) / NK;
+        c.jend = j_end;
+        if (dot_mode) {
+          float out[kDotOut];
+          for (int64_t qt = 0; qt < nqt; ++qt) {
+            const float* qr = qpanel.get() + (q0 + qt * QT) * Dp;
+            c.thr = h.thr.data() + qt * QT;
+            c.qlocal0 = qt * QT;
+            const float* qa = qaux.data() + q0 + qt * QT;
+            for (int64_t j0 = j_begin; j0 < j_end; j0 += NK) {
+              dot(a.keys, a.key_row_stride, j0, j_end - 1, qr, D, Dp, out);
+              c.j0 = j0;
+              for (int t = 0; t < NK; ++t) {
+                const float ka = (use_aux && j0 + t < j_end) ? a.key_aux[j0 + t] : 0.0f;
+                for (int l = 0; l < QT; ++l) {
+                  const float sc = retrieval_finish(a.metric, out[t * QT + l], qa[l], ka);
+                  if (sc >= c.thr[l]) admit(c, l, t, sc);
+                }
+              }
+            }
+          }
+          continue;
+        }
         for (int64_t j = j_begin; j < j_begin + ntile * NK; ++j) {
           const int64_t tl = (j - j_begin) / NK, t = (j - j_begin) % NK;
           float* p = kpanel.get() + tl * D * NK + t;
@@ -391,7 +500,6 @@ void run_search(const RetrievalSearchArgs& a, int num_threads, int isa) {
             kaux[static_cast<size_t>(j - j_begin)] = 0.0f;
           }
         }
-        c.jend = j_end;
         for (int64_t qt = 0; qt < nqt; ++qt) {
           const float* qp = qpanel.get() + (q0 / QT + qt) * D * QT;
           c.thr = h.thr.data() + qt * QT;
@@ -455,11 +563,13 @@ void retrieval_search_cpu(const RetrievalSearchArgs& a, int num_threads, int isa
     throw std::invalid_argument("retrieval: null pointer");
   if (a.metric != kMetricIP && a.C > 0 && a.key_aux == nullptr) throw std::invalid_argument("retrieval: null aux");
   if (a.exclude != nullptr && a.C > 0 && a.groups == nullptr) throw std::invalid_argument("retrieval: null groups");
-  int use = resolve_isa(isa);
-  // A 32-query AVX-512 tile would be mostly padding for a few queries; the 16-query AVX2 tile wastes half as much.
-  const char* env = std::getenv("RAPO_FAST_CPU_ISA");
-  if (isa < 0 && (env == nullptr || *env == '\0') && use == kIsaAvx512 && a.Q <= 16) use = kIsaAvx2;
-  run_search(a, num_threads, use);
+  const int use = resolve_isa(isa);
+  // Few queries: reading the keys once straight from the buffer beats packing them for a mostly-padding 32-query
+  // tile. RAPO_FAST_CPU_DOT=0/1 forces the choice (tests cover both paths).
+  const char* dot_env = std::getenv("RAPO_FAST_CPU_DOT");
+  bool dot_mode = use == kIsaAvx512 && a.Q <= kDotMaxQ;
+  if (dot_env != nullptr && *dot_env != '\0') dot_mode = use == kIsaAvx512 && dot_env[0] == '1';
+  run_search(a, num_threads, use, dot_mode);
 }
 
 }  // namespace rapo

@@ -82,13 +82,15 @@ def _filled(C, D, dtype, metric, n=None, groups=5, device="cpu"):
 
 def _isas() -> list[str]:
     best = extension().retrieval_cpu_isa(-1)
-    order = ["scalar", "avx2", "avx512"]
-    return order[: order.index(best) + 1]
+    order = ["scalar", "avx2", "avx512", "avx512-dot"]
+    return order[: order.index(best) + 1] + (["avx512-dot"] if best == "avx512" else [])
 
 
 @pytest.fixture(params=_isas())
 def isa(request, monkeypatch):
-    monkeypatch.setenv("RAPO_FAST_CPU_ISA", request.param)
+    """Every CPU micro-kernel: the packed tiles (dot mode off) and, on AVX-512, the few-query dot kernel for any Q."""
+    monkeypatch.setenv("RAPO_FAST_CPU_ISA", request.param.removesuffix("-dot"))
+    monkeypatch.setenv("RAPO_FAST_CPU_DOT", "1" if request.param.endswith("-dot") else "0")
     return request.param
 
 
