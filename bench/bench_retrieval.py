@@ -7,7 +7,8 @@ Providers at each shape, timed round-robin in one run (so a shared machine's loa
 - GPU (--gpu): `ours` (CUDA backend, fp16 keys; `ours_excl` with the filter), `torch` (fp16 matmul + topk in chunks that
   fit memory) and `floor`, the bandwidth floor C * D * bytes / measured copy bandwidth.
 Order: the paper's scale first (C=170k steps, D=384 MiniLM, Q=256 = 32 prompts x 8 hybrid rollouts, k in {1, 3}),
-then the grid C in {100k, 1M, 4M} x D in {256, 768} x Q in {64, 1024, 4096} x k in {8, 64} (on the CPU a subset, see
+then (CPU) the few-query shapes SMALL_Q, then the grid C in {100k, 1M, 4M} x D in {256, 768} x Q in
+{64, 1024, 4096} x k in {8, 64} (on the CPU a subset, see
 GRID_CPU; --quick is a smoke subset for CI). Rows go to <out>/retrieval_{cpu,gpu}.csv with device, date, commit and
 the load average; every provider's ids are compared with `ours` (agree = fraction of equal ids) so a broken provider
 cannot post a fast time. Usage: `rapo-fast bench retrieval [--quick] [--gpu] [--out DIR] [--repeats N]`.
@@ -32,6 +33,8 @@ GRID_FULL = [(c, d, q, k) for c in (100_000, 1_000_000, 4_000_000) for d in (256
 # CPU: 4M keys and Q=4096 take minutes per provider on a few cores; the acceptance point (1M, 768, 1024, 64) is kept.
 GRID_CPU = [(100_000, d, q, k) for d in (256, 768) for q in (64, 1024) for k in (8, 64)] + [
     (1_000_000, 768, 64, 64), (1_000_000, 768, 1024, 64)]
+# Per-step retrieval of one prompt's hybrid rollouts (Q = 1..16) at the paper's buffer size: the few-query path.
+SMALL_Q = [(170_000, 384, q, 3) for q in (1, 8, 16)]
 QUICK = [(20_000, 64, 32, 8), (5_000, 48, 7, 3)]
 N_GROUPS = 1000
 
@@ -179,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="folder for retrieval_{cpu,gpu}.csv (default bench/results)")
     p.add_argument("--repeats", type=int, default=None, help="CPU timing rounds per provider (default 5, quick 3)")
     p.add_argument("--paper-only", action="store_true", help="only the paper-scale shapes")
+    p.add_argument("--small-q", action="store_true", help="only the few-query shapes (SMALL_Q)")
     p.add_argument("--metric", default="ip", choices=["ip", "l2"], help="metric of the grid (faiss has both)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for every provider (default: torch's)")
     args = p.parse_args(argv)
@@ -211,7 +215,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if faiss is not None:
         faiss.omp_set_num_threads(torch.get_num_threads())
-    shapes = QUICK if args.quick else (PAPER if args.paper_only else PAPER + GRID_CPU)
+    if args.quick or args.small_q or args.paper_only:
+        shapes = QUICK if args.quick else SMALL_Q if args.small_q else PAPER
+    else:
+        shapes = PAPER + SMALL_Q + GRID_CPU
     repeats = args.repeats or (3 if args.quick else 5)
     isa = extension().retrieval_cpu_isa(-1)
     rows = []
