@@ -1,0 +1,303 @@
+// Micro-kernels of the CPU retrieval backend (csrc/retrieval_cpu.cpp, its only includer): the per-thread admission
+// state, the packed-tile kernels (AVX-512 12 keys x 32 queries, AVX2 6 x 16, scalar 4 x 8), the few-query dot kernel
+// (AVX-512, keys read straight from the buffer) and the fp16/bf16 row conversion. Each kernel ends in the same
+// epilogue: metric (retrieval_metric.h), one vector compare against the per-query threshold, and `admit` (exclusion,
+// heap push, threshold update) for the few candidates that pass. ISA-specific code is compiled with target attributes
+// and chosen at run time by the includer. Host-only; not shared with the CUDA backend.
+#pragma once
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define RAPO_X86 1
+#endif
+
+#include "rapo/dtype.h"
+#include "rapo/retrieval_metric.h"
+#include "rapo/topk.h"
+
+namespace rapo {
+namespace retrieval_cpu {
+
+constexpr int kIsaScalar = 0;
+constexpr int kIsaAvx2 = 1;
+constexpr int kIsaAvx512 = 2;
+
+// Per-thread admission state of one query pass, shared by the micro-kernel epilogues through TileCtx.
+struct ThreadHeaps {
+  int64_t nq = 0;
+  int k = 0;
+  std::vector<float> s;      // [nq, k]
+  std::vector<int32_t> id;   // [nq, k]
+  std::vector<int32_t> n;    // [nq]
+  std::vector<float> thr;    // [nq rounded up to QT]: admit when score >= thr (NaN for padding lanes)
+};
+
+struct TileCtx {
+  ThreadHeaps* h;
+  float* thr;             // thresholds of this query tile's lanes
+  const float* qaux;      // [QT] query aux of this tile
+  const float* kaux;      // [NK] key aux of this key tile
+  int64_t qlocal0;        // index within the pass of lane 0
+  int64_t j0;             // slot of key 0 of the tile
+  int64_t jend;           // first slot past the chunk (padding keys are never admitted)
+  const int64_t* groups;  // nullptr when there is no exclusion
+  const int64_t* excl;    // exclusion of the pass's queries, or nullptr
+  float min_thr;
+  int metric;
+};
+
+// Scalar tail of every epilogue: exclusion, heap push, threshold update. Out of line: it runs rarely.
+__attribute__((noinline)) inline void admit(TileCtx& c, int lane, int t, float score) {
+  const int64_t j = c.j0 + t;
+  if (j >= c.jend) return;
+  const int64_t ql = c.qlocal0 + lane;
+  if (c.excl != nullptr) {
+    const int64_t g = c.excl[ql];
+    if (g >= 0 && c.groups[j] == g) return;
+  }
+  ThreadHeaps& h = *c.h;
+  TopKHeap heap{h.s.data() + ql * h.k, h.id.data() + ql * h.k, h.k, h.n[ql]};
+  if (heap.push(score, static_cast<int32_t>(j))) {
+    h.n[ql] = heap.n;
+    if (heap.full()) c.thr[lane] = std::max(heap.worst_score(), c.min_thr);
+  }
+}
+
+// ---- micro-kernels: score tile NK keys x QT queries over the whole D, then the epilogue ----
+
+// Dot mode (few queries, see dot_avx512): KB keys x QG queries per block, KB * QG <= 24 accumulators.
+constexpr int kDotMaxQ = 16;
+constexpr int kDotOut = 24;
+constexpr int dot_kb(int qg) { return qg <= 3 ? 8 : 4; }
+inline int dot_qg(int64_t Q) { return Q <= 3 ? static_cast<int>(Q) : 6; }
+using DotFn = void (*)(const void*, int64_t, int64_t, int64_t, const float*, int64_t, int64_t, float*);
+
+constexpr int kScalarNK = 4;
+constexpr int kScalarQT = 8;
+
+inline void tile_scalar(const float* __restrict qp, const float* __restrict kp, int64_t D, TileCtx& c) {
+  float acc[kScalarNK][kScalarQT] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    const float* q = qp + d * kScalarQT;
+    const float* kd = kp + d * kScalarNK;
+    for (int t = 0; t < kScalarNK; ++t)
+      for (int l = 0; l < kScalarQT; ++l) acc[t][l] += kd[t] * q[l];
+  }
+  for (int t = 0; t < kScalarNK; ++t)
+    for (int l = 0; l < kScalarQT; ++l) {
+      const float s = retrieval_finish(c.metric, acc[t][l], c.qaux[l], c.kaux[t]);
+      if (s >= c.thr[l]) admit(c, l, t, s);
+    }
+}
+
+#ifdef RAPO_X86
+constexpr int kAvx2NK = 6;
+constexpr int kAvx2QT = 16;
+
+__attribute__((target("avx2,fma"))) inline void tile_avx2(const float* __restrict qp, const float* __restrict kp,
+                                                           int64_t D,
+                                                    TileCtx& c) {
+  constexpr int NK = kAvx2NK;
+  __m256 a0[NK], a1[NK];
+  for (int t = 0; t < NK; ++t) a0[t] = a1[t] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const __m256 q0 = _mm256_loadu_ps(qp + d * 16);
+    const __m256 q1 = _mm256_loadu_ps(qp + d * 16 + 8);
+    const float* kd = kp + d * NK;
+#pragma GCC unroll 6
+    for (int t = 0; t < NK; ++t) {
+      const __m256 b = _mm256_broadcast_ss(kd + t);
+      a0[t] = _mm256_fmadd_ps(b, q0, a0[t]);
+      a1[t] = _mm256_fmadd_ps(b, q1, a1[t]);
+    }
+  }
+  const __m256 th0 = _mm256_loadu_ps(c.thr), th1 = _mm256_loadu_ps(c.thr + 8);
+  const __m256 qa0 = _mm256_loadu_ps(c.qaux), qa1 = _mm256_loadu_ps(c.qaux + 8);
+  const __m256 zero = _mm256_setzero_ps(), two = _mm256_set1_ps(2.0f);
+  for (int t = 0; t < NK; ++t) {
+    __m256 s0 = a0[t], s1 = a1[t];
+    if (c.metric == kMetricCosine) {
+      const __m256 ka = _mm256_set1_ps(c.kaux[t]);
+      s0 = _mm256_mul_ps(_mm256_mul_ps(s0, qa0), ka);
+      s1 = _mm256_mul_ps(_mm256_mul_ps(s1, qa1), ka);
+    } else if (c.metric == kMetricL2) {
+      const __m256 ka = _mm256_set1_ps(c.kaux[t]);
+      s0 = _mm256_min_ps(zero, _mm256_sub_ps(_mm256_sub_ps(_mm256_mul_ps(two, s0), ka), qa0));
+      s1 = _mm256_min_ps(zero, _mm256_sub_ps(_mm256_sub_ps(_mm256_mul_ps(two, s1), ka), qa1));
+    }
+    const int m = _mm256_movemask_ps(_mm256_cmp_ps(s0, th0, _CMP_GE_OQ)) |
+                  (_mm256_movemask_ps(_mm256_cmp_ps(s1, th1, _CMP_GE_OQ)) << 8);
+    if (m != 0) {
+      alignas(32) float tmp[16];
+      _mm256_store_ps(tmp, s0);
+      _mm256_store_ps(tmp + 8, s1);
+      for (unsigned bits = static_cast<unsigned>(m); bits != 0; bits &= bits - 1) {
+        const int lane = __builtin_ctz(bits);
+        admit(c, lane, t, tmp[lane]);
+      }
+    }
+  }
+}
+
+constexpr int kAvx512NK = 12;
+constexpr int kAvx512QT = 32;
+
+__attribute__((target("avx512f"))) inline void tile_avx512(const float* __restrict qp, const float* __restrict kp,
+                                                            int64_t D,
+                                                     TileCtx& c) {
+  constexpr int NK = kAvx512NK;
+  __m512 a0[NK], a1[NK];
+  for (int t = 0; t < NK; ++t) a0[t] = a1[t] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const __m512 q0 = _mm512_loadu_ps(qp + d * 32);
+    const __m512 q1 = _mm512_loadu_ps(qp + d * 32 + 16);
+    const float* kd = kp + d * NK;
+#pragma GCC unroll 12
+    for (int t = 0; t < NK; ++t) {
+      const __m512 b = _mm512_set1_ps(kd[t]);
+      a0[t] = _mm512_fmadd_ps(b, q0, a0[t]);
+      a1[t] = _mm512_fmadd_ps(b, q1, a1[t]);
+    }
+  }
+  const __m512 th0 = _mm512_loadu_ps(c.thr), th1 = _mm512_loadu_ps(c.thr + 16);
+  const __m512 qa0 = _mm512_loadu_ps(c.qaux), qa1 = _mm512_loadu_ps(c.qaux + 16);
+  const __m512 zero = _mm512_setzero_ps(), two = _mm512_set1_ps(2.0f);
+  for (int t = 0; t < NK; ++t) {
+    __m512 s0 = a0[t], s1 = a1[t];
+    if (c.metric == kMetricCosine) {
+      const __m512 ka = _mm512_set1_ps(c.kaux[t]);
+      s0 = _mm512_mul_ps(_mm512_mul_ps(s0, qa0), ka);
+      s1 = _mm512_mul_ps(_mm512_mul_ps(s1, qa1), ka);
+    } else if (c.metric == kMetricL2) {
+      const __m512 ka = _mm512_set1_ps(c.kaux[t]);
+      s0 = _mm512_min_ps(zero, _mm512_sub_ps(_mm512_sub_ps(_mm512_mul_ps(two, s0), ka), qa0));
+      s1 = _mm512_min_ps(zero, _mm512_sub_ps(_mm512_sub_ps(_mm512_mul_ps(two, s1), ka), qa1));
+    }
+    const unsigned m = static_cast<unsigned>(_mm512_cmp_ps_mask(s0, th0, _CMP_GE_OQ)) |
+                       (static_cast<unsigned>(_mm512_cmp_ps_mask(s1, th1, _CMP_GE_OQ)) << 16);
+    if (m != 0) {
+      alignas(64) float tmp[32];
+      _mm512_store_ps(tmp, s0);
+      _mm512_store_ps(tmp + 16, s1);
+      for (unsigned bits = m; bits != 0; bits &= bits - 1) {
+        const int lane = __builtin_ctz(bits);
+        admit(c, lane, t, tmp[lane]);
+      }
+    }
+  }
+}
+
+// Few queries (Q <= kDotMaxQ): packing keys would cost more than scoring them, so keys are read straight from the
+// buffer (converted 16 at a time) and dotted with up to kDotQG queries, vectorised over D: each key vector is loaded
+// once per group and reused by every query of it. Queries are fp32 rows zero-padded to a multiple of 16.
+template <int DT>
+__attribute__((target("avx512f"))) inline __m512 load16_avx512(const void* base, int64_t off) {
+  if constexpr (DT == static_cast<int>(DType::F32)) {
+    return _mm512_loadu_ps(static_cast<const float*>(base) + off);
+  } else {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + off));
+    if constexpr (DT == static_cast<int>(DType::F16)) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+
+// out[t * QG + l] = <key j0 + t, query l> for t < KB, l < QG; rows past the chunk are clamped to a valid row and
+// never admitted (admit checks jend). Vector loop over D rounded down to 16; the tail is added in scalar code.
+template <int DT, int QG>
+__attribute__((target("avx512f"))) void dot_avx512(const void* keys, int64_t ks, int64_t j0, int64_t jlast,
+                                                   const float* __restrict qrows, int64_t D, int64_t Dp, float* out) {
+  constexpr int kDotKB = dot_kb(QG);
+  constexpr int kDotQG = QG;
+  const int esz = DT == static_cast<int>(DType::F32) ? 4 : 2;
+  const char* kb = static_cast<const char*>(keys);
+  const void* kr[kDotKB];
+  for (int t = 0; t < kDotKB; ++t) kr[t] = kb + std::min(j0 + t, jlast) * ks * esz;
+  __m512 acc[kDotKB][kDotQG];
+  for (int t = 0; t < kDotKB; ++t)
+    for (int l = 0; l < kDotQG; ++l) acc[t][l] = _mm512_setzero_ps();
+  const int64_t D16 = D / 16 * 16;
+  for (int64_t d = 0; d < D16; d += 16) {
+    __m512 kv[kDotKB];
+#pragma GCC unroll 8
+    for (int t = 0; t < kDotKB; ++t) kv[t] = load16_avx512<DT>(kr[t], d);
+#pragma GCC unroll 6
+    for (int l = 0; l < kDotQG; ++l) {
+      const __m512 qv = _mm512_loadu_ps(qrows + l * Dp + d);
+#pragma GCC unroll 8
+      for (int t = 0; t < kDotKB; ++t) acc[t][l] = _mm512_fmadd_ps(kv[t], qv, acc[t][l]);
+    }
+  }
+  for (int t = 0; t < kDotKB; ++t)
+    for (int l = 0; l < kDotQG; ++l) {
+      float v = _mm512_reduce_add_ps(acc[t][l]);
+      for (int64_t d = D16; d < D; ++d) {
+        float kvs;
+        if constexpr (DT == static_cast<int>(DType::F32)) kvs = static_cast<const float*>(kr[t])[d];
+        else if constexpr (DT == static_cast<int>(DType::F16))
+          kvs = half_bits_to_float(static_cast<const uint16_t*>(kr[t])[d]);
+        else
+          kvs = bf16_bits_to_float(static_cast<const uint16_t*>(kr[t])[d]);
+        v += kvs * qrows[l * Dp + d];
+      }
+      out[t * kDotQG + l] = v;
+    }
+}
+
+template <int QG>
+DotFn pick_dot_qg(int dtype) {
+  if (dtype == static_cast<int>(DType::F32)) return dot_avx512<static_cast<int>(DType::F32), QG>;
+  if (dtype == static_cast<int>(DType::F16)) return dot_avx512<static_cast<int>(DType::F16), QG>;
+  return dot_avx512<static_cast<int>(DType::BF16), QG>;
+}
+
+inline DotFn pick_dot(int dtype, int qg) {
+  switch (qg) {
+    case 1: return pick_dot_qg<1>(dtype);
+    case 2: return pick_dot_qg<2>(dtype);
+    case 3: return pick_dot_qg<3>(dtype);
+    default: return pick_dot_qg<6>(dtype);
+  }
+}
+
+// fp16/bf16 rows to fp32, 8 at a time (F16C for fp16; bf16 is a 16-bit shift).
+__attribute__((target("avx2,f16c"))) inline void convert_row_avx2(const void* src, int dtype, int64_t D,
+                                                                   float* dst) {
+  const uint16_t* s = static_cast<const uint16_t*>(src);
+  int64_t d = 0;
+  if (dtype == static_cast<int>(DType::F16)) {
+    for (; d + 8 <= D; d += 8)
+      _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + d))));
+  } else {
+    for (; d + 8 <= D; d += 8) {
+      const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + d)));
+      _mm256_storeu_ps(dst + d, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+    }
+  }
+  for (; d < D; ++d)
+    dst[d] = dtype == static_cast<int>(DType::F16) ? half_bits_to_float(s[d]) : bf16_bits_to_float(s[d]);
+}
+#endif  // RAPO_X86
+
+inline void convert_row(const void* src, int dtype, int64_t D, float* dst, int isa) {
+  if (dtype == static_cast<int>(DType::F32)) {
+    std::memcpy(dst, src, static_cast<size_t>(D) * sizeof(float));
+    return;
+  }
+#ifdef RAPO_X86
+  if (isa >= kIsaAvx2) {
+    convert_row_avx2(src, dtype, D, dst);
+    return;
+  }
+#endif
+  const uint16_t* s = static_cast<const uint16_t*>(src);
+  for (int64_t d = 0; d < D; ++d)
+    dst[d] = dtype == static_cast<int>(DType::F16) ? half_bits_to_float(s[d]) : bf16_bits_to_float(s[d]);
+}
+
+
+}  // namespace retrieval_cpu
+}  // namespace rapo
