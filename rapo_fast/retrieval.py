@@ -242,7 +242,7 @@ class StepBuffer:
             if exclude.device != self.device:
                 raise ValueError(f"exclude_groups must be on the buffer's device {self.device}, got {exclude.device}")
         n = self._size
-        q = queries.to(self.dtype)
+        q = queries.detach().to(self.dtype)  # retrieval is not differentiable: no autograd graph through the op
         return retrieval_search(
             self._keys[:n], self._aux[:n], self._group[:n], q, exclude, k, METRIC_CODES[self.metric], thr
         )
@@ -258,7 +258,7 @@ class StepBuffer:
 
         Best first, ties to the smaller slot; rows with fewer than k eligible steps are padded with -inf / -1.
         exclude_groups [Q] int64: per query, steps of that group are skipped (a negative value skips nothing).
-        min_score: steps scoring below it are skipped. 1 <= k <= 1024.
+        min_score: steps scoring below it are skipped. 1 <= k <= 1024. The scores carry no gradient.
         """
         scores, slots = self._search_slots(queries, k, exclude_groups, min_score)
         payload = torch.where(slots >= 0, self._payload[slots.clamp_min(0)], torch.full_like(slots, -1))

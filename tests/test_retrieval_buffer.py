@@ -263,6 +263,15 @@ def test_cuda_tensor_without_cuda_build_says_how_to_rebuild(monkeypatch):
         require_backend(torch.device("cuda", 0))
 
 
+def test_search_is_not_differentiable():
+    buf = StepBuffer(10, 4, dtype=torch.float32)
+    buf.add(torch.randn(10, 4), torch.arange(10), torch.zeros(10, dtype=torch.int64))
+    q = torch.randn(3, 4, requires_grad=True)
+    s, p = buf.search(q, 2)
+    assert not s.requires_grad and s.grad_fn is None
+    torch.testing.assert_close(s, buf.search(q.detach(), 2)[0])
+
+
 def test_search_on_wrong_device_is_rejected():
     buf = StepBuffer(4, 2)
     with pytest.raises(ValueError, match="device"):
