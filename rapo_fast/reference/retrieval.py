@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["METRICS", "search_ref", "key_aux_ref"]
+__all__ = ["RETRIEVAL_METRICS", "search_ref", "scores_ref", "key_aux_ref"]
 
-METRICS = ("ip", "cosine", "l2")
+RETRIEVAL_METRICS = ("ip", "cosine", "l2")
 COSINE_EPS = 1e-12
 
 
@@ -33,7 +33,7 @@ def key_aux_ref(keys: torch.Tensor, metric: str) -> torch.Tensor:
     elif metric == "ip":
         aux = torch.zeros(keys.shape[0], dtype=torch.float64, device=keys.device)
     else:
-        raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
+        raise ValueError(f"metric must be one of {RETRIEVAL_METRICS}, got {metric!r}")
     return aux.to(torch.float32)
 
 
@@ -55,7 +55,7 @@ def scores_ref(keys: torch.Tensor, queries: torch.Tensor, metric: str) -> torch.
             diff = q64[i : i + step, None, :] - k64[None, :, :]
             out[i : i + step] = -(diff * diff).sum(-1)
         return out
-    raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
+    raise ValueError(f"metric must be one of {RETRIEVAL_METRICS}, got {metric!r}")
 
 
 def search_ref(
