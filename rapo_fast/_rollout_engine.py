@@ -37,7 +37,7 @@ class DecodeEngine:
         return int(self.mask.shape[1])
 
     @torch.no_grad()
-    def feed(self, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    def feed(self, tokens: torch.Tensor, valid: torch.Tensor) -> int:
         """Run the model over a chunk: tokens [B, L] int64, valid [B, L] bool (a row's valid tokens first).
 
         Returns the column index of the chunk's first column. Rows with at least one valid token get their
@@ -60,7 +60,7 @@ class DecodeEngine:
         if rows.numel():
             self.last_logits[rows] = logits[rows, n[rows] - 1]
         self.pos = self.pos + n
-        return torch.tensor(col0)
+        return col0
 
     def extend_columns(self, valid: torch.Tensor, n_new: int) -> None:
         """Account for `n_new` columns written into the cache by someone else (the splice): valid [B, n_new] bool says

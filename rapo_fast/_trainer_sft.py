@@ -94,4 +94,4 @@ def evaluate(model, tokenizer, task, problems: Sequence, *, max_steps: int = 6, 
     return sum(rewards) / max(1, len(rewards))
 
 
-__all__ = ["sft_examples", "sft_warmup", "evaluate", "KIND_RET"]
+__all__ = ["sft_examples", "sft_warmup", "evaluate"]

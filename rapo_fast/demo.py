@@ -147,7 +147,7 @@ def _summaries(results, timers, args, setting):
     rows = []
     for name, (curve, hist) in results.items():
         phase = {k: sum(h.get(k, 0.0) for h in hist) for k in
-                 ("t_rollout", "t_retrieval", "t_splice", "t_logprob", "t_loss_opt", "t_buffer")}
+                 ("t_rollout", "t_retrieval", "t_splice", "t_logprob", "t_loss", "t_optimizer", "t_buffer")}
         target = args.target if args.target is not None else round(curve[0][1] + 0.1, 4)
         reach = _first_reach(curve, target)
         rows.append({

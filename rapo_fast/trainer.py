@@ -123,7 +123,7 @@ class RAPOTrainer:
         (non-hybrid rollouts), retrieval_rate (hybrid rollouts with >= 1 retrieval), retrievals_per_traj, f_ret,
         retrieval_reward (mean Z over trajectories with a scored retrieval), loss, entropy, the loss's clip/ratio/
         TIS metrics, tokens_per_s (response tokens per rollout second) and seconds per phase (t_rollout excludes
-        t_retrieval and t_splice; t_logprob, t_loss_opt, t_buffer)."""
+        t_retrieval and t_splice; t_logprob, t_loss (forward + backward), t_optimizer, t_buffer)."""
         cfg, t0 = self.config, time.perf_counter()
         problems = self.sample_problems()
         if cfg.mode == "splice" and self.buffer is not None and self.step_count % cfg.refresh_kv_every == 0:
@@ -167,7 +167,7 @@ class RAPOTrainer:
         self.last_batch = batch
         return metrics
 
-    def _score(self, batch: RolloutBatch, want_entropy: bool):
+    def _score(self, batch: RolloutBatch):
         s = batch.shifted()
         dev = next(self.model.parameters()).device
         h = final_hidden(self.model, s["input_ids"].to(dev), s["attention_mask"].to(dev))[:, :-1]
@@ -181,7 +181,7 @@ class RAPOTrainer:
         W = lm_head_weight(self.model)
         t0 = time.perf_counter()
         with torch.no_grad():
-            s, h = self._score(batch, True)
+            s, h = self._score(batch)
             old_logp, ent = token_logprobs(hidden=h, weight=W, targets=s["targets"].to(dev),
                                            temperature=cfg.temperature or 1.0, return_entropy=True)
         old_logp, ent = old_logp.float().cpu(), ent.float().cpu()
@@ -195,9 +195,9 @@ class RAPOTrainer:
         if cfg.mode == "splice" and cfg.tis_cap is not None and batch.retrieved_mask.any():
             opts.update(behav_logp=s["behav_logp"].to(dev), tis_cap=cfg.tis_cap)
         self.model.train()
-        loss_val, lm = 0.0, {}
+        loss_val, lm, t_opt = 0.0, {}, 0.0
         for _ in range(cfg.updates_per_step):
-            _, h = self._score(batch, False)
+            _, h = self._score(batch)
             loss, lm = self.loss_fn(
                 hidden=h, weight=W, targets=s["targets"].to(dev), old_logp=old_logp.to(dev), advantages=adv.to(dev),
                 loss_mask=s["loss_mask"].to(dev), retrieved_mask=s["retrieved_mask"].to(dev),
@@ -206,9 +206,11 @@ class RAPOTrainer:
             )
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            t_o = time.perf_counter()
             if cfg.max_grad_norm is not None:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
             self.optimizer.step()
+            t_opt += time.perf_counter() - t_o
             loss_val = float(loss.detach())
         t2 = time.perf_counter()
         has_ret = n_scored > 0
@@ -218,7 +220,8 @@ class RAPOTrainer:
             "entropy": float(ent[s["loss_mask"]].mean()) if s["loss_mask"].any() else 0.0,
             "adv_abs_mean": float(adv.abs().mean()),
             "t_logprob": t1 - t0,
-            "t_loss_opt": t2 - t1,
+            "t_loss": t2 - t1 - t_opt,
+            "t_optimizer": t_opt,
         }
         for k in ("clip_frac_low", "clip_frac_high", "ratio_mean", "approx_kl", "tis_weight_mean"):
             if k in lm:

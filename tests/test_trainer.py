@@ -17,7 +17,7 @@ from rapo_fast.tiny_policy import build_tiny_policy, final_hidden, lm_head_weigh
 from rapo_fast.trainer import RAPOTrainer, TrainerConfig, hard_attribution, retrieval_rewards
 
 TIMING_KEYS = {"tokens_per_s", "t_rollout", "t_retrieval", "t_splice", "t_buffer", "t_step", "t_logprob",
-               "t_loss_opt"}
+               "t_loss", "t_optimizer"}
 
 ON_INTERPRETER = {"test_grpo_and_arpo_presets_train"}
 
