@@ -4,10 +4,18 @@ Flow: validate (may sync with the device, before anything runs) -> logp (and ent
 metrics are asked for) = rapo_fast.token_logprobs(...) -> per-sequence quantities (shaping factor F, GSPO sequence
 log-ratio, aggregation weights) as small torch ops on [N]/[S] vectors -> one elementwise Triton kernel
 (kernels/policy_loss.py, registered as rapo_fast::policy_loss with a fake and an autograd formula) giving the weighted
-per-token loss and the metric partial sums; its backward gives dL/dlogp and dL/dH times the upstream gradient. Passes
-over the logits (or hidden @ weight chunks): one in the forward and one in the backward, both inside token_logprobs;
-the loss itself only touches [N] vectors. CPU tensors without TRITON_INTERPRET=1, and float64 inputs, take the same
+per-token loss and the metric partial sums; its backward gives dL/dlogp and dL/dH times the upstream gradient. The
+loss itself only touches [N] vectors. CPU tensors without TRITON_INTERPRET=1, and float64 inputs, take the same
 math through the reference's per-token function (rapo_fast/reference/policy_loss.py, the spec).
+
+Passes over the logits and GEMMs of the hidden path (logits= always takes the two-pass path: its logits exist already):
+- two-pass (GSPO, no gradient needed, RAPO_FAST_FUSED_LINEAR_LOSS=0, or no Triton): token_logprobs' forward (GEMM
+  h W^T per tile, one pass), the policy op on [N] vectors, then token_logprobs' backward (recompute h W^T, grad_z in
+  place, grad_h = gz W, grad_W = gz^T h): 2 passes, 4 GEMM families.
+- fused (hidden=, token level, gradient needed, Triton device; the default): rapo_fast/_fused_linear_loss.py forms
+  each tile's logits, log-prob, entropy, token loss and logits gradient while the tile is in memory and accumulates
+  grad_h / grad_W / grad_b in the forward; the backward multiplies them by the upstream scalar: 1 pass, 3 GEMM
+  families (4 again, in the forward, when one row of V exceeds the tile byte budget; see that module).
 No host sync after validation: metrics are 0-dim tensors computed from on-device sums.
 
 Aggregation (verl's agg_loss) and `global_num_tokens` (the normaliser of the whole global batch, so that the losses of
@@ -23,6 +31,7 @@ What this is not: the log-prob kernel (rapo_fast/logprobs.py) or an advantage es
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -273,6 +282,23 @@ policy_loss_op = register_op("policy_loss", _policy_loss_impl, fake=_policy_loss
 
 
 # ----------------------------------------------------------------------------------------------------- public entry
+def _use_fused(hidden, weight, bias, importance_sampling_level: str) -> bool:
+    """Whether rapo_loss takes the one-pass fused hidden-state path (rapo_fast/_fused_linear_loss.py).
+
+    Only for hidden= at token level (GSPO's ratio needs the whole sequence's logp first), when a gradient is needed
+    (without one, the fused forward would do the two-pass forward's work plus gradient GEMMs), on a Triton device,
+    not fp64 (the reference's checking precision). RAPO_FAST_FUSED_LINEAR_LOSS=0, read at call time, forces the
+    two-pass path (benchmarks and tests compare the two).
+    """
+    if hidden is None or importance_sampling_level != "token" or hidden.dtype == torch.float64:
+        return False
+    if os.environ.get("RAPO_FAST_FUSED_LINEAR_LOSS", "1") == "0":
+        return False
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))):
+        return False
+    return use_triton(hidden.device)
+
+
 def rapo_loss(
     logits: torch.Tensor | None = None,
     *,
@@ -326,19 +352,23 @@ def rapo_loss(
     flat, S = facts["flat"], facts["rows"]
     want_ent = entropy_coef != 0.0 or return_metrics
     x = logits if logits is not None else hidden
-    if x.dtype == torch.float64:  # a checking precision (gradcheck, tests): the reference, which keeps fp64
-        out = (token_logprobs_ref(logits, targets, temperature, want_ent) if logits is not None else
-               linear_token_logprobs_ref(hidden, weight, targets, bias, temperature, want_ent))
-    else:
-        out = token_logprobs(logits, hidden=hidden, weight=weight, bias=bias, targets=targets,
-                             temperature=temperature, return_entropy=want_ent)
-    logp, ent = out if want_ent else (out, None)
-    if ent is not None and entropy_coef == 0.0:
-        ent = ent.detach()  # for the metric only: no backward through the entropy
-    cd = torch.float64 if logp.dtype == torch.float64 else torch.float32
+    fused = _use_fused(hidden, weight, bias, importance_sampling_level)
     n = targets.numel()
-    dev = logp.device
-    lp = logp.reshape(n).to(cd)
+    if fused:  # log-probs, loss and gradients in one pass: rapo_fast/_fused_linear_loss.py
+        lp, ent, cd, dev = None, None, torch.float32, hidden.device
+    else:
+        if x.dtype == torch.float64:  # a checking precision (gradcheck, tests): the reference, which keeps fp64
+            out = (token_logprobs_ref(logits, targets, temperature, want_ent) if logits is not None else
+                   linear_token_logprobs_ref(hidden, weight, targets, bias, temperature, want_ent))
+        else:
+            out = token_logprobs(logits, hidden=hidden, weight=weight, bias=bias, targets=targets,
+                                 temperature=temperature, return_entropy=want_ent)
+        logp, ent = out if want_ent else (out, None)
+        if ent is not None and entropy_coef == 0.0:
+            ent = ent.detach()  # for the metric only: no backward through the entropy
+        cd = torch.float64 if logp.dtype == torch.float64 else torch.float32
+        dev = logp.device
+        lp = logp.reshape(n).to(cd)
 
     def vec(x):
         return None if x is None else x.reshape(n).to(cd).contiguous()
@@ -391,15 +421,21 @@ def rapo_loss(
 
     code = (on.to(torch.int8) + 2 * off.to(torch.int8)).contiguous()
     kl_mode = 0 if ref is None else 1 + KL_ESTIMATORS.index(kl_estimator)
-    args = (
-        lp.contiguous(), old, adv, w, scale, code, seqlr,
-        behav if (tis_cap is not None or offpolicy_train == "truncated") else None, ref if kl_mode else None,
-        ent_v, float(eps_low), float(eps_high), float(dual_clip or 0.0), float(gamma), float(is_cap),
-        float(tis_cap or 0.0), float(beta), float(entropy_coef), OFFPOLICY_MODES.index(offpolicy_train), kl_mode,
-    )
-    # fp64 (a checking precision) and devices without Triton: the same math in torch, differentiated by autograd
-    tok, sums = policy_loss_op(*args) if use_triton(dev) and cd == torch.float32 else _torch_policy_loss(*args)
-    loss = tok.sum()
+    behav_used = behav if (tis_cap is not None or offpolicy_train == "truncated") else None
+    scalars = (float(eps_low), float(eps_high), float(dual_clip or 0.0), float(gamma), float(is_cap),
+               float(tis_cap or 0.0), float(beta), float(entropy_coef), OFFPOLICY_MODES.index(offpolicy_train),
+               kl_mode)
+    if fused:
+        from rapo_fast._fused_linear_loss import fused_linear_policy_loss
+
+        loss, sums = fused_linear_policy_loss(hidden, weight, bias, targets, old, adv, w, scale, code, behav_used,
+                                              ref if kl_mode else None, *scalars, float(temperature), want_ent)
+    else:
+        args = (lp.contiguous(), old, adv, w, scale, code, seqlr, behav_used, ref if kl_mode else None, ent_v,
+                *scalars)
+        # fp64 (a checking precision) and devices without Triton: the same math in torch, differentiated by autograd
+        tok, sums = policy_loss_op(*args) if use_triton(dev) and cd == torch.float32 else _torch_policy_loss(*args)
+        loss = tok.sum()
     if not return_metrics:
         return loss
     sums = sums.detach().to(cd)
