@@ -73,7 +73,8 @@ def _fused_impl(
     sums = torch.zeros(NUM_METRICS, dtype=f32, device=dev)
     has_bias = bias is not None
     need_b = need_b and has_bias
-    grad_h = torch.empty_like(hidden) if need_h else hidden.new_empty(0)
+    # contiguous whatever hidden's strides (empty_like would copy them), matching the fake
+    grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=dev) if need_h else hidden.new_empty(0)
     acc_w = torch.zeros(v, h, dtype=f32, device=dev) if need_w else None
     grad_b32 = torch.zeros(v, dtype=f32, device=dev) if need_b else None
     any_grad = need_h or need_w or need_b
@@ -168,9 +169,9 @@ def _fused_fake(hidden, weight, bias, *args):
     return (
         hidden.new_empty((), dtype=f32),
         hidden.new_empty((NUM_METRICS,), dtype=f32),
-        torch.empty_like(hidden) if need_h else hidden.new_empty(0),
-        torch.empty_like(weight) if need_w else hidden.new_empty(0),
-        torch.empty_like(bias) if (need_b and bias is not None) else hidden.new_empty(0),
+        hidden.new_empty(hidden.shape) if need_h else hidden.new_empty(0),
+        weight.new_empty(weight.shape) if need_w else hidden.new_empty(0),
+        bias.new_empty(bias.shape) if (need_b and bias is not None) else hidden.new_empty(0),
     )
 
 

@@ -200,3 +200,44 @@ def test_opcheck_fused_op():
             d["behav_logp"].reshape(n), d["ref_logp"].reshape(n), 0.2, 0.2, 3.0, 0.1, 2.0, 1.5, 0.1, 0.01, 0, 3,
             0.9, True, True, True, True)  # fmt: skip
     torch.library.opcheck(torch.ops.rapo_fast.fused_linear_policy_loss.default, args)
+
+
+def test_frozen_weight_and_strided_hidden(monkeypatch, fused_calls):
+    """Only hidden needs a gradient (a frozen lm_head), hidden a non-contiguous view: same as the two-pass path."""
+    torch.manual_seed(0)
+    d = make_batch(3, 5, 21, H=6, bias=False)
+    base = torch.randn(6, 3, 5, dtype=torch.float32)  # hidden as a permuted view [3, 5, 6]
+    opts = dict(FULL, loss_agg="seq-mean-token-mean")
+    out = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("RAPO_FAST_FUSED_LINEAR_LOSS", flag)
+        hidden = base.clone().requires_grad_(True)
+        x = dict(d, hidden=hidden.permute(1, 2, 0))
+        assert not x["hidden"].is_contiguous()
+        loss = rapo_fast.rapo_loss(**x, **opts)
+        loss.backward()
+        out[flag] = (loss.detach(), hidden.grad)
+    assert fused_calls == [True, False]
+    assert_close_verbose(out["1"][0], out["0"][0], atol=1e-6, rtol=1e-5, name="loss")
+    assert_close_verbose(out["1"][1], out["0"][1], atol=1e-6, rtol=1e-5, name="grad hidden")
+
+
+def test_memory_bounded_by_tile_not_n_by_v():
+    """torch.profiler's memory view: no single allocation of N * V * 4 bytes in the fused forward + backward (the
+    largest is the logits tile, at most _TILE_BYTES, or the fp32 grad_W accumulator [V, H])."""
+    from torch.profiler import ProfilerActivity, profile
+
+    n, h, v = 128, 8, 65536
+    torch.manual_seed(0)
+    hid = torch.randn(n, h, requires_grad=True)
+    w = (torch.randn(v, h) * 0.3).requires_grad_()
+    y = torch.randint(0, v, (n,))
+    old = torch.full((n,), -11.0)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        loss = rapo_fast.rapo_loss(hidden=hid, weight=w, targets=y, old_logp=old, advantages=torch.randn(n),
+                                   loss_mask=torch.ones(n, dtype=torch.bool), entropy_coef=0.01)
+        loss.backward()
+    largest = max(e.self_cpu_memory_usage for e in prof.events())
+    bound = max(lp_mod._TILE_BYTES["cpu"], v * h * 4)
+    assert largest <= bound < n * v * 4, f"largest allocation {largest} B, tile/grad bound {bound}, N*V*4 {n * v * 4}"
+    assert hid.grad is not None and w.grad is not None
