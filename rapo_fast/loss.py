@@ -31,6 +31,7 @@ What this is not: the log-prob kernel (rapo_fast/logprobs.py) or an advantage es
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -43,7 +44,7 @@ from rapo_fast.logprobs import token_logprobs
 from rapo_fast.reference.logprobs import linear_token_logprobs_ref, token_logprobs_ref
 from rapo_fast.reference.policy_loss import policy_token_loss_ref
 
-__all__ = ["rapo_loss", "RAPOLoss", "OPTION_DEFAULTS"]
+__all__ = ["rapo_loss", "policy_loss_from_logp", "RAPOLoss", "OPTION_DEFAULTS"]
 
 OFFPOLICY_MODES = ("none", "shaped", "truncated")
 IS_LEVELS = ("token", "sequence")
@@ -60,24 +61,8 @@ _NUM_METRICS = 12
 _BLOCK = 1024
 
 
-def _validate(a: dict) -> dict:
-    """Check every argument of rapo_loss; return facts the launcher needs (rows, segment count, K)."""
-    for k, choices in (("offpolicy_train", OFFPOLICY_MODES), ("importance_sampling_level", IS_LEVELS),
-                       ("kl_estimator", KL_ESTIMATORS), ("loss_agg", LOSS_AGG_MODES)):
-        C.check_choice(k, a[k], choices)
-    C.check_float("shaping_m", a["shaping_m"], min_value=-1.0, min_inclusive=False)
-    C.check_float("gamma", a["gamma"], min_value=0.0, min_inclusive=False)
-    C.check_float("is_cap", a["is_cap"], min_value=0.0, min_inclusive=False)
-    C.check_float("tis_cap", a["tis_cap"], min_value=0.0, min_inclusive=False, allow_none=True)
-    C.check_float("eps_low", a["eps_low"], min_value=0.0, max_value=1.0)
-    C.check_float("eps_high", a["eps_high"], min_value=0.0)
-    C.check_float("dual_clip", a["dual_clip"], min_value=1.0, min_inclusive=False, allow_none=True)
-    C.check_float("beta", a["beta"])
-    C.check_float("entropy_coef", a["entropy_coef"])
-    C.check_float("temperature", a["temperature"], min_value=0.0, min_inclusive=False)
-    if not isinstance(a["return_metrics"], bool):
-        raise TypeError(f"return_metrics: expected bool, got {type(a['return_metrics']).__name__}")
-
+def _validate_model_inputs(a: dict) -> tuple[torch.Tensor, tuple, int]:
+    """rapo_loss's logits / hidden + weight + bias / targets checks; returns (targets, targets' shape, V)."""
     logits, hidden, weight, bias = a["logits"], a["hidden"], a["weight"], a["bias"]
     if (logits is None) == (hidden is None):
         raise ValueError("logits/hidden: pass exactly one of logits [..., V] or hidden [..., H] (+ weight [V, H]), "
@@ -106,7 +91,38 @@ def _validate(a: dict) -> dict:
         C.check_optional_tensor("bias", bias, shape=(vocab,), dtypes=(hidden.dtype,))
     if vocab < 1:
         raise ValueError("logits/weight: vocabulary size must be >= 1")
+    return targets, tshape, vocab
 
+
+def _validate(a: dict) -> dict:
+    """Check every argument of rapo_loss; return facts the launcher needs (rows, segment count, K)."""
+    for k, choices in (("offpolicy_train", OFFPOLICY_MODES), ("importance_sampling_level", IS_LEVELS),
+                       ("kl_estimator", KL_ESTIMATORS), ("loss_agg", LOSS_AGG_MODES)):
+        C.check_choice(k, a[k], choices)
+    C.check_float("shaping_m", a["shaping_m"], min_value=-1.0, min_inclusive=False)
+    C.check_float("gamma", a["gamma"], min_value=0.0, min_inclusive=False)
+    C.check_float("is_cap", a["is_cap"], min_value=0.0, min_inclusive=False)
+    C.check_float("tis_cap", a["tis_cap"], min_value=0.0, min_inclusive=False, allow_none=True)
+    C.check_float("eps_low", a["eps_low"], min_value=0.0, max_value=1.0)
+    C.check_float("eps_high", a["eps_high"], min_value=0.0)
+    C.check_float("dual_clip", a["dual_clip"], min_value=1.0, min_inclusive=False, allow_none=True)
+    C.check_float("beta", a["beta"])
+    C.check_float("entropy_coef", a["entropy_coef"])
+    C.check_float("temperature", a.get("temperature", 1.0), min_value=0.0, min_inclusive=False)
+    if not isinstance(a["return_metrics"], bool):
+        raise TypeError(f"return_metrics: expected bool, got {type(a['return_metrics']).__name__}")
+
+    if "logp" in a:  # policy_loss_from_logp: log-probs (and entropy) given, no logits/hidden/targets
+        logp = C.check_tensor("logp", a["logp"], ndim=(1, 2), dtypes=C.FLOAT_DTYPES)
+        tshape = tuple(logp.shape)
+        C.check_optional_tensor("entropy", a["entropy"], shape=tshape, dtypes=C.FLOAT_DTYPES)
+        if a["entropy_coef"] != 0.0 and a["entropy"] is None:
+            raise ValueError(f"entropy: required when entropy_coef != 0 (entropy_coef={a['entropy_coef']})")
+        targets = logits = hidden = weight = bias = None
+        vocab = None
+    else:
+        targets, tshape, vocab = _validate_model_inputs(a)
+        logits, hidden, weight, bias = a["logits"], a["hidden"], a["weight"], a["bias"]
     for k in ("old_logp", "behav_logp", "ref_logp"):
         C.check_optional_tensor(k, a[k], shape=tshape, dtypes=C.FLOAT_DTYPES)
     for k in ("loss_mask", "retrieved_mask", "response_mask"):
@@ -114,11 +130,11 @@ def _validate(a: dict) -> dict:
     if a["old_logp"] is None or a["loss_mask"] is None:
         raise ValueError("old_logp/loss_mask: required")
     cu = a["cu_seqlens"]
-    flat = targets.dim() == 1
+    flat = len(tshape) == 1
     max_len = tshape[-1]
     if cu is not None:
         if not flat:
-            raise ValueError(f"cu_seqlens: only for flat inputs (targets [N]); targets has shape {tshape}")
+            raise ValueError(f"cu_seqlens: only for flat inputs (targets / logp [N]); got shape {tshape}")
         rows = C.check_cu_seqlens("cu_seqlens", cu, tshape[0])
         max_len = int(cu.detach().cpu().diff().max())
     else:
@@ -127,11 +143,13 @@ def _validate(a: dict) -> dict:
     if tuple(adv.shape) not in (tshape, (rows,)):
         raise ValueError(f"advantages: expected shape {tshape} (per token) or ({rows},) (per sequence), got "
                          f"{tuple(adv.shape)}")
-    dev = C.check_same_device(targets=targets, logits=logits, hidden=hidden, weight=weight, bias=bias,
-                              old_logp=a["old_logp"], advantages=adv, loss_mask=a["loss_mask"],
-                              retrieved_mask=a["retrieved_mask"], response_mask=a["response_mask"],
-                              behav_logp=a["behav_logp"], ref_logp=a["ref_logp"], cu_seqlens=cu)
-    C.check_index_range("targets", targets, vocab)
+    dev = C.check_same_device(logp=a.get("logp"), entropy=a.get("entropy"), targets=targets, logits=logits,
+                              hidden=hidden, weight=weight, bias=bias, old_logp=a["old_logp"], advantages=adv,
+                              loss_mask=a["loss_mask"], retrieved_mask=a["retrieved_mask"],
+                              response_mask=a["response_mask"], behav_logp=a["behav_logp"], ref_logp=a["ref_logp"],
+                              cu_seqlens=cu)
+    if targets is not None:
+        C.check_index_range("targets", targets, vocab)
     C.check_finite("advantages", adv)
     C.check_finite("old_logp", a["old_logp"], allow_inf=True)
     if a["offpolicy_train"] == "truncated" and a["behav_logp"] is None:
@@ -154,7 +172,7 @@ def _validate(a: dict) -> dict:
                 raise ValueError(f"global_num_tokens: expected device {dev} or cpu, got {g.device}")
         else:
             C.check_float("global_num_tokens", g, min_value=0.0, min_inclusive=False)
-    return dict(flat=flat, rows=rows, max_len=max(max_len, 1), device=dev)
+    return dict(flat=flat, rows=rows, max_len=max(max_len, 1), device=dev, shape=tshape)
 
 
 # ---------------------------------------------------------------------------------------------------------- kernel op
@@ -349,21 +367,77 @@ def rapo_loss(
     """
     a = dict(locals())
     facts = _validate(a)
-    flat, S = facts["flat"], facts["rows"]
     want_ent = entropy_coef != 0.0 or return_metrics
     x = logits if logits is not None else hidden
-    fused = _use_fused(hidden, weight, bias, importance_sampling_level)
-    n = targets.numel()
-    if fused:  # log-probs, loss and gradients in one pass: rapo_fast/_fused_linear_loss.py
-        lp, ent, cd, dev = None, None, torch.float32, hidden.device
+    if _use_fused(hidden, weight, bias, importance_sampling_level):
+        # log-probs, loss and gradients in one pass: rapo_fast/_fused_linear_loss.py
+        return _loss_from_logp(a, facts, None, None, fused=True)
+    if x.dtype == torch.float64:  # a checking precision (gradcheck, tests): the reference, which keeps fp64
+        out = (token_logprobs_ref(logits, targets, temperature, want_ent) if logits is not None else
+               linear_token_logprobs_ref(hidden, weight, targets, bias, temperature, want_ent))
     else:
-        if x.dtype == torch.float64:  # a checking precision (gradcheck, tests): the reference, which keeps fp64
-            out = (token_logprobs_ref(logits, targets, temperature, want_ent) if logits is not None else
-                   linear_token_logprobs_ref(hidden, weight, targets, bias, temperature, want_ent))
-        else:
-            out = token_logprobs(logits, hidden=hidden, weight=weight, bias=bias, targets=targets,
-                                 temperature=temperature, return_entropy=want_ent)
-        logp, ent = out if want_ent else (out, None)
+        out = token_logprobs(logits, hidden=hidden, weight=weight, bias=bias, targets=targets,
+                             temperature=temperature, return_entropy=want_ent)
+    logp, ent = out if want_ent else (out, None)
+    return _loss_from_logp(a, facts, logp, ent)
+
+
+
+def policy_loss_from_logp(
+    logp: torch.Tensor,
+    *,
+    entropy: torch.Tensor | None = None,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    retrieved_mask: torch.Tensor | None = None,
+    response_mask: torch.Tensor | None = None,
+    shaping_m: float = 0.0,
+    offpolicy_train: str = "none",
+    gamma: float = 0.1,
+    is_cap: float = 2.0,
+    behav_logp: torch.Tensor | None = None,
+    tis_cap: float | None = None,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    dual_clip: float | None = None,
+    importance_sampling_level: str = "token",
+    ref_logp: torch.Tensor | None = None,
+    beta: float = 0.0,
+    kl_estimator: str = "k3",
+    entropy_coef: float = 0.0,
+    loss_agg: str = "token-mean",
+    cu_seqlens: torch.Tensor | None = None,
+    global_num_tokens: int | float | torch.Tensor | None = None,
+    return_metrics: bool = False,
+):
+    """rapo_loss from log-probs that are already computed (e.g. verl's policy-loss registry hands them over).
+
+    logp: float [B, T] or [N] (with cu_seqlens), differentiable; entropy: like logp, required when entropy_coef != 0
+    (else only the entropy metric uses it; 0 without it). Every other argument, the validation and the return value
+    are rapo_loss's; no temperature (it is in logp already). The per-token policy op runs on [N] vectors (Triton on
+    CUDA / under TRITON_INTERPRET=1, the reference's per-token function otherwise).
+    """
+    a = dict(locals())
+    facts = _validate(a)
+    return _loss_from_logp(a, facts, logp, entropy)
+
+def _loss_from_logp(a: dict, facts: dict, logp: torch.Tensor | None, ent: torch.Tensor | None, fused: bool = False):
+    """Everything of rapo_loss after the log-probs: per-sequence quantities, aggregation weights, the policy op (or,
+    with fused=True and logp None, the fused hidden-state op) and the metrics. `a` holds rapo_loss's arguments."""
+    tshape = facts["shape"]
+    flat, S = facts["flat"], facts["rows"]
+    n = math.prod(tshape)
+    (old_logp, behav_logp, ref_logp, loss_mask, retrieved_mask, response_mask, advantages, cu_seqlens,
+     global_num_tokens) = (a[k] for k in ("old_logp", "behav_logp", "ref_logp", "loss_mask", "retrieved_mask",
+                                          "response_mask", "advantages", "cu_seqlens", "global_num_tokens"))
+    (shaping_m, offpolicy_train, gamma, is_cap, tis_cap, eps_low, eps_high, dual_clip, importance_sampling_level, beta,
+     kl_estimator, entropy_coef, loss_agg, return_metrics) = (a[k] for k in (
+        "shaping_m", "offpolicy_train", "gamma", "is_cap", "tis_cap", "eps_low", "eps_high", "dual_clip",
+        "importance_sampling_level", "beta", "kl_estimator", "entropy_coef", "loss_agg", "return_metrics"))
+    if fused:
+        lp, cd, dev = None, torch.float32, a["hidden"].device
+    else:
         if ent is not None and entropy_coef == 0.0:
             ent = ent.detach()  # for the metric only: no backward through the entropy
         cd = torch.float64 if logp.dtype == torch.float64 else torch.float32
@@ -386,11 +460,11 @@ def rapo_loss(
     elif flat:
         seg = torch.zeros(n, dtype=torch.int64, device=dev)
     else:
-        seg = torch.arange(n, device=dev) // targets.shape[1]
+        seg = torch.arange(n, device=dev) // tshape[1]
 
     def seg_sum(x):
         if not flat:  # rows: a plain (deterministic) row sum; index_add_ is atomic on CUDA
-            return x.to(cd).view(S, targets.shape[1]).sum(1)
+            return x.to(cd).view(S, tshape[1]).sum(1)
         return torch.zeros(S, dtype=cd, device=dev).index_add_(0, seg, x.to(cd))
 
     resp = response_mask.reshape(n) != 0 if response_mask is not None else torch.ones_like(lm)
@@ -402,7 +476,7 @@ def rapo_loss(
         lr = torch.where(on, lp.detach() - old, torch.zeros_like(lp))
         seqlr = (seg_sum(lr) / n_on.clamp_min(1))[seg].contiguous()
     adv = advantages.to(cd)
-    adv = (adv.reshape(n) if tuple(advantages.shape) == tuple(targets.shape) else adv[seg]).contiguous()
+    adv = (adv.reshape(n) if tuple(advantages.shape) == tshape else adv[seg]).contiguous()
 
     # aggregation weight of each token (no gradient: counts only)
     g = None if global_num_tokens is None else torch.as_tensor(global_num_tokens, dtype=cd).to(dev).reshape(())
@@ -428,8 +502,9 @@ def rapo_loss(
     if fused:
         from rapo_fast._fused_linear_loss import fused_linear_policy_loss
 
-        loss, sums = fused_linear_policy_loss(hidden, weight, bias, targets, old, adv, w, scale, code, behav_used,
-                                              ref if kl_mode else None, *scalars, float(temperature), want_ent)
+        loss, sums = fused_linear_policy_loss(a["hidden"], a["weight"], a["bias"], a["targets"], old, adv, w, scale,
+                                              code, behav_used, ref if kl_mode else None, *scalars,
+                                              float(a["temperature"]), entropy_coef != 0.0 or return_metrics)
     else:
         args = (lp.contiguous(), old, adv, w, scale, code, seqlr, behav_used, ref if kl_mode else None, ent_v,
                 *scalars)

@@ -241,3 +241,24 @@ def test_memory_bounded_by_tile_not_n_by_v():
     bound = max(lp_mod._TILE_BYTES["cpu"], v * h * 4)
     assert largest <= bound < n * v * 4, f"largest allocation {largest} B, tile/grad bound {bound}, N*V*4 {n * v * 4}"
     assert hid.grad is not None and w.grad is not None
+
+
+@pytest.mark.parametrize("layout", ["padded", "flat"])
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_policy_loss_from_logp_matches_reference(layout, agg):
+    """policy_loss_from_logp (rapo_loss after its log-prob call) vs rapo_loss_ref(logp=...): loss, grads, metrics."""
+    from rapo_fast.loss import policy_loss_from_logp
+    from rapo_fast.reference import rapo_loss_ref, token_logprobs_ref
+
+    d = make_batch(3, 7, 11, per_seq_adv=True, masked_rows=(1,)) if layout == "padded" else make_batch(
+        seg_lens=[4, 0, 6], V=9)
+    lp, ent = token_logprobs_ref(d.pop("logits"), d.pop("targets"), 1.0, True)
+    out = []
+    for fn in (policy_loss_from_logp, rapo_loss_ref):
+        x, e = lp.detach().clone().requires_grad_(True), ent.detach().clone().requires_grad_(True)
+        loss, m = fn(x, entropy=e, **d, **FULL, loss_agg=agg, return_metrics=True)
+        loss.backward()
+        out.append((loss.detach(), m, {"logp": x.grad, "entropy": e.grad}))
+    _assert_same(out[0], out[1], atol=1e-6, name="from_logp")
+    with pytest.raises(ValueError, match="entropy"):
+        policy_loss_from_logp(lp, **d, **FULL)

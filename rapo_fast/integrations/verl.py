@@ -18,9 +18,9 @@ What it is:
   `logprobs_from_logits` covers verl's unfused actor path (logits already computed).
 
 What it is not: a verl actor or trainer, and not the fused logits->loss kernel: verl's registry hands the loss
-log-probs that are already computed, so the loss here is rapo_fast's policy-loss spec evaluated on those log-probs
-(`rapo_fast.reference.policy_loss.rapo_loss_ref`, elementwise over [B, T]); the fusion that saves memory is in the
-log-prob helpers.
+log-probs that are already computed, so the loss here is `rapo_fast.loss.policy_loss_from_logp` on those log-probs
+(rapo_loss after its log-prob step: the per-token policy-loss kernel over [B, T], with rapo_loss's validation); the
+fusion that saves memory is in the log-prob helpers.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from rapo_fast.reference.policy_loss import rapo_loss_ref
+from rapo_fast.loss import policy_loss_from_logp
 
 __all__ = [
     "rapo_policy_loss",
@@ -168,7 +168,7 @@ def rapo_policy_loss(
         behav = rollout_log_probs
         if behav is None:
             raise ValueError("rollout_log_probs: required with tis_cap or offpolicy_train='truncated'")
-    loss, m = rapo_loss_ref(
+    loss, m = policy_loss_from_logp(
         log_prob,
         old_logp=old_log_prob,
         advantages=adv,
