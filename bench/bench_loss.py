@@ -1,7 +1,9 @@
 """Forward+backward time and peak memory of the fused policy loss against its anchors (issue 2, item 7).
 
 Providers, side by side in one run at each shape:
-- `rapo_fast_hidden`: rapo_loss(hidden=, weight=) — chunked, never an [N, V] tensor (Triton on GPU).
+- `rapo_fast_hidden`: rapo_loss(hidden=, weight=) — chunked, never an [N, V] tensor; on Triton devices the one-pass
+  fused variant (gradients formed in the forward, 3 GEMM families).
+- `rapo_fast_hidden_2pass`: the same with RAPO_FAST_FUSED_LINEAR_LOSS=0 (backward recomputes the logits: 4 GEMMs).
 - `rapo_fast_logits`: rapo_loss(logits=) — the logits path; its bytes (logits read twice, grad written once) are
   compared with the measured copy bandwidth.
 - `torch_eager`: what a trainer does without us: logits = hidden @ W^T materialised, fp32 log-softmax, gather,
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -60,6 +63,17 @@ def _providers(device: torch.device, n: int, v: int):
             eps_low=EPS, eps_high=EPS, loss_agg="token-mean",
         )
 
+    def ours_hidden_2pass(*args):
+        old = os.environ.get("RAPO_FAST_FUSED_LINEAR_LOSS")
+        os.environ["RAPO_FAST_FUSED_LINEAR_LOSS"] = "0"
+        try:
+            return ours_hidden(*args)
+        finally:
+            if old is None:
+                del os.environ["RAPO_FAST_FUSED_LINEAR_LOSS"]
+            else:
+                os.environ["RAPO_FAST_FUSED_LINEAR_LOSS"] = old
+
     cache: dict = {}
 
     def ours_logits(hidden, weight, targets, old_logp, adv, mask):
@@ -78,6 +92,8 @@ def _providers(device: torch.device, n: int, v: int):
 
     # torch_eager first: the other providers' losses are checked against its value
     provs = {"torch_eager": _eager_loss, "rapo_fast_hidden": ours_hidden, "rapo_fast_logits": ours_logits}
+    if device.type == "cuda":  # the two variants differ only where Triton runs
+        provs["rapo_fast_hidden_2pass"] = ours_hidden_2pass
     provs["torch_compile"] = torch.compile(_eager_loss, dynamic=False)
     if device.type == "cuda":
         try:
