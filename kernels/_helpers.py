@@ -39,6 +39,16 @@ def dot_operand(x, UPCAST_DOT: tl.constexpr):
 
 
 @triton.jit
+def load_scaled_logits(z_row, bias_ptr, v_start, c, mask, inv_temp, HAS_BIAS: tl.constexpr):
+    """One block of a row's logits (+ bias) in fp32, divided by the temperature. Padded lanes load -inf and stay -inf
+    after the scaling because inv_temp > 0 (pitfall 4)."""
+    z = tl.load(z_row + c, mask=mask, other=float("-inf")).to(tl.float32)
+    if HAS_BIAS:
+        z += tl.load(bias_ptr + v_start + c, mask=mask, other=0.0).to(tl.float32)
+    return z * inv_temp
+
+
+@triton.jit
 def online_lse_update(m, s, t, z):
     """Fold one block `z` (fp32, masked lanes = -inf) of a row into the running (m, s, t); returns the new state.
 

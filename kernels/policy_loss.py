@@ -106,6 +106,28 @@ def _policy_token(
 
 
 @triton.jit
+def _load_token_inputs(
+    offs, m, logp_ptr, old_ptr, adv_ptr, scale_ptr, seqlr_ptr, behav_ptr, ref_ptr,
+    SEQ: tl.constexpr, TIS: tl.constexpr, OFF: tl.constexpr, KL: tl.constexpr,
+):
+    """The per-token inputs both kernels read; optional ones alias logp when absent (never used then)."""
+    logp = tl.load(logp_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    old = tl.load(old_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    adv = tl.load(adv_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    scale = tl.load(scale_ptr + offs, mask=m, other=1.0).to(tl.float32)
+    seqlr = logp
+    behav = logp
+    ref = logp
+    if SEQ:
+        seqlr = tl.load(seqlr_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    if TIS or OFF == 2:
+        behav = tl.load(behav_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    if KL != 0:
+        ref = tl.load(ref_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    return logp, old, adv, scale, seqlr, behav, ref
+
+
+@triton.jit
 def _policy_loss_fwd_kernel(
     logp_ptr, old_ptr, adv_ptr, w_ptr, scale_ptr, code_ptr, seqlr_ptr, behav_ptr, ref_ptr, ent_ptr,
     out_ptr, part_ptr, N,
@@ -119,21 +141,11 @@ def _policy_loss_fwd_kernel(
     code = tl.load(code_ptr + offs, mask=m, other=0).to(tl.int32)
     is_on = code == 1
     is_off = code == 2
-    logp = tl.load(logp_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    old = tl.load(old_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    adv = tl.load(adv_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    logp, old, adv, scale, seqlr, behav, ref = _load_token_inputs(
+        offs, m, logp_ptr, old_ptr, adv_ptr, scale_ptr, seqlr_ptr, behav_ptr, ref_ptr, SEQ, TIS, OFF, KL
+    )
     w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    scale = tl.load(scale_ptr + offs, mask=m, other=1.0).to(tl.float32)
-    seqlr = logp
-    behav = logp
-    ref = logp
     ent = logp
-    if SEQ:
-        seqlr = tl.load(seqlr_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    if TIS or OFF == 2:
-        behav = tl.load(behav_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    if KL != 0:
-        ref = tl.load(ref_ptr + offs, mask=m, other=0.0).to(tl.float32)
     if HAS_ENT:
         ent = tl.load(ent_ptr + offs, mask=m, other=0.0).to(tl.float32)
     loss, dlogp, r, clip_hi, clip_lo, dual, kl, tis_w, off_w = _policy_token(
@@ -176,22 +188,12 @@ def _policy_loss_bwd_kernel(
     code = tl.load(code_ptr + offs, mask=m, other=0).to(tl.int32)
     is_on = code == 1
     is_off = code == 2
-    logp = tl.load(logp_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    old = tl.load(old_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    adv = tl.load(adv_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    logp, old, adv, scale, seqlr, behav, ref = _load_token_inputs(
+        offs, m, logp_ptr, old_ptr, adv_ptr, scale_ptr, seqlr_ptr, behav_ptr, ref_ptr, SEQ, TIS, OFF, KL
+    )
     # the upstream gradient is per token (pitfall 7): never assume a scalar 1
     gw = tl.load(grad_ptr + offs, mask=m, other=0.0).to(tl.float32) * tl.load(w_ptr + offs, mask=m, other=0.0)
-    scale = tl.load(scale_ptr + offs, mask=m, other=1.0).to(tl.float32)
-    seqlr = logp
-    behav = logp
-    ref = logp
     ent = logp
-    if SEQ:
-        seqlr = tl.load(seqlr_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    if TIS or OFF == 2:
-        behav = tl.load(behav_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    if KL != 0:
-        ref = tl.load(ref_ptr + offs, mask=m, other=0.0).to(tl.float32)
     loss, dlogp, r, clip_hi, clip_lo, dual, kl, tis_w, off_w = _policy_token(
         logp, old, adv, scale, seqlr, behav, ref, ent, is_on, is_off,
         eps_low, eps_high, dual_c, gamma, is_cap, tis_cap, beta, ent_coef,

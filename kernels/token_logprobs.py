@@ -20,7 +20,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from rapo_fast.kernels._helpers import logprob_entropy_grad, lse_entropy_finalize, online_lse_update
+from rapo_fast.kernels._helpers import (
+    load_scaled_logits,
+    logprob_entropy_grad,
+    lse_entropy_finalize,
+    online_lse_update,
+)
 
 
 @triton.jit
@@ -81,11 +86,7 @@ def _token_logprobs_fwd_kernel(
     for start in range(0, n_cols, BLOCK_V):
         c = start + cols
         mask = c < n_cols
-        z = tl.load(z_row + c, mask=mask, other=float("-inf")).to(tl.float32)
-        if HAS_BIAS:
-            z += tl.load(bias_ptr + v_start + c, mask=mask, other=0.0).to(tl.float32)
-        # Padded lanes are -inf and stay -inf after the scaling because inv_temp > 0 (pitfall 4).
-        z = z * inv_temp
+        z = load_scaled_logits(z_row, bias_ptr, v_start, c, mask, inv_temp, HAS_BIAS)
         m, s, t = online_lse_update(m, s, t, z)
 
     if FINAL:
@@ -141,9 +142,6 @@ def _token_logprobs_bwd_kernel(
     for start in range(0, n_cols, BLOCK_V):
         c = start + cols
         mask = c < n_cols
-        z = tl.load(z_row + c, mask=mask, other=float("-inf")).to(tl.float32)
-        if HAS_BIAS:
-            z += tl.load(bias_ptr + v_start + c, mask=mask, other=0.0).to(tl.float32)
-        z = z * inv_temp
+        z = load_scaled_logits(z_row, bias_ptr, v_start, c, mask, inv_temp, HAS_BIAS)
         grad = logprob_entropy_grad(z, c == local, lse, ent, g_lp, g_ent, inv_temp, WITH_ENTROPY)
         tl.store(gz_row + c, grad.to(gz_ptr.dtype.element_ty), mask=mask)
