@@ -2,7 +2,8 @@
 
 What this is: `StepKVStore` (per payload id, every layer's K/V of a step computed once at positions 0..L-1, in one
 pooled tensor per K and V), `splice_kv` (many (payload_id, batch_row, position) requests in one backend call across all
-layers: C++ on CPU tensors, CUDA on CUDA tensors, the plain-torch reference on request), `PagedKVCache` (the
+layers: C++ on CPU tensors, CUDA on CUDA tensors, through the registered tensor-level op `rapo_fast::kv_splice_`
+(`kv_splice_`, usable under torch.compile); the plain-torch reference on request), `PagedKVCache` (the
 flash-attn/vLLM paged layout) and `insert_segment` (the rollout's entry point: splice, exact re-prefill or blend).
 Accuracy caveat: spliced K/V are exact in layer 0 only. A segment computed without its preceding context lacks
 attention to that context, so from layer 1 on its K/V differ from a full forward (CacheBlend measured this and
@@ -22,6 +23,7 @@ from typing import Any, Literal
 import torch
 
 from rapo_fast import _hf_cache as hfc
+from rapo_fast._dispatch import register_op
 from rapo_fast._rope import RopeSpec
 
 __all__ = ["StepKVStore", "RopeSpec", "PagedKVCache", "splice_kv", "insert_segment", "InsertResult"]
@@ -197,44 +199,84 @@ class StepKVStore:
             self.add(payload_ids[s:s + batch_size], keys, values, tokens=chunk, replace=replace)
 
 
-def _launch_extension(ks, vs, store: StepKVStore, table, rope: RopeSpec, block_table) -> None:
-    """Pack pointers, strides and the request table for rapo_fast._C.kv_splice (validated by splice_kv already)."""
+def _kv_splice_impl(keys: list[torch.Tensor], values: list[torch.Tensor], k_pool: torch.Tensor, v_pool: torch.Tensor,
+                    requests: torch.Tensor, inv_freq: torch.Tensor, block_table: torch.Tensor | None,
+                    interleaved: bool, max_tokens: int) -> None:
+    """The extension's splice on plain tensors; registered as `rapo_fast::kv_splice_` (keys, values mutated).
+
+    keys/values: per layer [B, H_kv, S, D] (HF) or [num_blocks, block_size, H_kv, D] (paged, with block_table
+    [B, max_blocks] int32), all layers of one shape and strides, head dim contiguous. k_pool/v_pool
+    [num_layers, capacity, H_kv, D] of the caches' dtype. requests int64 [R, 5]: (pool offset, tokens, batch row,
+    slot, rope delta). inv_freq fp32 [rotary_dim / 2]. max_tokens: the largest token count in requests (an int so
+    that no device sync is needed to find it). The kernel trusts these values: splice_kv validates them first.
+    """
     from rapo_fast import _ext
 
-    device = store.device
+    device = k_pool.device
     C = _ext.require_backend(device)
-    kp, vp = store.keys_pool, store.values_pool
-    req = torch.tensor(table, dtype=torch.int64).to(device)
-    kptr = torch.tensor([t.data_ptr() for t in ks], dtype=torch.int64).to(device)
-    vptr = torch.tensor([t.data_ptr() for t in vs], dtype=torch.int64).to(device)
-    inv = rope.inv_freq_on(device)
+    num_requests = requests.shape[0]
+    if num_requests == 0 or max_tokens == 0:
+        return
+    # Cheap shape checks that keep the kernel inside its buffers when the op is called directly.
+    if requests.dtype != torch.int64 or requests.dim() != 2 or requests.shape[1] != 5:
+        raise ValueError(f"requests must be int64 [R, 5], got {requests.dtype} {tuple(requests.shape)}")
+    if len(keys) != k_pool.shape[0] or len(values) != k_pool.shape[0] or v_pool.shape != k_pool.shape:
+        raise ValueError(f"{len(keys)}/{len(values)} cache layers for pools of shape {tuple(k_pool.shape)}")
+    if inv_freq.dtype != torch.float32 or 2 * inv_freq.numel() > k_pool.shape[3]:
+        raise ValueError(f"inv_freq must be fp32 with at most head_dim/2 entries, got {inv_freq.dtype} "
+                         f"{inv_freq.numel()}")
+    req = requests.contiguous()
+    inv = inv_freq.to(device).contiguous()
+    kptr = torch.tensor([t.data_ptr() for t in keys], dtype=torch.int64).to(device)
+    vptr = torch.tensor([t.data_ptr() for t in values], dtype=torch.int64).to(device)
     paged = block_table is not None
+    k0, v0 = keys[0], values[0]
     # HF layout [B, H, S, D]: (row, slot, head) strides; paged [blocks, block_size, H, D]: (block, in-block, head).
-    sr, ss, sh = (ks[0].stride(0), ks[0].stride(1), ks[0].stride(2)) if paged else (
-        ks[0].stride(0), ks[0].stride(2), ks[0].stride(1))
-    vsr, vss, vsh = (vs[0].stride(0), vs[0].stride(1), vs[0].stride(2)) if paged else (
-        vs[0].stride(0), vs[0].stride(2), vs[0].stride(1))
-    max_tokens = max(n for _o, n, _r, _p, _d in table)
-    aligned = all(t.data_ptr() % 16 == 0 for t in (*ks, *vs, kp, vp))
+    sr, ss, sh = (k0.stride(0), k0.stride(1), k0.stride(2)) if paged else (k0.stride(0), k0.stride(2), k0.stride(1))
+    vsr, vss, vsh = (v0.stride(0), v0.stride(1), v0.stride(2)) if paged else (
+        v0.stride(0), v0.stride(2), v0.stride(1))
+    bt = None
+    if paged:
+        bt = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
+        bt = bt.contiguous()
+    aligned = all(t.data_ptr() % 16 == 0 for t in (*keys, *values, k_pool, v_pool))
     params = dict(
         device=-1 if device.type == "cpu" else int(device.index or 0), stream=_ext.stream_of(device),
-        dtype=_ext.DTYPE_CODES[store.dtype], interleaved=rope.layout == "interleaved",
-        k_pool=kp.data_ptr(), v_pool=vp.data_ptr(),
-        pool_layer_stride=kp.stride(0), pool_token_stride=kp.stride(1), pool_head_stride=kp.stride(2),
+        dtype=_ext.DTYPE_CODES[k_pool.dtype], interleaved=bool(interleaved),
+        k_pool=k_pool.data_ptr(), v_pool=v_pool.data_ptr(),
+        pool_layer_stride=k_pool.stride(0), pool_token_stride=k_pool.stride(1), pool_head_stride=k_pool.stride(2),
         dst_k_ptrs=kptr.data_ptr(), dst_v_ptrs=vptr.data_ptr(),
         k_row_stride=sr, k_slot_stride=ss, k_head_stride=sh, v_row_stride=vsr, v_slot_stride=vss, v_head_stride=vsh,
-        num_layers=store.num_layers, num_heads=store.num_kv_heads, head_dim=store.head_dim,
-        rotary_dim=rope.rotary_dim, inv_freq=inv.data_ptr(),
-        requests=req.data_ptr(), num_requests=len(table), max_tokens=max_tokens,
-        block_table=block_table.data_ptr() if paged else 0,
-        block_table_stride=block_table.stride(0) if paged else 0,
-        block_size=ks[0].shape[1] if paged else 0, aligned16=aligned,
+        num_layers=k_pool.shape[0], num_heads=k_pool.shape[2], head_dim=k_pool.shape[3],
+        rotary_dim=2 * inv.numel(), inv_freq=inv.data_ptr(),
+        requests=req.data_ptr(), num_requests=num_requests, max_tokens=int(max_tokens),
+        block_table=bt.data_ptr() if paged else 0,
+        block_table_stride=bt.stride(0) if paged else 0,
+        block_size=k0.shape[1] if paged else 0, aligned16=aligned,
     )
     C.kv_splice(params)
     if device.type == "cuda":
-        # req/kptr/vptr/inv must live until the kernel has read them: tie them to the stream instead of syncing.
-        for t in (req, kptr, vptr):
+        # req/kptr/vptr/inv/bt must live until the kernel has read them: tie them to the stream instead of syncing.
+        for t in (req, kptr, vptr, inv) + ((bt,) if paged else ()):
             t.record_stream(torch.cuda.current_stream(device))
+
+
+def _kv_splice_fake(keys, values, k_pool, v_pool, requests, inv_freq, block_table, interleaved, max_tokens) -> None:
+    return None
+
+
+# A registered op (DESIGN.md section 1) so that torch.compile sees the in-place write to the caches; the Python cache
+# bookkeeping (HF lengths, growth, validation) stays in splice_kv, outside the op.
+kv_splice_ = register_op("kv_splice_", _kv_splice_impl, mutates_args=("keys", "values"), fake=_kv_splice_fake)
+
+
+def _launch_extension(ks, vs, store: StepKVStore, table, rope: RopeSpec, block_table) -> None:
+    """Build the request table and call the registered op (validated by splice_kv already)."""
+    device = store.device
+    req = torch.tensor(table, dtype=torch.int64).to(device)
+    max_tokens = max(n for _o, n, _r, _p, _d in table)
+    kv_splice_(list(ks), list(vs), store.keys_pool, store.values_pool, req, rope.inv_freq_on(device), block_table,
+               rope.layout == "interleaved", max_tokens)
 
 
 def _as_requests(requests: Any) -> list[tuple[int, int, int]]:
