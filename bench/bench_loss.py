@@ -9,7 +9,7 @@ Providers, side by side in one run at each shape:
 - `torch_eager`: what a trainer does without us: logits = hidden @ W^T materialised, fp32 log-softmax, gather,
   clipped surrogate (rapo_fast.reference), token-mean.
 - `torch_compile`: the same function under torch.compile.
-- `liger`: Liger-Kernel's LigerFusedLinearGRPOLoss (GPU only, when liger_kernel is importable).
+- `liger`: Liger-Kernel's LigerFusedLinearGRPOLoss (when liger_kernel is importable; compiled on CUDA).
 Usage: `rapo-fast bench loss [--quick] [--gpu] [--out DIR]`. Rows are appended to <out>/loss.csv with device, date and
 commit. What this is not: a correctness test (tests/ does that); it only checks that providers agree to a loose
 tolerance so that a broken provider cannot post a fast time.
@@ -34,22 +34,27 @@ EPS = 0.2
 
 
 def _inputs(n: int, h: int, v: int, dtype: torch.dtype, device: torch.device, seed: int = 0):
+    """N tokens as B sequences of T = min(512, N) (a GRPO batch): hidden [B, T, H], per-sequence advantages [B]."""
+    t = min(512, n)
+    b = n // t
     g = torch.Generator(device="cpu").manual_seed(seed)
-    hidden = (torch.randn(n, h, generator=g) / math.sqrt(h)).to(device=device, dtype=dtype)
+    hidden = (torch.randn(b, t, h, generator=g) / math.sqrt(h)).to(device=device, dtype=dtype)
     weight = (torch.randn(v, h, generator=g) * 0.5).to(device=device, dtype=dtype)
-    targets = torch.randint(0, v, (n,), generator=g).to(device)
-    old_logp = (-torch.rand(n, generator=g) * 8).to(device)
-    adv = torch.randn(n, generator=g).to(device)
-    mask = (torch.rand(n, generator=g) > 0.1).to(device)
+    targets = torch.randint(0, v, (b, t), generator=g).to(device)
+    old_logp = (-torch.rand(b, t, generator=g) * 8).to(device)
+    adv = torch.randn(b, generator=g).to(device)
+    mask = (torch.rand(b, t, generator=g) > 0.1).to(device)
     return hidden, weight, targets, old_logp, adv, mask
 
 
 def _eager_loss(hidden, weight, targets, old_logp, adv, mask):
+    """Without fused kernels: materialised fp32 logits, log-softmax, clipped surrogate, token-mean."""
     from rapo_fast.reference import linear_token_logprobs_ref
 
     logp = linear_token_logprobs_ref(hidden, weight, targets)
     ratio = torch.exp(torch.clamp(logp - old_logp, -20, 20))
-    token = -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - EPS, 1 + EPS) * adv)
+    a = adv[:, None]
+    token = -torch.minimum(ratio * a, torch.clamp(ratio, 1 - EPS, 1 + EPS) * a)
     m = mask.to(token.dtype)
     return (token * m).sum() / m.sum().clamp_min(1)
 
@@ -95,22 +100,23 @@ def _providers(device: torch.device, n: int, v: int):
     if device.type == "cuda":  # the two variants differ only where Triton runs
         provs["rapo_fast_hidden_2pass"] = ours_hidden_2pass
     provs["torch_compile"] = torch.compile(_eager_loss, dynamic=False)
-    if device.type == "cuda":
-        try:
-            from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+    try:
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
-            liger = LigerFusedLinearGRPOLoss(beta=0.0, epsilon_low=EPS, epsilon_high=EPS, loss_type="dapo")
+        # loss_type "dapo" = token-mean over the batch; no reference model (beta 0); compiled (Liger's fast path) on
+        # CUDA only, its plain-torch chunked path on the CPU.
+        liger = LigerFusedLinearGRPOLoss(
+            beta=0.0, use_ref_model=False, epsilon_low=EPS, epsilon_high=EPS, loss_type="dapo",
+            compiled=device.type == "cuda",
+        )
 
-            def liger_fn(hidden, weight, targets, old_logp, adv, mask):
-                out = liger(
-                    hidden.unsqueeze(0), weight, targets.unsqueeze(0), mask.unsqueeze(0).long(),
-                    adv.mean().reshape(1), old_per_token_logps=old_logp.unsqueeze(0),
-                )
-                return out[0] if isinstance(out, tuple) else out
+        def liger_fn(hidden, weight, targets, old_logp, adv, mask):
+            out = liger(hidden, weight, targets, mask.long(), adv, old_per_token_logps=old_logp)
+            return out[0] if isinstance(out, tuple) else out
 
-            provs["liger"] = liger_fn
-        except Exception as exc:  # not installed, or an API change: say so in the table, never fake a number
-            print(f"liger: unavailable ({exc!r})")
+        provs["liger"] = liger_fn
+    except Exception as exc:  # not installed, or an API change: say so in the table, never fake a number
+        print(f"liger: unavailable ({exc!r})")
     return provs
 
 
