@@ -82,13 +82,15 @@ def _filled(C, D, dtype, metric, n=None, groups=5, device="cpu"):
 
 def _isas() -> list[str]:
     best = extension().retrieval_cpu_isa(-1)
-    order = ["scalar", "avx2", "avx512", "avx512-dot"]
-    return order[: order.index(best) + 1] + (["avx512-dot"] if best == "avx512" else [])
+    order = ["scalar", "avx2", "avx512"]
+    isas = order[: order.index(best) + 1]
+    return isas + [f"{i}-dot" for i in isas if i != "scalar"]
 
 
 @pytest.fixture(params=_isas())
 def isa(request, monkeypatch):
-    """Every CPU micro-kernel: the packed tiles (dot mode off) and, on AVX-512, the few-query dot kernel for any Q."""
+    """Every CPU micro-kernel: the packed tiles (dot mode off) and the few-query dot kernels (row-walking AVX2 for one
+    query group, interleaved AVX-512 for several) forced on for any Q."""
     monkeypatch.setenv("RAPO_FAST_CPU_ISA", request.param.removesuffix("-dot"))
     monkeypatch.setenv("RAPO_FAST_CPU_DOT", "1" if request.param.endswith("-dot") else "0")
     return request.param
@@ -96,7 +98,11 @@ def isa(request, monkeypatch):
 
 @pytest.mark.parametrize("metric", METRICS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("C", "D", "Q", "k"), [(1000, 37, 33, 7), (301, 64, 1, 64), (150, 16, 4096, 1)])
+@pytest.mark.parametrize(("C", "D", "Q", "k"), [
+    (1000, 37, 33, 7), (301, 64, 1, 64), (150, 16, 4096, 1),
+    # few queries: one group of the dot kernels (Q <= 6), D with a tail past the 8/16-wide loops, and two groups
+    (301, 37, 2, 5), (200, 100, 3, 3), (64, 7, 5, 3), (301, 64, 6, 9), (257, 45, 7, 9),
+])
 def test_matches_fp64(isa, metric, dtype, C, D, Q, k):
     buf = _filled(C, D, dtype, metric)
     q = torch.randn(Q, D)

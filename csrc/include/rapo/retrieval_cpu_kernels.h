@@ -247,6 +247,76 @@ __attribute__((target("avx512f"))) void dot_avx512(const void* keys, int64_t ks,
     }
 }
 
+// One query (Q = 1): memory-bound, so it is written for bandwidth. Each of the KB rows is walked to its end before
+// the next (one linear stream, not KB interleaved ones), with 256-bit loads: on the Zen 4 cores here a single thread
+// streams 24 GB/s with 256-bit loads against 21 GB/s with 512-bit ones (measured, bench/NOTES_retrieval.md).
+template <int DT>
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load8_avx2(const void* base, int64_t off) {
+  if constexpr (DT == static_cast<int>(DType::F32)) {
+    return _mm256_loadu_ps(static_cast<const float*>(base) + off);
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + off));
+    if constexpr (DT == static_cast<int>(DType::F16)) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+
+template <int DT, int QG>
+__attribute__((target("avx2,fma,f16c"))) void dotrow_avx2(const void* keys, int64_t ks, int64_t j0, int64_t jlast,
+                                                           const float* __restrict qrows, int64_t D, int64_t Dp,
+                                                           float* out) {
+  constexpr int kKB = dot_kb(QG);
+  constexpr int kU = QG == 1 ? 4 : 2;  // independent accumulators per query
+  const int esz = DT == static_cast<int>(DType::F32) ? 4 : 2;
+  const char* kb = static_cast<const char*>(keys);
+  const int64_t D8 = D / 8 * 8;
+  for (int t = 0; t < kKB; ++t) {
+    const void* r = kb + std::min(j0 + t, jlast) * ks * esz;
+    __m256 acc[QG][kU];
+    for (int l = 0; l < QG; ++l)
+      for (int u = 0; u < kU; ++u) acc[l][u] = _mm256_setzero_ps();
+    int64_t d = 0;
+    for (; d + 8 * kU <= D8; d += 8 * kU) {
+#pragma GCC unroll 4
+      for (int u = 0; u < kU; ++u) {
+        const __m256 kv = load8_avx2<DT>(r, d + 8 * u);
+#pragma GCC unroll 3
+        for (int l = 0; l < QG; ++l)
+          acc[l][u] = _mm256_fmadd_ps(kv, _mm256_loadu_ps(qrows + l * Dp + d + 8 * u), acc[l][u]);
+      }
+    }
+    for (; d < D8; d += 8) {
+      const __m256 kv = load8_avx2<DT>(r, d);
+      for (int l = 0; l < QG; ++l) acc[l][0] = _mm256_fmadd_ps(kv, _mm256_loadu_ps(qrows + l * Dp + d), acc[l][0]);
+    }
+    for (int l = 0; l < QG; ++l) {
+      __m256 s8 = acc[l][0];
+      for (int u = 1; u < kU; ++u) s8 = _mm256_add_ps(s8, acc[l][u]);
+      __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+      s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+      s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
+      float v = _mm_cvtss_f32(s4);
+      for (int64_t e = d; e < D; ++e) {
+        float kv;
+        if constexpr (DT == static_cast<int>(DType::F32)) kv = static_cast<const float*>(r)[e];
+        else if constexpr (DT == static_cast<int>(DType::F16))
+          kv = half_bits_to_float(static_cast<const uint16_t*>(r)[e]);
+        else
+          kv = bf16_bits_to_float(static_cast<const uint16_t*>(r)[e]);
+        v += kv * qrows[l * Dp + e];
+      }
+      out[t * QG + l] = v;
+    }
+  }
+}
+
+template <int QG>
+DotFn pick_dotrow(int dtype) {
+  if (dtype == static_cast<int>(DType::F32)) return dotrow_avx2<static_cast<int>(DType::F32), QG>;
+  if (dtype == static_cast<int>(DType::F16)) return dotrow_avx2<static_cast<int>(DType::F16), QG>;
+  return dotrow_avx2<static_cast<int>(DType::BF16), QG>;
+}
+
 template <int QG>
 DotFn pick_dot_qg(int dtype) {
   if (dtype == static_cast<int>(DType::F32)) return dot_avx512<static_cast<int>(DType::F32), QG>;
@@ -254,7 +324,20 @@ DotFn pick_dot_qg(int dtype) {
   return dot_avx512<static_cast<int>(DType::BF16), QG>;
 }
 
-inline DotFn pick_dot(int dtype, int qg) {
+// One query group (Q <= kDotRowMaxQ: the keys are read once in all): the row-walking AVX2 kernel, which streams
+// faster. Several groups: the AVX-512 kernel, whose KB interleaved rows are re-read from L2 by the later groups
+// (measured: row walking is 1.7x faster at Q = 2..6 and 1.1-1.6x slower at Q = 8..16, bench/NOTES_retrieval.md).
+constexpr int64_t kDotRowMaxQ = 6;
+
+inline DotFn pick_dot(int dtype, int qg, int64_t Q, bool avx512) {
+  if (!avx512 || Q <= kDotRowMaxQ) {
+    switch (qg) {
+      case 1: return pick_dotrow<1>(dtype);
+      case 2: return pick_dotrow<2>(dtype);
+      case 3: return pick_dotrow<3>(dtype);
+      default: return pick_dotrow<6>(dtype);
+    }
+  }
   switch (qg) {
     case 1: return pick_dot_qg<1>(dtype);
     case 2: return pick_dot_qg<2>(dtype);
