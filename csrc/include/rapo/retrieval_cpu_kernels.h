@@ -73,7 +73,7 @@ __attribute__((noinline)) inline void admit(TileCtx& c, int lane, int t, float s
 constexpr int kDotMaxQ = 16;
 constexpr int kDotOut = 24;
 constexpr int dot_kb(int qg) { return qg <= 3 ? 8 : 4; }
-inline int dot_qg(int64_t Q) { return Q <= 3 ? static_cast<int>(Q) : 6; }
+inline int dot_qg(int64_t Q) { return static_cast<int>(std::min<int64_t>(Q, 6)); }
 using DotFn = void (*)(const void*, int64_t, int64_t, int64_t, const float*, int64_t, int64_t, float*);
 
 constexpr int kScalarNK = 4;
@@ -280,7 +280,7 @@ __attribute__((target("avx2,fma,f16c"))) void dotrow_avx2(const void* keys, int6
 #pragma GCC unroll 4
       for (int u = 0; u < kU; ++u) {
         const __m256 kv = load8_avx2<DT>(r, d + 8 * u);
-#pragma GCC unroll 3
+#pragma GCC unroll 6
         for (int l = 0; l < QG; ++l)
           acc[l][u] = _mm256_fmadd_ps(kv, _mm256_loadu_ps(qrows + l * Dp + d + 8 * u), acc[l][u]);
       }
@@ -330,19 +330,14 @@ DotFn pick_dot_qg(int dtype) {
 constexpr int64_t kDotRowMaxQ = 6;
 
 inline DotFn pick_dot(int dtype, int qg, int64_t Q, bool avx512) {
-  if (!avx512 || Q <= kDotRowMaxQ) {
-    switch (qg) {
-      case 1: return pick_dotrow<1>(dtype);
-      case 2: return pick_dotrow<2>(dtype);
-      case 3: return pick_dotrow<3>(dtype);
-      default: return pick_dotrow<6>(dtype);
-    }
-  }
+  if (avx512 && Q > kDotRowMaxQ) return pick_dot_qg<6>(dtype);
   switch (qg) {
-    case 1: return pick_dot_qg<1>(dtype);
-    case 2: return pick_dot_qg<2>(dtype);
-    case 3: return pick_dot_qg<3>(dtype);
-    default: return pick_dot_qg<6>(dtype);
+    case 1: return pick_dotrow<1>(dtype);
+    case 2: return pick_dotrow<2>(dtype);
+    case 3: return pick_dotrow<3>(dtype);
+    case 4: return pick_dotrow<4>(dtype);
+    case 5: return pick_dotrow<5>(dtype);
+    default: return pick_dotrow<6>(dtype);
   }
 }
 
