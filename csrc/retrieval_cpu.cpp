@@ -90,7 +90,7 @@ void run_search(const RetrievalSearchArgs& a, int num_threads, int isa, bool dot
   if (dot_mode) {
     QT = dot_qg(a.Q);
     NK = dot_kb(QT);
-    dot = pick_dot(a.key_dtype, QT, a.Q, isa == kIsaAvx512);
+    dot = pick_dot(a.key_dtype, QT);
   } else if (isa == kIsaAvx512) {
     NK = kAvx512NK;
     QT = kAvx512QT;
@@ -294,7 +294,7 @@ void retrieval_search_cpu(const RetrievalSearchArgs& a, int num_threads, int isa
   // Few queries: reading the keys once straight from the buffer beats packing them for a mostly-padding 32-query
   // tile. RAPO_FAST_CPU_DOT=0/1 forces the choice (tests cover both paths).
   const char* dot_env = std::getenv("RAPO_FAST_CPU_DOT");
-  bool dot_mode = (use == kIsaAvx512 && a.Q <= kDotMaxQ) || (use == kIsaAvx2 && a.Q <= kDotRowMaxQ);
+  bool dot_mode = use >= kIsaAvx2 && a.Q <= kDotMaxQ;
   if (dot_env != nullptr && *dot_env != '\0') dot_mode = use >= kIsaAvx2 && dot_env[0] == '1';
   run_search(a, num_threads, use, dot_mode);
 }

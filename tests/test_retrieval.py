@@ -89,8 +89,8 @@ def _isas() -> list[str]:
 
 @pytest.fixture(params=_isas())
 def isa(request, monkeypatch):
-    """Every CPU micro-kernel: the packed tiles (dot mode off) and the few-query dot kernels (row-walking AVX2 for one
-    query group, interleaved AVX-512 for several) forced on for any Q."""
+    """Every CPU micro-kernel: the packed tiles (dot mode off), and the few-query row-walking dot kernel forced on for
+    any Q (one query group up to Q = 6, groups of 4 beyond), chosen under each ISA setting that allows it."""
     monkeypatch.setenv("RAPO_FAST_CPU_ISA", request.param.removesuffix("-dot"))
     monkeypatch.setenv("RAPO_FAST_CPU_DOT", "1" if request.param.endswith("-dot") else "0")
     return request.param

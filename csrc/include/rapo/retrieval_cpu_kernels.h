@@ -1,6 +1,6 @@
 // Micro-kernels of the CPU retrieval backend (csrc/retrieval_cpu.cpp, its only includer): the per-thread admission
 // state, the packed-tile kernels (AVX-512 12 keys x 32 queries, AVX2 6 x 16, scalar 4 x 8), the few-query dot kernel
-// (AVX-512, keys read straight from the buffer) and the fp16/bf16 row conversion. Each kernel ends in the same
+// (AVX2, keys streamed straight from the buffer) and the fp16/bf16 row conversion. Each kernel ends in the same
 // epilogue: metric (retrieval_metric.h), one vector compare against the per-query threshold, and `admit` (exclusion,
 // heap push, threshold update) for the few candidates that pass. ISA-specific code is compiled with target attributes
 // and chosen at run time by the includer. Host-only; not shared with the CUDA backend.
@@ -69,11 +69,14 @@ __attribute__((noinline)) inline void admit(TileCtx& c, int lane, int t, float s
 
 // ---- micro-kernels: score tile NK keys x QT queries over the whole D, then the epilogue ----
 
-// Dot mode (few queries, see dot_avx512): KB keys x QG queries per block, KB * QG <= 24 accumulators.
+// Dot mode (few queries, see dotrow_avx2): KB keys x QG queries per block (KB = 8 for QG <= 2, else 4: measured
+// 1.5x faster at Q = 3), KB * QG <= kDotOut scores. One group of
+// exactly Q queries up to 6 (the keys are streamed once); beyond, groups of 4, which re-read each key chunk from L2
+// (measured faster than groups of 6 there, bench/NOTES_retrieval.md).
 constexpr int kDotMaxQ = 16;
 constexpr int kDotOut = 24;
-constexpr int dot_kb(int qg) { return qg <= 3 ? 8 : 4; }
-inline int dot_qg(int64_t Q) { return static_cast<int>(std::min<int64_t>(Q, 6)); }
+constexpr int dot_kb(int qg) { return qg <= 2 ? 8 : 4; }
+inline int dot_qg(int64_t Q) { return Q <= 6 ? static_cast<int>(Q) : 4; }
 using DotFn = void (*)(const void*, int64_t, int64_t, int64_t, const float*, int64_t, int64_t, float*);
 
 constexpr int kScalarNK = 4;
@@ -192,64 +195,9 @@ __attribute__((target("avx512f"))) inline void tile_avx512(const float* __restri
 }
 
 // Few queries (Q <= kDotMaxQ): packing keys would cost more than scoring them, so keys are read straight from the
-// buffer (converted 16 at a time) and dotted with up to kDotQG queries, vectorised over D: each key vector is loaded
-// once per group and reused by every query of it. Queries are fp32 rows zero-padded to a multiple of 16.
-template <int DT>
-__attribute__((target("avx512f"))) inline __m512 load16_avx512(const void* base, int64_t off) {
-  if constexpr (DT == static_cast<int>(DType::F32)) {
-    return _mm512_loadu_ps(static_cast<const float*>(base) + off);
-  } else {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + off));
-    if constexpr (DT == static_cast<int>(DType::F16)) return _mm512_cvtph_ps(h);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
-}
-
-// out[t * QG + l] = <key j0 + t, query l> for t < KB, l < QG; rows past the chunk are clamped to a valid row and
-// never admitted (admit checks jend). Vector loop over D rounded down to 16; the tail is added in scalar code.
-template <int DT, int QG>
-__attribute__((target("avx512f"))) void dot_avx512(const void* keys, int64_t ks, int64_t j0, int64_t jlast,
-                                                   const float* __restrict qrows, int64_t D, int64_t Dp, float* out) {
-  constexpr int kDotKB = dot_kb(QG);
-  constexpr int kDotQG = QG;
-  const int esz = DT == static_cast<int>(DType::F32) ? 4 : 2;
-  const char* kb = static_cast<const char*>(keys);
-  const void* kr[kDotKB];
-  for (int t = 0; t < kDotKB; ++t) kr[t] = kb + std::min(j0 + t, jlast) * ks * esz;
-  __m512 acc[kDotKB][kDotQG];
-  for (int t = 0; t < kDotKB; ++t)
-    for (int l = 0; l < kDotQG; ++l) acc[t][l] = _mm512_setzero_ps();
-  const int64_t D16 = D / 16 * 16;
-  for (int64_t d = 0; d < D16; d += 16) {
-    __m512 kv[kDotKB];
-#pragma GCC unroll 8
-    for (int t = 0; t < kDotKB; ++t) kv[t] = load16_avx512<DT>(kr[t], d);
-#pragma GCC unroll 6
-    for (int l = 0; l < kDotQG; ++l) {
-      const __m512 qv = _mm512_loadu_ps(qrows + l * Dp + d);
-#pragma GCC unroll 8
-      for (int t = 0; t < kDotKB; ++t) acc[t][l] = _mm512_fmadd_ps(kv[t], qv, acc[t][l]);
-    }
-  }
-  for (int t = 0; t < kDotKB; ++t)
-    for (int l = 0; l < kDotQG; ++l) {
-      float v = _mm512_reduce_add_ps(acc[t][l]);
-      for (int64_t d = D16; d < D; ++d) {
-        float kvs;
-        if constexpr (DT == static_cast<int>(DType::F32)) kvs = static_cast<const float*>(kr[t])[d];
-        else if constexpr (DT == static_cast<int>(DType::F16))
-          kvs = half_bits_to_float(static_cast<const uint16_t*>(kr[t])[d]);
-        else
-          kvs = bf16_bits_to_float(static_cast<const uint16_t*>(kr[t])[d]);
-        v += kvs * qrows[l * Dp + d];
-      }
-      out[t * kDotQG + l] = v;
-    }
-}
-
-// One query (Q = 1): memory-bound, so it is written for bandwidth. Each of the KB rows is walked to its end before
-// the next (one linear stream, not KB interleaved ones), with 256-bit loads: on the Zen 4 cores here a single thread
-// streams 24 GB/s with 256-bit loads against 21 GB/s with 512-bit ones (measured, bench/NOTES_retrieval.md).
+// buffer, converted 8 at a time. The scan is memory-bound, so it is written for streaming: each of the KB rows is walked
+// to its end before the next (one linear stream; interleaving the KB rows, KB streams a row apart, streamed at 10 GB/s
+// here), and with 256-bit loads (one Zen 4 thread streams 24 GB/s with them against 21 GB/s with 512-bit loads).
 template <int DT>
 __attribute__((target("avx2,fma,f16c"))) inline __m256 load8_avx2(const void* base, int64_t off) {
   if constexpr (DT == static_cast<int>(DType::F32)) {
@@ -317,20 +265,7 @@ DotFn pick_dotrow(int dtype) {
   return dotrow_avx2<static_cast<int>(DType::BF16), QG>;
 }
 
-template <int QG>
-DotFn pick_dot_qg(int dtype) {
-  if (dtype == static_cast<int>(DType::F32)) return dot_avx512<static_cast<int>(DType::F32), QG>;
-  if (dtype == static_cast<int>(DType::F16)) return dot_avx512<static_cast<int>(DType::F16), QG>;
-  return dot_avx512<static_cast<int>(DType::BF16), QG>;
-}
-
-// One query group (Q <= kDotRowMaxQ: the keys are read once in all): the row-walking AVX2 kernel, which streams
-// faster. Several groups: the AVX-512 kernel, whose KB interleaved rows are re-read from L2 by the later groups
-// (measured: row walking is 1.7x faster at Q = 2..6 and 1.1-1.6x slower at Q = 8..16, bench/NOTES_retrieval.md).
-constexpr int64_t kDotRowMaxQ = 6;
-
-inline DotFn pick_dot(int dtype, int qg, int64_t Q, bool avx512) {
-  if (avx512 && Q > kDotRowMaxQ) return pick_dot_qg<6>(dtype);
+inline DotFn pick_dot(int dtype, int qg) {
   switch (qg) {
     case 1: return pick_dotrow<1>(dtype);
     case 2: return pick_dotrow<2>(dtype);
