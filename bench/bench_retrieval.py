@@ -34,7 +34,7 @@ GRID_FULL = [(c, d, q, k) for c in (100_000, 1_000_000, 4_000_000) for d in (256
 GRID_CPU = [(100_000, d, q, k) for d in (256, 768) for q in (64, 1024) for k in (8, 64)] + [
     (1_000_000, 768, 64, 64), (1_000_000, 768, 1024, 64)]
 # Per-step retrieval of one prompt's hybrid rollouts (Q = 1..16) at the paper's buffer size: the few-query path.
-SMALL_Q = [(170_000, 384, q, 3) for q in (1, 2, 4, 6, 8, 16)]
+SMALL_Q = [(170_000, 384, q, 3) for q in (1, 2, 4, 6, 8, 16, 32)]
 QUICK = [(20_000, 64, 32, 8), (5_000, 48, 7, 3)]
 N_GROUPS = 1000
 

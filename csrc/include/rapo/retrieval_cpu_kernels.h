@@ -69,11 +69,12 @@ __attribute__((noinline)) inline void admit(TileCtx& c, int lane, int t, float s
 
 // ---- micro-kernels: score tile NK keys x QT queries over the whole D, then the epilogue ----
 
-// Dot mode (few queries, see dotrow_avx2): KB keys x QG queries per block (KB = 8 for QG <= 2, else 4: measured
-// 1.5x faster at Q = 3), KB * QG <= kDotOut scores. One group of
-// exactly Q queries up to 6 (the keys are streamed once); beyond, groups of 4, which re-read each key chunk from L2
-// (measured faster than groups of 6 there, bench/NOTES_retrieval.md).
-constexpr int kDotMaxQ = 16;
+// Dot mode (few queries, see dotrow_avx2): KB keys x QG queries per block, KB * QG <= kDotOut scores; KB = 8 for
+// QG <= 2, else 4 (measured 1.5x faster at Q = 3). One group of exactly Q queries up to 6 (the keys are streamed
+// once); beyond, groups of 4, which re-read each key chunk from L2 (faster than groups of 6 there). Up to Q = 48 it
+// beats packing the keys for the tile kernels (C=170k, D=384, one thread: 109 vs 146 ms at Q = 48, about even at 64);
+// bench/NOTES_retrieval.md has the measurements.
+constexpr int kDotMaxQ = 48;
 constexpr int kDotOut = 24;
 constexpr int dot_kb(int qg) { return qg <= 2 ? 8 : 4; }
 inline int dot_qg(int64_t Q) { return Q <= 6 ? static_cast<int>(Q) : 4; }
