@@ -2,8 +2,9 @@
 
 What this is: `MetricsLogger` (one CSV row per step; when a new metric appears the file is rewritten with the wider
 header, so columns never shift) and `save_checkpoint` / `load_checkpoint` (model and optimiser state, step count,
-the trainer's Python and torch RNG states, torch's global RNG, the config, and the step buffer through
-StepTraces.save), written to a temporary directory and renamed into place so a crash never leaves half a checkpoint.
+the trainer's Python and torch RNG states, torch's global RNG, the config, and the step buffer with its K/V store
+through StepTraces.save), written to a temporary directory and renamed into place so a crash never leaves half a
+checkpoint.
 What this is not: the training loop (rapo_fast/trainer.py).
 """
 

@@ -109,6 +109,47 @@ class StepKVStore:
         off, n = self._where[int(payload_id)]
         return self.keys_pool[:, off:off + n], self.values_pool[:, off:off + n]
 
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the store holds, for a checkpoint: the pools (trimmed to the used tokens) and the payload map."""
+        used = max((off + n for off, n in self._where.values()), default=0)
+        return {
+            "shape": (self.num_layers, self.num_kv_heads, self.head_dim), "dtype": self.dtype,
+            "capacity_tokens": self.capacity_tokens, "keys": self.keys_pool[:, :used].cpu(),
+            "values": self.values_pool[:, :used].cpu(), "where": dict(self._where),
+            "tokens": {k: list(v) for k, v in self._tokens.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Replace the contents with a state_dict() of a store of the same shape and dtype (ValueError otherwise)."""
+        shape = tuple(int(x) for x in state["shape"])
+        if shape != (self.num_layers, self.num_kv_heads, self.head_dim) or state["dtype"] != self.dtype:
+            raise ValueError(
+                f"StepKVStore.load_state_dict: state is for (layers, kv heads, head dim) {shape} in {state['dtype']}, "
+                f"this store is {(self.num_layers, self.num_kv_heads, self.head_dim)} in {self.dtype}")
+        cap = max(int(state["capacity_tokens"]), state["keys"].shape[1], 1)
+        pool_shape = (self.num_layers, cap, self.num_kv_heads, self.head_dim)
+        self.keys_pool = torch.zeros(pool_shape, dtype=self.dtype, device=self.device)
+        self.values_pool = torch.zeros(pool_shape, dtype=self.dtype, device=self.device)
+        used = state["keys"].shape[1]
+        self.keys_pool[:, :used] = state["keys"].to(self.device)
+        self.values_pool[:, :used] = state["values"].to(self.device)
+        self._where = {int(k): (int(o), int(n)) for k, (o, n) in state["where"].items()}
+        self._tokens = {int(k): list(v) for k, v in state["tokens"].items()}
+        # the free list is what the payloads do not occupy (first-fit reuse continues as before the save)
+        self._free = []
+        self._release(0, cap)
+        for off, n in sorted(self._where.values()):
+            self._take(off, n)
+
+    def _take(self, start: int, n: int) -> None:
+        """Remove [start, start + n) from the free list (it must lie inside one free range)."""
+        for i, (s, k) in enumerate(self._free):
+            if s <= start and start + n <= s + k:
+                rest = [(s, start - s), (start + n, s + k - start - n)]
+                self._free[i:i + 1] = [r for r in rest if r[1] > 0]
+                return
+        raise ValueError(f"StepKVStore: tokens [{start}, {start + n}) overlap another payload")
+
     def _alloc(self, n: int) -> int:
         for i, (start, size) in enumerate(self._free):
             if size >= n:

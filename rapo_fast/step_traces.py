@@ -170,10 +170,15 @@ class StepTraces:
 
     # -- persistence ------------------------------------------------------------------------------------------------
     def save(self, directory: str | Path) -> None:
-        """Buffer (StepBuffer.save) + payloads and counters (JSON); the encoder and K/V store are not saved."""
+        """Buffer (StepBuffer.save), payloads and counters (JSON), and the K/V store's contents when there is one (the
+        cached K/V are those of the policy that computed them, which a resume must keep: see `load`). The encoder is
+        not saved."""
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         self.buffer.save(d / "buffer")
+        if self.kv_store is not None:
+            torch.save(self.kv_store.state_dict(), d / "kv_store.pt.tmp")
+            (d / "kv_store.pt.tmp").replace(d / "kv_store.pt")
         meta = {"payloads": self.payloads, "num_offpolicy": self.num_offpolicy, "num_onpolicy": self.num_onpolicy}
         tmp = d / "traces.json.tmp"
         tmp.write_text(json.dumps(meta))
@@ -181,7 +186,9 @@ class StepTraces:
 
     @classmethod
     def load(cls, directory: str | Path, encoder: Callable, tokenizer, *, kv_store=None, model=None) -> StepTraces:
-        """Inverse of save; K/V of the payloads are recomputed when a kv_store is given."""
+        """Inverse of save. With a kv_store, its saved contents are restored (so that a run resumed between K/V
+        refreshes splices what the uninterrupted run would have); a save without them (or from an older version) has
+        the payloads' K/V recomputed with `model`."""
         from rapo_fast import StepBuffer
 
         d = Path(directory)
@@ -189,6 +196,8 @@ class StepTraces:
         traces = cls(StepBuffer.load(d / "buffer"), encoder, tokenizer, kv_store=kv_store, model=model)
         traces.payloads = [list(p) for p in meta["payloads"]]
         traces.num_offpolicy, traces.num_onpolicy = meta["num_offpolicy"], meta["num_onpolicy"]
-        if kv_store is not None:
+        if kv_store is not None and (d / "kv_store.pt").exists():
+            kv_store.load_state_dict(torch.load(d / "kv_store.pt", weights_only=True))
+        elif kv_store is not None:
             traces._store_kv(list(range(len(traces.payloads))), traces.payloads)
         return traces

@@ -139,6 +139,32 @@ def test_store_add_get_evict_and_grow():
         store.add([5], [torch.randn(3, 2, 1, 4)], [torch.randn(3, 2, 1, 4)])
 
 
+def test_store_state_dict_round_trip(tmp_path):
+    store = StepKVStore(2, 1, 4, dtype=torch.bfloat16, capacity_tokens=4)
+    segs = {pid: torch.randn(2, n, 1, 4, dtype=torch.bfloat16) for pid, n in [(1, 3), (2, 5), (3, 2), (7, 4)]}
+    tokens = [[p] * s.shape[1] for p, s in segs.items()]
+    store.add(list(segs), list(segs.values()), [-s for s in segs.values()], tokens=tokens)
+    store.evict([2])  # a hole: the restored free list must keep it
+    torch.save(store.state_dict(), tmp_path / "kv.pt")
+    back = StepKVStore(2, 1, 4, dtype=torch.bfloat16)
+    back.load_state_dict(torch.load(tmp_path / "kv.pt", weights_only=True))
+    assert back.payload_ids() == store.payload_ids() == [1, 3, 7]
+    for pid in (1, 3, 7):
+        assert back.locate(pid) == store.locate(pid) and back.tokens(pid) == [pid] * segs[pid].shape[1]
+        assert torch.equal(back.get(pid)[0], segs[pid]) and torch.equal(back.get(pid)[1], -segs[pid])
+    # both stores place the next payload in the same place (same free list), and the restored one still grows
+    new = [torch.ones(2, 5, 1, 4, dtype=torch.bfloat16)] * 2
+    store.add([9], new[:1], new[1:])
+    back.add([9], new[:1], new[1:])
+    assert back.locate(9) == store.locate(9)
+    back.add([10], [torch.ones(2, 40, 1, 4, dtype=torch.bfloat16)], [torch.ones(2, 40, 1, 4, dtype=torch.bfloat16)])
+    assert back.capacity_tokens >= 40 and torch.equal(back.get(7)[0], segs[7])
+    with pytest.raises(ValueError, match="head dim"):
+        StepKVStore(2, 1, 8, dtype=torch.bfloat16).load_state_dict(store.state_dict())
+    with pytest.raises(ValueError, match="float16"):
+        StepKVStore(2, 1, 4, dtype=torch.float16).load_state_dict(store.state_dict())
+
+
 def _bad_setup():
     store, _, _ = _store(2, 2, 16, torch.float16, [4, 6])
     return store, _dyn_cache(2, 3, 2, 10, 16, torch.float16), RopeSpec.from_theta(16)

@@ -162,6 +162,35 @@ def test_resume_gives_the_same_next_step(world, tmp_path):
     assert lines[0].startswith("loss,") and len(lines) >= 3
 
 
+def test_resume_in_splice_mode_between_kv_refreshes(world, tmp_path):
+    """The K/V store is saved with the checkpoint: resumed between refreshes (refresh_kv_every=3), the next step
+    splices the K/V the uninterrupted run computed with the earlier weights, not ones recomputed with the new."""
+    from rapo_fast.kv_splice import StepKVStore
+
+    task, tok, problems, path = world
+
+    def make(seed_model):
+        model = build_tiny_policy(tok.vocab_size, hidden_size=32, num_heads=2, num_kv_heads=1, seed=seed_model)
+        traces = StepTraces.from_jsonl(path, HashedNgramEncoder(), tok, kv_store=StepKVStore.for_model(model),
+                                       model=model)
+        cfg = _cfg(tmp_path, mode="splice", refresh_kv_every=3, tis_cap=2.0)
+        return RAPOTrainer(model, tok, task, traces, cfg, problems, reward_fn=_rewards_from_tokens)
+
+    a = make(0)
+    a.step()  # refreshes the K/V at step 0, then trains: the cached K/V are now stale by one update
+    a.save_checkpoint(tmp_path / "ckpt")
+    m_a = a.step()
+    b = make(1)
+    b.load_checkpoint(tmp_path / "ckpt")
+    m_b = b.step()
+    assert m_a["retrieval_rate"] > 0
+    assert {k: v for k, v in m_a.items() if k not in TIMING_KEYS} == pytest.approx(
+        {k: v for k, v in m_b.items() if k not in TIMING_KEYS}, nan_ok=True)
+    assert torch.equal(_params(a.model), _params(b.model))
+    for pid in a.buffer.kv_store.payload_ids():
+        assert torch.equal(a.buffer.kv_store.get(pid)[0], b.buffer.kv_store.get(pid)[0])
+
+
 def test_grpo_and_arpo_presets_train(world):
     task, tok, problems, _ = world
     for cfg in (TrainerConfig.GRPO(group_size=4, prompts_per_step=2, max_step_tokens=6, max_steps=2),
