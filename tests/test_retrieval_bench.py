@@ -22,7 +22,9 @@ def test_bench_retrieval_quick(tmp_path, monkeypatch):
     rows = list(csv.DictReader((tmp_path / "retrieval_cpu.csv").open()))
     providers = {r["provider"] for r in rows}
     assert {"ours", "ours_excl", "torch", "ours_fp16"} <= providers
+    if "faiss_flat" in providers:
+        assert "ours_faiss_mem" in providers
     for r in rows:
         assert r["device"] and r["date"] and r["commit"] and float(r["median_ms"]) > 0
-        if r["provider"] in ("torch", "faiss_flat"):
+        if r["provider"] in ("torch", "faiss_flat", "ours_faiss_mem"):
             assert float(r["agree"]) > 0.99, r
