@@ -135,20 +135,15 @@ class StepKVStore:
         self.values_pool[:, :used] = state["values"].to(self.device)
         self._where = {int(k): (int(o), int(n)) for k, (o, n) in state["where"].items()}
         self._tokens = {int(k): list(v) for k, v in state["tokens"].items()}
-        # the free list is what the payloads do not occupy (first-fit reuse continues as before the save)
+        # the free list is the gaps between the payloads (first-fit reuse continues as before the save)
         self._free = []
-        self._release(0, cap)
+        pos = 0
         for off, n in sorted(self._where.values()):
-            self._take(off, n)
-
-    def _take(self, start: int, n: int) -> None:
-        """Remove [start, start + n) from the free list (it must lie inside one free range)."""
-        for i, (s, k) in enumerate(self._free):
-            if s <= start and start + n <= s + k:
-                rest = [(s, start - s), (start + n, s + k - start - n)]
-                self._free[i:i + 1] = [r for r in rest if r[1] > 0]
-                return
-        raise ValueError(f"StepKVStore: tokens [{start}, {start + n}) overlap another payload")
+            if off < pos:
+                raise ValueError(f"StepKVStore: tokens [{off}, {off + n}) overlap another payload")
+            self._release(pos, off - pos)
+            pos = off + n
+        self._release(pos, cap - pos)
 
     def _alloc(self, n: int) -> int:
         for i, (start, size) in enumerate(self._free):

@@ -196,8 +196,9 @@ class StepTraces:
         traces = cls(StepBuffer.load(d / "buffer"), encoder, tokenizer, kv_store=kv_store, model=model)
         traces.payloads = [list(p) for p in meta["payloads"]]
         traces.num_offpolicy, traces.num_onpolicy = meta["num_offpolicy"], meta["num_onpolicy"]
-        if kv_store is not None and (d / "kv_store.pt").exists():
-            kv_store.load_state_dict(torch.load(d / "kv_store.pt", weights_only=True))
-        elif kv_store is not None:
-            traces._store_kv(list(range(len(traces.payloads))), traces.payloads)
+        if kv_store is not None:
+            if (d / "kv_store.pt").exists():
+                kv_store.load_state_dict(torch.load(d / "kv_store.pt", weights_only=True))
+            else:
+                traces.refresh_kv()
         return traces
