@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pybind11
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).parent.resolve()
@@ -44,7 +44,10 @@ class CMakeBuild(build_ext):
 
 
 setup(
-    packages=["rapo_fast", "rapo_fast.integrations", "rapo_fast.reference", "rapo_fast.kernels", "rapo_fast.tasks"],
+    # every subpackage of rapo_fast/, plus kernels/ (and its subpackages) installed as rapo_fast.kernels
+    packages=find_packages(include=["rapo_fast", "rapo_fast.*"])
+    + ["rapo_fast.kernels"]
+    + [f"rapo_fast.kernels.{p}" for p in find_packages("kernels")],
     package_dir={"rapo_fast": "rapo_fast", "rapo_fast.kernels": "kernels"},
     ext_modules=[CMakeExtension("rapo_fast._C")],
     cmdclass={"build_ext": CMakeBuild},

@@ -36,7 +36,7 @@ SHAPES = {
 def _build(shape: dict, dtype: torch.dtype, device: torch.device):
     from transformers import DynamicCache
 
-    from rapo_fast.kv_splice import RopeSpec, StepKVStore
+    from rapo_fast.kv.splice import RopeSpec, StepKVStore
 
     nl, h, d, r, t, b = (shape[k] for k in ("layers", "kv_heads", "head_dim", "segs", "seg_len", "batch"))
     per_row = -(-r // b)
@@ -73,7 +73,7 @@ def _torch_plain(cache, store, reqs, rope):
 def _prefill_model(shape: dict, dtype, device):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from rapo_fast.kv_splice import RopeSpec
+    from rapo_fast.kv.splice import RopeSpec
 
     cfg = LlamaConfig(hidden_size=shape["hidden"], num_hidden_layers=shape["layers"],
                       num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
@@ -90,7 +90,7 @@ def _prefill_model(shape: dict, dtype, device):
 
 
 def run(device: torch.device, shape_name: str, out: Path | None, plot: bool) -> list[dict]:
-    from rapo_fast.kv_splice import splice_kv
+    from rapo_fast.kv.splice import splice_kv
 
     shape = SHAPES[shape_name]
     dtype = torch.bfloat16

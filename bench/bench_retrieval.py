@@ -122,7 +122,7 @@ def _cpu_case(C, D, Q, k, metric, repeats, faiss_mod) -> list[dict]:
         fns["faiss_flat"] = lambda: index.search(qn, k)
         # Our op over faiss's own copy of the keys: the same bytes in the same pages, so that a difference between the
         # two is the kernels' and not where the two buffers' pages landed (worth up to 20% at Q=1 here, NOTES).
-        from rapo_fast._retrieval_op import METRIC_CODES, retrieval_search
+        from rapo_fast.retrieval.op import METRIC_CODES, retrieval_search
 
         xb = torch.from_numpy(faiss_mod.rev_swig_ptr(index.get_xb(), C * D).reshape(C, D))
         aux, grp = buf._aux[:C], buf._group[:C]

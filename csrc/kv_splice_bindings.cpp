@@ -1,5 +1,5 @@
 // pybind11 registration of the KV-splice backends: `kv_splice(params: dict)`, the dict built by
-// rapo_fast/kv_splice.py (_launch_extension) with the fields of rapo::KVSpliceParams (csrc/include/rapo/rope.h).
+// rapo_fast/kv/splice.py (_launch_extension) with the fields of rapo::KVSpliceParams (csrc/include/rapo/rope.h).
 // Not a place for argument validation beyond the checks that keep memory safe; Python validates first.
 #include <pybind11/pybind11.h>
 
@@ -79,7 +79,7 @@ void kv_splice(const py::dict& d) {
 
 void register_kv_splice(pybind11::module_& m) {
   m.def("kv_splice", &kv_splice, py::arg("params"),
-        "Splice stored segments' K/V into a cache, keys re-rotated by RoPE (see rapo_fast/kv_splice.py).");
+        "Splice stored segments' K/V into a cache, keys re-rotated by RoPE (see rapo_fast/kv/splice.py).");
 }
 
 }  // namespace rapo

@@ -2,7 +2,7 @@
 // destination cache, rotating keys by R(delta) (fp32 math, rapo/rope.h) and copying values unchanged.
 // Parallel over (request, layer, token) with OpenMP when built with it; per head, a whole row is widened to fp32,
 // rotated and narrowed in three contiguous loops the compiler vectorises (see Row and rotate_row_* below).
-// Not a place for validation: the Python side (rapo_fast/kv_splice.py) checks ids, ranges, dtypes and shapes before
+// Not a place for validation: the Python side (rapo_fast/kv/splice.py) checks ids, ranges, dtypes and shapes before
 // calling, so this code trusts its inputs.
 #include <cstring>
 #if defined(__x86_64__)

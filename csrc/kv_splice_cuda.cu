@@ -2,7 +2,7 @@
 // the store's pools into the destination cache (HF [B, H, S, D] or paged [blocks, block_size, H, D]), rotating keys by
 // R(delta) with fp32 math (rapo/rope.h; angles formed in double once per block into shared memory) and copying values.
 // Memory traffic uses 16-byte vectors when every base pointer, stride and the head/rotary dims allow it, scalar
-// accesses otherwise. Not a place for validation: rapo_fast/kv_splice.py checks everything before the launch.
+// accesses otherwise. Not a place for validation: rapo_fast/kv/splice.py checks everything before the launch.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>

@@ -1,5 +1,5 @@
 // pybind11 registration of the step-retrieval backends. Tensors arrive as raw pointers (ints), sizes and dtype codes
-// already validated by rapo_fast/retrieval.py; the GIL is released while a search runs.
+// already validated by rapo_fast/retrieval/buffer.py; the GIL is released while a search runs.
 // Not a place for math or for argument checks beyond the backends' own memory-safety checks.
 #include <cstdint>
 

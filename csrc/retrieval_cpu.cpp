@@ -11,7 +11,7 @@
 // Parallelism: OpenMP over key chunks (each thread keeps heaps for every query of the pass, so every key is read once),
 // then OpenMP over queries for the merge of the per-thread heaps.
 // The ISA is chosen at run time (__builtin_cpu_supports) with target attributes, never -march=native.
-// Not here: argument validation beyond memory safety (rapo_fast/retrieval.py does it first).
+// Not here: argument validation beyond memory safety (rapo_fast/retrieval/buffer.py does it first).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

@@ -11,7 +11,7 @@
 //   - the block writes its lists to the workspace [n_splits, Q, k].
 // merge_kernel: one warp per query, the n_splits sorted lists fed through the same admission + insertion.
 // BQ is 64 for k <= 128 and 16 above (lists take BQ * k * 8 bytes of shared memory; k <= 1024 fits on sm_80/sm_90).
-// Launched on the caller's stream (torch's current stream). Not here: argument validation (rapo_fast/retrieval.py).
+// Launched on the caller's stream (torch's current stream). Not here: argument validation (rapo_fast/retrieval/buffer.py).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>

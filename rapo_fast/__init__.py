@@ -15,25 +15,25 @@ __version__ = "0.1.0"
 # public name -> module that defines it
 _PUBLIC: dict[str, str] = {
     # fused log-prob and policy loss (loss issue)
-    "token_logprobs": "rapo_fast.logprobs",
-    "rapo_loss": "rapo_fast.loss",
-    "RAPOLoss": "rapo_fast.loss",
-    "presets": "rapo_fast.presets",
-    "step_entropy": "rapo_fast.advantages",
-    "retrieval_reward": "rapo_fast.advantages",
-    "rapo_advantages": "rapo_fast.advantages",
+    "token_logprobs": "rapo_fast.loss.logprobs",
+    "rapo_loss": "rapo_fast.loss.policy_loss",
+    "RAPOLoss": "rapo_fast.loss.policy_loss",
+    "presets": "rapo_fast.loss.presets",
+    "step_entropy": "rapo_fast.loss.advantages",
+    "retrieval_reward": "rapo_fast.loss.advantages",
+    "rapo_advantages": "rapo_fast.loss.advantages",
     # step buffer and retrieval (retrieval issue)
-    "StepBuffer": "rapo_fast.retrieval",
-    "ShardedStepBuffer": "rapo_fast.retrieval",
+    "StepBuffer": "rapo_fast.retrieval.buffer",
+    "ShardedStepBuffer": "rapo_fast.retrieval.buffer",
     # KV splicing (KV-splice issue)
-    "StepKVStore": "rapo_fast.kv_splice",
-    "splice_kv": "rapo_fast.kv_splice",
-    "RopeSpec": "rapo_fast.kv_splice",
+    "StepKVStore": "rapo_fast.kv.store",
+    "splice_kv": "rapo_fast.kv.splice",
+    "RopeSpec": "rapo_fast.kv.rope",
     # rollout, trainer (trainer issue)
-    "StepTraces": "rapo_fast.step_traces",
-    "rollout": "rapo_fast.rollout",
-    "RAPOTrainer": "rapo_fast.trainer",
-    "TrainerConfig": "rapo_fast.trainer",
+    "StepTraces": "rapo_fast.retrieval.step_traces",
+    "rollout": "rapo_fast.rollouts.loop",
+    "RAPOTrainer": "rapo_fast.train.trainer",
+    "TrainerConfig": "rapo_fast.train.config",
     # build facts
     "build_info": "rapo_fast._ext",
 }

@@ -1,6 +1,6 @@
 """The `rapo-fast` command line: `demo`, `bench {loss,retrieval,kv}`, `info`.
 
-What this is: argument routing only. The demo lives in rapo_fast/demo.py and each benchmark in bench/bench_<op>.py
+What this is: argument routing only. The demo lives in rapo_fast/demo/main.py and each benchmark in bench/bench_<op>.py
 (a `main(argv)` each); this module finds bench/ next to the package, which holds for a source checkout or an editable
 install (the benches are not shipped in a wheel, and the error says so).
 """
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("info", help="build and runtime facts (backends, architectures, versions)")
     args, rest = parser.parse_known_args(argv)
     if args.cmd == "demo":
-        from rapo_fast import demo
+        from rapo_fast.demo import main as demo
 
         return int(demo.main(rest) or 0)
     if args.cmd == "bench":

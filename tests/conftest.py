@@ -1,6 +1,7 @@
 """Shared pytest setup: the Triton interpreter on machines without a GPU, the gpu marker, a seeded RNG per test.
 
-Not a place for test helpers of one op (those live beside the op's tests); cross-op helpers are in tests/helpers.py.
+Not a place for test helpers of one op (those live beside the op's tests); cross-op helpers are in
+tests/helpers/__init__.py.
 """
 
 import os

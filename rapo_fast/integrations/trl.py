@@ -4,7 +4,8 @@ What it is: a subclass that replaces GRPOTrainer's `_compute_loss` (TRL >= 1.x l
 hidden-state loss (`rapo_loss(hidden=..., weight=lm_head.weight, ...)`), so the [B, T, V] logits are never
 materialised (a second, no-grad log-prob pass runs only when TRL skipped the old log-probs), plus
 `trl_to_rapo_options`, the documented mapping from TRL's configuration to our options. With retrieval off and the
-same options it reproduces TRL's own loss value and gradients (tests/test_integration_trl.py checks this against the
+same options it reproduces TRL's own loss value and gradients (tests/integrations/test_integration_trl.py checks this
+against the
 installed trl). With the RAPO extras it adds importance shaping and off-policy (retrieved) tokens, read from extra
 keys of the inputs dict.
 

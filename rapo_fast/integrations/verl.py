@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from rapo_fast.loss import policy_loss_from_logp
+from rapo_fast.loss.policy_loss import policy_loss_from_logp
 
 __all__ = [
     "rapo_policy_loss",

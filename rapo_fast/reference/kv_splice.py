@@ -4,7 +4,7 @@ What this is: plain PyTorch, the definition the C++ and CUDA backends are tested
 of `rapo_fast.splice_kv`. The angle of a rotation by delta is formed in float64 (delta * inv_freq, reduced modulo
 2 pi) and its cos/sin rounded to fp32 before use, exactly as csrc/include/rapo/rope.h does; the rotation itself runs in
 `compute_dtype` (fp32 for the spec, fp64 for ground truth) and the result is rounded once to the key's dtype.
-What this is not: a fast path (one request at a time) or a place for cache bookkeeping (rapo_fast/_hf_cache.py).
+What this is not: a fast path (one request at a time) or a place for cache bookkeeping (rapo_fast/kv/hf_cache.py).
 """
 
 from __future__ import annotations

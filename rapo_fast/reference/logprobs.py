@@ -2,7 +2,7 @@
 
 logp_t = log softmax(z_t / T)[y_t],  H_t = -sum_v p_tv log p_tv,  with z_t the logits row, or h_t W^T (+ b).
 Computed in fp32 (fp64 when given fp64) with plain torch ops so autograd gives the gradients. This is the spec the
-Triton kernels are tested against, and (chunked, in rapo_fast/logprobs.py) the CPU fallback.
+Triton kernels are tested against, and (chunked, in rapo_fast/loss/logprobs.py) the CPU fallback.
 What this is not: a fast or memory-bounded path (it materialises [N, V] fp32 tensors), nor a place for argument
 checks (rapo_fast.token_logprobs validates before calling it).
 """

@@ -2,7 +2,8 @@
 
 Two functions:
 - `policy_token_loss_ref`: the per-token loss and its metric terms, elementwise (broadcasting) over tokens. The Triton
-  kernel (kernels/policy_loss.py) computes the same formulas; the CPU fallback of rapo_fast.rapo_loss calls this one.
+  kernel (kernels/loss/policy_loss.py) computes the same formulas; the CPU fallback of rapo_fast.rapo_loss calls this
+  one.
 - `rapo_loss_ref`: the whole loss the way verl writes it: sequences as rows of a padded [S, T] matrix (flat inputs with
   cu_seqlens are padded row by row with a Python loop), per-row shaping factor and GSPO ratio, then verl's agg_loss
   with an optional global normaliser. It computes the log-probs itself from logits/hidden when not given them.

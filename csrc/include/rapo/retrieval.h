@@ -1,5 +1,5 @@
 // Host-side interface of the step-retrieval backends (csrc/retrieval_cpu.cpp, csrc/retrieval_cuda.cu), called from
-// csrc/retrieval_bindings.cpp. Python (rapo_fast/retrieval.py) has validated every shape, dtype and device before
+// csrc/retrieval_bindings.cpp. Python (rapo_fast/retrieval/buffer.py) has validated every shape, dtype and device before
 // these run; the checks here only keep memory safe. Not a place for math (retrieval_metric.h, topk.h).
 #pragma once
 #include <cstdint>

@@ -1,0 +1,148 @@
+"""Triton kernels of token_logprobs: per-row log-prob of the target and full-vocabulary entropy, forward and backward.
+
+What this is: `@triton.jit` code only (launchers, autograd and validation are in rapo_fast/loss/logprobs.py). One
+program per row walks the row's vocabulary in BLOCK_V blocks with the online log-sum-exp / entropy state of
+kernels/triton_helpers.py, so a row is read once forward and once backward whatever V is (V need not be a multiple
+of BLOCK_V: pitfall 1).
+
+The same two kernels serve both paths:
+- logits path: the whole row in one launch (INIT and FINAL set), logits read through a 2-level row stride so a
+  [B, T, V] view such as logits[:, :-1] is used without a copy;
+- hidden path: a [rows, V_chunk] block of logits computed by a matmul, with the running state (m, s, t, target logit)
+  carried in fp32 tensors between vocabulary chunks (INIT on the first chunk, FINAL on the last), and the backward
+  writing grad_z over the chunk in place.
+What this is not: the matmul (torch.matmul / cuBLAS does it, see rapo_fast/loss/logprobs.py for why).
+
+All offsets are int64 (pitfall 5: row * stride passes 2^31 at 8 x 4k x 150k).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from rapo_fast.kernels.triton_helpers import (
+    load_scaled_logits,
+    logprob_entropy_grad,
+    lse_entropy_finalize,
+    online_lse_update,
+)
+
+
+@triton.jit
+def _row_offset(row, rows_inner, stride_outer, stride_inner):
+    """Element offset of row `row` of a [outer, inner, V] view flattened to rows (int64)."""
+    return (row // rows_inner) * stride_outer + (row % rows_inner) * stride_inner
+
+
+@triton.jit
+def _token_logprobs_fwd_kernel(
+    z_ptr,  # logits block, rows addressed through (rows_inner, stride_outer, stride_inner), last dim contiguous
+    tgt_ptr,  # [rows] int32/int64 targets (global vocabulary ids)
+    bias_ptr,  # [V] bias or a dummy when HAS_BIAS is False
+    m_ptr,  # [rows] fp32 running state, read unless INIT, written unless FINAL
+    s_ptr,
+    t_ptr,
+    zt_ptr,  # [rows] fp32 scaled target logit seen so far
+    logp_ptr,  # [rows] fp32 outputs, written when FINAL
+    lse_ptr,
+    ent_ptr,
+    rows_inner,
+    stride_outer,
+    stride_inner,
+    n_cols,  # vocabulary columns in this block of logits
+    v_start,  # global vocabulary id of column 0
+    inv_temp,  # fp32 1 / temperature
+    INIT: tl.constexpr,
+    FINAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    WITH_ENTROPY: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """z = (logits + b) / T;  m, s, t <- online update over the row;  logp = z[y] - lse,  H = log s - t / s."""
+    row = tl.program_id(0).to(tl.int64)
+    z_row = z_ptr + _row_offset(row, rows_inner, stride_outer, stride_inner)
+    y = tl.load(tgt_ptr + row).to(tl.int64)
+
+    if INIT:
+        m = float("-inf")
+        s = 0.0
+        t = 0.0
+        zt = 0.0
+    else:
+        m = tl.load(m_ptr + row)
+        s = tl.load(s_ptr + row)
+        t = tl.load(t_ptr + row)
+        zt = tl.load(zt_ptr + row)
+
+    # The target logit is one scalar load, masked when the target lies in another vocabulary chunk.
+    local = y - v_start
+    in_block = (local >= 0) & (local < n_cols)
+    zy = tl.load(z_row + local, mask=in_block, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        zy += tl.load(bias_ptr + y, mask=in_block, other=0.0).to(tl.float32)
+    zt = tl.where(in_block, zy * inv_temp, zt)
+
+    cols = tl.arange(0, BLOCK_V)
+    for start in range(0, n_cols, BLOCK_V):
+        c = start + cols
+        mask = c < n_cols
+        z = load_scaled_logits(z_row, bias_ptr, v_start, c, mask, inv_temp, HAS_BIAS)
+        m, s, t = online_lse_update(m, s, t, z)
+
+    if FINAL:
+        lse, ent = lse_entropy_finalize(m, s, t)
+        tl.store(logp_ptr + row, zt - lse)
+        tl.store(lse_ptr + row, lse)
+        if WITH_ENTROPY:
+            tl.store(ent_ptr + row, ent)
+    else:
+        tl.store(m_ptr + row, m)
+        tl.store(s_ptr + row, s)
+        tl.store(t_ptr + row, t)
+        tl.store(zt_ptr + row, zt)
+
+
+@triton.jit
+def _token_logprobs_bwd_kernel(
+    z_ptr,  # logits block as in the forward kernel
+    gz_ptr,  # [rows, n_cols] grad of the logits block, row stride stride_gz, may alias z_ptr (in place)
+    tgt_ptr,
+    bias_ptr,
+    lse_ptr,  # [rows] fp32 saved by the forward
+    ent_ptr,  # [rows] fp32 saved by the forward (unused unless WITH_ENTROPY)
+    glp_ptr,  # [rows] fp32 upstream gradient of logp
+    gent_ptr,  # [rows] fp32 upstream gradient of the entropy (unused unless WITH_ENTROPY)
+    rows_inner,
+    stride_outer,
+    stride_inner,
+    stride_gz,
+    n_cols,
+    v_start,
+    inv_temp,
+    HAS_BIAS: tl.constexpr,
+    WITH_ENTROPY: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """grad_logits = (g_lp * (onehot_y - p) - g_H * p * (log p + H)) / T, p recomputed block by block from lse."""
+    row = tl.program_id(0).to(tl.int64)
+    z_row = z_ptr + _row_offset(row, rows_inner, stride_outer, stride_inner)
+    gz_row = gz_ptr + row * stride_gz
+    y = tl.load(tgt_ptr + row).to(tl.int64)
+    lse = tl.load(lse_ptr + row)
+    g_lp = tl.load(glp_ptr + row)
+    if WITH_ENTROPY:
+        ent = tl.load(ent_ptr + row)
+        g_ent = tl.load(gent_ptr + row)
+    else:
+        ent = 0.0
+        g_ent = 0.0
+    local = y - v_start
+
+    cols = tl.arange(0, BLOCK_V)
+    for start in range(0, n_cols, BLOCK_V):
+        c = start + cols
+        mask = c < n_cols
+        z = load_scaled_logits(z_row, bias_ptr, v_start, c, mask, inv_temp, HAS_BIAS)
+        grad = logprob_entropy_grad(z, c == local, lse, ent, g_lp, g_ent, inv_temp, WITH_ENTROPY)
+        tl.store(gz_row + c, grad.to(gz_ptr.dtype.element_ty), mask=mask)

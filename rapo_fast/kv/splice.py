@@ -1,0 +1,386 @@
+"""Splicing cached K/V of retrieved steps into live KV caches, keys re-rotated by RoPE (DESIGN.md section 4).
+
+What this is: `splice_kv` (many (payload_id, batch_row, position) requests in one backend call across all
+layers: C++ on CPU tensors, CUDA on CUDA tensors, through the registered tensor-level op `rapo_fast::kv_splice_`
+(`kv_splice_`, usable under torch.compile); the plain-torch reference on request), `PagedKVCache` (the
+flash-attn/vLLM paged layout) and `insert_segment` (the rollout's entry point: splice, exact re-prefill or blend).
+Accuracy caveat: spliced K/V are exact in layer 0 only. A segment computed without its preceding context lacks
+attention to that context, so from layer 1 on its K/V differ from a full forward (CacheBlend measured this and
+recomputes ~15% of tokens); `mode="exact"` re-prefills, `mode="blend"` recomputes the segment's last tokens. Sampling
+from a spliced cache is therefore a behaviour policy; record each token's behaviour log-prob and correct in the loss.
+What this is not: the rotation math (csrc/include/rapo/rope.h, reference in rapo_fast/reference/kv_splice.py) or
+HF cache internals (rapo_fast/kv/hf_cache.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from rapo_fast._dispatch import register_op
+from rapo_fast.kv import hf_cache as hfc
+from rapo_fast.kv.rope import RopeSpec
+from rapo_fast.kv.store import StepKVStore
+
+__all__ = ["StepKVStore", "RopeSpec", "PagedKVCache", "splice_kv", "insert_segment", "InsertResult"]
+
+
+@dataclass
+class PagedKVCache:
+    """Paged KV cache: keys/values per layer [num_blocks, block_size, H_kv, D] (a list, or one tensor with a leading
+    layer dim) and block_table [B, max_blocks] int32/int64 mapping sequence b's logical block i to a physical block."""
+
+    keys: Sequence[torch.Tensor] | torch.Tensor
+    values: Sequence[torch.Tensor] | torch.Tensor
+    block_table: torch.Tensor
+
+    @property
+    def block_size(self) -> int:
+        return int(self.keys[0].shape[1])
+
+
+def _kv_splice_impl(keys: list[torch.Tensor], values: list[torch.Tensor], k_pool: torch.Tensor, v_pool: torch.Tensor,
+                    requests: torch.Tensor, inv_freq: torch.Tensor, block_table: torch.Tensor | None,
+                    interleaved: bool, max_tokens: int) -> None:
+    """The extension's splice on plain tensors; registered as `rapo_fast::kv_splice_` (keys, values mutated).
+
+    keys/values: per layer [B, H_kv, S, D] (HF) or [num_blocks, block_size, H_kv, D] (paged, with block_table
+    [B, max_blocks] int32), all layers of one shape and strides, head dim contiguous. k_pool/v_pool
+    [num_layers, capacity, H_kv, D] of the caches' dtype. requests int64 [R, 5]: (pool offset, tokens, batch row,
+    slot, rope delta). inv_freq fp32 [rotary_dim / 2]. max_tokens: the largest token count in requests (an int so
+    that no device sync is needed to find it). The kernel trusts these values: splice_kv validates them first.
+    """
+    from rapo_fast import _ext
+
+    device = k_pool.device
+    C = _ext.require_backend(device)
+    num_requests = requests.shape[0]
+    if num_requests == 0 or max_tokens == 0:
+        return
+    # Cheap shape checks that keep the kernel inside its buffers when the op is called directly.
+    if requests.dtype != torch.int64 or requests.dim() != 2 or requests.shape[1] != 5:
+        raise ValueError(f"requests must be int64 [R, 5], got {requests.dtype} {tuple(requests.shape)}")
+    if len(keys) != k_pool.shape[0] or len(values) != k_pool.shape[0] or v_pool.shape != k_pool.shape:
+        raise ValueError(f"{len(keys)}/{len(values)} cache layers for pools of shape {tuple(k_pool.shape)}")
+    if inv_freq.dtype != torch.float32 or 2 * inv_freq.numel() > k_pool.shape[3]:
+        raise ValueError(f"inv_freq must be fp32 with at most head_dim/2 entries, got {inv_freq.dtype} "
+                         f"{inv_freq.numel()}")
+    req = requests.contiguous()
+    inv = inv_freq.to(device).contiguous()
+    kptr = torch.tensor([t.data_ptr() for t in keys], dtype=torch.int64).to(device)
+    vptr = torch.tensor([t.data_ptr() for t in values], dtype=torch.int64).to(device)
+    paged = block_table is not None
+    k0, v0 = keys[0], values[0]
+    # HF layout [B, H, S, D]: (row, slot, head) strides; paged [blocks, block_size, H, D]: (block, in-block, head).
+    sr, ss, sh = (k0.stride(0), k0.stride(1), k0.stride(2)) if paged else (k0.stride(0), k0.stride(2), k0.stride(1))
+    vsr, vss, vsh = (v0.stride(0), v0.stride(1), v0.stride(2)) if paged else (
+        v0.stride(0), v0.stride(2), v0.stride(1))
+    bt = None
+    if paged:
+        bt = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
+        bt = bt.contiguous()
+    aligned = all(t.data_ptr() % 16 == 0 for t in (*keys, *values, k_pool, v_pool))
+    params = dict(
+        device=-1 if device.type == "cpu" else int(device.index or 0), stream=_ext.stream_of(device),
+        dtype=_ext.DTYPE_CODES[k_pool.dtype], interleaved=bool(interleaved),
+        k_pool=k_pool.data_ptr(), v_pool=v_pool.data_ptr(),
+        pool_layer_stride=k_pool.stride(0), pool_token_stride=k_pool.stride(1), pool_head_stride=k_pool.stride(2),
+        dst_k_ptrs=kptr.data_ptr(), dst_v_ptrs=vptr.data_ptr(),
+        k_row_stride=sr, k_slot_stride=ss, k_head_stride=sh, v_row_stride=vsr, v_slot_stride=vss, v_head_stride=vsh,
+        num_layers=k_pool.shape[0], num_heads=k_pool.shape[2], head_dim=k_pool.shape[3],
+        rotary_dim=2 * inv.numel(), inv_freq=inv.data_ptr(),
+        requests=req.data_ptr(), num_requests=num_requests, max_tokens=int(max_tokens),
+        block_table=bt.data_ptr() if paged else 0,
+        block_table_stride=bt.stride(0) if paged else 0,
+        block_size=k0.shape[1] if paged else 0, aligned16=aligned,
+    )
+    C.kv_splice(params)
+    if device.type == "cuda":
+        # req/kptr/vptr/inv/bt must live until the kernel has read them: tie them to the stream instead of syncing.
+        for t in (req, kptr, vptr, inv) + ((bt,) if paged else ()):
+            t.record_stream(torch.cuda.current_stream(device))
+
+
+def _kv_splice_fake(keys, values, k_pool, v_pool, requests, inv_freq, block_table, interleaved, max_tokens) -> None:
+    return None
+
+
+# A registered op (DESIGN.md section 1) so that torch.compile sees the in-place write to the caches; the Python cache
+# bookkeeping (HF lengths, growth, validation) stays in splice_kv, outside the op.
+kv_splice_ = register_op("kv_splice_", _kv_splice_impl, mutates_args=("keys", "values"), fake=_kv_splice_fake)
+
+
+def _launch_extension(ks, vs, store: StepKVStore, table, rope: RopeSpec, block_table) -> None:
+    """Build the request table and call the registered op (validated by splice_kv already)."""
+    device = store.device
+    req = torch.tensor(table, dtype=torch.int64).to(device)
+    max_tokens = max(n for _o, n, _r, _p, _d in table)
+    kv_splice_(list(ks), list(vs), store.keys_pool, store.values_pool, req, rope.inv_freq_on(device), block_table,
+               rope.layout == "interleaved", max_tokens)
+
+
+def _as_requests(requests: Any) -> list[tuple[int, int, int]]:
+    if isinstance(requests, torch.Tensor):
+        if requests.dim() != 2 or requests.shape[1] != 3:
+            raise ValueError(f"requests must be [R, 3] (payload_id, batch_row, position), got {tuple(requests.shape)}")
+        return [tuple(int(x) for x in r) for r in requests.tolist()]
+    out = []
+    for i, r in enumerate(requests):
+        if len(r) != 3:
+            raise ValueError(f"requests[{i}] must be (payload_id, batch_row, position), got {r!r}")
+        out.append((int(r[0]), int(r[1]), int(r[2])))
+    return out
+
+
+def _check_layer_tensors(name: str, ts: list[torch.Tensor], store: StepKVStore, head_axis: int) -> None:
+    if len(ts) != store.num_layers:
+        raise ValueError(f"{name}: the cache has {len(ts)} layers, the store {store.num_layers}")
+    t0 = ts[0]
+    for i, t in enumerate(ts):
+        if t.dtype != store.dtype:
+            raise TypeError(f"{name}[{i}]: cache dtype {t.dtype} != store dtype {store.dtype}")
+        if t.device != store.device:
+            raise ValueError(f"{name}[{i}]: cache device {t.device} != store device {store.device}")
+        if t.dim() != 4 or t.shape[head_axis] != store.num_kv_heads or t.shape[-1] != store.head_dim:
+            raise ValueError(
+                f"{name}[{i}]: expected {store.num_kv_heads} KV heads of dim {store.head_dim} (axis {head_axis}, -1), "
+                f"got shape {tuple(t.shape)}"
+            )
+        if t.shape != t0.shape or t.stride() != t0.stride():
+            raise ValueError(f"{name}: every layer must have the same shape and strides (layer {i} differs)")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}[{i}]: the head dim must be contiguous (stride 1), got strides {t.stride()}")
+
+
+def splice_kv(
+    cache: Any,
+    store: StepKVStore,
+    requests: Sequence[tuple[int, int, int]] | torch.Tensor,
+    rope: RopeSpec,
+    *,
+    lengths: Sequence[int] | None = None,
+    rope_positions: Sequence[int] | None = None,
+    backend: Literal["auto", "reference", "cpu", "cuda"] = "auto",
+) -> int:
+    """Copy each requested segment's K/V into `cache` at `position` of `batch_row`, keys rotated by R(position).
+
+    cache: a transformers DynamicCache/StaticCache (per layer [B, H_kv, S, D]) or a PagedKVCache.
+    requests: (payload_id, batch_row, position) triples, or an int64 tensor [R, 3]. Token j of the segment lands at
+        slot position + j; its key, stored at rotation j, becomes rotation position + j (K' = R(delta) K, delta =
+        rope_positions[r] if given, else position: left-padded ragged batches pass their per-row logical position).
+    lengths: optional per-request number of leading tokens to splice (default: the whole stored segment).
+    Returns the HF cache's length after the call (for a DynamicCache: max(old length, max position + length); rows that
+    end earlier have unwritten slots the caller must mask) or 0 for a paged cache (it has no length of its own).
+    Raises ValueError/TypeError before any write for an unknown payload id, a row or position out of range, overlapping
+    requests, or a dtype / head count / head dim / layer count / device mismatch between store, rope and cache.
+    """
+    reqs = _as_requests(requests)
+    if not isinstance(rope, RopeSpec):
+        raise TypeError(f"rope must be a RopeSpec (e.g. RopeSpec.from_model(model)), got {type(rope).__name__}")
+    if rope.head_dim != store.head_dim:
+        raise ValueError(f"rope.head_dim={rope.head_dim} != store.head_dim={store.head_dim}")
+    if lengths is not None and len(lengths) != len(reqs):
+        raise ValueError(f"lengths has {len(lengths)} entries for {len(reqs)} requests")
+    if rope_positions is not None and len(rope_positions) != len(reqs):
+        raise ValueError(f"rope_positions has {len(rope_positions)} entries for {len(reqs)} requests")
+    rows_spans: dict[int, list[tuple[int, int]]] = {}
+    table = []
+    for i, (pid, row, pos) in enumerate(reqs):
+        if pid not in store:
+            raise ValueError(f"requests[{i}]: unknown payload_id {pid} (not in the StepKVStore)")
+        off, n_stored = store.locate(pid)
+        n = n_stored if lengths is None else int(lengths[i])
+        if not 0 <= n <= n_stored:
+            raise ValueError(f"lengths[{i}]={n} must be in [0, {n_stored}] (payload {pid} has {n_stored} tokens)")
+        if pos < 0:
+            raise ValueError(f"requests[{i}]: position must be >= 0, got {pos}")
+        delta = pos if rope_positions is None else int(rope_positions[i])
+        if delta < 0:
+            raise ValueError(f"rope_positions[{i}] must be >= 0, got {delta}")
+        for a, b in rows_spans.get(row, []):
+            if pos < b and a < pos + n:
+                raise ValueError(f"requests[{i}]: slots [{pos}, {pos + n}) of row {row} overlap another request's")
+        rows_spans.setdefault(row, []).append((pos, pos + n))
+        table.append((off, n, row, pos, delta))
+
+    block_table = None
+    new_len = 0
+    if isinstance(cache, PagedKVCache):
+        ks, vs = list(cache.keys), list(cache.values)
+        _check_layer_tensors("cache.keys", ks, store, 2)
+        _check_layer_tensors("cache.values", vs, store, 2)
+        bt = cache.block_table
+        if bt.dim() != 2 or bt.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"block_table must be [B, max_blocks] int32/int64, got {tuple(bt.shape)} {bt.dtype}")
+        if bt.device != store.device:
+            raise ValueError(f"block_table device {bt.device} != store device {store.device}")
+        bs, nb = ks[0].shape[1], ks[0].shape[0]
+        bt_cpu = bt.cpu()
+        for i, (_off, n, row, pos, _d) in enumerate(table):
+            if not 0 <= row < bt.shape[0]:
+                raise ValueError(f"requests[{i}]: batch_row {row} out of range [0, {bt.shape[0]})")
+            if n and (pos + n - 1) // bs >= bt.shape[1]:
+                raise ValueError(
+                    f"requests[{i}]: position {pos} + length {n} passes the block table's "
+                    f"{bt.shape[1]} blocks of {bs} tokens"
+                )
+            used = bt_cpu[row, pos // bs:(pos + n - 1) // bs + 1] if n else bt_cpu[row, :0]
+            if used.numel() and (used.min() < 0 or used.max() >= nb):
+                raise ValueError(f"requests[{i}]: block table row {row} maps these slots to blocks outside [0, {nb})")
+        block_table = bt.to(torch.int32) if bt.dtype != torch.int32 else bt
+    else:
+        kind = hfc.check_cache(cache)
+        cur = hfc.length(cache)
+        b = hfc.batch_size(cache)
+        if b is None:
+            b = max((row for _, _, row, _, _ in table), default=-1) + 1
+            hfc.ensure_layers(cache, store.num_layers, b, store.num_kv_heads, store.head_dim, store.dtype, store.device)
+        for i, (_off, _n, row, pos, _d) in enumerate(table):
+            if not 0 <= row < b:
+                raise ValueError(f"requests[{i}]: batch_row {row} out of range [0, {b})")
+            if kind == "dynamic" and pos > cur:
+                raise ValueError(
+                    f"requests[{i}]: position {pos} is past the cache's length {cur}; a DynamicCache cannot hold a gap"
+                )
+        new_len = max([cur] + [pos + n for _o, n, _r, pos, _d in table])
+        ks, vs = hfc.layer_tensors(cache)
+        _check_layer_tensors("cache keys", ks, store, 1)  # before growing: a refused call leaves the cache alone
+        _check_layer_tensors("cache values", vs, store, 1)
+        hfc.grow(cache, new_len)  # raises for a StaticCache without room, before any write
+        ks, vs = hfc.layer_tensors(cache)
+        _check_layer_tensors("cache keys", ks, store, 1)
+        _check_layer_tensors("cache values", vs, store, 1)
+    if table:
+        _launch(ks, vs, store, table, rope, block_table, backend)
+    if block_table is None:
+        hfc.set_length(cache, new_len) if hfc.check_cache(cache) == "static" else None
+        return new_len
+    return 0
+
+
+def _launch(ks, vs, store: StepKVStore, table, rope: RopeSpec, block_table, backend: str) -> None:
+    device = store.device
+    if backend == "auto":
+        from rapo_fast import _ext
+
+        backend = "reference"
+        if _ext.has_extension() and hasattr(_ext.extension(), "kv_splice"):
+            backend = device.type
+    if backend == "reference":
+        from rapo_fast.reference.kv_splice import splice_segment_ref
+
+        inv = rope.inv_freq_on(device)
+        for off, n, row, pos, delta in table:
+            if n == 0:
+                continue
+            sk = store.keys_pool[:, off:off + n]
+            sv = store.values_pool[:, off:off + n]
+            splice_segment_ref(ks, vs, sk, sv, row, pos, inv, rotary_dim=rope.rotary_dim, layout=rope.layout,
+                               rope_delta=delta, block_table=block_table,
+                               block_size=0 if block_table is None else ks[0].shape[1])
+        return
+    if backend != device.type:
+        raise ValueError(f"backend={backend!r} cannot run on {device.type} tensors")
+    _launch_extension(ks, vs, store, table, rope, block_table)
+
+
+@dataclass
+class InsertResult:
+    """What `insert_segment` leaves: next-token logits [B, V] fp32 after the segment, the cache slot where the next
+    token goes, and the rope position of the next token per row [B] (int64; equal to next_slot without rope offsets)."""
+
+    logits: torch.Tensor
+    next_slot: int
+    next_positions: torch.Tensor
+    recomputed_tokens: int
+
+
+@torch.no_grad()
+def insert_segment(
+    model: Any,
+    cache: Any,
+    segment_tokens: Sequence[Sequence[int]] | torch.Tensor,
+    rows: Sequence[int],
+    positions: Sequence[int],
+    *,
+    mode: Literal["splice", "exact", "blend"] = "splice",
+    store: StepKVStore | None = None,
+    payload_ids: Sequence[int] | None = None,
+    rope: RopeSpec | None = None,
+    blend_fraction: float = 0.15,
+    rope_positions: Sequence[int] | None = None,
+    attention_mask: torch.Tensor | None = None,
+    backend: Literal["auto", "reference", "cpu", "cuda"] = "auto",
+) -> InsertResult:
+    """Insert segment i at cache slot positions[i] of batch row rows[i] of an HF cache, and return next-token logits.
+
+    Contract for HF caches (one length for all rows): `rows` covers every batch row exactly once, all `positions` are
+    equal (slot p <= the cache's length; anything cached at slots >= p is discarded) and all segments have the same
+    length L; anything else raises ValueError. Ragged (left-padded) batches share the slot p and pass each row's
+    logical position in `rope_positions` (keys are rotated to it, position_ids follow it) plus their `attention_mask`
+    [B, p + L]. After the call the cache holds p + L tokens and generation continues at slot p + L with
+    position_ids = next_positions (a forward without position_ids gets p + L, right when there is no padding).
+
+    mode: "exact" re-prefills all L tokens through the model (position_ids p..p+L-1); "splice" copies tokens 0..L-2
+        from `store` (payload_ids[i], keys re-rotated) and runs only the last token through the model, so that logits
+        come out; "blend" splices the first L - r tokens and re-prefills the last r = max(1, ceil(blend_fraction * L))
+        (a suffix recompute: the recomputed tokens attend to the true context; not CacheBlend's deviation-based pick).
+    """
+    if mode not in ("splice", "exact", "blend"):
+        raise ValueError(f"mode must be 'splice', 'exact' or 'blend', got {mode!r}")
+    kind = hfc.check_cache(cache)
+    toks = [list(map(int, t)) for t in (segment_tokens.tolist() if isinstance(segment_tokens, torch.Tensor)
+                                        else segment_tokens)]
+    if not (len(toks) == len(rows) == len(positions)):
+        raise ValueError(f"segment_tokens ({len(toks)}), rows ({len(rows)}), positions ({len(positions)}) differ")
+    b = hfc.batch_size(cache) or len(rows)
+    if sorted(int(r) for r in rows) != list(range(b)):
+        raise ValueError(f"rows must list every batch row 0..{b - 1} exactly once (HF caches share one length), got "
+                         f"{list(rows)}")
+    if len(set(int(p) for p in positions)) != 1:
+        raise ValueError(f"all positions must be equal for an HF cache (one length for all rows), got "
+                         f"{list(positions)}; ragged batches share the slot and pass rope_positions")
+    if len({len(t) for t in toks}) != 1 or not toks[0]:
+        raise ValueError(f"all segments must have the same length >= 1, got lengths {[len(t) for t in toks]}")
+    p, seg_len = int(positions[0]), len(toks[0])
+    cur = hfc.length(cache)
+    if p > cur:
+        raise ValueError(f"position {p} is past the cache's length {cur}")
+    order = sorted(range(len(rows)), key=lambda i: int(rows[i]))
+    device = next(model.parameters()).device
+    tokens = torch.tensor([toks[i] for i in order], dtype=torch.long, device=device)
+    base = torch.full((b,), p, dtype=torch.long) if rope_positions is None else torch.tensor(
+        [int(rope_positions[i]) for i in order], dtype=torch.long)
+    n_exact = seg_len if mode == "exact" else 1 if mode == "splice" else max(1, math.ceil(blend_fraction * seg_len))
+    n_exact = min(n_exact, seg_len)
+    n_splice = seg_len - n_exact
+    if n_splice > 0:  # every check before the cache is touched
+        if store is None or payload_ids is None:
+            raise ValueError(f"mode={mode!r} needs store= and payload_ids= (the segments' cached K/V)")
+        if len(payload_ids) != len(rows):
+            raise ValueError(f"payload_ids has {len(payload_ids)} entries for {len(rows)} rows")
+        for i in order:
+            if int(payload_ids[i]) not in store:
+                raise ValueError(f"unknown payload_id {payload_ids[i]} (not in the StepKVStore)")
+            stored = store.tokens(int(payload_ids[i]))
+            if stored is not None and stored != toks[i]:
+                raise ValueError(f"payload {payload_ids[i]}'s stored tokens differ from segment_tokens[{i}]")
+            if store.locate(int(payload_ids[i]))[1] < n_splice:
+                raise ValueError(f"payload {payload_ids[i]} holds fewer than the {n_splice} tokens to splice")
+        rope = RopeSpec.from_model(model) if rope is None else rope
+    if cur > p:
+        hfc.set_length(cache, p)
+    if n_splice > 0:
+        reqs = [(int(payload_ids[i]), int(rows[i]), p) for i in order]
+        splice_kv(cache, store, reqs, rope, lengths=[n_splice] * b, rope_positions=base.tolist(), backend=backend)
+    pos_ids = (base[:, None] + torch.arange(n_splice, seg_len)[None, :]).to(device)
+    if kind == "static":
+        hfc.set_length(cache, p + n_splice)
+    out = model(input_ids=tokens[:, n_splice:], position_ids=pos_ids, past_key_values=cache, use_cache=True,
+                attention_mask=attention_mask)
+    return InsertResult(logits=out.logits[:, -1].float(), next_slot=p + seg_len,
+                        next_positions=(base + seg_len).to(device), recomputed_tokens=n_exact * b)

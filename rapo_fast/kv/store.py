@@ -1,0 +1,207 @@
+"""StepKVStore: per payload id, every layer's K/V of a retrieved step computed once at positions 0..L-1, pooled.
+
+What this is: the store that rapo_fast.kv.splice reads from (one pooled tensor per K and V, first-fit reuse of evicted
+ranges, state_dict for checkpoints). What it is not: the splicing itself (rapo_fast.kv.splice) or the step buffer
+that decides which payload ids exist (rapo_fast.retrieval.buffer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from rapo_fast.kv import hf_cache as hfc
+
+
+class StepKVStore:
+    """Per payload id, the K/V of a step's tokens for every layer, computed once at positions 0..L-1.
+
+    Pools: keys_pool / values_pool [num_layers, capacity_tokens, H_kv, D] (keys as the attention saw them, i.e.
+    rotated to positions 0..L-1). A payload occupies tokens [offset, offset + L) of the pools; evicted ranges are
+    reused first-fit and the pools double when full. Payload ids are the StepBuffer's payload ids; re-adding a live
+    id raises unless replace=True (the StepBuffer overwrote that step).
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str = "cpu", capacity_tokens: int = 1024) -> None:
+        if min(num_layers, num_kv_heads, head_dim, capacity_tokens) < 1:
+            raise ValueError("num_layers, num_kv_heads, head_dim and capacity_tokens must be >= 1")
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.dtype, self.device = dtype, torch.device(device)
+        shape = (num_layers, capacity_tokens, num_kv_heads, head_dim)
+        self.keys_pool = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.values_pool = torch.zeros(shape, dtype=dtype, device=self.device)
+        self._where: dict[int, tuple[int, int]] = {}
+        self._tokens: dict[int, list[int]] = {}
+        self._free: list[tuple[int, int]] = [(0, capacity_tokens)]
+
+    @classmethod
+    def for_model(cls, model: Any, **kwargs: Any) -> StepKVStore:
+        """An empty store shaped for a transformers model (layers, KV heads, head dim, dtype, device)."""
+        from rapo_fast.kv.rope import _head_dim, _text_config
+
+        cfg = _text_config(model.config)
+        heads = getattr(cfg, "num_attention_heads", None) or cfg.n_head
+        kv = getattr(cfg, "num_key_value_heads", None) or heads
+        layers = getattr(cfg, "num_hidden_layers", None) or cfg.n_layer
+        p = next(model.parameters())
+        kwargs.setdefault("dtype", p.dtype)
+        kwargs.setdefault("device", p.device)
+        return cls(int(layers), int(kv), _head_dim(cfg), **kwargs)
+
+    def __contains__(self, payload_id: int) -> bool:
+        return int(payload_id) in self._where
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.keys_pool.shape[1]
+
+    def payload_ids(self) -> list[int]:
+        return sorted(self._where)
+
+    def locate(self, payload_id: int) -> tuple[int, int]:
+        """(offset, length) of a payload in the pools; KeyError if absent."""
+        return self._where[int(payload_id)]
+
+    def tokens(self, payload_id: int) -> list[int] | None:
+        """The token ids stored with a payload (None when added without tokens)."""
+        return self._tokens.get(int(payload_id))
+
+    def get(self, payload_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views keys, values [num_layers, L, H_kv, D] of a payload; ValueError if unknown."""
+        if int(payload_id) not in self._where:
+            raise ValueError(f"unknown payload_id {payload_id}")
+        off, n = self._where[int(payload_id)]
+        return self.keys_pool[:, off:off + n], self.values_pool[:, off:off + n]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the store holds, for a checkpoint: the pools (trimmed to the used tokens) and the payload map."""
+        used = max((off + n for off, n in self._where.values()), default=0)
+        return {
+            "shape": (self.num_layers, self.num_kv_heads, self.head_dim), "dtype": self.dtype,
+            "capacity_tokens": self.capacity_tokens, "keys": self.keys_pool[:, :used].cpu(),
+            "values": self.values_pool[:, :used].cpu(), "where": dict(self._where),
+            "tokens": {k: list(v) for k, v in self._tokens.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Replace the contents with a state_dict() of a store of the same shape and dtype (ValueError otherwise)."""
+        shape = tuple(int(x) for x in state["shape"])
+        if shape != (self.num_layers, self.num_kv_heads, self.head_dim) or state["dtype"] != self.dtype:
+            raise ValueError(
+                f"StepKVStore.load_state_dict: state is for (layers, kv heads, head dim) {shape} in {state['dtype']}, "
+                f"this store is {(self.num_layers, self.num_kv_heads, self.head_dim)} in {self.dtype}")
+        cap = max(int(state["capacity_tokens"]), state["keys"].shape[1], 1)
+        pool_shape = (self.num_layers, cap, self.num_kv_heads, self.head_dim)
+        self.keys_pool = torch.zeros(pool_shape, dtype=self.dtype, device=self.device)
+        self.values_pool = torch.zeros(pool_shape, dtype=self.dtype, device=self.device)
+        used = state["keys"].shape[1]
+        self.keys_pool[:, :used] = state["keys"].to(self.device)
+        self.values_pool[:, :used] = state["values"].to(self.device)
+        self._where = {int(k): (int(o), int(n)) for k, (o, n) in state["where"].items()}
+        self._tokens = {int(k): list(v) for k, v in state["tokens"].items()}
+        # the free list is the gaps between the payloads (first-fit reuse continues as before the save)
+        self._free = []
+        pos = 0
+        for off, n in sorted(self._where.values()):
+            if off < pos:
+                raise ValueError(f"StepKVStore: tokens [{off}, {off + n}) overlap another payload")
+            self._release(pos, off - pos)
+            pos = off + n
+        self._release(pos, cap - pos)
+
+    def _alloc(self, n: int) -> int:
+        for i, (start, size) in enumerate(self._free):
+            if size >= n:
+                self._free[i] = (start + n, size - n)
+                if size == n:
+                    del self._free[i]
+                return start
+        old = self.capacity_tokens
+        new = max(2 * old, old + n)
+        for name in ("keys_pool", "values_pool"):
+            pool = getattr(self, name)
+            grown = pool.new_zeros((pool.shape[0], new, *pool.shape[2:]))
+            grown[:, :old] = pool
+            setattr(self, name, grown)
+        self._release(old, new - old)
+        return self._alloc(n)
+
+    def _release(self, start: int, n: int) -> None:
+        if n <= 0:
+            return
+        free = sorted(self._free + [(start, n)])
+        merged: list[tuple[int, int]] = []
+        for s, k in free:
+            if merged and merged[-1][0] + merged[-1][1] == s:
+                merged[-1] = (merged[-1][0], merged[-1][1] + k)
+            else:
+                merged.append((s, k))
+        self._free = merged
+
+    def add(self, payload_ids: Sequence[int], keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], *,
+            tokens: Sequence[Sequence[int]] | None = None, replace: bool = False) -> None:
+        """Store segments: keys[i], values[i] [num_layers, L_i, H_kv, D] (rotated to positions 0..L_i-1)."""
+        if not (len(payload_ids) == len(keys) == len(values)):
+            raise ValueError(f"payload_ids ({len(payload_ids)}), keys ({len(keys)}), values ({len(values)}) differ")
+        want = (self.num_layers, self.num_kv_heads, self.head_dim)
+        for i, (pid, k, v) in enumerate(zip(payload_ids, keys, values)):
+            for nm, t in (("keys", k), ("values", v)):
+                if t.dim() != 4 or (t.shape[0], t.shape[2], t.shape[3]) != want:
+                    raise ValueError(f"{nm}[{i}] must be [num_layers={want[0]}, L, H_kv={want[1]}, D={want[2]}], "
+                                     f"got {tuple(t.shape)}")
+            if k.shape != v.shape:
+                raise ValueError(f"keys[{i}] {tuple(k.shape)} and values[{i}] {tuple(v.shape)} differ")
+            if int(pid) in self._where and not replace:
+                raise ValueError(f"payload_id {pid} is already stored (pass replace=True to overwrite it)")
+            if tokens is not None and len(tokens[i]) != k.shape[1]:
+                raise ValueError(f"tokens[{i}] has {len(tokens[i])} ids for {k.shape[1]} cached positions")
+        for i, (pid, k, v) in enumerate(zip(payload_ids, keys, values)):
+            self.evict([pid]) if int(pid) in self._where else None
+            off = self._alloc(k.shape[1])
+            self.keys_pool[:, off:off + k.shape[1]] = k.to(device=self.device, dtype=self.dtype)
+            self.values_pool[:, off:off + k.shape[1]] = v.to(device=self.device, dtype=self.dtype)
+            self._where[int(pid)] = (off, k.shape[1])
+            if tokens is not None:
+                self._tokens[int(pid)] = [int(x) for x in tokens[i]]
+
+    def evict(self, payload_ids: Sequence[int]) -> None:
+        """Forget payloads (unknown ids are ignored, as the StepBuffer may evict steps that were never cached)."""
+        for pid in payload_ids:
+            where = self._where.pop(int(pid), None)
+            self._tokens.pop(int(pid), None)
+            if where is not None:
+                self._release(*where)
+
+    @torch.no_grad()
+    def add_from_model(self, model: Any, payload_ids: Sequence[int], token_lists: Sequence[Sequence[int]], *,
+                       batch_size: int = 16, replace: bool = False) -> None:
+        """Run each step's tokens through `model` at positions 0..L-1 (no preceding context) and store its K/V.
+
+        Segments are right-padded in batches; with causal attention a token never sees the padding after it.
+        """
+        from transformers import DynamicCache
+
+        if len(payload_ids) != len(token_lists):
+            raise ValueError(f"payload_ids ({len(payload_ids)}) and token_lists ({len(token_lists)}) differ")
+        dev = next(model.parameters()).device
+        for s in range(0, len(token_lists), batch_size):
+            chunk = [list(map(int, t)) for t in token_lists[s:s + batch_size]]
+            if any(len(t) == 0 for t in chunk):
+                raise ValueError("every token list must hold at least one token")
+            n = max(len(t) for t in chunk)
+            ids = torch.tensor([t + [0] * (n - len(t)) for t in chunk], dtype=torch.long, device=dev)
+            cache = DynamicCache(config=model.config)
+            pos = torch.arange(n, device=dev)[None].expand(len(chunk), n)
+            model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+            ks, vs = hfc.layer_tensors(cache)
+            keys = [torch.stack([k[j, :, :len(t)].transpose(0, 1) for k in ks]) for j, t in enumerate(chunk)]
+            values = [torch.stack([v[j, :, :len(t)].transpose(0, 1) for v in vs]) for j, t in enumerate(chunk)]
+            self.add(payload_ids[s:s + batch_size], keys, values, tokens=chunk, replace=replace)

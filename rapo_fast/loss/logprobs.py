@@ -1,0 +1,509 @@
+"""token_logprobs: the public fused per-token log-prob (+ full-vocabulary entropy), its launchers and autograd wiring.
+
+What this is: argument checks, backend choice (rapo_fast._dispatch.use_triton), the Triton launchers of
+kernels/loss/token_logprobs.py registered as torch.library ops `rapo_fast::token_logprobs_{fwd,bwd}` (logits path) and
+`rapo_fast::linear_token_logprobs_{fwd,bwd}` (hidden-state path), and the chunked reference fallback.
+What this is not: the math (kernels/triton_helpers.py, and the spec in rapo_fast/reference/logprobs.py).
+
+Hidden-state path. Logits are produced tile by tile, [rows, V_chunk] at a time, by torch.matmul in the input dtype.
+This deliberately differs from Cut-Cross-Entropy's fused tl.dot: cuBLAS is already at peak for these GEMM shapes, and
+the softmax pass over a tile is bandwidth-bound, so fusing buys little and costs a hand-tuned GEMM per GPU. A Triton
+pass folds each tile into a per-row online state (m, s, t, target logit); the backward recomputes each tile, turns it
+into grad_z in place and feeds three GEMMs (grad_h, grad_W, grad_b). Nothing of size [N, V] exists at any time and
+nothing but [N] fp32 vectors is saved for backward. The tile is bounded by a byte budget (_TILE_BYTES) and its
+vocabulary width by _MAX_VOCAB_TILE so that the fp32 grad_W accumulator of one vocabulary tile stays small too.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from rapo_fast._dispatch import interpret_mode, register_op, use_triton
+from rapo_fast.reference.logprobs import linear_token_logprobs_ref, token_logprobs_ref
+
+__all__ = ["token_logprobs"]
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_INDEX_DTYPES = (torch.int64, torch.int32)
+
+# Byte budget of one logits tile (input dtype) of the hidden path; the fallback has its own (_FALLBACK_BYTES).
+# GPU: 512 MiB keeps GEMMs at full size (e.g. 16k x 16k bf16) while the tile is ~1/20 of [16k, 152k] bf16.
+# Interpreter / CPU: small, so tests exercise many tiles; tests patch these module attributes.
+_TILE_BYTES = {"gpu": 512 << 20, "cpu": 8 << 20}
+_MAX_VOCAB_TILE = {"gpu": 16384, "cpu": 16384}
+
+
+def _kernels():
+    # Triton is imported on first use only, so that `import rapo_fast` stays cheap.
+    from rapo_fast.kernels.loss import token_logprobs as k
+
+    return k
+
+
+def _where(device: torch.device) -> str:
+    return "gpu" if device.type == "cuda" else "cpu"
+
+
+def _launch_cfg(n_cols: int) -> tuple[int, int]:
+    """BLOCK_V and num_warps for a row of n_cols. The interpreter runs one numpy op per block: fewer, larger blocks."""
+    cap = 32768 if interpret_mode() else 4096
+    block = max(16, min(cap, 1 << max(0, n_cols - 1).bit_length()))
+    return block, (8 if block >= 2048 else 4)
+
+
+def _row_strides(x: torch.Tensor) -> tuple[int, int, int]:
+    """(rows_inner, stride_outer, stride_inner) addressing the rows of a 2-D or 3-D, last-dim-contiguous tensor."""
+    if x.dim() == 2:
+        return max(1, x.shape[0]), 0, x.stride(0)
+    return max(1, x.shape[1]), x.stride(0), x.stride(1)
+
+
+# logits path: rapo_fast::token_logprobs_fwd / _bwd
+
+
+def _lp_fwd_impl(
+    logits: Tensor, targets: Tensor, temperature: float, with_entropy: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """logits [N, V] or [B, T, V] (last dim contiguous), targets shaped like logits.shape[:-1] ->
+    (logp, lse, entropy) fp32 shaped like targets (entropy is [0] when not with_entropy)."""
+    shape = targets.shape
+    n, v = targets.numel(), logits.shape[-1]
+    dev = logits.device
+    logp = torch.empty(shape, dtype=torch.float32, device=dev)
+    lse = torch.empty(shape, dtype=torch.float32, device=dev)
+    ent = torch.empty(shape if with_entropy else (0,), dtype=torch.float32, device=dev)
+    if n == 0:
+        return logp, lse, ent
+    rows_inner, s_outer, s_inner = _row_strides(logits)
+    block, warps = _launch_cfg(v)
+    tgt = targets.reshape(-1)
+    _kernels()._token_logprobs_fwd_kernel[(n,)](
+        logits, tgt, logits, lse, lse, lse, lse, logp, lse, ent if with_entropy else lse,
+        rows_inner, s_outer, s_inner, v, 0, 1.0 / temperature,
+        INIT=True, FINAL=True, HAS_BIAS=False, WITH_ENTROPY=with_entropy, BLOCK_V=block, num_warps=warps,
+    )  # fmt: skip
+    return logp, lse, ent
+
+
+def _lp_fwd_fake(logits, targets, temperature, with_entropy):
+    shape = targets.shape
+    return tuple(logits.new_empty(m, dtype=torch.float32) for m in (shape, shape, shape if with_entropy else (0,)))
+
+
+def _lp_bwd_impl(
+    logits: Tensor, targets: Tensor, lse: Tensor, entropy: Tensor, grad_logp: Tensor, grad_entropy: Tensor,
+    temperature: float, with_entropy: bool,
+) -> Tensor:  # fmt: skip
+    """grad_logits (contiguous, logits' dtype and shape) from the upstream fp32 grads of logp and entropy."""
+    v = logits.shape[-1]
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    n = targets.numel()
+    if n == 0:
+        return grad
+    rows_inner, s_outer, s_inner = _row_strides(logits)
+    block, warps = _launch_cfg(v)
+    g_lp = grad_logp.reshape(-1).to(torch.float32).contiguous()
+    g_ent = grad_entropy.reshape(-1).to(torch.float32).contiguous() if with_entropy else g_lp
+    _kernels()._token_logprobs_bwd_kernel[(n,)](
+        logits, grad, targets.reshape(-1), logits, lse.reshape(-1), entropy.reshape(-1) if with_entropy else lse,
+        g_lp, g_ent, rows_inner, s_outer, s_inner, v, v, 0, 1.0 / temperature,
+        HAS_BIAS=False, WITH_ENTROPY=with_entropy, BLOCK_V=block, num_warps=warps,
+    )  # fmt: skip
+    return grad
+
+
+def _lp_bwd_fake(logits, targets, lse, entropy, grad_logp, grad_entropy, temperature, with_entropy):
+    return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+
+
+_token_logprobs_bwd = register_op("token_logprobs_bwd", _lp_bwd_impl, fake=_lp_bwd_fake)
+
+
+def _lp_setup_context(ctx, inputs, output):
+    logits, targets, temperature, with_entropy = inputs
+    _, lse, ent = output
+    ctx.save_for_backward(logits, targets, lse, ent)
+    ctx.temperature, ctx.with_entropy = temperature, with_entropy
+
+
+def _lp_backward(ctx, g_logp, g_lse, g_ent):
+    # g_lse is ignored: lse is an internal output of the op and never leaves token_logprobs.
+    logits, targets, lse, ent = ctx.saved_tensors
+    if g_logp is None:
+        g_logp = torch.zeros_like(lse)
+    with_ent = ctx.with_entropy and g_ent is not None
+    grad = _token_logprobs_bwd(
+        logits, targets, lse, ent, g_logp, g_ent if with_ent else g_logp, ctx.temperature, with_ent
+    )
+    return grad, None, None, None
+
+
+_token_logprobs_fwd = register_op(
+    "token_logprobs_fwd", _lp_fwd_impl, fake=_lp_fwd_fake, backward=_lp_backward, setup_context=_lp_setup_context
+)
+
+
+# hidden path: rapo_fast::linear_token_logprobs_fwd / _bwd
+
+
+def _tiles(n: int, v: int, elem: int, device: torch.device) -> tuple[int, int]:
+    """(rows, vocab columns) of one logits tile under the byte budget; both >= 1."""
+    where = _where(device)
+    vc = max(1, min(v, _MAX_VOCAB_TILE[where]))
+    nc = max(1, min(n, _TILE_BYTES[where] // (vc * elem)))
+    return nc, vc
+
+
+def _tile_buffer(nc: int, vc: int, like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(nc * vc, dtype=like.dtype, device=like.device)
+
+
+def _lin_fwd_impl(
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float, with_entropy: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """hidden [N, H], weight [V, H], bias [V] or None, targets [N] -> (logp, lse, entropy) fp32 [N] ([0] entropy
+    when not with_entropy), without materialising [N, V]: tiles of [rows, V_chunk] and an online state per row."""
+    n, v = hidden.shape[0], weight.shape[0]
+    dev = hidden.device
+    logp = torch.empty(n, dtype=torch.float32, device=dev)
+    lse = torch.empty(n, dtype=torch.float32, device=dev)
+    ent = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=dev)
+    if n == 0:
+        return logp, lse, ent
+    k = _kernels()
+    nc, vc = _tiles(n, v, hidden.element_size(), dev)
+    buf = _tile_buffer(nc, vc, hidden)
+    state = torch.empty(4, n, dtype=torch.float32, device=dev)  # m, s, t, scaled target logit
+    tgt = targets.reshape(-1)
+    inv_t = 1.0 / temperature
+    has_bias = bias is not None
+    for v0 in range(0, v, vc):
+        v1 = min(v, v0 + vc)
+        block, warps = _launch_cfg(v1 - v0)
+        w = weight[v0:v1]
+        for r0 in range(0, n, nc):
+            r1 = min(n, r0 + nc)
+            z = buf[: (r1 - r0) * (v1 - v0)].view(r1 - r0, v1 - v0)
+            torch.matmul(hidden[r0:r1], w.T, out=z)
+            st = state[:, r0:r1]
+            k._token_logprobs_fwd_kernel[(r1 - r0,)](
+                z, tgt[r0:r1], bias if has_bias else z, st[0], st[1], st[2], st[3],
+                logp[r0:r1], lse[r0:r1], ent[r0:r1] if with_entropy else lse[r0:r1],
+                r1 - r0, 0, v1 - v0, v1 - v0, v0, inv_t,
+                INIT=v0 == 0, FINAL=v1 == v, HAS_BIAS=has_bias, WITH_ENTROPY=with_entropy,
+                BLOCK_V=block, num_warps=warps,
+            )  # fmt: skip
+    return logp, lse, ent
+
+
+def _lin_fwd_fake(hidden, weight, bias, targets, temperature, with_entropy):
+    n = hidden.shape[0]
+    return tuple(hidden.new_empty(m, dtype=torch.float32) for m in (n, n, n if with_entropy else 0))
+
+
+def _lin_bwd_impl(
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, lse: Tensor, entropy: Tensor,
+    grad_logp: Tensor, grad_entropy: Tensor, temperature: float, with_entropy: bool,
+    need_hidden: bool, need_weight: bool, need_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """(grad_hidden [N, H], grad_weight [V, H], grad_bias [V]) in the inputs' dtypes; a [0] tensor for each one not
+    needed. Vocabulary tiles outer, row tiles inner: grad_W of one vocabulary tile is finished before the next."""
+    n, h = hidden.shape
+    v = weight.shape[0]
+    dev = hidden.device
+
+    # Outputs of a custom op may not alias each other: a fresh [0] tensor for each gradient not needed.
+    def empty():
+        return hidden.new_empty(0)
+
+    if n == 0:
+        return (
+            torch.zeros_like(hidden) if need_hidden else empty(),
+            torch.zeros_like(weight) if need_weight else empty(),
+            torch.zeros_like(bias) if (need_bias and bias is not None) else empty(),
+        )
+    k = _kernels()
+    nc, vc = _tiles(n, v, hidden.element_size(), dev)
+    n_vtiles, n_rtiles = -(-v // vc), -(-n // nc)
+    buf = _tile_buffer(nc, vc, hidden)
+    tgt = targets.reshape(-1)
+    g_lp = grad_logp.reshape(-1).to(torch.float32).contiguous()
+    g_ent = grad_entropy.reshape(-1).to(torch.float32).contiguous() if with_entropy else g_lp
+    ent = entropy if with_entropy else lse
+    inv_t = 1.0 / temperature
+    has_bias = bias is not None
+    low_precision = hidden.dtype != torch.float32
+
+    grad_h = torch.empty_like(hidden) if need_hidden else empty()
+    # Sums over several tiles accumulate in fp32 (one rounding to the input dtype at the end), not in bf16.
+    acc_h = (
+        torch.zeros(n, h, dtype=torch.float32, device=dev) if need_hidden and n_vtiles > 1 and low_precision else None
+    )
+    if acc_h is None and need_hidden and n_vtiles > 1:
+        grad_h.zero_()
+    grad_w = torch.empty_like(weight) if need_weight else empty()
+    acc_w = (
+        torch.empty(vc, h, dtype=torch.float32, device=dev) if need_weight and n_rtiles > 1 and low_precision else None
+    )
+    grad_b32 = torch.zeros(v, dtype=torch.float32, device=dev) if need_bias and has_bias else None
+
+    for v0 in range(0, v, vc):
+        v1 = min(v, v0 + vc)
+        block, warps = _launch_cfg(v1 - v0)
+        w = weight[v0:v1]
+        gw = grad_w[v0:v1] if need_weight else None
+        if acc_w is not None:
+            acc_w[: v1 - v0].zero_()
+        elif need_weight and n_rtiles > 1:
+            gw.zero_()
+        for r0 in range(0, n, nc):
+            r1 = min(n, r0 + nc)
+            hc = hidden[r0:r1]
+            z = buf[: (r1 - r0) * (v1 - v0)].view(r1 - r0, v1 - v0)
+            torch.matmul(hc, w.T, out=z)
+            k._token_logprobs_bwd_kernel[(r1 - r0,)](
+                z, z, tgt[r0:r1], bias if has_bias else z, lse[r0:r1], ent[r0:r1], g_lp[r0:r1], g_ent[r0:r1],
+                r1 - r0, 0, v1 - v0, v1 - v0, v1 - v0, v0, inv_t,
+                HAS_BIAS=has_bias, WITH_ENTROPY=with_entropy, BLOCK_V=block, num_warps=warps,
+            )  # fmt: skip
+            # z now holds grad_z (input dtype) for this tile.
+            if need_hidden:
+                if n_vtiles == 1:
+                    torch.matmul(z, w, out=grad_h[r0:r1])
+                elif acc_h is not None:
+                    acc_h[r0:r1] += torch.matmul(z, w)
+                else:
+                    grad_h[r0:r1].addmm_(z, w)
+            if need_weight:
+                if n_rtiles == 1:
+                    torch.matmul(z.T, hc, out=gw)
+                elif acc_w is not None:
+                    acc_w[: v1 - v0] += torch.matmul(z.T, hc)
+                else:
+                    gw.addmm_(z.T, hc)
+            if grad_b32 is not None:
+                grad_b32[v0:v1] += z.sum(0, dtype=torch.float32)
+        if acc_w is not None:
+            gw.copy_(acc_w[: v1 - v0])
+    if acc_h is not None:
+        grad_h.copy_(acc_h)
+    grad_b = grad_b32.to(bias.dtype) if grad_b32 is not None else empty()
+    return grad_h, grad_w, grad_b
+
+
+def _lin_bwd_fake(hidden, weight, bias, *args):
+    need_h, need_w, need_b = args[-3:]
+    return (
+        torch.empty_like(hidden) if need_h else hidden.new_empty(0),
+        torch.empty_like(weight) if need_w else hidden.new_empty(0),
+        torch.empty_like(bias) if (need_b and bias is not None) else hidden.new_empty(0),
+    )
+
+
+_linear_token_logprobs_bwd = register_op("linear_token_logprobs_bwd", _lin_bwd_impl, fake=_lin_bwd_fake)
+
+
+def _lin_setup_context(ctx, inputs, output):
+    hidden, weight, bias, targets, temperature, with_entropy = inputs
+    _, lse, ent = output
+    ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
+    ctx.temperature, ctx.with_entropy = temperature, with_entropy
+
+
+def _lin_backward(ctx, g_logp, g_lse, g_ent):
+    # g_lse is ignored: lse is an internal output of the op and never leaves token_logprobs.
+    hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
+    if g_logp is None:
+        g_logp = torch.zeros_like(lse)
+    with_ent = ctx.with_entropy and g_ent is not None
+    need_h, need_w, need_b = ctx.needs_input_grad[:3]
+    gh, gw, gb = _linear_token_logprobs_bwd(
+        hidden, weight, bias, targets, lse, ent, g_logp, g_ent if with_ent else g_logp, ctx.temperature, with_ent,
+        need_h, need_w, need_b and bias is not None,
+    )  # fmt: skip
+    return (
+        gh if need_h else None,
+        gw if need_w else None,
+        gb if (need_b and bias is not None) else None,
+        None,
+        None,
+        None,
+    )
+
+
+_linear_token_logprobs_fwd = register_op(
+    "linear_token_logprobs_fwd",
+    _lin_fwd_impl,
+    fake=_lin_fwd_fake,
+    backward=_lin_backward,
+    setup_context=_lin_setup_context,
+)
+
+
+# argument checks, reference fallback, public function
+
+# fp32 temporaries of one fallback chunk (the reference holds a handful of [rows, V] fp32 tensors per chunk).
+_FALLBACK_BYTES = 64 << 20
+
+
+def _check_float(name: str, x, ndims: tuple[int, ...]) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name} must have dtype float32, float16 or bfloat16, got {x.dtype}")
+    if x.dim() not in ndims:
+        want = " or ".join(f"{d}-D" for d in ndims)
+        raise ValueError(f"{name} must be {want}, got shape {tuple(x.shape)}")
+
+
+def _validate(logits, hidden, weight, bias, targets, temperature, return_entropy) -> int:
+    """Checks every argument before any kernel runs; returns V."""
+    if (logits is None) == (hidden is None):
+        raise ValueError(
+            "pass exactly one of logits or hidden (with weight), got " + ("both" if logits is not None else "neither")
+        )
+    if not isinstance(return_entropy, bool):
+        raise TypeError(f"return_entropy must be a bool, got {type(return_entropy).__name__}")
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        raise TypeError(f"temperature must be a real number, got {type(temperature).__name__}")
+    if not (math.isfinite(float(temperature)) and float(temperature) > 0):
+        raise ValueError(f"temperature must be a finite positive number, got {temperature}")
+    if logits is not None:
+        if weight is not None or bias is not None:
+            raise ValueError("weight and bias go with hidden, not with logits")
+        _check_float("logits", logits, (2, 3))
+        lead, v, dev = tuple(logits.shape[:-1]), logits.shape[-1], logits.device
+        if v < 1:
+            raise ValueError(f"logits must have a vocabulary dimension V >= 1, got shape {tuple(logits.shape)}")
+        tensors = {"logits": logits}
+    else:
+        _check_float("hidden", hidden, (2, 3))
+        if weight is None:
+            raise ValueError("weight (the lm_head weight, [V, H]) is required with hidden")
+        _check_float("weight", weight, (2,))
+        lead, hd, dev = tuple(hidden.shape[:-1]), hidden.shape[-1], hidden.device
+        v = weight.shape[0]
+        if weight.dtype != hidden.dtype:
+            raise TypeError(f"weight must have hidden's dtype {hidden.dtype}, got {weight.dtype}")
+        if weight.shape[1] != hd or v < 1:
+            raise ValueError(f"weight must have shape [V, H] = [V, {hd}] with V >= 1, got {tuple(weight.shape)}")
+        tensors = {"hidden": hidden, "weight": weight}
+        if bias is not None:
+            _check_float("bias", bias, (1,))
+            if bias.dtype != hidden.dtype:
+                raise TypeError(f"bias must have hidden's dtype {hidden.dtype}, got {bias.dtype}")
+            if tuple(bias.shape) != (v,):
+                raise ValueError(f"bias must have shape [V] = [{v}], got {tuple(bias.shape)}")
+            tensors["bias"] = bias
+    if not isinstance(targets, torch.Tensor):
+        raise TypeError(f"targets must be a torch.Tensor, got {type(targets).__name__}")
+    if targets.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"targets must have dtype int64 or int32, got {targets.dtype}")
+    if tuple(targets.shape) != lead:
+        src = "logits" if logits is not None else "hidden"
+        raise ValueError(f"targets must have shape {src}.shape[:-1] = {list(lead)}, got {list(targets.shape)}")
+    tensors["targets"] = targets
+    for name, t in tensors.items():
+        if t.device != dev:
+            first = next(iter(tensors))
+            raise ValueError(f"{name} is on {t.device} but {first} is on {dev}: all tensors must share one device")
+    # One host sync for the range check; skipped while tracing under torch.compile, where it would break the graph.
+    if targets.numel() > 0 and not torch.compiler.is_compiling():
+        lo, hi = (int(x) for x in torch.aminmax(targets))
+        if lo < 0 or hi >= v:
+            raise ValueError(f"targets must lie in [0, V) = [0, {v}), got values in [{lo}, {hi}]")
+    return v
+
+
+def _row_slices(x: torch.Tensor, rows: int):
+    """Yield views of at most `rows` rows of x ([N, D] or [B, T, D]) in flattened row order, without copying."""
+    if x.dim() == 2:
+        for r0 in range(0, x.shape[0], rows):
+            yield x[r0 : r0 + rows]
+    else:
+        for b in range(x.shape[0]):
+            yield from _row_slices(x[b], rows)
+
+
+def _reference_chunked(logits, hidden, weight, bias, targets, temperature, return_entropy):
+    """The reference over row chunks, each under torch.utils.checkpoint, so that neither forward nor backward holds
+    more than one chunk of [rows, V] fp32 temporaries (the CPU path without Triton)."""
+    x = logits if logits is not None else hidden
+    v = logits.shape[-1] if logits is not None else weight.shape[0]
+    rows = max(1, _FALLBACK_BYTES // (4 * v))
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    if weight is not None:
+        # Upcast the parameters once, outside the chunks, so that their gradients sum over chunks in fp32 and are
+        # rounded to the input dtype once (by the backward of this cast), not once per chunk.
+        weight = weight.float()
+        bias = None if bias is None else bias.float()
+
+    def run(xc, yc, w, b):
+        if logits is not None:
+            return token_logprobs_ref(xc, yc, temperature, return_entropy)
+        return linear_token_logprobs_ref(xc, w, yc, b, temperature, return_entropy)
+
+    outs = []
+    for xc, yc in zip(_row_slices(x, rows), _row_slices(targets.unsqueeze(-1), rows)):
+        yc = yc.squeeze(-1)
+        out = checkpoint(run, xc, yc, weight, bias, use_reentrant=False) if grad else run(xc, yc, weight, bias)
+        outs.append(out if return_entropy else (out,))
+    if not outs:
+        empty = x.new_zeros(targets.shape, dtype=torch.float32)
+        return (empty, empty.clone()) if return_entropy else empty
+    res = [torch.cat([o[i] for o in outs]).view(targets.shape) for i in range(len(outs[0]))]
+    return tuple(res) if return_entropy else res[0]
+
+
+def token_logprobs(
+    logits: torch.Tensor | None = None,
+    *,
+    hidden: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-prob of `targets` under softmax(z / temperature), and optionally the full-vocabulary entropy.
+
+    logp_t = log softmax(z_t / T)[y_t],  H_t = -sum_v p_tv log p_tv,  z_t = logits[t] or hidden[t] @ weight.T + bias.
+
+    Args:
+        logits: [N, V] or [B, T, V], float32/float16/bfloat16. A view whose last dim is contiguous (e.g.
+            logits[:, :-1]) is read in place; otherwise it is copied once.
+        hidden: [N, H] or [B, T, H] (instead of logits), with weight [V, H] and bias [V] or None, same dtype. The
+            [N, V] logits are never materialised (tiles of rows x vocabulary, backward recomputes them).
+        targets: int64/int32, shaped like logits.shape[:-1] (or hidden.shape[:-1]), values in [0, V).
+        temperature: finite, > 0; divides the logits before the softmax (gradients carry 1/T).
+        return_entropy: also return H_t.
+
+    Returns:
+        logp, or (logp, entropy): float32, shaped like targets. Differentiable w.r.t. logits / hidden / weight /
+        bias through both outputs; gradients come back in the inputs' dtype.
+
+    Raises ValueError / TypeError naming the argument before any kernel runs. Runs Triton on CUDA tensors (and on
+    CPU tensors under TRITON_INTERPRET=1), the chunked reference otherwise. The targets range check costs one host
+    sync and is skipped under torch.compile tracing.
+    """
+    _validate(logits, hidden, weight, bias, targets, temperature, return_entropy)
+    temperature = float(temperature)
+    x = logits if logits is not None else hidden
+    if not use_triton(x.device):
+        return _reference_chunked(logits, hidden, weight, bias, targets, temperature, return_entropy)
+    if logits is not None:
+        if logits.stride(-1) != 1:
+            logits = logits.contiguous()
+        logp, _, ent = _token_logprobs_fwd(logits, targets, temperature, return_entropy)
+    else:
+        h2 = hidden.reshape(-1, hidden.shape[-1])
+        bias = None if bias is None else bias.contiguous()  # the kernel indexes bias[v] densely
+        logp, _, ent = _linear_token_logprobs_fwd(h2, weight, bias, targets.reshape(-1), temperature, return_entropy)
+        logp = logp.view(targets.shape)
+        ent = ent.view(targets.shape) if return_entropy else ent
+    return (logp, ent) if return_entropy else logp

@@ -1,0 +1,408 @@
+"""The step buffer of RAPO's hybrid rollouts and its exact batched nearest-neighbour search (DESIGN.md section 3).
+
+`StepBuffer` holds, per slot, a step's key embedding (the history before the step), its payload id (where the step's
+tokens and K/V live), its prompt-group id and its outcome score. `search` returns, per query, the k best slots'
+scores and payload ids, exactly (equal to a float64 brute force up to ties within rounding; the spec is
+rapo_fast.reference.retrieval.search_ref, which also states the score conventions: ip, cosine, and l2 reported as the
+negative squared distance, so larger is always better). CPU tensors go to the C++ backend of rapo_fast._C, CUDA
+tensors to its CUDA backend, both through the registered op `rapo_fast::retrieval_search`.
+`ShardedStepBuffer` spreads a buffer over torch.distributed ranks.
+
+What this is not: an approximate index (no IVF/HNSW: exact search is the contract), or the storage of the payloads.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from rapo_fast.reference.retrieval import key_aux_ref
+from rapo_fast.retrieval.io import FORMAT_VERSION, StepBufferFormatError, read_snapshot, write_snapshot
+from rapo_fast.retrieval.op import MAX_K, METRIC_CODES, retrieval_search
+
+__all__ = ["StepBuffer", "ShardedStepBuffer", "StepBufferFormatError", "FORMAT_VERSION"]
+
+_KEY_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_EVICTIONS = ("fifo", "lowest_score")
+
+
+def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def _check_int_vector(name: str, t, n: int) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape [{n}] int64, got {type(t).__name__}")
+    if t.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+        raise TypeError(f"{name} must be an int64 tensor of shape [{n}], got dtype {t.dtype}")
+    if t.dim() != 1 or t.shape[0] != n:
+        raise ValueError(f"{name} must have shape [{n}], got {_shape(t)}")
+    return t.to(torch.int64)
+
+
+def _check_k(k) -> int:
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise TypeError(f"k must be an int in [1, {MAX_K}], got {type(k).__name__}")
+    if not 1 <= k <= MAX_K:
+        raise ValueError(f"k must be in [1, {MAX_K}], got {k}")
+    return k
+
+
+def _check_min_score(min_score) -> float:
+    if min_score is None:
+        return float("-inf")
+    if isinstance(min_score, bool) or not isinstance(min_score, (int, float)):
+        raise TypeError(f"min_score must be a float or None, got {type(min_score).__name__}")
+    if math.isnan(min_score):
+        raise ValueError("min_score must not be NaN")
+    return float(min_score)
+
+
+class StepBuffer:
+    """Ring buffer of `capacity` steps with exact top-k search over their key embeddings.
+
+    Args:
+        capacity: number of slots C (1 <= C < 2^31). Slot ids 0..C-1 stay fixed while a step is stored.
+        dim: key dimension D.
+        dtype: key storage dtype, float32, float16 or bfloat16; queries are rounded to it before scoring.
+        device: where the keys live; searches run there (C++ CPU backend or CUDA backend).
+        metric: "ip" (inner product), "cosine", or "l2" (scores are -|q - k|^2, larger is better).
+        eviction: when full, "fifo" overwrites the oldest step; "lowest_score" replaces the lowest-scored step (the
+            oldest among equals) if the new step's score is >= it, and otherwise drops the new step (slot -1). A batch
+            keeps exactly the steps that adding its steps one by one would keep; its kept steps take the freed slots
+            in ascending order.
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        dim: int,
+        dtype: torch.dtype = torch.float16,
+        device: torch.device | str | None = None,
+        metric: str = "ip",
+        eviction: str = "fifo",
+    ) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or not 1 <= capacity < 2**31:
+            raise ValueError(f"capacity must be an int in [1, 2^31), got {capacity!r}")
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+            raise ValueError(f"dim must be a positive int, got {dim!r}")
+        if dtype not in _KEY_DTYPES:
+            raise TypeError(f"dtype must be one of {_KEY_DTYPES}, got {dtype}")
+        if metric not in METRIC_CODES:
+            raise ValueError(f"metric must be one of {tuple(METRIC_CODES)}, got {metric!r}")
+        if eviction not in _EVICTIONS:
+            raise ValueError(f"eviction must be one of {_EVICTIONS}, got {eviction!r}")
+        self.capacity, self.dim, self.dtype, self.metric, self.eviction = capacity, dim, dtype, metric, eviction
+        self.device = torch.device(device if device is not None else "cpu")
+        dev = self.device
+        self._keys = torch.zeros(capacity, dim, dtype=dtype, device=dev)
+        self._aux = torch.zeros(capacity, dtype=torch.float32, device=dev)
+        self._payload = torch.full((capacity,), -1, dtype=torch.int64, device=dev)
+        self._group = torch.full((capacity,), -1, dtype=torch.int64, device=dev)
+        self._score = torch.zeros(capacity, dtype=torch.float32, device=dev)
+        self._seq = torch.full((capacity,), -1, dtype=torch.int64, device=dev)  # insertion order, for eviction
+        self._size = 0  # slots 0..size-1 are occupied (slots fill in order and are never freed)
+        self._head = 0  # fifo: the oldest slot once full
+        self._next_seq = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __repr__(self) -> str:
+        return (
+            f"StepBuffer(size={self._size}, capacity={self.capacity}, dim={self.dim}, dtype={self.dtype}, "
+            f"device={self.device}, metric={self.metric!r}, eviction={self.eviction!r})"
+        )
+
+    # Read-only views of the occupied slots (index = slot id).
+    @property
+    def embeddings(self) -> torch.Tensor:
+        return self._keys[: self._size]
+
+    @property
+    def payload_ids(self) -> torch.Tensor:
+        return self._payload[: self._size]
+
+    @property
+    def group_ids(self) -> torch.Tensor:
+        return self._group[: self._size]
+
+    @property
+    def scores(self) -> torch.Tensor:
+        return self._score[: self._size]
+
+    # ---- add ----
+    def add(
+        self,
+        embeddings: torch.Tensor,
+        payload_ids: torch.Tensor,
+        group_ids: torch.Tensor,
+        scores: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Store M steps; returns their slot ids [M] int64 on the buffer's device (-1 for a step not kept).
+
+        embeddings [M, D] float (finite; rounded to the buffer dtype), payload_ids [M] int64, group_ids [M] int64
+        (>= 0), scores [M] float (finite; default 0). A batch larger than the free space evicts per the policy; steps
+        of the same batch can evict each other (fifo keeps the last C).
+        """
+        if not isinstance(embeddings, torch.Tensor):
+            raise TypeError(f"embeddings must be a torch.Tensor [M, {self.dim}], got {type(embeddings).__name__}")
+        if not embeddings.is_floating_point():
+            raise TypeError(f"embeddings must be a float tensor [M, {self.dim}], got dtype {embeddings.dtype}")
+        if embeddings.dim() != 2 or embeddings.shape[1] != self.dim:
+            raise ValueError(f"embeddings must have shape [M, {self.dim}], got {_shape(embeddings)}")
+        M = embeddings.shape[0]
+        payload = _check_int_vector("payload_ids", payload_ids, M).to(self.device)
+        group = _check_int_vector("group_ids", group_ids, M).to(self.device)
+        if scores is None:
+            score = torch.zeros(M, dtype=torch.float32, device=self.device)
+        else:
+            if not isinstance(scores, torch.Tensor) or not scores.is_floating_point():
+                got = getattr(scores, "dtype", type(scores).__name__)
+                raise TypeError(f"scores must be a float tensor of shape [{M}] or None, got {got}")
+            if scores.dim() != 1 or scores.shape[0] != M:
+                raise ValueError(f"scores must have shape [{M}], got {_shape(scores)}")
+            score = scores.to(device=self.device, dtype=torch.float32)
+        keys = embeddings.to(device=self.device, dtype=self.dtype)
+        if M == 0:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        if not bool(torch.isfinite(keys).all()):
+            raise ValueError(f"embeddings must be finite in {self.dtype} (NaN/inf found, or out of range)")
+        if not bool(torch.isfinite(score).all()):
+            raise ValueError("scores must be finite")
+        if bool((group < 0).any()):
+            raise ValueError("group_ids must be >= 0 (negative values mean 'no exclusion' in search)")
+        slots = self._assign_slots(score) if self.eviction == "lowest_score" else self._assign_fifo(M)
+        keep = slots >= 0
+        if bool(keep.all()):
+            idx, src = slots, slice(None)
+        else:
+            idx, src = slots[keep], keep
+        seq = torch.arange(self._next_seq, self._next_seq + M, dtype=torch.int64, device=self.device)
+        self._keys[idx] = keys[src]
+        self._aux[idx] = key_aux_ref(keys[src], self.metric)
+        self._payload[idx] = payload[src]
+        self._group[idx] = group[src]
+        self._score[idx] = score[src]
+        self._seq[idx] = seq[src]
+        self._next_seq += M
+        return slots
+
+    def _assign_fifo(self, M: int) -> torch.Tensor:
+        C, dev = self.capacity, self.device
+        slots = torch.full((M,), -1, dtype=torch.int64, device=dev)
+        n_fill = min(M, C - self._size)
+        slots[:n_fill] = torch.arange(self._size, self._size + n_fill, device=dev)
+        self._size += n_fill
+        r = M - n_fill
+        if r > 0:  # overwrite in ring order from the oldest slot on
+            slots[n_fill:] = (self._head + torch.arange(r, device=dev)) % C
+            self._head = (self._head + r) % C
+        slots[: max(0, M - C)] = -1  # steps of this batch overwritten by later ones of the same batch
+        return slots
+
+    def _assign_slots(self, new_score: torch.Tensor) -> torch.Tensor:
+        """lowest_score: keep the C best of (stored + new) by (score, newer first); new keepers take freed slots."""
+        C, n, M, dev = self.capacity, self._size, new_score.shape[0], self.device
+        if n + M <= C:
+            self._size = n + M
+            return torch.arange(n, n + M, dtype=torch.int64, device=dev)
+        all_score = torch.cat([self._score[:n], new_score])
+        all_seq = torch.cat([self._seq[:n], torch.arange(self._next_seq, self._next_seq + M, device=dev)])
+        order = torch.argsort(all_seq, descending=True)
+        order = order[torch.argsort(all_score[order], descending=True, stable=True)]
+        kept = torch.zeros(n + M, dtype=torch.bool, device=dev)
+        kept[order[:C]] = True
+        freed = torch.cat([torch.nonzero(~kept[:n]).flatten(), torch.arange(n, C, device=dev)])
+        new_kept = kept[n:]
+        slots = torch.full((M,), -1, dtype=torch.int64, device=dev)
+        slots[new_kept] = freed  # freed is ascending; kept new steps take it in batch order
+        self._size = C
+        return slots
+
+    # ---- search ----
+    def _search_slots(
+        self, queries: torch.Tensor, k: int, exclude_groups: torch.Tensor | None, min_score: float | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not isinstance(queries, torch.Tensor):
+            raise TypeError(f"queries must be a torch.Tensor [Q, {self.dim}], got {type(queries).__name__}")
+        if not queries.is_floating_point():
+            raise TypeError(f"queries must be a float tensor [Q, {self.dim}], got dtype {queries.dtype}")
+        if queries.dim() != 2 or queries.shape[1] != self.dim:
+            raise ValueError(f"queries must have shape [Q, {self.dim}], got {_shape(queries)}")
+        if queries.device != self.device:
+            raise ValueError(f"queries must be on the buffer's device {self.device}, got {queries.device}")
+        k = _check_k(k)
+        thr = _check_min_score(min_score)
+        exclude = None
+        if exclude_groups is not None:
+            exclude = _check_int_vector("exclude_groups", exclude_groups, queries.shape[0])
+            if exclude.device != self.device:
+                raise ValueError(f"exclude_groups must be on the buffer's device {self.device}, got {exclude.device}")
+        n = self._size
+        q = queries.detach().to(self.dtype)  # retrieval is not differentiable: no autograd graph through the op
+        return retrieval_search(
+            self._keys[:n], self._aux[:n], self._group[:n], q, exclude, k, METRIC_CODES[self.metric], thr
+        )
+
+    def search(
+        self,
+        queries: torch.Tensor,
+        k: int,
+        exclude_groups: torch.Tensor | None = None,
+        min_score: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exact top-k: queries [Q, D] float on the buffer's device -> (scores [Q, k] fp32, payload_ids [Q, k] int64).
+
+        Best first, ties to the smaller slot; rows with fewer than k eligible steps are padded with -inf / -1.
+        exclude_groups [Q] int64: per query, steps of that group are skipped (a negative value skips nothing).
+        min_score: steps scoring below it are skipped. 1 <= k <= 1024. The scores carry no gradient.
+        """
+        scores, slots = self._search_slots(queries, k, exclude_groups, min_score)
+        payload = torch.where(slots >= 0, self._payload[slots.clamp_min(0)], torch.full_like(slots, -1))
+        return scores, payload
+
+    # ---- persistence ----
+    def save(self, directory: str | os.PathLike) -> None:
+        """Save atomically to `directory` (safetensors + JSON, format version FORMAT_VERSION); see _retrieval_io."""
+        n = self._size
+        tensors = {
+            "keys": self._keys[:n], "payload_ids": self._payload[:n], "group_ids": self._group[:n],
+            "scores": self._score[:n], "seq": self._seq[:n],
+        }
+        meta = {
+            "capacity": self.capacity, "dim": self.dim, "dtype": str(self.dtype).removeprefix("torch."),
+            "metric": self.metric, "eviction": self.eviction, "size": n, "head": self._head,
+            "next_seq": self._next_seq,
+        }
+        write_snapshot(directory, tensors, meta)
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike, device: torch.device | str | None = None) -> StepBuffer:
+        """Load a buffer saved by `save` (onto `device`, default CPU). Raises StepBufferFormatError when corrupt."""
+        tensors, meta = read_snapshot(directory)
+        try:
+            dtype = getattr(torch, meta["dtype"])
+            buf = cls(meta["capacity"], meta["dim"], dtype, device, meta["metric"], meta["eviction"])
+            n, head, next_seq = int(meta["size"]), int(meta["head"]), int(meta["next_seq"])
+            expect = {
+                "keys": ((n, buf.dim), dtype), "payload_ids": ((n,), torch.int64), "group_ids": ((n,), torch.int64),
+                "scores": ((n,), torch.float32), "seq": ((n,), torch.int64),
+            }
+            for name, (shape, dt) in expect.items():
+                t = tensors[name]
+                if _shape(t) != shape or t.dtype != dt:
+                    raise StepBufferFormatError(
+                        f"{directory}: tensor {name} is {_shape(t)} {t.dtype}, want {shape} {dt}"
+                    )
+            if not 0 <= n <= buf.capacity or not 0 <= head < buf.capacity:
+                raise StepBufferFormatError(f"{directory}: size {n} / head {head} out of range")
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            if isinstance(exc, StepBufferFormatError):
+                raise
+            raise StepBufferFormatError(f"{directory}: inconsistent snapshot ({exc!r})") from exc
+        dev = buf.device
+        buf._keys[:n] = tensors["keys"].to(dev)
+        buf._aux[:n] = key_aux_ref(buf._keys[:n], buf.metric)
+        buf._payload[:n] = tensors["payload_ids"].to(dev)
+        buf._group[:n] = tensors["group_ids"].to(dev)
+        buf._score[:n] = tensors["scores"].to(dev)
+        buf._seq[:n] = tensors["seq"].to(dev)
+        buf._size, buf._head, buf._next_seq = n, head, next_seq
+        return buf
+
+
+class ShardedStepBuffer:
+    """A StepBuffer sharded over the ranks of a torch.distributed process group (NCCL on GPU, gloo on CPU).
+
+    Each rank stores its own steps (`add` is local) in a shard of `capacity` slots; global slot ids are
+    rank * capacity + local slot. `search` is collective (every rank calls it, with its own queries, possibly a
+    different Q per rank, and the same k and min_score): queries are all-gathered, each rank takes its shard's top-k for
+    all of them, results are all-gathered and merged per query with the same order as StepBuffer (score, then global
+    slot). Returns the same shapes as StepBuffer.search for the calling rank's queries.
+    """
+
+    def __init__(self, capacity: int, dim: int, dtype: torch.dtype = torch.float16,
+                 device: torch.device | str | None = None, metric: str = "ip", eviction: str = "fifo",
+                 group=None) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("ShardedStepBuffer needs an initialised torch.distributed process group")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.local = StepBuffer(capacity, dim, dtype, device, metric, eviction)
+
+    def __len__(self) -> int:
+        """Number of steps in this rank's shard (see global_len for the total)."""
+        return len(self.local)
+
+    def global_len(self) -> int:
+        """Total number of steps over all ranks (collective)."""
+        import torch.distributed as dist
+
+        t = torch.tensor([len(self.local)], dtype=torch.int64, device=self._comm_device())
+        dist.all_reduce(t, group=self.group)
+        return int(t.item())
+
+    def add(self, embeddings: torch.Tensor, payload_ids: torch.Tensor, group_ids: torch.Tensor,
+            scores: torch.Tensor | None = None) -> torch.Tensor:
+        """Store steps in this rank's shard; returns global slot ids [M] (-1 for a step not kept). Not collective."""
+        slots = self.local.add(embeddings, payload_ids, group_ids, scores)
+        return torch.where(slots >= 0, slots + self.rank * self.local.capacity, slots)
+
+    def _comm_device(self) -> torch.device:
+        import torch.distributed as dist
+
+        return self.local.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
+
+    def _all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        import torch.distributed as dist
+
+        dev = self._comm_device()
+        out = [torch.empty_like(t, device=dev) for _ in range(self.world_size)]
+        dist.all_gather(out, t.to(dev).contiguous(), group=self.group)
+        return out
+
+    def search(self, queries: torch.Tensor, k: int, exclude_groups: torch.Tensor | None = None,
+               min_score: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Collective exact top-k over every shard: queries [Q, D] -> (scores [Q, k] fp32, payload_ids [Q, k])."""
+        k = _check_k(k)
+        Q = queries.shape[0] if isinstance(queries, torch.Tensor) and queries.dim() == 2 else -1
+        if Q < 0:
+            raise ValueError(f"queries must have shape [Q, {self.local.dim}], got {getattr(queries, 'shape', None)}")
+        dev, r = self.local.device, self.rank
+        sizes = [int(s.item()) for s in self._all_gather(torch.tensor([Q], dtype=torch.int64))]
+        qmax = max(sizes)
+        qpad = torch.zeros(qmax, self.local.dim, dtype=torch.float32, device=dev)
+        qpad[:Q] = queries.to(device=dev, dtype=torch.float32)
+        epad = torch.full((qmax,), -1, dtype=torch.int64, device=dev)
+        if exclude_groups is not None:
+            epad[:Q] = _check_int_vector("exclude_groups", exclude_groups, Q).to(dev)
+        all_q = torch.cat(self._all_gather(qpad)).to(dev)
+        all_e = torch.cat(self._all_gather(epad)).to(dev)
+        s, slot = self.local._search_slots(all_q, k, all_e, min_score)
+        payload = torch.where(slot >= 0, self.local._payload[slot.clamp_min(0)], torch.full_like(slot, -1))
+        gslot = torch.where(slot >= 0, slot + r * self.local.capacity, torch.full_like(slot, -1))
+        mine = slice(r * qmax, r * qmax + Q)
+        s_all = torch.cat([x.to(dev)[mine] for x in self._all_gather(s)], dim=1)  # [Q, W*k]
+        g_all = torch.cat([x.to(dev)[mine] for x in self._all_gather(gslot)], dim=1)
+        p_all = torch.cat([x.to(dev)[mine] for x in self._all_gather(payload)], dim=1)
+        # Order by global slot first (padding last), then a stable sort by score keeps the smaller slot on ties.
+        big = torch.iinfo(torch.int64).max
+        order = torch.argsort(torch.where(g_all >= 0, g_all, torch.full_like(g_all, big)), dim=1)
+        by_score = torch.argsort(torch.gather(s_all, 1, order), dim=1, descending=True, stable=True)
+        order = torch.gather(order, 1, by_score)
+        order = order[:, :k]
+        return torch.gather(s_all, 1, order), torch.gather(p_all, 1, order)
+
+    def save(self, directory: str | os.PathLike) -> None:
+        """Save this rank's shard to <directory>/rank<r> (not collective)."""
+        self.local.save(os.path.join(os.fspath(directory), f"rank{self.rank}"))
+
+    def load_shard(self, directory: str | os.PathLike) -> None:
+        """Replace this rank's shard with <directory>/rank<r> saved by `save`."""
+        self.local = StepBuffer.load(os.path.join(os.fspath(directory), f"rank{self.rank}"), self.local.device)

@@ -1,0 +1,58 @@
+"""Splice mode of the rollout: put a retrieved step's cached K/V into the lockstep cache instead of re-prefilling it.
+
+What this is: the bridge from rapo_fast.rollouts.engine.DecodeEngine to rapo_fast.kv.splice.splice_kv. Every segment
+is spliced at the current end of the cache (one slot for all rows), keys rotated to the row's own logical position
+(`rope_positions`), all but its last token; the last token (</retrieve>) is then fed through the model by the caller,
+so that next-token logits come out of a forward that attends to the spliced K/V. Other rows' new columns are masked.
+What this is not: the splice kernel (kv_splice.splice_kv) or the K/V store (kv_splice.StepKVStore).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rapo_fast.rollouts.batch import KIND_RET
+
+
+def splice_segments(engine, rows, spliced: list[tuple[int, list[int], int]], traces) -> None:
+    """spliced: (row index, segment token ids, payload id) per retrieval. Appends the segments' tokens to the rows
+    (kind retrieved), splices tokens [0, L-1) and queues the last token for the next feed."""
+    from rapo_fast.kv.splice import RopeSpec, splice_kv
+
+    store = traces.kv_store
+    if store is None:
+        raise ValueError("rollout: mode='splice' needs traces with a kv_store (StepTraces(..., kv_store=...))")
+    rope = getattr(traces, "rope", None)
+    if rope is None:
+        rope = traces.rope = RopeSpec.from_model(engine.model)
+    slot = engine.num_columns
+    n_new = max(len(seg) - 1 for _, seg, _ in spliced)
+    reqs, lengths, rope_pos = [], [], []
+    valid = torch.zeros(engine.batch, n_new, dtype=torch.bool)
+    for i, seg, pid in spliced:
+        if int(pid) not in store:
+            raise ValueError(f"rollout: payload {pid} has no cached K/V in the StepKVStore (splice mode)")
+        n = len(seg) - 1
+        reqs.append((int(pid), int(i), slot))
+        lengths.append(n)
+        rope_pos.append(int(engine.pos[i]))
+        valid[i, :n] = True
+    if n_new > 0:
+        splice_kv(engine.cache, store, reqs, rope, lengths=lengths, rope_positions=rope_pos)
+        engine.extend_columns(valid, n_new)
+    for i, seg, _ in spliced:
+        r = rows[i]
+        n = len(seg) - 1
+        r.tokens.extend(seg[:-1])
+        r.kinds.extend([KIND_RET] * n)
+        r.logp.extend([0.0] * n)
+        r.ent.extend([0.0] * n)
+        r.origin.extend([-1] * n)
+        r.cols.extend(range(slot, slot + n))
+        # the closing token goes through the model: it attends to the spliced K/V and yields the next logits
+        r.tokens.append(seg[-1])
+        r.kinds.append(KIND_RET)
+        r.logp.append(0.0)
+        r.ent.append(0.0)
+        r.origin.append(-1)
+        r.to_feed.append(seg[-1])

@@ -1,0 +1,185 @@
+"""TrainerConfig: every knob of RAPOTrainer as a dataclass that round-trips to YAML/JSON, with presets RAPO/GRPO/ARPO.
+
+What this is: configuration and its validation (bad values raise ValueError/TypeError naming the field, what was
+expected and what was given). Presets: RAPO (the paper's defaults: G=16, 8 hybrid, p=0.5, a=0.2, m=0.05, eps 0.28,
+seq-mean-token-mean, no KL), GRPO (RAPO with retrieval off: no hybrid rollouts, no retrieval reward; the same loss
+options, so a comparison isolates retrieval), ARPO (entropy-adaptive branching, soft attribution, ARPO's loss
+preset). What this is not: the trainer (rapo_fast/train/trainer.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rapo_fast.loss import presets
+from rapo_fast.loss.policy_loss import OPTION_DEFAULTS
+
+_STRATEGIES = ("hybrid", "on_policy", "arpo")
+
+
+@dataclass
+class TrainerConfig:
+    """Rollout, advantage, loss, optimiser and logging options of one RL run (see the module docstring)."""
+
+    # rollout
+    strategy: str = "hybrid"
+    group_size: int = 16
+    n_hybrid: int = 8
+    retrieve_prob: float = 0.5
+    mode: str = "exact"
+    prompts_per_step: int = 4
+    temperature: float = 1.0
+    max_steps: int = 6
+    max_step_tokens: int = 24
+    exclude_own_group: bool | None = None
+    # ARPO
+    arpo_initial: int | None = None
+    arpo_beam: int = 2
+    arpo_k: int = 20
+    arpo_alpha: float = 0.5
+    arpo_beta: float = 0.2
+    advantage_attribution: str = "soft"
+    # advantages
+    ret_coef: float = 0.2
+    # loss: keyword options of rapo_fast.rapo_loss (tensors excluded)
+    loss: dict[str, Any] = field(default_factory=lambda: dict(presets.RAPO))
+    tis_cap: float | None = 2.0
+    # optimisation
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = 1.0
+    updates_per_step: int = 1
+    # buffer
+    add_onpolicy_steps: bool = False
+    refresh_kv_every: int = 1
+    # run
+    seed: int = 0
+    log_csv: str | None = None
+    tensorboard_dir: str | None = None
+
+    # -- presets ----------------------------------------------------------------------------------------------------
+    @classmethod
+    def RAPO(cls, **overrides: Any) -> TrainerConfig:
+        return cls(**overrides).validate()
+
+    @classmethod
+    def GRPO(cls, **overrides: Any) -> TrainerConfig:
+        kw = dict(strategy="on_policy", n_hybrid=0, ret_coef=0.0, loss=dict(presets.RAPO, shaping_m=0.0))
+        return cls(**(kw | overrides)).validate()
+
+    @classmethod
+    def ARPO(cls, **overrides: Any) -> TrainerConfig:
+        kw = dict(strategy="arpo", n_hybrid=0, ret_coef=0.0, loss=dict(presets.ARPO))
+        return cls(**(kw | overrides)).validate()
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> TrainerConfig:
+        makers = {"RAPO": cls.RAPO, "GRPO": cls.GRPO, "ARPO": cls.ARPO}
+        if not isinstance(name, str) or name.upper() not in makers:
+            raise ValueError(f"TrainerConfig.preset: name must be one of {sorted(makers)}, got {name!r}")
+        return makers[name.upper()](**overrides)
+
+    # -- validation -------------------------------------------------------------------------------------------------
+    def validate(self) -> TrainerConfig:
+        def pos_int(name: str) -> None:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"TrainerConfig.{name}: expected a positive int, got {v!r}")
+
+        def num(name: str, lo: float | None = None, hi: float | None = None, allow_none: bool = False) -> None:
+            v = getattr(self, name)
+            if v is None and allow_none:
+                return
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                raise TypeError(f"TrainerConfig.{name}: expected a number, got {type(v).__name__} {v!r}")
+            if (lo is not None and v < lo) or (hi is not None and v > hi):
+                raise ValueError(f"TrainerConfig.{name}: expected a value in [{lo}, {hi}], got {v!r}")
+
+        for n in ("group_size", "prompts_per_step", "max_steps", "max_step_tokens", "arpo_beam", "arpo_k",
+                  "updates_per_step", "refresh_kv_every"):
+            pos_int(n)
+        if self.strategy not in _STRATEGIES:
+            raise ValueError(f"TrainerConfig.strategy: expected one of {_STRATEGIES}, got {self.strategy!r}")
+        if self.mode not in ("exact", "splice"):
+            raise ValueError(f"TrainerConfig.mode: expected 'exact' or 'splice', got {self.mode!r}")
+        if self.advantage_attribution not in ("soft", "hard"):
+            raise ValueError(
+                f"TrainerConfig.advantage_attribution: expected 'soft' or 'hard', got {self.advantage_attribution!r}")
+        if not isinstance(self.n_hybrid, int) or not 0 <= self.n_hybrid <= self.group_size:
+            raise ValueError(
+                f"TrainerConfig.n_hybrid: expected an int in [0, group_size={self.group_size}], got {self.n_hybrid!r}")
+        if self.strategy != "hybrid" and self.n_hybrid:
+            raise ValueError(f"TrainerConfig.n_hybrid: must be 0 with strategy={self.strategy!r}, got {self.n_hybrid}")
+        if self.arpo_initial is not None and not (isinstance(self.arpo_initial, int)
+                                                  and 1 <= self.arpo_initial <= self.group_size):
+            raise ValueError(
+                f"TrainerConfig.arpo_initial: expected None or an int in [1, group_size], got {self.arpo_initial!r}")
+        num("retrieve_prob", 0.0, 1.0)
+        num("temperature", 0.0)
+        num("ret_coef")
+        num("lr", 0.0)
+        num("weight_decay", 0.0)
+        num("max_grad_norm", 0.0, allow_none=True)
+        num("tis_cap", 0.0, allow_none=True)
+        num("arpo_alpha", 0.0, 1.0)
+        num("arpo_beta")
+        if not isinstance(self.seed, int):
+            raise TypeError(f"TrainerConfig.seed: expected an int, got {type(self.seed).__name__}")
+        if not isinstance(self.loss, dict):
+            raise TypeError(f"TrainerConfig.loss: expected a dict of rapo_loss options, got {type(self.loss).__name__}")
+        allowed = set(OPTION_DEFAULTS) - {"return_metrics", "tis_cap", "temperature"}
+        unknown = sorted(set(self.loss) - allowed)
+        if unknown:
+            raise ValueError(f"TrainerConfig.loss: unknown rapo_loss options {unknown}; expected a subset of "
+                             f"{sorted(allowed)}")
+        if self.loss.get("beta", 0.0) not in (0, 0.0):
+            raise ValueError(f"TrainerConfig.loss['beta']: the thin trainer keeps no reference model, so the KL "
+                             f"coefficient must be 0, got {self.loss['beta']!r}")
+        return self
+
+    # -- serialisation ----------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainerConfig:
+        if not isinstance(d, dict):
+            raise TypeError(f"TrainerConfig.from_dict: expected a dict, got {type(d).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"TrainerConfig: unknown fields {unknown}; expected a subset of {sorted(names)}")
+        return cls(**d).validate()
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> TrainerConfig:
+        return cls.from_dict(json.loads(text))
+
+    def to_yaml(self) -> str:
+        import yaml
+
+        return yaml.safe_dump(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_yaml(cls, text: str) -> TrainerConfig:
+        import yaml
+
+        return cls.from_dict(yaml.safe_load(text))
+
+    def save(self, path: str | Path) -> None:
+        """Write YAML (.yaml/.yml) or JSON (anything else)."""
+        p = Path(path)
+        p.write_text(self.to_yaml() if p.suffix in (".yaml", ".yml") else self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> TrainerConfig:
+        p = Path(path)
+        text = p.read_text()
+        return cls.from_yaml(text) if p.suffix in (".yaml", ".yml") else cls.from_json(text)

@@ -1,0 +1,97 @@
+"""Supervised warm-up on generated traces (the demo's first phase) and greedy evaluation of a policy on a task.
+
+What this is: `sft_examples` renders correct solutions in the rollout's token format, with a fraction of the later
+steps wrapped in <retrieve> ... </retrieve> (the format a hybrid rollout shows the policy; those tokens and tool
+outputs are masked out of the loss, as in RL); `sft_warmup` fits them with cross-entropy; `evaluate` measures greedy
+success without retrieval. What this is not: the RL trainer (rapo_fast/train/trainer.py).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import torch
+
+from rapo_fast.rollouts.batch import KIND_GEN, KIND_PROMPT, KIND_RET, KIND_TOOL
+
+
+def sft_examples(task, tokenizer, problems: Sequence, retrieve_frac: float, rng: random.Random):
+    """One (token ids, kinds) pair per problem: prompt, solution steps (each later one wrapped as retrieved with
+    probability `retrieve_frac`), answer. Kinds follow rapo_fast.rollouts.batch (only KIND_GEN is trained)."""
+    out = []
+    for p in problems:
+        ids = tokenizer.encode(p.prompt)
+        kinds = [KIND_PROMPT] * len(ids)
+        for k, step in enumerate(task.solution(p)):
+            is_answer = step.startswith("<answer>")
+            if k >= 1 and not is_answer and rng.random() < retrieve_frac:
+                seg = tokenizer.encode(f"<retrieve> {step} </retrieve>")
+                ids += seg
+                kinds += [KIND_RET] * len(seg)
+                continue
+            gen, _, obs = step.partition("</tool>")
+            gen_ids = tokenizer.encode(gen + (" </tool>" if obs else ""))
+            obs_ids = tokenizer.encode(obs)
+            ids += gen_ids + obs_ids
+            kinds += [KIND_GEN] * len(gen_ids) + [KIND_TOOL] * len(obs_ids)
+        out.append((ids, kinds))
+    return out
+
+
+def _collate(examples, pad: int):
+    T = max(len(i) for i, _ in examples)
+    ids = torch.full((len(examples), T), pad, dtype=torch.long)
+    mask = torch.zeros(len(examples), T, dtype=torch.long)
+    train = torch.zeros(len(examples), T, dtype=torch.bool)
+    for b, (i, k) in enumerate(examples):
+        ids[b, : len(i)] = torch.tensor(i)
+        mask[b, : len(i)] = 1
+        train[b, : len(k)] = torch.tensor(k) == KIND_GEN
+    return ids, mask, train
+
+
+def sft_warmup(model, tokenizer, task, problems: Sequence, *, steps: int, batch_size: int = 32, lr: float = 3e-3,
+               retrieve_frac: float = 0.3, seed: int = 0, progress: bool = False) -> list[float]:
+    """Cross-entropy on the generated tokens of rendered solutions; returns the loss per step."""
+    if not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"sft_warmup: steps must be a non-negative int, got {steps!r}")
+    if not problems:
+        raise ValueError("sft_warmup: problems is empty")
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    dev = next(model.parameters()).device
+    losses = []
+    it = range(steps)
+    if progress:
+        from tqdm import tqdm
+
+        it = tqdm(it, desc="sft", leave=False)
+    for _ in it:
+        batch = sft_examples(task, tokenizer, rng.sample(list(problems), min(batch_size, len(problems))),
+                             retrieve_frac, rng)
+        ids, mask, train = (t.to(dev) for t in _collate(batch, tokenizer.pad_token_id))
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+        tgt_mask = train[:, 1:]
+        loss = torch.nn.functional.cross_entropy(logits[tgt_mask], ids[:, 1:][tgt_mask])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, task, problems: Sequence, *, max_steps: int = 6, max_step_tokens: int = 24) -> float:
+    """Greedy success rate (no retrieval) on `problems`."""
+    from rapo_fast.rollouts.loop import rollout
+
+    batch = rollout(model, tokenizer, task, problems, group_size=1, strategy="on_policy", n_hybrid=0,
+                    temperature=0.0, max_steps=max_steps, max_step_tokens=max_step_tokens)
+    rewards = [task.verify(p, c) for p, c in zip(problems, batch.completions)]
+    return sum(rewards) / max(1, len(rewards))
+
+
+__all__ = ["sft_examples", "sft_warmup", "evaluate"]

@@ -1,0 +1,274 @@
+"""RAPOTrainer: the thin RL trainer. One step = rollout -> outcome rewards -> old log-probs and step entropies (one
+fused token_logprobs pass) -> retrieval rewards -> advantages -> rapo_loss -> optimiser step -> optional buffer update.
+
+What this is: DESIGN.md section 5 as a loop of replaceable callables (`rollout_fn`, `reward_fn`, `advantage_fn`,
+`loss_fn`), a CSV metrics log (optionally TensorBoard), tqdm progress in `train`, and checkpoint/resume of model,
+optimiser, buffer and every RNG. Retrieved tokens and tool outputs never enter the loss (loss_mask = generated
+tokens only); the RAPO shaping's F is retrieved / response tokens; in splice mode the behaviour log-probs recorded
+by the rollout feed the loss's truncated importance sampling (tis_cap). What this is not: a distributed trainer or a
+serving engine; the configuration lives in rapo_fast/train/config.py, I/O helpers in rapo_fast/train/io.py.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rapo_fast.rollouts.batch import RolloutBatch
+from rapo_fast.train.config import TrainerConfig
+from rapo_fast.train.hf_model import final_hidden, lm_head_weight
+from rapo_fast.train.io import MetricsLogger, load_checkpoint, save_checkpoint
+
+__all__ = ["RAPOTrainer", "TrainerConfig", "default_rewards", "retrieval_rewards", "hard_attribution"]
+
+
+def default_rewards(env, problems: Sequence, batch: RolloutBatch) -> torch.Tensor:
+    """Outcome rewards [B] fp32 from the environment's verifier."""
+    return torch.tensor([float(env.verify(problems[int(i)], c)) for i, c in zip(batch.prompt_index, batch.completions)])
+
+
+def retrieval_rewards(batch: RolloutBatch, step_ent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per trajectory Z [B] (mean of tanh(2 H_delta) H_before over its retrievals, 0 without) and the number of
+    retrievals that had a step after them [B]. step_ent [S]: entropy of each step of batch.step_spans."""
+    from rapo_fast.loss.advantages import retrieval_reward
+
+    B = batch.batch_size
+    rets = batch.retrievals[batch.retrievals[:, 2] >= 0] if batch.retrievals.numel() else batch.retrievals
+    counts = torch.zeros(B, dtype=torch.int64)
+    if rets.numel():
+        counts.index_add_(0, rets[:, 0], torch.ones(len(rets), dtype=torch.int64))
+    R = max(1, int(counts.max()) if counts.numel() else 1)
+    hb = torch.full((B, R), float("nan"), dtype=torch.float32)
+    ha = hb.clone()
+    fill = [0] * B
+    for row, before, after, *_ in rets.tolist():
+        hb[row, fill[row]] = step_ent[before]
+        ha[row, fill[row]] = step_ent[after]
+        fill[row] += 1
+    return retrieval_reward(hb, ha), counts
+
+
+def hard_attribution(batch: RolloutBatch, adv: torch.Tensor) -> torch.Tensor:
+    """ARPO hard attribution: per token [B, T-1] (shifted coordinates), a sampled token shared by several branches
+    (same origin id) gets the mean advantage of the branches holding it; other tokens keep their row's advantage."""
+    origin = batch.shifted()["origin"]
+    out = adv[:, None].expand_as(origin).clone().float()
+    ok = origin >= 0
+    if not ok.any():
+        return out
+    ids, inv = torch.unique(origin[ok], return_inverse=True)
+    s = torch.zeros(len(ids)).index_add_(0, inv, out[ok])
+    n = torch.zeros(len(ids)).index_add_(0, inv, torch.ones_like(out[ok]))
+    out[ok] = (s / n)[inv]
+    return out
+
+
+class RAPOTrainer:
+    """model (HF causal LM), tokenizer, env (task: `execute`, `verify`), buffer (a StepTraces or None), config
+    (TrainerConfig), problems (the training prompts). Stages are replaceable callables; see the module docstring."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        env,
+        buffer,
+        config: TrainerConfig,
+        problems: Sequence,
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+        rollout_fn: Callable | None = None,
+        reward_fn: Callable | None = None,
+        advantage_fn: Callable | None = None,
+        loss_fn: Callable | None = None,
+    ):
+        if not isinstance(config, TrainerConfig):
+            raise TypeError(f"RAPOTrainer: config must be a TrainerConfig, got {type(config).__name__}")
+        config.validate()
+        if config.strategy == "hybrid" and config.n_hybrid > 0 and buffer is None:
+            raise ValueError("RAPOTrainer: strategy='hybrid' with n_hybrid > 0 needs a buffer (StepTraces), got None")
+        if config.mode == "splice" and (buffer is None or getattr(buffer, "kv_store", None) is None):
+            if config.strategy == "hybrid" and config.n_hybrid > 0:
+                raise ValueError("RAPOTrainer: mode='splice' needs a buffer with a kv_store (StepTraces(kv_store=...))")
+        if not problems:
+            raise ValueError("RAPOTrainer: problems (training prompts) is empty")
+        from rapo_fast.loss.advantages import rapo_advantages
+        from rapo_fast.loss.policy_loss import rapo_loss
+        from rapo_fast.rollouts.loop import rollout
+
+        self.model, self.tokenizer, self.env, self.buffer, self.config = model, tokenizer, env, buffer, config
+        self.problems = list(problems)
+        self.optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=config.lr,
+                                                        weight_decay=config.weight_decay)
+        self.rollout_fn = rollout_fn or rollout
+        self.reward_fn = reward_fn or default_rewards
+        self.advantage_fn = advantage_fn or rapo_advantages
+        self.loss_fn = loss_fn or rapo_loss
+        self.step_count = 0
+        self.py_rng = random.Random(config.seed)
+        self.gen = torch.Generator().manual_seed(config.seed)
+        self.logger = MetricsLogger(config.log_csv, config.tensorboard_dir)
+
+    # -- one RL step ------------------------------------------------------------------------------------------------
+    def sample_problems(self) -> list:
+        k = min(self.config.prompts_per_step, len(self.problems))
+        return self.py_rng.sample(self.problems, k)
+
+    def step(self) -> dict[str, float]:
+        """One RL step; returns (and logs) its metrics: reward, success_rate (all rollouts), success_rate_onpolicy
+        (non-hybrid rollouts), retrieval_rate (hybrid rollouts with >= 1 retrieval), retrievals_per_traj, f_ret,
+        retrieval_reward (mean Z over trajectories with a scored retrieval), loss, entropy, the loss's clip/ratio/
+        TIS metrics, tokens_per_s (response tokens per rollout second) and seconds per phase (t_rollout excludes
+        t_retrieval and t_splice; t_logprob, t_loss (forward + backward), t_optimizer, t_buffer)."""
+        cfg, t0 = self.config, time.perf_counter()
+        problems = self.sample_problems()
+        if cfg.mode == "splice" and self.buffer is not None and self.step_count % cfg.refresh_kv_every == 0:
+            self.buffer.refresh_kv()
+        t_kv = time.perf_counter()
+        batch: RolloutBatch = self.rollout_fn(
+            self.model, self.tokenizer, self.env, problems, group_size=cfg.group_size, strategy=cfg.strategy,
+            n_hybrid=cfg.n_hybrid, retrieve_prob=cfg.retrieve_prob, traces=self.buffer,
+            exclude_own_group=cfg.exclude_own_group, mode=cfg.mode, temperature=cfg.temperature,
+            max_steps=cfg.max_steps, max_step_tokens=cfg.max_step_tokens, generator=self.gen,
+            arpo_initial=cfg.arpo_initial, arpo_beam=cfg.arpo_beam, arpo_k=cfg.arpo_k, arpo_alpha=cfg.arpo_alpha,
+            arpo_beta=cfg.arpo_beta,
+        )
+        t_roll = time.perf_counter()
+        rewards = self.reward_fn(self.env, problems, batch).float()
+        metrics = self._update(batch, rewards)
+        t_upd = time.perf_counter()
+        n_added = self._add_onpolicy(batch, rewards) if cfg.add_onpolicy_steps and self.buffer is not None else 0
+        self.step_count += 1
+        t_end = time.perf_counter()
+        n_tok = int(batch.response_mask.sum())
+        n_ret = batch.num_retrievals()
+        metrics.update(
+            step=self.step_count,
+            reward=float(rewards.mean()),
+            success_rate=float((rewards > 0.5).float().mean()),
+            success_rate_onpolicy=float((rewards > 0.5).float()[~batch.hybrid].mean()) if (~batch.hybrid).any()
+            else float("nan"),
+            retrieval_rate=float((n_ret > 0).float()[batch.hybrid].mean()) if batch.hybrid.any() else 0.0,
+            retrievals_per_traj=float(n_ret.float().mean()),
+            f_ret=float(batch.retrieved_fraction().mean()),
+            tokens_per_s=n_tok / max(t_roll - t_kv, 1e-9),
+            onpolicy_steps_added=n_added,
+            t_rollout=t_roll - t_kv - batch.timings.get("retrieval", 0.0) - batch.timings.get("splice", 0.0),
+            t_retrieval=batch.timings.get("retrieval", 0.0),
+            t_splice=batch.timings.get("splice", 0.0) + (t_kv - t0),
+            t_buffer=t_end - t_upd,
+            t_step=t_end - t0,
+        )
+        self.logger.log(metrics)
+        self.last_batch = batch
+        return metrics
+
+    def _score(self, batch: RolloutBatch):
+        s = batch.shifted()
+        dev = next(self.model.parameters()).device
+        h = final_hidden(self.model, s["input_ids"].to(dev), s["attention_mask"].to(dev))[:, :-1]
+        return s, h
+
+    def _update(self, batch: RolloutBatch, rewards: torch.Tensor) -> dict[str, float]:
+        from rapo_fast.loss.advantages import step_entropy
+        from rapo_fast.loss.logprobs import token_logprobs
+
+        cfg = self.config
+        dev = next(self.model.parameters()).device
+        W = lm_head_weight(self.model)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            s, h = self._score(batch)
+            old_logp, ent = token_logprobs(hidden=h, weight=W, targets=s["targets"].to(dev),
+                                           temperature=cfg.temperature or 1.0, return_entropy=True)
+        old_logp, ent = old_logp.float().cpu(), ent.float().cpu()
+        step_ent = step_entropy(ent, batch.step_spans_shifted()) if batch.step_spans.numel() else torch.zeros(0)
+        z, n_scored = retrieval_rewards(batch, step_ent)
+        adv = self.advantage_fn(rewards, batch.group_ids, z, cfg.ret_coef).float()
+        if cfg.strategy == "arpo" and cfg.advantage_attribution == "hard":
+            adv = hard_attribution(batch, adv)
+        t1 = time.perf_counter()
+        opts = dict(cfg.loss)
+        if cfg.mode == "splice" and cfg.tis_cap is not None and batch.retrieved_mask.any():
+            opts.update(behav_logp=s["behav_logp"].to(dev), tis_cap=cfg.tis_cap)
+        self.model.train()
+        loss_val, lm, t_opt = 0.0, {}, 0.0
+        for _ in range(cfg.updates_per_step):
+            _, h = self._score(batch)
+            loss, lm = self.loss_fn(
+                hidden=h, weight=W, targets=s["targets"].to(dev), old_logp=old_logp.to(dev), advantages=adv.to(dev),
+                loss_mask=s["loss_mask"].to(dev), retrieved_mask=s["retrieved_mask"].to(dev),
+                response_mask=s["response_mask"].to(dev), temperature=cfg.temperature or 1.0, return_metrics=True,
+                **opts,
+            )
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            t_o = time.perf_counter()
+            if cfg.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+            self.optimizer.step()
+            t_opt += time.perf_counter() - t_o
+            loss_val = float(loss.detach())
+        t2 = time.perf_counter()
+        has_ret = n_scored > 0
+        out = {
+            "loss": loss_val,
+            "retrieval_reward": float(z[has_ret].mean()) if has_ret.any() else float("nan"),
+            "entropy": float(ent[s["loss_mask"]].mean()) if s["loss_mask"].any() else 0.0,
+            "adv_abs_mean": float(adv.abs().mean()),
+            "t_logprob": t1 - t0,
+            "t_loss": t2 - t1 - t_opt,
+            "t_optimizer": t_opt,
+        }
+        for k in ("clip_frac_low", "clip_frac_high", "ratio_mean", "approx_kl", "tis_weight_mean"):
+            if k in lm:
+                out[k] = float(lm[k])
+        return out
+
+    def _add_onpolicy(self, batch: RolloutBatch, rewards: torch.Tensor) -> int:
+        """The successful trajectories' generated tool steps go into the buffer under their prompt's group id."""
+        hist, steps, groups = [], [], []
+        spans = batch.step_spans.tolist()
+        for (row, start, end), obs_end in zip(spans, batch.step_obs_end.tolist()):
+            if rewards[row] <= 0.5 or obs_end == end:  # failed trajectory, or the answer step (not a tool step)
+                continue
+            ids = batch.input_ids[row]
+            hist.append(self.tokenizer.decode(ids[:start]))
+            steps.append(self.tokenizer.decode(ids[start:obs_end]))
+            groups.append(int(batch.group_ids[row]))
+        self.buffer.add_steps(hist, steps, groups)
+        return len(steps)
+
+    # -- loop, checkpoints ------------------------------------------------------------------------------------------
+    def train(self, num_steps: int, *, progress: bool = True, callback: Callable[[dict], Any] | None = None,
+              desc: str = "rl") -> list[dict]:
+        if not isinstance(num_steps, int) or num_steps < 0:
+            raise ValueError(f"train: num_steps must be a non-negative int, got {num_steps!r}")
+        history = []
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=num_steps, desc=desc, leave=False)
+        for _ in range(num_steps):
+            m = self.step()
+            history.append(m)
+            if callback is not None:
+                callback(m)
+            if bar is not None:
+                bar.set_postfix(success=f"{m['success_rate']:.2f}", ret=f"{m['retrieval_rate']:.2f}")
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+        return history
+
+    def save_checkpoint(self, directory: str | Path) -> Path:
+        return save_checkpoint(self, directory)
+
+    def load_checkpoint(self, directory: str | Path) -> None:
+        load_checkpoint(self, directory)

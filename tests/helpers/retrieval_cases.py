@@ -1,0 +1,64 @@
+"""Shared check of the retrieval tests: `check_search` asserts that a StepBuffer search equals the float64 brute force
+(rapo_fast.reference.retrieval.search_ref) up to ties within rounding. Not a test file.
+
+Tolerance: per query, 4 * D * 2^-23 times the score's scale (|q| max|k| for ip, 1 for cosine, (|q| + max|k|)^2 for
+l2), plus 1e-6: a worst case of fp32 accumulation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rapo_fast import StepBuffer
+from rapo_fast.reference.retrieval import scores_ref, search_ref
+
+
+def _tolerance(keys: torch.Tensor, queries: torch.Tensor, metric: str) -> torch.Tensor:
+    """Per-query bound on |fp32-accumulated score - float64 score|: D * 2^-23 times the score's scale, a worst case."""
+    D = keys.shape[1]
+    qn = queries.double().norm(dim=1)
+    kmax = keys.double().norm(dim=1).max() if keys.shape[0] else torch.tensor(0.0, dtype=torch.float64)
+    scale = {"ip": qn * kmax, "cosine": torch.ones_like(qn), "l2": (qn + kmax) ** 2}[metric]
+    return 4 * D * 2.0**-23 * scale + 1e-6
+
+
+def check_search(buf: StepBuffer, queries, k, scores, payload, exclude=None, min_score=None, slots=None):
+    """Assert (scores, payload) of buf.search equal the float64 brute force up to ties within rounding."""
+    keys = buf.embeddings.cpu()
+    q = queries.cpu().to(buf.dtype)
+    groups = buf.group_ids.cpu()
+    ex = None if exclude is None else exclude.cpu()
+    ref_s, ref_i = search_ref(keys, q, k, buf.metric, groups, ex, min_score)
+    scores, payload = scores.cpu().double(), payload.cpu()
+    assert scores.shape == (q.shape[0], k) and payload.shape == (q.shape[0], k)
+    # Map payload ids back to slots (tests use payload = slot + offset with unique payloads).
+    pay = buf.payload_ids.cpu()
+    if slots is None:
+        lookup = {int(p): i for i, p in enumerate(pay.tolist())}
+        slots = torch.tensor([[lookup.get(int(p), -1) if p >= 0 else -1 for p in row] for row in payload.tolist()],
+                             dtype=torch.int64).view(q.shape[0], k)
+    pad = ref_i < 0
+    assert torch.equal(slots < 0, pad), f"padding differs: got {(slots < 0).sum()} want {pad.sum()} padded entries"
+    assert torch.all(scores[pad] == float("-inf")), "padding scores must be -inf"
+    tol = _tolerance(keys, q, buf.metric).view(-1, 1).expand_as(ref_s)
+    valid = ~pad
+    err = (scores - ref_s).abs()
+    assert torch.all(err[valid] <= tol[valid]), f"score error {err[valid].max():.3g} > tol {tol[valid].min():.3g}"
+    if valid.any():
+        S = scores_ref(keys, q, buf.metric)
+        rows = torch.arange(q.shape[0]).view(-1, 1).expand_as(slots)
+        own = S[rows[valid], slots[valid]]
+        assert torch.all((own - scores[valid]).abs() <= tol[valid]), "a returned slot's own score differs"
+        if ex is not None:
+            g = groups[slots[valid]]
+            e = ex.view(-1, 1).expand_as(slots)[valid]
+            assert not torch.any((g == e) & (e >= 0)), "an excluded group was returned"
+        for r in range(q.shape[0]):
+            row = slots[r][slots[r] >= 0].tolist()
+            assert len(set(row)) == len(row), f"duplicate slot in row {r}"
+        # Where the reference has no near-tie, the slot must be exactly the reference's.
+        gap_prev = torch.cat([torch.full_like(ref_s[:, :1], float("inf")), ref_s[:, :-1] - ref_s[:, 1:]], 1)
+        gap_next = torch.cat([ref_s[:, :-1] - ref_s[:, 1:], torch.full_like(ref_s[:, :1], float("inf"))], 1)
+        clear = valid & (gap_prev > 2 * tol) & (gap_next > 2 * tol)
+        assert torch.equal(slots[clear], ref_i[clear]), "a slot without a near-tie differs from the reference"
+    return ref_s, ref_i

@@ -1,0 +1,285 @@
+"""rapo_fast.rapo_loss, kernel path vs reference vs float64: loss, gradients and metrics over every aggregation mode,
+padded and flat (cu_seqlens) layouts, the logits and the hidden-state paths, fp32/fp16/bf16; the registered ops
+(opcheck, non-uniform upstream gradients); the CPU fallback path; all-masked rows.
+
+Tolerance (STYLE.md item 4, tests/helpers/__init__.py): |kernel - ref64| <= 2 |ref_dtype - ref64| + atol[dtype], atol
+1e-4 fp32, 1e-2 fp16, 5e-2 bf16, for the loss and every gradient. Metrics (detached) are compared with the reference in
+the same dtype (atol 1e-5, counts exactly). `make_batch` and `check_case` live in tests/helpers/loss_cases.py.
+Not here: option-by-option semantics and hand-computed values (test_loss_options.py), accumulation
+(test_loss_accumulation.py), argument checks (test_loss_checks.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_close_verbose
+from helpers.loss_cases import AGG_MODES, FULL, check_case, inputs_for, make_batch
+
+import rapo_fast
+from rapo_fast.loss import policy_loss as loss_mod
+from rapo_fast.reference import rapo_loss_ref, token_logprobs_ref
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+@pytest.mark.parametrize("opts", [
+    dict(),
+    dict(shaping_m=0.05, offpolicy_train="shaped", eps_low=0.28, eps_high=0.28),
+    FULL,
+    dict(importance_sampling_level="sequence", eps_low=3e-4, eps_high=4e-4, offpolicy_train="shaped", beta=0.05,
+         kl_estimator="k2", ref_logp=None),
+], ids=["plain", "rapo-shaped", "full", "gspo"])
+@pytest.mark.parametrize("layout", ["padded", "flat"])
+def test_kernel_vs_reference_every_agg(agg, opts, layout):
+    opts = {k: v for k, v in opts.items() if k != "ref_logp"}
+    if layout == "padded":
+        d = make_batch(3, 7, 11, masked_rows=(1,), per_seq_adv=agg != "token-mean", response=True)
+    else:
+        d = make_batch(seg_lens=[5, 1, 0, 9, 3], V=13, masked_rows=(1,), per_seq_adv=agg == "seq-mean-token-sum")
+    check_case(d, dict(opts, loss_agg=agg))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("layout", ["padded", "flat"])
+def test_low_precision_logits(dtype, layout):
+    d = make_batch(2, 9, 37) if layout == "padded" else make_batch(seg_lens=[4, 7, 2], V=37)
+    check_case(d, dict(FULL, loss_agg="seq-mean-token-mean"), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_hidden_path(dtype, agg):
+    d = make_batch(2, 5, 19, H=13, per_seq_adv=True)
+    check_case(d, dict(FULL, loss_agg=agg, temperature=0.7), dtype)
+
+
+def test_hidden_path_flat_no_bias():
+    d = make_batch(seg_lens=[3, 6], V=23, H=9, bias=False)
+    check_case(d, dict(shaping_m=0.05, importance_sampling_level="sequence", loss_agg="seq-mean-token-sum"))
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1), (1, 1, 5), (2, 3, 1), (1, 33, 7)])
+def test_tiny_shapes(shape):
+    check_case(make_batch(*shape), dict(FULL, loss_agg="seq-mean-token-mean"))
+
+
+def test_larger_vocab_not_multiple_of_block():
+    d = make_batch(2, 3, 5003, spread=1.0)
+    check_case(d, dict(FULL, loss_agg="token-mean"))
+
+
+def test_all_masked_batch_gives_zero_and_no_nan():
+    d = make_batch(3, 4, 6, mask_p=0.0)
+    for agg in AGG_MODES:
+        loss, grads, metrics = check_case(d, dict(FULL, loss_agg=agg))
+        assert loss.item() == 0.0
+        assert torch.count_nonzero(grads["logits"]) == 0
+        assert all(torch.isfinite(v) for k, v in metrics.items() if k != "entropy") and metrics["num_tokens"] == 0
+
+
+def test_empty_offpolicy_mask():
+    d = make_batch(3, 6, 8, ret_p=0.0)
+    for mode in ("shaped", "truncated"):
+        _, _, m = check_case(d, dict(offpolicy_train=mode, shaping_m=0.05))
+        assert m["num_offpolicy_tokens"] == 0 and m["offpolicy_weight_mean"] == 0
+    # and with nothing retrieved, the off-policy modes equal "none"
+    x = {k: v for k, v in d.items()}
+    assert torch.equal(rapo_fast.rapo_loss(**x, offpolicy_train="shaped"), rapo_fast.rapo_loss(**x))
+
+
+def test_fallback_path_matches_reference(monkeypatch):
+    """The non-Triton path of rapo_loss (policy_token_loss_ref + loss.py's weights) vs the reference."""
+    monkeypatch.setattr(loss_mod, "use_triton", lambda device: False)
+    for agg in AGG_MODES:
+        check_case(make_batch(seg_lens=[3, 0, 5, 2], V=7, masked_rows=(2,)), dict(FULL, loss_agg=agg))
+    check_case(make_batch(2, 5, 7), dict(FULL, loss_agg="token-mean", importance_sampling_level="sequence"))
+
+
+def test_float64_inputs_match_reference_exactly_enough():
+    d = {k: (v.double() if v.is_floating_point() else v) for k, v in make_batch(2, 4, 5).items()}
+    x, _ = inputs_for(d, torch.float64)
+    loss = rapo_fast.rapo_loss(**x, **FULL)
+    ref = rapo_loss_ref(**x, **FULL)
+    assert loss.dtype == torch.float64
+    assert_close_verbose(loss, ref, atol=1e-12)
+
+
+def test_gradcheck_float64():
+    d = {k: (v.double() if v.is_floating_point() else v) for k, v in make_batch(2, 3, 4, spread=0.05).items()}
+    logits = d.pop("logits").requires_grad_(True)
+    opts = dict(FULL, loss_agg="seq-mean-token-mean", dual_clip=None, tis_cap=None, offpolicy_train="shaped")
+    assert torch.autograd.gradcheck(lambda z: rapo_fast.rapo_loss(z, **d, **opts), (logits,))
+
+
+# the registered op is called directly here: on a GPU machine (no interpreter) its Triton path needs CUDA tensors
+OP_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _op_args(n=37, seq=True, with_ent=True, seed=0, device=OP_DEVICE):
+    args = _op_args_cpu(n, seq, with_ent, seed)
+    out = [a.detach().to(device) if isinstance(a, torch.Tensor) else a for a in args]
+    out[0].requires_grad_(True)
+    if with_ent:
+        out[9].requires_grad_(True)
+    return tuple(out)
+
+
+def _op_args_cpu(n, seq, with_ent, seed):
+    g = torch.Generator().manual_seed(seed)
+    lp = (-torch.rand(n, generator=g) * 3).requires_grad_(True)
+    old = lp.detach() + 0.3 * torch.randn(n, generator=g)
+    adv = torch.randn(n, generator=g)
+    w = torch.rand(n, generator=g) / n
+    scale = 1 + 0.05 * torch.rand(n, generator=g)
+    code = torch.randint(0, 3, (n,), generator=g, dtype=torch.int8)
+    seqlr = 0.2 * torch.randn(n, generator=g) if seq else None
+    behav = old + 0.1 * torch.randn(n, generator=g)
+    ref = lp.detach() + 0.2 * torch.randn(n, generator=g)
+    ent = (torch.rand(n, generator=g) * 2).requires_grad_(True) if with_ent else None
+    return (lp, old, adv, w, scale, code, seqlr, behav, ref, ent, 0.2, 0.28, 3.0, 0.1, 2.0, 1.5, 0.1, 0.01, 2, 3)
+
+
+@pytest.mark.parametrize("seq,with_ent,triton", [(True, True, True), (False, False, True), (True, True, False)])
+def test_opcheck_policy_loss_op(seq, with_ent, triton, monkeypatch):
+    if not triton:  # the op's torch implementation, used on devices without Triton
+        monkeypatch.setattr(loss_mod, "use_triton", lambda device: False)
+    args = _op_args(seq=seq, with_ent=with_ent)
+    torch.library.opcheck(torch.ops.rapo_fast.policy_loss.default, args)
+
+
+def _check_op_against_reference(args):
+    lp, ent, code = args[0], args[9], args[5]
+    tok, sums = loss_mod.policy_loss_op(*args)
+    up = torch.randn_like(tok)
+    g_lp, g_ent = torch.autograd.grad(tok, (lp, ent), up)
+    # the same per-token loss from the reference, weighted the same way
+    from rapo_fast.reference import policy_token_loss_ref
+
+    lp2 = lp.detach().requires_grad_(True)
+    ent2 = ent.detach().requires_grad_(True)
+    ref_tok, _ = policy_token_loss_ref(
+        lp2, args[1], args[2], on_mask=code == 1, off_mask=code == 2, ratio_scale=args[4], seq_log_ratio=args[6],
+        behav_logp=args[7], ref_logp=args[8], entropy=ent2, offpolicy_train="truncated", gamma=0.1, is_cap=2.0,
+        tis_cap=1.5, eps_low=0.2, eps_high=0.28, dual_clip=3.0, beta=0.1, kl_estimator="k3", entropy_coef=0.01,
+    )
+    assert_close_verbose(tok, ref_tok * args[3], atol=1e-6, name="token loss")
+    r_lp, r_ent = torch.autograd.grad(ref_tok * args[3], (lp2, ent2), up)
+    assert_close_verbose(g_lp, r_lp, atol=1e-6, name="dlogp")
+    assert_close_verbose(g_ent, r_ent, atol=1e-6, name="dH")
+    # metric partial sums over all blocks: counts of each token class
+    assert sums[0] == (code == 1).sum() and sums[1] == (code == 2).sum() and sums[2] == (code != 0).sum()
+    return tok, sums, g_lp, g_ent
+
+
+@pytest.mark.parametrize("n", [50, 2600])
+def test_op_honours_nonuniform_upstream_gradient(n):
+    """Pitfall 7: the backward multiplies by the per-token upstream gradient, not by an assumed scalar 1.
+    n = 2600 spans several kernel blocks (partial sums of several programs)."""
+    _check_op_against_reference(_op_args(n=n))
+
+
+def test_op_torch_fallback_equals_triton(monkeypatch):
+    """The registered op on a device without Triton (here: forced) computes the same values and gradients."""
+    torch.manual_seed(1)
+    tri = _check_op_against_reference(_op_args(n=300, device="cpu" if OP_DEVICE == "cpu" else "cuda"))
+    monkeypatch.setattr(loss_mod, "use_triton", lambda device: False)
+    torch.manual_seed(1)
+    fb = _check_op_against_reference(_op_args(n=300, device="cpu" if OP_DEVICE == "cpu" else "cuda"))
+    for a, b in zip(tri, fb):
+        assert_close_verbose(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_torch_compile_of_the_loss():
+    d = make_batch(2, 5, 7)
+    x, _ = inputs_for(d, torch.float32)
+    opts = dict(shaping_m=0.05, loss_agg="seq-mean-token-mean")
+    eager = rapo_fast.rapo_loss(**x, **opts)
+    compiled = torch.compile(lambda **kw: rapo_fast.rapo_loss(**kw, **opts), backend="aot_eager")(**x)
+    assert_close_verbose(compiled, eager, atol=1e-6)
+
+
+def test_temperature_applies_to_policy_logprob():
+    """Pitfall 9: logp is taken at the temperature (old_logp given at the same temperature)."""
+    d = make_batch(2, 4, 9)
+    t = 0.6
+    logp_t = token_logprobs_ref(d["logits"], d["targets"], t)
+    d["old_logp"] = logp_t.detach()
+    _, m = rapo_fast.rapo_loss(**d, temperature=t, return_metrics=True)
+    assert_close_verbose(m["ratio_mean"], torch.tensor(1.0), atol=1e-5)
+    check_case(d, dict(temperature=t, entropy_coef=0.1))
+
+
+def test_strided_inputs():
+    """Non-contiguous per-token tensors and logits rows with a stride larger than V (a slice of a wider vocab)."""
+    d = make_batch(3, 6, 8)
+    wide = torch.randn(3, 6, 13)
+    wide[..., :8] = d["logits"]
+    d["logits"] = wide[..., :8]
+    for k in ("old_logp", "advantages", "loss_mask", "retrieved_mask", "ref_logp", "behav_logp"):
+        d[k] = d[k].t().contiguous().t()
+        assert not d[k].is_contiguous()
+    x = dict(d)
+    loss = rapo_fast.rapo_loss(**x, **FULL)
+    ref = rapo_loss_ref(**{k: v.contiguous() for k, v in d.items()}, **FULL)
+    assert_close_verbose(loss, ref, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_cuda_kernel_vs_reference(dtype, agg):
+    d = make_batch(seg_lens=[700, 1, 0, 1500, 333], V=1031, masked_rows=(1,), per_seq_adv=True)
+    check_case(d, dict(FULL, loss_agg=agg, importance_sampling_level="sequence"), dtype, device="cuda")
+    h = make_batch(4, 257, 999, H=129, per_seq_adv=True)
+    check_case(h, dict(FULL, loss_agg=agg), dtype, device="cuda")
+
+
+@pytest.mark.gpu
+def test_cuda_op_large_n():
+    _check_op_against_reference(_op_args(n=300_001, device="cuda"))
+
+
+@pytest.mark.parametrize("shape,cu", [((2, 0), None), ((0,), [0, 0]), ((0, 3), None)])
+def test_empty_inputs_give_zero_loss_and_empty_grad(shape, cu):
+    logits = torch.randn(*shape, 5, requires_grad=True)
+    loss, m = rapo_fast.rapo_loss(
+        logits, targets=torch.zeros(shape, dtype=torch.long), old_logp=torch.zeros(shape),
+        advantages=torch.zeros(shape), loss_mask=torch.ones(shape, dtype=torch.bool),
+        cu_seqlens=None if cu is None else torch.tensor(cu), return_metrics=True, loss_agg="seq-mean-token-mean",
+        importance_sampling_level="sequence", entropy_coef=0.1,
+    )
+    (g,) = torch.autograd.grad(loss, logits)
+    assert loss.item() == 0.0 and g.shape == logits.shape and m["num_tokens"] == 0
+
+
+_COMPILE_SCRIPT = r"""
+import itertools, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from rapo_fast.kernels.loss import policy_loss as K
+variants = [(0, 0, 0, 0, 0, 0), (1, 1, 1, 1, 3, 1), (0, 1, 0, 2, 1, 1), (1, 0, 1, 2, 2, 0)]
+for (seq, dual, tis, off, kl, ent), kern in itertools.product(variants, (K._policy_loss_fwd_kernel,
+                                                                       K._policy_loss_bwd_kernel)):
+    const = dict(SEQ=bool(seq), DUAL=bool(dual), TIS=bool(tis), OFF=off, KL=kl, HAS_ENT=bool(ent), BLOCK=1024)
+    if "NM" in kern.arg_names:
+        const["NM"] = K.NUM_METRICS
+    sig = {n: "constexpr" if n in const else ("*i8" if n == "code_ptr" else "*fp32") if n.endswith("_ptr")
+           else "i32" if n == "N" else "fp32" for n in kern.arg_names}
+    triton.compile(ASTSource(fn=kern, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32))
+print("ok")
+"""
+
+
+def test_kernels_compile_for_sm90(tmp_path):
+    """The interpreter is laxer than the compiler: compile the policy-loss kernels to a cubin for sm_90 (Triton's
+    bundled ptxas; no GPU needed). Compiling is not running: GPU execution is tested by the gpu-marked tests."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=600)
+    if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
+        pytest.skip("no ptxas on this machine")
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]

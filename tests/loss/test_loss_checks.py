@@ -1,0 +1,192 @@
+"""rapo_loss argument checks: every kind of bad input raises ValueError/TypeError naming the argument, before any
+log-prob or loss kernel runs (both are replaced by a tripwire here); hypothesis fuzzes single corruptions of a valid
+call, and valid calls of random shapes (which must run and match the reference).
+Not here: numerical behaviour (test_loss*.py); the shared helpers in rapo_fast/_checks.py are exercised through here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_close_verbose
+from helpers.loss_cases import make_batch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import rapo_fast
+from rapo_fast.loss import policy_loss as loss_mod
+from rapo_fast.reference import rapo_loss_ref
+
+
+@pytest.fixture
+def tripwire(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("a kernel ran before validation finished")
+
+    monkeypatch.setattr(loss_mod, "token_logprobs", boom)
+    monkeypatch.setattr(loss_mod, "policy_loss_op", boom)
+
+
+def _valid(flat=False, hidden=False):
+    d = make_batch(seg_lens=[3, 2], V=5, H=4 if hidden else None) if flat else make_batch(2, 3, 5,
+                                                                                          H=4 if hidden else None)
+    d.pop("ref_logp")
+    d.pop("behav_logp")
+    return d
+
+
+BAD_CASES = [
+    # (name, mutation of the valid padded call, exception type, text the message must contain)
+    ("both logits and hidden", lambda d: d.update(hidden=torch.randn(2, 3, 4), weight=torch.randn(5, 4)),
+     ValueError, "logits/hidden"),
+    ("neither", lambda d: d.pop("logits"), ValueError, "logits/hidden"),
+    ("logits shape", lambda d: d.update(logits=torch.randn(2, 4, 5)), ValueError, "logits"),
+    ("logits dtype", lambda d: d.update(logits=d["logits"].long()), TypeError, "logits"),
+    ("targets dtype", lambda d: d.update(targets=d["targets"].float()), TypeError, "targets"),
+    ("targets 3-d", lambda d: d.update(targets=d["targets"][None]), ValueError, "targets"),
+    ("targets >= V", lambda d: d["targets"].__setitem__((0, 0), 5), ValueError, "targets"),
+    ("targets < 0", lambda d: d["targets"].__setitem__((1, 2), -1), ValueError, "targets"),
+    ("old_logp shape", lambda d: d.update(old_logp=torch.zeros(2, 4)), ValueError, "old_logp"),
+    ("old_logp dtype", lambda d: d.update(old_logp=d["old_logp"].long()), TypeError, "old_logp"),
+    ("old_logp nan", lambda d: d["old_logp"].__setitem__((0, 1), float("nan")), ValueError, "old_logp"),
+    ("advantages shape", lambda d: d.update(advantages=torch.zeros(3)), ValueError, "advantages"),
+    ("advantages nan", lambda d: d["advantages"].__setitem__((1, 1), float("nan")), ValueError, "advantages"),
+    ("advantages inf", lambda d: d["advantages"].__setitem__((1, 1), float("inf")), ValueError, "advantages"),
+    ("loss_mask shape", lambda d: d.update(loss_mask=torch.ones(3, 2, dtype=torch.bool)), ValueError, "loss_mask"),
+    ("loss_mask type", lambda d: d.update(loss_mask=[[1, 1, 1], [1, 1, 1]]), TypeError, "loss_mask"),
+    ("retrieved_mask shape", lambda d: d.update(retrieved_mask=torch.ones(2, 2)), ValueError, "retrieved_mask"),
+    ("response_mask shape", lambda d: d.update(response_mask=torch.ones(2)), ValueError, "response_mask"),
+    ("mixed devices", lambda d: d.update(old_logp=torch.zeros(2, 3, device="meta")), ValueError, "old_logp"),
+    ("offpolicy_train", lambda d: d.update(offpolicy_train="luffy"), ValueError, "offpolicy_train"),
+    ("importance_sampling_level", lambda d: d.update(importance_sampling_level="seq"), ValueError,
+     "importance_sampling_level"),
+    ("kl_estimator", lambda d: d.update(kl_estimator="k4"), ValueError, "kl_estimator"),
+    ("loss_agg", lambda d: d.update(loss_agg="mean"), ValueError, "loss_agg"),
+    ("loss_agg type", lambda d: d.update(loss_agg=1), TypeError, "loss_agg"),
+    ("truncated without behav", lambda d: d.update(offpolicy_train="truncated"), ValueError, "behav_logp"),
+    ("tis without behav", lambda d: d.update(tis_cap=2.0), ValueError, "behav_logp"),
+    ("beta without ref", lambda d: d.update(beta=0.1), ValueError, "ref_logp"),
+    ("ref_logp shape", lambda d: d.update(ref_logp=torch.zeros(3, 2)), ValueError, "ref_logp"),
+    ("cu_seqlens with padded", lambda d: d.update(cu_seqlens=torch.tensor([0, 3, 6])), ValueError, "cu_seqlens"),
+    ("eps_low > 1", lambda d: d.update(eps_low=1.5), ValueError, "eps_low"),
+    ("eps_high < 0", lambda d: d.update(eps_high=-0.1), ValueError, "eps_high"),
+    ("eps string", lambda d: d.update(eps_high="0.2"), TypeError, "eps_high"),
+    ("dual_clip <= 1", lambda d: d.update(dual_clip=1.0), ValueError, "dual_clip"),
+    ("gamma 0", lambda d: d.update(gamma=0.0), ValueError, "gamma"),
+    ("is_cap negative", lambda d: d.update(is_cap=-1.0), ValueError, "is_cap"),
+    ("temperature 0", lambda d: d.update(temperature=0.0), ValueError, "temperature"),
+    ("beta nan", lambda d: d.update(beta=float("nan")), ValueError, "beta"),
+    ("shaping_m bool", lambda d: d.update(shaping_m=True), TypeError, "shaping_m"),
+    ("global_num_tokens 0", lambda d: d.update(global_num_tokens=0), ValueError, "global_num_tokens"),
+    ("global_num_tokens shape", lambda d: d.update(global_num_tokens=torch.ones(2)), ValueError, "global_num_tokens"),
+    ("return_metrics", lambda d: d.update(return_metrics=1), TypeError, "return_metrics"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_CASES, ids=[c[0] for c in BAD_CASES])
+def test_bad_input_padded(case, tripwire):
+    _, mutate, exc, text = case
+    d = _valid()
+    mutate(d)
+    with pytest.raises(exc, match=text):
+        rapo_fast.rapo_loss(**d)
+
+
+FLAT_CASES = [
+    ("cu not starting at 0", lambda d: d.update(cu_seqlens=torch.tensor([1, 3, 5]))),
+    ("cu decreasing", lambda d: d.update(cu_seqlens=torch.tensor([0, 4, 3, 5]))),
+    ("cu last != N", lambda d: d.update(cu_seqlens=torch.tensor([0, 3, 4]))),
+    ("cu float", lambda d: d.update(cu_seqlens=torch.tensor([0.0, 3.0, 5.0]))),
+    ("cu 2-d", lambda d: d.update(cu_seqlens=torch.tensor([[0, 3, 5]]))),
+    ("cu too short", lambda d: d.update(cu_seqlens=torch.tensor([0]))),
+]
+
+
+@pytest.mark.parametrize("case", FLAT_CASES, ids=[c[0] for c in FLAT_CASES])
+def test_bad_cu_seqlens(case, tripwire):
+    d = _valid(flat=True)
+    case[1](d)
+    with pytest.raises((ValueError, TypeError), match="cu_seqlens"):
+        rapo_fast.rapo_loss(**d)
+
+
+def test_flat_advantage_per_segment_shape(tripwire):
+    d = _valid(flat=True)
+    d["advantages"] = torch.zeros(3)  # 2 segments, 5 tokens
+    with pytest.raises(ValueError, match=r"advantages.*\(2,\)"):
+        rapo_fast.rapo_loss(**d)
+
+
+@pytest.mark.parametrize("mutation,text", [
+    (lambda d: d.update(weight=torch.randn(5, 3)), "weight"),
+    (lambda d: d.update(weight=d["weight"].half()), "weight"),
+    (lambda d: d.pop("weight"), "weight"),
+    (lambda d: d.update(bias=torch.randn(4)), "bias"),
+    (lambda d: d.update(hidden=torch.randn(2, 4, 4)), "hidden"),
+    (lambda d: d["targets"].__setitem__((0, 0), 7), "targets"),
+])
+def test_bad_hidden_path(mutation, text, tripwire):
+    d = _valid(hidden=True)
+    mutation(d)
+    with pytest.raises((ValueError, TypeError), match=text):
+        rapo_fast.rapo_loss(**d)
+
+
+def test_weight_with_logits_is_refused(tripwire):
+    d = _valid()
+    d["weight"] = torch.randn(5, 4)
+    with pytest.raises(ValueError, match="weight"):
+        rapo_fast.rapo_loss(**d)
+
+
+_FIELDS = ["logits", "targets", "old_logp", "advantages", "loss_mask", "retrieved_mask"]
+_OPTIONS = ["offpolicy_train", "importance_sampling_level", "kl_estimator", "loss_agg"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    field=st.sampled_from(_FIELDS + _OPTIONS),
+    how=st.sampled_from(["shape", "dtype", "drop_dim"]),
+    extra=st.integers(1, 3),
+    text=st.text(min_size=0, max_size=8),
+)
+def test_fuzz_single_corruption(tripwire, field, how, extra, text):
+    d = _valid()
+    if field in _OPTIONS:
+        if text in ("none", "shaped", "truncated", "token", "sequence", "k1", "k2", "k3") or text.startswith(
+                ("token-", "seq-")):
+            return
+        d[field] = text
+        with pytest.raises(ValueError, match=field):
+            rapo_fast.rapo_loss(**d)
+        return
+    t = d[field]
+    if how == "shape":
+        d[field] = torch.cat([t, t[:, :1].expand(-1, extra, *t.shape[2:])], dim=1)
+    elif how == "dtype":
+        d[field] = t.to(torch.complex64) if t.is_floating_point() else t.to(torch.float32) + 0.5
+        if field in ("loss_mask", "retrieved_mask"):
+            d[field] = t.to(torch.complex64)
+    else:
+        d[field] = t[0]
+    with pytest.raises((ValueError, TypeError), match=field if field != "logits" else "logits|targets"):
+        rapo_fast.rapo_loss(**d)
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    lens=st.lists(st.integers(0, 5), min_size=1, max_size=4).filter(lambda x: sum(x) > 0),
+    V=st.integers(1, 9),
+    agg=st.sampled_from(["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]),
+    seq=st.booleans(),
+    per_seq=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_fuzz_valid_flat_inputs_run_and_match_reference(lens, V, agg, seq, per_seq, seed):
+    d = make_batch(seg_lens=lens, V=V, per_seq_adv=per_seq, seed=seed)
+    opts = dict(loss_agg=agg, importance_sampling_level="sequence" if seq else "token", shaping_m=0.05,
+                offpolicy_train="shaped", beta=0.1, kl_estimator="k3")
+    loss = rapo_fast.rapo_loss(**d, **opts)
+    ref = rapo_loss_ref(**d, **opts)
+    assert torch.isfinite(loss)
+    assert_close_verbose(loss, ref, atol=1e-5, rtol=1e-5)
