@@ -1,17 +1,23 @@
-"""Shared bench plumbing: timing (do_bench on GPU, torch.utils.benchmark on CPU), peak memory, device naming, and the
-CSV row format (device, date, commit) every bench appends to bench/results/.
+"""Shared bench plumbing: timing (do_bench on GPU, torch.utils.benchmark on CPU), peak memory, device naming, the
+CSV row format (device, date, commit on every row) and where a run writes (`--out DIR`, `--record`, or a new
+temporary folder).
 
-Not a place for any op's providers: those live in bench/bench_<op>.py.
+Where results go: a run writes its CSV (and plot) into `--out DIR` when given, into the committed bench/results/ only
+with `--record`, and otherwise into a fresh temporary folder whose path it prints; `--quick` (smoke) runs cannot be
+recorded, so no smoke run ever changes a tracked file (tools/check_layout.py checks this).
+What this is not: a place for any op's providers (those live in bench/bench_<op>.py), nor a plotting module.
 """
 
 from __future__ import annotations
 
+import argparse
 import csv
 import datetime as _dt
 import os
 import platform
 import statistics
 import subprocess
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,8 +46,10 @@ def commit() -> str:
             ["git", "rev-parse", "--short=12", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True
         )
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=Path(__file__).parent,
-            capture_output=True, text=True,
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
         ).stdout.strip()
         return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else "unknown"
     except OSError:
@@ -53,7 +61,8 @@ def now() -> str:
 
 
 def time_fn(fn: Callable[[], object], device: torch.device, *, rep_ms: int = 200, min_runs: int = 5) -> dict:
-    """Median and 20/80% quantiles of `fn` in ms: triton's do_bench on CUDA, torch.utils.benchmark on CPU."""
+    """Median and 20/80% quantiles of `fn` in ms: triton's do_bench on CUDA, torch.utils.benchmark on CPU (which also
+    reports `samples`: at least `min_runs` timed blocks, each the mean of one or more calls)."""
     if device.type == "cuda":
         from triton.testing import do_bench
 
@@ -72,13 +81,17 @@ def time_fn(fn: Callable[[], object], device: torch.device, *, rep_ms: int = 200
         "median_ms": statistics.median(times),
         "p20_ms": times[int(0.2 * (len(times) - 1))],
         "p80_ms": times[int(0.8 * (len(times) - 1))],
+        "samples": len(times),
     }
 
 
 def peak_memory_mb(fn: Callable[[], object], device: torch.device) -> float:
     """Peak memory above the baseline while `fn` runs: CUDA allocator stats, or on the CPU (no allocator stats) the
-    running sum of torch.profiler's per-op self allocations and frees in time order (transient peaks inside one
-    op's own body are not seen; everything allocated by torch ops is)."""
+    running sum of torch.profiler's per-op self allocations, an op's net allocation counted when it starts and its net
+    release when it ends. Why at the end: an op that wraps others (a custom op, an autograd Function) is charged with
+    the frees of its children's buffers as its own negative "self" memory; counted at its start, those frees would
+    cancel allocations that have not happened yet (torch's chunked linear_cross_entropy read 0 MiB that way).
+    Transient peaks inside one op's own body are not seen; everything allocated by torch ops is."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -90,9 +103,16 @@ def peak_memory_mb(fn: Callable[[], object], device: torch.device) -> float:
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
+    steps = []  # (time, 0 for an allocation / 1 for a release at the same time, bytes)
+    for e in prof.events():
+        b = e.self_cpu_memory_usage
+        if b > 0:
+            steps.append((e.time_range.start, 0, b))
+        elif b < 0:
+            steps.append((e.time_range.end, 1, b))
     cur = best = 0
-    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
-        cur += e.self_cpu_memory_usage
+    for _, _, b in sorted(steps):
+        cur += b
         best = max(best, cur)
     return best / 2**20
 
@@ -106,9 +126,43 @@ def measure_copy_bandwidth_gbs(device: torch.device, nbytes: int = 1 << 30) -> f
     return 2 * n * 4 / (t * 1e-3) / 1e9
 
 
-def append_rows(name: str, rows: list[dict], out_dir: Path | None = None) -> Path:
-    """Append rows to <out_dir or bench/results>/<name>.csv (header written once; columns = union, stable order)."""
-    out = (out_dir or RESULTS) / f"{name}.csv"
+def add_output_args(parser: argparse.ArgumentParser, files: str) -> None:
+    """The two options that say where a run writes `files` (named in the help): `--out DIR` or `--record` (else a
+    new temporary folder)."""
+    g = parser.add_mutually_exclusive_group()
+    g.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help=f"write {files} into DIR, created if missing; rows are appended to a CSV already there",
+    )
+    g.add_argument(
+        "--record",
+        action="store_true",
+        help="append the rows to the committed results in bench/results/ (the figures the README quotes); "
+        "without --out or --record the run writes into a new temporary folder and prints its path",
+    )
+
+
+def output_dir(args: argparse.Namespace, bench: str) -> Path:
+    """The folder a run writes into (see the module docstring); a `--quick` run is never recorded."""
+    if getattr(args, "record", False) and getattr(args, "quick", False):
+        raise SystemExit(f"bench {bench}: --quick rows are smoke numbers, never recorded; drop --record or --quick")
+    if args.out is not None:
+        out = Path(args.out)
+    elif getattr(args, "record", False):
+        out = RESULTS
+    else:
+        out = Path(tempfile.mkdtemp(prefix=f"rapo_fast_bench_{bench}_"))
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"bench {bench}: writing results to {out}")
+    return out
+
+
+def append_rows(name: str, rows: list[dict], out_dir: Path) -> Path:
+    """Append rows to <out_dir>/<name>.csv (header written once; columns = union, stable order)."""
+    out = Path(out_dir) / f"{name}.csv"
     out.parent.mkdir(parents=True, exist_ok=True)
     fields: list[str] = []
     for r in rows:

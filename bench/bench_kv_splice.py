@@ -1,4 +1,4 @@
-"""KV splice time against re-prefill, a plain-torch splice and the copy-bandwidth floor (issue 4, item 5).
+"""KV splice time (rapo_fast.splice_kv) against re-prefill, a plain-torch splice and the copy-bandwidth floor.
 
 Providers, side by side in one run at one shape (segments x tokens into a batch of HF-layout caches, all layers):
 - `rapo_fast`: rapo_fast.splice_kv (CUDA kernel on GPU, C++/OpenMP on CPU), one call for all segments and layers.
@@ -6,10 +6,12 @@ Providers, side by side in one run at one shape (segments x tokens into a batch 
   tables (fp32), scatter into the cache by advanced indexing.
 - `reprefill`: running the segments' tokens through a model of the same shape (what mode="exact" costs).
 - `copy_floor`: the bytes the splice must move (pool read + cache write, K and V) over the measured copy bandwidth.
-GPU shape (issue): 32 layers, 8 KV heads, head dim 128, bf16, 256 segments x 128 tokens into 64 caches, 7B-shaped
-prefill model. CPU: the same structure scaled down (printed in the CSV). Usage: `rapo-fast bench kv [--quick]` or
-`python bench/bench_kv_splice.py [--gpu] [--quick] [--out DIR] [--plot]`; rows go to <out>/kv_splice.csv.
-What this is not: a correctness test (tests/test_kv_splice*.py); providers are only cross-checked loosely.
+GPU shape: 32 layers, 8 KV heads, head dim 128, bf16, 256 segments x 128 tokens into 64 caches, 7B-shaped prefill
+model. CPU: the same structure scaled down (printed in the CSV). Usage: `rapo-fast bench kv [--gpu] [--quick] [--plot]
+[--out DIR | --record]` (or `python bench/bench_kv_splice.py ...`); rows (with device, date and commit) are appended
+to <DIR>/kv_splice.csv, to bench/results/kv_splice.csv with --record, or to a new temporary folder. Readings in
+bench/NOTES_kv.md.
+What this is not: a correctness test (tests/kv/); providers are only cross-checked loosely.
 """
 
 from __future__ import annotations
@@ -21,15 +23,36 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import append_rows, commit, device_name, measure_copy_bandwidth_gbs, now, time_fn  # noqa: E402
+from _common import (  # noqa: E402
+    add_output_args,
+    append_rows,
+    commit,
+    device_name,
+    measure_copy_bandwidth_gbs,
+    now,
+    output_dir,
+    time_fn,
+)
 
 SHAPES = {
-    "gpu": dict(layers=32, kv_heads=8, head_dim=128, segs=256, seg_len=128, batch=64, hidden=4096, heads=32,
-                inter=11008, vocab=32000),
-    "cpu": dict(layers=8, kv_heads=2, head_dim=64, segs=32, seg_len=32, batch=8, hidden=256, heads=4, inter=688,
-                vocab=1000),
-    "cpu_quick": dict(layers=4, kv_heads=2, head_dim=64, segs=16, seg_len=16, batch=4, hidden=256, heads=4, inter=688,
-                      vocab=1000),
+    "gpu": dict(
+        layers=32,
+        kv_heads=8,
+        head_dim=128,
+        segs=256,
+        seg_len=128,
+        batch=64,
+        hidden=4096,
+        heads=32,
+        inter=11008,
+        vocab=32000,
+    ),
+    "cpu": dict(
+        layers=8, kv_heads=2, head_dim=64, segs=32, seg_len=32, batch=8, hidden=256, heads=4, inter=688, vocab=1000
+    ),
+    "cpu_quick": dict(
+        layers=4, kv_heads=2, head_dim=64, segs=16, seg_len=16, batch=4, hidden=256, heads=4, inter=688, vocab=1000
+    ),
 }
 
 
@@ -46,8 +69,12 @@ def _build(shape: dict, dtype: torch.dtype, device: torch.device):
     store.values_pool.normal_()
     store._where = {i: (i * t, t) for i in range(r)}  # fill the pool in place: the bench times splicing, not adding
     store._free = []
-    cache = DynamicCache(ddp_cache_data=[(torch.zeros(b, h, s, d, dtype=dtype, device=device),
-                                          torch.zeros(b, h, s, d, dtype=dtype, device=device)) for _ in range(nl)])
+    cache = DynamicCache(
+        ddp_cache_data=[
+            (torch.zeros(b, h, s, d, dtype=dtype, device=device), torch.zeros(b, h, s, d, dtype=dtype, device=device))
+            for _ in range(nl)
+        ]
+    )
     reqs = [(i, i % b, (i // b) * t) for i in range(r)]
     return store, cache, reqs, RopeSpec.from_theta(d, 500000.0)
 
@@ -75,9 +102,15 @@ def _prefill_model(shape: dict, dtype, device):
 
     from rapo_fast.kv.splice import RopeSpec
 
-    cfg = LlamaConfig(hidden_size=shape["hidden"], num_hidden_layers=shape["layers"],
-                      num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
-                      intermediate_size=shape["inter"], vocab_size=shape["vocab"], head_dim=shape["head_dim"])
+    cfg = LlamaConfig(
+        hidden_size=shape["hidden"],
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+        intermediate_size=shape["inter"],
+        vocab_size=shape["vocab"],
+        head_dim=shape["head_dim"],
+    )
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     model = model.to_empty(device=device).to(dtype).eval()
@@ -89,7 +122,7 @@ def _prefill_model(shape: dict, dtype, device):
     return model
 
 
-def run(device: torch.device, shape_name: str, out: Path | None, plot: bool) -> list[dict]:
+def run(device: torch.device, shape_name: str, out: Path, plot: bool) -> list[dict]:
     from rapo_fast.kv.splice import splice_kv
 
     shape = SHAPES[shape_name]
@@ -115,18 +148,35 @@ def run(device: torch.device, shape_name: str, out: Path | None, plot: bool) -> 
     res["reprefill"] = time_fn(prefill, device, rep_ms=400 if device.type == "cuda" else 1000, min_runs=3)
     floor_ms = nbytes / (bw * 1e9) * 1e3
     rows = []
-    meta = dict(device=device_name(device), date=now(), commit=commit(), shape=shape_name,
-                shape_desc=f"L{nl} Hkv{h} D{d} {r}x{t} into B{shape['batch']}", dtype="bf16", bytes=nbytes,
-                copy_bw_gbs=round(bw, 2))
+    meta = dict(
+        device=device_name(device),
+        date=now(),
+        commit=commit(),
+        shape=shape_name,
+        shape_desc=f"L{nl} Hkv{h} D{d} {r}x{t} into B{shape['batch']}",
+        dtype="bf16",
+        bytes=nbytes,
+        copy_bw_gbs=round(bw, 2),
+    )
     for prov, tm in [*res.items(), ("copy_floor", {"median_ms": floor_ms, "p20_ms": floor_ms, "p80_ms": floor_ms})]:
         ms = tm["median_ms"]
-        rows.append(dict(meta, provider=prov, median_ms=round(ms, 4), p20_ms=round(tm["p20_ms"], 4),
-                         p80_ms=round(tm["p80_ms"], 4), gbs=round(nbytes / (ms * 1e-3) / 1e9, 2),
-                         pct_copy_bw=round(100 * floor_ms / ms, 1),
-                         ours_speedup=round(ms / res["rapo_fast"]["median_ms"], 2)))
+        rows.append(
+            dict(
+                meta,
+                provider=prov,
+                median_ms=round(ms, 4),
+                p20_ms=round(tm["p20_ms"], 4),
+                p80_ms=round(tm["p80_ms"], 4),
+                gbs=round(nbytes / (ms * 1e-3) / 1e9, 2),
+                pct_copy_bw=round(100 * floor_ms / ms, 1),
+                ours_speedup=round(ms / res["rapo_fast"]["median_ms"], 2),
+            )
+        )
     for row in rows:
-        print(f"{row['provider']:>12}: {row['median_ms']:10.3f} ms  {row['gbs']:8.2f} GB/s  "
-              f"{row['pct_copy_bw']:5.1f}% of copy bw  (rapo_fast is {row['ours_speedup']}x faster)")
+        print(
+            f"{row['provider']:>12}: {row['median_ms']:10.3f} ms  {row['gbs']:8.2f} GB/s  "
+            f"{row['pct_copy_bw']:5.1f}% of copy bw  (rapo_fast is {row['ours_speedup']}x faster)"
+        )
     path = append_rows("kv_splice", rows, out)
     print(f"rows appended to {path}")
     if plot:
@@ -151,19 +201,27 @@ def _plot(rows: list[dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--gpu", action="store_true", help="run on CUDA at the issue's 7B shape")
-    ap.add_argument("--quick", action="store_true", help="smaller CPU shape")
-    ap.add_argument("--out", type=Path, default=None, help="results folder (default bench/results)")
-    ap.add_argument("--plot", action="store_true", help="also write <out>/kv_splice.png")
+    ap = argparse.ArgumentParser(prog="rapo-fast bench kv", description=__doc__.split("\n")[0])
+    ap.add_argument(
+        "--gpu",
+        action="store_true",
+        help="run on the CUDA device at a 7B model's shape: 32 layers, 8 KV heads, head dim 128, 256 segments of "
+        "128 tokens into 64 caches (default: the CPU at 8 layers, 32 segments of 32 tokens)",
+    )
+    ap.add_argument(
+        "--quick", action="store_true", help="a smoke run at a smaller CPU shape (seconds; the times mean nothing)"
+    )
+    ap.add_argument("--plot", action="store_true", help="also draw the times as kv_splice.png next to the CSV")
+    add_output_args(ap, "kv_splice.csv (and kv_splice.png with --plot)")
     args = ap.parse_args(argv)
+    if args.gpu and not torch.cuda.is_available():
+        print("--gpu given but no CUDA device is available", file=sys.stderr)
+        return 2
+    out = output_dir(args, "kv")
     if args.gpu:
-        if not torch.cuda.is_available():
-            print("--gpu given but no CUDA device is available", file=sys.stderr)
-            return 2
-        run(torch.device("cuda"), "gpu", args.out, args.plot)
+        run(torch.device("cuda"), "gpu", out, args.plot)
     else:
-        run(torch.device("cpu"), "cpu_quick" if args.quick else "cpu", args.out, args.plot)
+        run(torch.device("cpu"), "cpu_quick" if args.quick else "cpu", out, args.plot)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Forward+backward time and peak memory of the fused policy loss against its anchors (issue 2, item 7).
+"""Forward+backward time and peak memory of the fused policy loss (rapo_loss) against what a trainer does without it.
 
 Providers, side by side in one run at each shape:
 - `rapo_fast_hidden`: rapo_loss(hidden=, weight=) — chunked, never an [N, V] tensor; on Triton devices the one-pass
@@ -10,8 +10,10 @@ Providers, side by side in one run at each shape:
   clipped surrogate (rapo_fast.reference), token-mean.
 - `torch_compile`: the same function under torch.compile.
 - `liger`: Liger-Kernel's LigerFusedLinearGRPOLoss (when liger_kernel is importable; compiled on CUDA).
-Usage: `rapo-fast bench loss [--quick] [--gpu] [--out DIR]`. Rows are appended to <out>/loss.csv with device, date and
-commit. What this is not: a correctness test (tests/ does that); it only checks that providers agree to a loose
+Usage: `rapo-fast bench loss [--quick] [--gpu] [--dtype D] [--out DIR | --record]`. Rows (with device, date and
+commit) are appended to <DIR>/loss.csv, to bench/results/loss.csv with --record, or to a new temporary folder.
+Plot with bench/plot_loss.py; predictions and readings in bench/NOTES_loss.md.
+What this is not: a correctness test (tests/loss/ does that); it only checks that providers agree to a loose
 tolerance so that a broken provider cannot post a fast time.
 """
 
@@ -25,7 +27,17 @@ from pathlib import Path
 
 import torch
 
-from _common import append_rows, commit, device_name, measure_copy_bandwidth_gbs, now, peak_memory_mb, time_fn
+from _common import (
+    add_output_args,
+    append_rows,
+    commit,
+    device_name,
+    measure_copy_bandwidth_gbs,
+    now,
+    output_dir,
+    peak_memory_mb,
+    time_fn,
+)
 
 GRID_GPU = [(n, 4096, v) for n in (4096, 16384, 65536) for v in (32768, 152064)]
 GRID_CPU_QUICK = [(256, 128, 1000), (512, 96, 4099)]
@@ -64,8 +76,15 @@ def _providers(device: torch.device, n: int, v: int):
 
     def ours_hidden(hidden, weight, targets, old_logp, adv, mask):
         return rapo_fast.rapo_loss(
-            hidden=hidden, weight=weight, targets=targets, old_logp=old_logp, advantages=adv, loss_mask=mask,
-            eps_low=EPS, eps_high=EPS, loss_agg="token-mean",
+            hidden=hidden,
+            weight=weight,
+            targets=targets,
+            old_logp=old_logp,
+            advantages=adv,
+            loss_mask=mask,
+            eps_low=EPS,
+            eps_high=EPS,
+            loss_agg="token-mean",
         )
 
     def ours_hidden_2pass(*args):
@@ -91,8 +110,14 @@ def _providers(device: torch.device, n: int, v: int):
         logits = cache[key]
         logits.grad = None
         return rapo_fast.rapo_loss(
-            logits, targets=targets, old_logp=old_logp, advantages=adv, loss_mask=mask,
-            eps_low=EPS, eps_high=EPS, loss_agg="token-mean",
+            logits,
+            targets=targets,
+            old_logp=old_logp,
+            advantages=adv,
+            loss_mask=mask,
+            eps_low=EPS,
+            eps_high=EPS,
+            loss_agg="token-mean",
         )
 
     # torch_eager first: the other providers' losses are checked against its value
@@ -106,7 +131,11 @@ def _providers(device: torch.device, n: int, v: int):
         # loss_type "dapo" = token-mean over the batch; no reference model (beta 0); compiled (Liger's fast path) on
         # CUDA only, its plain-torch chunked path on the CPU.
         liger = LigerFusedLinearGRPOLoss(
-            beta=0.0, use_ref_model=False, epsilon_low=EPS, epsilon_high=EPS, loss_type="dapo",
+            beta=0.0,
+            use_ref_model=False,
+            epsilon_low=EPS,
+            epsilon_high=EPS,
+            loss_type="dapo",
             compiled=device.type == "cuda",
         )
 
@@ -120,7 +149,7 @@ def _providers(device: torch.device, n: int, v: int):
     return provs
 
 
-def run(shapes, dtype, device, out_dir: Path | None, reps_ms: int) -> list[dict]:
+def run(shapes, dtype, device, out_dir: Path, reps_ms: int) -> list[dict]:
     rows = []
     dev_name = device_name(device)
     bw = measure_copy_bandwidth_gbs(device)
@@ -156,9 +185,17 @@ def run(shapes, dtype, device, out_dir: Path | None, reps_ms: int) -> list[dict]
                 rows.append({"provider": name, "N": n, "H": h, "V": v, "status": f"error: {exc!r}"[:200]})
                 continue
             row = {
-                "provider": name, "N": n, "H": h, "V": v, "dtype": str(dtype).replace("torch.", ""),
-                "median_ms": round(t["median_ms"], 4), "p20_ms": round(t["p20_ms"], 4), "p80_ms": round(t["p80_ms"], 4),
-                "peak_mem_mb": round(mem, 1), "loss": float(loss), "status": status,
+                "provider": name,
+                "N": n,
+                "H": h,
+                "V": v,
+                "dtype": str(dtype).replace("torch.", ""),
+                "median_ms": round(t["median_ms"], 4),
+                "p20_ms": round(t["p20_ms"], 4),
+                "p80_ms": round(t["p80_ms"], 4),
+                "peak_mem_mb": round(mem, 1),
+                "loss": float(loss),
+                "status": status,
             }
             if name == "rapo_fast_logits":
                 esize = torch.empty((), dtype=dtype).element_size()
@@ -170,20 +207,35 @@ def run(shapes, dtype, device, out_dir: Path | None, reps_ms: int) -> list[dict]
             gc.collect()
     meta = {"device": dev_name, "date": now(), "commit": commit()}
     rows = [{**r, **meta} for r in rows]
-    append_rows("loss", rows, out_dir)
+    print(f"rows appended to {append_rows('loss', rows, out_dir)}")
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="rapo-fast bench loss", description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="tiny CPU shapes (a smoke run of every provider)")
-    p.add_argument("--gpu", action="store_true", help="the issue's grid on CUDA (N in 4k/16k/64k, H=4096, V 32k/152k)")
-    p.add_argument("--out", type=Path, default=None, help="directory for loss.csv (default bench/results)")
-    p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"])
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run: every provider once at two tiny CPU shapes (seconds; the times mean nothing)",
+    )
+    p.add_argument(
+        "--gpu",
+        action="store_true",
+        help="run on the CUDA device at LLM shapes: N in 4k/16k/64k tokens, H=4096, V in 32k/152k, bf16 "
+        "(default: the CPU at N<=2048, V<=32k, fp32)",
+    )
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["bfloat16", "float16", "float32"],
+        help="dtype of hidden states and lm_head weight (default bfloat16 with --gpu, float32 on the CPU)",
+    )
+    add_output_args(p, "loss.csv")
     args = p.parse_args(argv)
+    if args.gpu and not torch.cuda.is_available():
+        raise SystemExit("--gpu asked for but no CUDA device is visible")
+    out = output_dir(args, "loss")
     if args.gpu:
-        if not torch.cuda.is_available():
-            raise SystemExit("--gpu asked for but no CUDA device is visible")
         device, shapes, dtype, reps = torch.device("cuda"), GRID_GPU, torch.bfloat16, 300
     else:
         device = torch.device("cpu")
@@ -192,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype, reps = torch.float32, (50 if args.quick else 300)
     if args.dtype:
         dtype = getattr(torch, args.dtype)
-    rows = run(shapes, dtype, device, args.out, reps)
+    rows = run(shapes, dtype, device, out, reps)
     bad = [r for r in rows if str(r.get("status", "")).startswith(("DISAGREES", "error"))]
     print(f"bench loss: {len(rows)} rows, {len(bad)} disagreeing/erroring providers, device {device_name(device)}")
     return 1 if bad else 0

@@ -1,4 +1,4 @@
-"""Queries/s of exact step retrieval (issue 3, item 6): StepBuffer.search against its anchors, side by side.
+"""Queries/s of exact step retrieval: StepBuffer.search against faiss and plain torch, side by side.
 
 Providers at each shape, timed round-robin in one run (so a shared machine's load hits all of them alike):
 - CPU: `ours` (C++ backend, fp32 keys; `ours_fp16` with fp16 keys; `ours_excl` with a per-query exclusion filter),
@@ -9,10 +9,12 @@ Providers at each shape, timed round-robin in one run (so a shared machine's loa
 Order: the paper's scale first (C=170k steps, D=384 MiniLM, Q=256 = 32 prompts x 8 hybrid rollouts, k in {1, 3}),
 then (CPU) the few-query shapes SMALL_Q, then the grid C in {100k, 1M, 4M} x D in {256, 768} x Q in
 {64, 1024, 4096} x k in {8, 64} (on the CPU a subset, see
-GRID_CPU; --quick is a smoke subset for CI). Rows go to <out>/retrieval_{cpu,gpu}.csv with device, date, commit and
-the load average; every provider's ids are compared with `ours` (agree = fraction of equal ids) so a broken provider
-cannot post a fast time. Usage: `rapo-fast bench retrieval [--quick] [--gpu] [--out DIR] [--repeats N]`.
-What this is not: a correctness test (tests/test_retrieval*.py).
+GRID_CPU; --quick is a smoke subset for CI). Rows (with device, date, commit and the load average) are appended to
+<DIR>/retrieval_{cpu,gpu}.csv, to bench/results/ with --record, or to a new temporary folder; every provider's ids
+are compared with `ours` (agree = fraction of equal ids) so a broken provider cannot post a fast time.
+Usage: `rapo-fast bench retrieval [--quick] [--gpu] [--repeats N] [--out DIR | --record]`; plot with
+bench/plot_retrieval.py; readings in bench/NOTES_retrieval.md.
+What this is not: a correctness test (tests/retrieval/).
 """
 
 from __future__ import annotations
@@ -21,18 +23,29 @@ import argparse
 import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
-from _common import append_rows, commit, device_name, measure_copy_bandwidth_gbs, now, time_fn
+from _common import (
+    add_output_args,
+    append_rows,
+    commit,
+    device_name,
+    measure_copy_bandwidth_gbs,
+    now,
+    output_dir,
+    time_fn,
+)
 
 PAPER = [(170_000, 384, 256, k) for k in (1, 3)]
-GRID_FULL = [(c, d, q, k) for c in (100_000, 1_000_000, 4_000_000) for d in (256, 768) for q in (64, 1024, 4096)
-             for k in (8, 64)]
+GRID_FULL = [
+    (c, d, q, k) for c in (100_000, 1_000_000, 4_000_000) for d in (256, 768) for q in (64, 1024, 4096) for k in (8, 64)
+]
 # CPU: 4M keys and Q=4096 take minutes per provider on a few cores; the acceptance point (1M, 768, 1024, 64) is kept.
 GRID_CPU = [(100_000, d, q, k) for d in (256, 768) for q in (64, 1024) for k in (8, 64)] + [
-    (1_000_000, 768, 64, 64), (1_000_000, 768, 1024, 64)]
+    (1_000_000, 768, 64, 64),
+    (1_000_000, 768, 1024, 64),
+]
 # Per-step retrieval of one prompt's hybrid rollouts (Q = 1..16) at the paper's buffer size: the few-query path.
 SMALL_Q = [(170_000, 384, q, 3) for q in (1, 2, 4, 6, 8, 16, 32)]
 QUICK = [(20_000, 64, 32, 8), (5_000, 48, 7, 3)]
@@ -87,8 +100,12 @@ def _time_round_robin(fns: dict, repeats: int) -> dict[str, dict]:
     out = {}
     for n, ts in times.items():
         ts.sort()
-        out[n] = {"median_ms": statistics.median(ts), "p20_ms": ts[int(0.2 * (len(ts) - 1))],
-                  "p80_ms": ts[int(0.8 * (len(ts) - 1))], "repeats": len(ts)}
+        out[n] = {
+            "median_ms": statistics.median(ts),
+            "p20_ms": ts[int(0.2 * (len(ts) - 1))],
+            "p80_ms": ts[int(0.8 * (len(ts) - 1))],
+            "repeats": len(ts),
+        }
     return out
 
 
@@ -126,8 +143,7 @@ def _cpu_case(C, D, Q, k, metric, repeats, faiss_mod) -> list[dict]:
 
         xb = torch.from_numpy(faiss_mod.rev_swig_ptr(index.get_xb(), C * D).reshape(C, D))
         aux, grp = buf._aux[:C], buf._group[:C]
-        fns["ours_faiss_mem"] = lambda: retrieval_search(xb, aux, grp, q, None, k, METRIC_CODES[metric],
-                                                         float("-inf"))
+        fns["ours_faiss_mem"] = lambda: retrieval_search(xb, aux, grp, q, None, k, METRIC_CODES[metric], float("-inf"))
     ref_s, ref_p = buf.search(q, k)
     agree = {"ours": 1.0, "ours_excl": float("nan"), "torch": _agree(_torch_topk(keys, q, k, metric, 65_536)[1], ref_p)}
     if buf16 is not None:
@@ -139,8 +155,20 @@ def _cpu_case(C, D, Q, k, metric, repeats, faiss_mod) -> list[dict]:
     res = _time_round_robin(fns, repeats)
     rows = []
     for name, r in res.items():
-        rows.append(dict(provider=name, metric=metric, dtype="float16" if name == "ours_fp16" else "float32", C=C, D=D,
-                         Q=Q, k=k, qps=Q / (r["median_ms"] * 1e-3), agree=round(agree[name], 4), **r))
+        rows.append(
+            dict(
+                provider=name,
+                metric=metric,
+                dtype="float16" if name == "ours_fp16" else "float32",
+                C=C,
+                D=D,
+                Q=Q,
+                k=k,
+                qps=Q / (r["median_ms"] * 1e-3),
+                agree=round(agree[name], 4),
+                **r,
+            )
+        )
     base = res.get("faiss_flat", res["torch"])["median_ms"]
     for row in rows:
         row["ratio_vs_faiss" if "faiss_flat" in res else "ratio_vs_torch"] = round(row["median_ms"] / base, 3)
@@ -161,8 +189,11 @@ def _gpu_case(C, D, Q, k, metric, device, bw_gbs) -> list[dict]:
         buf = StepBuffer(C, D, dtype=torch.float16, metric=metric, device=device)
         for c0 in range(0, C, 1_048_576):
             n = min(1_048_576, C - c0)
-            buf.add(torch.randn(n, D, generator=g, device=device), torch.arange(c0, c0 + n, device=device),
-                    torch.randint(0, N_GROUPS, (n,), generator=g, device=device))
+            buf.add(
+                torch.randn(n, D, generator=g, device=device),
+                torch.arange(c0, c0 + n, device=device),
+                torch.randint(0, N_GROUPS, (n,), generator=g, device=device),
+            )
         _GPU_BUF.update(key=key, buf=buf)
     buf = _GPU_BUF["buf"]
     q = torch.randn(Q, D, generator=g, device=device)
@@ -182,11 +213,35 @@ def _gpu_case(C, D, Q, k, metric, device, bw_gbs) -> list[dict]:
     rows = []
     for name, fn in fns.items():
         r = time_fn(fn, device, rep_ms=200)
-        rows.append(dict(provider=name, metric=metric, dtype="float16", C=C, D=D, Q=Q, k=k,
-                         qps=Q / (r["median_ms"] * 1e-3), agree=round(agree[name], 4),
-                         pct_of_copy_bw=round(100 * floor_ms / r["median_ms"], 1), **r))
-    rows.append(dict(provider="floor", metric=metric, dtype="float16", C=C, D=D, Q=Q, k=k, median_ms=floor_ms,
-                     qps=Q / (floor_ms * 1e-3), copy_bw_gbs=round(bw_gbs, 1)))
+        rows.append(
+            dict(
+                provider=name,
+                metric=metric,
+                dtype="float16",
+                C=C,
+                D=D,
+                Q=Q,
+                k=k,
+                qps=Q / (r["median_ms"] * 1e-3),
+                agree=round(agree[name], 4),
+                pct_of_copy_bw=round(100 * floor_ms / r["median_ms"], 1),
+                **r,
+            )
+        )
+    rows.append(
+        dict(
+            provider="floor",
+            metric=metric,
+            dtype="float16",
+            C=C,
+            D=D,
+            Q=Q,
+            k=k,
+            median_ms=floor_ms,
+            qps=Q / (floor_ms * 1e-3),
+            copy_bw_gbs=round(bw_gbs, 1),
+        )
+    )
     base = rows[2]["median_ms"]
     for row in rows:
         row["ratio_vs_torch"] = round(row["median_ms"] / base, 3)
@@ -195,34 +250,76 @@ def _gpu_case(C, D, Q, k, metric, device, bw_gbs) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="tiny CPU shapes (a smoke run of every provider)")
-    p.add_argument("--gpu", action="store_true", help="run the GPU providers on cuda:0")
-    p.add_argument("--out", type=Path, default=None, help="folder for retrieval_{cpu,gpu}.csv (default bench/results)")
-    p.add_argument("--repeats", type=int, default=None, help="CPU timing rounds per provider (default 5, quick 3)")
-    p.add_argument("--paper-only", action="store_true", help="only the paper-scale shapes")
-    p.add_argument("--small-q", action="store_true", help="only the few-query shapes (SMALL_Q)")
-    p.add_argument("--metric", default="ip", choices=["ip", "l2"], help="metric of the grid (faiss has both)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for every provider (default: torch's)")
+    p = argparse.ArgumentParser(prog="rapo-fast bench retrieval", description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run: every provider at two tiny shapes (C <= 20k keys; seconds, the times mean nothing)",
+    )
+    p.add_argument(
+        "--gpu",
+        action="store_true",
+        help="run on the first CUDA device (ours, torch and the bandwidth floor; fp16 keys) instead of the CPU",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        metavar="N",
+        help="CPU timing rounds per provider; the median is reported (default 5, with --quick 3)",
+    )
+    p.add_argument(
+        "--paper-only",
+        action="store_true",
+        help="only the paper's scale: 170k steps, 384-dim keys, 256 queries, k in {1, 3}",
+    )
+    p.add_argument(
+        "--small-q",
+        action="store_true",
+        help="only the few-query shapes of per-step retrieval: 1 to 32 queries against 170k steps (CPU)",
+    )
+    p.add_argument(
+        "--metric",
+        default="ip",
+        choices=["ip", "l2"],
+        help="similarity of the grid: inner product or (negative) squared L2 distance (default ip)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="CPU threads given to every provider, faiss included (default: torch's thread count)",
+    )
+    add_output_args(p, "retrieval_cpu.csv (retrieval_gpu.csv with --gpu)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.gpu and not torch.cuda.is_available():
+        print("bench retrieval: --gpu given but no CUDA device")
+        return 1
+    out = output_dir(args, "retrieval")
+    rows = _run_gpu(args) if args.gpu else _run_cpu(args)
+    path = append_rows("retrieval_gpu" if args.gpu else "retrieval_cpu", rows, out)
+    print(f"wrote {len(rows)} rows to {path}")
+    return 0
+
+
+def _run_gpu(args: argparse.Namespace) -> list[dict]:
     stamp = dict(date=now(), commit=commit())
-    if args.gpu:
-        if not torch.cuda.is_available():
-            print("bench retrieval: --gpu given but no CUDA device")
-            return 1
-        device = torch.device("cuda", 0)
-        bw = measure_copy_bandwidth_gbs(device)
-        shapes = QUICK if args.quick else (PAPER if args.paper_only else PAPER + GRID_FULL)
-        rows = []
-        for C, D, Q, k in shapes:
-            case = _gpu_case(C, D, Q, k, args.metric, device, bw)
-            rows += [dict(device=device_name(device), **stamp, **r) for r in case]
-            _print(case)
-        path = append_rows("retrieval_gpu", rows, args.out)
-        print(f"wrote {len(rows)} rows to {path}")
-        return 0
+    device = torch.device("cuda", 0)
+    bw = measure_copy_bandwidth_gbs(device)
+    shapes = QUICK if args.quick else (PAPER if args.paper_only else PAPER + GRID_FULL)
+    rows = []
+    for C, D, Q, k in shapes:
+        case = _gpu_case(C, D, Q, k, args.metric, device, bw)
+        rows += [dict(device=device_name(device), **stamp, **r) for r in case]
+        _print(case)
+    return rows
+
+
+def _run_cpu(args: argparse.Namespace) -> list[dict]:
+    stamp = dict(date=now(), commit=commit())
     # faiss-cpu bundles its own OpenBLAS, whose threads would otherwise oversubscribe the cores next to faiss's OpenMP
     # threads (measured here: 2-4x slower on a loaded 2-core machine); it reads this variable when faiss is imported.
     os.environ.setdefault("OPENBLAS_NUM_THREADS", str(torch.get_num_threads()))
@@ -244,20 +341,25 @@ def main(argv: list[str] | None = None) -> int:
     for C, D, Q, k in shapes:
         load = os.getloadavg()[0]
         case = _cpu_case(C, D, Q, k, args.metric, repeats, faiss)
-        extra = dict(device=device_name(torch.device("cpu")), **stamp, isa=isa, threads=torch.get_num_threads(),
-                     load_avg_1m=round(load, 2))
+        extra = dict(
+            device=device_name(torch.device("cpu")),
+            **stamp,
+            isa=isa,
+            threads=torch.get_num_threads(),
+            load_avg_1m=round(load, 2),
+        )
         rows += [dict(extra, **r) for r in case]
         _print(case)
-    path = append_rows("retrieval_cpu", rows, args.out)
-    print(f"wrote {len(rows)} rows to {path}")
-    return 0
+    return rows
 
 
 def _print(rows: list[dict]) -> None:
     for r in rows:
         ratio = r.get("ratio_vs_faiss", r.get("ratio_vs_torch"))
-        print(f"C={r['C']:>8} D={r['D']:>4} Q={r['Q']:>5} k={r['k']:>3} {r['provider']:>11}: "
-              f"{r['median_ms']:10.2f} ms  {r['qps']:12.0f} q/s  ratio {ratio}  agree {r.get('agree', '')}")
+        print(
+            f"C={r['C']:>8} D={r['D']:>4} Q={r['Q']:>5} k={r['k']:>3} {r['provider']:>11}: "
+            f"{r['median_ms']:10.2f} ms  {r['qps']:12.0f} q/s  ratio {ratio}  agree {r.get('agree', '')}"
+        )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One command for a GPU machine (no network): build rapo_fast from source, run `pytest -m gpu`, run every benchmark's
-# GPU grid, and leave logs + CSVs in OUTDIR, printing a short table last.
+# GPU grid, and leave logs + CSVs in OUTDIR (never in bench/results/: copy rows there by hand, or rerun with --record),
+# printing a short table last. Not a test runner for the CPU suite (.ci/run).
 #   bash bench/gpu_suite.sh OUTDIR [WHEELS_DIR]
 # WHEELS_DIR (default .carry/wheels, filled here by tools/fetch_gpu_wheels.sh) holds pure-Python wheels the GPU image
 # lacks (liger-kernel, trl); they are installed with --no-index --no-deps. Each later capability adds its step below.
@@ -44,6 +45,7 @@ run_bench() {  # name, then the bench's arguments
   fi
 }
 [ -f bench/bench_loss.py ] && run_bench loss
+[ -f bench/bench_token_logprobs.py ] && run_bench token_logprobs
 [ -f bench/bench_retrieval.py ] && run_bench retrieval
 [ -f bench/bench_kv_splice.py ] && run_bench kv_splice
 
@@ -51,7 +53,7 @@ run_bench() {  # name, then the bench's arguments
 "$PY" - "$OUT" <<'PYEOF' | tee -a "$summary"
 import csv, sys, pathlib
 out = pathlib.Path(sys.argv[1])
-cols = ["provider", "N", "H", "V", "C", "D", "Q", "k", "median_ms", "peak_mem_mb", "pct_of_copy_bw", "status"]
+cols = ["provider", "mode", "N", "H", "V", "C", "D", "Q", "k", "median_ms", "peak_mem_mb", "pct_of_copy_bw", "status"]
 for f in sorted(out.glob("*.csv")):
     rows = list(csv.DictReader(f.open()))
     print(f"== {f.name} ({len(rows)} rows)")

@@ -55,8 +55,9 @@ def plot(csv_path: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    paths = [Path(a) for a in args] or [p for p in (RESULTS / "retrieval_cpu.csv", RESULTS / "retrieval_gpu.csv")
-                                        if p.exists()]
+    paths = [Path(a) for a in args] or [
+        p for p in (RESULTS / "retrieval_cpu.csv", RESULTS / "retrieval_gpu.csv") if p.exists()
+    ]
     for p in paths:
         print(f"wrote {plot(p)}")
     return 0

@@ -1,5 +1,6 @@
-// The one PYBIND11_MODULE of rapo_fast._C. Each op registers its functions from its own <op>_bindings.cpp so that
-// ops can be added without touching this file's logic; build facts are reported by build_info().
+// The one PYBIND11_MODULE of rapo_fast._C. Each op registers its parameter class and backend functions from its own
+// <op>_bindings.cpp, in the binding convention of rapo/registry.h (docs/extension.md), so that ops can be added
+// without touching this file's logic; build facts are reported in BUILD_INFO (rapo_fast._ext.build_info()).
 // Not the place for op logic or argument checks beyond what keeps memory safe (Python validates first).
 #include <pybind11/pybind11.h>
 

@@ -1,85 +1,64 @@
-// pybind11 registration of the KV-splice backends: `kv_splice(params: dict)`, the dict built by
-// rapo_fast/kv/splice.py (_launch_extension) with the fields of rapo::KVSpliceParams (csrc/include/rapo/rope.h).
+// pybind11 registration of the KV-splice backends, in the binding convention of rapo/registry.h: the class
+// KVSpliceParams (rapo/kv_splice.h) filled by keyword in rapo_fast/kv/splice.py, and one function per backend taking
+// it, with the GIL released while a splice runs.
 // Not a place for argument validation beyond the checks that keep memory safe; Python validates first.
-#include <pybind11/pybind11.h>
+#include <cstdint>
 
-#include <stdexcept>
-#include <string>
-
+#include "rapo/kv_splice.h"
 #include "rapo/registry.h"
-#include "rapo/rope.h"
 
 namespace py = pybind11;
 
 namespace rapo {
-namespace {
 
-template <typename T>
-T field(const py::dict& d, const char* name) {
-  if (!d.contains(name)) throw std::invalid_argument(std::string("kv_splice: missing parameter '") + name + "'");
-  return d[name].cast<T>();
-}
-
-KVSpliceParams parse(const py::dict& d) {
-  KVSpliceParams p;
-  p.device = field<int>(d, "device");
-  p.stream = field<int64_t>(d, "stream");
-  p.dtype = static_cast<DType>(field<int>(d, "dtype"));
-  p.interleaved = field<bool>(d, "interleaved");
-  p.k_pool = field<int64_t>(d, "k_pool");
-  p.v_pool = field<int64_t>(d, "v_pool");
-  p.pool_layer_stride = field<int64_t>(d, "pool_layer_stride");
-  p.pool_token_stride = field<int64_t>(d, "pool_token_stride");
-  p.pool_head_stride = field<int64_t>(d, "pool_head_stride");
-  p.dst_k_ptrs = field<int64_t>(d, "dst_k_ptrs");
-  p.dst_v_ptrs = field<int64_t>(d, "dst_v_ptrs");
-  p.k_row_stride = field<int64_t>(d, "k_row_stride");
-  p.k_slot_stride = field<int64_t>(d, "k_slot_stride");
-  p.k_head_stride = field<int64_t>(d, "k_head_stride");
-  p.v_row_stride = field<int64_t>(d, "v_row_stride");
-  p.v_slot_stride = field<int64_t>(d, "v_slot_stride");
-  p.v_head_stride = field<int64_t>(d, "v_head_stride");
-  p.num_layers = field<int>(d, "num_layers");
-  p.num_heads = field<int>(d, "num_heads");
-  p.head_dim = field<int>(d, "head_dim");
-  p.rotary_dim = field<int>(d, "rotary_dim");
-  p.inv_freq = field<int64_t>(d, "inv_freq");
-  p.requests = field<int64_t>(d, "requests");
-  p.num_requests = field<int64_t>(d, "num_requests");
-  p.max_tokens = field<int64_t>(d, "max_tokens");
-  p.block_table = field<int64_t>(d, "block_table");
-  p.block_table_stride = field<int64_t>(d, "block_table_stride");
-  p.block_size = field<int64_t>(d, "block_size");
-  p.aligned16 = field<bool>(d, "aligned16");
-  // Memory-safety checks only (Python has validated the values themselves).
-  if (p.rotary_dim < 0 || p.rotary_dim % 2 || p.rotary_dim > p.head_dim)
-    throw std::invalid_argument("kv_splice: rotary_dim must be even and <= head_dim");
-  if (p.num_requests < 0 || p.max_tokens < 0 || p.num_layers <= 0 || p.num_heads <= 0)
-    throw std::invalid_argument("kv_splice: bad sizes");
-  if (p.block_table != 0 && p.block_size <= 0) throw std::invalid_argument("kv_splice: block_size must be > 0");
-  return p;
-}
-
-void kv_splice(const py::dict& d) {
-  const KVSpliceParams p = parse(d);
-  if (p.num_requests == 0 || p.max_tokens == 0) return;
-  if (p.device < 0) {
-    py::gil_scoped_release release;
-    kv_splice_cpu(p);
-    return;
-  }
+void register_kv_splice(py::module_& m) {
+  using P = KVSpliceParams;
+  ParamsClass<P>(m, "KVSpliceParams", "One splice of stored K/V segments into a cache (rapo/kv_splice.h); private.")
+      .dtype("dtype", &P::dtype)
+      .field("interleaved", &P::interleaved)
+      .address("k_pool", &P::k_pool)
+      .address("v_pool", &P::v_pool)
+      .field("pool_layer_stride", &P::pool_layer_stride)
+      .field("pool_token_stride", &P::pool_token_stride)
+      .field("pool_head_stride", &P::pool_head_stride)
+      .address("dst_k_ptrs", &P::dst_k_ptrs)
+      .address("dst_v_ptrs", &P::dst_v_ptrs)
+      .field("k_row_stride", &P::k_row_stride)
+      .field("k_slot_stride", &P::k_slot_stride)
+      .field("k_head_stride", &P::k_head_stride)
+      .field("v_row_stride", &P::v_row_stride)
+      .field("v_slot_stride", &P::v_slot_stride)
+      .field("v_head_stride", &P::v_head_stride)
+      .field("num_layers", &P::num_layers)
+      .field("num_heads", &P::num_heads)
+      .field("head_dim", &P::head_dim)
+      .field("rotary_dim", &P::rotary_dim)
+      .address("inv_freq", &P::inv_freq)
+      .address("requests", &P::requests)
+      .field("num_requests", &P::num_requests)
+      .field("max_tokens", &P::max_tokens)
+      .address("block_table", &P::block_table)
+      .field("block_table_stride", &P::block_table_stride)
+      .field("block_size", &P::block_size)
+      .field("aligned16", &P::aligned16)
+      .finish();
+  m.def(
+      "kv_splice_cpu",
+      [](P params) {
+        py::gil_scoped_release nogil;
+        kv_splice_cpu(params);
+      },
+      py::arg("params"), "Splice stored segments' K/V into a CPU cache, keys re-rotated by RoPE (private).");
 #ifdef RAPO_WITH_CUDA
-  kv_splice_cuda(p);
-#else
-  throw std::runtime_error("kv_splice: rapo_fast._C was built without its CUDA backend");
+  m.def(
+      "kv_splice_cuda",
+      [](P params, int device, std::uintptr_t stream) {
+        py::gil_scoped_release nogil;
+        kv_splice_cuda(params, device, stream);
+      },
+      py::arg("params"), py::kw_only(), py::arg("device"), py::arg("stream"),
+      "Splice stored segments' K/V into a CUDA cache on the given stream, keys re-rotated by RoPE (private).");
 #endif
-}
-
-}  // namespace
-
-void register_kv_splice(pybind11::module_& m) {
-  m.def("kv_splice", &kv_splice, py::arg("params"),
-        "Splice stored segments' K/V into a cache, keys re-rotated by RoPE (see rapo_fast/kv/splice.py).");
 }
 
 }  // namespace rapo

@@ -2,14 +2,19 @@
 // the store's pools into the destination cache (HF [B, H, S, D] or paged [blocks, block_size, H, D]), rotating keys by
 // R(delta) with fp32 math (rapo/rope.h; angles formed in double once per block into shared memory) and copying values.
 // Memory traffic uses 16-byte vectors when every base pointer, stride and the head/rotary dims allow it, scalar
-// accesses otherwise. Not a place for validation: rapo_fast/kv/splice.py checks everything before the launch.
+// accesses otherwise. Contract: docs/kv_splice.md.
+// Not a place for validation: rapo_fast/kv/splice.py checks everything before the launch (rapo/kv_splice.h keeps
+// memory safe).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <stdexcept>
-#include <string>
 
+#include "rapo/cuda_guard.h"
+#include "rapo/dtype.h"
+#include "rapo/kv_splice.h"
 #include "rapo/rope.h"
 
 namespace rapo {
@@ -19,43 +24,55 @@ constexpr int kThreads = 256;
 constexpr int kTokTile = 4;    // tokens per block: enough 16-byte units per thread to keep bytes in flight
 constexpr int kMaxHalf = 512;  // rotary_dim / 2 <= 512 (head_dim <= 1024)
 
-template <typename T>
-struct Cvt;
-template <>
-struct Cvt<float> {
-  __device__ static float f(float x) { return x; }
-  __device__ static float t(float x) { return x; }
-};
-template <>
-struct Cvt<__half> {
-  __device__ static float f(__half x) { return __half2float(x); }
-  __device__ static __half t(float x) { return __float2half_rn(x); }
-};
-template <>
-struct Cvt<__nv_bfloat16> {
-  __device__ static float f(__nv_bfloat16 x) { return __bfloat162float(x); }
-  __device__ static __nv_bfloat16 t(float x) { return __float2bfloat16_rn(x); }
-};
-
 template <typename T, int VEC>
 struct alignas(sizeof(T) * VEC) Vec {
   T v[VEC];
 };
 
-// A unit is VEC rotary pairs (two VEC-vectors: rotate_half A = x[i0..), B = x[i0 + half..); interleaved the 2*VEC
-// contiguous elements x[2 i0..)), or one VEC-vector of pass-through key dims, or one VEC-vector of values.
+// Rotates one unit of VEC rotary pairs of a key row, ks -> ko, with the block's cos/sin table cs (cos of pair i at
+// cs[2 i], sin at cs[2 i + 1]). rotate_half: the pairs (A[m], B[m]) of A = x[i0..), B = x[i0 + half..);
+// interleaved: the pairs (AB[2m], AB[2m + 1]) of the 2 * VEC contiguous elements x[2 i0..).
+template <typename T, int VEC, bool INTERLEAVED>
+__device__ __forceinline__ void rotate_unit(const T* ks, T* ko, int i0, int half, const float* cs) {
+  using V = Vec<T, VEC>;
+  const int a0 = INTERLEAVED ? 2 * i0 : i0;
+  const int b0 = INTERLEAVED ? 2 * i0 + VEC : i0 + half;
+  const V va = *reinterpret_cast<const V*>(ks + a0);
+  const V vb = *reinterpret_cast<const V*>(ks + b0);
+  float x[2 * VEC];
+#pragma unroll
+  for (int m = 0; m < VEC; ++m) {
+    x[m] = to_float(va.v[m]);
+    x[VEC + m] = to_float(vb.v[m]);
+  }
+  V oa, ob;
+#pragma unroll
+  for (int m = 0; m < VEC; ++m) {
+    const int e1 = INTERLEAVED ? 2 * m : m;
+    const int e2 = INTERLEAVED ? 2 * m + 1 : VEC + m;
+    float y1, y2;
+    rope_rotate_pair(x[e1], x[e2], cs[2 * (i0 + m)], cs[2 * (i0 + m) + 1], &y1, &y2);
+    T* o1 = e1 < VEC ? &oa.v[e1] : &ob.v[e1 - VEC];
+    T* o2 = e2 < VEC ? &oa.v[e2] : &ob.v[e2 - VEC];
+    *o1 = from_float<T>(y1);
+    *o2 = from_float<T>(y2);
+  }
+  *reinterpret_cast<V*>(ko + a0) = oa;
+  *reinterpret_cast<V*>(ko + b0) = ob;
+}
+
+// A unit is VEC rotary pairs (rotate_unit), or one VEC-vector of pass-through key dims, or one VEC-vector of values.
 template <typename T, int VEC, bool INTERLEAVED>
 __global__ void __launch_bounds__(kThreads) kv_splice_kernel(KVSpliceParams p, int tiles) {
   __shared__ float cs[2 * kMaxHalf];
   const int64_t r = blockIdx.x / tiles;
   const int64_t j0 = static_cast<int64_t>(blockIdx.x % tiles) * kTokTile;
   const int l = blockIdx.y;
-  const int64_t* q = reinterpret_cast<const int64_t*>(p.requests) + r * 5;
+  const int64_t* q = p.requests + r * 5;
   const int64_t n = q[1];
   if (j0 >= n) return;  // uniform for the whole block, before the barrier
   const int half = p.rotary_dim / 2;
-  const float* inv = reinterpret_cast<const float*>(p.inv_freq);
-  for (int i = threadIdx.x; i < half; i += blockDim.x) rope_cos_sin(q[4], inv[i], &cs[2 * i], &cs[2 * i + 1]);
+  for (int i = threadIdx.x; i < half; i += blockDim.x) rope_cos_sin(q[4], p.inv_freq[i], &cs[2 * i], &cs[2 * i + 1]);
   __syncthreads();
 
   const int ntok = static_cast<int>(min(static_cast<int64_t>(kTokTile), n - j0));
@@ -65,11 +82,11 @@ __global__ void __launch_bounds__(kThreads) kv_splice_kernel(KVSpliceParams p, i
   const int per_head = k_units + D / VEC;
   const int per_tok = H * per_head;
   const int total = ntok * per_tok;
-  const T* kpool = reinterpret_cast<const T*>(p.k_pool) + l * p.pool_layer_stride;
-  const T* vpool = reinterpret_cast<const T*>(p.v_pool) + l * p.pool_layer_stride;
-  T* kdst = reinterpret_cast<T*>(reinterpret_cast<const int64_t*>(p.dst_k_ptrs)[l]);
-  T* vdst = reinterpret_cast<T*>(reinterpret_cast<const int64_t*>(p.dst_v_ptrs)[l]);
-  const int32_t* bt = reinterpret_cast<const int32_t*>(p.block_table);
+  const T* kpool = static_cast<const T*>(p.k_pool) + l * p.pool_layer_stride;
+  const T* vpool = static_cast<const T*>(p.v_pool) + l * p.pool_layer_stride;
+  T* kdst = reinterpret_cast<T*>(p.dst_k_ptrs[l]);
+  T* vdst = reinterpret_cast<T*>(p.dst_v_ptrs[l]);
+  const int32_t* bt = p.block_table;
   using V = Vec<T, VEC>;
 
   for (int u = threadIdx.x; u < total; u += blockDim.x) {
@@ -81,43 +98,20 @@ __global__ void __launch_bounds__(kThreads) kv_splice_kernel(KVSpliceParams p, i
     const int64_t src = (q[0] + j) * p.pool_token_stride + h * p.pool_head_stride;
     const int64_t slot = q[3] + j;
     if (k < k_units) {
-      T* ko = kdst + splice_dst_offset(bt, p.block_table_stride, p.block_size, q[2], slot, p.k_row_stride,
-                                       p.k_slot_stride) + h * p.k_head_stride;
+      T* ko = kdst +
+              splice_dst_offset(bt, p.block_table_stride, p.block_size, q[2], slot, p.k_row_stride, p.k_slot_stride) +
+              h * p.k_head_stride;
       const T* ks = kpool + src;
       if (k < rot_units) {
-        const int i0 = k * VEC;
-        const int a0 = INTERLEAVED ? 2 * i0 : i0;
-        const int b0 = INTERLEAVED ? 2 * i0 + VEC : i0 + half;
-        const V va = *reinterpret_cast<const V*>(ks + a0);
-        const V vb = *reinterpret_cast<const V*>(ks + b0);
-        float x[2 * VEC];
-#pragma unroll
-        for (int m = 0; m < VEC; ++m) {
-          x[m] = Cvt<T>::f(va.v[m]);
-          x[VEC + m] = Cvt<T>::f(vb.v[m]);
-        }
-        V oa, ob;
-#pragma unroll
-        for (int m = 0; m < VEC; ++m) {
-          // rotate_half: pair m = (A[m], B[m]); interleaved: pair m = (AB[2m], AB[2m+1]) of the concatenation.
-          const int e1 = INTERLEAVED ? 2 * m : m;
-          const int e2 = INTERLEAVED ? 2 * m + 1 : VEC + m;
-          float y1, y2;
-          rope_rotate_pair(x[e1], x[e2], cs[2 * (i0 + m)], cs[2 * (i0 + m) + 1], &y1, &y2);
-          T* o1 = e1 < VEC ? &oa.v[e1] : &ob.v[e1 - VEC];
-          T* o2 = e2 < VEC ? &oa.v[e2] : &ob.v[e2 - VEC];
-          *o1 = Cvt<T>::t(y1);
-          *o2 = Cvt<T>::t(y2);
-        }
-        *reinterpret_cast<V*>(ko + a0) = oa;
-        *reinterpret_cast<V*>(ko + b0) = ob;
+        rotate_unit<T, VEC, INTERLEAVED>(ks, ko, k * VEC, half, cs);
       } else {
         const int d = p.rotary_dim + (k - rot_units) * VEC;
         *reinterpret_cast<V*>(ko + d) = *reinterpret_cast<const V*>(ks + d);
       }
     } else {
-      T* vo = vdst + splice_dst_offset(bt, p.block_table_stride, p.block_size, q[2], slot, p.v_row_stride,
-                                       p.v_slot_stride) + h * p.v_head_stride;
+      T* vo = vdst +
+              splice_dst_offset(bt, p.block_table_stride, p.block_size, q[2], slot, p.v_row_stride, p.v_slot_stride) +
+              h * p.v_head_stride;
       const int d = (k - k_units) * VEC;
       *reinterpret_cast<V*>(vo + d) = *reinterpret_cast<const V*>(vpool + src + d);
     }
@@ -153,23 +147,20 @@ void launch_dtype(const KVSpliceParams& p, cudaStream_t stream) {
 
 }  // namespace
 
-void kv_splice_cuda(const KVSpliceParams& p) {
+void kv_splice_cuda(const KVSpliceParams& p, int device, std::uintptr_t stream_handle) {
+  check_kv_splice_params(p);
   if (p.rotary_dim / 2 > kMaxHalf) throw std::invalid_argument("kv_splice: rotary_dim / 2 must be <= 512 on CUDA");
-  int prev = 0;
-  cudaGetDevice(&prev);
-  if (prev != p.device) cudaSetDevice(p.device);
-  cudaStream_t stream = reinterpret_cast<cudaStream_t>(p.stream);
+  if (p.num_requests == 0 || p.max_tokens == 0) return;
+  CudaDeviceGuard guard(device, "kv_splice CUDA");
+  cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_handle);
   switch (p.dtype) {
     case DType::F32: launch_dtype<float>(p, stream); break;
     case DType::F16: launch_dtype<__half>(p, stream); break;
     case DType::BF16: launch_dtype<__nv_bfloat16>(p, stream); break;
-    default:
-      if (prev != p.device) cudaSetDevice(prev);
-      throw std::invalid_argument("kv_splice: dtype must be float32, float16 or bfloat16");
+    default: throw std::invalid_argument("kv_splice: dtype must be float32, float16 or bfloat16");
   }
-  const cudaError_t err = cudaGetLastError();
-  if (prev != p.device) cudaSetDevice(prev);
-  if (err != cudaSuccess) throw std::runtime_error(std::string("kv_splice CUDA launch failed: ") + cudaGetErrorString(err));
+  cuda_check(cudaGetLastError(), "kv_splice CUDA", "kernel launch");
+  guard.restore();
 }
 
 }  // namespace rapo

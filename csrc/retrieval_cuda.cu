@@ -1,6 +1,6 @@
 // CUDA backend of exact step retrieval: one fused kernel scores a tile of queries against a split of the keys and keeps
 // each query's running top-k in shared memory; a second kernel merges the splits. No [Q, C] score matrix exists: a
-// block holds one [BQ, BK] score tile at a time (DESIGN.md section 3).
+// block holds one [BQ, BK] score tile at a time (docs/retrieval.md).
 //
 // score_topk_kernel<T, BQ>: grid (ceil(Q / BQ), n_splits), 128 threads (4 warps).
 //   - per key tile of BK = 64 keys, the [BQ, 64] dot products are accumulated over D in chunks of DK = 32 staged in
@@ -11,7 +11,8 @@
 //   - the block writes its lists to the workspace [n_splits, Q, k].
 // merge_kernel: one warp per query, the n_splits sorted lists fed through the same admission + insertion.
 // BQ is 64 for k <= 128 and 16 above (lists take BQ * k * 8 bytes of shared memory; k <= 1024 fits on sm_80/sm_90).
-// Launched on the caller's stream (torch's current stream). Not here: argument validation (rapo_fast/retrieval/buffer.py).
+// Launched on the caller's stream (torch's current stream).
+// Not here: argument validation (rapo_fast/retrieval/buffer.py; the checks here only keep memory safe).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -22,6 +23,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "rapo/cuda_guard.h"
 #include "rapo/dtype.h"
 #include "rapo/retrieval.h"
 #include "rapo/retrieval_metric.h"
@@ -35,6 +37,7 @@ constexpr int kWarps = kThreads / 32;
 constexpr int BK = 64;  // keys per tile
 constexpr int DK = 32;  // reduction chunk staged in shared memory
 constexpr int kMaxSplits = 4096;
+constexpr const char* kOp = "retrieval CUDA";  // prefix of every error message
 
 inline int bq_for_k(int k) { return k <= 128 ? 64 : 16; }
 
@@ -71,24 +74,6 @@ struct Smem {
   static size_t bytes(int k) { return lists_off + size_t(BQ) * k * (sizeof(float) + sizeof(int32_t)); }
 };
 
-template <class T>
-__device__ __forceinline__ float to_f32(T v);
-template <>
-__device__ __forceinline__ float to_f32<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ float to_f32<__half>(__half v) { return __half2float(v); }
-template <>
-__device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <class T>
-__device__ __forceinline__ T zero_of();
-template <>
-__device__ __forceinline__ float zero_of<float>() { return 0.0f; }
-template <>
-__device__ __forceinline__ __half zero_of<__half>() { return __float2half(0.0f); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 zero_of<__nv_bfloat16>() { return __float2bfloat16(0.0f); }
-
 // Stage rows [row0, row0 + ROWS) x cols [d0, d0 + DK) of a row-major matrix into shared memory, zero outside
 // [0, nrows) x [0, D). vec: 16-byte loads are legal (D, the row stride and the base are multiples of 16 bytes).
 template <class T, int ROWS>
@@ -109,7 +94,7 @@ __device__ __forceinline__ void stage(T* dst, const T* __restrict__ src, int64_t
     for (int idx = threadIdx.x; idx < ROWS * DK; idx += kThreads) {
       const int r = idx / DK, c = idx % DK;
       const int64_t row = row0 + r, d = d0 + c;
-      dst[r * LD + c] = (row < nrows && d < D) ? src[row * stride + d] : zero_of<T>();
+      dst[r * LD + c] = (row < nrows && d < D) ? src[row * stride + d] : from_float<T>(0.0f);
     }
   }
 }
@@ -216,107 +201,155 @@ __device__ void warp_insert(float* ls, int32_t* li, int* n_ptr, int k, float s, 
   __syncwarp();
 }
 
+// The block's shared-memory regions (layout Smem<T, BQ>): staged Q/K chunks, the fp32 score tile, per-key aux and
+// group of the tile, per-row query aux, excluded group, list length, and the rows' sorted top-k lists.
+template <class T>
+struct SmemViews {
+  T* Qs;
+  T* Ks;
+  float* S;
+  float* kaux;
+  int64_t* kgrp;
+  float* qaux;
+  int64_t* qex;
+  int* n;
+  float* list_s;
+  int32_t* list_i;
+};
+
 template <class T, int BQ>
-__global__ void __launch_bounds__(kThreads) score_topk_kernel(RetrievalSearchArgs a, float* __restrict__ ws_s,
-                                                              int32_t* __restrict__ ws_i, int64_t split_len,
-                                                              bool vec) {
+__device__ __forceinline__ SmemViews<T> carve_smem(unsigned char* smem, int k) {
   using L = Smem<T, BQ>;
-  extern __shared__ __align__(128) unsigned char smem[];
-  T* Qs = reinterpret_cast<T*>(smem + L::q_off);
-  T* Ks = reinterpret_cast<T*>(smem + L::k_off);
-  float* S = reinterpret_cast<float*>(smem + L::s_off);
-  float* kaux_s = reinterpret_cast<float*>(smem + L::kaux_off);
-  int64_t* kgrp_s = reinterpret_cast<int64_t*>(smem + L::kgrp_off);
-  float* qaux_s = reinterpret_cast<float*>(smem + L::qaux_off);
-  int64_t* qex_s = reinterpret_cast<int64_t*>(smem + L::qex_off);
-  int* n_s = reinterpret_cast<int*>(smem + L::n_off);
-  float* list_s = reinterpret_cast<float*>(smem + L::lists_off);
-  int32_t* list_i = reinterpret_cast<int32_t*>(smem + L::lists_off + sizeof(float) * size_t(BQ) * a.k);
+  SmemViews<T> v;
+  v.Qs = reinterpret_cast<T*>(smem + L::q_off);
+  v.Ks = reinterpret_cast<T*>(smem + L::k_off);
+  v.S = reinterpret_cast<float*>(smem + L::s_off);
+  v.kaux = reinterpret_cast<float*>(smem + L::kaux_off);
+  v.kgrp = reinterpret_cast<int64_t*>(smem + L::kgrp_off);
+  v.qaux = reinterpret_cast<float*>(smem + L::qaux_off);
+  v.qex = reinterpret_cast<int64_t*>(smem + L::qex_off);
+  v.n = reinterpret_cast<int*>(smem + L::n_off);
+  v.list_s = reinterpret_cast<float*>(smem + L::lists_off);
+  v.list_i = reinterpret_cast<int32_t*>(smem + L::lists_off + sizeof(float) * size_t(BQ) * k);
+  return v;
+}
 
-  const int k = a.k;
+// Per-row setup: the query's aux value from its dtype-rounded elements, its excluded group, an empty list.
+template <class T, int BQ>
+__device__ __forceinline__ void init_rows(const RetrievalSearchParams& a, const SmemViews<T>& v, int64_t q0) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
-  const int64_t q0 = int64_t(blockIdx.x) * BQ;
-  const int split = blockIdx.y;
-  const int64_t c_begin = int64_t(split) * split_len;
-  const int64_t c_end = c_begin + split_len < a.C ? c_begin + split_len : a.C;
-  const T* keys = static_cast<const T*>(a.keys);
   const T* queries = static_cast<const T*>(a.queries);
-  const float min_thr = fmaxf(a.min_score, -FLT_MAX);  // eligible: >= min_score and > -inf; NaN never passes
-
-  // Per-row setup: the query's aux value from its dtype-rounded elements, its excluded group, an empty list.
   for (int r = warp; r < BQ; r += kWarps) {
     const int64_t q = q0 + r;
     float ss = 0.0f;
     if (q < a.Q)
       for (int64_t d = lane; d < a.D; d += 32) {
-        const float v = to_f32(queries[q * a.query_row_stride + d]);
-        ss = fmaf(v, v, ss);
+        const float x = to_float(queries[q * a.query_row_stride + d]);
+        ss = fmaf(x, x, ss);
       }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
     if (lane == 0) {
-      qaux_s[r] = retrieval_query_aux(a.metric, ss);
-      qex_s[r] = (q < a.Q && a.exclude != nullptr) ? a.exclude[q] : int64_t(-1);
-      n_s[r] = 0;
+      v.qaux[r] = retrieval_query_aux(a.metric, ss);
+      v.qex[r] = (q < a.Q && a.exclude != nullptr) ? a.exclude[q] : int64_t(-1);
+      v.n[r] = 0;
     }
   }
+}
 
-  TileMma<T, BQ> mma;
-  for (int64_t j0 = c_begin; j0 < c_end; j0 += BK) {
-    for (int c = threadIdx.x; c < BK; c += kThreads) {
-      const int64_t j = j0 + c;
-      kaux_s[c] = (j < c_end && a.metric != kMetricIP) ? a.key_aux[j] : 0.0f;
-      kgrp_s[c] = (j < c_end && a.exclude != nullptr) ? a.groups[j] : int64_t(-1);
-    }
-    mma.zero();
-    for (int64_t d0 = 0; d0 < a.D; d0 += DK) {
-      stage<T, BQ>(Qs, queries, a.query_row_stride, q0, a.Q, d0, a.D, vec);
-      stage<T, BK>(Ks, keys, a.key_row_stride, j0, c_end, d0, a.D, vec);
-      __syncthreads();
-      mma.step(Qs, Ks);
-      __syncthreads();
-    }
-    mma.store(S);
+// The [BQ, BK] dot products of query rows [q0, q0 + BQ) with keys [j0, j0 + BK) into v.S, and the keys' aux values
+// and groups into v.kaux / v.kgrp (keys at or past c_end are padding). Ends with a block barrier.
+template <class T, int BQ>
+__device__ __forceinline__ void score_tile(const RetrievalSearchParams& a, const SmemViews<T>& v, TileMma<T, BQ>& mma,
+                                           int64_t q0, int64_t j0, int64_t c_end, bool vec) {
+  for (int c = threadIdx.x; c < BK; c += kThreads) {
+    const int64_t j = j0 + c;
+    v.kaux[c] = (j < c_end && a.metric != kMetricIP) ? a.key_aux[j] : 0.0f;
+    v.kgrp[c] = (j < c_end && a.exclude != nullptr) ? a.groups[j] : int64_t(-1);
+  }
+  mma.zero();
+  for (int64_t d0 = 0; d0 < a.D; d0 += DK) {
+    stage<T, BQ>(v.Qs, static_cast<const T*>(a.queries), a.query_row_stride, q0, a.Q, d0, a.D, vec);
+    stage<T, BK>(v.Ks, static_cast<const T*>(a.keys), a.key_row_stride, j0, c_end, d0, a.D, vec);
     __syncthreads();
+    mma.step(v.Qs, v.Ks);
+    __syncthreads();
+  }
+  mma.store(v.S);
+  __syncthreads();
+}
 
-    for (int r = warp; r < BQ; r += kWarps) {
-      if (q0 + r >= a.Q) continue;
-      float* ls = list_s + size_t(r) * k;
-      int32_t* li = list_i + size_t(r) * k;
-      const float qa = qaux_s[r];
-      const int64_t ex = qex_s[r];
+// Each warp takes query rows of the tile: metric, min_score / exclusion filter, admission against the row's current
+// worst, and warp_insert of every admitted candidate (in lane order, so in slot order within the tile).
+template <class T, int BQ>
+__device__ __forceinline__ void admit_tile(const RetrievalSearchParams& a, const SmemViews<T>& v, int64_t q0,
+                                           int64_t j0, int64_t c_end, float min_thr) {
+  const int k = a.k;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  for (int r = warp; r < BQ; r += kWarps) {
+    if (q0 + r >= a.Q) continue;
+    float* ls = v.list_s + size_t(r) * k;
+    int32_t* li = v.list_i + size_t(r) * k;
+    const float qa = v.qaux[r];
+    const int64_t ex = v.qex[r];
 #pragma unroll
-      for (int half = 0; half < BK / 32; ++half) {
-        const int c = lane + 32 * half;
-        const int64_t j = j0 + c;
-        const float s = retrieval_finish(a.metric, S[r * LDS + c], qa, kaux_s[c]);
-        bool pass = j < c_end && s >= min_thr && !(ex >= 0 && kgrp_s[c] == ex);
-        if (pass && n_s[r] == k) pass = topk_better(s, int32_t(j), ls[k - 1], li[k - 1]);
-        unsigned mask = __ballot_sync(0xffffffffu, pass);
-        while (mask != 0u) {
-          const int src = __ffs(mask) - 1;
-          mask &= mask - 1;
-          const float sb = __shfl_sync(0xffffffffu, s, src);
-          const int32_t jb = __shfl_sync(0xffffffffu, int32_t(j), src);
-          warp_insert(ls, li, n_s + r, k, sb, jb);
-        }
+    for (int half = 0; half < BK / 32; ++half) {
+      const int c = lane + 32 * half;
+      const int64_t j = j0 + c;
+      const float s = retrieval_finish(a.metric, v.S[r * LDS + c], qa, v.kaux[c]);
+      bool pass = j < c_end && s >= min_thr && !(ex >= 0 && v.kgrp[c] == ex);
+      if (pass && v.n[r] == k) pass = topk_better(s, int32_t(j), ls[k - 1], li[k - 1]);
+      unsigned mask = __ballot_sync(0xffffffffu, pass);
+      while (mask != 0u) {
+        const int src = __ffs(mask) - 1;
+        mask &= mask - 1;
+        const float sb = __shfl_sync(0xffffffffu, s, src);
+        const int32_t jb = __shfl_sync(0xffffffffu, int32_t(j), src);
+        warp_insert(ls, li, v.n + r, k, sb, jb);
       }
     }
-    __syncthreads();
   }
-  __syncthreads();  // an empty split never ran the tile loop: make the row setup visible before reading it
+}
 
+// The block's lists to the workspace [n_splits, Q, k] of its split, padded with -inf / -1.
+template <class T, int BQ>
+__device__ __forceinline__ void write_lists(const RetrievalSearchParams& a, const SmemViews<T>& v, float* ws_s,
+                                            int32_t* ws_i, int64_t q0, int split) {
+  const int k = a.k;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
   for (int r = warp; r < BQ; r += kWarps) {
     const int64_t q = q0 + r;
     if (q >= a.Q) continue;
-    const int n = n_s[r];
+    const int n = v.n[r];
     float* os = ws_s + (int64_t(split) * a.Q + q) * k;
     int32_t* oi = ws_i + (int64_t(split) * a.Q + q) * k;
     for (int i = lane; i < k; i += 32) {
-      os[i] = i < n ? list_s[size_t(r) * k + i] : -INFINITY;
-      oi[i] = i < n ? list_i[size_t(r) * k + i] : -1;
+      os[i] = i < n ? v.list_s[size_t(r) * k + i] : -INFINITY;
+      oi[i] = i < n ? v.list_i[size_t(r) * k + i] : -1;
     }
   }
+}
+
+template <class T, int BQ>
+__global__ void __launch_bounds__(kThreads) score_topk_kernel(RetrievalSearchParams a, float* __restrict__ ws_s,
+                                                              int32_t* __restrict__ ws_i, int64_t split_len, bool vec) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const SmemViews<T> v = carve_smem<T, BQ>(smem, a.k);
+  const int64_t q0 = int64_t(blockIdx.x) * BQ;
+  const int split = blockIdx.y;
+  const int64_t c_begin = int64_t(split) * split_len;
+  const int64_t c_end = c_begin + split_len < a.C ? c_begin + split_len : a.C;
+  const float min_thr = fmaxf(a.min_score, -FLT_MAX);  // eligible: >= min_score and > -inf; NaN never passes
+
+  init_rows<T, BQ>(a, v, q0);
+  TileMma<T, BQ> mma;
+  for (int64_t j0 = c_begin; j0 < c_end; j0 += BK) {
+    score_tile<T, BQ>(a, v, mma, q0, j0, c_end, vec);
+    admit_tile<T, BQ>(a, v, q0, j0, c_end, min_thr);
+    __syncthreads();
+  }
+  __syncthreads();  // an empty split never ran the tile loop: make the row setup visible before reading it
+  write_lists<T, BQ>(a, v, ws_s, ws_i, q0, split);
 }
 
 // One warp per query: the splits' lists (each sorted, padded with -inf / -1) are fed through the same admission test
@@ -361,28 +394,12 @@ __global__ void __launch_bounds__(32 * kMergeWarps)
   }
 }
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string("retrieval CUDA: ") + what + ": " + cudaGetErrorString(e));
-}
-
-struct DeviceGuard {
-  int prev = -1;
-  explicit DeviceGuard(int device) {
-    check(cudaGetDevice(&prev), "cudaGetDevice");
-    if (prev != device) check(cudaSetDevice(device), "cudaSetDevice");
-  }
-  ~DeviceGuard() {
-    int cur = -1;
-    if (cudaGetDevice(&cur) == cudaSuccess && cur != prev) cudaSetDevice(prev);
-  }
-};
-
 template <class T, int BQ>
-void launch(const RetrievalSearchArgs& a, float* ws_s, int32_t* ws_i, int n_splits, cudaStream_t stream) {
+void launch(const RetrievalSearchParams& a, float* ws_s, int32_t* ws_i, int n_splits, cudaStream_t stream) {
   const size_t bytes = Smem<T, BQ>::bytes(a.k);
   auto kernel = score_topk_kernel<T, BQ>;
-  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)),
-        "shared memory size (k too large for this device?)");
+  cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)), kOp,
+             "shared memory size (k too large for this device?)");
   const int64_t tiles = (a.C + BK - 1) / BK;
   const int64_t split_len = ((tiles + n_splits - 1) / n_splits) * BK;
   constexpr int VE = 16 / sizeof(T);
@@ -391,11 +408,11 @@ void launch(const RetrievalSearchArgs& a, float* ws_s, int32_t* ws_i, int n_spli
                    reinterpret_cast<std::uintptr_t>(a.queries) % 16 == 0;
   const dim3 grid(unsigned((a.Q + BQ - 1) / BQ), unsigned(n_splits));
   kernel<<<grid, kThreads, bytes, stream>>>(a, ws_s, ws_i, split_len, vec);
-  check(cudaGetLastError(), "score_topk_kernel launch");
+  cuda_check(cudaGetLastError(), kOp, "score_topk_kernel launch");
 }
 
 template <class T>
-void launch_dtype(const RetrievalSearchArgs& a, float* ws_s, int32_t* ws_i, int n_splits, cudaStream_t stream) {
+void launch_dtype(const RetrievalSearchParams& a, float* ws_s, int32_t* ws_i, int n_splits, cudaStream_t stream) {
   if (bq_for_k(a.k) == 64)
     launch<T, 64>(a, ws_s, ws_i, n_splits, stream);
   else
@@ -406,9 +423,9 @@ void launch_dtype(const RetrievalSearchArgs& a, float* ws_s, int32_t* ws_i, int 
 
 int retrieval_cuda_splits(int64_t Q, int64_t C, int k, int device) {
   if (k < 1 || Q < 0 || C < 0) throw std::invalid_argument("retrieval_cuda_splits: bad sizes");
-  DeviceGuard guard(device);
+  CudaDeviceGuard guard(device, kOp);
   int sms = 1;
-  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "multiprocessor count");
+  cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), kOp, "multiprocessor count");
   const int64_t q_tiles = (Q + bq_for_k(k) - 1) / bq_for_k(k);
   const int64_t k_tiles = (C + BK - 1) / BK;
   // About 8 blocks per SM: a block stages its tiles synchronously, so several per SM keep enough loads in flight.
@@ -417,10 +434,11 @@ int retrieval_cuda_splits(int64_t Q, int64_t C, int k, int device) {
   if (splits > kMaxSplits) splits = kMaxSplits;
   const int64_t per_split_bytes = Q * k * 8;  // workspace of one split; keep the total under 1 GiB
   while (splits > 1 && splits * per_split_bytes > (int64_t(1) << 30)) --splits;
+  guard.restore();
   return int(splits < 1 ? 1 : splits);
 }
 
-void retrieval_search_cuda(const RetrievalSearchArgs& a, float* ws_scores, int32_t* ws_slots, int n_splits,
+void retrieval_search_cuda(const RetrievalSearchParams& a, float* ws_scores, int32_t* ws_slots, int n_splits,
                            int device, std::uintptr_t stream_handle) {
   if (a.k < 1 || a.k > 1024) throw std::invalid_argument("retrieval CUDA: k must be in [1, 1024]");
   if (a.D < 1 || a.C < 0 || a.Q < 0) throw std::invalid_argument("retrieval CUDA: bad sizes");
@@ -432,7 +450,7 @@ void retrieval_search_cuda(const RetrievalSearchArgs& a, float* ws_scores, int32
       ws_slots == nullptr || (a.C > 0 && a.keys == nullptr) || (a.metric != kMetricIP && a.C > 0 && !a.key_aux) ||
       (a.exclude != nullptr && a.C > 0 && a.groups == nullptr))
     throw std::invalid_argument("retrieval CUDA: null pointer");
-  DeviceGuard guard(device);
+  CudaDeviceGuard guard(device, kOp);
   cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_handle);
   switch (static_cast<DType>(a.key_dtype)) {
     case DType::F32: launch_dtype<float>(a, ws_scores, ws_slots, n_splits, stream); break;
@@ -442,11 +460,12 @@ void retrieval_search_cuda(const RetrievalSearchArgs& a, float* ws_scores, int32
   }
   const unsigned blocks = unsigned((a.Q + kMergeWarps - 1) / kMergeWarps);
   const size_t merge_bytes = size_t(kMergeWarps) * a.k * (sizeof(float) + sizeof(int32_t)) + kMergeWarps * sizeof(int);
-  check(cudaFuncSetAttribute(merge_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(merge_bytes)),
-        "merge shared memory size");
-  merge_kernel<<<blocks, 32 * kMergeWarps, merge_bytes, stream>>>(ws_scores, ws_slots, n_splits, a.Q, a.k,
-                                                                  a.out_scores, a.out_slots);
-  check(cudaGetLastError(), "merge_kernel launch");
+  cuda_check(cudaFuncSetAttribute(merge_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(merge_bytes)), kOp,
+             "merge shared memory size");
+  merge_kernel<<<blocks, 32 * kMergeWarps, merge_bytes, stream>>>(ws_scores, ws_slots, n_splits, a.Q, a.k, a.out_scores,
+                                                                  a.out_slots);
+  cuda_check(cudaGetLastError(), kOp, "merge_kernel launch");
+  guard.restore();
 }
 
 }  // namespace rapo

@@ -9,7 +9,7 @@ State of the online pass over one row, kept in fp32 (z are the temperature-scale
     m = max z,   s = sum exp(z - m),   t = sum exp(z - m) * (z - m)
 so that lse = m + log s and H = lse - E_p[z] = log s - t / s. Keeping t relative to m (rather than sum p z) avoids the
 cancellation lse - E[z] when logits are large. -inf logits (masked vocabulary) contribute nothing: every term that
-would be exp(-inf - -inf) or 0 * -inf is guarded (DESIGN pitfalls 2 and 3).
+would be exp(-inf - -inf) or 0 * -inf is guarded (docs/pitfalls.md #2 and #3).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import triton.language as tl
 def interpreter_upcast() -> bool:
     """The value launchers pass as the UPCAST_DOT constexpr: True under TRITON_INTERPRET=1.
 
-    The interpreter returns garbage for `tl.dot` on bf16 operands (DESIGN.md section 7); fp32 operands are right.
+    The interpreter returns garbage for `tl.dot` on bf16 operands (docs/interpreter.md); fp32 operands are right.
     On a GPU the operands stay in their dtype so tensor cores are used.
     """
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -41,7 +41,7 @@ def dot_operand(x, UPCAST_DOT: tl.constexpr):
 @triton.jit
 def load_scaled_logits(z_row, bias_ptr, v_start, c, mask, inv_temp, HAS_BIAS: tl.constexpr):
     """One block of a row's logits (+ bias) in fp32, divided by the temperature. Padded lanes load -inf and stay -inf
-    after the scaling because inv_temp > 0 (pitfall 4)."""
+    after the scaling because inv_temp > 0 (docs/pitfalls.md #4)."""
     z = tl.load(z_row + c, mask=mask, other=float("-inf")).to(tl.float32)
     if HAS_BIAS:
         z += tl.load(bias_ptr + v_start + c, mask=mask, other=0.0).to(tl.float32)
@@ -55,7 +55,7 @@ def online_lse_update(m, s, t, z):
     m, s, t are fp32 scalars (m = -inf, s = t = 0 for an empty state).
     """
     m_new = tl.maximum(m, tl.max(z, axis=0))
-    # While everything seen is -inf, shift by 0 instead of -inf so no exp(-inf - -inf) appears (pitfall 3).
+    # While everything seen is -inf, shift by 0 instead of -inf so no exp(-inf - -inf) appears (docs/pitfalls.md #3).
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp(m - m_safe)
     # Old t was relative to m; re-centre it on m_new: t' = alpha * (t + (m - m_new) * s). When m = -inf, s = t = 0.

@@ -2,7 +2,7 @@
 
 This module is the public API and nothing else: every public name is re-exported here, resolved lazily on first use
 so that `import rapo_fast` stays cheap (no Triton, no extension load until needed). Everything not listed in
-`__all__` is private. See README.md for the status of each path and DESIGN.md for the contracts.
+`__all__` is private. See README.md for the status of each path and docs/ for the design and contracts.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Backend choice shared by every op: Triton on CUDA tensors, Triton on CPU tensors only under TRITON_INTERPRET=1,
 the plain-PyTorch reference otherwise; and the one helper through which ops are registered with torch.library.
 
-Not a place for op logic. DESIGN.md section 1 and STYLE.md item 6 give the rules implemented here.
+Not a place for op logic. docs/interpreter.md (backend choice) and docs/testing.md rule 3 (registered ops) give the
+rules implemented here.
 """
 
 from __future__ import annotations

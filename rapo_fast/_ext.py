@@ -1,13 +1,15 @@
 """Safe loading of the compiled extension rapo_fast._C and the helpers that pass tensors to it.
 
 What this is: the one place that imports `rapo_fast._C`, remembers why an import failed (torchao's pattern), reports
-`build_info()`, and turns a torch tensor into the raw (pointer, shape, strides, dtype code, device, stream) that the
-extension takes, since the extension does not link libtorch (DESIGN.md section 1).
+`build_info()`, and holds the Python half of the extension's one binding convention (docs/extension.md): each op's
+parameter struct is a class of `_C` filled by keyword with `make_params`; tensors cross as data pointers, dtype codes
+(DTYPE_CODES) and raw stream handles (stream_of), since the extension does not link libtorch.
 What this is not: argument validation of any op (each op's Python module validates its own inputs first).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -101,9 +103,23 @@ def stream_of(device: torch.device) -> int:
     return 0
 
 
-def raw(t: torch.Tensor) -> tuple[int, list[int], list[int], int, int]:
-    """(data pointer, shape, strides in elements, dtype code, device index or -1 for CPU) of a tensor."""
-    if t.dtype not in DTYPE_CODES:
-        raise TypeError(f"dtype {t.dtype} cannot cross into rapo_fast._C (supported: {list(DTYPE_CODES)})")
-    dev = -1 if t.device.type == "cpu" else int(t.device.index or 0)
-    return int(t.data_ptr()), list(t.shape), list(t.stride()), DTYPE_CODES[t.dtype], dev
+@functools.cache
+def _field_names(cls: Any) -> frozenset[str]:
+    return frozenset(cls.FIELDS)
+
+
+def make_params(cls: Any, **fields: Any) -> Any:
+    """An instance of one of the extension's parameter classes (e.g. `_C.KVSpliceParams`) with every field set by
+    keyword. A TypeError names every unknown or missing field (the class lists its fields in `FIELDS`), so the Python
+    packing and the C++ struct cannot drift apart silently; a wrong-typed value gives a TypeError naming its field."""
+    if fields.keys() != _field_names(cls):
+        unknown = sorted(fields.keys() - _field_names(cls))
+        missing = [n for n in cls.FIELDS if n not in fields]
+        raise TypeError(f"{cls.__name__}: unknown field(s) {unknown}, missing field(s) {missing}")
+    params = cls()
+    for name, value in fields.items():
+        try:
+            setattr(params, name, value)
+        except TypeError as exc:
+            raise TypeError(f"{cls.__name__}.{name} cannot be set to {value!r}: {exc}") from None
+    return params

@@ -1,8 +1,11 @@
-"""The `rapo-fast` command line: `demo`, `bench {loss,retrieval,kv}`, `info`.
+"""The `rapo-fast` command line: `demo`, `bench {loss,logprobs,retrieval,kv}`, `info`.
 
-What this is: argument routing only. The demo lives in rapo_fast/demo/main.py and each benchmark in bench/bench_<op>.py
-(a `main(argv)` each); this module finds bench/ next to the package, which holds for a source checkout or an editable
+What this is: argument routing only, and the one module outside rapo_fast/demo/ allowed to import the demo (nothing in
+the library imports this module; tools/check_layout.py checks both). The demo's options live in
+rapo_fast/demo/main.py and each benchmark's in bench/bench_<op>.py (a `main(argv)` each, which parses and documents
+its own options); this module finds bench/ next to the package, which holds for a source checkout or an editable
 install (the benches are not shipped in a wheel, and the error says so).
+What this is not: a place for any option of the demo or of a benchmark.
 """
 
 from __future__ import annotations
@@ -13,7 +16,20 @@ import json
 import sys
 from pathlib import Path
 
-BENCHES = {"loss": "bench_loss.py", "retrieval": "bench_retrieval.py", "kv": "bench_kv_splice.py"}
+# name -> (file in bench/, one line for `rapo-fast bench --help`)
+BENCHES = {
+    "loss": ("bench_loss.py", "fused policy loss (rapo_loss) forward+backward: time and peak memory"),
+    "logprobs": ("bench_token_logprobs.py", "token_logprobs alone (logits and hidden x lm_head): time and memory"),
+    "retrieval": ("bench_retrieval.py", "exact top-k step retrieval (StepBuffer.search): queries per second"),
+    "kv": ("bench_kv_splice.py", "KV splice (splice_kv) against re-prefill and a plain-torch splice"),
+}
+
+_BENCH_DESCRIPTION = (
+    "Microbenchmarks of rapo_fast's ops against the plain-PyTorch (and faiss / Liger) ways of doing the same, "
+    "side by side in one run. Each writes CSV rows stamped with device, date and commit: into --out DIR when "
+    "given, into the committed bench/results/ only with --record, otherwise into a new temporary folder whose "
+    "path it prints. `rapo-fast bench NAME --help` lists a benchmark's own options (shapes, --quick, --gpu, ...)."
+)
 
 
 def _bench_dir() -> Path:
@@ -21,7 +37,7 @@ def _bench_dir() -> Path:
 
 
 def _run_bench(name: str, argv: list[str]) -> int:
-    path = _bench_dir() / BENCHES[name]
+    path = _bench_dir() / BENCHES[name][0]
     if not path.exists():
         raise SystemExit(
             f"rapo-fast bench {name}: {path} not found; the benchmarks ship with the source checkout "
@@ -38,14 +54,28 @@ def _run_bench(name: str, argv: list[str]) -> int:
         sys.path.remove(str(path.parent))
 
 
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rapo-fast", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="{demo,bench,info}")
+    # demo and each benchmark parse their own options (add_help=False here, so `--help` reaches them)
+    sub.add_parser("demo", help="train RAPO vs GRPO on a synthetic tool task (CPU, minutes)", add_help=False)
+    bench = sub.add_parser("bench", help="microbenchmarks: " + ", ".join(BENCHES), description=_BENCH_DESCRIPTION)
+    names = bench.add_subparsers(dest="which", required=True, metavar="{" + ",".join(BENCHES) + "}", title="benchmarks")
+    for name, (_, line) in BENCHES.items():
+        names.add_parser(name, help=line, add_help=False)
+    sub.add_parser(
+        "info",
+        help="build and runtime facts (backends, architectures, versions)",
+        description="Print, as JSON, how rapo_fast was built and what it finds at run time: whether the C++ "
+        "extension loaded (and the error if not), its CPU (OpenMP) and CUDA backends, the CUDA architectures "
+        "compiled in, the torch and Triton versions, and whether a CUDA device is visible. Takes no options.",
+    )
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="rapo-fast", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("demo", help="train RAPO vs GRPO on a synthetic tool task (CPU, minutes)", add_help=False)
-    b = sub.add_parser("bench", help="microbenchmarks: loss, retrieval, kv", add_help=False)
-    b.add_argument("which", choices=sorted(BENCHES))
-    sub.add_parser("info", help="build and runtime facts (backends, architectures, versions)")
+    parser = _parser()
     args, rest = parser.parse_known_args(argv)
     if args.cmd == "demo":
         from rapo_fast.demo import main as demo
@@ -53,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(demo.main(rest) or 0)
     if args.cmd == "bench":
         return _run_bench(args.which, rest)
+    if rest:
+        parser.error(f"info takes no arguments, got {' '.join(rest)}")
     from rapo_fast._ext import build_info
 
     print(json.dumps(build_info(), indent=2))

@@ -1,7 +1,6 @@
 """Shared pytest setup: the Triton interpreter on machines without a GPU, the gpu marker, a seeded RNG per test.
 
-Not a place for test helpers of one op (those live beside the op's tests); cross-op helpers are in
-tests/helpers/__init__.py.
+Not a place for test helpers of one op (those live beside the op's tests); cross-op helpers: tests/helpers/.
 """
 
 import os
@@ -10,7 +9,7 @@ import pytest
 import torch
 
 # The interpreter must be chosen before any @triton.jit function is defined; without a GPU the kernels can only run
-# there, and that is how CI exercises them (DESIGN.md section 1).
+# there, and that is how CI exercises them (docs/interpreter.md).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

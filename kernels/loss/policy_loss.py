@@ -1,9 +1,9 @@
 """Triton kernels of the per-token RAPO policy loss: forward (weighted token loss + metric partial sums) and backward
 (dL/dlogp, dL/dH times the upstream gradient).
 
-Elementwise over N tokens; the log-probs are computed before (token_logprobs) and the per-sequence quantities (shaping
-factor, GSPO sequence log-ratio, aggregation weight) are gathered per token by the launcher in
-rapo_fast/loss/policy_loss.py.
+Elementwise over N tokens; the log-probs are computed before (token_logprobs), and the launcher
+(rapo_fast/loss/policy_loss.py) gathers the per-sequence quantities (shaping factor, GSPO sequence log-ratio,
+aggregation weight) per token.
 Per token t with code c_t (0 = not in the loss, 1 = on-policy, 2 = retrieved and trained off-policy), aggregation
 weight w_t, advantage A, shaping scale s_t = 1 + m F:
   log r = clamp(logp - old, -20, 20)  (or clamp(seq_lr + logp - sg(logp)) for GSPO: its value is seq_lr)
@@ -12,19 +12,42 @@ weight w_t, advantage A, shaping scale s_t = 1 + m F:
   off-policy: -A p/(p+gamma) (shaped)  or  -A sg(min(exp(clamp(logp - behav)), is_cap)) logp (truncated)
   + beta KL_k(logp, ref) - entropy_coef H          on every token in the loss
   out_t = w_t * loss_t
-The formulas are those of rapo_fast/reference/policy_loss.py (the spec). Only @triton.jit code lives here.
+The formulas are those of rapo_fast/reference/policy_loss.py (the spec). Only @triton.jit code lives here; the token
+codes, mode codes and metric layout it shares with its launchers (rapo_fast/loss/policy_op.py) are named once, in
+rapo_fast/loss/policy_layout.py, and read here as constexprs.
 """
 
 import triton
 import triton.language as tl
 
-# metric partial sums, one row per program: the launcher sums rows and turns sums into means
-M_N_ON, M_N_OFF, M_N_ACTIVE, M_CLIP_HI, M_CLIP_LO, M_DUAL, M_RATIO, M_APPROX_KL, M_KL, M_ENT, M_TIS, M_OFFW = range(12)
-NUM_METRICS = 12
+from rapo_fast.loss.policy_layout import NUM_METRICS, KLMode, Metric, OffMode, TokenCode
 
-# modes passed as constexpr ints
-OFF_NONE, OFF_SHAPED, OFF_TRUNCATED = 0, 1, 2
-KL_NONE, KL_K1, KL_K2, KL_K3 = 0, 1, 2, 3
+# jit code reads only constexpr globals: the layout's names as constexprs
+_CODE_ON = tl.constexpr(int(TokenCode.ON))
+_CODE_OFF = tl.constexpr(int(TokenCode.OFF))
+_OFF_SHAPED = tl.constexpr(int(OffMode.SHAPED))
+_OFF_TRUNCATED = tl.constexpr(int(OffMode.TRUNCATED))
+_OFF_NONE = tl.constexpr(int(OffMode.NONE))
+_KL_NONE = tl.constexpr(int(KLMode.NONE))
+_KL_K1 = tl.constexpr(int(KLMode.K1))
+_KL_K2 = tl.constexpr(int(KLMode.K2))
+_KL_K3 = tl.constexpr(int(KLMode.K3))
+# every log-ratio is clamped to [-CL, CL] before exp (the reference's LOG_RATIO_CLAMP, verl's clamp)
+CL = tl.constexpr(20.0)
+# metric partial sums, one row of NUM_METRICS per program: the launcher sums rows and turns sums into means
+_NUM_METRICS = tl.constexpr(NUM_METRICS)
+_M_N_ON = tl.constexpr(int(Metric.N_ON))
+_M_N_OFF = tl.constexpr(int(Metric.N_OFF))
+_M_N_ACTIVE = tl.constexpr(int(Metric.N_ACTIVE))
+_M_CLIP_HIGH = tl.constexpr(int(Metric.CLIP_HIGH))
+_M_CLIP_LOW = tl.constexpr(int(Metric.CLIP_LOW))
+_M_DUAL_CLIP = tl.constexpr(int(Metric.DUAL_CLIP))
+_M_RATIO = tl.constexpr(int(Metric.RATIO))
+_M_APPROX_KL = tl.constexpr(int(Metric.APPROX_KL))
+_M_KL = tl.constexpr(int(Metric.KL))
+_M_ENTROPY = tl.constexpr(int(Metric.ENTROPY))
+_M_TIS_WEIGHT = tl.constexpr(int(Metric.TIS_WEIGHT))
+_M_OFFPOLICY_WEIGHT = tl.constexpr(int(Metric.OFFPOLICY_WEIGHT))
 
 
 @triton.jit
@@ -35,7 +58,6 @@ def _policy_token(
     HAS_ENT: tl.constexpr,
 ):
     """Loss of one token block and its derivative w.r.t. logp (and the metric terms). All fp32."""
-    CL: tl.constexpr = 20.0
     is_act = is_on | is_off
     if SEQ:
         raw = seqlr  # value of sg(seq_lr) + logp - sg(logp); its derivative w.r.t. logp is 1
@@ -66,28 +88,55 @@ def _policy_token(
     loss = tl.where(is_on, pg, 0.0)
     dlogp = tl.where(is_on, dpg, 0.0)
 
+    l_off, d_off, off_w = _offpolicy_token(logp, adv, behav, gamma, is_cap, OFF)
+    if OFF != _OFF_NONE:
+        loss += tl.where(is_off, l_off, 0.0)
+        dlogp += tl.where(is_off, d_off, 0.0)
+    kl, dkl = _kl_token(logp, ref, KL)
+    if KL != _KL_NONE:
+        loss += tl.where(is_act, beta * kl, 0.0)
+        dlogp += tl.where(is_act, beta * dkl, 0.0)
+    if HAS_ENT:
+        loss += tl.where(is_act, -ent_coef * ent, 0.0)
+    clip_hi = is_on & clipped & (rh > 1.0 + eps_high)
+    clip_lo = is_on & clipped & (rh < 1.0 - eps_low)
+    return loss, dlogp, r, clip_hi, clip_lo, is_on & dual, kl, tis_w, off_w
+
+
+@triton.jit
+def _offpolicy_token(logp, adv, behav, gamma, is_cap, OFF: tl.constexpr):
+    """Loss, its derivative w.r.t. logp, and the weight of a retrieved token trained off-policy: -A p / (p + gamma)
+    ("shaped") or -A sg(min(exp(logp - behav), is_cap)) logp ("truncated"); zeros when OFF is none."""
+    loss = tl.zeros(logp.shape, tl.float32)
+    dlogp = tl.zeros(logp.shape, tl.float32)
     off_w = tl.zeros(logp.shape, tl.float32)
-    if OFF == 1:
+    if OFF == _OFF_SHAPED:
         p = tl.exp(logp)
         denom = p + gamma
         off_w = p / denom
-        loss += tl.where(is_off, -adv * off_w, 0.0)
-        dlogp += tl.where(is_off, -adv * gamma * p / (denom * denom), 0.0)
-    if OFF == 2:
+        loss = -adv * off_w
+        dlogp = -adv * gamma * p / (denom * denom)
+    if OFF == _OFF_TRUNCATED:
         lw2 = tl.minimum(tl.maximum(logp - behav, -CL), CL)
         off_w = tl.minimum(tl.exp(lw2), is_cap)
-        loss += tl.where(is_off, -adv * off_w * logp, 0.0)
-        dlogp += tl.where(is_off, -adv * off_w, 0.0)
+        loss = -adv * off_w * logp
+        dlogp = -adv * off_w
+    return loss, dlogp, off_w
 
+
+@triton.jit
+def _kl_token(logp, ref, KL: tl.constexpr):
+    """verl's KL estimator k1 / k2 / k3 of (logp, ref) and its derivative w.r.t. logp; zeros when KL is none."""
     kl = tl.zeros(logp.shape, tl.float32)
-    if KL == 1:
+    dkl = tl.zeros(logp.shape, tl.float32)
+    if KL == _KL_K1:
         kl = logp - ref
         dkl = tl.full(logp.shape, 1.0, tl.float32)
-    if KL == 2:
+    if KL == _KL_K2:
         d = logp - ref
         kl = 0.5 * d * d
         dkl = d
-    if KL == 3:
+    if KL == _KL_K3:
         x = ref - logp
         gx = ((x >= -CL) & (x <= CL)).to(tl.float32)
         xc = tl.minimum(tl.maximum(x, -CL), CL)
@@ -96,14 +145,26 @@ def _policy_token(
         gk = ((kraw >= -10.0) & (kraw <= 10.0)).to(tl.float32)
         kl = tl.minimum(tl.maximum(kraw, -10.0), 10.0)
         dkl = -(ex - 1.0) * gx * gk
-    if KL != 0:
-        loss += tl.where(is_act, beta * kl, 0.0)
-        dlogp += tl.where(is_act, beta * dkl, 0.0)
-    if HAS_ENT:
-        loss += tl.where(is_act, -ent_coef * ent, 0.0)
-    clip_hi = is_on & clipped & (rh > 1.0 + eps_high)
-    clip_lo = is_on & clipped & (rh < 1.0 - eps_low)
-    return loss, dlogp, r, clip_hi, clip_lo, is_on & dual, kl, tis_w, off_w
+    return kl, dkl
+
+
+@triton.jit
+def _store_metric_sums(part_ptr, pid, is_on, is_off, clip_hi, clip_lo, dual, r, approx_kl, kl, ent, tis_w, off_w):
+    """This program's row of the metric partial sums, one column per Metric (rapo_fast/loss/policy_layout.py)."""
+    is_act = is_on | is_off
+    base = part_ptr + pid.to(tl.int64) * _NUM_METRICS
+    tl.store(base + _M_N_ON, tl.sum(is_on.to(tl.float32), axis=0))
+    tl.store(base + _M_N_OFF, tl.sum(is_off.to(tl.float32), axis=0))
+    tl.store(base + _M_N_ACTIVE, tl.sum(is_act.to(tl.float32), axis=0))
+    tl.store(base + _M_CLIP_HIGH, tl.sum(clip_hi.to(tl.float32), axis=0))
+    tl.store(base + _M_CLIP_LOW, tl.sum(clip_lo.to(tl.float32), axis=0))
+    tl.store(base + _M_DUAL_CLIP, tl.sum(dual.to(tl.float32), axis=0))
+    tl.store(base + _M_RATIO, tl.sum(tl.where(is_on, r, 0.0), axis=0))
+    tl.store(base + _M_APPROX_KL, tl.sum(tl.where(is_on, approx_kl, 0.0), axis=0))
+    tl.store(base + _M_KL, tl.sum(tl.where(is_act, kl, 0.0), axis=0))
+    tl.store(base + _M_ENTROPY, tl.sum(tl.where(is_act, ent, 0.0), axis=0))
+    tl.store(base + _M_TIS_WEIGHT, tl.sum(tl.where(is_on, tis_w, 0.0), axis=0))
+    tl.store(base + _M_OFFPOLICY_WEIGHT, tl.sum(tl.where(is_off, off_w, 0.0), axis=0))
 
 
 @triton.jit
@@ -121,27 +182,27 @@ def _load_token_inputs(
     ref = logp
     if SEQ:
         seqlr = tl.load(seqlr_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    if TIS or OFF == 2:
+    if TIS or OFF == _OFF_TRUNCATED:
         behav = tl.load(behav_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    if KL != 0:
+    if KL != _KL_NONE:
         ref = tl.load(ref_ptr + offs, mask=m, other=0.0).to(tl.float32)
     return logp, old, adv, scale, seqlr, behav, ref
 
 
 @triton.jit
-def _policy_loss_fwd_kernel(
+def policy_loss_fwd_kernel(
     logp_ptr, old_ptr, adv_ptr, w_ptr, scale_ptr, code_ptr, seqlr_ptr, behav_ptr, ref_ptr, ent_ptr,
     out_ptr, part_ptr, N,
     eps_low, eps_high, dual_c, gamma, is_cap, tis_cap, beta, ent_coef,
     SEQ: tl.constexpr, DUAL: tl.constexpr, TIS: tl.constexpr, OFF: tl.constexpr, KL: tl.constexpr,
-    HAS_ENT: tl.constexpr, BLOCK: tl.constexpr, NM: tl.constexpr,
+    HAS_ENT: tl.constexpr, BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # int64: pitfall 5
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # int64: docs/pitfalls.md #5
     m = offs < N
     code = tl.load(code_ptr + offs, mask=m, other=0).to(tl.int32)
-    is_on = code == 1
-    is_off = code == 2
+    is_on = code == _CODE_ON
+    is_off = code == _CODE_OFF
     logp, old, adv, scale, seqlr, behav, ref = _load_token_inputs(
         offs, m, logp_ptr, old_ptr, adv_ptr, scale_ptr, seqlr_ptr, behav_ptr, ref_ptr, SEQ, TIS, OFF, KL
     )
@@ -155,28 +216,11 @@ def _policy_loss_fwd_kernel(
         SEQ, DUAL, TIS, OFF, KL, HAS_ENT,
     )
     tl.store(out_ptr + offs, w * loss, mask=m)
-
-    is_act = is_on | is_off
-    fo = is_on.to(tl.float32)
-    ff = is_off.to(tl.float32)
-    fa = is_act.to(tl.float32)
-    base = part_ptr + pid.to(tl.int64) * NM
-    tl.store(base + 0, tl.sum(fo, axis=0))
-    tl.store(base + 1, tl.sum(ff, axis=0))
-    tl.store(base + 2, tl.sum(fa, axis=0))
-    tl.store(base + 3, tl.sum(clip_hi.to(tl.float32), axis=0))
-    tl.store(base + 4, tl.sum(clip_lo.to(tl.float32), axis=0))
-    tl.store(base + 5, tl.sum(dual.to(tl.float32), axis=0))
-    tl.store(base + 6, tl.sum(tl.where(is_on, r, 0.0), axis=0))
-    tl.store(base + 7, tl.sum(tl.where(is_on, old - logp, 0.0), axis=0))
-    tl.store(base + 8, tl.sum(tl.where(is_act, kl, 0.0), axis=0))
-    tl.store(base + 9, tl.sum(tl.where(is_act, ent, 0.0), axis=0))
-    tl.store(base + 10, tl.sum(tl.where(is_on, tis_w, 0.0), axis=0))
-    tl.store(base + 11, tl.sum(tl.where(is_off, off_w, 0.0), axis=0))
+    _store_metric_sums(part_ptr, pid, is_on, is_off, clip_hi, clip_lo, dual, r, old - logp, kl, ent, tis_w, off_w)
 
 
 @triton.jit
-def _policy_loss_bwd_kernel(
+def policy_loss_bwd_kernel(
     grad_ptr, logp_ptr, old_ptr, adv_ptr, w_ptr, scale_ptr, code_ptr, seqlr_ptr, behav_ptr, ref_ptr, ent_ptr,
     dlogp_ptr, dent_ptr, N,
     eps_low, eps_high, dual_c, gamma, is_cap, tis_cap, beta, ent_coef,
@@ -187,12 +231,12 @@ def _policy_loss_bwd_kernel(
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < N
     code = tl.load(code_ptr + offs, mask=m, other=0).to(tl.int32)
-    is_on = code == 1
-    is_off = code == 2
+    is_on = code == _CODE_ON
+    is_off = code == _CODE_OFF
     logp, old, adv, scale, seqlr, behav, ref = _load_token_inputs(
         offs, m, logp_ptr, old_ptr, adv_ptr, scale_ptr, seqlr_ptr, behav_ptr, ref_ptr, SEQ, TIS, OFF, KL
     )
-    # the upstream gradient is per token (pitfall 7): never assume a scalar 1
+    # the upstream gradient is per token (docs/pitfalls.md #7): never assume a scalar 1
     gw = tl.load(grad_ptr + offs, mask=m, other=0.0).to(tl.float32) * tl.load(w_ptr + offs, mask=m, other=0.0)
     ent = logp
     loss, dlogp, r, clip_hi, clip_lo, dual, kl, tis_w, off_w = _policy_token(

@@ -3,7 +3,7 @@
 What this is: `@triton.jit` code only (launchers, autograd and validation are in rapo_fast/loss/logprobs.py). One
 program per row walks the row's vocabulary in BLOCK_V blocks with the online log-sum-exp / entropy state of
 kernels/triton_helpers.py, so a row is read once forward and once backward whatever V is (V need not be a multiple
-of BLOCK_V: pitfall 1).
+of BLOCK_V: docs/pitfalls.md #1).
 
 The same two kernels serve both paths:
 - logits path: the whole row in one launch (INIT and FINAL set), logits read through a 2-level row stride so a
@@ -13,7 +13,7 @@ The same two kernels serve both paths:
   writing grad_z over the chunk in place.
 What this is not: the matmul (torch.matmul / cuBLAS does it, see rapo_fast/loss/logprobs.py for why).
 
-All offsets are int64 (pitfall 5: row * stride passes 2^31 at 8 x 4k x 150k).
+All offsets are int64 (docs/pitfalls.md #5: row * stride passes 2^31 at 8 x 4k x 150k).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def _row_offset(row, rows_inner, stride_outer, stride_inner):
 
 
 @triton.jit
-def _token_logprobs_fwd_kernel(
+def token_logprobs_fwd_kernel(
     z_ptr,  # logits block, rows addressed through (rows_inner, stride_outer, stride_inner), last dim contiguous
     tgt_ptr,  # [rows] int32/int64 targets (global vocabulary ids)
     bias_ptr,  # [V] bias or a dummy when HAS_BIAS is False
@@ -104,7 +104,7 @@ def _token_logprobs_fwd_kernel(
 
 
 @triton.jit
-def _token_logprobs_bwd_kernel(
+def token_logprobs_bwd_kernel(
     z_ptr,  # logits block as in the forward kernel
     gz_ptr,  # [rows, n_cols] grad of the logits block, row stride stride_gz, may alias z_ptr (in place)
     tgt_ptr,

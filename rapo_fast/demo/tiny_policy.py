@@ -14,6 +14,9 @@ from pathlib import Path
 
 import torch
 
+# The HF model helpers live in the library (rapo_fast.train.hf_model); re-exported here for the demo's callers.
+from rapo_fast.train.hf_model import final_hidden, lm_head_weight  # noqa: F401
+
 SPECIAL_TOKENS: tuple[str, ...] = (
     "<pad>",
     "<bos>",
@@ -139,6 +142,3 @@ def build_tiny_policy(
         model = LlamaForCausalLM(cfg)
     return model
 
-
-# The HF model helpers moved to the library (rapo_fast.train.hf_model); re-exported for the demo's callers.
-from rapo_fast.train.hf_model import final_hidden, lm_head_weight  # noqa: E402,F401

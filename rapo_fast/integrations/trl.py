@@ -2,12 +2,10 @@
 
 What it is: a subclass that replaces GRPOTrainer's `_compute_loss` (TRL >= 1.x layout) with one call of the fused
 hidden-state loss (`rapo_loss(hidden=..., weight=lm_head.weight, ...)`), so the [B, T, V] logits are never
-materialised (a second, no-grad log-prob pass runs only when TRL skipped the old log-probs), plus
-`trl_to_rapo_options`, the documented mapping from TRL's configuration to our options. With retrieval off and the
-same options it reproduces TRL's own loss value and gradients (tests/integrations/test_integration_trl.py checks this
-against the
-installed trl). With the RAPO extras it adds importance shaping and off-policy (retrieved) tokens, read from extra
-keys of the inputs dict.
+materialised (a second, no-grad log-prob pass runs only when TRL skipped the old log-probs), plus `trl_to_rapo_options`,
+the documented mapping from TRL's configuration to our options. With retrieval off and the same options it reproduces
+TRL's own loss value and gradients (tests/integrations/test_integration_trl.py checks this against the installed trl).
+The RAPO extras (importance shaping, off-policy retrieved tokens) are read from extra keys of the inputs dict.
 
 What it is not: a re-implementation of TRL's generation, rewards or advantages (inherited unchanged), nor an
 approximation of TRL options that have no exact counterpart here: those raise `ValueError` naming the option.
@@ -48,12 +46,14 @@ from typing import Any
 
 import torch
 
+from rapo_fast.loss.options import LossOptions
+
 try:
     from trl import GRPOTrainer
 except ImportError as exc:  # pragma: no cover - trl is an optional dependency
     raise ImportError("rapo_fast.integrations.trl needs `trl` (pip install trl)") from exc
 
-# Options a user may set through `rapo_options`; everything else comes from TRL's own configuration.
+# LossOptions fields a user may set through `rapo_options`; everything else comes from TRL's own configuration.
 RAPO_EXTRA_OPTIONS = ("shaping_m", "offpolicy_train", "gamma", "is_cap", "tis_cap")
 _EXACT_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 # Inputs TRL forwards for vision-language models; the hidden-state path here is text-only.
@@ -73,6 +73,8 @@ _MULTIMODAL_KEYS = (
 class TRLLossPlan:
     """How one TRL configuration maps onto `rapo_loss`: its keyword options and the normaliser TRL applies.
 
+    `options` holds the rapo_loss options the mapping sets (fields of rapo_fast.loss.options.LossOptions; checked by
+    it when the plan is made); `loss_options()` gives them as a LossOptions.
     `global_num_tokens` is one of: None (rapo_loss's own count), "batch_x_max_len" (dr_grpo), "batch" (grpo: the
     sequence count; luspo: the token-sum normaliser), "num_items" (dapo); it is resolved per call from the batch,
     because TRL's normalisers depend on it.
@@ -84,6 +86,9 @@ class TRLLossPlan:
     divide_by_grad_accum: bool = True
     use_tis: bool = False
 
+    def loss_options(self) -> LossOptions:
+        return LossOptions(**self.options)
+
 
 def trl_to_rapo_options(trainer: Any, rapo_options: Mapping[str, Any] | None = None) -> TRLLossPlan:
     """Map a GRPOTrainer's loss configuration (its attributes and `args`) onto `rapo_loss` options.
@@ -92,66 +97,76 @@ def trl_to_rapo_options(trainer: Any, rapo_options: Mapping[str, Any] | None = N
     importance_sampling_level, ...), so it reflects changes made to them after construction. Raises ValueError naming
     the TRL option when there is no exact equivalent, instead of approximating it.
     """
-    args = trainer.args
     extras = dict(rapo_options or {})
     unknown = sorted(set(extras) - set(RAPO_EXTRA_OPTIONS))
     if unknown:
         raise ValueError(f"rapo_options: unknown option(s) {unknown}; allowed: {list(RAPO_EXTRA_OPTIONS)}")
+    plan = _aggregation_plan(trainer.loss_type)
+    plan.options.update(_clip_options(trainer))
+    _refuse_unsupported(trainer)
+    plan.options.update(_kl_and_entropy_options(trainer, trainer.loss_type))
+    if getattr(trainer, "use_vllm", False) and getattr(trainer, "vllm_importance_sampling_correction", False):
+        plan.options["tis_cap"] = _vllm_tis_cap(trainer, extras)
+        plan.use_tis = True
+    plan.options["temperature"] = float(trainer.temperature) / _logit_scale(trainer.model)
+    plan.options.update(extras)
+    if extras.get("tis_cap") is not None:
+        plan.use_tis = True
+    plan.loss_options()  # the values, checked now (at the trainer's construction) rather than at the first step
+    return plan
 
-    loss_type = trainer.loss_type
+
+def _aggregation_plan(loss_type: str) -> TRLLossPlan:
+    """loss_agg, the global normaliser and the gradient-accumulation division of TRL's loss_type."""
     if loss_type not in _EXACT_LOSS_TYPES:
         raise ValueError(
             f"loss_type={loss_type!r} has no exact rapo_fast equivalent (its surrogate is not the PPO-clip one); "
             f"use one of {list(_EXACT_LOSS_TYPES)}"
         )
-    plan = TRLLossPlan()
     if loss_type == "grpo":
         # TRL averages over all B rows, an all-masked row counting as 0; verl's seq-mean over non-empty rows with the
         # global sequence count B is the same number.
-        plan.options["loss_agg"] = "seq-mean-token-mean"
-        plan.global_num_tokens = "batch"
-    elif loss_type == "bnpo":
-        plan.options["loss_agg"] = "token-mean"
-    elif loss_type == "dr_grpo":
-        plan.options["loss_agg"] = "token-mean"
-        plan.global_num_tokens = "batch_x_max_len"
-    elif loss_type == "dapo":
-        plan.options["loss_agg"] = "token-mean"
-        plan.global_num_tokens = "num_items"
-        plan.divide_by_grad_accum = False  # TRL folds the accumulation steps into its num_items normaliser
-    else:  # luspo: (per_token_loss * mask).sum(-1).mean(), i.e. a token sum over the row count
-        plan.options["loss_agg"] = "token-mean"
-        plan.global_num_tokens = "batch"
+        return TRLLossPlan(options={"loss_agg": "seq-mean-token-mean"}, global_num_tokens="batch")
+    if loss_type == "bnpo":
+        return TRLLossPlan(options={"loss_agg": "token-mean"})
+    if loss_type == "dr_grpo":
+        return TRLLossPlan(options={"loss_agg": "token-mean"}, global_num_tokens="batch_x_max_len")
+    if loss_type == "dapo":
+        # TRL folds the accumulation steps into its num_items normaliser
+        return TRLLossPlan(options={"loss_agg": "token-mean"}, global_num_tokens="num_items",
+                           divide_by_grad_accum=False)  # fmt: skip
+    # luspo: (per_token_loss * mask).sum(-1).mean(), i.e. a token sum over the row count
+    return TRLLossPlan(options={"loss_agg": "token-mean"}, global_num_tokens="batch")
 
+
+def _clip_options(trainer: Any) -> dict[str, Any]:
+    """eps_low / eps_high, TRL's delta as the dual clip, and the importance-sampling level."""
     eps_low, eps_high = float(trainer.epsilon_low), float(trainer.epsilon_high)
-    plan.options.update(eps_low=eps_low, eps_high=eps_high)
-    delta = getattr(args, "delta", None)
+    options: dict[str, Any] = dict(eps_low=eps_low, eps_high=eps_high)
+    delta = getattr(trainer.args, "delta", None)
     if delta is not None:
         # TRL clamps the unclipped ratio at delta for every token; for A >= 0 the clipped term already wins, for A < 0
         # this is verl's dual clip with c = delta, provided delta exceeds the upper clip bound.
         if not delta > 1.0 + eps_high:
             raise ValueError(f"delta={delta} must exceed 1 + epsilon_high={1 + eps_high} to map onto dual_clip")
-        plan.options["dual_clip"] = float(delta)
-
+        options["dual_clip"] = float(delta)
     if trainer.importance_sampling_level not in ("token", "sequence"):
         raise ValueError(f"importance_sampling_level={trainer.importance_sampling_level!r} is not 'token'/'sequence'")
-    plan.options["importance_sampling_level"] = trainer.importance_sampling_level
+    options["importance_sampling_level"] = trainer.importance_sampling_level
+    return options
 
+
+def _kl_and_entropy_options(trainer: Any, loss_type: str) -> dict[str, Any]:
+    """beta with the k3 estimator, and a static entropy bonus (bnpo only)."""
+    options: dict[str, Any] = {}
     beta = float(trainer.beta)
     if beta != 0.0:
-        if getattr(args, "use_bias_correction_kl", False):
+        if getattr(trainer.args, "use_bias_correction_kl", False):
             raise ValueError(
                 "use_bias_correction_kl=True multiplies TRL's KL by the importance ratio; rapo_loss's k3 KL has no "
                 "such factor. Set use_bias_correction_kl=False to use RAPOGRPOTrainer with beta != 0."
             )
-        plan.options.update(beta=beta, kl_estimator="k3")
-
-    if getattr(trainer, "top_entropy_quantile", 1.0) < 1.0:
-        raise ValueError("top_entropy_quantile < 1 (high-entropy token mask) is not supported by rapo_loss")
-    if getattr(trainer, "off_policy_mask_threshold", None) is not None:
-        raise ValueError("off_policy_mask_threshold (off-policy sequence mask) is not supported by rapo_loss")
-    if getattr(trainer, "use_adaptive_entropy", False):
-        raise ValueError("use_adaptive_entropy is not supported: set a static entropy_coef (bnpo only)")
+        options.update(beta=beta, kl_estimator="k3")
     entropy_coef = float(getattr(trainer, "entropy_coef", 0.0) or 0.0)
     if entropy_coef != 0.0:
         if loss_type != "bnpo":
@@ -159,35 +174,37 @@ def trl_to_rapo_options(trainer: Any, rapo_options: Mapping[str, Any] | None = N
                 f"entropy_coef != 0 with loss_type={loss_type!r}: TRL normalises its entropy bonus by the local token "
                 "count whatever the loss type, which rapo_loss reproduces only for loss_type='bnpo'"
             )
-        plan.options["entropy_coef"] = entropy_coef
+        options["entropy_coef"] = entropy_coef
+    return options
+
+
+def _refuse_unsupported(trainer: Any) -> None:
+    """ValueError for TRL loss features without an exact rapo_loss counterpart."""
+    if getattr(trainer, "top_entropy_quantile", 1.0) < 1.0:
+        raise ValueError("top_entropy_quantile < 1 (high-entropy token mask) is not supported by rapo_loss")
+    if getattr(trainer, "off_policy_mask_threshold", None) is not None:
+        raise ValueError("off_policy_mask_threshold (off-policy sequence mask) is not supported by rapo_loss")
+    if getattr(trainer, "use_adaptive_entropy", False):
+        raise ValueError("use_adaptive_entropy is not supported: set a static entropy_coef (bnpo only)")
     if getattr(trainer, "aux_loss_enabled", False):
         raise ValueError("MoE router auxiliary loss is not supported: set router_aux_loss_coef=0")
 
-    if getattr(trainer, "use_vllm", False) and getattr(trainer, "vllm_importance_sampling_correction", False):
-        mode = trainer.vllm_importance_sampling_mode
-        clip_min = trainer.vllm_importance_sampling_clip_min
-        if mode != "token_truncate" or clip_min not in (None, 0, 0.0):
-            raise ValueError(
-                f"vllm_importance_sampling_mode={mode!r} (clip_min={clip_min}) has no rapo_fast equivalent; use "
-                "'token_truncate' without clip_min (truncated IS, min(exp(old - behav), clip_max))"
-            )
-        if "tis_cap" in extras:
-            raise ValueError("tis_cap given in rapo_options while TRL's vLLM importance sampling is on; set only one")
-        cap = trainer.vllm_importance_sampling_clip_max
-        if cap is None:
-            raise ValueError("vllm_importance_sampling_clip_max=None (untruncated IS) is not supported: set a cap")
-        plan.options["tis_cap"] = float(cap)
-        plan.use_tis = True
 
-    temperature = float(trainer.temperature)
-    scale = _logit_scale(trainer.model)
-    plan.options["temperature"] = temperature / scale
-
-    for key, value in extras.items():
-        plan.options[key] = value
-    if "tis_cap" in extras and extras["tis_cap"] is not None:
-        plan.use_tis = True
-    return plan
+def _vllm_tis_cap(trainer: Any, extras: Mapping[str, Any]) -> float:
+    """tis_cap of TRL's vLLM importance-sampling correction (mode "token_truncate" without clip_min only)."""
+    mode = trainer.vllm_importance_sampling_mode
+    clip_min = trainer.vllm_importance_sampling_clip_min
+    if mode != "token_truncate" or clip_min not in (None, 0, 0.0):
+        raise ValueError(
+            f"vllm_importance_sampling_mode={mode!r} (clip_min={clip_min}) has no rapo_fast equivalent; use "
+            "'token_truncate' without clip_min (truncated IS, min(exp(old - behav), clip_max))"
+        )
+    if "tis_cap" in extras:
+        raise ValueError("tis_cap given in rapo_options while TRL's vLLM importance sampling is on; set only one")
+    cap = trainer.vllm_importance_sampling_clip_max
+    if cap is None:
+        raise ValueError("vllm_importance_sampling_clip_max=None (untruncated IS) is not supported: set a cap")
+    return float(cap)
 
 
 def _logit_scale(model: Any) -> float:
@@ -250,7 +267,7 @@ def _install_rapo_forward(model: torch.nn.Module, cast_lm_head_to_fp32: bool) ->
                         weight=weight,
                         bias=bias,
                         targets=loss_kwargs["targets"],
-                        temperature=loss_kwargs.get("temperature", 1.0),
+                        temperature=loss_kwargs["options"].temperature,
                     )
             return rapo_fast.rapo_loss(hidden=hidden, weight=weight, bias=bias, return_metrics=True, **loss_kwargs)
 
@@ -285,8 +302,9 @@ class RAPOGRPOTrainer(GRPOTrainer):
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
         batch, width = completion_ids.shape
         old = inputs.get("old_per_token_logps")
-        kwargs: dict[str, Any] = dict(plan.options)
-        kwargs.update(
+        opts = plan.loss_options()
+        kwargs: dict[str, Any] = dict(
+            options=opts,
             targets=completion_ids,
             advantages=inputs["advantages"],
             loss_mask=mask.bool(),
@@ -296,9 +314,9 @@ class RAPOGRPOTrainer(GRPOTrainer):
         kwargs["old_logp"] = old  # None: the current log-probs, detached (resolved in the model's forward)
         if "retrieved_mask" in inputs and inputs["retrieved_mask"] is not None:
             kwargs["retrieved_mask"] = inputs["retrieved_mask"].bool()
-        if plan.options.get("beta", 0.0) != 0.0:
+        if opts.beta != 0.0:
             kwargs["ref_logp"] = inputs["ref_per_token_logps"]
-        needs_behav = plan.use_tis or plan.options.get("offpolicy_train") == "truncated"
+        needs_behav = plan.use_tis or opts.offpolicy_train == "truncated"
         if needs_behav:
             behav = inputs.get("sampling_per_token_logps")
             if behav is None:

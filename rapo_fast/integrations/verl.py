@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from rapo_fast.loss.options import LossOptions
 from rapo_fast.loss.policy_loss import policy_loss_from_logp
 
 __all__ = [
@@ -48,6 +49,7 @@ VERL_LOSS_AGG_MODES = (
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
 )
+# The LossOptions fields a verl caller may set; the clip and aggregation options come from verl's config.
 _RAPO_KEYWORDS = ("shaping_m", "offpolicy_train", "gamma", "is_cap", "tis_cap", "importance_sampling_level")
 
 
@@ -135,39 +137,18 @@ def rapo_policy_loss(
         rollout_log_probs: older verl interface: behaviour log-probs; with config.tis_imp_ratio_cap > 0 they give
             truncated IS min(exp(old - rollout), cap).
         retrieved_mask: [B, T] tokens inserted by retrieval (RAPO); excluded from the loss unless offpolicy_train.
-        rapo_options: shaping_m, offpolicy_train, gamma, is_cap, tis_cap, importance_sampling_level.
+        rapo_options: shaping_m, offpolicy_train, gamma, is_cap, tis_cap, importance_sampling_level (fields of
+            rapo_fast.loss.options.LossOptions).
     Metrics (floats, verl's keys): actor/pg_clipfrac, actor/ppo_kl, actor/pg_clipfrac_lower, plus rapo/ratio_mean and
     rapo/retrieved_frac.
     """
-    unknown = sorted(set(rapo_options) - set(_RAPO_KEYWORDS))
-    if unknown:
-        raise TypeError(f"rapo_policy_loss: unknown option(s) {unknown}; expected some of {list(_RAPO_KEYWORDS)}")
-    clip_ratio = _cfg(config, "clip_ratio", 0.2)
-    eps_low = float(_cfg(config, "clip_ratio_low", clip_ratio))
-    eps_high = float(_cfg(config, "clip_ratio_high", clip_ratio))
-    clip_ratio_c = float(_cfg(config, "clip_ratio_c", 3.0))
-    if not clip_ratio_c > 1.0:
-        raise ValueError(f"clip_ratio_c: the dual-clip bound must be > 1.0, got {clip_ratio_c}")
-    info = dict(_cfg(config, "global_batch_info", {}) or {})
-    loss_agg, g, dp_size = verl_normaliser(
-        response_mask,
-        loss_agg_mode,
-        dp_size=int(info.get("dp_size", 1) or 1),
-        batch_num_tokens=info.get("batch_num_tokens"),
-        global_batch_size=info.get("global_batch_size"),
-        loss_scale_factor=info.get("loss_scale_factor"),
-    )
+    _check_rapo_options(rapo_options, "rapo_policy_loss")
+    eps_low, eps_high, clip_ratio_c = _clip_ratios(config)
+    loss_agg, g, dp_size = _verl_aggregation(config, response_mask, loss_agg_mode)
     adv = advantages if rollout_is_weights is None else advantages * rollout_is_weights.detach()
-    opts = dict(rapo_options)
-    behav = None
-    cap = _cfg(config, "tis_imp_ratio_cap", 0.0)
-    if rollout_log_probs is not None and cap and float(cap) > 0:
-        behav = rollout_log_probs
-        opts.setdefault("tis_cap", float(cap))
-    elif opts.get("tis_cap") is not None or opts.get("offpolicy_train") == "truncated":
-        behav = rollout_log_probs
-        if behav is None:
-            raise ValueError("rollout_log_probs: required with tis_cap or offpolicy_train='truncated'")
+    behav, rapo_options = _behaviour_logp(config, rollout_log_probs, rapo_options)
+    opts = LossOptions(eps_low=eps_low, eps_high=eps_high, dual_clip=clip_ratio_c, loss_agg=loss_agg,
+                       return_metrics=True, **rapo_options)  # fmt: skip
     loss, m = policy_loss_from_logp(
         log_prob,
         old_logp=old_log_prob,
@@ -176,23 +157,68 @@ def rapo_policy_loss(
         retrieved_mask=None if retrieved_mask is None else retrieved_mask.bool(),
         response_mask=response_mask.bool(),
         behav_logp=behav,
-        eps_low=eps_low,
-        eps_high=eps_high,
-        dual_clip=clip_ratio_c,
-        loss_agg=loss_agg,
         global_num_tokens=g,
-        return_metrics=True,
-        **opts,
+        options=opts,
     )
-    loss = loss * dp_size
-    metrics = {
+    return loss * dp_size, _verl_metrics(m)
+
+
+def _check_rapo_options(options: Mapping[str, Any], caller: str) -> None:
+    unknown = sorted(set(options) - set(_RAPO_KEYWORDS))
+    if unknown:
+        raise TypeError(f"{caller}: unknown option(s) {unknown}; expected some of {list(_RAPO_KEYWORDS)}")
+
+
+def _clip_ratios(config: Any) -> tuple[float, float, float]:
+    """(eps_low, eps_high, dual clip c) from verl's clip_ratio, clip_ratio_low / _high and clip_ratio_c."""
+    clip_ratio = _cfg(config, "clip_ratio", 0.2)
+    eps_low = float(_cfg(config, "clip_ratio_low", clip_ratio))
+    eps_high = float(_cfg(config, "clip_ratio_high", clip_ratio))
+    clip_ratio_c = float(_cfg(config, "clip_ratio_c", 3.0))
+    if not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c: the dual-clip bound must be > 1.0, got {clip_ratio_c}")
+    return eps_low, eps_high, clip_ratio_c
+
+
+def _verl_aggregation(config: Any, response_mask: torch.Tensor, loss_agg_mode: str) -> tuple[str, torch.Tensor, int]:
+    """verl_normaliser with config.global_batch_info's counts."""
+    info = dict(_cfg(config, "global_batch_info", {}) or {})
+    return verl_normaliser(
+        response_mask,
+        loss_agg_mode,
+        dp_size=int(info.get("dp_size", 1) or 1),
+        batch_num_tokens=info.get("batch_num_tokens"),
+        global_batch_size=info.get("global_batch_size"),
+        loss_scale_factor=info.get("loss_scale_factor"),
+    )
+
+
+def _behaviour_logp(
+    config: Any, rollout_log_probs: torch.Tensor | None, rapo_options: Mapping[str, Any]
+) -> tuple[torch.Tensor | None, dict[str, Any]]:
+    """The behaviour log-probs the options need (and the options, with tis_cap from config.tis_imp_ratio_cap when the
+    older rollout_log_probs interface asks for truncated IS and the caller set none)."""
+    opts = dict(rapo_options)
+    cap = _cfg(config, "tis_imp_ratio_cap", 0.0)
+    if rollout_log_probs is not None and cap and float(cap) > 0:
+        opts.setdefault("tis_cap", float(cap))
+        return rollout_log_probs, opts
+    if opts.get("tis_cap") is not None or opts.get("offpolicy_train") == "truncated":
+        if rollout_log_probs is None:
+            raise ValueError("rollout_log_probs: required with tis_cap or offpolicy_train='truncated'")
+        return rollout_log_probs, opts
+    return None, opts
+
+
+def _verl_metrics(m: Mapping[str, torch.Tensor]) -> dict[str, float]:
+    """rapo_loss's metrics under verl's keys (floats: one host sync, as verl's own loss does)."""
+    return {
         "actor/pg_clipfrac": (m["clip_frac_high"] + m["clip_frac_low"]).item(),
         "actor/ppo_kl": m["approx_kl"].item(),
         "actor/pg_clipfrac_lower": m["dual_clip_frac"].item(),
         "rapo/ratio_mean": m["ratio_mean"].item(),
         "rapo/retrieved_frac": m["retrieved_frac"].item(),
     }
-    return loss, metrics
 
 
 def register_rapo_policy_loss(name: str = "rapo", **options: Any) -> Callable[..., Any]:
@@ -202,9 +228,7 @@ def register_rapo_policy_loss(name: str = "rapo", **options: Any) -> Callable[..
     """
     from verl.trainer.ppo.core_algos import register_policy_loss
 
-    unknown = sorted(set(options) - set(_RAPO_KEYWORDS))
-    if unknown:
-        raise TypeError(f"register_rapo_policy_loss: unknown option(s) {unknown}")
+    _check_rapo_options(options, "register_rapo_policy_loss")
 
     def policy_loss(
         old_log_prob,

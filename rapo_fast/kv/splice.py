@@ -1,4 +1,4 @@
-"""Splicing cached K/V of retrieved steps into live KV caches, keys re-rotated by RoPE (DESIGN.md section 4).
+"""Splicing cached K/V of retrieved steps into live KV caches, keys re-rotated by RoPE (docs/kv_splice.md).
 
 What this is: `splice_kv` (many (payload_id, batch_row, position) requests in one backend call across all
 layers: C++ on CPU tensors, CUDA on CUDA tensors, through the registered tensor-level op `rapo_fast::kv_splice_`
@@ -84,9 +84,8 @@ def _kv_splice_impl(keys: list[torch.Tensor], values: list[torch.Tensor], k_pool
         bt = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
         bt = bt.contiguous()
     aligned = all(t.data_ptr() % 16 == 0 for t in (*keys, *values, k_pool, v_pool))
-    params = dict(
-        device=-1 if device.type == "cpu" else int(device.index or 0), stream=_ext.stream_of(device),
-        dtype=_ext.DTYPE_CODES[k_pool.dtype], interleaved=bool(interleaved),
+    params = _ext.make_params(
+        C.KVSpliceParams, dtype=_ext.DTYPE_CODES[k_pool.dtype], interleaved=bool(interleaved),
         k_pool=k_pool.data_ptr(), v_pool=v_pool.data_ptr(),
         pool_layer_stride=k_pool.stride(0), pool_token_stride=k_pool.stride(1), pool_head_stride=k_pool.stride(2),
         dst_k_ptrs=kptr.data_ptr(), dst_v_ptrs=vptr.data_ptr(),
@@ -98,7 +97,10 @@ def _kv_splice_impl(keys: list[torch.Tensor], values: list[torch.Tensor], k_pool
         block_table_stride=bt.stride(0) if paged else 0,
         block_size=k0.shape[1] if paged else 0, aligned16=aligned,
     )
-    C.kv_splice(params)
+    if device.type == "cpu":
+        C.kv_splice_cpu(params)
+    else:
+        C.kv_splice_cuda(params, device=int(device.index or 0), stream=_ext.stream_of(device))
     if device.type == "cuda":
         # req/kptr/vptr/inv/bt must live until the kernel has read them: tie them to the stream instead of syncing.
         for t in (req, kptr, vptr, inv) + ((bt,) if paged else ()):
@@ -109,7 +111,7 @@ def _kv_splice_fake(keys, values, k_pool, v_pool, requests, inv_freq, block_tabl
     return None
 
 
-# A registered op (DESIGN.md section 1) so that torch.compile sees the in-place write to the caches; the Python cache
+# A registered op (docs/testing.md rule 3) so that torch.compile sees the in-place write to the caches; the Python cache
 # bookkeeping (HF lengths, growth, validation) stays in splice_kv, outside the op.
 kv_splice_ = register_op("kv_splice_", _kv_splice_impl, mutates_args=("keys", "values"), fake=_kv_splice_fake)
 
@@ -183,6 +185,24 @@ def splice_kv(
         raise TypeError(f"rope must be a RopeSpec (e.g. RopeSpec.from_model(model)), got {type(rope).__name__}")
     if rope.head_dim != store.head_dim:
         raise ValueError(f"rope.head_dim={rope.head_dim} != store.head_dim={store.head_dim}")
+    table = _request_table(reqs, store, lengths, rope_positions)
+    if isinstance(cache, PagedKVCache):
+        ks, vs, block_table = _paged_target(cache, store, table)
+        if table:
+            _launch(ks, vs, store, table, rope, block_table, backend)
+        return 0
+    ks, vs, new_len = _hf_target(cache, store, table)
+    if table:
+        _launch(ks, vs, store, table, rope, None, backend)
+    if hfc.check_cache(cache) == "static":
+        hfc.set_length(cache, new_len)
+    return new_len
+
+
+def _request_table(reqs: list[tuple[int, int, int]], store: StepKVStore, lengths: Sequence[int] | None,
+                   rope_positions: Sequence[int] | None) -> list[tuple[int, int, int, int, int]]:
+    """(pool offset, length, batch row, position, rope delta) per request, after checking ids, lengths, positions and
+    that no two requests write the same slots of a row."""
     if lengths is not None and len(lengths) != len(reqs):
         raise ValueError(f"lengths has {len(lengths)} entries for {len(reqs)} requests")
     if rope_positions is not None and len(rope_positions) != len(reqs):
@@ -206,60 +226,60 @@ def splice_kv(
                 raise ValueError(f"requests[{i}]: slots [{pos}, {pos + n}) of row {row} overlap another request's")
         rows_spans.setdefault(row, []).append((pos, pos + n))
         table.append((off, n, row, pos, delta))
+    return table
 
-    block_table = None
-    new_len = 0
-    if isinstance(cache, PagedKVCache):
-        ks, vs = list(cache.keys), list(cache.values)
-        _check_layer_tensors("cache.keys", ks, store, 2)
-        _check_layer_tensors("cache.values", vs, store, 2)
-        bt = cache.block_table
-        if bt.dim() != 2 or bt.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"block_table must be [B, max_blocks] int32/int64, got {tuple(bt.shape)} {bt.dtype}")
-        if bt.device != store.device:
-            raise ValueError(f"block_table device {bt.device} != store device {store.device}")
-        bs, nb = ks[0].shape[1], ks[0].shape[0]
-        bt_cpu = bt.cpu()
-        for i, (_off, n, row, pos, _d) in enumerate(table):
-            if not 0 <= row < bt.shape[0]:
-                raise ValueError(f"requests[{i}]: batch_row {row} out of range [0, {bt.shape[0]})")
-            if n and (pos + n - 1) // bs >= bt.shape[1]:
-                raise ValueError(
-                    f"requests[{i}]: position {pos} + length {n} passes the block table's "
-                    f"{bt.shape[1]} blocks of {bs} tokens"
-                )
-            used = bt_cpu[row, pos // bs:(pos + n - 1) // bs + 1] if n else bt_cpu[row, :0]
-            if used.numel() and (used.min() < 0 or used.max() >= nb):
-                raise ValueError(f"requests[{i}]: block table row {row} maps these slots to blocks outside [0, {nb})")
-        block_table = bt.to(torch.int32) if bt.dtype != torch.int32 else bt
-    else:
-        kind = hfc.check_cache(cache)
-        cur = hfc.length(cache)
-        b = hfc.batch_size(cache)
-        if b is None:
-            b = max((row for _, _, row, _, _ in table), default=-1) + 1
-            hfc.ensure_layers(cache, store.num_layers, b, store.num_kv_heads, store.head_dim, store.dtype, store.device)
-        for i, (_off, _n, row, pos, _d) in enumerate(table):
-            if not 0 <= row < b:
-                raise ValueError(f"requests[{i}]: batch_row {row} out of range [0, {b})")
-            if kind == "dynamic" and pos > cur:
-                raise ValueError(
-                    f"requests[{i}]: position {pos} is past the cache's length {cur}; a DynamicCache cannot hold a gap"
-                )
-        new_len = max([cur] + [pos + n for _o, n, _r, pos, _d in table])
-        ks, vs = hfc.layer_tensors(cache)
-        _check_layer_tensors("cache keys", ks, store, 1)  # before growing: a refused call leaves the cache alone
-        _check_layer_tensors("cache values", vs, store, 1)
-        hfc.grow(cache, new_len)  # raises for a StaticCache without room, before any write
-        ks, vs = hfc.layer_tensors(cache)
-        _check_layer_tensors("cache keys", ks, store, 1)
-        _check_layer_tensors("cache values", vs, store, 1)
-    if table:
-        _launch(ks, vs, store, table, rope, block_table, backend)
-    if block_table is None:
-        hfc.set_length(cache, new_len) if hfc.check_cache(cache) == "static" else None
-        return new_len
-    return 0
+
+def _paged_target(cache: PagedKVCache, store: StepKVStore, table: list) -> tuple[list, list, torch.Tensor]:
+    """The paged cache's per-layer tensors and its int32 block table, after checking every request's blocks."""
+    ks, vs = list(cache.keys), list(cache.values)
+    _check_layer_tensors("cache.keys", ks, store, 2)
+    _check_layer_tensors("cache.values", vs, store, 2)
+    bt = cache.block_table
+    if bt.dim() != 2 or bt.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"block_table must be [B, max_blocks] int32/int64, got {tuple(bt.shape)} {bt.dtype}")
+    if bt.device != store.device:
+        raise ValueError(f"block_table device {bt.device} != store device {store.device}")
+    bs, nb = ks[0].shape[1], ks[0].shape[0]
+    bt_cpu = bt.cpu()
+    for i, (_off, n, row, pos, _d) in enumerate(table):
+        if not 0 <= row < bt.shape[0]:
+            raise ValueError(f"requests[{i}]: batch_row {row} out of range [0, {bt.shape[0]})")
+        if n and (pos + n - 1) // bs >= bt.shape[1]:
+            raise ValueError(
+                f"requests[{i}]: position {pos} + length {n} passes the block table's "
+                f"{bt.shape[1]} blocks of {bs} tokens"
+            )
+        used = bt_cpu[row, pos // bs:(pos + n - 1) // bs + 1] if n else bt_cpu[row, :0]
+        if used.numel() and (used.min() < 0 or used.max() >= nb):
+            raise ValueError(f"requests[{i}]: block table row {row} maps these slots to blocks outside [0, {nb})")
+    return ks, vs, (bt.to(torch.int32) if bt.dtype != torch.int32 else bt)
+
+
+def _hf_target(cache: Any, store: StepKVStore, table: list) -> tuple[list, list, int]:
+    """A transformers cache's per-layer tensors after growing it to hold every request, and its new length. Every
+    check runs before the cache is grown: a refused call leaves the cache alone."""
+    kind = hfc.check_cache(cache)
+    cur = hfc.length(cache)
+    b = hfc.batch_size(cache)
+    if b is None:
+        b = max((row for _, _, row, _, _ in table), default=-1) + 1
+        hfc.ensure_layers(cache, store.num_layers, b, store.num_kv_heads, store.head_dim, store.dtype, store.device)
+    for i, (_off, _n, row, pos, _d) in enumerate(table):
+        if not 0 <= row < b:
+            raise ValueError(f"requests[{i}]: batch_row {row} out of range [0, {b})")
+        if kind == "dynamic" and pos > cur:
+            raise ValueError(
+                f"requests[{i}]: position {pos} is past the cache's length {cur}; a DynamicCache cannot hold a gap"
+            )
+    new_len = max([cur] + [pos + n for _o, n, _r, pos, _d in table])
+    ks, vs = hfc.layer_tensors(cache)
+    _check_layer_tensors("cache keys", ks, store, 1)
+    _check_layer_tensors("cache values", vs, store, 1)
+    hfc.grow(cache, new_len)  # raises for a StaticCache without room, before any write
+    ks, vs = hfc.layer_tensors(cache)
+    _check_layer_tensors("cache keys", ks, store, 1)
+    _check_layer_tensors("cache values", vs, store, 1)
+    return ks, vs, new_len
 
 
 def _launch(ks, vs, store: StepKVStore, table, rope: RopeSpec, block_table, backend: str) -> None:
@@ -268,7 +288,7 @@ def _launch(ks, vs, store: StepKVStore, table, rope: RopeSpec, block_table, back
         from rapo_fast import _ext
 
         backend = "reference"
-        if _ext.has_extension() and hasattr(_ext.extension(), "kv_splice"):
+        if _ext.has_extension() and hasattr(_ext.extension(), "kv_splice_cpu"):
             backend = device.type
     if backend == "reference":
         from rapo_fast.reference.kv_splice import splice_segment_ref

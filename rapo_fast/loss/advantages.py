@@ -1,9 +1,8 @@
-"""RAPO's small advantage helpers (DESIGN.md section 2): step entropy, retrieval reward, combined advantage.
+"""RAPO's small advantage helpers (docs/loss.md section 8): step entropy, retrieval reward, combined advantage.
 
 Plain torch on [B]/[S]/[B, R] vectors, no kernel: they are tiny next to the loss. Arguments are validated (with one
 device sync) like every public function. What this is not: the per-token loss (rapo_fast/loss/policy_loss.py) or the
-entropy
-computation itself (rapo_fast.token_logprobs(..., return_entropy=True) gives the per-token entropy these consume).
+entropy itself (rapo_fast.token_logprobs(..., return_entropy=True) gives the per-token entropy these consume).
 """
 
 from __future__ import annotations

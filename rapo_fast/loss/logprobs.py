@@ -1,8 +1,9 @@
 """token_logprobs: the public fused per-token log-prob (+ full-vocabulary entropy), its launchers and autograd wiring.
 
 What this is: argument checks, backend choice (rapo_fast._dispatch.use_triton), the Triton launchers of
-kernels/loss/token_logprobs.py registered as torch.library ops `rapo_fast::token_logprobs_{fwd,bwd}` (logits path) and
-`rapo_fast::linear_token_logprobs_{fwd,bwd}` (hidden-state path), and the chunked reference fallback.
+kernels/loss/token_logprobs.py registered as torch.library ops `rapo_fast::token_logprobs_{fwd,bwd}` (logits path;
+the hidden-state path's `rapo_fast::linear_token_logprobs_{fwd,bwd}` are in rapo_fast/loss/linear_logprobs.py), and
+the chunked reference fallback.
 What this is not: the math (kernels/triton_helpers.py, and the spec in rapo_fast/reference/logprobs.py).
 
 Hidden-state path. Logits are produced tile by tile, [rows, V_chunk] at a time, by torch.matmul in the input dtype.
@@ -10,8 +11,8 @@ This deliberately differs from Cut-Cross-Entropy's fused tl.dot: cuBLAS is alrea
 the softmax pass over a tile is bandwidth-bound, so fusing buys little and costs a hand-tuned GEMM per GPU. A Triton
 pass folds each tile into a per-row online state (m, s, t, target logit); the backward recomputes each tile, turns it
 into grad_z in place and feeds three GEMMs (grad_h, grad_W, grad_b). Nothing of size [N, V] exists at any time and
-nothing but [N] fp32 vectors is saved for backward. The tile is bounded by a byte budget (_TILE_BYTES) and its
-vocabulary width by _MAX_VOCAB_TILE so that the fp32 grad_W accumulator of one vocabulary tile stays small too.
+nothing but [N] fp32 vectors is saved for backward. The tile budget and the launches on one tile are those of
+rapo_fast/loss/tiles.py (shared with the fused policy loss, rapo_fast/loss/fused_linear.py).
 """
 
 from __future__ import annotations
@@ -23,38 +24,15 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from rapo_fast._dispatch import interpret_mode, register_op, use_triton
+from rapo_fast._dispatch import register_op, use_triton
+from rapo_fast.loss import tiles
+from rapo_fast.loss.linear_logprobs import linear_token_logprobs_fwd
 from rapo_fast.reference.logprobs import linear_token_logprobs_ref, token_logprobs_ref
 
 __all__ = ["token_logprobs"]
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INDEX_DTYPES = (torch.int64, torch.int32)
-
-# Byte budget of one logits tile (input dtype) of the hidden path; the fallback has its own (_FALLBACK_BYTES).
-# GPU: 512 MiB keeps GEMMs at full size (e.g. 16k x 16k bf16) while the tile is ~1/20 of [16k, 152k] bf16.
-# Interpreter / CPU: small, so tests exercise many tiles; tests patch these module attributes.
-_TILE_BYTES = {"gpu": 512 << 20, "cpu": 8 << 20}
-_MAX_VOCAB_TILE = {"gpu": 16384, "cpu": 16384}
-
-
-def _kernels():
-    # Triton is imported on first use only, so that `import rapo_fast` stays cheap.
-    from rapo_fast.kernels.loss import token_logprobs as k
-
-    return k
-
-
-def _where(device: torch.device) -> str:
-    return "gpu" if device.type == "cuda" else "cpu"
-
-
-def _launch_cfg(n_cols: int) -> tuple[int, int]:
-    """BLOCK_V and num_warps for a row of n_cols. The interpreter runs one numpy op per block: fewer, larger blocks."""
-    cap = 32768 if interpret_mode() else 4096
-    block = max(16, min(cap, 1 << max(0, n_cols - 1).bit_length()))
-    return block, (8 if block >= 2048 else 4)
-
 
 def _row_strides(x: torch.Tensor) -> tuple[int, int, int]:
     """(rows_inner, stride_outer, stride_inner) addressing the rows of a 2-D or 3-D, last-dim-contiguous tensor."""
@@ -80,12 +58,14 @@ def _lp_fwd_impl(
     if n == 0:
         return logp, lse, ent
     rows_inner, s_outer, s_inner = _row_strides(logits)
-    block, warps = _launch_cfg(v)
-    tgt = targets.reshape(-1)
-    _kernels()._token_logprobs_fwd_kernel[(n,)](
-        logits, tgt, logits, lse, lse, lse, lse, logp, lse, ent if with_entropy else lse,
-        rows_inner, s_outer, s_inner, v, 0, 1.0 / temperature,
-        INIT=True, FINAL=True, HAS_BIAS=False, WITH_ENTROPY=with_entropy, BLOCK_V=block, num_warps=warps,
+    block, warps = tiles.launch_cfg(v)
+    # the whole row in one launch (INIT and FINAL): the online state needs no storage, lse stands in for it
+    tiles.logprob_kernels().token_logprobs_fwd_kernel[(n,)](
+        z_ptr=logits, tgt_ptr=targets.reshape(-1), bias_ptr=logits, m_ptr=lse, s_ptr=lse, t_ptr=lse, zt_ptr=lse,
+        logp_ptr=logp, lse_ptr=lse, ent_ptr=ent if with_entropy else lse,
+        rows_inner=rows_inner, stride_outer=s_outer, stride_inner=s_inner, n_cols=v, v_start=0,
+        inv_temp=1.0 / temperature, INIT=True, FINAL=True, HAS_BIAS=False, WITH_ENTROPY=with_entropy,
+        BLOCK_V=block, num_warps=warps,
     )  # fmt: skip
     return logp, lse, ent
 
@@ -106,13 +86,14 @@ def _lp_bwd_impl(
     if n == 0:
         return grad
     rows_inner, s_outer, s_inner = _row_strides(logits)
-    block, warps = _launch_cfg(v)
+    block, warps = tiles.launch_cfg(v)
     g_lp = grad_logp.reshape(-1).to(torch.float32).contiguous()
     g_ent = grad_entropy.reshape(-1).to(torch.float32).contiguous() if with_entropy else g_lp
-    _kernels()._token_logprobs_bwd_kernel[(n,)](
-        logits, grad, targets.reshape(-1), logits, lse.reshape(-1), entropy.reshape(-1) if with_entropy else lse,
-        g_lp, g_ent, rows_inner, s_outer, s_inner, v, v, 0, 1.0 / temperature,
-        HAS_BIAS=False, WITH_ENTROPY=with_entropy, BLOCK_V=block, num_warps=warps,
+    tiles.logprob_kernels().token_logprobs_bwd_kernel[(n,)](
+        z_ptr=logits, gz_ptr=grad, tgt_ptr=targets.reshape(-1), bias_ptr=logits, lse_ptr=lse.reshape(-1),
+        ent_ptr=entropy.reshape(-1) if with_entropy else lse, glp_ptr=g_lp, gent_ptr=g_ent,
+        rows_inner=rows_inner, stride_outer=s_outer, stride_inner=s_inner, stride_gz=v, n_cols=v, v_start=0,
+        inv_temp=1.0 / temperature, HAS_BIAS=False, WITH_ENTROPY=with_entropy, BLOCK_V=block, num_warps=warps,
     )  # fmt: skip
     return grad
 
@@ -145,203 +126,6 @@ def _lp_backward(ctx, g_logp, g_lse, g_ent):
 
 _token_logprobs_fwd = register_op(
     "token_logprobs_fwd", _lp_fwd_impl, fake=_lp_fwd_fake, backward=_lp_backward, setup_context=_lp_setup_context
-)
-
-
-# hidden path: rapo_fast::linear_token_logprobs_fwd / _bwd
-
-
-def _tiles(n: int, v: int, elem: int, device: torch.device) -> tuple[int, int]:
-    """(rows, vocab columns) of one logits tile under the byte budget; both >= 1."""
-    where = _where(device)
-    vc = max(1, min(v, _MAX_VOCAB_TILE[where]))
-    nc = max(1, min(n, _TILE_BYTES[where] // (vc * elem)))
-    return nc, vc
-
-
-def _tile_buffer(nc: int, vc: int, like: torch.Tensor) -> torch.Tensor:
-    return torch.empty(nc * vc, dtype=like.dtype, device=like.device)
-
-
-def _lin_fwd_impl(
-    hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float, with_entropy: bool
-) -> tuple[Tensor, Tensor, Tensor]:
-    """hidden [N, H], weight [V, H], bias [V] or None, targets [N] -> (logp, lse, entropy) fp32 [N] ([0] entropy
-    when not with_entropy), without materialising [N, V]: tiles of [rows, V_chunk] and an online state per row."""
-    n, v = hidden.shape[0], weight.shape[0]
-    dev = hidden.device
-    logp = torch.empty(n, dtype=torch.float32, device=dev)
-    lse = torch.empty(n, dtype=torch.float32, device=dev)
-    ent = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=dev)
-    if n == 0:
-        return logp, lse, ent
-    k = _kernels()
-    nc, vc = _tiles(n, v, hidden.element_size(), dev)
-    buf = _tile_buffer(nc, vc, hidden)
-    state = torch.empty(4, n, dtype=torch.float32, device=dev)  # m, s, t, scaled target logit
-    tgt = targets.reshape(-1)
-    inv_t = 1.0 / temperature
-    has_bias = bias is not None
-    for v0 in range(0, v, vc):
-        v1 = min(v, v0 + vc)
-        block, warps = _launch_cfg(v1 - v0)
-        w = weight[v0:v1]
-        for r0 in range(0, n, nc):
-            r1 = min(n, r0 + nc)
-            z = buf[: (r1 - r0) * (v1 - v0)].view(r1 - r0, v1 - v0)
-            torch.matmul(hidden[r0:r1], w.T, out=z)
-            st = state[:, r0:r1]
-            k._token_logprobs_fwd_kernel[(r1 - r0,)](
-                z, tgt[r0:r1], bias if has_bias else z, st[0], st[1], st[2], st[3],
-                logp[r0:r1], lse[r0:r1], ent[r0:r1] if with_entropy else lse[r0:r1],
-                r1 - r0, 0, v1 - v0, v1 - v0, v0, inv_t,
-                INIT=v0 == 0, FINAL=v1 == v, HAS_BIAS=has_bias, WITH_ENTROPY=with_entropy,
-                BLOCK_V=block, num_warps=warps,
-            )  # fmt: skip
-    return logp, lse, ent
-
-
-def _lin_fwd_fake(hidden, weight, bias, targets, temperature, with_entropy):
-    n = hidden.shape[0]
-    return tuple(hidden.new_empty(m, dtype=torch.float32) for m in (n, n, n if with_entropy else 0))
-
-
-def _lin_bwd_impl(
-    hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, lse: Tensor, entropy: Tensor,
-    grad_logp: Tensor, grad_entropy: Tensor, temperature: float, with_entropy: bool,
-    need_hidden: bool, need_weight: bool, need_bias: bool,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """(grad_hidden [N, H], grad_weight [V, H], grad_bias [V]) in the inputs' dtypes; a [0] tensor for each one not
-    needed. Vocabulary tiles outer, row tiles inner: grad_W of one vocabulary tile is finished before the next."""
-    n, h = hidden.shape
-    v = weight.shape[0]
-    dev = hidden.device
-
-    # Outputs of a custom op may not alias each other: a fresh [0] tensor for each gradient not needed.
-    def empty():
-        return hidden.new_empty(0)
-
-    if n == 0:
-        return (
-            torch.zeros_like(hidden) if need_hidden else empty(),
-            torch.zeros_like(weight) if need_weight else empty(),
-            torch.zeros_like(bias) if (need_bias and bias is not None) else empty(),
-        )
-    k = _kernels()
-    nc, vc = _tiles(n, v, hidden.element_size(), dev)
-    n_vtiles, n_rtiles = -(-v // vc), -(-n // nc)
-    buf = _tile_buffer(nc, vc, hidden)
-    tgt = targets.reshape(-1)
-    g_lp = grad_logp.reshape(-1).to(torch.float32).contiguous()
-    g_ent = grad_entropy.reshape(-1).to(torch.float32).contiguous() if with_entropy else g_lp
-    ent = entropy if with_entropy else lse
-    inv_t = 1.0 / temperature
-    has_bias = bias is not None
-    low_precision = hidden.dtype != torch.float32
-
-    grad_h = torch.empty_like(hidden) if need_hidden else empty()
-    # Sums over several tiles accumulate in fp32 (one rounding to the input dtype at the end), not in bf16.
-    acc_h = (
-        torch.zeros(n, h, dtype=torch.float32, device=dev) if need_hidden and n_vtiles > 1 and low_precision else None
-    )
-    if acc_h is None and need_hidden and n_vtiles > 1:
-        grad_h.zero_()
-    grad_w = torch.empty_like(weight) if need_weight else empty()
-    acc_w = (
-        torch.empty(vc, h, dtype=torch.float32, device=dev) if need_weight and n_rtiles > 1 and low_precision else None
-    )
-    grad_b32 = torch.zeros(v, dtype=torch.float32, device=dev) if need_bias and has_bias else None
-
-    for v0 in range(0, v, vc):
-        v1 = min(v, v0 + vc)
-        block, warps = _launch_cfg(v1 - v0)
-        w = weight[v0:v1]
-        gw = grad_w[v0:v1] if need_weight else None
-        if acc_w is not None:
-            acc_w[: v1 - v0].zero_()
-        elif need_weight and n_rtiles > 1:
-            gw.zero_()
-        for r0 in range(0, n, nc):
-            r1 = min(n, r0 + nc)
-            hc = hidden[r0:r1]
-            z = buf[: (r1 - r0) * (v1 - v0)].view(r1 - r0, v1 - v0)
-            torch.matmul(hc, w.T, out=z)
-            k._token_logprobs_bwd_kernel[(r1 - r0,)](
-                z, z, tgt[r0:r1], bias if has_bias else z, lse[r0:r1], ent[r0:r1], g_lp[r0:r1], g_ent[r0:r1],
-                r1 - r0, 0, v1 - v0, v1 - v0, v1 - v0, v0, inv_t,
-                HAS_BIAS=has_bias, WITH_ENTROPY=with_entropy, BLOCK_V=block, num_warps=warps,
-            )  # fmt: skip
-            # z now holds grad_z (input dtype) for this tile.
-            if need_hidden:
-                if n_vtiles == 1:
-                    torch.matmul(z, w, out=grad_h[r0:r1])
-                elif acc_h is not None:
-                    acc_h[r0:r1] += torch.matmul(z, w)
-                else:
-                    grad_h[r0:r1].addmm_(z, w)
-            if need_weight:
-                if n_rtiles == 1:
-                    torch.matmul(z.T, hc, out=gw)
-                elif acc_w is not None:
-                    acc_w[: v1 - v0] += torch.matmul(z.T, hc)
-                else:
-                    gw.addmm_(z.T, hc)
-            if grad_b32 is not None:
-                grad_b32[v0:v1] += z.sum(0, dtype=torch.float32)
-        if acc_w is not None:
-            gw.copy_(acc_w[: v1 - v0])
-    if acc_h is not None:
-        grad_h.copy_(acc_h)
-    grad_b = grad_b32.to(bias.dtype) if grad_b32 is not None else empty()
-    return grad_h, grad_w, grad_b
-
-
-def _lin_bwd_fake(hidden, weight, bias, *args):
-    need_h, need_w, need_b = args[-3:]
-    return (
-        torch.empty_like(hidden) if need_h else hidden.new_empty(0),
-        torch.empty_like(weight) if need_w else hidden.new_empty(0),
-        torch.empty_like(bias) if (need_b and bias is not None) else hidden.new_empty(0),
-    )
-
-
-_linear_token_logprobs_bwd = register_op("linear_token_logprobs_bwd", _lin_bwd_impl, fake=_lin_bwd_fake)
-
-
-def _lin_setup_context(ctx, inputs, output):
-    hidden, weight, bias, targets, temperature, with_entropy = inputs
-    _, lse, ent = output
-    ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
-    ctx.temperature, ctx.with_entropy = temperature, with_entropy
-
-
-def _lin_backward(ctx, g_logp, g_lse, g_ent):
-    # g_lse is ignored: lse is an internal output of the op and never leaves token_logprobs.
-    hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
-    if g_logp is None:
-        g_logp = torch.zeros_like(lse)
-    with_ent = ctx.with_entropy and g_ent is not None
-    need_h, need_w, need_b = ctx.needs_input_grad[:3]
-    gh, gw, gb = _linear_token_logprobs_bwd(
-        hidden, weight, bias, targets, lse, ent, g_logp, g_ent if with_ent else g_logp, ctx.temperature, with_ent,
-        need_h, need_w, need_b and bias is not None,
-    )  # fmt: skip
-    return (
-        gh if need_h else None,
-        gw if need_w else None,
-        gb if (need_b and bias is not None) else None,
-        None,
-        None,
-        None,
-    )
-
-
-_linear_token_logprobs_fwd = register_op(
-    "linear_token_logprobs_fwd",
-    _lin_fwd_impl,
-    fake=_lin_fwd_fake,
-    backward=_lin_backward,
-    setup_context=_lin_setup_context,
 )
 
 
@@ -503,7 +287,7 @@ def token_logprobs(
     else:
         h2 = hidden.reshape(-1, hidden.shape[-1])
         bias = None if bias is None else bias.contiguous()  # the kernel indexes bias[v] densely
-        logp, _, ent = _linear_token_logprobs_fwd(h2, weight, bias, targets.reshape(-1), temperature, return_entropy)
+        logp, _, ent = linear_token_logprobs_fwd(h2, weight, bias, targets.reshape(-1), temperature, return_entropy)
         logp = logp.view(targets.shape)
         ent = ent.view(targets.shape) if return_entropy else ent
     return (logp, ent) if return_entropy else logp

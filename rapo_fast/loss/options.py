@@ -1,33 +1,177 @@
-"""Argument checks of rapo_loss / policy_loss_from_logp and the option vocabularies they accept.
+"""The options of the RAPO policy loss, once: `LossOptions` (every option, its default and its check), and the checks
+of rapo_loss's tensor arguments.
 
-What this is: the validation that runs before any kernel (it may sync with the device once: target range, NaN in
-advantages, cu_seqlens), returning the facts the launcher needs. What it is not: the loss math
-(rapo_fast/loss/policy_loss.py,
-kernels/loss/policy_loss.py) or generic checks (rapo_fast/_checks.py, which this module uses).
+What this is: `LossOptions`, the frozen dataclass that rapo_loss, RAPOLoss, policy_loss_from_logp, the presets, the
+TRL / verl adapters and the reference (rapo_fast/reference/policy_loss.py) all build; the option vocabularies;
+`OPTION_DEFAULTS`, a read-only view of the defaults derived from the dataclass; and `check_inputs`, the validation of
+the tensors that runs before any kernel (it may sync with the device once: target range, NaN in advantages,
+cu_seqlens), returning the facts the launcher needs. What it is not: the loss math (docs/loss.md gives the formulas;
+rapo_fast/loss/policy_loss.py and kernels/loss/policy_loss.py compute them) or generic checks (rapo_fast/_checks.py,
+which this module uses).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
 from typing import Any
 
 import torch
 
 from rapo_fast import _checks as C
 
+__all__ = ["LossOptions", "OPTION_DEFAULTS", "OFFPOLICY_MODES", "IS_LEVELS", "KL_ESTIMATORS", "LOSS_AGG_MODES",
+           "InputFacts", "check_inputs", "with_option_keywords"]
+
 OFFPOLICY_MODES = ("none", "shaped", "truncated")
 IS_LEVELS = ("token", "sequence")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
-# keyword options of rapo_loss (everything but the tensors); RAPOLoss and the presets use these names
-OPTION_DEFAULTS: dict[str, Any] = dict(
-    shaping_m=0.0, offpolicy_train="none", gamma=0.1, is_cap=2.0, tis_cap=None, eps_low=0.2, eps_high=0.2,
-    dual_clip=None, importance_sampling_level="token", beta=0.0, kl_estimator="k3", entropy_coef=0.0,
-    temperature=1.0, loss_agg="token-mean", return_metrics=False,
-)
+
+# ---------------------------------------------------------------------------------------------------------- options
+def _choice(choices: tuple[str, ...]) -> Callable[[str, Any], None]:
+    return lambda name, value: C.check_choice(name, value, choices)
 
 
-def _validate_model_inputs(a: dict) -> tuple[torch.Tensor, tuple, int]:
+def _real(**bounds: Any) -> Callable[[str, Any], None]:
+    return lambda name, value: C.check_float(name, value, **bounds)
+
+
+def _flag(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected bool, got {type(value).__name__}")
+
+
+def _option(default: Any, check: Callable[[str, Any], None]) -> Any:
+    """A field of LossOptions: its default and its check (called with the option's name and value)."""
+    return field(default=default, metadata={"check": check})
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """Every keyword option of rapo_loss (everything but the tensors) with its default; the formulas are in
+    docs/loss.md. Checked on construction: a bad value raises ValueError / TypeError naming the option.
+
+    Build one from keywords (`LossOptions(eps_high=0.28)`), from a preset (`LossOptions(**presets.RAPO)`), or from
+    another (`opts.replace(beta=0.04)`); pass it as `rapo_loss(..., options=opts)` (keywords given beside it win).
+    """
+
+    # importance shaping: r_hat = (1 + shaping_m * F_s) r, F_s the row's retrieved / response tokens
+    shaping_m: float = _option(0.0, _real(min_value=-1.0, min_inclusive=False))
+    # retrieved tokens in the loss: "none" (excluded), "shaped" (-A p / (p + gamma)), "truncated" (capped IS weight)
+    offpolicy_train: str = _option("none", _choice(OFFPOLICY_MODES))
+    gamma: float = _option(0.1, _real(min_value=0.0, min_inclusive=False))
+    is_cap: float = _option(2.0, _real(min_value=0.0, min_inclusive=False))
+    # truncated importance sampling of the on-policy tokens: pg *= min(exp(old - behav), tis_cap); needs behav_logp
+    tis_cap: float | None = _option(None, _real(min_value=0.0, min_inclusive=False, allow_none=True))
+    # PPO clip of r_hat to [1 - eps_low, 1 + eps_high]; dual clip c (A < 0): min(pg, -A c)
+    eps_low: float = _option(0.2, _real(min_value=0.0, max_value=1.0))
+    eps_high: float = _option(0.2, _real(min_value=0.0))
+    dual_clip: float | None = _option(None, _real(min_value=1.0, min_inclusive=False, allow_none=True))
+    # "token" ratio, or GSPO's "sequence" ratio
+    importance_sampling_level: str = _option("token", _choice(IS_LEVELS))
+    # + beta * KL_k(logp, ref_logp) (needs ref_logp when beta != 0) - entropy_coef * H
+    beta: float = _option(0.0, _real())
+    kl_estimator: str = _option("k3", _choice(KL_ESTIMATORS))
+    entropy_coef: float = _option(0.0, _real())
+    # logits / temperature (rapo_loss only: the log-probs given to policy_loss_from_logp have theirs already)
+    temperature: float = _option(1.0, _real(min_value=0.0, min_inclusive=False))
+    # aggregation over tokens and sequences (docs/loss.md section 4)
+    loss_agg: str = _option("token-mean", _choice(LOSS_AGG_MODES))
+    # also return the metrics (docs/loss.md section 5)
+    return_metrics: bool = _option(False, _flag)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> LossOptions:
+        """Check every option (each field's check, in field order); return self."""
+        for f in fields(self):
+            f.metadata["check"](f.name, getattr(self, f.name))
+        return self
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def overrides(self) -> dict[str, Any]:
+        """The options whose value differs from the default."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}
+
+    def replace(self, **changes: Any) -> LossOptions:
+        """A copy with `changes` applied (and checked)."""
+        _refuse_unknown(changes, "LossOptions.replace")
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_call(
+        cls, options: LossOptions | Mapping[str, Any] | None, keywords: Mapping[str, Any], *, caller: str,
+        exclude: Collection[str] = (),
+    ) -> LossOptions:  # fmt: skip
+        """The options of one call of `caller`: `options` (a LossOptions, a mapping such as a preset, or None) with
+        the call's option `keywords` on top. A keyword that is not an option (or is in `exclude`) raises TypeError,
+        as Python does for an unexpected keyword argument."""
+        _refuse_unknown(keywords, caller, exclude)
+        if options is None or isinstance(options, Mapping):
+            mapping = dict(options or {})
+            unknown = sorted(set(mapping) - set(cls.names()) | set(mapping) & set(exclude))
+            if unknown:
+                raise TypeError(f"options: unknown option(s) {unknown} for {caller}; expected some of "
+                                f"{sorted(set(cls.names()) - set(exclude))}")
+            return cls(**{**mapping, **keywords})
+        if not isinstance(options, LossOptions):
+            raise TypeError(f"options: expected a LossOptions or a mapping of options, got {type(options).__name__}")
+        return dataclasses.replace(options, **keywords) if keywords else options
+
+
+def _refuse_unknown(keywords: Mapping[str, Any], caller: str, exclude: Collection[str] = ()) -> None:
+    names = set(LossOptions.names()) - set(exclude)
+    for k in keywords:
+        if k not in names:
+            raise TypeError(f"{caller}() got an unexpected keyword argument {k!r}")
+
+
+# the defaults as a read-only mapping (option name -> default), derived from LossOptions
+OPTION_DEFAULTS: Mapping[str, Any] = MappingProxyType({f.name: f.default for f in fields(LossOptions)})
+
+
+def with_option_keywords(exclude: Collection[str] = ()) -> Callable[[Callable], Callable]:
+    """Decorator: the signature (help(), inspect) of a function taking `**options` lists LossOptions' fields, with
+    their defaults, as keyword-only parameters in place of `**options`, so they are discoverable without being
+    written out again. Calls are unchanged: the function itself checks its keywords (LossOptions.from_call)."""
+
+    def decorate(fn: Callable) -> Callable:
+        sig = inspect.signature(fn)
+        params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+                   for f in fields(LossOptions) if f.name not in exclude]
+        fn.__signature__ = sig.replace(parameters=params)
+        return fn
+
+    return decorate
+
+
+# ------------------------------------------------------------------------------------------------------ tensor checks
+@dataclass(frozen=True)
+class InputFacts:
+    """What check_inputs learnt: the targets' (or logp's) shape, flat layout or not, rows (sequences), the longest
+    row (>= 1), and the device."""
+
+    shape: tuple[int, ...]
+    flat: bool
+    rows: int
+    max_len: int
+    device: torch.device | None
+
+
+def _check_model_inputs(a: Mapping[str, Any]) -> tuple[torch.Tensor, tuple, int]:
     """rapo_loss's logits / hidden + weight + bias / targets checks; returns (targets, targets' shape, V)."""
     logits, hidden, weight, bias = a["logits"], a["hidden"], a["weight"], a["bias"]
     if (logits is None) == (hidden is None):
@@ -60,82 +204,84 @@ def _validate_model_inputs(a: dict) -> tuple[torch.Tensor, tuple, int]:
     return targets, tshape, vocab
 
 
-def _validate(a: dict) -> dict:
-    """Check every argument of rapo_loss; return facts the launcher needs (rows, segment count, K)."""
-    for k, choices in (("offpolicy_train", OFFPOLICY_MODES), ("importance_sampling_level", IS_LEVELS),
-                       ("kl_estimator", KL_ESTIMATORS), ("loss_agg", LOSS_AGG_MODES)):
-        C.check_choice(k, a[k], choices)
-    C.check_float("shaping_m", a["shaping_m"], min_value=-1.0, min_inclusive=False)
-    C.check_float("gamma", a["gamma"], min_value=0.0, min_inclusive=False)
-    C.check_float("is_cap", a["is_cap"], min_value=0.0, min_inclusive=False)
-    C.check_float("tis_cap", a["tis_cap"], min_value=0.0, min_inclusive=False, allow_none=True)
-    C.check_float("eps_low", a["eps_low"], min_value=0.0, max_value=1.0)
-    C.check_float("eps_high", a["eps_high"], min_value=0.0)
-    C.check_float("dual_clip", a["dual_clip"], min_value=1.0, min_inclusive=False, allow_none=True)
-    C.check_float("beta", a["beta"])
-    C.check_float("entropy_coef", a["entropy_coef"])
-    C.check_float("temperature", a.get("temperature", 1.0), min_value=0.0, min_inclusive=False)
-    if not isinstance(a["return_metrics"], bool):
-        raise TypeError(f"return_metrics: expected bool, got {type(a['return_metrics']).__name__}")
+def _check_logp_inputs(a: Mapping[str, Any], opts: LossOptions) -> tuple:
+    """policy_loss_from_logp's logp / entropy checks; returns logp's shape."""
+    logp = C.check_tensor("logp", a["logp"], ndim=(1, 2), dtypes=C.FLOAT_DTYPES)
+    tshape = tuple(logp.shape)
+    C.check_optional_tensor("entropy", a["entropy"], shape=tshape, dtypes=C.FLOAT_DTYPES)
+    if opts.entropy_coef != 0.0 and a["entropy"] is None:
+        raise ValueError(f"entropy: required when entropy_coef != 0 (entropy_coef={opts.entropy_coef})")
+    return tshape
 
-    if "logp" in a:  # policy_loss_from_logp: log-probs (and entropy) given, no logits/hidden/targets
-        logp = C.check_tensor("logp", a["logp"], ndim=(1, 2), dtypes=C.FLOAT_DTYPES)
-        tshape = tuple(logp.shape)
-        C.check_optional_tensor("entropy", a["entropy"], shape=tshape, dtypes=C.FLOAT_DTYPES)
-        if a["entropy_coef"] != 0.0 and a["entropy"] is None:
-            raise ValueError(f"entropy: required when entropy_coef != 0 (entropy_coef={a['entropy_coef']})")
-        targets = logits = hidden = weight = bias = None
-        vocab = None
-    else:
-        targets, tshape, vocab = _validate_model_inputs(a)
-        logits, hidden, weight, bias = a["logits"], a["hidden"], a["weight"], a["bias"]
+
+def _check_per_token(a: Mapping[str, Any], tshape: tuple) -> None:
     for k in ("old_logp", "behav_logp", "ref_logp"):
         C.check_optional_tensor(k, a[k], shape=tshape, dtypes=C.FLOAT_DTYPES)
     for k in ("loss_mask", "retrieved_mask", "response_mask"):
         C.check_optional_tensor(k, a[k], shape=tshape, dtypes=C.MASK_DTYPES)
     if a["old_logp"] is None or a["loss_mask"] is None:
         raise ValueError("old_logp/loss_mask: required")
-    cu = a["cu_seqlens"]
+
+
+def _rows_and_longest(cu: torch.Tensor | None, tshape: tuple) -> tuple[int, int]:
+    """(rows, longest row) of the padded [B, T] or flat [N] (+ cu_seqlens) layout."""
     flat = len(tshape) == 1
-    max_len = tshape[-1]
-    if cu is not None:
-        if not flat:
-            raise ValueError(f"cu_seqlens: only for flat inputs (targets / logp [N]); got shape {tshape}")
-        rows = C.check_cu_seqlens("cu_seqlens", cu, tshape[0])
-        max_len = int(cu.detach().cpu().diff().max())
+    if cu is None:
+        return (1 if flat else tshape[0]), tshape[-1]
+    if not flat:
+        raise ValueError(f"cu_seqlens: only for flat inputs (targets / logp [N]); got shape {tshape}")
+    rows = C.check_cu_seqlens("cu_seqlens", cu, tshape[0])
+    return rows, int(cu.detach().cpu().diff().max())
+
+
+def _check_values(a: Mapping[str, Any], opts: LossOptions, targets: torch.Tensor | None, vocab: int | None) -> None:
+    """Value checks (one sync each) and the tensors some options need."""
+    if targets is not None:
+        C.check_index_range("targets", targets, vocab)
+    C.check_finite("advantages", a["advantages"])
+    C.check_finite("old_logp", a["old_logp"], allow_inf=True)
+    if opts.offpolicy_train == "truncated" and a["behav_logp"] is None:
+        raise ValueError("behav_logp: required when offpolicy_train='truncated' (the behaviour log-probs of the "
+                         "retrieved tokens)")
+    if opts.tis_cap is not None and a["behav_logp"] is None:
+        raise ValueError("behav_logp: required when tis_cap is set (truncated importance sampling)")
+    if opts.beta != 0.0 and a["ref_logp"] is None:
+        raise ValueError(f"ref_logp: required when beta != 0 (beta={opts.beta})")
+    for k in ("behav_logp", "ref_logp"):
+        if a[k] is not None:
+            C.check_finite(k, a[k], allow_inf=True)
+
+
+def _check_global_num_tokens(g: Any, dev: torch.device | None) -> None:
+    if g is None:
+        return
+    if isinstance(g, torch.Tensor):
+        if g.numel() != 1 or g.dtype == torch.bool:
+            raise ValueError(f"global_num_tokens: expected a number or a 1-element numeric tensor, got shape "
+                             f"{tuple(g.shape)} dtype {g.dtype}")
+        if g.device != dev and g.device.type != "cpu":
+            raise ValueError(f"global_num_tokens: expected device {dev} or cpu, got {g.device}")
     else:
-        rows = 1 if flat else tshape[0]
+        C.check_float("global_num_tokens", g, min_value=0.0, min_inclusive=False)
+
+
+def check_inputs(a: Mapping[str, Any], opts: LossOptions) -> InputFacts:
+    """Check every tensor argument of rapo_loss (`a` holds them by name: logits/hidden/weight/bias/targets, or
+    logp/entropy for policy_loss_from_logp, and the per-token tensors, cu_seqlens, global_num_tokens) against the
+    (already checked) options; return the facts the launcher needs."""
+    if "logp" in a:  # policy_loss_from_logp: log-probs (and entropy) given, no logits/hidden/targets
+        tshape, targets, vocab = _check_logp_inputs(a, opts), None, None
+    else:
+        targets, tshape, vocab = _check_model_inputs(a)
+    _check_per_token(a, tshape)
+    rows, max_len = _rows_and_longest(a["cu_seqlens"], tshape)
     adv = C.check_tensor("advantages", a["advantages"], dtypes=C.FLOAT_DTYPES)
     if tuple(adv.shape) not in (tshape, (rows,)):
         raise ValueError(f"advantages: expected shape {tshape} (per token) or ({rows},) (per sequence), got "
                          f"{tuple(adv.shape)}")
-    dev = C.check_same_device(logp=a.get("logp"), entropy=a.get("entropy"), targets=targets, logits=logits,
-                              hidden=hidden, weight=weight, bias=bias, old_logp=a["old_logp"], advantages=adv,
-                              loss_mask=a["loss_mask"], retrieved_mask=a["retrieved_mask"],
-                              response_mask=a["response_mask"], behav_logp=a["behav_logp"], ref_logp=a["ref_logp"],
-                              cu_seqlens=cu)
-    if targets is not None:
-        C.check_index_range("targets", targets, vocab)
-    C.check_finite("advantages", adv)
-    C.check_finite("old_logp", a["old_logp"], allow_inf=True)
-    if a["offpolicy_train"] == "truncated" and a["behav_logp"] is None:
-        raise ValueError("behav_logp: required when offpolicy_train='truncated' (the behaviour log-probs of the "
-                         "retrieved tokens)")
-    if a["tis_cap"] is not None and a["behav_logp"] is None:
-        raise ValueError("behav_logp: required when tis_cap is set (truncated importance sampling)")
-    if a["beta"] != 0.0 and a["ref_logp"] is None:
-        raise ValueError(f"ref_logp: required when beta != 0 (beta={a['beta']})")
-    for k in ("behav_logp", "ref_logp"):
-        if a[k] is not None:
-            C.check_finite(k, a[k], allow_inf=True)
-    g = a["global_num_tokens"]
-    if g is not None:
-        if isinstance(g, torch.Tensor):
-            if g.numel() != 1 or g.dtype == torch.bool:
-                raise ValueError(f"global_num_tokens: expected a number or a 1-element numeric tensor, got shape "
-                                 f"{tuple(g.shape)} dtype {g.dtype}")
-            if g.device != dev and g.device.type != "cpu":
-                raise ValueError(f"global_num_tokens: expected device {dev} or cpu, got {g.device}")
-        else:
-            C.check_float("global_num_tokens", g, min_value=0.0, min_inclusive=False)
-    return dict(flat=flat, rows=rows, max_len=max(max_len, 1), device=dev, shape=tshape)
+    names = ("logp", "entropy", "targets", "logits", "hidden", "weight", "bias", "old_logp", "advantages",
+             "loss_mask", "retrieved_mask", "response_mask", "behav_logp", "ref_logp", "cu_seqlens")
+    dev = C.check_same_device(**{k: a.get(k) for k in names})
+    _check_values(a, opts, targets, vocab)
+    _check_global_num_tokens(a["global_num_tokens"], dev)
+    return InputFacts(shape=tshape, flat=len(tshape) == 1, rows=rows, max_len=max(max_len, 1), device=dev)

@@ -3,10 +3,11 @@
 Flow: validate (may sync with the device, before anything runs) -> logp (and entropy H when entropy_coef != 0 or
 metrics are asked for) = rapo_fast.token_logprobs(...) -> per-sequence quantities (shaping factor F, GSPO sequence
 log-ratio, aggregation weights) as small torch ops on [N]/[S] vectors -> one elementwise Triton kernel
-(kernels/loss/policy_loss.py, registered as rapo_fast::policy_loss with a fake and an autograd formula) giving the
-weighted per-token loss and the metric partial sums; its backward gives dL/dlogp and dL/dH times the upstream
-gradient. The loss itself only touches [N] vectors. CPU tensors without TRITON_INTERPRET=1, and float64 inputs,
-take the same math through the reference's per-token function (rapo_fast/reference/policy_loss.py, the spec).
+(kernels/loss/policy_loss.py, launched by rapo_fast/loss/policy_op.py, registered as rapo_fast::policy_loss with a fake
+and an autograd formula) giving the weighted per-token loss and the metric partial sums; its backward gives dL/dlogp
+and dL/dH times the upstream gradient. The loss itself only touches [N] vectors. CPU tensors without
+TRITON_INTERPRET=1, and float64 inputs, take the same math through the reference's per-token function
+(rapo_fast/reference/policy_loss.py, the spec). The options are one rapo_fast.loss.options.LossOptions.
 
 Passes over the logits and GEMMs of the hidden path (logits= always takes the two-pass path: its logits exist already):
 - two-pass (GSPO, no gradient needed, RAPO_FAST_FUSED_LINEAR_LOSS=0, or no Triton): token_logprobs' forward (GEMM
@@ -26,164 +27,40 @@ data-parallel shards or gradient-accumulation micro-batches, and their gradients
   seq-mean-token-sum-norm  sum_t l_t / K,  K = T (padded) or the longest cu_seqlens segment (flat); global: a constant K
 Counts are clamped to >= 1 (an all-masked batch gives loss 0, no NaN). With DDP, which averages gradients over W ranks,
 multiply the loss by W as verl does (dp_size).
-What this is not: the log-prob kernel (rapo_fast/loss/logprobs.py) or an advantage estimator
-(rapo_fast/loss/advantages.py).
+What this is not: log-probs (rapo_fast/loss/logprobs.py) or advantage estimation (rapo_fast/loss/advantages.py).
 """
 
 from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
 from torch import nn
 
-from rapo_fast._dispatch import register_op, use_triton
+from rapo_fast._dispatch import use_triton
+from rapo_fast.loss import presets as P
+from rapo_fast.loss.fused_linear import fused_linear_policy_loss
 from rapo_fast.loss.logprobs import token_logprobs
-from rapo_fast.reference.logprobs import linear_token_logprobs_ref, token_logprobs_ref
-from rapo_fast.reference.policy_loss import policy_token_loss_ref
-
-__all__ = ["rapo_loss", "policy_loss_from_logp", "RAPOLoss", "OPTION_DEFAULTS"]
-
 from rapo_fast.loss.options import (  # noqa: F401  (re-exported: the option vocabularies are public)
     IS_LEVELS,
     KL_ESTIMATORS,
     LOSS_AGG_MODES,
     OFFPOLICY_MODES,
     OPTION_DEFAULTS,
-    _validate,
-    _validate_model_inputs,
+    InputFacts,
+    LossOptions,
+    check_inputs,
+    with_option_keywords,
 )
+from rapo_fast.loss.policy_layout import Metric, TokenCode
+from rapo_fast.loss.policy_op import KernelScalars, policy_loss_op, torch_policy_loss
+from rapo_fast.reference.logprobs import linear_token_logprobs_ref, token_logprobs_ref
 
-_NUM_METRICS = 12
-_BLOCK = 1024
-
-
-# ---------------------------------------------------------------------------------------------------------- kernel op
-def _torch_policy_loss(
-    logp, old, adv, w, scale, code, seqlr, behav, ref, ent, eps_low, eps_high, dual_c, gamma, is_cap, tis_cap, beta,
-    ent_coef, off_mode, kl_mode,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The op's math in torch (the reference's per-token function): weighted token losses and the metric sums.
-    Differentiable by autograd; the fallback of rapo_loss and of the registered op on devices without Triton."""
-    on, off = code == 1, code == 2
-    act = on | off
-    tok, terms = policy_token_loss_ref(
-        logp, old, adv, on_mask=on, off_mask=off, ratio_scale=scale, seq_log_ratio=seqlr, behav_logp=behav,
-        ref_logp=ref, entropy=ent, offpolicy_train=OFFPOLICY_MODES[off_mode], gamma=gamma, is_cap=is_cap,
-        tis_cap=tis_cap if tis_cap > 0 else None, eps_low=eps_low, eps_high=eps_high,
-        dual_clip=dual_c if dual_c > 0 else None, beta=beta, kl_estimator=KL_ESTIMATORS[max(kl_mode, 1) - 1],
-        entropy_coef=ent_coef,
-    )
-    z = torch.zeros_like(logp).detach()
-
-    def msum(x, m):
-        return torch.where(m, x.to(z.dtype), z).sum()
-
-    sums = torch.stack([
-        on.sum().to(z.dtype), off.sum().to(z.dtype), act.sum().to(z.dtype), msum(terms["clipped_high"], on),
-        msum(terms["clipped_low"], on), msum(terms["dual_clipped"], on), msum(terms["ratio"], on),
-        msum(terms["approx_kl"], on), msum(terms["kl"], act) if kl_mode else z.sum(),
-        msum(ent.detach(), act) if ent is not None else z.sum(),
-        msum(terms["tis_weight"], on) if tis_cap > 0 else z.sum(),
-        msum(terms["offpolicy_weight"], off) if off_mode else z.sum(),
-    ])
-    return tok * w, sums
-
-
-def _policy_loss_impl(
-    logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
-    code: torch.Tensor, seqlr: torch.Tensor | None, behav: torch.Tensor | None, ref: torch.Tensor | None,
-    ent: torch.Tensor | None, eps_low: float, eps_high: float, dual_c: float, gamma: float, is_cap: float,
-    tis_cap: float, beta: float, ent_coef: float, off_mode: int, kl_mode: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    if not use_triton(logp.device):
-        with torch.no_grad():
-            tok, sums = _torch_policy_loss(logp, old, adv, w, scale, code, seqlr, behav, ref, ent, eps_low, eps_high,
-                                           dual_c, gamma, is_cap, tis_cap, beta, ent_coef, off_mode, kl_mode)
-        return tok.to(logp.dtype), sums.to(torch.float32)
-    from rapo_fast.kernels.loss import (
-        policy_loss as K,  # lazy: `import rapo_fast.loss.policy_loss` must not need triton
-    )
-
-    n = logp.numel()
-    out = torch.empty_like(logp)
-    nb = max(1, -(-n // _BLOCK))
-    part = torch.zeros((nb, K.NUM_METRICS), dtype=torch.float32, device=logp.device)
-    if n > 0:
-        K._policy_loss_fwd_kernel[(nb,)](
-            logp, old, adv, w, scale, code, seqlr if seqlr is not None else logp, behav if behav is not None else logp,
-            ref if ref is not None else logp, ent if ent is not None else logp, out, part, n,
-            eps_low, eps_high, dual_c, gamma, is_cap, tis_cap, beta, ent_coef,
-            SEQ=seqlr is not None, DUAL=dual_c > 0, TIS=tis_cap > 0, OFF=off_mode, KL=kl_mode,
-            HAS_ENT=ent is not None, BLOCK=_BLOCK, NM=K.NUM_METRICS,
-        )
-    return out, part.sum(0)
-
-
-def _policy_loss_fake(logp, old, adv, w, scale, code, seqlr, behav, ref, ent, *args):
-    return torch.empty_like(logp), logp.new_empty((_NUM_METRICS,))
-
-
-def _policy_loss_bwd_impl(
-    grad: torch.Tensor, logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, w: torch.Tensor,
-    scale: torch.Tensor, code: torch.Tensor, seqlr: torch.Tensor | None, behav: torch.Tensor | None,
-    ref: torch.Tensor | None, has_ent: bool, eps_low: float, eps_high: float, dual_c: float, gamma: float,
-    is_cap: float, tis_cap: float, beta: float, ent_coef: float, off_mode: int, kl_mode: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    if not use_triton(logp.device):
-        # autograd is off inside a custom op's implementation; torch.func.vjp still differentiates (the loss is
-        # linear in H, so any entropy value gives its gradient)
-        def tok_of(lp, ent):
-            return _torch_policy_loss(lp, old, adv, w, scale, code, seqlr, behav, ref, ent if has_ent else None,
-                                      eps_low, eps_high, dual_c, gamma, is_cap, tis_cap, beta, ent_coef, off_mode,
-                                      kl_mode)[0]
-
-        _, vjp = torch.func.vjp(tok_of, logp.detach(), torch.zeros_like(logp))
-        dlogp, dent = vjp(grad.to(logp.dtype))
-        return dlogp, (dent if has_ent else logp.new_empty((0,)))
-    from rapo_fast.kernels.loss import policy_loss as K
-
-    n = logp.numel()
-    dlogp = torch.empty_like(logp)
-    dent = torch.empty_like(logp) if has_ent else logp.new_empty((0,))
-    if n > 0:
-        grad = grad.contiguous()
-        K._policy_loss_bwd_kernel[(max(1, -(-n // _BLOCK)),)](
-            grad, logp, old, adv, w, scale, code, seqlr if seqlr is not None else logp,
-            behav if behav is not None else logp, ref if ref is not None else logp, logp, dlogp,
-            dent if has_ent else dlogp, n,
-            eps_low, eps_high, dual_c, gamma, is_cap, tis_cap, beta, ent_coef,
-            SEQ=seqlr is not None, DUAL=dual_c > 0, TIS=tis_cap > 0, OFF=off_mode, KL=kl_mode,
-            HAS_ENT=has_ent, BLOCK=_BLOCK,
-        )
-    return dlogp, dent
-
-
-def _policy_loss_bwd_fake(grad, logp, old, adv, w, scale, code, seqlr, behav, ref, has_ent, *args):
-    return torch.empty_like(logp), (torch.empty_like(logp) if has_ent else logp.new_empty((0,)))
-
-
-_policy_loss_bwd_op = register_op("policy_loss_bwd", _policy_loss_bwd_impl, fake=_policy_loss_bwd_fake)
-
-
-def _setup_context(ctx, inputs, output):
-    logp, old, adv, w, scale, code, seqlr, behav, ref, ent = inputs[:10]
-    ctx.save_for_backward(logp, old, adv, w, scale, code, seqlr, behav, ref)
-    ctx.has_ent = ent is not None
-    ctx.scalars = inputs[10:]
-
-
-def _backward(ctx, g_out, g_part):
-    logp, old, adv, w, scale, code, seqlr, behav, ref = ctx.saved_tensors
-    dlogp, dent = _policy_loss_bwd_op(g_out, logp, old, adv, w, scale, code, seqlr, behav, ref, ctx.has_ent,
-                                      *ctx.scalars)
-    return (dlogp, None, None, None, None, None, None, None, None, dent if ctx.has_ent else None) + (None,) * 10
-
-
-policy_loss_op = register_op("policy_loss", _policy_loss_impl, fake=_policy_loss_fake, backward=_backward,
-                             setup_context=_setup_context)
+__all__ = ["rapo_loss", "policy_loss_from_logp", "RAPOLoss", "LossOptions", "OPTION_DEFAULTS"]
 
 
 # ----------------------------------------------------------------------------------------------------- public entry
@@ -204,6 +81,7 @@ def _use_fused(hidden, weight, bias, importance_sampling_level: str) -> bool:
     return use_triton(hidden.device)
 
 
+@with_option_keywords()
 def rapo_loss(
     logits: torch.Tensor | None = None,
     *,
@@ -216,25 +94,12 @@ def rapo_loss(
     loss_mask: torch.Tensor,
     retrieved_mask: torch.Tensor | None = None,
     response_mask: torch.Tensor | None = None,
-    shaping_m: float = 0.0,
-    offpolicy_train: str = "none",
-    gamma: float = 0.1,
-    is_cap: float = 2.0,
     behav_logp: torch.Tensor | None = None,
-    tis_cap: float | None = None,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-    dual_clip: float | None = None,
-    importance_sampling_level: str = "token",
     ref_logp: torch.Tensor | None = None,
-    beta: float = 0.0,
-    kl_estimator: str = "k3",
-    entropy_coef: float = 0.0,
-    temperature: float = 1.0,
-    loss_agg: str = "token-mean",
     cu_seqlens: torch.Tensor | None = None,
     global_num_tokens: int | float | torch.Tensor | None = None,
-    return_metrics: bool = False,
+    options: LossOptions | None = None,
+    **option_kwargs: Any,
 ):
     """RAPO policy loss (clipped surrogate with importance shaping, off-policy terms, TIS, KL, entropy bonus).
 
@@ -245,31 +110,35 @@ def rapo_loss(
     temperature. advantages: float, per token (targets' shape) or per sequence ([B] or [S]; per token wins if both
     fit). loss_mask / retrieved_mask / response_mask: bool or 0/1 numbers shaped like targets. loss_mask marks the
     tokens eligible for the loss; retrieved tokens among them enter only with offpolicy_train "shaped"/"truncated".
-    response_mask (default: every position of the row / segment) is F's denominator. Options: see the module and
-    reference docstrings; global_num_tokens: the global normaliser of loss_agg (see module docstring).
+    response_mask (default: every position of the row / segment) is F's denominator. global_num_tokens: the global
+    normaliser of loss_agg (see module docstring).
+    Options: the fields of rapo_fast.loss.options.LossOptions (shaping_m, offpolicy_train, gamma, is_cap, tis_cap,
+    eps_low, eps_high, dual_clip, importance_sampling_level, beta, kl_estimator, entropy_coef, temperature, loss_agg,
+    return_metrics), as keywords, or as `options=LossOptions(...)` (keywords given beside it win).
     Returns a 0-dim fp32 loss (fp64 for fp64 input), or (loss, metrics) with 0-dim detached metrics: clip_frac_low,
     clip_frac_high, dual_clip_frac, ratio_mean, approx_kl (mean old - logp), kl, entropy (on tokens in the loss),
     retrieved_frac (retrieved / response tokens), tis_weight_mean, offpolicy_weight_mean, num_tokens,
     num_offpolicy_tokens.
     """
     a = dict(locals())
-    facts = _validate(a)
-    want_ent = entropy_coef != 0.0 or return_metrics
-    x = logits if logits is not None else hidden
-    if _use_fused(hidden, weight, bias, importance_sampling_level):
+    opts = LossOptions.from_call(a.pop("options"), a.pop("option_kwargs"), caller="rapo_loss")
+    facts = check_inputs(a, opts)
+    if _use_fused(hidden, weight, bias, opts.importance_sampling_level):
         # log-probs, loss and gradients in one pass: rapo_fast/loss/fused_linear.py
-        return _loss_from_logp(a, facts, None, None, fused=True)
+        return _loss_from_logp(a, opts, facts, None, None, fused=True)
+    want_ent = opts.entropy_coef != 0.0 or opts.return_metrics
+    x = logits if logits is not None else hidden
     if x.dtype == torch.float64:  # a checking precision (gradcheck, tests): the reference, which keeps fp64
-        out = (token_logprobs_ref(logits, targets, temperature, want_ent) if logits is not None else
-               linear_token_logprobs_ref(hidden, weight, targets, bias, temperature, want_ent))
+        out = (token_logprobs_ref(logits, targets, opts.temperature, want_ent) if logits is not None else
+               linear_token_logprobs_ref(hidden, weight, targets, bias, opts.temperature, want_ent))
     else:
         out = token_logprobs(logits, hidden=hidden, weight=weight, bias=bias, targets=targets,
-                             temperature=temperature, return_entropy=want_ent)
+                             temperature=opts.temperature, return_entropy=want_ent)
     logp, ent = out if want_ent else (out, None)
-    return _loss_from_logp(a, facts, logp, ent)
+    return _loss_from_logp(a, opts, facts, logp, ent)
 
 
-
+@with_option_keywords(exclude=("temperature",))
 def policy_loss_from_logp(
     logp: torch.Tensor,
     *,
@@ -279,53 +148,67 @@ def policy_loss_from_logp(
     loss_mask: torch.Tensor,
     retrieved_mask: torch.Tensor | None = None,
     response_mask: torch.Tensor | None = None,
-    shaping_m: float = 0.0,
-    offpolicy_train: str = "none",
-    gamma: float = 0.1,
-    is_cap: float = 2.0,
     behav_logp: torch.Tensor | None = None,
-    tis_cap: float | None = None,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-    dual_clip: float | None = None,
-    importance_sampling_level: str = "token",
     ref_logp: torch.Tensor | None = None,
-    beta: float = 0.0,
-    kl_estimator: str = "k3",
-    entropy_coef: float = 0.0,
-    loss_agg: str = "token-mean",
     cu_seqlens: torch.Tensor | None = None,
     global_num_tokens: int | float | torch.Tensor | None = None,
-    return_metrics: bool = False,
+    options: LossOptions | None = None,
+    **option_kwargs: Any,
 ):
     """rapo_loss from log-probs that are already computed (e.g. verl's policy-loss registry hands them over).
 
     logp: float [B, T] or [N] (with cu_seqlens), differentiable; entropy: like logp, required when entropy_coef != 0
     (else only the entropy metric uses it; 0 without it). Every other argument, the validation and the return value
-    are rapo_loss's; no temperature (it is in logp already). The per-token policy op runs on [N] vectors (Triton on
-    CUDA / under TRITON_INTERPRET=1, the reference's per-token function otherwise).
+    are rapo_loss's; no temperature (it is in logp already: an `options` with temperature != 1 is refused). The
+    per-token policy op runs on [N] vectors (Triton on CUDA / under TRITON_INTERPRET=1, the reference's per-token
+    function otherwise).
     """
     a = dict(locals())
-    facts = _validate(a)
-    return _loss_from_logp(a, facts, logp, entropy)
+    opts = LossOptions.from_call(a.pop("options"), a.pop("option_kwargs"), caller="policy_loss_from_logp",
+                                 exclude=("temperature",))
+    if opts.temperature != 1.0:
+        raise ValueError(f"options: temperature={opts.temperature} has no meaning for policy_loss_from_logp (logp is "
+                         "taken at its temperature already); leave it at 1.0")
+    facts = check_inputs(a, opts)
+    return _loss_from_logp(a, opts, facts, logp, entropy)
 
-def _loss_from_logp(a: dict, facts: dict, logp: torch.Tensor | None, ent: torch.Tensor | None, fused: bool = False):
-    """Everything of rapo_loss after the log-probs: per-sequence quantities, aggregation weights, the policy op (or,
-    with fused=True and logp None, the fused hidden-state op) and the metrics. `a` holds rapo_loss's arguments."""
-    tshape = facts["shape"]
-    flat, S = facts["flat"], facts["rows"]
-    n = math.prod(tshape)
-    (old_logp, behav_logp, ref_logp, loss_mask, retrieved_mask, response_mask, advantages, cu_seqlens,
-     global_num_tokens) = (a[k] for k in ("old_logp", "behav_logp", "ref_logp", "loss_mask", "retrieved_mask",
-                                          "response_mask", "advantages", "cu_seqlens", "global_num_tokens"))
-    (shaping_m, offpolicy_train, gamma, is_cap, tis_cap, eps_low, eps_high, dual_clip, importance_sampling_level, beta,
-     kl_estimator, entropy_coef, loss_agg, return_metrics) = (a[k] for k in (
-        "shaping_m", "offpolicy_train", "gamma", "is_cap", "tis_cap", "eps_low", "eps_high", "dual_clip",
-        "importance_sampling_level", "beta", "kl_estimator", "entropy_coef", "loss_agg", "return_metrics"))
+
+# ---------------------------------------------------------------------------------- the steps after the log-probs
+@dataclass
+class _Tokens:
+    """rapo_loss's per-token inputs as [N] vectors in the compute dtype `cd`, the token classes (on-policy, trained
+    off-policy, active = in the loss, retrieved, response) and each token's segment (row, or cu_seqlens segment)."""
+
+    cd: torch.dtype
+    device: torch.device
+    facts: InputFacts
+    lp: torch.Tensor | None  # None on the fused path: the log-probs are formed inside the fused op
+    ent: torch.Tensor | None
+    old: torch.Tensor
+    behav: torch.Tensor | None
+    ref: torch.Tensor | None
+    on: torch.Tensor
+    off: torch.Tensor
+    act: torch.Tensor
+    ret: torch.Tensor
+    resp: torch.Tensor
+    seg: torch.Tensor
+
+    def seg_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-segment sum [S] of a per-token vector, in the compute dtype."""
+        f = self.facts
+        if not f.flat:  # rows: a plain (deterministic) row sum; index_add_ is atomic on CUDA
+            return x.to(self.cd).view(f.rows, f.shape[1]).sum(1)
+        return torch.zeros(f.rows, dtype=self.cd, device=self.device).index_add_(0, self.seg, x.to(self.cd))
+
+
+def _tokens(a: dict, opts: LossOptions, facts: InputFacts, logp: torch.Tensor | None, ent: torch.Tensor | None,
+            fused: bool) -> _Tokens:  # fmt: skip
+    n = math.prod(facts.shape)
     if fused:
         lp, cd, dev = None, torch.float32, a["hidden"].device
     else:
-        if ent is not None and entropy_coef == 0.0:
+        if ent is not None and opts.entropy_coef == 0.0:
             ent = ent.detach()  # for the metric only: no backward through the entropy
         cd = torch.float64 if logp.dtype == torch.float64 else torch.float32
         dev = logp.device
@@ -334,118 +217,131 @@ def _loss_from_logp(a: dict, facts: dict, logp: torch.Tensor | None, ent: torch.
     def vec(x):
         return None if x is None else x.reshape(n).to(cd).contiguous()
 
-    old, behav, ref = vec(old_logp), vec(behav_logp), vec(ref_logp)
-    ent_v = vec(ent)
-    lm = loss_mask.reshape(n) != 0
-    ret = retrieved_mask.reshape(n) != 0 if retrieved_mask is not None else torch.zeros_like(lm)
+    lm = a["loss_mask"].reshape(n) != 0
+    ret = a["retrieved_mask"].reshape(n) != 0 if a["retrieved_mask"] is not None else torch.zeros_like(lm)
+    resp = a["response_mask"].reshape(n) != 0 if a["response_mask"] is not None else torch.ones_like(lm)
     on = lm & ~ret
-    off = lm & ret if offpolicy_train != "none" else torch.zeros_like(lm)
-    act = on | off
+    off = lm & ret if opts.offpolicy_train != "none" else torch.zeros_like(lm)
     # segment id of each token; padded rows are segments of length T
-    if flat and cu_seqlens is not None:
-        seg = torch.searchsorted(cu_seqlens[1:].to(torch.int64), torch.arange(n, device=dev), right=True)
-    elif flat:
+    cu = a["cu_seqlens"]
+    if facts.flat and cu is not None:
+        seg = torch.searchsorted(cu[1:].to(torch.int64), torch.arange(n, device=dev), right=True)
+    elif facts.flat:
         seg = torch.zeros(n, dtype=torch.int64, device=dev)
     else:
-        seg = torch.arange(n, device=dev) // tshape[1]
+        seg = torch.arange(n, device=dev) // facts.shape[1]
+    return _Tokens(cd=cd, device=dev, facts=facts, lp=lp, ent=vec(ent), old=vec(a["old_logp"]),
+                   behav=vec(a["behav_logp"]), ref=vec(a["ref_logp"]), on=on, off=off, act=on | off, ret=ret,
+                   resp=resp, seg=seg)
 
-    def seg_sum(x):
-        if not flat:  # rows: a plain (deterministic) row sum; index_add_ is atomic on CUDA
-            return x.to(cd).view(S, tshape[1]).sum(1)
-        return torch.zeros(S, dtype=cd, device=dev).index_add_(0, seg, x.to(cd))
 
-    resp = response_mask.reshape(n) != 0 if response_mask is not None else torch.ones_like(lm)
-    frac = seg_sum(ret) / seg_sum(resp).clamp_min(1)
-    scale = (1.0 + shaping_m * frac)[seg].contiguous()
-    n_on = seg_sum(on)
+def _sequence_terms(t: _Tokens, opts: LossOptions, advantages: torch.Tensor):
+    """Per-token gathers of per-sequence quantities: shaping scale 1 + m F_s, GSPO's sequence log-ratio (or None),
+    and the advantage."""
+    frac = t.seg_sum(t.ret) / t.seg_sum(t.resp).clamp_min(1)
+    scale = (1.0 + opts.shaping_m * frac)[t.seg].contiguous()
     seqlr = None
-    if importance_sampling_level == "sequence":
-        lr = torch.where(on, lp.detach() - old, torch.zeros_like(lp))
-        seqlr = (seg_sum(lr) / n_on.clamp_min(1))[seg].contiguous()
-    adv = advantages.to(cd)
-    adv = (adv.reshape(n) if tuple(advantages.shape) == tshape else adv[seg]).contiguous()
+    if opts.importance_sampling_level == "sequence":
+        lr = torch.where(t.on, t.lp.detach() - t.old, torch.zeros_like(t.lp))
+        seqlr = (t.seg_sum(lr) / t.seg_sum(t.on).clamp_min(1))[t.seg].contiguous()
+    adv = advantages.to(t.cd)
+    adv = (adv.reshape(-1) if tuple(advantages.shape) == t.facts.shape else adv[t.seg]).contiguous()
+    return scale, seqlr, adv
 
-    # aggregation weight of each token (no gradient: counts only)
+
+def _agg_weights(t: _Tokens, loss_agg: str, global_num_tokens) -> torch.Tensor:
+    """The aggregation weight of each token (no gradient: counts only); see the module docstring."""
+    cd, dev = t.cd, t.device
     g = None if global_num_tokens is None else torch.as_tensor(global_num_tokens, dtype=cd).to(dev).reshape(())
-    actf = act.to(cd)
+    actf = t.act.to(cd)
     if loss_agg == "token-mean":
         w = actf / (g if g is not None else actf.sum().clamp_min(1))
     elif loss_agg == "seq-mean-token-sum-norm":
-        w = actf / (g if g is not None else torch.tensor(float(facts["max_len"]), dtype=cd, device=dev))
+        w = actf / (g if g is not None else torch.tensor(float(t.facts.max_len), dtype=cd, device=dev))
     else:
-        n_act = seg_sum(act)
+        n_act = t.seg_sum(t.act)
         denom = g if g is not None else (n_act > 0).sum().clamp_min(1).to(cd)
         w = actf / denom
         if loss_agg == "seq-mean-token-mean":
-            w = w / n_act.clamp_min(1)[seg]
-    w = w.contiguous()
+            w = w / n_act.clamp_min(1)[t.seg]
+    return w.contiguous()
 
-    code = (on.to(torch.int8) + 2 * off.to(torch.int8)).contiguous()
-    kl_mode = 0 if ref is None else 1 + KL_ESTIMATORS.index(kl_estimator)
-    behav_used = behav if (tis_cap is not None or offpolicy_train == "truncated") else None
-    scalars = (float(eps_low), float(eps_high), float(dual_clip or 0.0), float(gamma), float(is_cap),
-               float(tis_cap or 0.0), float(beta), float(entropy_coef), OFFPOLICY_MODES.index(offpolicy_train),
-               kl_mode)
+
+def _loss_from_logp(a: dict, opts: LossOptions, facts: InputFacts, logp: torch.Tensor | None,
+                    ent: torch.Tensor | None, fused: bool = False):  # fmt: skip
+    """Everything of rapo_loss after the log-probs: per-sequence quantities, aggregation weights, the policy op (or,
+    with fused=True and logp None, the fused hidden-state op) and the metrics. `a` holds rapo_loss's tensors."""
+    t = _tokens(a, opts, facts, logp, ent, fused)
+    scale, seqlr, adv = _sequence_terms(t, opts, a["advantages"])
+    w = _agg_weights(t, opts.loss_agg, a["global_num_tokens"])
+    code = (t.on.to(torch.int8) * int(TokenCode.ON) + t.off.to(torch.int8) * int(TokenCode.OFF)).contiguous()
+    scalars = KernelScalars.of(opts, with_ref=t.ref is not None)
+    behav = t.behav if (opts.tis_cap is not None or opts.offpolicy_train == "truncated") else None
     if fused:
-        from rapo_fast.loss.fused_linear import fused_linear_policy_loss
-
-        loss, sums = fused_linear_policy_loss(a["hidden"], a["weight"], a["bias"], a["targets"], old, adv, w, scale,
-                                              code, behav_used, ref if kl_mode else None, *scalars,
-                                              float(a["temperature"]), entropy_coef != 0.0 or return_metrics)
+        loss, sums = fused_linear_policy_loss(
+            a["hidden"], a["weight"], a["bias"], a["targets"], t.old, adv, w, scale, code, behav, t.ref, scalars,
+            float(opts.temperature), opts.entropy_coef != 0.0 or opts.return_metrics,
+        )  # fmt: skip
     else:
-        args = (lp.contiguous(), old, adv, w, scale, code, seqlr, behav_used, ref if kl_mode else None, ent_v,
-                *scalars)
+        tensors = (t.lp.contiguous(), t.old, adv, w, scale, code, seqlr, behav, t.ref, t.ent)
         # fp64 (a checking precision) and devices without Triton: the same math in torch, differentiated by autograd
-        tok, sums = policy_loss_op(*args) if use_triton(dev) and cd == torch.float32 else _torch_policy_loss(*args)
+        if use_triton(t.device) and t.cd == torch.float32:
+            tok, sums = policy_loss_op(*tensors, *scalars)
+        else:
+            tok, sums = torch_policy_loss(*tensors, scalars)
         loss = tok.sum()
-    if not return_metrics:
-        return loss
-    sums = sums.detach().to(cd)
-    n_on_t, n_off_t, n_act_t = sums[0].clamp_min(1), sums[1].clamp_min(1), sums[2].clamp_min(1)
-    metrics = {
-        "clip_frac_high": sums[3] / n_on_t,
-        "clip_frac_low": sums[4] / n_on_t,
-        "dual_clip_frac": sums[5] / n_on_t,
-        "ratio_mean": sums[6] / n_on_t,
-        "approx_kl": sums[7] / n_on_t,
-        "kl": sums[8] / n_act_t,
-        "entropy": sums[9] / n_act_t,
-        "retrieved_frac": ret.sum().to(cd) / resp.sum().clamp_min(1).to(cd),
-        "tis_weight_mean": sums[10] / n_on_t if tis_cap is not None else torch.ones((), dtype=cd, device=dev),
-        "offpolicy_weight_mean": sums[11] / n_off_t,
-        "num_tokens": sums[2],
-        "num_offpolicy_tokens": sums[1],
+    return (loss, _metrics(sums, t, opts)) if opts.return_metrics else loss
+
+
+def _metrics(sums: torch.Tensor, t: _Tokens, opts: LossOptions) -> dict[str, torch.Tensor]:
+    """The public metrics (docs/loss.md section 5) from the op's partial sums (rapo_fast/loss/policy_layout.py)."""
+    cd = t.cd
+    s = sums.detach().to(cd)
+    n_on, n_off, n_act = (s[m].clamp_min(1) for m in (Metric.N_ON, Metric.N_OFF, Metric.N_ACTIVE))
+    return {
+        "clip_frac_high": s[Metric.CLIP_HIGH] / n_on,
+        "clip_frac_low": s[Metric.CLIP_LOW] / n_on,
+        "dual_clip_frac": s[Metric.DUAL_CLIP] / n_on,
+        "ratio_mean": s[Metric.RATIO] / n_on,
+        "approx_kl": s[Metric.APPROX_KL] / n_on,
+        "kl": s[Metric.KL] / n_act,
+        "entropy": s[Metric.ENTROPY] / n_act,
+        "retrieved_frac": t.ret.sum().to(cd) / t.resp.sum().clamp_min(1).to(cd),
+        "tis_weight_mean": (s[Metric.TIS_WEIGHT] / n_on if opts.tis_cap is not None
+                            else torch.ones((), dtype=cd, device=t.device)),
+        "offpolicy_weight_mean": s[Metric.OFFPOLICY_WEIGHT] / n_off,
+        "num_tokens": s[Metric.N_ACTIVE],
+        "num_offpolicy_tokens": s[Metric.N_OFF],
     }
-    return loss, metrics
 
 
 class RAPOLoss(nn.Module):
     """nn.Module form of rapo_loss: options (and `preset`, a name in rapo_fast.loss.presets or a dict) fixed at
-    construction, explicit keyword options overriding the preset; forward(logits=None, *, hidden, weight, bias,
-    targets, old_logp, advantages, loss_mask, retrieved_mask, response_mask, behav_logp, ref_logp, cu_seqlens,
-    global_num_tokens, return_metrics=None) takes the tensors and returns what rapo_loss returns."""
+    construction as a LossOptions (`self.loss_options`; `self.options` is a read-only dict view), explicit keyword
+    options overriding the preset; forward(logits=None, *, hidden, weight, bias, targets, old_logp, advantages,
+    loss_mask, retrieved_mask, response_mask, behav_logp, ref_logp, cu_seqlens, global_num_tokens,
+    return_metrics=None) takes the tensors and returns what rapo_loss returns."""
 
     def __init__(self, preset: str | dict | None = None, **options: Any):
         super().__init__()
-        from rapo_fast.loss import presets as P
-
-        opts: dict[str, Any] = dict(OPTION_DEFAULTS)
-        if preset is not None:
-            opts.update(P.get(preset))
-        unknown = sorted(set(options) - set(OPTION_DEFAULTS))
+        unknown = sorted(set(options) - set(LossOptions.names()))
         if unknown:
-            raise TypeError(f"RAPOLoss: unknown option(s) {unknown}; expected some of {sorted(OPTION_DEFAULTS)}")
-        opts.update(options)
-        self.options = opts
+            raise TypeError(f"RAPOLoss: unknown option(s) {unknown}; expected some of {sorted(LossOptions.names())}")
+        base = P.get(preset) if preset is not None else None
+        self.loss_options = LossOptions.from_call(base, options, caller="RAPOLoss")
+
+    @property
+    def options(self) -> MappingProxyType:
+        return MappingProxyType(self.loss_options.to_dict())
 
     def forward(self, logits: torch.Tensor | None = None, *, return_metrics: bool | None = None, **tensors):
-        bad = sorted(set(tensors) & set(OPTION_DEFAULTS))
+        bad = sorted(set(tensors) & set(LossOptions.names()))
         if bad:
             raise TypeError(f"RAPOLoss.forward: {bad} are constructor options, not forward arguments")
-        opts = dict(self.options)
+        opts = self.loss_options
         if return_metrics is not None:
-            opts["return_metrics"] = return_metrics
-        return rapo_loss(logits, **tensors, **opts)
+            opts = opts.replace(return_metrics=return_metrics)
+        return rapo_loss(logits, **tensors, options=opts)
 
     def extra_repr(self) -> str:
-        return ", ".join(f"{k}={v!r}" for k, v in self.options.items() if OPTION_DEFAULTS.get(k) != v)
+        return ", ".join(f"{k}={v!r}" for k, v in self.loss_options.overrides().items())

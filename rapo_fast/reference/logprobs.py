@@ -34,7 +34,7 @@ def token_logprobs_ref(
         return logp
     p = torch.exp(z - lse.unsqueeze(-1))
     # -inf logits (masked vocabulary) have p = 0 and contribute 0; multiplying p by -inf would give NaN in the value
-    # and, through the product's backward (0 * -inf), in the gradient too, so zero z there first (pitfall 3).
+    # and, through the product's backward (0 * -inf), in the gradient too, so zero z there first (docs/pitfalls.md #3).
     z_finite = torch.where(p > 0, z, torch.zeros_like(z))
     entropy = lse - (p * z_finite).sum(-1)
     return logp, entropy

@@ -1,9 +1,8 @@
-"""Reference (spec) of the RAPO policy loss: plain torch autograd over the formulas of DESIGN.md section 2.
+"""Reference (spec) of the RAPO policy loss: plain torch autograd over the formulas of docs/loss.md.
 
 Two functions:
 - `policy_token_loss_ref`: the per-token loss and its metric terms, elementwise (broadcasting) over tokens. The Triton
-  kernel (kernels/loss/policy_loss.py) computes the same formulas; the CPU fallback of rapo_fast.rapo_loss calls this
-  one.
+  kernel (kernels/loss/policy_loss.py) computes the same formulas; rapo_fast.rapo_loss's CPU fallback calls this one.
 - `rapo_loss_ref`: the whole loss the way verl writes it: sequences as rows of a padded [S, T] matrix (flat inputs with
   cu_seqlens are padded row by row with a Python loop), per-row shaping factor and GSPO ratio, then verl's agg_loss
   with an optional global normaliser. It computes the log-probs itself from logits/hidden when not given them.
@@ -17,18 +16,23 @@ Per token t of row s (A the advantage, lr = logp - old_logp; every log-ratio cla
   retrieved tokens: excluded ("none"), -A p / (p + gamma) with p = exp(logp) ("shaped"),
                     -A w logp with w = sg(min(exp(logp - behav_logp), is_cap)) ("truncated")
   every token in the loss: + beta * KL_k(logp, ref_logp) - entropy_coef * H_t
-old_logp, behav_logp, ref_logp and advantages are data: they are detached. Not a fast path.
+old_logp, behav_logp, ref_logp and advantages are data: they are detached. The options are the fields of
+rapo_fast.loss.options.LossOptions (its checks are the only validation here). Not a fast path.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
+from rapo_fast.loss.options import LossOptions
 from rapo_fast.reference.logprobs import linear_token_logprobs_ref, token_logprobs_ref
 
 __all__ = ["policy_token_loss_ref", "rapo_loss_ref", "kl_penalty_ref", "LOG_RATIO_CLAMP"]
 
-LOG_RATIO_CLAMP = 20.0  # verl's clamp before exp (DESIGN.md pitfall 11)
+LOG_RATIO_CLAMP = 20.0  # verl's clamp before exp (docs/pitfalls.md #11)
 
 
 def kl_penalty_ref(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -44,6 +48,11 @@ def kl_penalty_ref(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -
     raise ValueError(f"kl_estimator: expected one of ['k1', 'k2', 'k3'], got {estimator!r}")
 
 
+# Options that act on rows or on the logits, not per token: policy_token_loss_ref takes their effect as tensors
+# (ratio_scale, seq_log_ratio) or not at all.
+_ROW_OPTIONS = ("shaping_m", "importance_sampling_level", "temperature", "loss_agg", "return_metrics")
+
+
 def policy_token_loss_ref(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -56,76 +65,43 @@ def policy_token_loss_ref(
     behav_logp: torch.Tensor | None = None,
     ref_logp: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
-    offpolicy_train: str = "none",
-    gamma: float = 0.1,
-    is_cap: float = 2.0,
-    tis_cap: float | None = None,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-    dual_clip: float | None = None,
-    beta: float = 0.0,
-    kl_estimator: str = "k3",
-    entropy_coef: float = 0.0,
+    **options: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token loss (unaggregated) and per-token metric terms; all tensors broadcast to logp's shape.
 
     logp: float tensor (fp32/fp64) with grad; on_mask/off_mask: bool, the on-policy tokens in the loss and the
     retrieved tokens trained off-policy; seq_log_ratio: per token, the (already detached) sequence mean log-ratio for
-    importance_sampling_level="sequence", else None. Returns (loss [...], terms) where loss is 0 outside on|off and
-    terms holds detached per-token values: clipped_high, clipped_low, dual_clipped (bool), ratio, approx_kl, kl,
-    tis_weight, offpolicy_weight.
+    importance_sampling_level="sequence", else None. options: the per-token fields of LossOptions (offpolicy_train,
+    gamma, is_cap, tis_cap, eps_low, eps_high, dual_clip, beta, kl_estimator, entropy_coef). Returns (loss [...],
+    terms) where loss is 0 outside on|off and terms holds detached per-token values: clipped_high, clipped_low,
+    dual_clipped (bool), ratio, approx_kl, kl, tis_weight, offpolicy_weight.
     """
+    o = LossOptions.from_call(None, options, caller="policy_token_loss_ref", exclude=_ROW_OPTIONS)
     old_logp = old_logp.detach().to(logp.dtype)
     adv = advantages.detach().to(logp.dtype)
     off_mask = torch.zeros_like(on_mask) if off_mask is None else off_mask
     active = on_mask | off_mask
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
 
-    if seq_log_ratio is None:
-        log_r = torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    else:
-        log_r = seq_log_ratio.detach().to(logp.dtype) + logp - logp.detach()
-        log_r = torch.clamp(log_r, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_r)
+    ratio = _ratio(logp, old_logp, seq_log_ratio)
     r_hat = ratio_scale * ratio
-    pg1 = -adv * r_hat
-    pg2 = -adv * torch.clamp(r_hat, 1.0 - eps_low, 1.0 + eps_high)
-    clipped = pg2 > pg1
-    pg = torch.maximum(pg1, pg2)
-    dual = torch.zeros_like(on_mask)
-    if dual_clip is not None:
-        pg3 = -adv * dual_clip
-        dual = (adv < 0) & (pg > pg3)
-        pg = torch.where(adv < 0, torch.minimum(pg, pg3), pg)
-    tis_w = None
-    if tis_cap is not None:
-        lw = torch.clamp(old_logp - behav_logp.detach().to(logp.dtype), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        tis_w = torch.clamp(torch.exp(lw), max=tis_cap)
-        pg = pg * tis_w
+    pg, clipped, dual, tis_w = _clipped_surrogate(r_hat, adv, old_logp, behav_logp, on_mask, o)
     loss = torch.where(on_mask, pg, zero)
-
-    off_w = None
-    if offpolicy_train == "shaped":
-        p = torch.exp(logp)
-        off_w = p / (p + gamma)
-        loss = loss + torch.where(off_mask, -adv * off_w, zero)
-    elif offpolicy_train == "truncated":
-        lw = torch.clamp(logp.detach() - behav_logp.detach().to(logp.dtype), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        off_w = torch.clamp(torch.exp(lw), max=is_cap)
-        loss = loss + torch.where(off_mask, -adv * off_w * logp, zero)
-
+    off_loss, off_w = _offpolicy_loss(logp, adv, behav_logp, o)
+    if off_loss is not None:
+        loss = loss + torch.where(off_mask, off_loss, zero)
     kl = None
     if ref_logp is not None:
-        kl = kl_penalty_ref(logp, ref_logp.detach().to(logp.dtype), kl_estimator)
-        if beta != 0.0:
-            loss = loss + torch.where(active, beta * kl, zero)
-    if entropy is not None and entropy_coef != 0.0:
-        loss = loss + torch.where(active, -entropy_coef * entropy.to(logp.dtype), zero)
+        kl = kl_penalty_ref(logp, ref_logp.detach().to(logp.dtype), o.kl_estimator)
+        if o.beta != 0.0:
+            loss = loss + torch.where(active, o.beta * kl, zero)
+    if entropy is not None and o.entropy_coef != 0.0:
+        loss = loss + torch.where(active, -o.entropy_coef * entropy.to(logp.dtype), zero)
 
     shape = torch.broadcast_shapes(logp.shape, on_mask.shape)
     nan = torch.full(shape, float("nan"), dtype=logp.dtype, device=logp.device)
-    hi = torch.as_tensor(1.0 + eps_high, dtype=logp.dtype)
-    lo = torch.as_tensor(1.0 - eps_low, dtype=logp.dtype)
+    hi = torch.as_tensor(1.0 + o.eps_high, dtype=logp.dtype)
+    lo = torch.as_tensor(1.0 - o.eps_low, dtype=logp.dtype)
     terms = {
         "clipped_high": (clipped & (r_hat > hi)).detach(),
         "clipped_low": (clipped & (r_hat < lo)).detach(),
@@ -137,6 +113,50 @@ def policy_token_loss_ref(
         "offpolicy_weight": nan if off_w is None else off_w.detach(),
     }
     return loss, terms
+
+
+def _ratio(logp: torch.Tensor, old_logp: torch.Tensor, seq_log_ratio: torch.Tensor | None) -> torch.Tensor:
+    """r = exp(clamp(logp - old)) ("token"), or exp(clamp(sg(seq_lr) + logp - sg(logp))) ("sequence", GSPO-token)."""
+    if seq_log_ratio is None:
+        log_r = torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    else:
+        log_r = seq_log_ratio.detach().to(logp.dtype) + logp - logp.detach()
+        log_r = torch.clamp(log_r, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return torch.exp(log_r)
+
+
+def _clipped_surrogate(r_hat, adv, old_logp, behav_logp, on_mask, o: LossOptions):
+    """pg = max(-A r_hat, -A clip(r_hat, 1 - eps_low, 1 + eps_high)), dual-clipped for A < 0, times the TIS weight.
+    Returns (pg, clipped, dual_clipped, tis weight or None)."""
+    pg1 = -adv * r_hat
+    pg2 = -adv * torch.clamp(r_hat, 1.0 - o.eps_low, 1.0 + o.eps_high)
+    clipped = pg2 > pg1
+    pg = torch.maximum(pg1, pg2)
+    dual = torch.zeros_like(on_mask)
+    if o.dual_clip is not None:
+        pg3 = -adv * o.dual_clip
+        dual = (adv < 0) & (pg > pg3)
+        pg = torch.where(adv < 0, torch.minimum(pg, pg3), pg)
+    tis_w = None
+    if o.tis_cap is not None:
+        lw = torch.clamp(old_logp - behav_logp.detach().to(old_logp.dtype), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        tis_w = torch.clamp(torch.exp(lw), max=o.tis_cap)
+        pg = pg * tis_w
+    return pg, clipped, dual, tis_w
+
+
+def _offpolicy_loss(logp, adv, behav_logp, o: LossOptions):
+    """The loss of a retrieved token trained off-policy and its weight: -A p / (p + gamma) ("shaped"), or
+    -A w logp with w = sg(min(exp(logp - behav), is_cap)) ("truncated"); (None, None) for "none"."""
+    if o.offpolicy_train == "shaped":
+        p = torch.exp(logp)
+        off_w = p / (p + o.gamma)
+        return -adv * off_w, off_w
+    if o.offpolicy_train == "truncated":
+        lw = torch.clamp(logp.detach() - behav_logp.detach().to(logp.dtype), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        off_w = torch.clamp(torch.exp(lw), max=o.is_cap)
+        return -adv * off_w * logp, off_w
+    return None, None
 
 
 def _as_rows(x: torch.Tensor | None, cu: list[int] | None, width: int, fill=0) -> torch.Tensor | None:
@@ -153,48 +173,26 @@ def _masked_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return torch.where(m, x, torch.zeros_like(x)).sum() / m.sum().clamp_min(1)
 
 
-def rapo_loss_ref(
-    logp: torch.Tensor | None = None,
-    entropy: torch.Tensor | None = None,
-    *,
-    logits: torch.Tensor | None = None,
-    hidden: torch.Tensor | None = None,
-    weight: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    targets: torch.Tensor | None = None,
-    temperature: float = 1.0,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
-    retrieved_mask: torch.Tensor | None = None,
-    response_mask: torch.Tensor | None = None,
-    shaping_m: float = 0.0,
-    offpolicy_train: str = "none",
-    gamma: float = 0.1,
-    is_cap: float = 2.0,
-    behav_logp: torch.Tensor | None = None,
-    tis_cap: float | None = None,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-    dual_clip: float | None = None,
-    importance_sampling_level: str = "token",
-    ref_logp: torch.Tensor | None = None,
-    beta: float = 0.0,
-    kl_estimator: str = "k3",
-    entropy_coef: float = 0.0,
-    loss_agg: str = "token-mean",
-    cu_seqlens: torch.Tensor | None = None,
-    global_num_tokens=None,
-    return_metrics: bool = False,
-):
-    """The spec of rapo_fast.rapo_loss (same arguments and meaning; no validation). Either `logp` (and `entropy`
-    when entropy_coef != 0) shaped like targets, or logits [..., V] / hidden [..., H] + weight [V, H] with targets.
-    Returns a 0-dim loss, or (loss, metrics)."""
-    if logp is None:
-        if logits is not None:
-            logp, entropy = token_logprobs_ref(logits, targets, temperature, True)
-        else:
-            logp, entropy = linear_token_logprobs_ref(hidden, weight, targets, bias, temperature, True)
+@dataclass
+class _Rows:
+    """rapo_loss_ref's per-token inputs as padded rows [S, width] (valid: positions inside a row's segment)."""
+
+    logp: torch.Tensor
+    entropy: torch.Tensor | None
+    old: torch.Tensor
+    adv: torch.Tensor
+    behav: torch.Tensor | None
+    ref: torch.Tensor | None
+    lm: torch.Tensor
+    ret: torch.Tensor
+    resp: torch.Tensor
+    width: int
+
+
+def _padded_rows(logp, entropy, old_logp, advantages, behav_logp, ref_logp, loss_mask, retrieved_mask,
+                 response_mask, cu_seqlens) -> _Rows:  # fmt: skip
+    """Padded [B, T] inputs as they are; flat [N] inputs padded segment by segment (a Python loop), with one
+    advantage per segment broadcast over it."""
     flat = logp.dim() == 1
     if flat:
         cu = [0, logp.shape[0]] if cu_seqlens is None else [int(c) for c in cu_seqlens.tolist()]
@@ -209,66 +207,112 @@ def rapo_loss_ref(
         if advantages.dim() == 1:
             advantages = advantages[:, None].expand_as(logp)
     rows = lambda x, fill=0: _as_rows(x, cu, width, fill)  # noqa: E731
-    logp, entropy, old, adv = rows(logp), rows(entropy), rows(old_logp), rows(advantages)
-    behav, ref = rows(behav_logp), rows(ref_logp)
-    lm = rows(loss_mask != 0, False) & valid
-    ret = valid & (rows(retrieved_mask != 0, False) if retrieved_mask is not None else torch.zeros_like(valid))
-    resp = valid & (rows(response_mask != 0, False) if response_mask is not None else valid)
+    return _Rows(
+        logp=rows(logp), entropy=rows(entropy), old=rows(old_logp), adv=rows(advantages), behav=rows(behav_logp),
+        ref=rows(ref_logp), lm=rows(loss_mask != 0, False) & valid,
+        ret=valid & (rows(retrieved_mask != 0, False) if retrieved_mask is not None else torch.zeros_like(valid)),
+        resp=valid & (rows(response_mask != 0, False) if response_mask is not None else valid), width=width,
+    )  # fmt: skip
 
-    on = lm & ~ret
-    off = lm & ret if offpolicy_train != "none" else torch.zeros_like(on)
+
+def rapo_loss_ref(
+    logp: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    *,
+    logits: torch.Tensor | None = None,
+    hidden: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    targets: torch.Tensor | None = None,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    retrieved_mask: torch.Tensor | None = None,
+    response_mask: torch.Tensor | None = None,
+    behav_logp: torch.Tensor | None = None,
+    ref_logp: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    global_num_tokens=None,
+    options: LossOptions | None = None,
+    **option_kwargs: Any,
+):
+    """The spec of rapo_fast.rapo_loss (same arguments and meaning; the options are LossOptions', checked by it, and
+    nothing else is validated). Either `logp` (and `entropy` when entropy_coef != 0) shaped like targets, or logits
+    [..., V] / hidden [..., H] + weight [V, H] with targets. Returns a 0-dim loss, or (loss, metrics)."""
+    o = LossOptions.from_call(options, option_kwargs, caller="rapo_loss_ref")
+    if logp is None:
+        if logits is not None:
+            logp, entropy = token_logprobs_ref(logits, targets, o.temperature, True)
+        else:
+            logp, entropy = linear_token_logprobs_ref(hidden, weight, targets, bias, o.temperature, True)
+    r = _padded_rows(logp, entropy, old_logp, advantages, behav_logp, ref_logp, loss_mask, retrieved_mask,
+                     response_mask, cu_seqlens)  # fmt: skip
+    on = r.lm & ~r.ret
+    off = r.lm & r.ret if o.offpolicy_train != "none" else torch.zeros_like(on)
     active = on | off
-    cd = logp.dtype
-    frac = ret.sum(-1).to(cd) / resp.sum(-1).clamp_min(1).to(cd)
-    scale = (1.0 + shaping_m * frac)[:, None]
-    seq_lr = None
-    if importance_sampling_level == "sequence":
-        lr = torch.where(on, logp.detach() - old.to(cd), torch.zeros_like(logp))
-        seq_lr = (lr.sum(-1) / on.sum(-1).clamp_min(1).to(cd))[:, None].expand_as(logp)
-
+    scale, seq_lr = _row_ratio_terms(r, on, o)
+    token_options = {k: v for k, v in o.to_dict().items() if k not in _ROW_OPTIONS}
     tok, terms = policy_token_loss_ref(
-        logp, old, adv, on_mask=on, off_mask=off, ratio_scale=scale, seq_log_ratio=seq_lr, behav_logp=behav,
-        ref_logp=ref, entropy=entropy, offpolicy_train=offpolicy_train, gamma=gamma, is_cap=is_cap, tis_cap=tis_cap,
-        eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip, beta=beta, kl_estimator=kl_estimator,
-        entropy_coef=entropy_coef,
+        r.logp, r.old, r.adv, on_mask=on, off_mask=off, ratio_scale=scale, seq_log_ratio=seq_lr, behav_logp=r.behav,
+        ref_logp=r.ref, entropy=r.entropy, **token_options,
     )
     tok = torch.where(active, tok, torch.zeros_like(tok))
-    # verl's agg_loss (the version with global normalisers), with the mask = tokens in the loss
+    loss = _agg_loss(tok, active, o.loss_agg, global_num_tokens, r.width)
+    if not o.return_metrics:
+        return loss
+    return loss, _metrics_ref(terms, r, on, off, active, o)
+
+
+def _row_ratio_terms(r: _Rows, on: torch.Tensor, o: LossOptions):
+    """Per row: the shaping scale 1 + m F_s ([S, 1]) and, for GSPO, the mean on-policy log-ratio ([S, T], detached)."""
+    cd = r.logp.dtype
+    frac = r.ret.sum(-1).to(cd) / r.resp.sum(-1).clamp_min(1).to(cd)
+    scale = (1.0 + o.shaping_m * frac)[:, None]
+    seq_lr = None
+    if o.importance_sampling_level == "sequence":
+        lr = torch.where(on, r.logp.detach() - r.old.to(cd), torch.zeros_like(r.logp))
+        seq_lr = (lr.sum(-1) / on.sum(-1).clamp_min(1).to(cd))[:, None].expand_as(r.logp)
+    return scale, seq_lr
+
+
+def _agg_loss(tok: torch.Tensor, active: torch.Tensor, loss_agg: str, global_num_tokens, width: int) -> torch.Tensor:
+    """verl's agg_loss (the version with global normalisers), with the mask = tokens in the loss."""
+    cd = tok.dtype
     g = None if global_num_tokens is None else torch.as_tensor(global_num_tokens, dtype=cd, device=tok.device)
     if loss_agg == "token-mean":
-        loss = tok.sum() / (g if g is not None else active.sum().clamp_min(1).to(cd))
-    elif loss_agg in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        return tok.sum() / (g if g is not None else active.sum().clamp_min(1).to(cd))
+    if loss_agg in ("seq-mean-token-mean", "seq-mean-token-sum"):
         n = active.sum(-1)
         seq = tok.sum(-1)
         if loss_agg == "seq-mean-token-mean":
             seq = seq / n.clamp_min(1).to(cd)
         nonempty = n > 0
-        loss = torch.where(nonempty, seq, torch.zeros_like(seq)).sum() / (
+        return torch.where(nonempty, seq, torch.zeros_like(seq)).sum() / (
             g if g is not None else nonempty.sum().clamp_min(1).to(cd)
         )
-    elif loss_agg == "seq-mean-token-sum-norm":
-        loss = tok.sum() / (g if g is not None else torch.tensor(float(max(width, 1)), dtype=cd))
-    else:
-        raise ValueError(f"loss_agg: unknown mode {loss_agg!r}")
-    if not return_metrics:
-        return loss
+    if loss_agg == "seq-mean-token-sum-norm":
+        return tok.sum() / (g if g is not None else torch.tensor(float(max(width, 1)), dtype=cd))
+    raise ValueError(f"loss_agg: unknown mode {loss_agg!r}")
+
+
+def _metrics_ref(terms: dict, r: _Rows, on, off, active, o: LossOptions) -> dict[str, torch.Tensor]:
+    cd = r.logp.dtype
 
     def mean(x, m):
         return _masked_mean(x.to(cd), m).detach()
 
-    metrics = {
+    return {
         "clip_frac_high": mean(terms["clipped_high"], on),
         "clip_frac_low": mean(terms["clipped_low"], on),
         "dual_clip_frac": mean(terms["dual_clipped"], on),
-        "ratio_mean": mean(terms["ratio"].expand_as(logp), on),
+        "ratio_mean": mean(terms["ratio"].expand_as(r.logp), on),
         "approx_kl": mean(terms["approx_kl"], on),
-        "kl": mean(terms["kl"], active) if ref is not None else torch.zeros((), dtype=cd),
-        "entropy": mean(entropy, active) if entropy is not None else torch.full((), float("nan"), dtype=cd),
-        "retrieved_frac": (ret.sum().to(cd) / resp.sum().clamp_min(1).to(cd)),
-        "tis_weight_mean": mean(terms["tis_weight"], on) if tis_cap is not None else torch.ones((), dtype=cd),
-        "offpolicy_weight_mean": mean(terms["offpolicy_weight"], off) if offpolicy_train != "none"
+        "kl": mean(terms["kl"], active) if r.ref is not None else torch.zeros((), dtype=cd),
+        "entropy": mean(r.entropy, active) if r.entropy is not None else torch.full((), float("nan"), dtype=cd),
+        "retrieved_frac": (r.ret.sum().to(cd) / r.resp.sum().clamp_min(1).to(cd)),
+        "tis_weight_mean": mean(terms["tis_weight"], on) if o.tis_cap is not None else torch.ones((), dtype=cd),
+        "offpolicy_weight_mean": mean(terms["offpolicy_weight"], off) if o.offpolicy_train != "none"
         else torch.zeros((), dtype=cd),
         "num_tokens": active.sum().to(cd),
         "num_offpolicy_tokens": off.sum().to(cd),
     }
-    return loss, metrics

@@ -1,5 +1,5 @@
 """Reference (spec) of exact step retrieval: a float64 brute-force top-k search, the contract both backends are tested
-against (DESIGN.md section 3).
+against (docs/retrieval.md).
 
 Conventions (shared with csrc/include/rapo/retrieval_metric.h and csrc/include/rapo/topk.h):
 - every metric is reported larger-is-better: ``ip`` = <q, k>; ``cosine`` = <q, k> / (max(|q|, 1e-12) max(|k|, 1e-12))

@@ -1,4 +1,4 @@
-"""The step buffer of RAPO's hybrid rollouts and its exact batched nearest-neighbour search (DESIGN.md section 3).
+"""The step buffer of RAPO's hybrid rollouts and its exact batched nearest-neighbour search (docs/retrieval.md).
 
 `StepBuffer` holds, per slot, a step's key embedding (the history before the step), its payload id (where the step's
 tokens and K/V live), its prompt-group id and its outcome score. `search` returns, per query, the k best slots'
@@ -266,7 +266,7 @@ class StepBuffer:
 
     # ---- persistence ----
     def save(self, directory: str | os.PathLike) -> None:
-        """Save atomically to `directory` (safetensors + JSON, format version FORMAT_VERSION); see _retrieval_io."""
+        """Save atomically to `directory` (safetensors + JSON, format version FORMAT_VERSION); docs/formats.md."""
         n = self._size
         tensors = {
             "keys": self._keys[:n], "payload_ids": self._payload[:n], "group_ids": self._group[:n],

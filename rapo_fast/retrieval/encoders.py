@@ -7,8 +7,7 @@ Three callables with the same contract (`encoder(texts: list[str]) -> Tensor [N,
 - `HashedNgramEncoder`: a deterministic bag of hashed token n-grams (no weights, no dependencies); the demo's default,
   because it is free on a 2-core CPU and the task's histories are short token sequences.
 - `PolicyHiddenEncoder`: the policy's own mean-pooled final hidden states.
-Any other callable with this contract works. What this module is not: a search index (that is
-rapo_fast.retrieval.buffer).
+Any other callable with this contract works. What this module is not: a search index (rapo_fast.retrieval.buffer).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from rapo_fast._dispatch import register_op
-from rapo_fast._ext import DTYPE_CODES, require_backend, stream_of
+from rapo_fast._ext import DTYPE_CODES, make_params, require_backend, stream_of
 
 METRIC_CODES = {"ip": 0, "cosine": 1, "l2": 2}
 MAX_K = 1024
@@ -43,19 +43,23 @@ def _search_impl(
     exclude = None if exclude is None else exclude.contiguous()
     scores = torch.empty(Q, k, dtype=torch.float32, device=device)
     slots = torch.empty(Q, k, dtype=torch.int64, device=device)
-    args = (
-        _ptr(keys), keys.stride(0) if C else D, DTYPE_CODES[keys.dtype], _ptr(key_aux), _ptr(groups), C, D,
-        _ptr(queries), queries.stride(0) if Q else D, Q, _ptr(exclude), k, metric, float(min_score),
-        _ptr(scores), _ptr(slots),
+    params = make_params(
+        ext.RetrievalSearchParams,
+        keys=_ptr(keys), key_row_stride=keys.stride(0) if C else D, key_dtype=DTYPE_CODES[keys.dtype],
+        key_aux=_ptr(key_aux), groups=_ptr(groups), C=C, D=D,
+        queries=_ptr(queries), query_row_stride=queries.stride(0) if Q else D, Q=Q,
+        exclude=_ptr(exclude), k=k, metric=metric, min_score=float(min_score),
+        out_scores=_ptr(scores), out_slots=_ptr(slots),
     )
     if device.type == "cpu":
-        ext.retrieval_search_cpu(*args, torch.get_num_threads(), -1)
+        ext.retrieval_search_cpu(params, num_threads=torch.get_num_threads(), isa=-1)
     else:
         dev = device.index if device.index is not None else torch.cuda.current_device()
-        n_splits = int(ext.retrieval_cuda_splits(Q, C, k, dev))
+        n_splits = int(ext.retrieval_cuda_splits(Q=Q, C=C, k=k, device=dev))
         ws_scores = torch.empty(n_splits, Q, k, dtype=torch.float32, device=device)
         ws_slots = torch.empty(n_splits, Q, k, dtype=torch.int32, device=device)
-        ext.retrieval_search_cuda(*args, _ptr(ws_scores), _ptr(ws_slots), n_splits, dev, stream_of(device))
+        ext.retrieval_search_cuda(params, ws_scores=_ptr(ws_scores), ws_slots=_ptr(ws_slots), n_splits=n_splits,
+                                  device=dev, stream=stream_of(device))
     return scores, slots
 
 

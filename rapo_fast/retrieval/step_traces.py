@@ -1,12 +1,13 @@
 """StepTraces: the step-trace buffer of RAPO (history embedding -> the step taken next), built from JSONL trajectories.
 
 What this is: the glue between an off-policy source and `rapo_fast.StepBuffer`. `StepTraces.from_jsonl` reads
-trajectories (tasks/solver.py's record format), keeps the top K per query by reward (K=5, as in the paper), splits
-them into steps, encodes each step's preceding history with any encoder (rapo_fast.retrieval.encoders) as the key, and
-stores the step's tokens (wrapped in `<retrieve> ... </retrieve>`, the segment a rollout inserts) as the payload; with a
-model and a `StepKVStore`, also each segment's K/V (computed at positions 0..L-1) for splice mode. During training the
-policy's own successful steps can be added (`add_steps`), under the prompt's group id so that a rollout can exclude
-its own group. What it is not: the nearest-neighbour search (StepBuffer) or the splicing (kv_splice).
+trajectories (the JSONL record of docs/formats.md, read by rapo_fast.retrieval.jsonl), keeps the top K per query by
+reward (K=5, as in the paper), splits them into steps, encodes each step's preceding history with any encoder
+(rapo_fast.retrieval.encoders) as the key, and stores the step's tokens (wrapped in `<retrieve> ... </retrieve>`, the
+segment a rollout inserts) as the payload; with a model and a `StepKVStore`, also each segment's K/V (computed at
+positions 0..L-1) for splice mode. During training the policy's own successful steps can be added (`add_steps`),
+under the prompt's group id so that a rollout can exclude its own group. What it is not: the nearest-neighbour search
+(StepBuffer) or the splicing (rapo_fast.kv.splice); the retrieval contract is in docs/retrieval.md.
 
 Group ids: on-policy steps carry the prompt's query id; off-policy steps carry OFFPOLICY_GROUP_BASE + query id, so
 excluding a prompt's own group removes the policy's own earlier steps on that prompt but keeps the off-policy

@@ -18,6 +18,9 @@ import torch
 
 
 class ArpoBrancher:
+    """The branching state of one ARPO rollout over its rows (see the module docstring); `rollout` calls
+    before_sample / after_sample around each sampled token and `refresh` when every started row has ended."""
+
     def __init__(self, rows, engine, group_size: int, initial: int, beam: int, k: int, alpha: float, beta: float,
                  coin: random.Random):
         if not 1 <= initial <= group_size:

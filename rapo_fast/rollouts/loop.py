@@ -1,7 +1,6 @@
-"""rapo_fast.rollouts.loop: hybrid-policy, multi-turn, tool-integrated rollouts of a HF causal LM, batched over G per
-prompt.
+"""Hybrid-policy, multi-turn, tool-integrated rollouts of a HF causal LM, batched over G per prompt: `rollout()`.
 
-What this is: the generation loop of RAPO (DESIGN.md section 2). Each prompt gets `group_size` rows; a step ends at a
+What this is: the generation loop of RAPO (docs/rollout.md). Each prompt gets `group_size` rows; a step ends at a
 tool call (`</tool>`: the environment's output is appended as non-trainable tool tokens) or at <eos> (the answer).
 Strategies:
 - "hybrid" (RAPO): the first `n_hybrid` rows of each group are hybrid. Step 0 is always on-policy; before each later
@@ -13,8 +12,10 @@ Strategies:
 - "on_policy": plain GRPO sampling (no retrieval).
 - "arpo": ARPO's entropy-adaptive branching (rapo_fast.rollouts.arpo).
 Recorded per token: kind (generated / retrieved / tool / prompt), behaviour log-prob and entropy of each generated
-token, step boundaries, retrievals. What this is not: the reward (the environment's verifier, called by the trainer)
-or the loss.
+token, step boundaries, retrievals. The code reads top to bottom: `rollout` checks its arguments, builds the rows
+and the decode engine, and runs `_Lockstep` (retrieve at step boundaries -> sample -> feed, until every row is done);
+`_collate` packs the rows into a RolloutBatch. What this is not: the reward (the environment's verifier, called by the
+trainer), the loss, or the decoding engine (rapo_fast.rollouts.engine).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -51,6 +54,24 @@ class _Row:
         self.parent, self.branch_at = -1, -1
         self.prompt_len = n
         self.arpo: dict = {}
+
+    def append(self, ids: list[int], kind: int) -> None:
+        """Append tokens the policy did not sample (tool output, a retrieved step): no log-prob, entropy or origin."""
+        n = len(ids)
+        self.tokens.extend(ids)
+        self.kinds.extend([kind] * n)
+        self.logp.extend([0.0] * n)
+        self.ent.extend([0.0] * n)
+        self.origin.extend([-1] * n)
+
+    def append_sampled(self, token: int, logp: float, ent: float, origin: int) -> None:
+        """Append a token the policy sampled (in the loss) and queue it for the next model call."""
+        self.tokens.append(token)
+        self.kinds.append(KIND_GEN)
+        self.logp.append(logp)
+        self.ent.append(ent)
+        self.origin.append(origin)
+        self.to_feed.append(token)
 
     def snapshot(self) -> dict:
         return {k: (list(v) if isinstance(v, list) else v) for k, v in self.__dict__.items() if k != "arpo"} | {
@@ -118,120 +139,205 @@ def rollout(
     """
     _check_args(group_size, strategy, n_hybrid, retrieve_prob, mode, temperature, max_steps, max_step_tokens, traces)
     t_start = time.perf_counter()
-    timings = {"retrieval": 0.0, "splice": 0.0, "tool": 0.0}
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
+    try:
+        generator, coin = _random_sources(generator, seed)
+        n_init = group_size if strategy != "arpo" else (arpo_initial or max(1, group_size // 2))
+        rows = _make_rows(tokenizer, problems, group_size, n_hybrid if strategy == "hybrid" else 0, n_init)
+        engine = DecodeEngine(model, len(rows), device)
+        loop = _Lockstep(
+            engine, rows, tokenizer, env, traces=traces, mode=mode, retrieve_prob=retrieve_prob,
+            exclude=traces is not None and (traces.has_on_policy if exclude_own_group is None else exclude_own_group),
+            temperature=temperature, max_steps=max_steps, max_step_tokens=max_step_tokens, generator=generator,
+            coin=coin,
+        )
+        loop.prefill()
+        if strategy == "arpo":
+            from rapo_fast.rollouts.arpo import ArpoBrancher
+
+            loop.arpo = ArpoBrancher(rows, engine, group_size, n_init, arpo_beam, arpo_k, arpo_alpha, arpo_beta, coin)
+        loop.run()
+    finally:
+        if was_training:
+            model.train()
+    return _finish(rows, tokenizer, mode, loop.timings | {"total": time.perf_counter() - t_start})
+
+
+def _random_sources(generator: torch.Generator | None, seed: int | None) -> tuple[torch.Generator, random.Random]:
+    """The token sampler's generator (a fresh one seeded from torch's global RNG when None) and the coin of the
+    retrieval/branching decisions (seeded by `seed`, or by a draw from the generator)."""
     if generator is None:
         generator = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,)).item()))
     coin = random.Random(int(torch.randint(0, 2**62, (1,), generator=generator).item()) if seed is None else seed)
-    tool_end = tokenizer.convert_tokens_to_ids("</tool>")
-    tool_open = tokenizer.convert_tokens_to_ids("<tool>")
-    eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id
-    G = group_size
-    n_init = G if strategy != "arpo" else (arpo_initial or max(1, G // 2))
+    return generator, coin
+
+
+def _make_rows(tokenizer, problems: Sequence, group_size: int, n_hybrid: int, n_init: int) -> list[_Row]:
+    """`group_size` rows per problem: the first `n_hybrid` of a group hybrid, the first `n_init` started."""
     rows: list[_Row] = []
     for pi, prob in enumerate(problems):
         ids = tokenizer.encode(prob.prompt)
         if not ids or ids[0] != tokenizer.bos_token_id:
             ids = [tokenizer.bos_token_id] + ids  # column 0 must be <bos> for every row (engine invariant)
-        for g in range(G):
-            rows.append(_Row(ids, int(prob.qid), pi, strategy == "hybrid" and g < n_hybrid, g < n_init))
-    B = len(rows)
-    if B == 0:
+        for g in range(group_size):
+            rows.append(_Row(ids, int(prob.qid), pi, g < n_hybrid, g < n_init))
+    if not rows:
         raise ValueError("rollout: problems is empty")
-    engine = DecodeEngine(model, B, device)
-    _feed(engine, rows, [r.tokens for r in rows], pad)
-    for r in rows:
-        r.to_feed = []
-    exclude = traces is not None and (traces.has_on_policy if exclude_own_group is None else exclude_own_group)
-    arpo = None
-    if strategy == "arpo":
-        from rapo_fast.rollouts.arpo import ArpoBrancher
+    return rows
 
-        arpo = ArpoBrancher(rows, engine, G, n_init, arpo_beam, arpo_k, arpo_alpha, arpo_beta, coin)
-    token_counter = [0]
 
-    while True:
-        live = [i for i, r in enumerate(rows) if r.active and not r.done]
-        if not live and (arpo is None or not arpo.refresh()):
-            break
-        live = [i for i, r in enumerate(rows) if r.active and not r.done]
-        # 1. retrieval before a hybrid row's next step (never before step 0: at_boundary is set by a tool result)
+@dataclass
+class _Lockstep:
+    """The lockstep loop of one rollout. Each iteration: (1) retrieval for hybrid rows at a step boundary, (2) one
+    sampled token for every live row with nothing queued (running the tool when a call closes), (3) one model call
+    over everything queued. `arpo` (an ArpoBrancher) is consulted around sampling and restarts rows when all ended."""
+
+    engine: DecodeEngine
+    rows: list[_Row]
+    tokenizer: Any
+    env: Any
+    traces: Any
+    mode: str
+    retrieve_prob: float | Callable[[int], float]
+    exclude: bool
+    temperature: float
+    max_steps: int
+    max_step_tokens: int
+    generator: torch.Generator
+    coin: random.Random
+    arpo: Any = None
+    timings: dict[str, float] = field(default_factory=lambda: {"retrieval": 0.0, "splice": 0.0, "tool": 0.0})
+    next_origin: int = 0  # ARPO's shared token ids: one per sampled token, copied with a branch's prefix
+
+    def __post_init__(self) -> None:
+        self.tool_end = self.tokenizer.convert_tokens_to_ids("</tool>")
+        self.tool_open = self.tokenizer.convert_tokens_to_ids("<tool>")
+        self.eos, self.pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
+
+    def prefill(self) -> None:
+        """Feed every row's prompt (the same columns for all rows, padding masked)."""
+        _feed(self.engine, self.rows, [r.tokens for r in self.rows], self.pad)
+        for r in self.rows:
+            r.to_feed = []
+
+    def run(self) -> None:
+        while live := self._live_rows():
+            self._retrieve_at_boundaries(live)
+            self._sample(live)
+            self._feed_queued()
+
+    def _live_rows(self) -> list[int]:
+        """Indices of the started rows not yet done; when none are left, ARPO may start fresh ones first."""
+        live = [i for i, r in enumerate(self.rows) if r.active and not r.done]
+        if not live and self.arpo is not None and self.arpo.refresh():
+            live = [i for i, r in enumerate(self.rows) if r.active and not r.done]
+        return live
+
+    def _retrieve_at_boundaries(self, live: list[int]) -> None:
+        """A hybrid row just past a tool result retrieves with probability retrieve_prob(step). Never before step 0:
+        at_boundary is only set by a tool result."""
         cand = []
         for i in live:
-            r = rows[i]
+            r = self.rows[i]
             if r.at_boundary and r.hybrid:
-                p = retrieve_prob(len(r.steps)) if callable(retrieve_prob) else retrieve_prob
-                if coin.random() < p:
+                p = self.retrieve_prob(len(r.steps)) if callable(self.retrieve_prob) else self.retrieve_prob
+                if self.coin.random() < p:
                     cand.append(i)
             r.at_boundary = False
         if cand:
-            _retrieve(engine, rows, cand, traces, tokenizer, exclude, mode, timings)
-        # 2. sample for rows with nothing queued
-        samp = [i for i in live if not rows[i].to_feed]
-        if samp:
-            if arpo is not None:
-                arpo.before_sample(samp)
-            tok, lp, ent = sample(engine.last_logits[samp], temperature, generator)
-            for i, t, l_, e in zip(samp, tok.tolist(), lp.tolist(), ent.tolist()):
-                r = rows[i]
-                if r.cur_start is None:
-                    r.cur_start = len(r.tokens)
-                r.tokens.append(t)
-                r.kinds.append(KIND_GEN)
-                r.logp.append(l_)
-                r.ent.append(e)
-                r.origin.append(token_counter[0])
-                token_counter[0] += 1
-                r.to_feed.append(t)
-                n_step = len(r.tokens) - r.cur_start
-                if t == tool_end:
-                    end = len(r.tokens)
-                    r.n_tool += 1
-                    if r.n_tool > max_steps:
-                        r.steps.append([r.cur_start, end, end])
-                        r.done = True
-                        continue
-                    call = _last_call(r.tokens, tool_open, r.cur_start)
-                    t0 = time.perf_counter()
-                    obs = tokenizer.encode(env.execute(tokenizer.decode(call)))
-                    timings["tool"] += time.perf_counter() - t0
-                    for o in obs:
-                        r.tokens.append(o)
-                        r.kinds.append(KIND_TOOL)
-                        r.logp.append(0.0)
-                        r.ent.append(0.0)
-                        r.origin.append(-1)
-                    r.to_feed.extend(obs)
-                    r.steps.append([r.cur_start, end, len(r.tokens)])
-                    r.cur_start = None
-                    r.at_boundary = True
-                elif t == eos or n_step >= max_step_tokens:
-                    r.steps.append([r.cur_start, len(r.tokens), len(r.tokens)])
-                    r.cur_start = None
-                    r.done = True
-            if arpo is not None:
-                arpo.after_sample(samp)
-        # 3. feed everything queued (done rows need no further model calls)
-        for r in rows:
+            self._retrieve(cand)
+
+    def _retrieve(self, cand: list[int]) -> None:
+        """Top-1 step for each candidate row's history, queued (exact mode) or spliced into the cache (splice)."""
+        t0 = time.perf_counter()
+        hist = [self.tokenizer.decode(self.rows[i].tokens) for i in cand]
+        segs, pids, _ = self.traces.retrieve(hist, [self.rows[i].group for i in cand] if self.exclude else None)
+        self.timings["retrieval"] += time.perf_counter() - t0
+        spliced = []
+        for i, seg, pid in zip(cand, segs, pids.tolist()):
+            if seg is None:
+                continue
+            r = self.rows[i]
+            r.retrievals.append([len(r.steps), pid, len(seg)])
+            if self.mode == "splice":
+                spliced.append((i, seg, pid))
+            else:
+                r.append(seg, KIND_RET)
+                r.to_feed.extend(seg)
+        if spliced:
+            from rapo_fast.rollouts.splice import splice_segments
+
+            t0 = time.perf_counter()
+            splice_segments(self.engine, self.rows, spliced, self.traces)
+            self.timings["splice"] += time.perf_counter() - t0
+
+    def _sample(self, live: list[int]) -> None:
+        """One token for each live row with nothing queued, from its last next-token logits."""
+        samp = [i for i in live if not self.rows[i].to_feed]
+        if not samp:
+            return
+        if self.arpo is not None:
+            self.arpo.before_sample(samp)
+        tok, lp, ent = sample(self.engine.last_logits[samp], self.temperature, self.generator)
+        for i, t, l_, e in zip(samp, tok.tolist(), lp.tolist(), ent.tolist()):
+            self._take_token(self.rows[i], t, l_, e)
+        if self.arpo is not None:
+            self.arpo.after_sample(samp)
+
+    def _take_token(self, r: _Row, t: int, logp: float, ent: float) -> None:
+        """Record a sampled token; `</tool>` ends a tool step, <eos> or the step's token budget ends the answer."""
+        if r.cur_start is None:
+            r.cur_start = len(r.tokens)
+        r.append_sampled(t, logp, ent, self.next_origin)
+        self.next_origin += 1
+        if t == self.tool_end:
+            self._end_tool_step(r)
+        elif t == self.eos or len(r.tokens) - r.cur_start >= self.max_step_tokens:
+            r.steps.append([r.cur_start, len(r.tokens), len(r.tokens)])
+            r.cur_start = None
+            r.done = True
+
+    def _end_tool_step(self, r: _Row) -> None:
+        """Run the step's tool call and queue its output; past `max_steps` tool calls the trajectory ends instead."""
+        end = len(r.tokens)
+        r.n_tool += 1
+        if r.n_tool > self.max_steps:
+            r.steps.append([r.cur_start, end, end])
+            r.done = True
+            return
+        call = _last_call(r.tokens, self.tool_open, r.cur_start)
+        t0 = time.perf_counter()
+        obs = self.tokenizer.encode(self.env.execute(self.tokenizer.decode(call)))
+        self.timings["tool"] += time.perf_counter() - t0
+        r.append(obs, KIND_TOOL)
+        r.to_feed.extend(obs)
+        r.steps.append([r.cur_start, end, len(r.tokens)])
+        r.cur_start = None
+        r.at_boundary = True
+
+    def _feed_queued(self) -> None:
+        """One model call over every row's queued tokens (done rows need no further model calls)."""
+        for r in self.rows:
             if r.done:
                 r.to_feed = []
-        if any(r.to_feed for r in rows):
-            _feed(engine, rows, [r.to_feed for r in rows], pad)
-            for r in rows:
+        if any(r.to_feed for r in self.rows):
+            _feed(self.engine, self.rows, [r.to_feed for r in self.rows], self.pad)
+            for r in self.rows:
                 r.to_feed = []
-    if was_training:
-        model.train()
-    keep = [i for i, r in enumerate(rows) if r.active]  # ARPO slots never used are not trajectories
+
+
+def _finish(rows: list[_Row], tokenizer, mode: str, timings: dict[str, float]) -> RolloutBatch:
+    """The batch of the rows that ran (ARPO slots never used are not trajectories), parents renumbered."""
+    keep = [i for i, r in enumerate(rows) if r.active]
     new_index = {old: new for new, old in enumerate(keep)}
     rows = [rows[i] for i in keep]
     for r in rows:
         r.parent = new_index.get(r.parent, -1)
-    batch = _collate(rows, pad, mode)
+    batch = _collate(rows, tokenizer.pad_token_id, mode)
     batch.completions = [tokenizer.decode(r.tokens[r.prompt_len :]) for r in rows]
-    batch.timings = timings | {"total": time.perf_counter() - t_start}
+    batch.timings = timings
     return batch
 
 
@@ -254,34 +360,6 @@ def _feed(engine: DecodeEngine, rows: list[_Row], seqs: list[list[int]], pad: in
     col0 = int(engine.feed(tok, valid))
     for r, s in zip(rows, seqs):
         r.cols.extend(range(col0, col0 + len(s)))
-
-
-def _retrieve(engine, rows, cand, traces, tokenizer, exclude, mode, timings) -> None:
-    t0 = time.perf_counter()
-    hist = [tokenizer.decode(rows[i].tokens) for i in cand]
-    segs, pids, _ = traces.retrieve(hist, [rows[i].group for i in cand] if exclude else None)
-    timings["retrieval"] += time.perf_counter() - t0
-    spliced = []
-    for i, seg, pid in zip(cand, segs, pids.tolist()):
-        if seg is None:
-            continue
-        r = rows[i]
-        r.retrievals.append([len(r.steps), pid, len(seg)])
-        if mode == "splice":
-            spliced.append((i, seg, pid))
-            continue
-        r.tokens.extend(seg)
-        r.kinds.extend([KIND_RET] * len(seg))
-        r.logp.extend([0.0] * len(seg))
-        r.ent.extend([0.0] * len(seg))
-        r.origin.extend([-1] * len(seg))
-        r.to_feed.extend(seg)
-    if spliced:
-        from rapo_fast.rollouts.splice import splice_segments
-
-        t0 = time.perf_counter()
-        splice_segments(engine, rows, spliced, traces)
-        timings["splice"] += time.perf_counter() - t0
 
 
 def _collate(rows: list[_Row], pad: int, mode: str) -> RolloutBatch:

@@ -4,7 +4,8 @@ What this is: the bridge from rapo_fast.rollouts.engine.DecodeEngine to rapo_fas
 is spliced at the current end of the cache (one slot for all rows), keys rotated to the row's own logical position
 (`rope_positions`), all but its last token; the last token (</retrieve>) is then fed through the model by the caller,
 so that next-token logits come out of a forward that attends to the spliced K/V. Other rows' new columns are masked.
-What this is not: the splice kernel (kv_splice.splice_kv) or the K/V store (kv_splice.StepKVStore).
+What this is not: the splice op (rapo_fast.kv.splice.splice_kv) or the K/V store (rapo_fast.kv.store.StepKVStore);
+the splice math is in docs/kv_splice.md.
 """
 
 from __future__ import annotations
@@ -42,17 +43,8 @@ def splice_segments(engine, rows, spliced: list[tuple[int, list[int], int]], tra
         engine.extend_columns(valid, n_new)
     for i, seg, _ in spliced:
         r = rows[i]
-        n = len(seg) - 1
-        r.tokens.extend(seg[:-1])
-        r.kinds.extend([KIND_RET] * n)
-        r.logp.extend([0.0] * n)
-        r.ent.extend([0.0] * n)
-        r.origin.extend([-1] * n)
-        r.cols.extend(range(slot, slot + n))
+        r.append(seg[:-1], KIND_RET)
+        r.cols.extend(range(slot, slot + len(seg) - 1))
         # the closing token goes through the model: it attends to the spliced K/V and yields the next logits
-        r.tokens.append(seg[-1])
-        r.kinds.append(KIND_RET)
-        r.logp.append(0.0)
-        r.ent.append(0.0)
-        r.origin.append(-1)
+        r.append(seg[-1:], KIND_RET)
         r.to_feed.append(seg[-1])

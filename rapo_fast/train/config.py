@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rapo_fast.loss import presets
-from rapo_fast.loss.policy_loss import OPTION_DEFAULTS
+from rapo_fast.loss.options import LossOptions
 
 _STRATEGIES = ("hybrid", "on_policy", "arpo")
 
@@ -131,7 +131,7 @@ class TrainerConfig:
             raise TypeError(f"TrainerConfig.seed: expected an int, got {type(self.seed).__name__}")
         if not isinstance(self.loss, dict):
             raise TypeError(f"TrainerConfig.loss: expected a dict of rapo_loss options, got {type(self.loss).__name__}")
-        allowed = set(OPTION_DEFAULTS) - {"return_metrics", "tis_cap", "temperature"}
+        allowed = set(LossOptions.names()) - {"return_metrics", "tis_cap", "temperature"}
         unknown = sorted(set(self.loss) - allowed)
         if unknown:
             raise ValueError(f"TrainerConfig.loss: unknown rapo_loss options {unknown}; expected a subset of "
@@ -139,6 +139,10 @@ class TrainerConfig:
         if self.loss.get("beta", 0.0) not in (0, 0.0):
             raise ValueError(f"TrainerConfig.loss['beta']: the thin trainer keeps no reference model, so the KL "
                              f"coefficient must be 0, got {self.loss['beta']!r}")
+        try:  # the values, checked now as rapo_loss would check them at the first step
+            LossOptions(**self.loss)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"TrainerConfig.loss: {e}") from None
         return self
 
     # -- serialisation ----------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import torch
 
 
 def lm_head_weight(model: torch.nn.Module) -> torch.Tensor:
-    """The lm_head weight [V, H] the model actually multiplies by (tied or not; DESIGN.md pitfall 10)."""
+    """The lm_head weight [V, H] the model actually multiplies by (tied or not; docs/pitfalls.md #10)."""
     head = model.get_output_embeddings()
     if head is None or not hasattr(head, "weight"):
         raise TypeError(f"lm_head_weight: {type(model).__name__} has no output embedding with a weight")

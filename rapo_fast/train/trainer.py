@@ -1,12 +1,15 @@
 """RAPOTrainer: the thin RL trainer. One step = rollout -> outcome rewards -> old log-probs and step entropies (one
 fused token_logprobs pass) -> retrieval rewards -> advantages -> rapo_loss -> optimiser step -> optional buffer update.
 
-What this is: DESIGN.md section 5 as a loop of replaceable callables (`rollout_fn`, `reward_fn`, `advantage_fn`,
-`loss_fn`), a CSV metrics log (optionally TensorBoard), tqdm progress in `train`, and checkpoint/resume of model,
-optimiser, buffer and every RNG. Retrieved tokens and tool outputs never enter the loss (loss_mask = generated
-tokens only); the RAPO shaping's F is retrieved / response tokens; in splice mode the behaviour log-probs recorded
-by the rollout feed the loss's truncated importance sampling (tis_cap). What this is not: a distributed trainer or a
-serving engine; the configuration lives in rapo_fast/train/config.py, I/O helpers in rapo_fast/train/io.py.
+What this is: the training step of docs/training.md as a loop of replaceable callables (`rollout_fn`, `reward_fn`,
+`advantage_fn`, `loss_fn`), a CSV metrics log (optionally TensorBoard), and checkpoint/resume of model, optimiser,
+buffer and every RNG. `train` is the one training loop: callers (the demo, benchmark runners) hook into it with
+TrainerCallback objects (rapo_fast/train/callbacks.py: evaluation inside the loop, its score in the tqdm bar, early
+stop) rather than writing their own loop around `step`. Retrieved tokens and tool outputs never enter the loss
+(loss_mask = generated tokens only); the RAPO shaping's F is retrieved / response tokens; in splice mode the
+behaviour log-probs recorded by the rollout feed the loss's truncated importance sampling (tis_cap). What this is
+not: a distributed trainer or a serving engine; the configuration lives in rapo_fast/train/config.py, I/O helpers in
+rapo_fast/train/io.py. Importing it never imports rapo_fast.demo.
 """
 
 from __future__ import annotations
@@ -20,11 +23,13 @@ from typing import Any
 import torch
 
 from rapo_fast.rollouts.batch import RolloutBatch
+from rapo_fast.train.callbacks import EvalCallback, TrainerCallback
 from rapo_fast.train.config import TrainerConfig
 from rapo_fast.train.hf_model import final_hidden, lm_head_weight
 from rapo_fast.train.io import MetricsLogger, load_checkpoint, save_checkpoint
 
-__all__ = ["RAPOTrainer", "TrainerConfig", "default_rewards", "retrieval_rewards", "hard_attribution"]
+__all__ = ["RAPOTrainer", "TrainerConfig", "TrainerCallback", "EvalCallback", "default_rewards", "retrieval_rewards",
+           "hard_attribution"]
 
 
 def default_rewards(env, problems: Sequence, batch: RolloutBatch) -> torch.Tensor:
@@ -246,25 +251,47 @@ class RAPOTrainer:
 
     # -- loop, checkpoints ------------------------------------------------------------------------------------------
     def train(self, num_steps: int, *, progress: bool = True, callback: Callable[[dict], Any] | None = None,
-              desc: str = "rl") -> list[dict]:
-        if not isinstance(num_steps, int) or num_steps < 0:
+              callbacks: Sequence[TrainerCallback] = (), desc: str = "rl") -> list[dict]:
+        """Run up to `num_steps` RL steps (`step()`); returns their metrics, one dict per step run.
+
+        callbacks: TrainerCallback objects (rapo_fast.train.callbacks, e.g. EvalCallback for an evaluation inside
+        the loop): called before the first step, after every step (they may add metrics and return True to stop
+        training) and at the end; their progress_fields() join the progress bar. callback: a plain function called
+        with each step's metrics (cannot stop training). progress: a tqdm bar named `desc` showing the training
+        success rate, the retrieval rate and the callbacks' fields.
+        """
+        if not isinstance(num_steps, int) or isinstance(num_steps, bool) or num_steps < 0:
             raise ValueError(f"train: num_steps must be a non-negative int, got {num_steps!r}")
-        history = []
+        callbacks = list(callbacks)
+        for cb in callbacks:
+            if not isinstance(cb, TrainerCallback):
+                raise TypeError(f"train: callbacks must be TrainerCallback objects, got {type(cb).__name__}")
+        history: list[dict] = []
+        # every callback sees each event, even after one of them asked to stop (hence lists, not any(generator))
+        stop = any([cb.on_train_begin(self, num_steps) for cb in callbacks])
         bar = None
         if progress:
             from tqdm import tqdm
 
             bar = tqdm(total=num_steps, desc=desc, leave=False)
-        for _ in range(num_steps):
-            m = self.step()
-            history.append(m)
-            if callback is not None:
-                callback(m)
+        try:
+            while not stop and len(history) < num_steps:
+                m = self.step()
+                history.append(m)
+                if callback is not None:
+                    callback(m)
+                stop = any([cb.on_step_end(self, self.step_count, m) for cb in callbacks])
+                if bar is not None:
+                    fields = {"success": f"{m['success_rate']:.2f}", "ret": f"{m['retrieval_rate']:.2f}"}
+                    for cb in callbacks:
+                        fields.update(cb.progress_fields())
+                    bar.set_postfix(fields)
+                    bar.update(1)
+        finally:
             if bar is not None:
-                bar.set_postfix(success=f"{m['success_rate']:.2f}", ret=f"{m['retrieval_rate']:.2f}")
-                bar.update(1)
-        if bar is not None:
-            bar.close()
+                bar.close()
+        for cb in callbacks:
+            cb.on_train_end(self, history)
         return history
 
     def save_checkpoint(self, directory: str | Path) -> Path:

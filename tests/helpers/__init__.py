@@ -1,4 +1,4 @@
-"""Cross-op test helpers: the tolerance rule of STYLE.md item 4 and a mismatch report that says where and how much.
+"""Cross-op test helpers: the tolerance rule (docs/testing.md rule 1) and a mismatch report: where and how much.
 
 Not a place for op-specific fixtures.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-# Floors of the tolerance rule |kernel - ref64| <= 2 |ref_dtype - ref64| + atol[dtype] (STYLE.md item 4).
+# Floors of the tolerance rule |kernel - ref64| <= 2 |ref_dtype - ref64| + atol[dtype] (docs/testing.md rule 1).
 ATOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2, torch.float64: 1e-8}
 
 
@@ -34,7 +34,7 @@ def assert_close_verbose(actual: torch.Tensor, expected: torch.Tensor, *, atol: 
 
 
 def assert_within_ref_error(kernel: torch.Tensor, ref_dtype: torch.Tensor, ref64: torch.Tensor, dtype, name=""):
-    """STYLE.md item 4: the kernel's error is at most twice the reference's own error in that dtype, plus a floor."""
+    """docs/testing.md rule 1: the kernel's error is at most twice the reference's error in that dtype, plus a floor."""
     k = kernel.detach().to(torch.float64).cpu()
     r = ref_dtype.detach().to(torch.float64).cpu()
     e = ref64.detach().to(torch.float64).cpu()

@@ -34,6 +34,10 @@ LOSS_TOL = dict(atol=2e-6, rtol=2e-5)
 GRAD_TOL = dict(atol=1e-4, rtol=1e-4)  # atol is relative to the tensor's largest gradient (see _compare)
 # Under GRPOConfig's default bf16 autocast both sides run the backbone in bf16; the backward's rounding then differs.
 BF16_GRAD_TOL = dict(atol=2e-2, rtol=2e-2)
+# Under bf16 autocast the logits are bf16 and TRL takes their log-softmax in a different order of operations than our
+# fp32-accumulating kernel: measured |diff| 1.4e-5 on a loss of 0.186 (trl 1.16, transformers 5.23, torch 2.13 CPU),
+# i.e. 7e-5 relative, far below bf16's 2^-8 = 3.9e-3 unit roundoff. The fp32 bound above (atol 2e-6) is for fp32 runs.
+BF16_LOSS_TOL = dict(atol=1e-4, rtol=1e-3)
 
 
 def _tokenizer():
@@ -230,14 +234,14 @@ def test_matches_trl_under_bf16_autocast():
     """GRPOConfig's default (bf16=True): the adapter runs under the same autocast as TRL's log-prob pass."""
     trainer = _build(bf16=True)
     _configure(trainer, {"loss_type": "dapo", "epsilon_high": 0.28})
-    _compare(trainer, _inputs(trainer, seed=7), grad_tol=BF16_GRAD_TOL)
+    _compare(trainer, _inputs(trainer, seed=7), loss_tol=BF16_LOSS_TOL, grad_tol=BF16_GRAD_TOL)
 
 
 def test_matches_trl_with_fp32_lm_head_under_bf16_autocast():
     """cast_lm_head_to_fp32=True: TRL runs the head in fp32 outside autocast; so does the adapter."""
     trainer = _build(bf16=True, cast_lm_head_to_fp32=True)
     _configure(trainer, {"loss_type": "bnpo"})
-    _compare(trainer, _inputs(trainer, seed=8), grad_tol=BF16_GRAD_TOL)
+    _compare(trainer, _inputs(trainer, seed=8), loss_tol=BF16_LOSS_TOL, grad_tol=BF16_GRAD_TOL)
 
 
 def test_eval_mode_has_no_grad_accum_division(trainer):

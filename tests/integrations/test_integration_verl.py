@@ -324,7 +324,7 @@ def test_fused_logprobs_from_hidden_matches_torch(shape):
     want_lp, want_ent = _naive(h2, w2, labels, 0.7)
     assert_close_verbose(logp, want_lp, atol=1e-5, rtol=1e-5, name="logp")
     assert_close_verbose(ent, want_ent, atol=1e-5, rtol=1e-5, name="entropy")
-    up = torch.randn(shape)  # a non-uniform upstream gradient (DESIGN.md pitfall 7)
+    up = torch.randn(shape)  # a non-uniform upstream gradient (docs/pitfalls.md #7)
     (logp * up).sum().backward()
     (want_lp * up).sum().backward()
     assert_close_verbose(hidden.grad, h2.grad, atol=1e-5, rtol=1e-4, name="grad hidden")

@@ -1,9 +1,9 @@
 """Tests of `splice_kv` backends against the reference, on HF-layout and paged caches, and of its argument checks.
 
-Checks: the C++ CPU backend equals the float64 reference within the STYLE.md item-4 rule, for fp32/fp16/bf16, both
-pair layouts, partial rotary, GQA, odd head dims, many requests per call, strided (cropped) caches and paged block
-tables; values are copied bit-exactly and nothing outside the target slots is written; StepKVStore add/get/evict/grow;
-bad requests raise ValueError/TypeError before any write (hypothesis fuzzes them).
+Checks: the C++ CPU backend equals the float64 reference within the tolerance rule of docs/testing.md (rule 1), for
+fp32/fp16/bf16, both pair layouts, partial rotary, GQA, odd head dims, many requests per call, strided (cropped) caches
+and paged block tables; values are copied bit-exactly and nothing outside the target slots is written; StepKVStore
+add/get/evict/grow; bad requests raise ValueError/TypeError before any write (hypothesis fuzzes them).
 Not here: models (tests/kv/test_kv_splice_hf.py) and the CUDA kernel (tests/kv/test_kv_splice_gpu.py).
 """
 

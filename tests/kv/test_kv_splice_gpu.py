@@ -1,6 +1,6 @@
 """CUDA backend of the KV splice (runs only on a machine with a GPU; every test is marked gpu and skipped without one).
 
-Checks: the CUDA kernel equals the CPU backend and the float64 reference (STYLE.md item-4 rule) on HF-layout and paged
+Checks: the CUDA kernel equals the CPU backend and the float64 reference (docs/testing.md rule 1) on HF-layout and paged
 caches, fp32/fp16/bf16, both pair layouts, the 16-byte vector path (head dim 128) and the scalar path (odd head dim,
 misaligned strides), positions up to 10^6; values bit-exact; a tiny Llama on the GPU splices and continues generation.
 Not here: CPU numerics (tests/kv/test_kv_splice.py).

@@ -16,7 +16,7 @@ from rapo_fast.kv.splice import kv_splice_
 from rapo_fast.reference.kv_splice import rotate_keys_ref
 
 pytestmark = pytest.mark.skipif(
-    not (_ext.has_extension() and hasattr(_ext.extension(), "kv_splice")), reason="rapo_fast._C without kv_splice"
+    not (_ext.has_extension() and hasattr(_ext.extension(), "kv_splice_cpu")), reason="rapo_fast._C without kv_splice"
 )
 
 LAYERS, HEADS, D, B, S = 2, 2, 16, 3, 12

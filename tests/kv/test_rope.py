@@ -3,7 +3,7 @@
 Checks: inv_freq for default/linear/llama3/yarn equals transformers' own ROPE_INIT_FUNCTIONS; partial rotary and the
 pair layout are read from GPT-NeoX / GPT-J / Llama configs; dynamic NTK and longrope are refused; an unknown model
 type needs an explicit layout; the reference rotation equals the model's own rotation and composes; fp32 vs float64.
-Not here: the splice itself (tests/test_kv_splice*.py).
+Not here: the splice itself (tests/kv/test_kv_splice*.py).
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """The one-pass fused hidden-state policy loss (rapo_fast/loss/fused_linear.py) against the two-pass path
 (RAPO_FAST_FUSED_LINEAR_LOSS=0) and the reference: loss, metrics and the gradients of hidden / weight / bias for every
 aggregation mode and option, padded and flat layouts, all-masked rows, several token and vocabulary tiles (the tile
-budget shrunk through rapo_fast.loss.logprobs' module constants), fp32 / bf16 under the tolerance rule of
-tests/helpers/__init__.py;
-gradient accumulation with global_num_tokens; an upstream gradient != 1; the GEMM count (3 families fused, 4
-two-pass); GSPO and no-grad calls taking the two-pass path; opcheck of the registered op.
+budget shrunk through rapo_fast.loss.tiles' module constants), fp32 / bf16 under the tolerance rule of
+tests/helpers/__init__.py; gradient accumulation with global_num_tokens; an upstream gradient != 1; the GEMM count (3
+families fused, 4 two-pass); GSPO and no-grad calls taking the two-pass path; opcheck of the registered op.
 Not here: the per-token loss semantics (test_loss_options.py) and the log-prob kernels (test_logprobs*.py).
 """
 
@@ -17,8 +16,8 @@ from helpers.loss_cases import FULL, check_case, make_batch
 
 import rapo_fast
 from rapo_fast.loss import fused_linear as fl
-from rapo_fast.loss import logprobs as lp_mod
 from rapo_fast.loss import policy_loss as loss_mod
+from rapo_fast.loss import tiles as tiles_mod
 
 AGG_MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 OPTS = {
@@ -98,8 +97,8 @@ def test_several_tiles(budget_cols, dtype, monkeypatch, fused_calls):
     and the second sweep; row-tiles: whole rows, 2 rows per token tile."""
     v, elem = 37, torch.empty((), dtype=dtype).element_size()
     budget = (16 * elem) if budget_cols == 16 else 2 * v * elem
-    monkeypatch.setitem(lp_mod._TILE_BYTES, "cpu", budget)
-    monkeypatch.setitem(lp_mod._MAX_VOCAB_TILE, "cpu", 16)
+    monkeypatch.setitem(tiles_mod.TILE_BYTES, "cpu", budget)
+    monkeypatch.setitem(tiles_mod.MAX_VOCAB_TILE, "cpu", 16)
     assert fl.tile_shape(30, v, elem, torch.device("cpu")) == ((1, 16) if budget_cols == 16 else (2, v))
     d = make_batch(3, 5, v, H=11, masked_rows=(2,), per_seq_adv=True)
     opts = dict(FULL, loss_agg="seq-mean-token-mean")
@@ -225,7 +224,7 @@ def test_frozen_weight_and_strided_hidden(monkeypatch, fused_calls):
 
 def test_memory_bounded_by_tile_not_n_by_v():
     """torch.profiler's memory view: no single allocation of N * V * 4 bytes in the fused forward + backward (the
-    largest is the logits tile, at most _TILE_BYTES, or the fp32 grad_W accumulator [V, H])."""
+    largest is the logits tile, at most TILE_BYTES, or the fp32 grad_W accumulator [V, H])."""
     from torch.profiler import ProfilerActivity, profile
 
     n, h, v = 128, 8, 65536
@@ -239,7 +238,7 @@ def test_memory_bounded_by_tile_not_n_by_v():
                                    loss_mask=torch.ones(n, dtype=torch.bool), entropy_coef=0.01)
         loss.backward()
     largest = max(e.self_cpu_memory_usage for e in prof.events())
-    bound = max(lp_mod._TILE_BYTES["cpu"], v * h * 4)
+    bound = max(tiles_mod.TILE_BYTES["cpu"], v * h * 4)
     assert largest <= bound < n * v * 4, f"largest allocation {largest} B, tile/grad bound {bound}, N*V*4 {n * v * 4}"
     assert hid.grad is not None and w.grad is not None
 

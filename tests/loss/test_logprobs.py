@@ -1,6 +1,6 @@
 """Correctness of rapo_fast.token_logprobs (Triton kernels) against its reference, and of the reference against
 float64 autograd: forward (logp, entropy) and every gradient (logits, hidden, weight, bias), fp32/fp16/bf16, with the
-tolerance rule of STYLE.md item 4, on the shapes and inputs of DESIGN.md section 6 (pitfalls 1-5, 7, 9, 11).
+tolerance rule (docs/testing.md rule 1), on the shapes and inputs of docs/pitfalls.md (#1-5, 7, 9, 11).
 
 Not here: argument checks, op registration and torch.compile (test_logprobs_ops.py), memory bounds
 (test_logprobs_memory.py). The CPU runs use the Triton interpreter (tests/conftest.py); tests marked gpu run the same
@@ -15,6 +15,7 @@ from helpers import ATOL, assert_close_verbose, assert_within_ref_error
 
 import rapo_fast
 import rapo_fast.loss.logprobs as lp_mod
+import rapo_fast.loss.tiles as tiles_mod
 from rapo_fast.reference import linear_token_logprobs_ref, token_logprobs_ref
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -36,7 +37,7 @@ def _fwd_bwd(fn, leaves, targets_shape, return_entropy, g_lp, g_ent):
 
 
 def _check_all(kern, ref_dt, ref64, dtype, names, grad_dtypes):
-    """STYLE item 4 on every output and gradient; gradients must come back in the inputs' dtypes."""
+    """docs/testing.md rule 1 on every output and gradient; gradients must come back in the inputs' dtypes."""
     for i, (k, r, e) in enumerate(zip(kern[:2], ref_dt[:2], ref64[:2])):
         if k is not None:
             assert k.dtype == torch.float32
@@ -54,16 +55,16 @@ def _check_all(kern, ref_dt, ref64, dtype, names, grad_dtypes):
 
 
 def _upstream(shape, return_entropy):
-    # Non-uniform upstream gradients for both outputs (pitfall 7).
+    # Non-uniform upstream gradients for both outputs (docs/pitfalls.md #7).
     return torch.randn(shape), (torch.randn(shape) if return_entropy else None)
 
 
 def _make_logits(lead, v, dtype, kind):
     z = torch.randn(*lead, v) * 3
-    if kind == "negative":  # all logits < 0: a max identity of 0 would break the entropy (pitfall 2)
+    if kind == "negative":  # all logits < 0: a max identity of 0 would break the entropy (docs/pitfalls.md #2)
         z = -z.abs() - 40
     y = torch.randint(0, v, lead)
-    if kind == "masked":  # -inf on part of the vocabulary, never on the target (pitfall 3)
+    if kind == "masked":  # -inf on part of the vocabulary, never on the target (docs/pitfalls.md #3)
         mask = torch.rand(*lead, v) < 0.6
         if v > 1:
             mask.view(-1, v)[0, :] = True  # a row with only its target unmasked
@@ -159,7 +160,7 @@ def test_logits_path(case, dtype):
 
 @pytest.mark.parametrize("v", [129920, 151936, 152064])
 def test_logits_large_vocab(v):
-    # Real vocabularies that are not multiples of 256 (pitfall 1); a +123 log-prob there collapsed training.
+    # Real vocabularies that are not multiples of 256 (docs/pitfalls.md #1); a +123 log-prob there collapsed training.
     z, y = _make_logits((2,), v, torch.bfloat16, "normal")
     k = _compare_logits(z, y, torch.bfloat16, 1.0, True)
     assert (k[0] <= 0).all()
@@ -261,8 +262,8 @@ LINEAR_CASES = [
 
 
 def _small_tiles(monkeypatch, dtype, rows=8, cols=128):
-    monkeypatch.setitem(lp_mod._MAX_VOCAB_TILE, "cpu", cols)
-    monkeypatch.setitem(lp_mod._TILE_BYTES, "cpu", rows * cols * dtype.itemsize)
+    monkeypatch.setitem(tiles_mod.MAX_VOCAB_TILE, "cpu", cols)
+    monkeypatch.setitem(tiles_mod.TILE_BYTES, "cpu", rows * cols * dtype.itemsize)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -351,7 +352,7 @@ def test_gpu_logits_path_large(return_entropy):
 
 @pytest.mark.gpu
 def test_gpu_logits_int64_offsets():
-    # row * stride passes 2^31 elements (pitfall 5): check the last rows against the reference.
+    # row * stride passes 2^31 elements (docs/pitfalls.md #5): check the last rows against the reference.
     n, v = 14200, 152064
     assert (n - 1) * v > 2**31
     z = torch.randn(n, v, device="cuda", dtype=torch.bfloat16)

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 import rapo_fast
 import rapo_fast.loss.logprobs as lp_mod
+import rapo_fast.loss.tiles as tiles_mod
 from rapo_fast.kernels.triton_helpers import dot_operand, interpreter_upcast
 from rapo_fast.reference import linear_token_logprobs_ref, token_logprobs_ref
 
@@ -51,7 +52,7 @@ def test_opcheck_logits_ops(with_entropy, dtype):
 
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_opcheck_linear_ops(with_bias, monkeypatch):
-    monkeypatch.setitem(lp_mod._MAX_VOCAB_TILE, "cpu", 32)  # several vocabulary tiles
+    monkeypatch.setitem(tiles_mod.MAX_VOCAB_TILE, "cpu", 32)  # several vocabulary tiles
     ops = _ops()
     h = torch.randn(5, 7, requires_grad=True)
     w = torch.randn(70, 7, requires_grad=True)
@@ -208,7 +209,7 @@ _MUTATIONS = {
 )
 def test_argument_checks_fuzz(path, lead, dtype, mutation):
     kwargs = _valid(path, lead, dtype)
-    names = ("_token_logprobs_fwd", "_linear_token_logprobs_fwd", "_reference_chunked")
+    names = ("_token_logprobs_fwd", "linear_token_logprobs_fwd", "_reference_chunked")
     with contextlib.ExitStack() as stack:
         # Spies that still run the real launch, so a valid call completes and a rejected one shows zero launches.
         spies = {n: stack.enter_context(mock.patch.object(lp_mod, n, wraps=getattr(lp_mod, n))) for n in names}
@@ -249,10 +250,10 @@ ints = ["i32", "i64", "i64"]
 for cap, zt, tgt in [(90, "*bf16", "*i64"), (80, "*fp16", "*i32")]:
     for init, final, hb, we in [(True, True, False, True), (True, False, True, False), (False, True, True, True)]:
         consts = dict(INIT=init, FINAL=final, HAS_BIAS=hb, WITH_ENTROPY=we, BLOCK_V=4096)
-        build(K._token_logprobs_fwd_kernel, [zt, tgt, zt] + ["*fp32"] * 7 + ints + ["i32", "i32", "fp32"], consts, cap)
+        build(K.token_logprobs_fwd_kernel, [zt, tgt, zt] + ["*fp32"] * 7 + ints + ["i32", "i32", "fp32"], consts, cap)
     consts = dict(HAS_BIAS=True, WITH_ENTROPY=True, BLOCK_V=4096)
     types = [zt, zt, tgt, zt] + ["*fp32"] * 4 + ints + ["i64", "i32", "i32", "fp32"]
-    build(K._token_logprobs_bwd_kernel, types, consts, cap)
+    build(K.token_logprobs_bwd_kernel, types, consts, cap)
 print("compiled")
 """
 
@@ -277,7 +278,7 @@ def _dot_kernel(a_ptr, b_ptr, c_ptr, M: tl.constexpr, K: tl.constexpr, N: tl.con
 
 def test_dot_operand_switch_gives_right_bf16_dot():
     # kernels/triton_helpers.py's interpreter switch: bf16 tl.dot operands are upcast under the interpreter (where bf16
-    # tl.dot is wrong, DESIGN.md section 7) and left alone on a GPU.
+    # tl.dot is wrong, docs/interpreter.md) and left alone on a GPU.
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     a = torch.randn(16, 32, device=dev).bfloat16()
     b = torch.randn(32, 16, device=dev).bfloat16()

@@ -2,9 +2,9 @@
 padded and flat (cu_seqlens) layouts, the logits and the hidden-state paths, fp32/fp16/bf16; the registered ops
 (opcheck, non-uniform upstream gradients); the CPU fallback path; all-masked rows.
 
-Tolerance (STYLE.md item 4, tests/helpers/__init__.py): |kernel - ref64| <= 2 |ref_dtype - ref64| + atol[dtype], atol
-1e-4 fp32, 1e-2 fp16, 5e-2 bf16, for the loss and every gradient. Metrics (detached) are compared with the reference in
-the same dtype (atol 1e-5, counts exactly). `make_batch` and `check_case` live in tests/helpers/loss_cases.py.
+Tolerance (docs/testing.md rule 1, tests/helpers/__init__.py): |kernel - ref64| <= 2 |ref_dtype - ref64| + atol[dtype],
+atol 1e-4 fp32, 1e-2 fp16, 5e-2 bf16, for the loss and every gradient. Metrics (detached) are compared with the
+reference in the same dtype (atol 1e-5, counts exactly). `make_batch`, `check_case`: tests/helpers/loss_cases.py.
 Not here: option-by-option semantics and hand-computed values (test_loss_options.py), accumulation
 (test_loss_accumulation.py), argument checks (test_loss_checks.py).
 """
@@ -18,6 +18,7 @@ from helpers.loss_cases import AGG_MODES, FULL, check_case, inputs_for, make_bat
 
 import rapo_fast
 from rapo_fast.loss import policy_loss as loss_mod
+from rapo_fast.loss import policy_op as op_mod
 from rapo_fast.reference import rapo_loss_ref, token_logprobs_ref
 
 
@@ -142,7 +143,7 @@ def _op_args_cpu(n, seq, with_ent, seed):
 @pytest.mark.parametrize("seq,with_ent,triton", [(True, True, True), (False, False, True), (True, True, False)])
 def test_opcheck_policy_loss_op(seq, with_ent, triton, monkeypatch):
     if not triton:  # the op's torch implementation, used on devices without Triton
-        monkeypatch.setattr(loss_mod, "use_triton", lambda device: False)
+        monkeypatch.setattr(op_mod, "use_triton", lambda device: False)
     args = _op_args(seq=seq, with_ent=with_ent)
     torch.library.opcheck(torch.ops.rapo_fast.policy_loss.default, args)
 
@@ -173,7 +174,7 @@ def _check_op_against_reference(args):
 
 @pytest.mark.parametrize("n", [50, 2600])
 def test_op_honours_nonuniform_upstream_gradient(n):
-    """Pitfall 7: the backward multiplies by the per-token upstream gradient, not by an assumed scalar 1.
+    """docs/pitfalls.md #7: the backward multiplies by the per-token upstream gradient, not by an assumed scalar 1.
     n = 2600 spans several kernel blocks (partial sums of several programs)."""
     _check_op_against_reference(_op_args(n=n))
 
@@ -182,7 +183,7 @@ def test_op_torch_fallback_equals_triton(monkeypatch):
     """The registered op on a device without Triton (here: forced) computes the same values and gradients."""
     torch.manual_seed(1)
     tri = _check_op_against_reference(_op_args(n=300, device="cpu" if OP_DEVICE == "cpu" else "cuda"))
-    monkeypatch.setattr(loss_mod, "use_triton", lambda device: False)
+    monkeypatch.setattr(op_mod, "use_triton", lambda device: False)
     torch.manual_seed(1)
     fb = _check_op_against_reference(_op_args(n=300, device="cpu" if OP_DEVICE == "cpu" else "cuda"))
     for a, b in zip(tri, fb):
@@ -199,7 +200,7 @@ def test_torch_compile_of_the_loss():
 
 
 def test_temperature_applies_to_policy_logprob():
-    """Pitfall 9: logp is taken at the temperature (old_logp given at the same temperature)."""
+    """docs/pitfalls.md #9: logp is taken at the temperature (old_logp given at the same temperature)."""
     d = make_batch(2, 4, 9)
     t = 0.6
     logp_t = token_logprobs_ref(d["logits"], d["targets"], t)
@@ -258,8 +259,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from rapo_fast.kernels.loss import policy_loss as K
 variants = [(0, 0, 0, 0, 0, 0), (1, 1, 1, 1, 3, 1), (0, 1, 0, 2, 1, 1), (1, 0, 1, 2, 2, 0)]
-for (seq, dual, tis, off, kl, ent), kern in itertools.product(variants, (K._policy_loss_fwd_kernel,
-                                                                       K._policy_loss_bwd_kernel)):
+for (seq, dual, tis, off, kl, ent), kern in itertools.product(variants, (K.policy_loss_fwd_kernel,
+                                                                      K.policy_loss_bwd_kernel)):
     const = dict(SEQ=bool(seq), DUAL=bool(dual), TIS=bool(tis), OFF=off, KL=kl, HAS_ENT=bool(ent), BLOCK=1024)
     if "NM" in kern.arg_names:
         const["NM"] = K.NUM_METRICS

@@ -1,4 +1,4 @@
-"""Gradient accumulation and data-parallel splits (DESIGN.md pitfall 8): with `global_num_tokens` set to the global
+"""Gradient accumulation and data-parallel splits (docs/pitfalls.md #8): with `global_num_tokens` set to the global
 normaliser, the losses and gradients of micro-batches / shards sum to the loss and gradient of one big batch, for every
 aggregation mode, padded and flat inputs, the logits path (slices of one leaf) and the hidden path (a shared lm_head
 weight). The normaliser is computed here from the masks the way a trainer would (or an all_reduce of the local

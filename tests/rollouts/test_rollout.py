@@ -1,6 +1,5 @@
 """Tests of rapo_fast.rollouts.loop: token kinds, step 0 never retrieves, group exclusion, behaviour log-probs equal to
-a
-full-attention re-score (exact mode), splice == exact at position 0 under greedy decoding, ARPO branching."""
+a full-attention re-score (exact mode), splice == exact at position 0 under greedy decoding, ARPO branching."""
 
 import pytest
 import torch

@@ -291,3 +291,55 @@ def test_splice_mode_step_uses_behaviour_correction(world):
     assert m["f_ret"] == pytest.approx(float(batch.retrieved_fraction().mean()))
     with pytest.raises(ValueError, match="kv_store"):
         RAPOTrainer(model, tok, task, StepTraces.from_jsonl(path, HashedNgramEncoder(), tok), cfg, problems)
+
+
+def test_train_callbacks_run_every_step_can_stop_and_evaluate_inside_the_loop(world, capsys):
+    from rapo_fast.train.callbacks import EvalCallback, TrainerCallback
+
+    task, tok, problems, _ = world
+    model = build_tiny_policy(tok.vocab_size, hidden_size=32, num_heads=2, num_kv_heads=1, seed=0)
+    cfg = TrainerConfig.GRPO(group_size=2, prompts_per_step=1, max_step_tokens=4, max_steps=1)
+    trainer = RAPOTrainer(model, tok, task, None, cfg, problems, reward_fn=_rewards_from_tokens)
+    events = []
+
+    class Recorder(TrainerCallback):
+        def on_train_begin(self, t, num_steps):
+            events.append(("begin", t.step_count, num_steps))
+
+        def on_step_end(self, t, step, metrics):
+            events.append(("step", step, metrics["step"], "eval" in metrics))
+            return step == 3  # ask to stop after the third step
+
+        def on_train_end(self, t, history):
+            events.append(("end", len(history)))
+
+    evaluated_at = []
+
+    def eval_fn(t):
+        evaluated_at.append(t.step_count)  # the trainer's state between steps: eval runs inside the loop
+        return 0.25 * t.step_count
+
+    held_out = EvalCallback(eval_fn, every=2)
+    plain = []
+    hist = trainer.train(5, progress=True, callbacks=[Recorder(), held_out], callback=lambda m: plain.append(m["step"]))
+    # every step reaches the callbacks, in order; the Recorder's stop ends training after step 3 of 5
+    assert events == [("begin", 0, 5), ("step", 1, 1, False), ("step", 2, 2, False), ("step", 3, 3, False),
+                      ("end", 3)]
+    assert plain == [1, 2, 3] and len(hist) == 3 and trainer.step_count == 3
+    # evaluation before the first step, at step 2 (every=2) and at the last step run (3, cut short)
+    assert evaluated_at == [0, 2, 3] and held_out.curve == [(0, 0.0), (2, 0.5), (3, 0.75)]
+    assert "eval" not in hist[0] and hist[1]["eval"] == 0.5 and hist[2]["eval"] == 0.75
+    assert held_out.seconds >= 0
+    assert "eval=0.50" in capsys.readouterr().err  # the eval score shows in the progress bar
+
+    # a target stops training at the first evaluation that reaches it (here after one more step)
+    reach = EvalCallback(lambda t: float(t.step_count >= 4), every=1, target=1.0)
+    assert len(trainer.train(10, progress=False, callbacks=[reach])) == 1 and trainer.step_count == 4
+    assert reach.curve == [(3, 0.0), (4, 1.0)]
+    # ... and before any step when the start already reaches it
+    assert trainer.train(3, progress=False, callbacks=[EvalCallback(lambda t: 1.0, every=1, target=0.5)]) == []
+    assert trainer.step_count == 4
+    with pytest.raises(TypeError, match="callbacks"):
+        trainer.train(1, progress=False, callbacks=[lambda m: None])
+    with pytest.raises(ValueError, match="every"):
+        EvalCallback(eval_fn, every=0)

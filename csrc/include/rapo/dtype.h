@@ -1,5 +1,8 @@
-// Dtype codes shared with rapo_fast/_ext.py (DTYPE_CODES), and fp16/bf16 <-> fp32 conversions usable on the host
-// and in CUDA device code. Not a place for op math.
+// Dtype codes shared with rapo_fast/_ext.py (DTYPE_CODES), and the one definition of the fp16/bf16 <-> fp32
+// conversions: on the host over uint16_t bit patterns (FloatTraits, half_bits_to_float, ...), in CUDA device code over
+// __half / __nv_bfloat16 (to_float, from_float). Every backend converts through these; SIMD row kernels (F16C, AVX2)
+// may widen 8 lanes at a time in their own files, with the same IEEE rounding.
+// Not a place for op math (retrieval_metric.h, rope.h) or for memory layout.
 #pragma once
 #include <cstdint>
 #include <cstring>
@@ -59,6 +62,53 @@ inline uint16_t float_to_half_bits(float f) {
   uint16_t h;
   memcpy(&h, &v, sizeof(h));
   return h;
+}
+
+// A 16-bit element of dtype F16 or BF16 (chosen at run time), widened to fp32.
+inline float float16_bits_to_float(DType dtype, uint16_t bits) {
+  return dtype == DType::F16 ? half_bits_to_float(bits) : bf16_bits_to_float(bits);
+}
+
+// Host storage type of a floating dtype and its scalar conversions, for code templated on the dtype.
+template <DType DT>
+struct FloatTraits;
+template <>
+struct FloatTraits<DType::F32> {
+  using Bits = float;
+  static float to_float(float x) { return x; }
+  static float from_float(float x) { return x; }
+};
+template <>
+struct FloatTraits<DType::F16> {
+  using Bits = uint16_t;
+  static float to_float(uint16_t x) { return half_bits_to_float(x); }
+  static uint16_t from_float(float x) { return float_to_half_bits(x); }
+};
+template <>
+struct FloatTraits<DType::BF16> {
+  using Bits = uint16_t;
+  static float to_float(uint16_t x) { return bf16_bits_to_float(x); }
+  static uint16_t from_float(float x) { return float_to_bf16_bits(x); }
+};
+#else
+// Device conversions of CUDA's own 16-bit types: exact widening, round-to-nearest-even narrowing.
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <class T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) {
+  return __float2half_rn(x);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
 }
 #endif
 

@@ -1,9 +1,10 @@
 // Micro-kernels of the CPU retrieval backend (csrc/retrieval_cpu.cpp, its only includer): the per-thread admission
 // state, the packed-tile kernels (AVX-512 12 keys x 32 queries, AVX2 6 x 16, scalar 4 x 8), the few-query dot kernel
-// (AVX2, keys streamed straight from the buffer) and the fp16/bf16 row conversion. Each kernel ends in the same
-// epilogue: metric (retrieval_metric.h), one vector compare against the per-query threshold, and `admit` (exclusion,
-// heap push, threshold update) for the few candidates that pass. ISA-specific code is compiled with target attributes
-// and chosen at run time by the includer. Host-only; not shared with the CUDA backend.
+// (AVX2, keys streamed straight from the buffer) and the SIMD fp16/bf16 row conversion (scalar conversions come from
+// rapo/dtype.h). Each kernel ends in the same epilogue: metric (retrieval_metric.h), one vector compare against the
+// per-query threshold, and `admit` (exclusion, heap push, threshold update) for the few candidates that pass.
+// ISA-specific code is compiled with target attributes and chosen at run time by the includer.
+// Host-only; not shared with the CUDA backend.
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -30,10 +31,10 @@ constexpr int kIsaAvx512 = 2;
 struct ThreadHeaps {
   int64_t nq = 0;
   int k = 0;
-  std::vector<float> s;      // [nq, k]
-  std::vector<int32_t> id;   // [nq, k]
-  std::vector<int32_t> n;    // [nq]
-  std::vector<float> thr;    // [nq rounded up to QT]: admit when score >= thr (NaN for padding lanes)
+  std::vector<float> s;     // [nq, k]
+  std::vector<int32_t> id;  // [nq, k]
+  std::vector<int32_t> n;   // [nq]
+  std::vector<float> thr;   // [nq rounded up to QT]: admit when score >= thr (NaN for padding lanes)
 };
 
 struct TileCtx {
@@ -103,8 +104,7 @@ constexpr int kAvx2NK = 6;
 constexpr int kAvx2QT = 16;
 
 __attribute__((target("avx2,fma"))) inline void tile_avx2(const float* __restrict qp, const float* __restrict kp,
-                                                           int64_t D,
-                                                    TileCtx& c) {
+                                                          int64_t D, TileCtx& c) {
   constexpr int NK = kAvx2NK;
   __m256 a0[NK], a1[NK];
   for (int t = 0; t < NK; ++t) a0[t] = a1[t] = _mm256_setzero_ps();
@@ -151,8 +151,7 @@ constexpr int kAvx512NK = 12;
 constexpr int kAvx512QT = 32;
 
 __attribute__((target("avx512f"))) inline void tile_avx512(const float* __restrict qp, const float* __restrict kp,
-                                                            int64_t D,
-                                                     TileCtx& c) {
+                                                           int64_t D, TileCtx& c) {
   constexpr int NK = kAvx512NK;
   __m512 a0[NK], a1[NK];
   for (int t = 0; t < NK; ++t) a0[t] = a1[t] = _mm512_setzero_ps();
@@ -196,28 +195,28 @@ __attribute__((target("avx512f"))) inline void tile_avx512(const float* __restri
 }
 
 // Few queries (Q <= kDotMaxQ): packing keys would cost more than scoring them, so keys are read straight from the
-// buffer, converted 8 at a time. The scan is memory-bound, so it is written for streaming: each of the KB rows is walked
-// to its end before the next (one linear stream; interleaving the KB rows, KB streams a row apart, streamed at 10 GB/s
-// here), and with 256-bit loads (one Zen 4 thread streams 24 GB/s with them against 21 GB/s with 512-bit loads).
-// 8 elements of a key row from `off`, as fp32 (F16C for fp16; bf16 is a 16-bit shift).
-template <int DT>
+// buffer, converted 8 at a time. The scan is memory-bound, so it is written for streaming: each of the KB rows is
+// walked to its end before the next (one linear stream; interleaving the KB rows, KB streams a row apart, streamed at
+// 10 GB/s here), and with 256-bit loads (one Zen 4 thread streams 24 GB/s with them against 21 GB/s with 512-bit
+// loads). 8 elements of a key row from `off`, as fp32 (F16C for fp16; bf16 is a 16-bit shift).
+template <DType DT>
 __attribute__((target("avx2,f16c"))) inline __m256 load8_avx2(const void* base, int64_t off) {
-  if constexpr (DT == static_cast<int>(DType::F32)) {
+  if constexpr (DT == DType::F32) {
     return _mm256_loadu_ps(static_cast<const float*>(base) + off);
   } else {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + off));
-    if constexpr (DT == static_cast<int>(DType::F16)) return _mm256_cvtph_ps(h);
+    if constexpr (DT == DType::F16) return _mm256_cvtph_ps(h);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
 }
 
-template <int DT, int QG>
+template <DType DT, int QG>
 __attribute__((target("avx2,fma,f16c"))) void dotrow_avx2(const void* keys, int64_t ks, int64_t j0, int64_t jlast,
-                                                           const float* __restrict qrows, int64_t D, int64_t Dp,
-                                                           float* out) {
+                                                          const float* __restrict qrows, int64_t D, int64_t Dp,
+                                                          float* out) {
   constexpr int kKB = dot_kb(QG);
   constexpr int kU = QG == 1 ? 4 : 2;  // independent accumulators per query
-  const int esz = DT == static_cast<int>(DType::F32) ? 4 : 2;
+  const int esz = DT == DType::F32 ? 4 : 2;
   const char* kb = static_cast<const char*>(keys);
   const int64_t D8 = D / 8 * 8;
   for (int t = 0; t < kKB; ++t) {
@@ -246,15 +245,8 @@ __attribute__((target("avx2,fma,f16c"))) void dotrow_avx2(const void* keys, int6
       s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
       s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
       float v = _mm_cvtss_f32(s4);
-      for (int64_t e = d; e < D; ++e) {
-        float kv;
-        if constexpr (DT == static_cast<int>(DType::F32)) kv = static_cast<const float*>(r)[e];
-        else if constexpr (DT == static_cast<int>(DType::F16))
-          kv = half_bits_to_float(static_cast<const uint16_t*>(r)[e]);
-        else
-          kv = bf16_bits_to_float(static_cast<const uint16_t*>(r)[e]);
-        v += kv * qrows[l * Dp + e];
-      }
+      const auto* re = static_cast<const typename FloatTraits<DT>::Bits*>(r);
+      for (int64_t e = d; e < D; ++e) v += FloatTraits<DT>::to_float(re[e]) * qrows[l * Dp + e];
       out[t * QG + l] = v;
     }
   }
@@ -262,9 +254,9 @@ __attribute__((target("avx2,fma,f16c"))) void dotrow_avx2(const void* keys, int6
 
 template <int QG>
 DotFn pick_dotrow(int dtype) {
-  if (dtype == static_cast<int>(DType::F32)) return dotrow_avx2<static_cast<int>(DType::F32), QG>;
-  if (dtype == static_cast<int>(DType::F16)) return dotrow_avx2<static_cast<int>(DType::F16), QG>;
-  return dotrow_avx2<static_cast<int>(DType::BF16), QG>;
+  if (dtype == static_cast<int>(DType::F32)) return dotrow_avx2<DType::F32, QG>;
+  if (dtype == static_cast<int>(DType::F16)) return dotrow_avx2<DType::F16, QG>;
+  return dotrow_avx2<DType::BF16, QG>;
 }
 
 inline DotFn pick_dot(int dtype, int qg) {
@@ -279,17 +271,15 @@ inline DotFn pick_dot(int dtype, int qg) {
 }
 
 // fp16/bf16 rows to fp32, 8 at a time.
-__attribute__((target("avx2,f16c"))) inline void convert_row_avx2(const void* src, int dtype, int64_t D,
-                                                                   float* dst) {
+__attribute__((target("avx2,f16c"))) inline void convert_row_avx2(const void* src, int dtype, int64_t D, float* dst) {
   const uint16_t* s = static_cast<const uint16_t*>(src);
   int64_t d = 0;
   if (dtype == static_cast<int>(DType::F16)) {
-    for (; d + 8 <= D; d += 8) _mm256_storeu_ps(dst + d, load8_avx2<static_cast<int>(DType::F16)>(src, d));
+    for (; d + 8 <= D; d += 8) _mm256_storeu_ps(dst + d, load8_avx2<DType::F16>(src, d));
   } else {
-    for (; d + 8 <= D; d += 8) _mm256_storeu_ps(dst + d, load8_avx2<static_cast<int>(DType::BF16)>(src, d));
+    for (; d + 8 <= D; d += 8) _mm256_storeu_ps(dst + d, load8_avx2<DType::BF16>(src, d));
   }
-  for (; d < D; ++d)
-    dst[d] = dtype == static_cast<int>(DType::F16) ? half_bits_to_float(s[d]) : bf16_bits_to_float(s[d]);
+  for (; d < D; ++d) dst[d] = float16_bits_to_float(static_cast<DType>(dtype), s[d]);
 }
 #endif  // RAPO_X86
 
@@ -305,10 +295,8 @@ inline void convert_row(const void* src, int dtype, int64_t D, float* dst, int i
   }
 #endif
   const uint16_t* s = static_cast<const uint16_t*>(src);
-  for (int64_t d = 0; d < D; ++d)
-    dst[d] = dtype == static_cast<int>(DType::F16) ? half_bits_to_float(s[d]) : bf16_bits_to_float(s[d]);
+  for (int64_t d = 0; d < D; ++d) dst[d] = float16_bits_to_float(static_cast<DType>(dtype), s[d]);
 }
-
 
 }  // namespace retrieval_cpu
 }  // namespace rapo

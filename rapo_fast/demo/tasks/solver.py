@@ -1,6 +1,6 @@
 """A scripted off-policy solver for the chain-arithmetic task, writing JSONL trajectories with rewards.
 
-What this is: the "off-policy agent" whose trajectories seed the step buffer (DESIGN.md section 2: several
+What this is: the "off-policy agent" whose trajectories seed the step buffer (docs/retrieval.md section 6: several
 trajectories per query, some wrong). Each step of a trajectory goes wrong with probability `error_rate` (a wrong
 argument, a stale value carried forward, or the wrong operation); the tool then executes the wrong call faithfully,
 so the trajectory stays self-consistent and its final answer is wrong. Rewards come from the task's verifier.

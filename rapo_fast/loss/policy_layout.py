@@ -1,0 +1,59 @@
+"""The contract between the policy-loss kernels and their launchers, named once: the per-token code, the mode codes
+passed as constexprs, and the layout of the metric partial sums.
+
+What this is: integer enums that kernels/loss/policy_loss.py (as constexprs) and the launchers
+(rapo_fast/loss/policy_op.py, fused_linear.py, policy_loss.py) both read; importable without Triton, because
+`import rapo_fast.loss...` must not need it. What this is not: the math (docs/loss.md section 3) or the public metric
+names (rapo_fast/loss/policy_loss.py turns these sums into them, docs/loss.md section 5).
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+__all__ = ["TokenCode", "OffMode", "KLMode", "Metric", "NUM_METRICS"]
+
+
+class TokenCode(IntEnum):
+    """Class of one token (an int8 per token)."""
+
+    SKIP = 0  # not in the loss
+    ON = 1  # on-policy token in the loss
+    OFF = 2  # retrieved token trained off-policy (offpolicy_train != "none")
+
+
+class OffMode(IntEnum):
+    """offpolicy_train as the kernels' OFF constexpr (the member name is the option value, upper-cased)."""
+
+    NONE = 0
+    SHAPED = 1
+    TRUNCATED = 2
+
+
+class KLMode(IntEnum):
+    """The kernels' KL constexpr: no KL term (no ref_logp), or kl_estimator (the member name, upper-cased)."""
+
+    NONE = 0
+    K1 = 1
+    K2 = 2
+    K3 = 3
+
+
+class Metric(IntEnum):
+    """Columns of the metric partial sums: each is a sum over the tokens of one class (on, off, active = on | off)."""
+
+    N_ON = 0  # count of on-policy tokens
+    N_OFF = 1  # count of off-policy (retrieved, trained) tokens
+    N_ACTIVE = 2  # count of tokens in the loss
+    CLIP_HIGH = 3  # on: clipped at 1 + eps_high
+    CLIP_LOW = 4  # on: clipped at 1 - eps_low
+    DUAL_CLIP = 5  # on: dual-clipped
+    RATIO = 6  # on: importance ratio r
+    APPROX_KL = 7  # on: old_logp - logp
+    KL = 8  # active: KL_k(logp, ref_logp)
+    ENTROPY = 9  # active: entropy H
+    TIS_WEIGHT = 10  # on: truncated IS weight
+    OFFPOLICY_WEIGHT = 11  # off: off-policy weight
+
+
+NUM_METRICS = len(Metric)
