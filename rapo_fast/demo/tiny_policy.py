@@ -113,8 +113,14 @@ def build_tiny_policy(
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    for name, v in (("vocab_size", vocab_size), ("hidden_size", hidden_size), ("num_layers", num_layers),
-                    ("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("max_positions", max_positions)):
+    for name, v in (
+        ("vocab_size", vocab_size),
+        ("hidden_size", hidden_size),
+        ("num_layers", num_layers),
+        ("num_heads", num_heads),
+        ("num_kv_heads", num_kv_heads),
+        ("max_positions", max_positions),
+    ):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"build_tiny_policy: {name} must be a positive int, got {v!r}")
     if hidden_size % num_heads or num_heads % num_kv_heads:
@@ -141,4 +147,3 @@ def build_tiny_policy(
     else:
         model = LlamaForCausalLM(cfg)
     return model
-

@@ -76,8 +76,9 @@ def batch_size(cache: Any) -> int | None:
     return int(cache.layers[0].keys.shape[0])
 
 
-def ensure_layers(cache: Any, num_layers: int, batch: int, num_heads: int, head_dim: int,
-                  dtype: torch.dtype, device: torch.device) -> None:
+def ensure_layers(
+    cache: Any, num_layers: int, batch: int, num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+) -> None:
     """Create/initialise the layers of an empty cache so that it holds [batch, num_heads, 0, head_dim] tensors."""
     cu = _cu()
     if len(cache.layers) == 0 and getattr(cache, "layer_class_to_replicate", None) is cu.DynamicLayer:

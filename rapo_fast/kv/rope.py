@@ -24,8 +24,23 @@ Layout = Literal["rotate_half", "interleaved"]
 # listed must name its layout explicitly: guessing would rotate the wrong pairs silently.
 _ROTATE_HALF_TYPES = frozenset(
     {
-        "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gpt_neox", "phi3", "gemma",
-        "gemma2", "olmo", "olmo2", "starcoder2", "stablelm", "granite", "smollm3",
+        "llama",
+        "mistral",
+        "mixtral",
+        "qwen2",
+        "qwen2_moe",
+        "qwen3",
+        "qwen3_moe",
+        "gpt_neox",
+        "phi3",
+        "gemma",
+        "gemma2",
+        "olmo",
+        "olmo2",
+        "starcoder2",
+        "stablelm",
+        "granite",
+        "smollm3",
     }
 )
 _INTERLEAVED_TYPES = frozenset({"gptj", "codegen"})
@@ -65,7 +80,10 @@ def _rope_params(cfg: Any) -> dict:
 
 
 def compute_inv_freq(
-    rotary_dim: int, theta: float, rope_type: str = "default", params: dict | None = None,
+    rotary_dim: int,
+    theta: float,
+    rope_type: str = "default",
+    params: dict | None = None,
     max_position_embeddings: int | None = None,
 ) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [rotary_dim // 2] (fp32) and attention factor of a RoPE scaling, as transformers forms them.
@@ -79,7 +97,7 @@ def compute_inv_freq(
     if rotary_dim <= 0 or rotary_dim % 2:
         raise ValueError(f"rotary_dim must be a positive even number, got {rotary_dim}")
     exps = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
-    base = theta ** exps
+    base = theta**exps
     inv = 1.0 / base
     attention = 1.0
     if rope_type == "default":
@@ -203,8 +221,9 @@ class RopeSpec:
         prf = params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None)) or 1.0
         rd = int(head_dim * float(prf))
         inv, att = compute_inv_freq(rd, theta, rope_type, params, getattr(cfg, "max_position_embeddings", None))
-        return cls(inv_freq=inv, head_dim=head_dim, rotary_dim=rd, layout=layout, rope_type=rope_type,
-                   attention_scaling=att)
+        return cls(
+            inv_freq=inv, head_dim=head_dim, rotary_dim=rd, layout=layout, rope_type=rope_type, attention_scaling=att
+        )
 
     @classmethod
     def from_model(cls, model: Any, *, layout: Layout | None = None) -> RopeSpec:
@@ -227,6 +246,12 @@ class RopeSpec:
                         f"{spec.rope_type!r} RoPE (max rel. diff "
                         f"{((inv - spec.inv_freq).abs() / spec.inv_freq).max().item():.3g}); refusing to guess"
                     )
-                return cls(inv_freq=inv, head_dim=spec.head_dim, rotary_dim=spec.rotary_dim, layout=spec.layout,
-                           rope_type=spec.rope_type, attention_scaling=spec.attention_scaling)
+                return cls(
+                    inv_freq=inv,
+                    head_dim=spec.head_dim,
+                    rotary_dim=spec.rotary_dim,
+                    layout=spec.layout,
+                    rope_type=spec.rope_type,
+                    attention_scaling=spec.attention_scaling,
+                )
         return spec

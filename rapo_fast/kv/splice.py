@@ -43,9 +43,17 @@ class PagedKVCache:
         return int(self.keys[0].shape[1])
 
 
-def _kv_splice_impl(keys: list[torch.Tensor], values: list[torch.Tensor], k_pool: torch.Tensor, v_pool: torch.Tensor,
-                    requests: torch.Tensor, inv_freq: torch.Tensor, block_table: torch.Tensor | None,
-                    interleaved: bool, max_tokens: int) -> None:
+def _kv_splice_impl(
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    requests: torch.Tensor,
+    inv_freq: torch.Tensor,
+    block_table: torch.Tensor | None,
+    interleaved: bool,
+    max_tokens: int,
+) -> None:
     """The extension's splice on plain tensors; registered as `rapo_fast::kv_splice_` (keys, values mutated).
 
     keys/values: per layer [B, H_kv, S, D] (HF) or [num_blocks, block_size, H_kv, D] (paged, with block_table
@@ -67,8 +75,9 @@ def _kv_splice_impl(keys: list[torch.Tensor], values: list[torch.Tensor], k_pool
     if len(keys) != k_pool.shape[0] or len(values) != k_pool.shape[0] or v_pool.shape != k_pool.shape:
         raise ValueError(f"{len(keys)}/{len(values)} cache layers for pools of shape {tuple(k_pool.shape)}")
     if inv_freq.dtype != torch.float32 or 2 * inv_freq.numel() > k_pool.shape[3]:
-        raise ValueError(f"inv_freq must be fp32 with at most head_dim/2 entries, got {inv_freq.dtype} "
-                         f"{inv_freq.numel()}")
+        raise ValueError(
+            f"inv_freq must be fp32 with at most head_dim/2 entries, got {inv_freq.dtype} {inv_freq.numel()}"
+        )
     req = requests.contiguous()
     inv = inv_freq.to(device).contiguous()
     kptr = torch.tensor([t.data_ptr() for t in keys], dtype=torch.int64).to(device)
@@ -77,25 +86,41 @@ def _kv_splice_impl(keys: list[torch.Tensor], values: list[torch.Tensor], k_pool
     k0, v0 = keys[0], values[0]
     # HF layout [B, H, S, D]: (row, slot, head) strides; paged [blocks, block_size, H, D]: (block, in-block, head).
     sr, ss, sh = (k0.stride(0), k0.stride(1), k0.stride(2)) if paged else (k0.stride(0), k0.stride(2), k0.stride(1))
-    vsr, vss, vsh = (v0.stride(0), v0.stride(1), v0.stride(2)) if paged else (
-        v0.stride(0), v0.stride(2), v0.stride(1))
+    vsr, vss, vsh = (v0.stride(0), v0.stride(1), v0.stride(2)) if paged else (v0.stride(0), v0.stride(2), v0.stride(1))
     bt = None
     if paged:
         bt = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
         bt = bt.contiguous()
     aligned = all(t.data_ptr() % 16 == 0 for t in (*keys, *values, k_pool, v_pool))
     params = _ext.make_params(
-        C.KVSpliceParams, dtype=_ext.DTYPE_CODES[k_pool.dtype], interleaved=bool(interleaved),
-        k_pool=k_pool.data_ptr(), v_pool=v_pool.data_ptr(),
-        pool_layer_stride=k_pool.stride(0), pool_token_stride=k_pool.stride(1), pool_head_stride=k_pool.stride(2),
-        dst_k_ptrs=kptr.data_ptr(), dst_v_ptrs=vptr.data_ptr(),
-        k_row_stride=sr, k_slot_stride=ss, k_head_stride=sh, v_row_stride=vsr, v_slot_stride=vss, v_head_stride=vsh,
-        num_layers=k_pool.shape[0], num_heads=k_pool.shape[2], head_dim=k_pool.shape[3],
-        rotary_dim=2 * inv.numel(), inv_freq=inv.data_ptr(),
-        requests=req.data_ptr(), num_requests=num_requests, max_tokens=int(max_tokens),
+        C.KVSpliceParams,
+        dtype=_ext.DTYPE_CODES[k_pool.dtype],
+        interleaved=bool(interleaved),
+        k_pool=k_pool.data_ptr(),
+        v_pool=v_pool.data_ptr(),
+        pool_layer_stride=k_pool.stride(0),
+        pool_token_stride=k_pool.stride(1),
+        pool_head_stride=k_pool.stride(2),
+        dst_k_ptrs=kptr.data_ptr(),
+        dst_v_ptrs=vptr.data_ptr(),
+        k_row_stride=sr,
+        k_slot_stride=ss,
+        k_head_stride=sh,
+        v_row_stride=vsr,
+        v_slot_stride=vss,
+        v_head_stride=vsh,
+        num_layers=k_pool.shape[0],
+        num_heads=k_pool.shape[2],
+        head_dim=k_pool.shape[3],
+        rotary_dim=2 * inv.numel(),
+        inv_freq=inv.data_ptr(),
+        requests=req.data_ptr(),
+        num_requests=num_requests,
+        max_tokens=int(max_tokens),
         block_table=bt.data_ptr() if paged else 0,
         block_table_stride=bt.stride(0) if paged else 0,
-        block_size=k0.shape[1] if paged else 0, aligned16=aligned,
+        block_size=k0.shape[1] if paged else 0,
+        aligned16=aligned,
     )
     if device.type == "cpu":
         C.kv_splice_cpu(params)
@@ -121,8 +146,17 @@ def _launch_extension(ks, vs, store: StepKVStore, table, rope: RopeSpec, block_t
     device = store.device
     req = torch.tensor(table, dtype=torch.int64).to(device)
     max_tokens = max(n for _o, n, _r, _p, _d in table)
-    kv_splice_(list(ks), list(vs), store.keys_pool, store.values_pool, req, rope.inv_freq_on(device), block_table,
-               rope.layout == "interleaved", max_tokens)
+    kv_splice_(
+        list(ks),
+        list(vs),
+        store.keys_pool,
+        store.values_pool,
+        req,
+        rope.inv_freq_on(device),
+        block_table,
+        rope.layout == "interleaved",
+        max_tokens,
+    )
 
 
 def _as_requests(requests: Any) -> list[tuple[int, int, int]]:
@@ -199,8 +233,12 @@ def splice_kv(
     return new_len
 
 
-def _request_table(reqs: list[tuple[int, int, int]], store: StepKVStore, lengths: Sequence[int] | None,
-                   rope_positions: Sequence[int] | None) -> list[tuple[int, int, int, int, int]]:
+def _request_table(
+    reqs: list[tuple[int, int, int]],
+    store: StepKVStore,
+    lengths: Sequence[int] | None,
+    rope_positions: Sequence[int] | None,
+) -> list[tuple[int, int, int, int, int]]:
     """(pool offset, length, batch row, position, rope delta) per request, after checking ids, lengths, positions and
     that no two requests write the same slots of a row."""
     if lengths is not None and len(lengths) != len(reqs):
@@ -249,7 +287,7 @@ def _paged_target(cache: PagedKVCache, store: StepKVStore, table: list) -> tuple
                 f"requests[{i}]: position {pos} + length {n} passes the block table's "
                 f"{bt.shape[1]} blocks of {bs} tokens"
             )
-        used = bt_cpu[row, pos // bs:(pos + n - 1) // bs + 1] if n else bt_cpu[row, :0]
+        used = bt_cpu[row, pos // bs : (pos + n - 1) // bs + 1] if n else bt_cpu[row, :0]
         if used.numel() and (used.min() < 0 or used.max() >= nb):
             raise ValueError(f"requests[{i}]: block table row {row} maps these slots to blocks outside [0, {nb})")
     return ks, vs, (bt.to(torch.int32) if bt.dtype != torch.int32 else bt)
@@ -297,11 +335,22 @@ def _launch(ks, vs, store: StepKVStore, table, rope: RopeSpec, block_table, back
         for off, n, row, pos, delta in table:
             if n == 0:
                 continue
-            sk = store.keys_pool[:, off:off + n]
-            sv = store.values_pool[:, off:off + n]
-            splice_segment_ref(ks, vs, sk, sv, row, pos, inv, rotary_dim=rope.rotary_dim, layout=rope.layout,
-                               rope_delta=delta, block_table=block_table,
-                               block_size=0 if block_table is None else ks[0].shape[1])
+            sk = store.keys_pool[:, off : off + n]
+            sv = store.values_pool[:, off : off + n]
+            splice_segment_ref(
+                ks,
+                vs,
+                sk,
+                sv,
+                row,
+                pos,
+                inv,
+                rotary_dim=rope.rotary_dim,
+                layout=rope.layout,
+                rope_delta=delta,
+                block_table=block_table,
+                block_size=0 if block_table is None else ks[0].shape[1],
+            )
         return
     if backend != device.type:
         raise ValueError(f"backend={backend!r} cannot run on {device.type} tensors")
@@ -353,44 +402,21 @@ def insert_segment(
     if mode not in ("splice", "exact", "blend"):
         raise ValueError(f"mode must be 'splice', 'exact' or 'blend', got {mode!r}")
     kind = hfc.check_cache(cache)
-    toks = [list(map(int, t)) for t in (segment_tokens.tolist() if isinstance(segment_tokens, torch.Tensor)
-                                        else segment_tokens)]
-    if not (len(toks) == len(rows) == len(positions)):
-        raise ValueError(f"segment_tokens ({len(toks)}), rows ({len(rows)}), positions ({len(positions)}) differ")
-    b = hfc.batch_size(cache) or len(rows)
-    if sorted(int(r) for r in rows) != list(range(b)):
-        raise ValueError(f"rows must list every batch row 0..{b - 1} exactly once (HF caches share one length), got "
-                         f"{list(rows)}")
-    if len(set(int(p) for p in positions)) != 1:
-        raise ValueError(f"all positions must be equal for an HF cache (one length for all rows), got "
-                         f"{list(positions)}; ragged batches share the slot and pass rope_positions")
-    if len({len(t) for t in toks}) != 1 or not toks[0]:
-        raise ValueError(f"all segments must have the same length >= 1, got lengths {[len(t) for t in toks]}")
-    p, seg_len = int(positions[0]), len(toks[0])
-    cur = hfc.length(cache)
-    if p > cur:
-        raise ValueError(f"position {p} is past the cache's length {cur}")
+    toks, b, p, cur = _check_segments(cache, segment_tokens, rows, positions)
+    seg_len = len(toks[0])
     order = sorted(range(len(rows)), key=lambda i: int(rows[i]))
     device = next(model.parameters()).device
     tokens = torch.tensor([toks[i] for i in order], dtype=torch.long, device=device)
-    base = torch.full((b,), p, dtype=torch.long) if rope_positions is None else torch.tensor(
-        [int(rope_positions[i]) for i in order], dtype=torch.long)
+    base = (
+        torch.full((b,), p, dtype=torch.long)
+        if rope_positions is None
+        else torch.tensor([int(rope_positions[i]) for i in order], dtype=torch.long)
+    )
     n_exact = seg_len if mode == "exact" else 1 if mode == "splice" else max(1, math.ceil(blend_fraction * seg_len))
     n_exact = min(n_exact, seg_len)
     n_splice = seg_len - n_exact
     if n_splice > 0:  # every check before the cache is touched
-        if store is None or payload_ids is None:
-            raise ValueError(f"mode={mode!r} needs store= and payload_ids= (the segments' cached K/V)")
-        if len(payload_ids) != len(rows):
-            raise ValueError(f"payload_ids has {len(payload_ids)} entries for {len(rows)} rows")
-        for i in order:
-            if int(payload_ids[i]) not in store:
-                raise ValueError(f"unknown payload_id {payload_ids[i]} (not in the StepKVStore)")
-            stored = store.tokens(int(payload_ids[i]))
-            if stored is not None and stored != toks[i]:
-                raise ValueError(f"payload {payload_ids[i]}'s stored tokens differ from segment_tokens[{i}]")
-            if store.locate(int(payload_ids[i]))[1] < n_splice:
-                raise ValueError(f"payload {payload_ids[i]} holds fewer than the {n_splice} tokens to splice")
+        _check_stored(store, payload_ids, toks, order, n_splice, mode)
         rope = RopeSpec.from_model(model) if rope is None else rope
     if cur > p:
         hfc.set_length(cache, p)
@@ -400,7 +426,67 @@ def insert_segment(
     pos_ids = (base[:, None] + torch.arange(n_splice, seg_len)[None, :]).to(device)
     if kind == "static":
         hfc.set_length(cache, p + n_splice)
-    out = model(input_ids=tokens[:, n_splice:], position_ids=pos_ids, past_key_values=cache, use_cache=True,
-                attention_mask=attention_mask)
-    return InsertResult(logits=out.logits[:, -1].float(), next_slot=p + seg_len,
-                        next_positions=(base + seg_len).to(device), recomputed_tokens=n_exact * b)
+    out = model(
+        input_ids=tokens[:, n_splice:],
+        position_ids=pos_ids,
+        past_key_values=cache,
+        use_cache=True,
+        attention_mask=attention_mask,
+    )
+    return InsertResult(
+        logits=out.logits[:, -1].float(),
+        next_slot=p + seg_len,
+        next_positions=(base + seg_len).to(device),
+        recomputed_tokens=n_exact * b,
+    )
+
+
+def _check_segments(cache: Any, segment_tokens: Any, rows: Sequence[int], positions: Sequence[int]):
+    """insert_segment's contract for HF caches: every row once, one shared slot, one segment length. Returns the
+    segments as token lists, the batch size, the slot and the cache's current length."""
+    toks = [
+        list(map(int, t))
+        for t in (segment_tokens.tolist() if isinstance(segment_tokens, torch.Tensor) else segment_tokens)
+    ]
+    if not (len(toks) == len(rows) == len(positions)):
+        raise ValueError(f"segment_tokens ({len(toks)}), rows ({len(rows)}), positions ({len(positions)}) differ")
+    b = hfc.batch_size(cache) or len(rows)
+    if sorted(int(r) for r in rows) != list(range(b)):
+        raise ValueError(
+            f"rows must list every batch row 0..{b - 1} exactly once (HF caches share one length), got {list(rows)}"
+        )
+    if len(set(int(p) for p in positions)) != 1:
+        raise ValueError(
+            f"all positions must be equal for an HF cache (one length for all rows), got "
+            f"{list(positions)}; ragged batches share the slot and pass rope_positions"
+        )
+    if len({len(t) for t in toks}) != 1 or not toks[0]:
+        raise ValueError(f"all segments must have the same length >= 1, got lengths {[len(t) for t in toks]}")
+    p = int(positions[0])
+    cur = hfc.length(cache)
+    if p > cur:
+        raise ValueError(f"position {p} is past the cache's length {cur}")
+    return toks, b, p, cur
+
+
+def _check_stored(
+    store: StepKVStore | None,
+    payload_ids: Sequence[int] | None,
+    toks: list[list[int]],
+    order: list[int],
+    n_splice: int,
+    mode: str,
+) -> None:
+    """The store holds every payload to splice, with the same tokens and at least n_splice of them."""
+    if store is None or payload_ids is None:
+        raise ValueError(f"mode={mode!r} needs store= and payload_ids= (the segments' cached K/V)")
+    if len(payload_ids) != len(toks):
+        raise ValueError(f"payload_ids has {len(payload_ids)} entries for {len(toks)} rows")
+    for i in order:
+        if int(payload_ids[i]) not in store:
+            raise ValueError(f"unknown payload_id {payload_ids[i]} (not in the StepKVStore)")
+        stored = store.tokens(int(payload_ids[i]))
+        if stored is not None and stored != toks[i]:
+            raise ValueError(f"payload {payload_ids[i]}'s stored tokens differ from segment_tokens[{i}]")
+        if store.locate(int(payload_ids[i]))[1] < n_splice:
+            raise ValueError(f"payload {payload_ids[i]} holds fewer than the {n_splice} tokens to splice")

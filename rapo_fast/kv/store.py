@@ -24,8 +24,16 @@ class StepKVStore:
     id raises unless replace=True (the StepBuffer overwrote that step).
     """
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str = "cpu", capacity_tokens: int = 1024) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+        capacity_tokens: int = 1024,
+    ) -> None:
         if min(num_layers, num_kv_heads, head_dim, capacity_tokens) < 1:
             raise ValueError("num_layers, num_kv_heads, head_dim and capacity_tokens must be >= 1")
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -79,15 +87,18 @@ class StepKVStore:
         if int(payload_id) not in self._where:
             raise ValueError(f"unknown payload_id {payload_id}")
         off, n = self._where[int(payload_id)]
-        return self.keys_pool[:, off:off + n], self.values_pool[:, off:off + n]
+        return self.keys_pool[:, off : off + n], self.values_pool[:, off : off + n]
 
     def state_dict(self) -> dict[str, Any]:
         """Everything the store holds, for a checkpoint: the pools (trimmed to the used tokens) and the payload map."""
         used = max((off + n for off, n in self._where.values()), default=0)
         return {
-            "shape": (self.num_layers, self.num_kv_heads, self.head_dim), "dtype": self.dtype,
-            "capacity_tokens": self.capacity_tokens, "keys": self.keys_pool[:, :used].cpu(),
-            "values": self.values_pool[:, :used].cpu(), "where": dict(self._where),
+            "shape": (self.num_layers, self.num_kv_heads, self.head_dim),
+            "dtype": self.dtype,
+            "capacity_tokens": self.capacity_tokens,
+            "keys": self.keys_pool[:, :used].cpu(),
+            "values": self.values_pool[:, :used].cpu(),
+            "where": dict(self._where),
             "tokens": {k: list(v) for k, v in self._tokens.items()},
         }
 
@@ -97,7 +108,8 @@ class StepKVStore:
         if shape != (self.num_layers, self.num_kv_heads, self.head_dim) or state["dtype"] != self.dtype:
             raise ValueError(
                 f"StepKVStore.load_state_dict: state is for (layers, kv heads, head dim) {shape} in {state['dtype']}, "
-                f"this store is {(self.num_layers, self.num_kv_heads, self.head_dim)} in {self.dtype}")
+                f"this store is {(self.num_layers, self.num_kv_heads, self.head_dim)} in {self.dtype}"
+            )
         cap = max(int(state["capacity_tokens"]), state["keys"].shape[1], 1)
         pool_shape = (self.num_layers, cap, self.num_kv_heads, self.head_dim)
         self.keys_pool = torch.zeros(pool_shape, dtype=self.dtype, device=self.device)
@@ -146,8 +158,15 @@ class StepKVStore:
                 merged.append((s, k))
         self._free = merged
 
-    def add(self, payload_ids: Sequence[int], keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], *,
-            tokens: Sequence[Sequence[int]] | None = None, replace: bool = False) -> None:
+    def add(
+        self,
+        payload_ids: Sequence[int],
+        keys: Sequence[torch.Tensor],
+        values: Sequence[torch.Tensor],
+        *,
+        tokens: Sequence[Sequence[int]] | None = None,
+        replace: bool = False,
+    ) -> None:
         """Store segments: keys[i], values[i] [num_layers, L_i, H_kv, D] (rotated to positions 0..L_i-1)."""
         if not (len(payload_ids) == len(keys) == len(values)):
             raise ValueError(f"payload_ids ({len(payload_ids)}), keys ({len(keys)}), values ({len(values)}) differ")
@@ -155,8 +174,10 @@ class StepKVStore:
         for i, (pid, k, v) in enumerate(zip(payload_ids, keys, values)):
             for nm, t in (("keys", k), ("values", v)):
                 if t.dim() != 4 or (t.shape[0], t.shape[2], t.shape[3]) != want:
-                    raise ValueError(f"{nm}[{i}] must be [num_layers={want[0]}, L, H_kv={want[1]}, D={want[2]}], "
-                                     f"got {tuple(t.shape)}")
+                    raise ValueError(
+                        f"{nm}[{i}] must be [num_layers={want[0]}, L, H_kv={want[1]}, D={want[2]}], "
+                        f"got {tuple(t.shape)}"
+                    )
             if k.shape != v.shape:
                 raise ValueError(f"keys[{i}] {tuple(k.shape)} and values[{i}] {tuple(v.shape)} differ")
             if int(pid) in self._where and not replace:
@@ -166,8 +187,8 @@ class StepKVStore:
         for i, (pid, k, v) in enumerate(zip(payload_ids, keys, values)):
             self.evict([pid]) if int(pid) in self._where else None
             off = self._alloc(k.shape[1])
-            self.keys_pool[:, off:off + k.shape[1]] = k.to(device=self.device, dtype=self.dtype)
-            self.values_pool[:, off:off + k.shape[1]] = v.to(device=self.device, dtype=self.dtype)
+            self.keys_pool[:, off : off + k.shape[1]] = k.to(device=self.device, dtype=self.dtype)
+            self.values_pool[:, off : off + k.shape[1]] = v.to(device=self.device, dtype=self.dtype)
             self._where[int(pid)] = (off, k.shape[1])
             if tokens is not None:
                 self._tokens[int(pid)] = [int(x) for x in tokens[i]]
@@ -181,8 +202,15 @@ class StepKVStore:
                 self._release(*where)
 
     @torch.no_grad()
-    def add_from_model(self, model: Any, payload_ids: Sequence[int], token_lists: Sequence[Sequence[int]], *,
-                       batch_size: int = 16, replace: bool = False) -> None:
+    def add_from_model(
+        self,
+        model: Any,
+        payload_ids: Sequence[int],
+        token_lists: Sequence[Sequence[int]],
+        *,
+        batch_size: int = 16,
+        replace: bool = False,
+    ) -> None:
         """Run each step's tokens through `model` at positions 0..L-1 (no preceding context) and store its K/V.
 
         Segments are right-padded in batches; with causal attention a token never sees the padding after it.
@@ -193,7 +221,7 @@ class StepKVStore:
             raise ValueError(f"payload_ids ({len(payload_ids)}) and token_lists ({len(token_lists)}) differ")
         dev = next(model.parameters()).device
         for s in range(0, len(token_lists), batch_size):
-            chunk = [list(map(int, t)) for t in token_lists[s:s + batch_size]]
+            chunk = [list(map(int, t)) for t in token_lists[s : s + batch_size]]
             if any(len(t) == 0 for t in chunk):
                 raise ValueError("every token list must hold at least one token")
             n = max(len(t) for t in chunk)
@@ -202,6 +230,6 @@ class StepKVStore:
             pos = torch.arange(n, device=dev)[None].expand(len(chunk), n)
             model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
             ks, vs = hfc.layer_tensors(cache)
-            keys = [torch.stack([k[j, :, :len(t)].transpose(0, 1) for k in ks]) for j, t in enumerate(chunk)]
-            values = [torch.stack([v[j, :, :len(t)].transpose(0, 1) for v in vs]) for j, t in enumerate(chunk)]
-            self.add(payload_ids[s:s + batch_size], keys, values, tokens=chunk, replace=replace)
+            keys = [torch.stack([k[j, :, : len(t)].transpose(0, 1) for k in ks]) for j, t in enumerate(chunk)]
+            values = [torch.stack([v[j, :, : len(t)].transpose(0, 1) for v in vs]) for j, t in enumerate(chunk)]
+            self.add(payload_ids[s : s + batch_size], keys, values, tokens=chunk, replace=replace)

@@ -25,8 +25,10 @@ def step_entropy(entropy: torch.Tensor, step_spans: torch.Tensor) -> torch.Tenso
     cols = 3 if entropy.dim() == 2 else 2
     C.check_tensor("step_spans", step_spans, ndim=2, dtypes=C.INT_DTYPES)
     if step_spans.shape[1] != cols:
-        raise ValueError(f"step_spans: expected shape (S, {cols}) for entropy of {entropy.dim()} dims "
-                         f"({'(row, start, end)' if cols == 3 else '(start, end)'}), got {tuple(step_spans.shape)}")
+        raise ValueError(
+            f"step_spans: expected shape (S, {cols}) for entropy of {entropy.dim()} dims "
+            f"({'(row, start, end)' if cols == 3 else '(start, end)'}), got {tuple(step_spans.shape)}"
+        )
     C.check_same_device(entropy=entropy, step_spans=step_spans)
     spans = step_spans.to(torch.int64)
     ent = entropy if entropy.dim() == 2 else entropy.unsqueeze(0)

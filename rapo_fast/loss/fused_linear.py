@@ -79,8 +79,9 @@ class _Tiles:
         ent = self.ent[:rows] if self.with_ent else None
         for v0, v1 in self.vocab_ranges():
             z = tiles.logits_tile(self.buf, hc, self.weight, v0, v1)
-            tiles.tile_fwd(z, tgt, self.bias, self.state[:, :rows], lp, lse, ent, v0=v0, vocab=self.vocab,
-                           inv_temp=self.inv_t)
+            tiles.tile_fwd(
+                z, tgt, self.bias, self.state[:, :rows], lp, lse, ent, v0=v0, vocab=self.vocab, inv_temp=self.inv_t
+            )
         return lp, lse, ent, z
 
     def gradient_sweep(self, hc: Tensor, tgt: Tensor, z: Tensor, lse: Tensor, ent: Tensor | None, g_lp: Tensor,
@@ -182,8 +183,9 @@ def _fused_impl(
         sums += part
         if any(need):
             g_lp, g_ent = policy_loss_bwd(tiling.ones[: r1 - r0], lp, *per_tok, g_ent_on, *s)
-            tiling.gradient_sweep(hc, tgt[r0:r1], z, lse, ent if g_ent_on else None, g_lp, g_ent if g_ent_on else None,
-                               grads, r0)
+            tiling.gradient_sweep(
+                hc, tgt[r0:r1], z, lse, ent if g_ent_on else None, g_lp, g_ent if g_ent_on else None, grads, r0
+            )
     return (loss, sums, *grads.results(hidden, weight, bias))
 
 
@@ -226,8 +228,9 @@ def _backward(ctx, g_loss, g_sums, g_gh, g_gw, g_gb):
     ) + (None,) * _N_INPUTS_AFTER_BIAS
 
 
-_fused_op = register_op("fused_linear_policy_loss", _fused_impl, fake=_fused_fake, backward=_backward,
-                        setup_context=_setup_context)
+_fused_op = register_op(
+    "fused_linear_policy_loss", _fused_impl, fake=_fused_fake, backward=_backward, setup_context=_setup_context
+)
 
 
 def fused_linear_policy_loss(

@@ -41,8 +41,18 @@ def _lin_fwd_impl(
         for r0 in range(0, n, nc):
             r1 = min(n, r0 + nc)
             z = tiles.logits_tile(buf, hidden[r0:r1], weight, v0, v1)
-            tiles.tile_fwd(z, tgt[r0:r1], bias, state[:, r0:r1], logp[r0:r1], lse[r0:r1],
-                           ent[r0:r1] if with_entropy else None, v0=v0, vocab=v, inv_temp=1.0 / temperature)
+            tiles.tile_fwd(
+                z,
+                tgt[r0:r1],
+                bias,
+                state[:, r0:r1],
+                logp[r0:r1],
+                lse[r0:r1],
+                ent[r0:r1] if with_entropy else None,
+                v0=v0,
+                vocab=v,
+                inv_temp=1.0 / temperature,
+            )
     return logp, lse, ent
 
 

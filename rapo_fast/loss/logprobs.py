@@ -34,6 +34,7 @@ __all__ = ["token_logprobs"]
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INDEX_DTYPES = (torch.int64, torch.int32)
 
+
 def _row_strides(x: torch.Tensor) -> tuple[int, int, int]:
     """(rows_inner, stride_outer, stride_inner) addressing the rows of a 2-D or 3-D, last-dim-contiguous tensor."""
     if x.dim() == 2:

@@ -23,8 +23,17 @@ import torch
 
 from rapo_fast import _checks as C
 
-__all__ = ["LossOptions", "OPTION_DEFAULTS", "OFFPOLICY_MODES", "IS_LEVELS", "KL_ESTIMATORS", "LOSS_AGG_MODES",
-           "InputFacts", "check_inputs", "with_option_keywords"]
+__all__ = [
+    "LossOptions",
+    "OPTION_DEFAULTS",
+    "OFFPOLICY_MODES",
+    "IS_LEVELS",
+    "KL_ESTIMATORS",
+    "LOSS_AGG_MODES",
+    "InputFacts",
+    "check_inputs",
+    "with_option_keywords",
+]
 
 OFFPOLICY_MODES = ("none", "shaped", "truncated")
 IS_LEVELS = ("token", "sequence")
@@ -123,8 +132,10 @@ class LossOptions:
             mapping = dict(options or {})
             unknown = sorted(set(mapping) - set(cls.names()) | set(mapping) & set(exclude))
             if unknown:
-                raise TypeError(f"options: unknown option(s) {unknown} for {caller}; expected some of "
-                                f"{sorted(set(cls.names()) - set(exclude))}")
+                raise TypeError(
+                    f"options: unknown option(s) {unknown} for {caller}; expected some of "
+                    f"{sorted(set(cls.names()) - set(exclude))}"
+                )
             return cls(**{**mapping, **keywords})
         if not isinstance(options, LossOptions):
             raise TypeError(f"options: expected a LossOptions or a mapping of options, got {type(options).__name__}")
@@ -150,8 +161,11 @@ def with_option_keywords(exclude: Collection[str] = ()) -> Callable[[Callable], 
     def decorate(fn: Callable) -> Callable:
         sig = inspect.signature(fn)
         params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-        params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
-                   for f in fields(LossOptions) if f.name not in exclude]
+        params += [
+            inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+            for f in fields(LossOptions)
+            if f.name not in exclude
+        ]
         fn.__signature__ = sig.replace(parameters=params)
         return fn
 
@@ -175,23 +189,27 @@ def _check_model_inputs(a: Mapping[str, Any]) -> tuple[torch.Tensor, tuple, int]
     """rapo_loss's logits / hidden + weight + bias / targets checks; returns (targets, targets' shape, V)."""
     logits, hidden, weight, bias = a["logits"], a["hidden"], a["weight"], a["bias"]
     if (logits is None) == (hidden is None):
-        raise ValueError("logits/hidden: pass exactly one of logits [..., V] or hidden [..., H] (+ weight [V, H]), "
-                         f"got {'both' if logits is not None else 'neither'}")
+        raise ValueError(
+            "logits/hidden: pass exactly one of logits [..., V] or hidden [..., H] (+ weight [V, H]), "
+            f"got {'both' if logits is not None else 'neither'}"
+        )
     targets = C.check_tensor("targets", a["targets"], ndim=(1, 2), dtypes=C.INT_DTYPES)
     tshape = tuple(targets.shape)
     if logits is not None:
         C.check_tensor("logits", logits, dtypes=C.FLOAT_DTYPES)
         if logits.dim() != targets.dim() + 1 or tuple(logits.shape[:-1]) != tshape:
-            raise ValueError(f"logits: expected shape {tshape + ('V',)} (targets' shape + vocab), got "
-                             f"{tuple(logits.shape)}")
+            raise ValueError(
+                f"logits: expected shape {tshape + ('V',)} (targets' shape + vocab), got {tuple(logits.shape)}"
+            )
         vocab = logits.shape[-1]
         if weight is not None or bias is not None:
             raise ValueError("weight/bias: only with hidden=, not with logits")
     else:
         C.check_tensor("hidden", hidden, dtypes=C.FLOAT_DTYPES)
         if hidden.dim() != targets.dim() + 1 or tuple(hidden.shape[:-1]) != tshape:
-            raise ValueError(f"hidden: expected shape {tshape + ('H',)} (targets' shape + hidden), got "
-                             f"{tuple(hidden.shape)}")
+            raise ValueError(
+                f"hidden: expected shape {tshape + ('H',)} (targets' shape + hidden), got {tuple(hidden.shape)}"
+            )
         if weight is None:
             raise ValueError("weight: required with hidden= (the lm_head weight [V, H])")
         C.check_tensor("weight", weight, ndim=2, dtypes=(hidden.dtype,))
@@ -241,8 +259,9 @@ def _check_values(a: Mapping[str, Any], opts: LossOptions, targets: torch.Tensor
     C.check_finite("advantages", a["advantages"])
     C.check_finite("old_logp", a["old_logp"], allow_inf=True)
     if opts.offpolicy_train == "truncated" and a["behav_logp"] is None:
-        raise ValueError("behav_logp: required when offpolicy_train='truncated' (the behaviour log-probs of the "
-                         "retrieved tokens)")
+        raise ValueError(
+            "behav_logp: required when offpolicy_train='truncated' (the behaviour log-probs of the retrieved tokens)"
+        )
     if opts.tis_cap is not None and a["behav_logp"] is None:
         raise ValueError("behav_logp: required when tis_cap is set (truncated importance sampling)")
     if opts.beta != 0.0 and a["ref_logp"] is None:
@@ -257,8 +276,10 @@ def _check_global_num_tokens(g: Any, dev: torch.device | None) -> None:
         return
     if isinstance(g, torch.Tensor):
         if g.numel() != 1 or g.dtype == torch.bool:
-            raise ValueError(f"global_num_tokens: expected a number or a 1-element numeric tensor, got shape "
-                             f"{tuple(g.shape)} dtype {g.dtype}")
+            raise ValueError(
+                f"global_num_tokens: expected a number or a 1-element numeric tensor, got shape "
+                f"{tuple(g.shape)} dtype {g.dtype}"
+            )
         if g.device != dev and g.device.type != "cpu":
             raise ValueError(f"global_num_tokens: expected device {dev} or cpu, got {g.device}")
     else:
@@ -277,10 +298,26 @@ def check_inputs(a: Mapping[str, Any], opts: LossOptions) -> InputFacts:
     rows, max_len = _rows_and_longest(a["cu_seqlens"], tshape)
     adv = C.check_tensor("advantages", a["advantages"], dtypes=C.FLOAT_DTYPES)
     if tuple(adv.shape) not in (tshape, (rows,)):
-        raise ValueError(f"advantages: expected shape {tshape} (per token) or ({rows},) (per sequence), got "
-                         f"{tuple(adv.shape)}")
-    names = ("logp", "entropy", "targets", "logits", "hidden", "weight", "bias", "old_logp", "advantages",
-             "loss_mask", "retrieved_mask", "response_mask", "behav_logp", "ref_logp", "cu_seqlens")
+        raise ValueError(
+            f"advantages: expected shape {tshape} (per token) or ({rows},) (per sequence), got {tuple(adv.shape)}"
+        )
+    names = (
+        "logp",
+        "entropy",
+        "targets",
+        "logits",
+        "hidden",
+        "weight",
+        "bias",
+        "old_logp",
+        "advantages",
+        "loss_mask",
+        "retrieved_mask",
+        "response_mask",
+        "behav_logp",
+        "ref_logp",
+        "cu_seqlens",
+    )
     dev = C.check_same_device(**{k: a.get(k) for k in names})
     _check_values(a, opts, targets, vocab)
     _check_global_num_tokens(a["global_num_tokens"], dev)

@@ -129,11 +129,21 @@ def rapo_loss(
     want_ent = opts.entropy_coef != 0.0 or opts.return_metrics
     x = logits if logits is not None else hidden
     if x.dtype == torch.float64:  # a checking precision (gradcheck, tests): the reference, which keeps fp64
-        out = (token_logprobs_ref(logits, targets, opts.temperature, want_ent) if logits is not None else
-               linear_token_logprobs_ref(hidden, weight, targets, bias, opts.temperature, want_ent))
+        out = (
+            token_logprobs_ref(logits, targets, opts.temperature, want_ent)
+            if logits is not None
+            else linear_token_logprobs_ref(hidden, weight, targets, bias, opts.temperature, want_ent)
+        )
     else:
-        out = token_logprobs(logits, hidden=hidden, weight=weight, bias=bias, targets=targets,
-                             temperature=opts.temperature, return_entropy=want_ent)
+        out = token_logprobs(
+            logits,
+            hidden=hidden,
+            weight=weight,
+            bias=bias,
+            targets=targets,
+            temperature=opts.temperature,
+            return_entropy=want_ent,
+        )
     logp, ent = out if want_ent else (out, None)
     return _loss_from_logp(a, opts, facts, logp, ent)
 
@@ -164,11 +174,14 @@ def policy_loss_from_logp(
     function otherwise).
     """
     a = dict(locals())
-    opts = LossOptions.from_call(a.pop("options"), a.pop("option_kwargs"), caller="policy_loss_from_logp",
-                                 exclude=("temperature",))
+    opts = LossOptions.from_call(
+        a.pop("options"), a.pop("option_kwargs"), caller="policy_loss_from_logp", exclude=("temperature",)
+    )
     if opts.temperature != 1.0:
-        raise ValueError(f"options: temperature={opts.temperature} has no meaning for policy_loss_from_logp (logp is "
-                         "taken at its temperature already); leave it at 1.0")
+        raise ValueError(
+            f"options: temperature={opts.temperature} has no meaning for policy_loss_from_logp (logp is "
+            "taken at its temperature already); leave it at 1.0"
+        )
     facts = check_inputs(a, opts)
     return _loss_from_logp(a, opts, facts, logp, entropy)
 
@@ -230,9 +243,22 @@ def _tokens(a: dict, opts: LossOptions, facts: InputFacts, logp: torch.Tensor | 
         seg = torch.zeros(n, dtype=torch.int64, device=dev)
     else:
         seg = torch.arange(n, device=dev) // facts.shape[1]
-    return _Tokens(cd=cd, device=dev, facts=facts, lp=lp, ent=vec(ent), old=vec(a["old_logp"]),
-                   behav=vec(a["behav_logp"]), ref=vec(a["ref_logp"]), on=on, off=off, act=on | off, ret=ret,
-                   resp=resp, seg=seg)
+    return _Tokens(
+        cd=cd,
+        device=dev,
+        facts=facts,
+        lp=lp,
+        ent=vec(ent),
+        old=vec(a["old_logp"]),
+        behav=vec(a["behav_logp"]),
+        ref=vec(a["ref_logp"]),
+        on=on,
+        off=off,
+        act=on | off,
+        ret=ret,
+        resp=resp,
+        seg=seg,
+    )
 
 
 def _sequence_terms(t: _Tokens, opts: LossOptions, advantages: torch.Tensor):
@@ -307,8 +333,9 @@ def _metrics(sums: torch.Tensor, t: _Tokens, opts: LossOptions) -> dict[str, tor
         "kl": s[Metric.KL] / n_act,
         "entropy": s[Metric.ENTROPY] / n_act,
         "retrieved_frac": t.ret.sum().to(cd) / t.resp.sum().clamp_min(1).to(cd),
-        "tis_weight_mean": (s[Metric.TIS_WEIGHT] / n_on if opts.tis_cap is not None
-                            else torch.ones((), dtype=cd, device=t.device)),
+        "tis_weight_mean": (
+            s[Metric.TIS_WEIGHT] / n_on if opts.tis_cap is not None else torch.ones((), dtype=cd, device=t.device)
+        ),
         "offpolicy_weight_mean": s[Metric.OFFPOLICY_WEIGHT] / n_off,
         "num_tokens": s[Metric.N_ACTIVE],
         "num_offpolicy_tokens": s[Metric.N_OFF],

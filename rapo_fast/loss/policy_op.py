@@ -89,8 +89,17 @@ def torch_policy_loss(
     on, off = code == int(TokenCode.ON), code == int(TokenCode.OFF)
     act = on | off
     tok, terms = policy_token_loss_ref(
-        logp, old, adv, on_mask=on, off_mask=off, ratio_scale=scale, seq_log_ratio=seqlr, behav_logp=behav,
-        ref_logp=ref, entropy=ent, **s.reference_options(),
+        logp,
+        old,
+        adv,
+        on_mask=on,
+        off_mask=off,
+        ratio_scale=scale,
+        seq_log_ratio=seqlr,
+        behav_logp=behav,
+        ref_logp=ref,
+        entropy=ent,
+        **s.reference_options(),
     )
     z = torch.zeros_like(logp).detach()
 
@@ -199,13 +208,15 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, g_out, g_part):
     logp, old, adv, w, scale, code, seqlr, behav, ref = ctx.saved_tensors
-    dlogp, dent = _policy_loss_bwd_op(g_out, logp, old, adv, w, scale, code, seqlr, behav, ref, ctx.has_ent,
-                                      *ctx.scalars)
+    dlogp, dent = _policy_loss_bwd_op(
+        g_out, logp, old, adv, w, scale, code, seqlr, behav, ref, ctx.has_ent, *ctx.scalars
+    )
     grads = [None] * (_N_TENSORS + len(KernelScalars._fields))
     grads[0] = dlogp
     grads[_N_TENSORS - 1] = dent if ctx.has_ent else None
     return tuple(grads)
 
 
-policy_loss_op = register_op("policy_loss", policy_loss_fwd, fake=_policy_loss_fake, backward=_backward,
-                             setup_context=_setup_context)
+policy_loss_op = register_op(
+    "policy_loss", policy_loss_fwd, fake=_policy_loss_fake, backward=_backward, setup_context=_setup_context
+)

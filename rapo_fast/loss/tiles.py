@@ -18,8 +18,18 @@ from torch import Tensor
 
 from rapo_fast._dispatch import interpret_mode
 
-__all__ = ["TILE_BYTES", "MAX_VOCAB_TILE", "device_kind", "launch_cfg", "logprob_kernels", "vocab_tiles",
-           "tile_buffer", "logits_tile", "tile_fwd", "tile_grad"]
+__all__ = [
+    "TILE_BYTES",
+    "MAX_VOCAB_TILE",
+    "device_kind",
+    "launch_cfg",
+    "logprob_kernels",
+    "vocab_tiles",
+    "tile_buffer",
+    "logits_tile",
+    "tile_fwd",
+    "tile_grad",
+]
 
 # Byte budget of one logits tile (input dtype) of the hidden path, per device kind.
 # GPU: 512 MiB keeps GEMMs at full size (e.g. 16k x 16k bf16) while the tile is ~1/20 of [16k, 152k] bf16.

@@ -51,8 +51,9 @@ def rotate_keys_ref(
     half = rd // 2
     if inv_freq.numel() != half:
         raise ValueError(f"inv_freq must have rotary_dim // 2 = {half} entries, got {inv_freq.numel()}")
-    cos, sin = rope_cos_sin_ref(delta, inv_freq.to(keys.device), torch.float64 if compute_dtype == torch.float64
-                                else torch.float32)
+    cos, sin = rope_cos_sin_ref(
+        delta, inv_freq.to(keys.device), torch.float64 if compute_dtype == torch.float64 else torch.float32
+    )
     cos, sin = cos.to(compute_dtype), sin.to(compute_dtype)
     x = keys.to(compute_dtype)
     rot, rest = x[..., :rd], x[..., rd:]
@@ -103,8 +104,8 @@ def splice_segment_ref(
         k = rotate_keys_ref(seg_keys[layer], delta, inv_freq, rotary_dim=rotary_dim, layout=layout)
         v = seg_values[layer]
         if block_table is None:
-            dst_keys[layer][row, :, position:position + n_tok] = k.transpose(0, 1).to(dst_keys[layer].dtype)
-            dst_values[layer][row, :, position:position + n_tok] = v.transpose(0, 1).to(dst_values[layer].dtype)
+            dst_keys[layer][row, :, position : position + n_tok] = k.transpose(0, 1).to(dst_keys[layer].dtype)
+            dst_values[layer][row, :, position : position + n_tok] = v.transpose(0, 1).to(dst_values[layer].dtype)
         else:
             blk, off = paged_slots_ref(block_table, row, slots.to(block_table.device), block_size)
             blk, off = blk.to(dst_keys[layer].device), off.to(dst_keys[layer].device)

@@ -253,8 +253,17 @@ def rapo_loss_ref(
     scale, seq_lr = _row_ratio_terms(r, on, o)
     token_options = {k: v for k, v in o.to_dict().items() if k not in _ROW_OPTIONS}
     tok, terms = policy_token_loss_ref(
-        r.logp, r.old, r.adv, on_mask=on, off_mask=off, ratio_scale=scale, seq_log_ratio=seq_lr, behav_logp=r.behav,
-        ref_logp=r.ref, entropy=r.entropy, **token_options,
+        r.logp,
+        r.old,
+        r.adv,
+        on_mask=on,
+        off_mask=off,
+        ratio_scale=scale,
+        seq_log_ratio=seq_lr,
+        behav_logp=r.behav,
+        ref_logp=r.ref,
+        entropy=r.entropy,
+        **token_options,
     )
     tok = torch.where(active, tok, torch.zeros_like(tok))
     loss = _agg_loss(tok, active, o.loss_agg, global_num_tokens, r.width)
@@ -311,7 +320,8 @@ def _metrics_ref(terms: dict, r: _Rows, on, off, active, o: LossOptions) -> dict
         "entropy": mean(r.entropy, active) if r.entropy is not None else torch.full((), float("nan"), dtype=cd),
         "retrieved_frac": (r.ret.sum().to(cd) / r.resp.sum().clamp_min(1).to(cd)),
         "tis_weight_mean": mean(terms["tis_weight"], on) if o.tis_cap is not None else torch.ones((), dtype=cd),
-        "offpolicy_weight_mean": mean(terms["offpolicy_weight"], off) if o.offpolicy_train != "none"
+        "offpolicy_weight_mean": mean(terms["offpolicy_weight"], off)
+        if o.offpolicy_train != "none"
         else torch.zeros((), dtype=cd),
         "num_tokens": active.sum().to(cd),
         "num_offpolicy_tokens": off.sum().to(cd),

@@ -269,12 +269,20 @@ class StepBuffer:
         """Save atomically to `directory` (safetensors + JSON, format version FORMAT_VERSION); docs/formats.md."""
         n = self._size
         tensors = {
-            "keys": self._keys[:n], "payload_ids": self._payload[:n], "group_ids": self._group[:n],
-            "scores": self._score[:n], "seq": self._seq[:n],
+            "keys": self._keys[:n],
+            "payload_ids": self._payload[:n],
+            "group_ids": self._group[:n],
+            "scores": self._score[:n],
+            "seq": self._seq[:n],
         }
         meta = {
-            "capacity": self.capacity, "dim": self.dim, "dtype": str(self.dtype).removeprefix("torch."),
-            "metric": self.metric, "eviction": self.eviction, "size": n, "head": self._head,
+            "capacity": self.capacity,
+            "dim": self.dim,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "metric": self.metric,
+            "eviction": self.eviction,
+            "size": n,
+            "head": self._head,
             "next_seq": self._next_seq,
         }
         write_snapshot(directory, tensors, meta)
@@ -288,8 +296,11 @@ class StepBuffer:
             buf = cls(meta["capacity"], meta["dim"], dtype, device, meta["metric"], meta["eviction"])
             n, head, next_seq = int(meta["size"]), int(meta["head"]), int(meta["next_seq"])
             expect = {
-                "keys": ((n, buf.dim), dtype), "payload_ids": ((n,), torch.int64), "group_ids": ((n,), torch.int64),
-                "scores": ((n,), torch.float32), "seq": ((n,), torch.int64),
+                "keys": ((n, buf.dim), dtype),
+                "payload_ids": ((n,), torch.int64),
+                "group_ids": ((n,), torch.int64),
+                "scores": ((n,), torch.float32),
+                "seq": ((n,), torch.int64),
             }
             for name, (shape, dt) in expect.items():
                 t = tensors[name]
@@ -324,9 +335,16 @@ class ShardedStepBuffer:
     slot). Returns the same shapes as StepBuffer.search for the calling rank's queries.
     """
 
-    def __init__(self, capacity: int, dim: int, dtype: torch.dtype = torch.float16,
-                 device: torch.device | str | None = None, metric: str = "ip", eviction: str = "fifo",
-                 group=None) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        dim: int,
+        dtype: torch.dtype = torch.float16,
+        device: torch.device | str | None = None,
+        metric: str = "ip",
+        eviction: str = "fifo",
+        group=None,
+    ) -> None:
         import torch.distributed as dist
 
         if not dist.is_available() or not dist.is_initialized():
@@ -348,8 +366,13 @@ class ShardedStepBuffer:
         dist.all_reduce(t, group=self.group)
         return int(t.item())
 
-    def add(self, embeddings: torch.Tensor, payload_ids: torch.Tensor, group_ids: torch.Tensor,
-            scores: torch.Tensor | None = None) -> torch.Tensor:
+    def add(
+        self,
+        embeddings: torch.Tensor,
+        payload_ids: torch.Tensor,
+        group_ids: torch.Tensor,
+        scores: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Store steps in this rank's shard; returns global slot ids [M] (-1 for a step not kept). Not collective."""
         slots = self.local.add(embeddings, payload_ids, group_ids, scores)
         return torch.where(slots >= 0, slots + self.rank * self.local.capacity, slots)
@@ -367,8 +390,9 @@ class ShardedStepBuffer:
         dist.all_gather(out, t.to(dev).contiguous(), group=self.group)
         return out
 
-    def search(self, queries: torch.Tensor, k: int, exclude_groups: torch.Tensor | None = None,
-               min_score: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def search(
+        self, queries: torch.Tensor, k: int, exclude_groups: torch.Tensor | None = None, min_score: float | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Collective exact top-k over every shard: queries [Q, D] -> (scores [Q, k] fp32, payload_ids [Q, k])."""
         k = _check_k(k)
         Q = queries.shape[0] if isinstance(queries, torch.Tensor) and queries.dim() == 2 else -1

@@ -80,7 +80,10 @@ class MiniLMEncoder:
         outs = []
         for i in range(0, len(texts), self.batch_size):
             enc = self.tokenizer(
-                texts[i : i + self.batch_size], padding=True, truncation=True, max_length=self.max_length,
+                texts[i : i + self.batch_size],
+                padding=True,
+                truncation=True,
+                max_length=self.max_length,
                 return_tensors="pt",
             ).to(self.device)
             h = self.model(**enc).last_hidden_state

@@ -45,11 +45,22 @@ def _search_impl(
     slots = torch.empty(Q, k, dtype=torch.int64, device=device)
     params = make_params(
         ext.RetrievalSearchParams,
-        keys=_ptr(keys), key_row_stride=keys.stride(0) if C else D, key_dtype=DTYPE_CODES[keys.dtype],
-        key_aux=_ptr(key_aux), groups=_ptr(groups), C=C, D=D,
-        queries=_ptr(queries), query_row_stride=queries.stride(0) if Q else D, Q=Q,
-        exclude=_ptr(exclude), k=k, metric=metric, min_score=float(min_score),
-        out_scores=_ptr(scores), out_slots=_ptr(slots),
+        keys=_ptr(keys),
+        key_row_stride=keys.stride(0) if C else D,
+        key_dtype=DTYPE_CODES[keys.dtype],
+        key_aux=_ptr(key_aux),
+        groups=_ptr(groups),
+        C=C,
+        D=D,
+        queries=_ptr(queries),
+        query_row_stride=queries.stride(0) if Q else D,
+        Q=Q,
+        exclude=_ptr(exclude),
+        k=k,
+        metric=metric,
+        min_score=float(min_score),
+        out_scores=_ptr(scores),
+        out_slots=_ptr(slots),
     )
     if device.type == "cpu":
         ext.retrieval_search_cpu(params, num_threads=torch.get_num_threads(), isa=-1)
@@ -58,8 +69,14 @@ def _search_impl(
         n_splits = int(ext.retrieval_cuda_splits(Q=Q, C=C, k=k, device=dev))
         ws_scores = torch.empty(n_splits, Q, k, dtype=torch.float32, device=device)
         ws_slots = torch.empty(n_splits, Q, k, dtype=torch.int32, device=device)
-        ext.retrieval_search_cuda(params, ws_scores=_ptr(ws_scores), ws_slots=_ptr(ws_slots), n_splits=n_splits,
-                                  device=dev, stream=stream_of(device))
+        ext.retrieval_search_cuda(
+            params,
+            ws_scores=_ptr(ws_scores),
+            ws_slots=_ptr(ws_slots),
+            n_splits=n_splits,
+            device=dev,
+            stream=stream_of(device),
+        )
     return scores, slots
 
 

@@ -110,13 +110,18 @@ class StepTraces:
         buffer = StepBuffer(cap, dim, dtype=dtype, device=device, metric=metric, eviction=eviction)
         traces = cls(buffer, encoder, tokenizer, kv_store=kv_store, model=model)
         if pairs:
-            traces._add([h for h, *_ in pairs], [s for _, s, *_ in pairs],
-                        [OFFPOLICY_GROUP_BASE + q for *_, q, _ in pairs], [sc for *_, sc in pairs])
+            traces._add(
+                [h for h, *_ in pairs],
+                [s for _, s, *_ in pairs],
+                [OFFPOLICY_GROUP_BASE + q for *_, q, _ in pairs],
+                [sc for *_, sc in pairs],
+            )
             traces.num_offpolicy = len(pairs)
         return traces
 
-    def _add(self, histories: Sequence[str], steps: Sequence[str], group_ids: Sequence[int],
-             scores: Sequence[float]) -> torch.Tensor:
+    def _add(
+        self, histories: Sequence[str], steps: Sequence[str], group_ids: Sequence[int], scores: Sequence[float]
+    ) -> torch.Tensor:
         keys = self.encoder([strip_retrieve_markers(h) for h in histories]).float()
         start = len(self.payloads)
         segs = [self.tokenizer.encode(f"{RETRIEVE_OPEN} {strip_retrieve_markers(s)} {RETRIEVE_CLOSE}") for s in steps]
@@ -124,7 +129,9 @@ class StepTraces:
         pids = torch.arange(start, start + len(segs), dtype=torch.int64)
         dev = getattr(self.buffer, "device", "cpu")
         self.buffer.add(
-            keys.to(dev), pids.to(dev), torch.tensor(list(group_ids), dtype=torch.int64, device=dev),
+            keys.to(dev),
+            pids.to(dev),
+            torch.tensor(list(group_ids), dtype=torch.int64, device=dev),
             torch.tensor(list(scores), dtype=torch.float32, device=dev),
         )
         if self.kv_store is not None:
@@ -139,8 +146,13 @@ class StepTraces:
         if self.kv_store is not None and self.payloads:
             self._store_kv(list(range(len(self.payloads))), self.payloads)
 
-    def add_steps(self, histories: Sequence[str], steps: Sequence[str], group_ids: Sequence[int],
-                  scores: Sequence[float] | None = None) -> torch.Tensor:
+    def add_steps(
+        self,
+        histories: Sequence[str],
+        steps: Sequence[str],
+        group_ids: Sequence[int],
+        scores: Sequence[float] | None = None,
+    ) -> torch.Tensor:
         """Add the policy's own steps (on-policy) under their prompts' group ids; returns their payload ids [M]."""
         if not (len(histories) == len(steps) == len(group_ids)):
             raise ValueError(
@@ -153,8 +165,9 @@ class StepTraces:
         self.num_onpolicy += len(steps)
         return pids
 
-    def retrieve(self, histories: Sequence[str], exclude_groups: Sequence[int] | None = None,
-                 min_score: float | None = None) -> tuple[list[list[int] | None], torch.Tensor, torch.Tensor]:
+    def retrieve(
+        self, histories: Sequence[str], exclude_groups: Sequence[int] | None = None, min_score: float | None = None
+    ) -> tuple[list[list[int] | None], torch.Tensor, torch.Tensor]:
         """Top-1 step for each history: (segments, payload ids [Q] int64 with -1 = none, scores [Q] fp32).
 
         exclude_groups: one group id per history whose steps must not be returned (or None).

@@ -21,8 +21,18 @@ class ArpoBrancher:
     """The branching state of one ARPO rollout over its rows (see the module docstring); `rollout` calls
     before_sample / after_sample around each sampled token and `refresh` when every started row has ended."""
 
-    def __init__(self, rows, engine, group_size: int, initial: int, beam: int, k: int, alpha: float, beta: float,
-                 coin: random.Random):
+    def __init__(
+        self,
+        rows,
+        engine,
+        group_size: int,
+        initial: int,
+        beam: int,
+        k: int,
+        alpha: float,
+        beta: float,
+        coin: random.Random,
+    ):
         if not 1 <= initial <= group_size:
             raise ValueError(f"rollout: arpo_initial must be in [1, group_size={group_size}], got {initial!r}")
         if beam < 1 or k < 1:
@@ -83,10 +93,18 @@ class ArpoBrancher:
         d.restore(snap)
         d.active, d.done, d.hybrid, d.to_feed, d.at_boundary = True, False, False, [], False
         d.parent, d.branch_at = src, len(snap["tokens"])
-        d.arpo = {"h_init": s.arpo["h_init"], "ents": [], "step": -1, "checked": True, "snap": None,
-                  "logits": None, "skip_check": True}
-        self.engine.copy_row(src, dst, torch.tensor(snap["cols"], dtype=torch.long), len(snap["tokens"]),
-                             s.arpo["logits"])
+        d.arpo = {
+            "h_init": s.arpo["h_init"],
+            "ents": [],
+            "step": -1,
+            "checked": True,
+            "snap": None,
+            "logits": None,
+            "skip_check": True,
+        }
+        self.engine.copy_row(
+            src, dst, torch.tensor(snap["cols"], dtype=torch.long), len(snap["tokens"]), s.arpo["logits"]
+        )
         self.num_branches += 1
 
     def refresh(self) -> bool:

@@ -50,8 +50,11 @@ class DecodeEngine:
         col0 = self.num_columns
         self.mask = torch.cat([self.mask, valid.long()], dim=1)
         out = self.model(
-            input_ids=tokens.to(self.device), attention_mask=self.mask, position_ids=pos,
-            past_key_values=self.cache, use_cache=True,
+            input_ids=tokens.to(self.device),
+            attention_mask=self.mask,
+            position_ids=pos,
+            past_key_values=self.cache,
+            use_cache=True,
         )
         logits = out.logits.float()
         rows = torch.nonzero(n > 0).squeeze(1)

@@ -75,7 +75,9 @@ class _Row:
 
     def snapshot(self) -> dict:
         return {k: (list(v) if isinstance(v, list) else v) for k, v in self.__dict__.items() if k != "arpo"} | {
-            "steps": [list(s) for s in self.steps], "retrievals": [list(r) for r in self.retrievals]}
+            "steps": [list(s) for s in self.steps],
+            "retrievals": [list(r) for r in self.retrievals],
+        }
 
     def restore(self, snap: dict) -> None:
         for k, v in snap.items():
@@ -148,9 +150,18 @@ def rollout(
         rows = _make_rows(tokenizer, problems, group_size, n_hybrid if strategy == "hybrid" else 0, n_init)
         engine = DecodeEngine(model, len(rows), device)
         loop = _Lockstep(
-            engine, rows, tokenizer, env, traces=traces, mode=mode, retrieve_prob=retrieve_prob,
+            engine,
+            rows,
+            tokenizer,
+            env,
+            traces=traces,
+            mode=mode,
+            retrieve_prob=retrieve_prob,
             exclude=traces is not None and (traces.has_on_policy if exclude_own_group is None else exclude_own_group),
-            temperature=temperature, max_steps=max_steps, max_step_tokens=max_step_tokens, generator=generator,
+            temperature=temperature,
+            max_steps=max_steps,
+            max_step_tokens=max_step_tokens,
+            generator=generator,
             coin=coin,
         )
         loop.prefill()
@@ -402,4 +413,3 @@ def _collate(rows: list[_Row], pad: int, mode: str) -> RolloutBatch:
         completions=[],
         mode=mode,
     )
-

@@ -51,8 +51,15 @@ class EvalCallback(TrainerCallback):
     stops at the first evaluation whose score is >= target. `seconds` sums the time spent evaluating.
     """
 
-    def __init__(self, eval_fn: Callable[[Any], float], every: int, *, at_start: bool = True,
-                 target: float | None = None, name: str = "eval"):
+    def __init__(
+        self,
+        eval_fn: Callable[[Any], float],
+        every: int,
+        *,
+        at_start: bool = True,
+        target: float | None = None,
+        name: str = "eval",
+    ):
         if not callable(eval_fn):
             raise TypeError(f"EvalCallback: eval_fn must be a callable trainer -> float, got {type(eval_fn).__name__}")
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:

@@ -99,8 +99,16 @@ class TrainerConfig:
             if (lo is not None and v < lo) or (hi is not None and v > hi):
                 raise ValueError(f"TrainerConfig.{name}: expected a value in [{lo}, {hi}], got {v!r}")
 
-        for n in ("group_size", "prompts_per_step", "max_steps", "max_step_tokens", "arpo_beam", "arpo_k",
-                  "updates_per_step", "refresh_kv_every"):
+        for n in (
+            "group_size",
+            "prompts_per_step",
+            "max_steps",
+            "max_step_tokens",
+            "arpo_beam",
+            "arpo_k",
+            "updates_per_step",
+            "refresh_kv_every",
+        ):
             pos_int(n)
         if self.strategy not in _STRATEGIES:
             raise ValueError(f"TrainerConfig.strategy: expected one of {_STRATEGIES}, got {self.strategy!r}")
@@ -108,16 +116,20 @@ class TrainerConfig:
             raise ValueError(f"TrainerConfig.mode: expected 'exact' or 'splice', got {self.mode!r}")
         if self.advantage_attribution not in ("soft", "hard"):
             raise ValueError(
-                f"TrainerConfig.advantage_attribution: expected 'soft' or 'hard', got {self.advantage_attribution!r}")
+                f"TrainerConfig.advantage_attribution: expected 'soft' or 'hard', got {self.advantage_attribution!r}"
+            )
         if not isinstance(self.n_hybrid, int) or not 0 <= self.n_hybrid <= self.group_size:
             raise ValueError(
-                f"TrainerConfig.n_hybrid: expected an int in [0, group_size={self.group_size}], got {self.n_hybrid!r}")
+                f"TrainerConfig.n_hybrid: expected an int in [0, group_size={self.group_size}], got {self.n_hybrid!r}"
+            )
         if self.strategy != "hybrid" and self.n_hybrid:
             raise ValueError(f"TrainerConfig.n_hybrid: must be 0 with strategy={self.strategy!r}, got {self.n_hybrid}")
-        if self.arpo_initial is not None and not (isinstance(self.arpo_initial, int)
-                                                  and 1 <= self.arpo_initial <= self.group_size):
+        if self.arpo_initial is not None and not (
+            isinstance(self.arpo_initial, int) and 1 <= self.arpo_initial <= self.group_size
+        ):
             raise ValueError(
-                f"TrainerConfig.arpo_initial: expected None or an int in [1, group_size], got {self.arpo_initial!r}")
+                f"TrainerConfig.arpo_initial: expected None or an int in [1, group_size], got {self.arpo_initial!r}"
+            )
         num("retrieve_prob", 0.0, 1.0)
         num("temperature", 0.0)
         num("ret_coef")
@@ -134,11 +146,14 @@ class TrainerConfig:
         allowed = set(LossOptions.names()) - {"return_metrics", "tis_cap", "temperature"}
         unknown = sorted(set(self.loss) - allowed)
         if unknown:
-            raise ValueError(f"TrainerConfig.loss: unknown rapo_loss options {unknown}; expected a subset of "
-                             f"{sorted(allowed)}")
+            raise ValueError(
+                f"TrainerConfig.loss: unknown rapo_loss options {unknown}; expected a subset of {sorted(allowed)}"
+            )
         if self.loss.get("beta", 0.0) not in (0, 0.0):
-            raise ValueError(f"TrainerConfig.loss['beta']: the thin trainer keeps no reference model, so the KL "
-                             f"coefficient must be 0, got {self.loss['beta']!r}")
+            raise ValueError(
+                f"TrainerConfig.loss['beta']: the thin trainer keeps no reference model, so the KL "
+                f"coefficient must be 0, got {self.loss['beta']!r}"
+            )
         try:  # the values, checked now as rapo_loss would check them at the first step
             LossOptions(**self.loss)
         except (TypeError, ValueError) as e:

@@ -34,8 +34,10 @@ class MetricsLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except Exception as e:  # tensorboard is optional
-                raise ImportError(f"tensorboard_dir was given but TensorBoard is unavailable ({e}); "
-                                  "pip install tensorboard or leave tensorboard_dir unset") from e
+                raise ImportError(
+                    f"tensorboard_dir was given but TensorBoard is unavailable ({e}); "
+                    "pip install tensorboard or leave tensorboard_dir unset"
+                ) from e
             self.tb = SummaryWriter(str(tensorboard_dir))
 
     def log(self, metrics: dict) -> None:
@@ -104,8 +106,11 @@ def load_checkpoint(trainer, directory: str | Path) -> None:
     if state.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"load_checkpoint: {d} is not a rapo_fast trainer checkpoint (format {state.get('format')!r})")
     saved = TrainerConfig.from_json((d / "config.json").read_text())
-    diff = sorted(k for k, v in saved.to_dict().items() if trainer.config.to_dict().get(k) != v
-                  and k not in ("log_csv", "tensorboard_dir"))
+    diff = sorted(
+        k
+        for k, v in saved.to_dict().items()
+        if trainer.config.to_dict().get(k) != v and k not in ("log_csv", "tensorboard_dir")
+    )
     if diff:
         raise ValueError(f"load_checkpoint: the trainer's config differs from the checkpoint's in {diff}")
     trainer.model.load_state_dict(torch.load(d / "model.pt", weights_only=True))
@@ -119,5 +124,6 @@ def load_checkpoint(trainer, directory: str | Path) -> None:
         old = trainer.buffer
         if old is None:
             raise ValueError("load_checkpoint: the checkpoint holds a step buffer but the trainer has none")
-        trainer.buffer = StepTraces.load(d / "buffer", old.encoder, old.tokenizer, kv_store=old.kv_store,
-                                         model=old.model)
+        trainer.buffer = StepTraces.load(
+            d / "buffer", old.encoder, old.tokenizer, kv_store=old.kv_store, model=old.model
+        )

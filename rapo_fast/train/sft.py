@@ -51,8 +51,19 @@ def _collate(examples, pad: int):
     return ids, mask, train
 
 
-def sft_warmup(model, tokenizer, task, problems: Sequence, *, steps: int, batch_size: int = 32, lr: float = 3e-3,
-               retrieve_frac: float = 0.3, seed: int = 0, progress: bool = False) -> list[float]:
+def sft_warmup(
+    model,
+    tokenizer,
+    task,
+    problems: Sequence,
+    *,
+    steps: int,
+    batch_size: int = 32,
+    lr: float = 3e-3,
+    retrieve_frac: float = 0.3,
+    seed: int = 0,
+    progress: bool = False,
+) -> list[float]:
     """Cross-entropy on the generated tokens of rendered solutions; returns the loss per step."""
     if not isinstance(steps, int) or steps < 0:
         raise ValueError(f"sft_warmup: steps must be a non-negative int, got {steps!r}")
@@ -69,8 +80,9 @@ def sft_warmup(model, tokenizer, task, problems: Sequence, *, steps: int, batch_
 
         it = tqdm(it, desc="sft", leave=False)
     for _ in it:
-        batch = sft_examples(task, tokenizer, rng.sample(list(problems), min(batch_size, len(problems))),
-                             retrieve_frac, rng)
+        batch = sft_examples(
+            task, tokenizer, rng.sample(list(problems), min(batch_size, len(problems))), retrieve_frac, rng
+        )
         ids, mask, train = (t.to(dev) for t in _collate(batch, tokenizer.pad_token_id))
         logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
         tgt_mask = train[:, 1:]
@@ -88,8 +100,18 @@ def evaluate(model, tokenizer, task, problems: Sequence, *, max_steps: int = 6, 
     """Greedy success rate (no retrieval) on `problems`."""
     from rapo_fast.rollouts.loop import rollout
 
-    batch = rollout(model, tokenizer, task, problems, group_size=1, strategy="on_policy", n_hybrid=0,
-                    temperature=0.0, max_steps=max_steps, max_step_tokens=max_step_tokens)
+    batch = rollout(
+        model,
+        tokenizer,
+        task,
+        problems,
+        group_size=1,
+        strategy="on_policy",
+        n_hybrid=0,
+        temperature=0.0,
+        max_steps=max_steps,
+        max_step_tokens=max_step_tokens,
+    )
     rewards = [task.verify(p, c) for p, c in zip(problems, batch.completions)]
     return sum(rewards) / max(1, len(rewards))
 

@@ -28,8 +28,15 @@ from rapo_fast.train.config import TrainerConfig
 from rapo_fast.train.hf_model import final_hidden, lm_head_weight
 from rapo_fast.train.io import MetricsLogger, load_checkpoint, save_checkpoint
 
-__all__ = ["RAPOTrainer", "TrainerConfig", "TrainerCallback", "EvalCallback", "default_rewards", "retrieval_rewards",
-           "hard_attribution"]
+__all__ = [
+    "RAPOTrainer",
+    "TrainerConfig",
+    "TrainerCallback",
+    "EvalCallback",
+    "default_rewards",
+    "retrieval_rewards",
+    "hard_attribution",
+]
 
 
 def default_rewards(env, problems: Sequence, batch: RolloutBatch) -> torch.Tensor:
@@ -108,8 +115,9 @@ class RAPOTrainer:
 
         self.model, self.tokenizer, self.env, self.buffer, self.config = model, tokenizer, env, buffer, config
         self.problems = list(problems)
-        self.optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=config.lr,
-                                                        weight_decay=config.weight_decay)
+        self.optimizer = optimizer or torch.optim.AdamW(
+            model.parameters(), lr=config.lr, weight_decay=config.weight_decay
+        )
         self.rollout_fn = rollout_fn or rollout
         self.reward_fn = reward_fn or default_rewards
         self.advantage_fn = advantage_fn or rapo_advantages
@@ -136,11 +144,25 @@ class RAPOTrainer:
             self.buffer.refresh_kv()
         t_kv = time.perf_counter()
         batch: RolloutBatch = self.rollout_fn(
-            self.model, self.tokenizer, self.env, problems, group_size=cfg.group_size, strategy=cfg.strategy,
-            n_hybrid=cfg.n_hybrid, retrieve_prob=cfg.retrieve_prob, traces=self.buffer,
-            exclude_own_group=cfg.exclude_own_group, mode=cfg.mode, temperature=cfg.temperature,
-            max_steps=cfg.max_steps, max_step_tokens=cfg.max_step_tokens, generator=self.gen,
-            arpo_initial=cfg.arpo_initial, arpo_beam=cfg.arpo_beam, arpo_k=cfg.arpo_k, arpo_alpha=cfg.arpo_alpha,
+            self.model,
+            self.tokenizer,
+            self.env,
+            problems,
+            group_size=cfg.group_size,
+            strategy=cfg.strategy,
+            n_hybrid=cfg.n_hybrid,
+            retrieve_prob=cfg.retrieve_prob,
+            traces=self.buffer,
+            exclude_own_group=cfg.exclude_own_group,
+            mode=cfg.mode,
+            temperature=cfg.temperature,
+            max_steps=cfg.max_steps,
+            max_step_tokens=cfg.max_step_tokens,
+            generator=self.gen,
+            arpo_initial=cfg.arpo_initial,
+            arpo_beam=cfg.arpo_beam,
+            arpo_k=cfg.arpo_k,
+            arpo_alpha=cfg.arpo_alpha,
             arpo_beta=cfg.arpo_beta,
         )
         t_roll = time.perf_counter()
@@ -156,7 +178,8 @@ class RAPOTrainer:
             step=self.step_count,
             reward=float(rewards.mean()),
             success_rate=float((rewards > 0.5).float().mean()),
-            success_rate_onpolicy=float((rewards > 0.5).float()[~batch.hybrid].mean()) if (~batch.hybrid).any()
+            success_rate_onpolicy=float((rewards > 0.5).float()[~batch.hybrid].mean())
+            if (~batch.hybrid).any()
             else float("nan"),
             retrieval_rate=float((n_ret > 0).float()[batch.hybrid].mean()) if batch.hybrid.any() else 0.0,
             retrievals_per_traj=float(n_ret.float().mean()),
@@ -189,8 +212,13 @@ class RAPOTrainer:
         t0 = time.perf_counter()
         with torch.no_grad():
             s, h = self._score(batch)
-            old_logp, ent = token_logprobs(hidden=h, weight=W, targets=s["targets"].to(dev),
-                                           temperature=cfg.temperature or 1.0, return_entropy=True)
+            old_logp, ent = token_logprobs(
+                hidden=h,
+                weight=W,
+                targets=s["targets"].to(dev),
+                temperature=cfg.temperature or 1.0,
+                return_entropy=True,
+            )
         old_logp, ent = old_logp.float().cpu(), ent.float().cpu()
         step_ent = step_entropy(ent, batch.step_spans_shifted()) if batch.step_spans.numel() else torch.zeros(0)
         z, n_scored = retrieval_rewards(batch, step_ent)
@@ -206,9 +234,16 @@ class RAPOTrainer:
         for _ in range(cfg.updates_per_step):
             _, h = self._score(batch)
             loss, lm = self.loss_fn(
-                hidden=h, weight=W, targets=s["targets"].to(dev), old_logp=old_logp.to(dev), advantages=adv.to(dev),
-                loss_mask=s["loss_mask"].to(dev), retrieved_mask=s["retrieved_mask"].to(dev),
-                response_mask=s["response_mask"].to(dev), temperature=cfg.temperature or 1.0, return_metrics=True,
+                hidden=h,
+                weight=W,
+                targets=s["targets"].to(dev),
+                old_logp=old_logp.to(dev),
+                advantages=adv.to(dev),
+                loss_mask=s["loss_mask"].to(dev),
+                retrieved_mask=s["retrieved_mask"].to(dev),
+                response_mask=s["response_mask"].to(dev),
+                temperature=cfg.temperature or 1.0,
+                return_metrics=True,
                 **opts,
             )
             self.optimizer.zero_grad(set_to_none=True)
@@ -250,8 +285,15 @@ class RAPOTrainer:
         return len(steps)
 
     # -- loop, checkpoints ------------------------------------------------------------------------------------------
-    def train(self, num_steps: int, *, progress: bool = True, callback: Callable[[dict], Any] | None = None,
-              callbacks: Sequence[TrainerCallback] = (), desc: str = "rl") -> list[dict]:
+    def train(
+        self,
+        num_steps: int,
+        *,
+        progress: bool = True,
+        callback: Callable[[dict], Any] | None = None,
+        callbacks: Sequence[TrainerCallback] = (),
+        desc: str = "rl",
+    ) -> list[dict]:
         """Run up to `num_steps` RL steps (`step()`); returns their metrics, one dict per step run.
 
         callbacks: TrainerCallback objects (rapo_fast.train.callbacks, e.g. EvalCallback for an evaluation inside

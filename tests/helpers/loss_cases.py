@@ -18,8 +18,20 @@ TENSOR_KEYS = ("old_logp", "advantages", "behav_logp", "ref_logp")
 
 
 def make_batch(
-    B=3, T=7, V=11, *, seg_lens=None, H=None, bias=True, per_seq_adv=False, mask_p=0.8, ret_p=0.3,
-    masked_rows=(), response=False, spread=0.3, seed=0,
+    B=3,
+    T=7,
+    V=11,
+    *,
+    seg_lens=None,
+    H=None,
+    bias=True,
+    per_seq_adv=False,
+    mask_p=0.8,
+    ret_p=0.3,
+    masked_rows=(),
+    response=False,
+    spread=0.3,
+    seed=0,
 ):
     """Random inputs in fp32. Padded [B, T] unless seg_lens (flat, cu_seqlens from the lengths). H: hidden path."""
     g = torch.Generator().manual_seed(seed)
@@ -108,5 +120,12 @@ def check_case(d, opts, dtype=torch.float32, *, fn=None, metrics_atol=1e-5, devi
     return loss_k, g_k, m_k
 
 
-FULL = dict(offpolicy_train="truncated", tis_cap=1.5, dual_clip=3.0, beta=0.1, kl_estimator="k3", entropy_coef=0.01,
-            shaping_m=0.05)
+FULL = dict(
+    offpolicy_train="truncated",
+    tis_cap=1.5,
+    dual_clip=3.0,
+    beta=0.1,
+    kl_estimator="k3",
+    entropy_coef=0.01,
+    shaping_m=0.05,
+)

@@ -35,8 +35,9 @@ def check_search(buf: StepBuffer, queries, k, scores, payload, exclude=None, min
     pay = buf.payload_ids.cpu()
     if slots is None:
         lookup = {int(p): i for i, p in enumerate(pay.tolist())}
-        slots = torch.tensor([[lookup.get(int(p), -1) if p >= 0 else -1 for p in row] for row in payload.tolist()],
-                             dtype=torch.int64).view(q.shape[0], k)
+        slots = torch.tensor(
+            [[lookup.get(int(p), -1) if p >= 0 else -1 for p in row] for row in payload.tolist()], dtype=torch.int64
+        ).view(q.shape[0], k)
     pad = ref_i < 0
     assert torch.equal(slots < 0, pad), f"padding differs: got {(slots < 0).sum()} want {pad.sum()} padded entries"
     assert torch.all(scores[pad] == float("-inf")), "padding scores must be -inf"

@@ -33,8 +33,11 @@ def _store(n_layers, heads, d, dtype, lengths, capacity=8):
 
 
 def _dyn_cache(n_layers, b, heads, s, d, dtype):
-    return DynamicCache(ddp_cache_data=[(torch.randn(b, heads, s, d).to(dtype), torch.randn(b, heads, s, d).to(dtype))
-                                        for _ in range(n_layers)])
+    return DynamicCache(
+        ddp_cache_data=[
+            (torch.randn(b, heads, s, d).to(dtype), torch.randn(b, heads, s, d).to(dtype)) for _ in range(n_layers)
+        ]
+    )
 
 
 def _expected_hf(before, ks, vs, reqs, rope, pids, dtype64=False):
@@ -46,10 +49,16 @@ def _expected_hf(before, ks, vs, reqs, rope, pids, dtype64=False):
         n = ks[i].shape[1]
         for layer in range(len(out_k)):
             src = ks[i][layer].double() if dtype64 else ks[i][layer]
-            k = rotate_keys_ref(src, pos, rope.inv_freq, rotary_dim=rope.rotary_dim, layout=rope.layout,
-                                compute_dtype=torch.float64 if dtype64 else torch.float32)
-            out_k[layer][row, :, pos:pos + n] = k.transpose(0, 1)
-            out_v[layer][row, :, pos:pos + n] = vs[i][layer].transpose(0, 1)
+            k = rotate_keys_ref(
+                src,
+                pos,
+                rope.inv_freq,
+                rotary_dim=rope.rotary_dim,
+                layout=rope.layout,
+                compute_dtype=torch.float64 if dtype64 else torch.float32,
+            )
+            out_k[layer][row, :, pos : pos + n] = k.transpose(0, 1)
+            out_v[layer][row, :, pos : pos + n] = vs[i][layer].transpose(0, 1)
     return out_k, out_v
 
 
@@ -170,16 +179,19 @@ def _bad_setup():
     return store, _dyn_cache(2, 3, 2, 10, 16, torch.float16), RopeSpec.from_theta(16)
 
 
-@pytest.mark.parametrize("reqs,kw,exc,match", [
-    ([(7, 0, 0)], {}, ValueError, "unknown payload_id"),
-    ([(100, 3, 0)], {}, ValueError, "batch_row 3 out of range"),
-    ([(100, -1, 0)], {}, ValueError, "out of range"),
-    ([(100, 0, 11)], {}, ValueError, "past the cache's length"),
-    ([(100, 0, -2)], {}, ValueError, "position must be >= 0"),
-    ([(100, 0, 2), (101, 0, 4)], {}, ValueError, "overlap"),
-    ([(100, 0, 2)], {"lengths": [9]}, ValueError, "lengths"),
-    ([(100, 0, 2, 5)], {}, ValueError, "payload_id, batch_row, position"),
-])
+@pytest.mark.parametrize(
+    "reqs,kw,exc,match",
+    [
+        ([(7, 0, 0)], {}, ValueError, "unknown payload_id"),
+        ([(100, 3, 0)], {}, ValueError, "batch_row 3 out of range"),
+        ([(100, -1, 0)], {}, ValueError, "out of range"),
+        ([(100, 0, 11)], {}, ValueError, "past the cache's length"),
+        ([(100, 0, -2)], {}, ValueError, "position must be >= 0"),
+        ([(100, 0, 2), (101, 0, 4)], {}, ValueError, "overlap"),
+        ([(100, 0, 2)], {"lengths": [9]}, ValueError, "lengths"),
+        ([(100, 0, 2, 5)], {}, ValueError, "payload_id, batch_row, position"),
+    ],
+)
 def test_bad_requests_raise_before_writing(reqs, kw, exc, match):
     store, cache, rope = _bad_setup()
     before = [layer.keys.clone() for layer in cache.layers]
@@ -204,8 +216,11 @@ def test_mismatches_raise():
         splice_kv(_dyn_cache(3, 3, 2, 10, 16, torch.float16), store, [(100, 0, 0)], rope)
     with pytest.raises(TypeError, match="transformers Cache"):
         splice_kv([torch.zeros(1)], store, [(100, 0, 0)], rope)
-    paged = PagedKVCache([torch.zeros(4, 4, 2, 16, dtype=torch.float16)] * 2,
-                         [torch.zeros(4, 4, 2, 16, dtype=torch.float16)] * 2, torch.tensor([[0, 1], [2, 9]]))
+    paged = PagedKVCache(
+        [torch.zeros(4, 4, 2, 16, dtype=torch.float16)] * 2,
+        [torch.zeros(4, 4, 2, 16, dtype=torch.float16)] * 2,
+        torch.tensor([[0, 1], [2, 9]]),
+    )
     with pytest.raises(ValueError, match="passes the block table"):
         splice_kv(paged, store, [(101, 0, 4)], rope)
     with pytest.raises(ValueError, match="outside"):

@@ -44,8 +44,10 @@ def test_cuda_matches_cpu_and_fp64_hf_layout(dtype, layout, d, rd):
     rope = RopeSpec.from_theta(d, 10000.0, rotary_dim=rd, layout=layout)
     reqs = [(0, 0, 3), (1, 0, 40), (2, 1, 100), (3, 4, 236), (2, 3, 0)]
     deltas = [3, 40, 1_000_000, 236, 0]
-    base = [(torch.randn(b, heads, s, d, device="cuda").to(dtype), torch.randn(b, heads, s, d, device="cuda").to(dtype))
-            for _ in range(n_layers)]
+    base = [
+        (torch.randn(b, heads, s, d, device="cuda").to(dtype), torch.randn(b, heads, s, d, device="cuda").to(dtype))
+        for _ in range(n_layers)
+    ]
     gpu = DynamicCache(ddp_cache_data=[(k.clone(), v.clone()) for k, v in base])
     cpu = DynamicCache(ddp_cache_data=[(k.cpu(), v.cpu()) for k, v in base])
     f64 = DynamicCache(ddp_cache_data=[(k.cpu().float(), v.cpu().float()) for k, v in base])
@@ -54,8 +56,9 @@ def test_cuda_matches_cpu_and_fp64_hf_layout(dtype, layout, d, rd):
     splice_kv(f64, _to(store, "cpu", torch.float32), reqs, rope, rope_positions=deltas, backend="reference")
     torch.cuda.synchronize()
     for layer in range(n_layers):
-        assert_within_ref_error(gpu.layers[layer].keys, cpu.layers[layer].keys, f64.layers[layer].keys, dtype,
-                                name=f"K{layer}")
+        assert_within_ref_error(
+            gpu.layers[layer].keys, cpu.layers[layer].keys, f64.layers[layer].keys, dtype, name=f"K{layer}"
+        )
         assert torch.equal(gpu.layers[layer].values.cpu(), cpu.layers[layer].values)
 
 
@@ -78,8 +81,14 @@ def test_cuda_paged_matches_cpu(dtype):
 
 def test_cuda_llama_splice_and_generate():
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=512, vocab_size=1000)
+    cfg = LlamaConfig(
+        hidden_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        vocab_size=1000,
+    )
     model = LlamaForCausalLM(cfg).eval().cuda()
     store = StepKVStore.for_model(model)
     seg = list(range(100, 140))
@@ -97,7 +106,9 @@ def test_cuda_llama_splice_and_generate():
             with torch.no_grad():
                 model(input_ids=torch.cat([ctx, torch.tensor([seg, seg], device="cuda")], 1), past_key_values=full)
             assert_close_verbose(cache.layers[0].keys, full.layers[0].keys, atol=1e-4, name="layer-0 K on cuda")
-    kl = (torch.log_softmax(logits["exact"], -1).exp() * (torch.log_softmax(logits["exact"], -1)
-                                                          - torch.log_softmax(logits["splice"], -1))).sum(-1)
+    kl = (
+        torch.log_softmax(logits["exact"], -1).exp()
+        * (torch.log_softmax(logits["exact"], -1) - torch.log_softmax(logits["splice"], -1))
+    ).sum(-1)
     print(f"cuda tiny llama: KL(exact || splice) = {kl.mean().item():.4g}")
     assert torch.isfinite(kl).all()

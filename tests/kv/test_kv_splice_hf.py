@@ -38,17 +38,52 @@ def _model(kind: str, dtype=torch.float32):
     torch.manual_seed(1)
     common = dict(vocab_size=V, max_position_embeddings=512)
     if kind == "llama":
-        m = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                         num_key_value_heads=2, intermediate_size=128, **common))
+        m = LlamaForCausalLM(
+            LlamaConfig(
+                hidden_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                intermediate_size=128,
+                **common,
+            )
+        )
     elif kind == "qwen2":
-        m = Qwen2ForCausalLM(Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                         num_key_value_heads=1, intermediate_size=128, rope_theta=1e6, **common))
+        m = Qwen2ForCausalLM(
+            Qwen2Config(
+                hidden_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=1,
+                intermediate_size=128,
+                rope_theta=1e6,
+                **common,
+            )
+        )
     elif kind == "neox":
-        m = GPTNeoXForCausalLM(GPTNeoXConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                             intermediate_size=128, rotary_pct=0.25, **common))
+        m = GPTNeoXForCausalLM(
+            GPTNeoXConfig(
+                hidden_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                intermediate_size=128,
+                rotary_pct=0.25,
+                **common,
+            )
+        )
     else:
-        m = GPTJForCausalLM(GPTJConfig(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, vocab_size=V, n_positions=512,
-                                       bos_token_id=0, eos_token_id=0))
+        m = GPTJForCausalLM(
+            GPTJConfig(
+                n_embd=64,
+                n_layer=2,
+                n_head=4,
+                rotary_dim=8,
+                vocab_size=V,
+                n_positions=512,
+                bos_token_id=0,
+                eos_token_id=0,
+            )
+        )
     return m.eval().to(dtype)
 
 
@@ -83,8 +118,9 @@ def test_layer0_matches_full_forward_and_empty_context_is_exact(kind):
         # R(0) is the identity; the store was computed in a padded batch, so allow matmul rounding only.
         for layer in range(2):
             assert_close_verbose(empty.layers[layer].keys, ref.layers[layer].keys, atol=1e-5, name=f"empty K{layer}")
-            assert_close_verbose(empty.layers[layer].values, ref.layers[layer].values, atol=1e-5,
-                                 name=f"empty V{layer}")
+            assert_close_verbose(
+                empty.layers[layer].values, ref.layers[layer].values, atol=1e-5, name=f"empty V{layer}"
+            )
 
 
 def test_layer0_bf16_llama():
@@ -149,20 +185,32 @@ def test_splice_vs_exact_divergence_and_behaviour_logp_mismatch(kind):
     res = {}
     for mode in ("exact", "blend", "splice"):
         cache, _ = _prefill(model, ctx)
-        r = insert_segment(model, cache, segs, list(range(b)), [ctx_len] * b, mode=mode, store=store,
-                           payload_ids=list(range(b)), blend_fraction=0.25, backend=BACKEND)
+        r = insert_segment(
+            model,
+            cache,
+            segs,
+            list(range(b)),
+            [ctx_len] * b,
+            mode=mode,
+            store=store,
+            payload_ids=list(range(b)),
+            blend_fraction=0.25,
+            backend=BACKEND,
+        )
         toks, behav = _generate(model, cache, r.logits, r.next_positions, steps, sample_seed=7)
         # "train" log-probs: one full forward of context + segment + sampled tokens, as the trainer recomputes them
         full = torch.cat([ctx, torch.tensor(segs), toks], 1)
         with torch.no_grad():
             lp = torch.log_softmax(model(input_ids=full).logits.float(), -1)
         start = ctx_len + 12 - 1
-        train = lp[:, start:start + steps].gather(2, toks[:, :, None])[:, :, 0]
+        train = lp[:, start : start + steps].gather(2, toks[:, :, None])[:, :, 0]
         res[mode] = (r.logits, (train - behav).abs().mean().item())
     kl = {m: _kl(res["exact"][0], res[m][0]).mean().item() for m in ("splice", "blend")}
-    print(f"\n[{kind}] next-token KL(exact || splice) = {kl['splice']:.4g}, KL(exact || blend 25%) = {kl['blend']:.4g};"
-          f" mean |logp_train - logp_behaviour|: exact {res['exact'][1]:.3g}, blend {res['blend'][1]:.3g},"
-          f" splice {res['splice'][1]:.3g}")
+    print(
+        f"\n[{kind}] next-token KL(exact || splice) = {kl['splice']:.4g}, KL(exact || blend 25%) = {kl['blend']:.4g};"
+        f" mean |logp_train - logp_behaviour|: exact {res['exact'][1]:.3g}, blend {res['blend'][1]:.3g},"
+        f" splice {res['splice'][1]:.3g}"
+    )
     assert all(torch.isfinite(torch.tensor(v)) for v in kl.values())
     assert res["exact"][1] < 1e-4, "exact mode must reproduce the full-attention log-probs (measurement sanity)"
     assert torch.isfinite(torch.tensor(res["splice"][1]))
@@ -178,8 +226,9 @@ def test_static_cache_matches_dynamic_cache():
     for kind in ("dynamic", "static"):
         cache = DynamicCache(config=model.config) if kind == "dynamic" else StaticCache(model.config, max_cache_len=40)
         _prefill(model, ctx, cache)
-        r = insert_segment(model, cache, [seg, seg], [0, 1], [9, 9], mode="splice", store=store, payload_ids=[0, 0],
-                           backend=BACKEND)
+        r = insert_segment(
+            model, cache, [seg, seg], [0, 1], [9, 9], mode="splice", store=store, payload_ids=[0, 0], backend=BACKEND
+        )
         assert int(cache.get_seq_length()) == 15
         out[kind] = (r.logits, _generate(model, cache, r.logits, r.next_positions, 6)[0])
     assert_close_verbose(out["static"][0], out["dynamic"][0], atol=1e-4, name="static vs dynamic")
@@ -203,16 +252,28 @@ def test_ragged_left_padded_batch_uses_per_row_rope_positions():
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
     full_mask = torch.cat([mask, torch.ones(2, len(seg), dtype=torch.long)], 1)
-    r = insert_segment(model, cache, [seg, seg], [0, 1], [8, 8], mode="splice", store=store, payload_ids=[9, 9],
-                       rope_positions=[5, 8], attention_mask=full_mask, backend=BACKEND)
+    r = insert_segment(
+        model,
+        cache,
+        [seg, seg],
+        [0, 1],
+        [8, 8],
+        mode="splice",
+        store=store,
+        payload_ids=[9, 9],
+        rope_positions=[5, 8],
+        attention_mask=full_mask,
+        backend=BACKEND,
+    )
     assert r.next_positions.tolist() == [10, 13] and r.next_slot == 13
     alone, alone_logits = _prefill(model, torch.cat([short, torch.tensor(seg)])[None])
     assert_close_verbose(cache.layers[0].keys[0, :, 8:], alone.layers[0].keys[0, :, 5:], atol=1e-4, name="row 0 K")
     exact = DynamicCache(config=model.config)
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=exact, use_cache=True)
-    e = insert_segment(model, exact, [seg, seg], [0, 1], [8, 8], mode="exact", rope_positions=[5, 8],
-                       attention_mask=full_mask)
+    e = insert_segment(
+        model, exact, [seg, seg], [0, 1], [8, 8], mode="exact", rope_positions=[5, 8], attention_mask=full_mask
+    )
     assert_close_verbose(e.logits[0], alone_logits[0], atol=1e-4, name="exact ragged row 0 vs unpadded")
 
 

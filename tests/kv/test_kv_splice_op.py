@@ -46,10 +46,15 @@ def _expected_hf(args):
     ek, ev = [k.clone() for k in keys], [v.clone() for v in values]
     for off, n, row, slot, delta in requests.tolist():
         for layer in range(LAYERS):
-            rk = rotate_keys_ref(k_pool[layer, off:off + n], delta, inv_freq, rotary_dim=2 * inv_freq.numel(),
-                                 layout="interleaved" if interleaved else "rotate_half")
-            ek[layer][row, :, slot:slot + n] = rk.transpose(0, 1).to(ek[layer].dtype)
-            ev[layer][row, :, slot:slot + n] = v_pool[layer, off:off + n].transpose(0, 1)
+            rk = rotate_keys_ref(
+                k_pool[layer, off : off + n],
+                delta,
+                inv_freq,
+                rotary_dim=2 * inv_freq.numel(),
+                layout="interleaved" if interleaved else "rotate_half",
+            )
+            ek[layer][row, :, slot : slot + n] = rk.transpose(0, 1).to(ek[layer].dtype)
+            ev[layer][row, :, slot : slot + n] = v_pool[layer, off : off + n].transpose(0, 1)
     return ek, ev
 
 

@@ -21,18 +21,41 @@ from rapo_fast.reference.kv_splice import rope_cos_sin_ref, rotate_keys_ref
 
 
 def _llama(**rope):
-    return LlamaConfig(hidden_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                       intermediate_size=64, vocab_size=50, max_position_embeddings=4096, rope_scaling=rope or None)
+    return LlamaConfig(
+        hidden_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        vocab_size=50,
+        max_position_embeddings=4096,
+        rope_scaling=rope or None,
+    )
 
 
-@pytest.mark.parametrize("rope", [
-    {"rope_type": "linear", "factor": 4.0},
-    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-     "original_max_position_embeddings": 256},
-    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512},
-    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 512, "beta_fast": 16, "beta_slow": 2,
-     "mscale": 1.0, "mscale_all_dim": 0.5},
-])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "linear", "factor": 4.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256,
+        },
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512},
+        {
+            "rope_type": "yarn",
+            "factor": 8.0,
+            "original_max_position_embeddings": 512,
+            "beta_fast": 16,
+            "beta_slow": 2,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.5,
+        },
+    ],
+)
 def test_inv_freq_matches_transformers(rope):
     cfg = _llama(**rope)
     spec = RopeSpec.from_config(cfg)
@@ -43,13 +66,21 @@ def test_inv_freq_matches_transformers(rope):
 
 
 def test_default_theta_partial_and_layouts():
-    q = Qwen2Config(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                    intermediate_size=64, vocab_size=50, rope_theta=1e6)
+    q = Qwen2Config(
+        hidden_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        vocab_size=50,
+        rope_theta=1e6,
+    )
     s = RopeSpec.from_config(q)
     assert s.head_dim == 16 and s.rotary_dim == 16 and s.layout == "rotate_half"
     assert_close_verbose(s.inv_freq, 1.0 / (1e6 ** (torch.arange(0, 16, 2).float() / 16)), atol=0, rtol=1e-6)
-    n = GPTNeoXConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
-                      vocab_size=50, rotary_pct=0.25)
+    n = GPTNeoXConfig(
+        hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, vocab_size=50, rotary_pct=0.25
+    )
     s = RopeSpec.from_config(n)
     assert (s.head_dim, s.rotary_dim, s.layout) == (16, 4, "rotate_half")
     j = GPTJConfig(n_embd=64, n_layer=1, n_head=4, rotary_dim=8, vocab_size=50)
@@ -57,9 +88,18 @@ def test_default_theta_partial_and_layouts():
     assert (s.head_dim, s.rotary_dim, s.layout) == (16, 8, "interleaved")
 
 
-@pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0},
-                                  {"rope_type": "longrope", "short_factor": [1.0] * 16, "long_factor": [2.0] * 16,
-                                   "original_max_position_embeddings": 512}])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "dynamic", "factor": 2.0},
+        {
+            "rope_type": "longrope",
+            "short_factor": [1.0] * 16,
+            "long_factor": [2.0] * 16,
+            "original_max_position_embeddings": 512,
+        },
+    ],
+)
 def test_length_dependent_rope_is_refused(rope):
     with pytest.raises(ValueError, match="do not compose"):
         RopeSpec.from_config(_llama(**rope))
@@ -118,8 +158,14 @@ def test_rotation_composes_and_matches_fp64(layout, dtype):
         assert_within_ref_error(got, got, ref64, dtype, name=f"delta={delta}")
         assert torch.equal(got[..., rd:], k[..., rd:])
     # R(a) R(b) = R(a + b) up to rounding, in float64.
-    a = rotate_keys_ref(rotate_keys_ref(k64, 300, inv, rotary_dim=rd, layout=layout, compute_dtype=torch.float64),
-                        4000, inv, rotary_dim=rd, layout=layout, compute_dtype=torch.float64)
+    a = rotate_keys_ref(
+        rotate_keys_ref(k64, 300, inv, rotary_dim=rd, layout=layout, compute_dtype=torch.float64),
+        4000,
+        inv,
+        rotary_dim=rd,
+        layout=layout,
+        compute_dtype=torch.float64,
+    )
     b = rotate_keys_ref(k64, 4300, inv, rotary_dim=rd, layout=layout, compute_dtype=torch.float64)
     assert_close_verbose(a, b, atol=1e-9, name="composition")
 

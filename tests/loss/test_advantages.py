@@ -44,16 +44,19 @@ def test_step_entropy_matches_loop_and_keeps_dtype():
     assert_close_verbose(out, want, atol=2e-2)
 
 
-@pytest.mark.parametrize("ent,spans,exc,text", [
-    (torch.ones(2, 4), torch.tensor([[0, 0]]), ValueError, "step_spans"),
-    (torch.ones(4), torch.tensor([[0, 1, 2]]), ValueError, "step_spans"),
-    (torch.ones(2, 4), torch.tensor([[2, 0, 1]]), ValueError, "row"),
-    (torch.ones(2, 4), torch.tensor([[0, 3, 1]]), ValueError, "start <= end"),
-    (torch.ones(2, 4), torch.tensor([[0, 0, 5]]), ValueError, "end"),
-    (torch.ones(2, 4), torch.tensor([[0.0, 0.0, 1.0]]), TypeError, "step_spans"),
-    (torch.ones(2, 4, dtype=torch.long), torch.tensor([[0, 0, 1]]), TypeError, "entropy"),
-    (torch.ones(2, 4, 1), torch.tensor([[0, 0, 1]]), ValueError, "entropy"),
-])
+@pytest.mark.parametrize(
+    "ent,spans,exc,text",
+    [
+        (torch.ones(2, 4), torch.tensor([[0, 0]]), ValueError, "step_spans"),
+        (torch.ones(4), torch.tensor([[0, 1, 2]]), ValueError, "step_spans"),
+        (torch.ones(2, 4), torch.tensor([[2, 0, 1]]), ValueError, "row"),
+        (torch.ones(2, 4), torch.tensor([[0, 3, 1]]), ValueError, "start <= end"),
+        (torch.ones(2, 4), torch.tensor([[0, 0, 5]]), ValueError, "end"),
+        (torch.ones(2, 4), torch.tensor([[0.0, 0.0, 1.0]]), TypeError, "step_spans"),
+        (torch.ones(2, 4, dtype=torch.long), torch.tensor([[0, 0, 1]]), TypeError, "entropy"),
+        (torch.ones(2, 4, 1), torch.tensor([[0, 0, 1]]), ValueError, "entropy"),
+    ],
+)
 def test_step_entropy_checks(ent, spans, exc, text):
     with pytest.raises(exc, match=text):
         rapo_fast.step_entropy(ent, spans)
@@ -110,8 +113,9 @@ def test_rapo_advantages_by_hand():
     out = rapo_fast.rapo_advantages(rewards, gid, z)
     assert out.dtype == torch.float32
     assert_close_verbose(out, want, atol=1e-5)
-    assert_close_verbose(rapo_fast.rapo_advantages(rewards, gid, z, a=0.0), torch.cat([a_acc, torch.zeros(1)]),
-                         atol=1e-5)
+    assert_close_verbose(
+        rapo_fast.rapo_advantages(rewards, gid, z, a=0.0), torch.cat([a_acc, torch.zeros(1)]), atol=1e-5
+    )
 
 
 @settings(max_examples=30, deadline=None)

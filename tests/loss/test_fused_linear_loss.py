@@ -22,8 +22,9 @@ from rapo_fast.loss import tiles as tiles_mod
 AGG_MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 OPTS = {
     "plain": dict(),
-    "shaped-k1": dict(shaping_m=0.05, offpolicy_train="shaped", eps_low=0.28, eps_high=0.28, beta=0.1,
-                      kl_estimator="k1"),
+    "shaped-k1": dict(
+        shaping_m=0.05, offpolicy_train="shaped", eps_low=0.28, eps_high=0.28, beta=0.1, kl_estimator="k1"
+    ),
     "full-k3": FULL,  # truncated off-policy, tis_cap, dual_clip, k3, entropy_coef, shaping
     "k2-tis-dual": dict(tis_cap=2.0, dual_clip=2.5, beta=0.05, kl_estimator="k2", entropy_coef=-0.02),
 }
@@ -75,8 +76,9 @@ def test_fused_vs_reference_and_two_pass(agg, opt, layout, fused_calls, monkeypa
     if layout == "padded":
         d = make_batch(3, 7, 19, H=13, masked_rows=(1,), per_seq_adv=agg != "token-mean", response=True)
     else:
-        d = make_batch(seg_lens=[5, 1, 0, 9, 3], V=23, H=9, bias=False, masked_rows=(1,),
-                       per_seq_adv=agg == "seq-mean-token-sum")
+        d = make_batch(
+            seg_lens=[5, 1, 0, 9, 3], V=23, H=9, bias=False, masked_rows=(1,), per_seq_adv=agg == "seq-mean-token-sum"
+        )
     opts = dict(OPTS[opt], loss_agg=agg)
     check_case(d, opts)
     assert fused_calls and all(fused_calls)
@@ -234,8 +236,15 @@ def test_memory_bounded_by_tile_not_n_by_v():
     y = torch.randint(0, v, (n,))
     old = torch.full((n,), -11.0)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        loss = rapo_fast.rapo_loss(hidden=hid, weight=w, targets=y, old_logp=old, advantages=torch.randn(n),
-                                   loss_mask=torch.ones(n, dtype=torch.bool), entropy_coef=0.01)
+        loss = rapo_fast.rapo_loss(
+            hidden=hid,
+            weight=w,
+            targets=y,
+            old_logp=old,
+            advantages=torch.randn(n),
+            loss_mask=torch.ones(n, dtype=torch.bool),
+            entropy_coef=0.01,
+        )
         loss.backward()
     largest = max(e.self_cpu_memory_usage for e in prof.events())
     bound = max(tiles_mod.TILE_BYTES["cpu"], v * h * 4)
@@ -250,8 +259,11 @@ def test_policy_loss_from_logp_matches_reference(layout, agg):
     from rapo_fast.loss.policy_loss import policy_loss_from_logp
     from rapo_fast.reference import rapo_loss_ref, token_logprobs_ref
 
-    d = make_batch(3, 7, 11, per_seq_adv=True, masked_rows=(1,)) if layout == "padded" else make_batch(
-        seg_lens=[4, 0, 6], V=9)
+    d = (
+        make_batch(3, 7, 11, per_seq_adv=True, masked_rows=(1,))
+        if layout == "padded"
+        else make_batch(seg_lens=[4, 0, 6], V=9)
+    )
     lp, ent = token_logprobs_ref(d.pop("logits"), d.pop("targets"), 1.0, True)
     out = []
     for fn in (policy_loss_from_logp, rapo_loss_ref):

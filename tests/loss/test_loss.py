@@ -23,13 +23,24 @@ from rapo_fast.reference import rapo_loss_ref, token_logprobs_ref
 
 
 @pytest.mark.parametrize("agg", AGG_MODES)
-@pytest.mark.parametrize("opts", [
-    dict(),
-    dict(shaping_m=0.05, offpolicy_train="shaped", eps_low=0.28, eps_high=0.28),
-    FULL,
-    dict(importance_sampling_level="sequence", eps_low=3e-4, eps_high=4e-4, offpolicy_train="shaped", beta=0.05,
-         kl_estimator="k2", ref_logp=None),
-], ids=["plain", "rapo-shaped", "full", "gspo"])
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(),
+        dict(shaping_m=0.05, offpolicy_train="shaped", eps_low=0.28, eps_high=0.28),
+        FULL,
+        dict(
+            importance_sampling_level="sequence",
+            eps_low=3e-4,
+            eps_high=4e-4,
+            offpolicy_train="shaped",
+            beta=0.05,
+            kl_estimator="k2",
+            ref_logp=None,
+        ),
+    ],
+    ids=["plain", "rapo-shaped", "full", "gspo"],
+)
 @pytest.mark.parametrize("layout", ["padded", "flat"])
 def test_kernel_vs_reference_every_agg(agg, opts, layout):
     opts = {k: v for k, v in opts.items() if k != "ref_logp"}
@@ -159,9 +170,26 @@ def _check_op_against_reference(args):
     lp2 = lp.detach().requires_grad_(True)
     ent2 = ent.detach().requires_grad_(True)
     ref_tok, _ = policy_token_loss_ref(
-        lp2, args[1], args[2], on_mask=code == 1, off_mask=code == 2, ratio_scale=args[4], seq_log_ratio=args[6],
-        behav_logp=args[7], ref_logp=args[8], entropy=ent2, offpolicy_train="truncated", gamma=0.1, is_cap=2.0,
-        tis_cap=1.5, eps_low=0.2, eps_high=0.28, dual_clip=3.0, beta=0.1, kl_estimator="k3", entropy_coef=0.01,
+        lp2,
+        args[1],
+        args[2],
+        on_mask=code == 1,
+        off_mask=code == 2,
+        ratio_scale=args[4],
+        seq_log_ratio=args[6],
+        behav_logp=args[7],
+        ref_logp=args[8],
+        entropy=ent2,
+        offpolicy_train="truncated",
+        gamma=0.1,
+        is_cap=2.0,
+        tis_cap=1.5,
+        eps_low=0.2,
+        eps_high=0.28,
+        dual_clip=3.0,
+        beta=0.1,
+        kl_estimator="k3",
+        entropy_coef=0.01,
     )
     assert_close_verbose(tok, ref_tok * args[3], atol=1e-6, name="token loss")
     r_lp, r_ent = torch.autograd.grad(ref_tok * args[3], (lp2, ent2), up)
@@ -244,10 +272,16 @@ def test_cuda_op_large_n():
 def test_empty_inputs_give_zero_loss_and_empty_grad(shape, cu):
     logits = torch.randn(*shape, 5, requires_grad=True)
     loss, m = rapo_fast.rapo_loss(
-        logits, targets=torch.zeros(shape, dtype=torch.long), old_logp=torch.zeros(shape),
-        advantages=torch.zeros(shape), loss_mask=torch.ones(shape, dtype=torch.bool),
-        cu_seqlens=None if cu is None else torch.tensor(cu), return_metrics=True, loss_agg="seq-mean-token-mean",
-        importance_sampling_level="sequence", entropy_coef=0.1,
+        logits,
+        targets=torch.zeros(shape, dtype=torch.long),
+        old_logp=torch.zeros(shape),
+        advantages=torch.zeros(shape),
+        loss_mask=torch.ones(shape, dtype=torch.bool),
+        cu_seqlens=None if cu is None else torch.tensor(cu),
+        return_metrics=True,
+        loss_agg="seq-mean-token-mean",
+        importance_sampling_level="sequence",
+        entropy_coef=0.1,
     )
     (g,) = torch.autograd.grad(loss, logits)
     assert loss.item() == 0.0 and g.shape == logits.shape and m["num_tokens"] == 0
@@ -279,8 +313,7 @@ def test_kernels_compile_for_sm90(tmp_path):
     import sys
 
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
         pytest.skip("no ptxas on this machine")
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]

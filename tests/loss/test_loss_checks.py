@@ -28,8 +28,11 @@ def tripwire(monkeypatch):
 
 
 def _valid(flat=False, hidden=False):
-    d = make_batch(seg_lens=[3, 2], V=5, H=4 if hidden else None) if flat else make_batch(2, 3, 5,
-                                                                                          H=4 if hidden else None)
+    d = (
+        make_batch(seg_lens=[3, 2], V=5, H=4 if hidden else None)
+        if flat
+        else make_batch(2, 3, 5, H=4 if hidden else None)
+    )
     d.pop("ref_logp")
     d.pop("behav_logp")
     return d
@@ -37,8 +40,12 @@ def _valid(flat=False, hidden=False):
 
 BAD_CASES = [
     # (name, mutation of the valid padded call, exception type, text the message must contain)
-    ("both logits and hidden", lambda d: d.update(hidden=torch.randn(2, 3, 4), weight=torch.randn(5, 4)),
-     ValueError, "logits/hidden"),
+    (
+        "both logits and hidden",
+        lambda d: d.update(hidden=torch.randn(2, 3, 4), weight=torch.randn(5, 4)),
+        ValueError,
+        "logits/hidden",
+    ),
     ("neither", lambda d: d.pop("logits"), ValueError, "logits/hidden"),
     ("logits shape", lambda d: d.update(logits=torch.randn(2, 4, 5)), ValueError, "logits"),
     ("logits dtype", lambda d: d.update(logits=d["logits"].long()), TypeError, "logits"),
@@ -58,8 +65,12 @@ BAD_CASES = [
     ("response_mask shape", lambda d: d.update(response_mask=torch.ones(2)), ValueError, "response_mask"),
     ("mixed devices", lambda d: d.update(old_logp=torch.zeros(2, 3, device="meta")), ValueError, "old_logp"),
     ("offpolicy_train", lambda d: d.update(offpolicy_train="luffy"), ValueError, "offpolicy_train"),
-    ("importance_sampling_level", lambda d: d.update(importance_sampling_level="seq"), ValueError,
-     "importance_sampling_level"),
+    (
+        "importance_sampling_level",
+        lambda d: d.update(importance_sampling_level="seq"),
+        ValueError,
+        "importance_sampling_level",
+    ),
     ("kl_estimator", lambda d: d.update(kl_estimator="k4"), ValueError, "kl_estimator"),
     ("loss_agg", lambda d: d.update(loss_agg="mean"), ValueError, "loss_agg"),
     ("loss_agg type", lambda d: d.update(loss_agg=1), TypeError, "loss_agg"),
@@ -117,14 +128,17 @@ def test_flat_advantage_per_segment_shape(tripwire):
         rapo_fast.rapo_loss(**d)
 
 
-@pytest.mark.parametrize("mutation,text", [
-    (lambda d: d.update(weight=torch.randn(5, 3)), "weight"),
-    (lambda d: d.update(weight=d["weight"].half()), "weight"),
-    (lambda d: d.pop("weight"), "weight"),
-    (lambda d: d.update(bias=torch.randn(4)), "bias"),
-    (lambda d: d.update(hidden=torch.randn(2, 4, 4)), "hidden"),
-    (lambda d: d["targets"].__setitem__((0, 0), 7), "targets"),
-])
+@pytest.mark.parametrize(
+    "mutation,text",
+    [
+        (lambda d: d.update(weight=torch.randn(5, 3)), "weight"),
+        (lambda d: d.update(weight=d["weight"].half()), "weight"),
+        (lambda d: d.pop("weight"), "weight"),
+        (lambda d: d.update(bias=torch.randn(4)), "bias"),
+        (lambda d: d.update(hidden=torch.randn(2, 4, 4)), "hidden"),
+        (lambda d: d["targets"].__setitem__((0, 0), 7), "targets"),
+    ],
+)
 def test_bad_hidden_path(mutation, text, tripwire):
     d = _valid(hidden=True)
     mutation(d)
@@ -154,7 +168,8 @@ def test_fuzz_single_corruption(tripwire, field, how, extra, text):
     d = _valid()
     if field in _OPTIONS:
         if text in ("none", "shaped", "truncated", "token", "sequence", "k1", "k2", "k3") or text.startswith(
-                ("token-", "seq-")):
+            ("token-", "seq-")
+        ):
             return
         d[field] = text
         with pytest.raises(ValueError, match=field):
@@ -184,8 +199,14 @@ def test_fuzz_single_corruption(tripwire, field, how, extra, text):
 )
 def test_fuzz_valid_flat_inputs_run_and_match_reference(lens, V, agg, seq, per_seq, seed):
     d = make_batch(seg_lens=lens, V=V, per_seq_adv=per_seq, seed=seed)
-    opts = dict(loss_agg=agg, importance_sampling_level="sequence" if seq else "token", shaping_m=0.05,
-                offpolicy_train="shaped", beta=0.1, kl_estimator="k3")
+    opts = dict(
+        loss_agg=agg,
+        importance_sampling_level="sequence" if seq else "token",
+        shaping_m=0.05,
+        offpolicy_train="shaped",
+        beta=0.1,
+        kl_estimator="k3",
+    )
     loss = rapo_fast.rapo_loss(**d, **opts)
     ref = rapo_loss_ref(**d, **opts)
     assert torch.isfinite(loss)

@@ -78,8 +78,18 @@ def test_rapo_shaping_scales_ratio_by_retrieved_fraction():
     ret[2, 4] = True  # F = 1/5
     F = ret.double().sum(1, keepdim=True) / T
     on = ~ret
-    loss, m = _loss(logits, targets, logp, adv, lm, retrieved_mask=ret, shaping_m=0.5, eps_low=0.9, eps_high=9.0,
-                    return_metrics=True)
+    loss, m = _loss(
+        logits,
+        targets,
+        logp,
+        adv,
+        lm,
+        retrieved_mask=ret,
+        shaping_m=0.5,
+        eps_low=0.9,
+        eps_high=9.0,
+        return_metrics=True,
+    )
     want = (-(adv.double() * (1 + 0.5 * F))[on]).sum() / on.sum()
     assert_close_verbose(loss, want, atol=1e-6)
     assert_close_verbose(m["retrieved_frac"], torch.tensor(3 / (B * T)), atol=1e-7)
@@ -88,16 +98,27 @@ def test_rapo_shaping_scales_ratio_by_retrieved_fraction():
     resp[0, 3:] = False  # row 0: F = 2/3
     F2 = F.clone()
     F2[0] = 2 / 3
-    loss2 = _loss(logits, targets, logp, adv, lm, retrieved_mask=ret, response_mask=resp, shaping_m=0.5,
-                  eps_low=0.9, eps_high=9.0)
+    loss2 = _loss(
+        logits, targets, logp, adv, lm, retrieved_mask=ret, response_mask=resp, shaping_m=0.5, eps_low=0.9, eps_high=9.0
+    )
     assert_close_verbose(loss2, (-(adv.double() * (1 + 0.5 * F2))[on]).sum() / on.sum(), atol=1e-6)
 
 
 def test_retrieved_tokens_get_no_gradient_by_default():
     logits, targets, logp, adv, lm = _setup()
     ret = torch.rand(B, T) < 0.4
-    loss = _loss(logits, targets, logp - 0.3, adv, lm, retrieved_mask=ret, shaping_m=0.05, beta=0.1,
-                 ref_logp=logp.float() + 0.2, entropy_coef=0.01)
+    loss = _loss(
+        logits,
+        targets,
+        logp - 0.3,
+        adv,
+        lm,
+        retrieved_mask=ret,
+        shaping_m=0.05,
+        beta=0.1,
+        ref_logp=logp.float() + 0.2,
+        entropy_coef=0.01,
+    )
     (g,) = torch.autograd.grad(loss, logits)
     assert torch.count_nonzero(g[ret]) == 0 and torch.count_nonzero(g[~ret]) > 0
 
@@ -108,8 +129,19 @@ def test_offpolicy_modes_by_hand(mode):
     ret = torch.rand(B, T, generator=torch.Generator().manual_seed(1)) < 0.5
     behav = logp - 0.5 + torch.rand(B, T, dtype=torch.float64)
     a, p = adv.double(), logp.exp()
-    loss, m = _loss(logits, targets, logp, adv, ret, retrieved_mask=ret, offpolicy_train=mode, gamma=0.1,
-                    is_cap=1.3, behav_logp=behav.float(), return_metrics=True)
+    loss, m = _loss(
+        logits,
+        targets,
+        logp,
+        adv,
+        ret,
+        retrieved_mask=ret,
+        offpolicy_train=mode,
+        gamma=0.1,
+        is_cap=1.3,
+        behav_logp=behav.float(),
+        return_metrics=True,
+    )
     n = ret.sum()
     if mode == "shaped":
         wgt = p / (p + 0.1)
@@ -145,8 +177,9 @@ def test_kl_estimators_by_hand(est):
     d = logp - ref
     kl = {"k1": d, "k2": 0.5 * d * d, "k3": torch.exp(-d) + d - 1}[est]
     zero = torch.zeros(B, T)
-    loss, m = _loss(logits, targets, logp, zero, lm, beta=0.3, kl_estimator=est, ref_logp=ref.float(),
-                    return_metrics=True)
+    loss, m = _loss(
+        logits, targets, logp, zero, lm, beta=0.3, kl_estimator=est, ref_logp=ref.float(), return_metrics=True
+    )
     assert_close_verbose(loss, 0.3 * kl.mean(), atol=1e-5)
     assert_close_verbose(m["kl"], kl.mean(), atol=1e-5)
 
@@ -178,15 +211,28 @@ def test_gspo_sequence_ratio_by_hand():
     logits, targets, logp, adv, lm = _setup()
     shift = torch.randn(B, T, dtype=torch.float64) * 0.01
     a = adv[:, 0].double()
-    seq = rapo_fast.rapo_loss(logits, targets=targets, old_logp=(logp - shift).float(), advantages=adv[:, 0],
-                              loss_mask=lm, importance_sampling_level="sequence", eps_low=0.5, eps_high=0.5,
-                              loss_agg="seq-mean-token-mean")
+    seq = rapo_fast.rapo_loss(
+        logits,
+        targets=targets,
+        old_logp=(logp - shift).float(),
+        advantages=adv[:, 0],
+        loss_mask=lm,
+        importance_sampling_level="sequence",
+        eps_low=0.5,
+        eps_high=0.5,
+        loss_agg="seq-mean-token-mean",
+    )
     s = torch.exp(shift.mean(1))
     assert_close_verbose(seq, (-a * s).mean(), atol=1e-6)
     # rows whose log-ratio is constant: the sequence ratio equals the token ratio, values and gradients
     const = (torch.randn(B, 1, dtype=torch.float64) * 0.05).expand(B, T)
-    kw = dict(targets=targets, old_logp=(logp - const).float(), advantages=adv[:, 0], loss_mask=lm,
-              loss_agg="seq-mean-token-mean")
+    kw = dict(
+        targets=targets,
+        old_logp=(logp - const).float(),
+        advantages=adv[:, 0],
+        loss_mask=lm,
+        loss_agg="seq-mean-token-mean",
+    )
     l_seq = rapo_fast.rapo_loss(logits, importance_sampling_level="sequence", **kw)
     l_tok = rapo_fast.rapo_loss(logits, importance_sampling_level="token", **kw)
     assert_close_verbose(l_seq, l_tok, atol=1e-6)
@@ -209,12 +255,22 @@ def test_aggregation_modes_by_hand():
     for agg, w in want.items():
         assert_close_verbose(_loss(logits, targets, logp, adv, lm, loss_agg=agg), w, atol=1e-6, name=agg)
         g = _loss(logits, targets, logp, adv, lm, loss_agg=agg, global_num_tokens=4)
-        assert_close_verbose(g, -a.sum() / 4 if agg != "seq-mean-token-mean" else -(a.sum(1)[n > 0] / n[n > 0]).sum()
-                             / 4, atol=1e-6, name=f"{agg} global")
+        assert_close_verbose(
+            g,
+            -a.sum() / 4 if agg != "seq-mean-token-mean" else -(a.sum(1)[n > 0] / n[n > 0]).sum() / 4,
+            atol=1e-6,
+            name=f"{agg} global",
+        )
     # flat input: the sum-norm constant is the longest segment
     cu = torch.tensor([0, 4, 5, 15])
-    flat = dict(targets=targets.reshape(-1), old_logp=logp.reshape(-1).float(), advantages=adv.reshape(-1),
-                loss_mask=lm.reshape(-1), cu_seqlens=cu, loss_agg="seq-mean-token-sum-norm")
+    flat = dict(
+        targets=targets.reshape(-1),
+        old_logp=logp.reshape(-1).float(),
+        advantages=adv.reshape(-1),
+        loss_mask=lm.reshape(-1),
+        cu_seqlens=cu,
+        loss_agg="seq-mean-token-sum-norm",
+    )
     assert_close_verbose(rapo_fast.rapo_loss(logits.reshape(B * T, V), **flat), -a.sum() / 10, atol=1e-6)
 
 

@@ -48,11 +48,20 @@ def isa(request, monkeypatch):
 
 @pytest.mark.parametrize("metric", METRICS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("C", "D", "Q", "k"), [
-    (1000, 37, 33, 7), (301, 64, 1, 64), (150, 16, 4096, 1),
-    # few queries: one group of the dot kernels (Q <= 6), D with a tail past the 8/16-wide loops, and two groups
-    (301, 37, 2, 5), (200, 100, 3, 3), (64, 7, 5, 3), (301, 64, 6, 9), (257, 45, 7, 9),
-])
+@pytest.mark.parametrize(
+    ("C", "D", "Q", "k"),
+    [
+        (1000, 37, 33, 7),
+        (301, 64, 1, 64),
+        (150, 16, 4096, 1),
+        # few queries: one group of the dot kernels (Q <= 6), D with a tail past the 8/16-wide loops, and two groups
+        (301, 37, 2, 5),
+        (200, 100, 3, 3),
+        (64, 7, 5, 3),
+        (301, 64, 6, 9),
+        (257, 45, 7, 9),
+    ],
+)
 def test_matches_fp64(isa, metric, dtype, C, D, Q, k):
     buf = _filled(C, D, dtype, metric)
     q = torch.randn(Q, D)
@@ -121,14 +130,17 @@ def test_reference_against_loop():
             cand = []
             for j in range(23):
                 a, b = q[r], keys[j]
-                val = {"ip": float(a @ b), "cosine": float(a @ b / (a.norm() * b.norm())),
-                       "l2": -float(((a - b) ** 2).sum())}[metric]
+                val = {
+                    "ip": float(a @ b),
+                    "cosine": float(a @ b / (a.norm() * b.norm())),
+                    "l2": -float(((a - b) ** 2).sum()),
+                }[metric]
                 if val >= -5.0 and not (ex[r] >= 0 and groups[j] == ex[r]):
                     cand.append((-val, j))
             cand.sort()
             assert i[r, : len(cand)].tolist() == [j for _, j in cand]
             torch.testing.assert_close(s[r, : len(cand)], torch.tensor([-v for v, _ in cand], dtype=torch.float64))
-            assert torch.all(i[r, len(cand):] == -1) and torch.all(s[r, len(cand):] == float("-inf"))
+            assert torch.all(i[r, len(cand) :] == -1) and torch.all(s[r, len(cand) :] == float("-inf"))
 
 
 def test_threads_do_not_change_results():

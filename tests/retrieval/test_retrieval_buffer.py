@@ -109,7 +109,13 @@ def test_save_load_round_trip(tmp_path, eviction, dtype):
     assert len([p for p in (tmp_path / "b").iterdir() if p.name.startswith("snapshot-")]) == 1
     back = StepBuffer.load(tmp_path / "b")
     assert (back.capacity, back.dim, back.dtype, back.metric, back.eviction, len(back)) == (
-        30, 9, dtype, "cosine", eviction, 30)
+        30,
+        9,
+        dtype,
+        "cosine",
+        eviction,
+        30,
+    )
     for name in ("embeddings", "payload_ids", "group_ids", "scores"):
         assert torch.equal(getattr(back, name), getattr(buf, name)), name
     q = torch.randn(5, 9)
@@ -197,9 +203,11 @@ _dtypes = st.sampled_from([torch.float32, torch.float16, torch.int64, torch.int3
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
-    q_shape=st.lists(st.integers(0, 5), min_size=0, max_size=3), q_dtype=_dtypes,
+    q_shape=st.lists(st.integers(0, 5), min_size=0, max_size=3),
+    q_dtype=_dtypes,
     k=st.one_of(st.integers(-3, 1100), st.just(True), st.just(2.0)),
-    ex_len=st.one_of(st.none(), st.integers(0, 6)), ex_dtype=_dtypes,
+    ex_len=st.one_of(st.none(), st.integers(0, 6)),
+    ex_dtype=_dtypes,
     min_score=st.one_of(st.none(), st.floats(allow_nan=True), st.just("x")),
 )
 def test_fuzz_search_arguments(q_shape, q_dtype, k, ex_len, ex_dtype, min_score):
@@ -219,9 +227,15 @@ def test_fuzz_search_arguments(q_shape, q_dtype, k, ex_len, ex_dtype, min_score)
 
 @settings(max_examples=60, deadline=None)
 @given(
-    m=st.integers(0, 4), d=st.integers(1, 6), e_dtype=_dtypes,
-    p_len=st.integers(0, 5), p_dtype=_dtypes, g_len=st.integers(0, 5), g_dtype=_dtypes,
-    s_len=st.one_of(st.none(), st.integers(0, 5)), s_dtype=_dtypes,
+    m=st.integers(0, 4),
+    d=st.integers(1, 6),
+    e_dtype=_dtypes,
+    p_len=st.integers(0, 5),
+    p_dtype=_dtypes,
+    g_len=st.integers(0, 5),
+    g_dtype=_dtypes,
+    s_len=st.one_of(st.none(), st.integers(0, 5)),
+    s_dtype=_dtypes,
 )
 def test_fuzz_add_arguments(m, d, e_dtype, p_len, p_dtype, g_len, g_dtype, s_len, s_dtype):
     buf = StepBuffer(3, 4, dtype=torch.float16)

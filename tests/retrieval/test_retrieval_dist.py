@@ -55,8 +55,9 @@ def test_sharded_search_two_gloo_ranks(tmp_path):
         got = torch.load(tmp_path / f"r{rank}.pt")
         for (s, p), kw in (((got["s"], got["p"]), {"exclude_groups": excl[rank]}), ((got["s2"], got["p2"]), {})):
             min_score = None if kw else 1.0
-            ref_s, ref_i = search_ref(keys, queries[rank], K, "ip", groups.flatten(), kw.get("exclude_groups"),
-                                      min_score)
+            ref_s, ref_i = search_ref(
+                keys, queries[rank], K, "ip", groups.flatten(), kw.get("exclude_groups"), min_score
+            )
             want_p = torch.where(ref_i >= 0, payload[ref_i.clamp_min(0)], torch.full_like(ref_i, -1))
             assert torch.equal(p, want_p), (rank, kw)
             torch.testing.assert_close(s.double(), ref_s, atol=1e-4, rtol=1e-5)

@@ -23,16 +23,27 @@ METRICS = ["ip", "cosine", "l2"]
 def _cuda_buffer(C, D, dtype, metric, n=None, groups=5):
     buf = StepBuffer(C, D, dtype=dtype, metric=metric, device="cuda")
     n = C if n is None else n
-    buf.add(torch.randn(n, D, device="cuda"), torch.arange(n, device="cuda") + 1000,
-            torch.randint(0, groups, (n,), device="cuda"), torch.randn(n, device="cuda"))
+    buf.add(
+        torch.randn(n, D, device="cuda"),
+        torch.arange(n, device="cuda") + 1000,
+        torch.randint(0, groups, (n,), device="cuda"),
+        torch.randn(n, device="cuda"),
+    )
     return buf
 
 
 @pytest.mark.parametrize("metric", METRICS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("C", "D", "Q", "k"), [
-    (1000, 37, 33, 7), (3001, 64, 1, 64), (200, 16, 4096, 1), (2500, 40, 33, 1024), (130, 384, 5, 64),
-])
+@pytest.mark.parametrize(
+    ("C", "D", "Q", "k"),
+    [
+        (1000, 37, 33, 7),
+        (3001, 64, 1, 64),
+        (200, 16, 4096, 1),
+        (2500, 40, 33, 1024),
+        (130, 384, 5, 64),
+    ],
+)
 def test_cuda_matches_fp64(metric, dtype, C, D, Q, k):
     buf = _cuda_buffer(C, D, dtype, metric)
     q = torch.randn(Q, D, device="cuda")
@@ -74,8 +85,11 @@ def test_cuda_empty_and_partial_buffer():
     buf = StepBuffer(100, 8, device="cuda")
     s, p = buf.search(torch.randn(3, 8, device="cuda"), 5)
     assert torch.all(p == -1) and torch.all(s == float("-inf"))
-    buf.add(torch.randn(3, 8, device="cuda"), torch.arange(3, device="cuda"), torch.zeros(3, dtype=torch.int64,
-                                                                                           device="cuda"))
+    buf.add(
+        torch.randn(3, 8, device="cuda"),
+        torch.arange(3, device="cuda"),
+        torch.zeros(3, dtype=torch.int64, device="cuda"),
+    )
     q = torch.randn(4, 8, device="cuda")
     s, p = buf.search(q, 5)
     check_search(buf, q, 5, s, p)

@@ -63,8 +63,12 @@ def test_retrieval_returns_the_step_after_the_history(data):
         # the nearest key is this history itself (cosine 1); trajectories sharing this history may have taken
         # different steps next (a solver error), so the payload is one of those steps
         assert score == pytest.approx(1.0, abs=1e-5) and pid >= 0
-        same_hist = {tuple(tok.encode(f"<retrieve> {s} </retrieve>")) for r2 in kept
-                     for h2, s in split_trajectory(r2) if h2 == hist}
+        same_hist = {
+            tuple(tok.encode(f"<retrieve> {s} </retrieve>"))
+            for r2 in kept
+            for h2, s in split_trajectory(r2)
+            if h2 == hist
+        }
         assert tuple(seg) in same_hist
 
 

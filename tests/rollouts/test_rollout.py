@@ -53,8 +53,18 @@ def test_token_kinds_and_f_ret(setup):
     task, tok, model, problems, path = setup
     traces = _traces(tok, path)
     g = torch.Generator().manual_seed(1)
-    b = rollout(model, tok, task, problems, group_size=4, n_hybrid=2, retrieve_prob=1.0, traces=traces, generator=g,
-                max_step_tokens=16)
+    b = rollout(
+        model,
+        tok,
+        task,
+        problems,
+        group_size=4,
+        n_hybrid=2,
+        retrieve_prob=1.0,
+        traces=traces,
+        generator=g,
+        max_step_tokens=16,
+    )
     assert b.batch_size == 24
     assert int((b.kinds == KIND_RET).sum()) > 0 and int((b.kinds == KIND_TOOL).sum()) > 0  # not vacuous
     open_r, close_r = tok.convert_tokens_to_ids("<retrieve>"), tok.convert_tokens_to_ids("</retrieve>")
@@ -89,8 +99,18 @@ def test_step0_never_retrieves(setup):
     task, tok, model, problems, path = setup
     traces = _traces(tok, path)
     for seed in range(3):
-        b = rollout(model, tok, task, problems, group_size=4, n_hybrid=4, retrieve_prob=1.0, traces=traces,
-                    generator=torch.Generator().manual_seed(seed), max_step_tokens=16)
+        b = rollout(
+            model,
+            tok,
+            task,
+            problems,
+            group_size=4,
+            n_hybrid=4,
+            retrieve_prob=1.0,
+            traces=traces,
+            generator=torch.Generator().manual_seed(seed),
+            max_step_tokens=16,
+        )
         tool_end = tok.convert_tokens_to_ids("</tool>")
         for i in range(b.batch_size):
             kinds, ids = b.kinds[i].tolist(), b.input_ids[i].tolist()
@@ -120,8 +140,18 @@ def test_excludes_own_group_when_buffer_has_onpolicy_steps(setup):
     pids = traces.add_steps([h for h, _, _ in onp], [s for _, s, _ in onp], [q for *_, q in onp])
     group_of = {int(pid): q for pid, (_, _, q) in zip(pids, onp)}
     assert traces.has_on_policy
-    b = rollout(model, tok, task, problems, group_size=4, n_hybrid=4, retrieve_prob=1.0, traces=traces,
-                generator=torch.Generator().manual_seed(0), max_step_tokens=16)
+    b = rollout(
+        model,
+        tok,
+        task,
+        problems,
+        group_size=4,
+        n_hybrid=4,
+        retrieve_prob=1.0,
+        traces=traces,
+        generator=torch.Generator().manual_seed(0),
+        max_step_tokens=16,
+    )
     assert b.retrievals.numel()
     for row, _, _, pid, _ in b.retrievals.tolist():
         assert group_of.get(pid) != int(b.group_ids[row])
@@ -140,8 +170,18 @@ def test_excludes_own_group_when_buffer_has_onpolicy_steps(setup):
 def test_behaviour_logp_matches_full_attention_in_exact_mode(setup):
     task, tok, model, problems, path = setup
     traces = _traces(tok, path)
-    b = rollout(model, tok, task, problems[:3], group_size=4, n_hybrid=2, retrieve_prob=0.7, traces=traces,
-                generator=torch.Generator().manual_seed(2), max_step_tokens=16)
+    b = rollout(
+        model,
+        tok,
+        task,
+        problems[:3],
+        group_size=4,
+        n_hybrid=2,
+        retrieve_prob=0.7,
+        traces=traces,
+        generator=torch.Generator().manual_seed(2),
+        max_step_tokens=16,
+    )
     with torch.no_grad():
         logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits.float()
     full = torch.log_softmax(logits[:, :-1], -1).gather(-1, b.input_ids[:, 1:, None]).squeeze(-1)
@@ -171,8 +211,14 @@ def test_splice_equals_exact_at_position_zero_greedy(setup):
     store = StepKVStore.for_model(model)
     store.add_from_model(model, [3], [seg])
     spliced = DecodeEngine(model, B, torch.device("cpu"))
-    splice_kv(spliced.cache, store, [(3, r, 0) for r in range(B)], RopeSpec.from_model(model), lengths=[L - 1] * B,
-              rope_positions=[0] * B)
+    splice_kv(
+        spliced.cache,
+        store,
+        [(3, r, 0) for r in range(B)],
+        RopeSpec.from_model(model),
+        lengths=[L - 1] * B,
+        rope_positions=[0] * B,
+    )
     spliced.extend_columns(torch.ones(B, L - 1, dtype=torch.bool), L - 1)
     spliced.feed(torch.tensor([[seg[-1]]] * B), torch.ones(B, 1, dtype=torch.bool))
     assert (first_exact - spliced.last_logits).abs().max() < 1e-4
@@ -182,8 +228,19 @@ def test_splice_equals_exact_at_position_zero_greedy(setup):
 def test_splice_mode_rollout_runs_and_records_mismatch(setup):
     task, tok, model, problems, path = setup
     traces = _traces(tok, path, model=model, kv=True)
-    b = rollout(model, tok, task, problems[:3], group_size=4, n_hybrid=4, retrieve_prob=1.0, traces=traces,
-                mode="splice", generator=torch.Generator().manual_seed(3), max_step_tokens=16)
+    b = rollout(
+        model,
+        tok,
+        task,
+        problems[:3],
+        group_size=4,
+        n_hybrid=4,
+        retrieve_prob=1.0,
+        traces=traces,
+        mode="splice",
+        generator=torch.Generator().manual_seed(3),
+        max_step_tokens=16,
+    )
     assert b.mode == "splice" and b.retrievals.numel() > 0
     payloads = {tuple(p) for p in traces.payloads}
     for i in range(b.batch_size):
@@ -203,9 +260,22 @@ def test_splice_mode_rollout_runs_and_records_mismatch(setup):
 def test_arpo_branching_within_budget(setup):
     task, tok, model, problems, _ = setup
     G = 6
-    b = rollout(model, tok, task, problems[:4], group_size=G, strategy="arpo", n_hybrid=0, arpo_initial=2,
-                arpo_beam=2, arpo_k=4, arpo_alpha=1.0, arpo_beta=0.0, generator=torch.Generator().manual_seed(0),
-                max_step_tokens=16)
+    b = rollout(
+        model,
+        tok,
+        task,
+        problems[:4],
+        group_size=G,
+        strategy="arpo",
+        n_hybrid=0,
+        arpo_initial=2,
+        arpo_beam=2,
+        arpo_k=4,
+        arpo_alpha=1.0,
+        arpo_beta=0.0,
+        generator=torch.Generator().manual_seed(0),
+        max_step_tokens=16,
+    )
     counts = torch.bincount(b.prompt_index, minlength=4)
     assert (counts <= G).all() and (counts >= 2).all()
     branched = torch.nonzero(b.parent >= 0).squeeze(1).tolist()

@@ -16,8 +16,17 @@ from rapo_fast.rollouts.batch import KIND_GEN, KIND_PROMPT, RolloutBatch
 from rapo_fast.rollouts.loop import rollout
 from rapo_fast.train.trainer import RAPOTrainer, TrainerConfig, hard_attribution, retrieval_rewards
 
-TIMING_KEYS = {"tokens_per_s", "t_rollout", "t_retrieval", "t_splice", "t_buffer", "t_step", "t_logprob",
-               "t_loss", "t_optimizer"}
+TIMING_KEYS = {
+    "tokens_per_s",
+    "t_rollout",
+    "t_retrieval",
+    "t_splice",
+    "t_buffer",
+    "t_step",
+    "t_logprob",
+    "t_loss",
+    "t_optimizer",
+}
 
 ON_INTERPRETER = {"test_grpo_and_arpo_presets_train"}
 
@@ -39,12 +48,22 @@ def _hand_batch(B, T, step_spans, retrievals, group_ids):
     kinds[:, 0] = KIND_PROMPT
     z = torch.zeros(B, T)
     return RolloutBatch(
-        input_ids=torch.zeros(B, T, dtype=torch.long), attention_mask=torch.ones(B, T, dtype=torch.long),
-        kinds=kinds, behav_logp=z, entropy=z, step_spans=torch.tensor(step_spans).reshape(-1, 3),
-        step_obs_end=torch.tensor([s[2] for s in step_spans]), retrievals=torch.tensor(retrievals).reshape(-1, 5),
-        group_ids=torch.tensor(group_ids), prompt_index=torch.tensor(group_ids), hybrid=torch.ones(B, dtype=torch.bool),
-        parent=torch.full((B,), -1), branch_at=torch.full((B,), -1), origin=torch.full((B, T), -1),
-        prompt_len=torch.ones(B, dtype=torch.long), completions=[""] * B,
+        input_ids=torch.zeros(B, T, dtype=torch.long),
+        attention_mask=torch.ones(B, T, dtype=torch.long),
+        kinds=kinds,
+        behav_logp=z,
+        entropy=z,
+        step_spans=torch.tensor(step_spans).reshape(-1, 3),
+        step_obs_end=torch.tensor([s[2] for s in step_spans]),
+        retrievals=torch.tensor(retrievals).reshape(-1, 5),
+        group_ids=torch.tensor(group_ids),
+        prompt_index=torch.tensor(group_ids),
+        hybrid=torch.ones(B, dtype=torch.bool),
+        parent=torch.full((B,), -1),
+        branch_at=torch.full((B,), -1),
+        origin=torch.full((B, T), -1),
+        prompt_len=torch.ones(B, dtype=torch.long),
+        completions=[""] * B,
     )
 
 
@@ -101,8 +120,15 @@ def _rewards_from_tokens(env, problems, batch):
 
 
 def _cfg(tmp_path=None, **kw):
-    base = dict(group_size=4, n_hybrid=2, prompts_per_step=2, max_step_tokens=6, max_steps=2, lr=5e-3,
-                log_csv=None if tmp_path is None else str(tmp_path / "m.csv"))
+    base = dict(
+        group_size=4,
+        n_hybrid=2,
+        prompts_per_step=2,
+        max_step_tokens=6,
+        max_steps=2,
+        lr=5e-3,
+        log_csv=None if tmp_path is None else str(tmp_path / "m.csv"),
+    )
     return TrainerConfig.RAPO(**(base | kw))
 
 
@@ -110,16 +136,35 @@ def test_one_step_lowers_the_loss_on_a_fixed_batch(world):
     task, tok, problems, path = world
     model = build_tiny_policy(tok.vocab_size, hidden_size=32, num_heads=2, num_kv_heads=1, seed=0)
     traces = StepTraces.from_jsonl(path, HashedNgramEncoder(), tok)
-    fixed = rollout(model, tok, task, problems[:2], group_size=4, n_hybrid=2, traces=traces, max_step_tokens=6,
-                    max_steps=2, generator=torch.Generator().manual_seed(0))
+    fixed = rollout(
+        model,
+        tok,
+        task,
+        problems[:2],
+        group_size=4,
+        n_hybrid=2,
+        traces=traces,
+        max_step_tokens=6,
+        max_steps=2,
+        generator=torch.Generator().manual_seed(0),
+    )
     seen = {}
 
     def loss_fn(**kw):
         seen.update(kw)
         return rapo_loss(**kw)
 
-    trainer = RAPOTrainer(model, tok, task, traces, _cfg(), problems, rollout_fn=lambda *a, **k: fixed,
-                          reward_fn=_rewards_from_tokens, loss_fn=loss_fn)
+    trainer = RAPOTrainer(
+        model,
+        tok,
+        task,
+        traces,
+        _cfg(),
+        problems,
+        rollout_fn=lambda *a, **k: fixed,
+        reward_fn=_rewards_from_tokens,
+        loss_fn=loss_fn,
+    )
     m = trainer.step()
     assert m["adv_abs_mean"] > 0
 
@@ -154,7 +199,8 @@ def test_resume_gives_the_same_next_step(world, tmp_path):
     b.load_checkpoint(tmp_path / "ckpt")
     m_b = b.step()
     assert {k: v for k, v in m_a.items() if k not in TIMING_KEYS} == pytest.approx(
-        {k: v for k, v in m_b.items() if k not in TIMING_KEYS}, nan_ok=True)
+        {k: v for k, v in m_b.items() if k not in TIMING_KEYS}, nan_ok=True
+    )
     assert torch.equal(_params(a.model), _params(b.model))
     assert a.buffer.payloads == b.buffer.payloads and len(a.buffer.buffer) == len(b.buffer.buffer)
     assert m_a["step"] == 2
@@ -171,8 +217,9 @@ def test_resume_in_splice_mode_between_kv_refreshes(world, tmp_path):
 
     def make(seed_model):
         model = build_tiny_policy(tok.vocab_size, hidden_size=32, num_heads=2, num_kv_heads=1, seed=seed_model)
-        traces = StepTraces.from_jsonl(path, HashedNgramEncoder(), tok, kv_store=StepKVStore.for_model(model),
-                                       model=model)
+        traces = StepTraces.from_jsonl(
+            path, HashedNgramEncoder(), tok, kv_store=StepKVStore.for_model(model), model=model
+        )
         cfg = _cfg(tmp_path, mode="splice", refresh_kv_every=3, tis_cap=2.0)
         return RAPOTrainer(model, tok, task, traces, cfg, problems, reward_fn=_rewards_from_tokens)
 
@@ -185,7 +232,8 @@ def test_resume_in_splice_mode_between_kv_refreshes(world, tmp_path):
     m_b = b.step()
     assert m_a["retrieval_rate"] > 0
     assert {k: v for k, v in m_a.items() if k not in TIMING_KEYS} == pytest.approx(
-        {k: v for k, v in m_b.items() if k not in TIMING_KEYS}, nan_ok=True)
+        {k: v for k, v in m_b.items() if k not in TIMING_KEYS}, nan_ok=True
+    )
     assert torch.equal(_params(a.model), _params(b.model))
     for pid in a.buffer.kv_store.payload_ids():
         assert torch.equal(a.buffer.kv_store.get(pid)[0], b.buffer.kv_store.get(pid)[0])
@@ -193,9 +241,12 @@ def test_resume_in_splice_mode_between_kv_refreshes(world, tmp_path):
 
 def test_grpo_and_arpo_presets_train(world):
     task, tok, problems, _ = world
-    for cfg in (TrainerConfig.GRPO(group_size=4, prompts_per_step=2, max_step_tokens=6, max_steps=2),
-                TrainerConfig.ARPO(group_size=4, prompts_per_step=2, max_step_tokens=6, max_steps=2, arpo_k=2,
-                                   advantage_attribution="hard")):
+    for cfg in (
+        TrainerConfig.GRPO(group_size=4, prompts_per_step=2, max_step_tokens=6, max_steps=2),
+        TrainerConfig.ARPO(
+            group_size=4, prompts_per_step=2, max_step_tokens=6, max_steps=2, arpo_k=2, advantage_attribution="hard"
+        ),
+    ):
         model = build_tiny_policy(tok.vocab_size, hidden_size=32, num_heads=2, num_kv_heads=1, seed=0)
         trainer = RAPOTrainer(model, tok, task, None, cfg, problems, reward_fn=_rewards_from_tokens)
         m = trainer.step()
@@ -258,8 +309,7 @@ def test_splice_mode_step_uses_behaviour_correction(world):
 
     task, tok, problems, path = world
     model = build_tiny_policy(tok.vocab_size, hidden_size=32, num_heads=2, num_kv_heads=1, seed=0)
-    traces = StepTraces.from_jsonl(path, HashedNgramEncoder(), tok, kv_store=StepKVStore.for_model(model),
-                                   model=model)
+    traces = StepTraces.from_jsonl(path, HashedNgramEncoder(), tok, kv_store=StepKVStore.for_model(model), model=model)
     # a fixed batch in the rollout's format: solutions with retrieved steps, behaviour log-probs off by a little
     # (as sampling from a spliced cache would leave them)
     ex = sft_examples(task, tok, problems[:2] * 2, retrieve_frac=1.0, rng=random.Random(0))
@@ -282,8 +332,17 @@ def test_splice_mode_step_uses_behaviour_correction(world):
         return rapo_loss(**kw)
 
     cfg = _cfg(mode="splice", tis_cap=2.0)
-    trainer = RAPOTrainer(model, tok, task, traces, cfg, problems, rollout_fn=lambda *a, **k: batch,
-                          reward_fn=lambda env, p, b: torch.tensor([1.0, 0.0, 0.0, 1.0]), loss_fn=loss_fn)
+    trainer = RAPOTrainer(
+        model,
+        tok,
+        task,
+        traces,
+        cfg,
+        problems,
+        rollout_fn=lambda *a, **k: batch,
+        reward_fn=lambda env, p, b: torch.tensor([1.0, 0.0, 0.0, 1.0]),
+        loss_fn=loss_fn,
+    )
     m = trainer.step()
     assert seen["tis_cap"] == 2.0 and torch.equal(seen["behav_logp"], batch.behav_logp[:, 1:])
     # old_logp - behav_logp = 0.1 on every trained token: the truncated IS weight is exp(0.1) there
@@ -323,8 +382,7 @@ def test_train_callbacks_run_every_step_can_stop_and_evaluate_inside_the_loop(wo
     plain = []
     hist = trainer.train(5, progress=True, callbacks=[Recorder(), held_out], callback=lambda m: plain.append(m["step"]))
     # every step reaches the callbacks, in order; the Recorder's stop ends training after step 3 of 5
-    assert events == [("begin", 0, 5), ("step", 1, 1, False), ("step", 2, 2, False), ("step", 3, 3, False),
-                      ("end", 3)]
+    assert events == [("begin", 0, 5), ("step", 1, 1, False), ("step", 2, 2, False), ("step", 3, 3, False), ("end", 3)]
     assert plain == [1, 2, 3] and len(hist) == 3 and trainer.step_count == 3
     # evaluation before the first step, at step 2 (every=2) and at the last step run (3, cut short)
     assert evaluated_at == [0, 2, 3] and held_out.curve == [(0, 0.0), (2, 0.5), (3, 0.75)]
