@@ -2,7 +2,7 @@
 Q in {1, 33, 4096}, capacities that are not a multiple of the 64-key tile, filters, duplicates), plus stream ordering,
 torch.compile, and agreement of the CPU and CUDA backends. Marked gpu: skipped without a CUDA device.
 
-Not here: CPU exactness (test_retrieval.py). These tests have not run yet in the session that wrote them (no GPU).
+Not here: CPU exactness (test_retrieval.py). They have not yet run on a GPU.
 """
 
 from __future__ import annotations
