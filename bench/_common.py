@@ -17,6 +17,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -126,13 +127,57 @@ def measure_copy_bandwidth_gbs(device: torch.device, nbytes: int = 1 << 30) -> f
     return 2 * n * 4 / (t * 1e-3) / 1e9
 
 
+def positive_int(text: str) -> int:
+    """argparse type of a count that must be >= 1 (--repeats, --threads): a bad value is argparse's one-line error
+    and exit code 2, not a traceback (a repeat count of -3 once failed with "no median for empty data")."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
+    return v
+
+
+def writable_dir(text: str) -> Path:
+    """argparse type of --out: a folder that exists or can be created (no file on the way, the nearest existing
+    ancestor writable)."""
+    p = Path(text)
+    for q in [p, *p.parents]:
+        if q.exists():
+            if not q.is_dir():
+                raise argparse.ArgumentTypeError(f"{text!r} cannot be a folder: {str(q)!r} is a file")
+            if not os.access(q, os.W_OK | os.X_OK):
+                raise argparse.ArgumentTypeError(f"{text!r} cannot be written: {str(q)!r} is not writable")
+            break
+    return p
+
+
+class UsageError(SystemExit):
+    """A bad combination of flags found after parsing: exit code 2, as argparse's own errors; str() is the message."""
+
+    def __init__(self, message: str):
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def usage_error(prog: str, message: str) -> UsageError:
+    """The exit of a bad flag found after parsing: argparse's format ("PROG: error: MESSAGE" on stderr) and its exit
+    code 2. Use as `raise usage_error(...)`."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return UsageError(message)
+
+
 def add_output_args(parser: argparse.ArgumentParser, files: str) -> None:
     """The two options that say where a run writes `files` (named in the help): `--out DIR` or `--record` (else a
     new temporary folder)."""
     g = parser.add_mutually_exclusive_group()
     g.add_argument(
         "--out",
-        type=Path,
+        type=writable_dir,
         default=None,
         metavar="DIR",
         help=f"write {files} into DIR, created if missing; rows are appended to a CSV already there",
@@ -148,7 +193,9 @@ def add_output_args(parser: argparse.ArgumentParser, files: str) -> None:
 def output_dir(args: argparse.Namespace, bench: str) -> Path:
     """The folder a run writes into (see the module docstring); a `--quick` run is never recorded."""
     if getattr(args, "record", False) and getattr(args, "quick", False):
-        raise SystemExit(f"bench {bench}: --quick rows are smoke numbers, never recorded; drop --record or --quick")
+        raise usage_error(
+            f"rapo-fast bench {bench}", "--quick rows are smoke numbers, never recorded; drop --record or --quick"
+        )
     if args.out is not None:
         out = Path(args.out)
     elif getattr(args, "record", False):
@@ -187,3 +234,40 @@ def append_rows(name: str, rows: list[dict], out_dir: Path) -> Path:
             w.writeheader()
         w.writerows(rows)
     return out
+
+
+def add_grid_args(parser: argparse.ArgumentParser, dims: str, providers: bool = True) -> None:
+    """Options that narrow a run to a bounded grid (used by the staged GPU validation, bench/gpu/): `--shape` (one
+    shape, repeatable, replaces the built-in grid; its fields named by `dims`, e.g. "N,H,V"), `--providers` (a
+    comma-separated subset) and `--rep-ms` (time budget per measurement, the cap on slow providers' repeats)."""
+    n = len(dims.split(","))
+
+    def shape(text: str) -> tuple[int, ...]:
+        parts = text.split(",")
+        if len(parts) != n or not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+            raise argparse.ArgumentTypeError(f"--shape expects {n} integers >= 1 {dims}, got {text!r}")
+        return tuple(int(p) for p in parts)
+
+    parser.add_argument(
+        "--shape",
+        type=shape,
+        action="append",
+        default=None,
+        metavar=dims,
+        help=f"run only this shape ({dims}); repeatable; replaces the built-in grid",
+    )
+    if providers:
+        parser.add_argument(
+            "--providers",
+            type=lambda s: [p for p in s.split(",") if p],
+            default=None,
+            metavar="A,B",
+            help="run only these providers (comma-separated names as in the CSV's provider column)",
+        )
+    parser.add_argument(
+        "--rep-ms",
+        type=positive_int,
+        default=None,
+        metavar="MS",
+        help="time budget of each measurement in ms (caps the repeats of slow providers)",
+    )

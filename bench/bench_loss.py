@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from _common import (
+    add_grid_args,
     add_output_args,
     append_rows,
     commit,
@@ -149,7 +150,7 @@ def _providers(device: torch.device, n: int, v: int):
     return provs
 
 
-def run(shapes, dtype, device, out_dir: Path, reps_ms: int) -> list[dict]:
+def run(shapes, dtype, device, out_dir: Path, reps_ms: int, providers: list[str] | None = None) -> list[dict]:
     rows = []
     dev_name = device_name(device)
     bw = measure_copy_bandwidth_gbs(device)
@@ -157,6 +158,8 @@ def run(shapes, dtype, device, out_dir: Path, reps_ms: int) -> list[dict]:
         hidden, weight, targets, old_logp, adv, mask = _inputs(n, h, v, dtype, device)
         ref_loss = None
         for name, fn in _providers(device, n, v).items():
+            if providers is not None and name not in providers:
+                continue
             if name == "torch_eager" or name == "torch_compile":
                 # the eager reference holds [N, V] fp32 logits plus their grad: skip where that cannot fit
                 need = n * v * 4 * 3
@@ -230,10 +233,11 @@ def main(argv: list[str] | None = None) -> int:
         choices=["bfloat16", "float16", "float32"],
         help="dtype of hidden states and lm_head weight (default bfloat16 with --gpu, float32 on the CPU)",
     )
+    add_grid_args(p, "N,H,V")
     add_output_args(p, "loss.csv")
     args = p.parse_args(argv)
     if args.gpu and not torch.cuda.is_available():
-        raise SystemExit("--gpu asked for but no CUDA device is visible")
+        p.error("--gpu: no CUDA device is visible")
     out = output_dir(args, "loss")
     if args.gpu:
         device, shapes, dtype, reps = torch.device("cuda"), GRID_GPU, torch.bfloat16, 300
@@ -244,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         dtype, reps = torch.float32, (50 if args.quick else 300)
     if args.dtype:
         dtype = getattr(torch, args.dtype)
-    rows = run(shapes, dtype, device, out, reps)
+    shapes, reps = args.shape or shapes, args.rep_ms or reps
+    rows = run(shapes, dtype, device, out, reps, args.providers)
     bad = [r for r in rows if str(r.get("status", "")).startswith(("DISAGREES", "error"))]
     print(f"bench loss: {len(rows)} rows, {len(bad)} disagreeing/erroring providers, device {device_name(device)}")
     return 1 if bad else 0

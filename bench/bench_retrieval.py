@@ -27,6 +27,7 @@ import time
 import torch
 
 from _common import (
+    add_grid_args,
     add_output_args,
     append_rows,
     commit,
@@ -34,6 +35,7 @@ from _common import (
     measure_copy_bandwidth_gbs,
     now,
     output_dir,
+    positive_int,
     time_fn,
 )
 
@@ -178,7 +180,7 @@ def _cpu_case(C, D, Q, k, metric, repeats, faiss_mod) -> list[dict]:
 _GPU_BUF: dict = {}
 
 
-def _gpu_case(C, D, Q, k, metric, device, bw_gbs) -> list[dict]:
+def _gpu_case(C, D, Q, k, metric, device, bw_gbs, rep_ms: int = 200) -> list[dict]:
     from rapo_fast import StepBuffer
 
     g = torch.Generator(device=device).manual_seed(0)
@@ -212,7 +214,7 @@ def _gpu_case(C, D, Q, k, metric, device, bw_gbs) -> list[dict]:
     floor_ms = C * D * 2 / (bw_gbs * 1e9) * 1e3
     rows = []
     for name, fn in fns.items():
-        r = time_fn(fn, device, rep_ms=200)
+        r = time_fn(fn, device, rep_ms=rep_ms)
         rows.append(
             dict(
                 provider=name,
@@ -263,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--repeats",
-        type=int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="CPU timing rounds per provider; the median is reported (default 5, with --quick 3)",
@@ -286,18 +288,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--threads",
-        type=int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="CPU threads given to every provider, faiss included (default: torch's thread count)",
     )
+    add_grid_args(p, "C,D,Q,k", providers=False)
     add_output_args(p, "retrieval_cpu.csv (retrieval_gpu.csv with --gpu)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.gpu and not torch.cuda.is_available():
-        print("bench retrieval: --gpu given but no CUDA device")
-        return 1
+        p.error("--gpu: no CUDA device is visible")
     out = output_dir(args, "retrieval")
     rows = _run_gpu(args) if args.gpu else _run_cpu(args)
     path = append_rows("retrieval_gpu" if args.gpu else "retrieval_cpu", rows, out)
@@ -309,10 +311,10 @@ def _run_gpu(args: argparse.Namespace) -> list[dict]:
     stamp = dict(date=now(), commit=commit())
     device = torch.device("cuda", 0)
     bw = measure_copy_bandwidth_gbs(device)
-    shapes = QUICK if args.quick else (PAPER if args.paper_only else PAPER + GRID_FULL)
+    shapes = args.shape or (QUICK if args.quick else (PAPER if args.paper_only else PAPER + GRID_FULL))
     rows = []
     for C, D, Q, k in shapes:
-        case = _gpu_case(C, D, Q, k, args.metric, device, bw)
+        case = _gpu_case(C, D, Q, k, args.metric, device, bw, args.rep_ms or 200)
         rows += [dict(device=device_name(device), **stamp, **r) for r in case]
         _print(case)
     return rows
@@ -335,6 +337,7 @@ def _run_cpu(args: argparse.Namespace) -> list[dict]:
         shapes = QUICK if args.quick else SMALL_Q if args.small_q else PAPER
     else:
         shapes = PAPER + SMALL_Q + GRID_CPU
+    shapes = args.shape or shapes
     repeats = args.repeats or (3 if args.quick else 5)
     isa = extension().retrieval_cpu_isa(-1)
     rows = []

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from _common import (
+    add_grid_args,
     add_output_args,
     append_rows,
     commit,
@@ -201,7 +202,9 @@ def _row(name, kind, path, fn, t, mode, refs, dtype, device, reps_ms, bw) -> dic
     return row
 
 
-def run(shapes, dtype: torch.dtype, device: torch.device, out_dir: Path, reps_ms: int) -> list[dict]:
+def run(
+    shapes, dtype: torch.dtype, device: torch.device, out_dir: Path, reps_ms: int, providers: list[str] | None = None
+) -> list[dict]:
     rows = []
     bw = measure_copy_bandwidth_gbs(device)
     for n, h, v in shapes:
@@ -209,6 +212,8 @@ def run(shapes, dtype: torch.dtype, device: torch.device, out_dir: Path, reps_ms
         refs: dict = {}
         for mode in MODES:
             for name, (kind, path, fn) in _providers(device).items():
+                if providers is not None and name not in providers:
+                    continue
                 row = _row(name, kind, path, fn, t, mode, refs, dtype, device, reps_ms, bw)
                 rows.append(row)
                 print({k: row.get(k) for k in ("provider", "mode", "N", "V", "median_ms", "peak_mem_mb", "status")})
@@ -279,14 +284,16 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--plot", action="store_true", help="also draw time and memory per provider as token_logprobs.png by the CSV"
     )
+    add_grid_args(p, "N,H,V")
     add_output_args(p, "token_logprobs.csv (and token_logprobs.png with --plot)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.gpu and not torch.cuda.is_available():
+        p.error("--gpu: no CUDA device is visible")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    if args.gpu and not torch.cuda.is_available():
-        raise SystemExit("--gpu asked for but no CUDA device is visible")
     out = output_dir(args, "logprobs")
     if args.gpu:
         device, shapes, dtype, reps = torch.device("cuda"), GRID_GPU, torch.bfloat16, 300
@@ -300,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cpu":
         os.environ["RAPO_FAST_DISABLE_TRITON"] = "1"  # time the CPU fallback, not Triton's interpreter
     try:
-        rows = run(shapes, dtype, device, out, reps)
+        rows = run(args.shape or shapes, dtype, device, out, args.rep_ms or reps, args.providers)
     finally:
         if saved is None:
             os.environ.pop("RAPO_FAST_DISABLE_TRITON", None)

@@ -1,7 +1,7 @@
 // pybind11 registration of the KV-splice backends, in the binding convention of rapo/registry.h: the class
 // KVSpliceParams (rapo/kv_splice.h) filled by keyword in rapo_fast/kv/splice.py, and one function per backend taking
 // it, with the GIL released while a splice runs.
-// Not a place for argument validation beyond the checks that keep memory safe; Python validates first.
+// Not a place for argument validation: Python validates first, rapo/kv_splice.h keeps memory safe.
 #include <cstdint>
 
 #include "rapo/kv_splice.h"
@@ -41,6 +41,15 @@ void register_kv_splice(py::module_& m) {
       .field("block_table_stride", &P::block_table_stride)
       .field("block_size", &P::block_size)
       .field("aligned16", &P::aligned16)
+      .field("pool_tokens", &P::pool_tokens)
+      .field("dst_rows", &P::dst_rows)
+      .field("dst_slots", &P::dst_slots)
+      .field("dst_heads", &P::dst_heads)
+      .field("dst_head_dim", &P::dst_head_dim)
+      .field("block_table_rows", &P::block_table_rows)
+      .field("block_table_cols", &P::block_table_cols)
+      .address("requests_host", &P::requests_host)
+      .address("block_table_host", &P::block_table_host)
       .finish();
   m.def(
       "kv_splice_cpu",

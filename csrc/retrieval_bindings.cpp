@@ -1,7 +1,7 @@
 // pybind11 registration of the step-retrieval backends, in the binding convention of rapo/registry.h: the class
 // RetrievalSearchParams (rapo/retrieval.h) filled by keyword in rapo_fast/retrieval/op.py, and one function per backend
 // taking it, with the GIL released while a search runs.
-// Not a place for math or for argument checks beyond the backends' own memory-safety checks.
+// Not a place for math or for argument checks (rapo/retrieval.h: check_retrieval_params).
 #include <cstdint>
 #include <string>
 
@@ -22,10 +22,16 @@ void register_retrieval(py::module_& m) {
       .address("groups", &P::groups)
       .field("C", &P::C)
       .field("D", &P::D)
+      .field("key_dim", &P::key_dim)
+      .field("aux_len", &P::aux_len)
+      .field("groups_len", &P::groups_len)
       .address("queries", &P::queries)
+      .field("query_dtype", &P::query_dtype)
       .field("query_row_stride", &P::query_row_stride)
       .field("Q", &P::Q)
       .address("exclude", &P::exclude)
+      .field("exclude_len", &P::exclude_len)
+      .address("centre", &P::centre)
       .field("k", &P::k)
       .field("metric", &P::metric)
       .field("min_score", &P::min_score)

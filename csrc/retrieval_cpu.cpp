@@ -16,7 +16,10 @@
 // scan_pass (scan_chunk_dot or scan_chunk_tiled per key chunk) and merge_pass.
 // The ISA is chosen at run time (__builtin_cpu_supports) with target attributes, never -march=native.
 // The search's contract (scores, order, ties, padding) is written in docs/retrieval.md.
-// Not here: argument validation beyond memory safety (rapo_fast/retrieval/buffer.py does it first).
+// l2 with a centre (RetrievalSearchParams::centre): queries and keys are centred as they are packed (dot mode: as
+// the dot kernel loads them), and each key's squared norm is taken from its centred row, so the expanded form does not
+// cancel for keys far from the origin.
+// Not here: argument validation (rapo_fast/retrieval/buffer.py does it first; rapo/retrieval.h keeps memory safe).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -113,7 +116,7 @@ SearchPlan make_plan(const RetrievalSearchParams& a, int num_threads, int isa, b
   if (dot_mode) {
     pl.QT = dot_qg(a.Q);
     pl.NK = dot_kb(pl.QT);
-    pl.dot = pick_dot(a.key_dtype, pl.QT);
+    pl.dot = pick_dot(a.key_dtype, pl.QT, a.centre != nullptr);
   } else if (isa == kIsaAvx512) {
     pl.NK = kAvx512NK;
     pl.QT = kAvx512QT;
@@ -164,6 +167,8 @@ PackedQueries pack_queries(const RetrievalSearchParams& a, const SearchPlan& pl)
   const int64_t pstride = pl.dot_mode ? 1 : QT;
   for (int64_t q = 0; q < a.Q; ++q) {
     convert_row(static_cast<const char*>(a.queries) + q * a.query_row_stride * esz, a.key_dtype, D, row.data(), pl.isa);
+    if (a.centre != nullptr)
+      for (int64_t d = 0; d < D; ++d) row[d] -= a.centre[d];
     float* p = pl.dot_mode ? pq.panel.get() + q * pl.Dp : pq.panel.get() + (q / QT) * D * QT + (q % QT);
     float ss = 0.0f;
     for (int64_t d = 0; d < D; ++d) {
@@ -196,17 +201,17 @@ void scan_chunk_dot(const RetrievalSearchParams& a, const SearchPlan& pl, const 
   const int NK = pl.NK, QT = pl.QT;
   const bool use_aux = pl.use_aux;
   const DotFn dot = pl.dot;
-  float out[kDotOut];
+  float out[kDotOut], kss[kDotOut];
   for (int64_t qt = 0; qt < nqt; ++qt) {
     const float* qr = pq.panel.get() + (q0 + qt * QT) * pl.Dp;
     c.thr = h.thr.data() + qt * QT;
     c.qlocal0 = qt * QT;
     const float* qa = pq.aux.data() + q0 + qt * QT;
     for (int64_t j0 = j_begin; j0 < j_end; j0 += NK) {
-      dot(a.keys, a.key_row_stride, j0, j_end - 1, qr, a.D, pl.Dp, out);
+      dot(a.keys, a.key_row_stride, j0, j_end - 1, qr, a.D, pl.Dp, out, a.centre, kss);
       c.j0 = j0;
       for (int t = 0; t < NK; ++t) {
-        const float ka = (use_aux && j0 + t < j_end) ? a.key_aux[j0 + t] : 0.0f;
+        const float ka = (!use_aux || j0 + t >= j_end) ? 0.0f : a.centre != nullptr ? kss[t] : a.key_aux[j0 + t];
         for (int l = 0; l < QT; ++l) {
           const float sc = retrieval_finish(a.metric, out[t * QT + l], qa[l], ka);
           if (sc >= c.thr[l]) admit(c, l, t, sc);
@@ -241,8 +246,18 @@ void pack_key_chunk(const RetrievalSearchParams& a, const SearchPlan& pl, KeyScr
     if (j < j_end) {
       convert_row(static_cast<const char*>(a.keys) + j * a.key_row_stride * kesz, a.key_dtype, D, ks.row.data(),
                   pl.isa);
-      for (int64_t d = 0; d < D; ++d) p[d * NK] = ks.row[d];
-      ks.aux[static_cast<size_t>(j - j_begin)] = pl.use_aux ? a.key_aux[j] : 0.0f;
+      if (a.centre != nullptr) {  // l2 about a centre: the key's squared norm is taken here, of the centred row
+        float ss = 0.0f;
+        for (int64_t d = 0; d < D; ++d) {
+          const float v = ks.row[d] - a.centre[d];
+          p[d * NK] = v;
+          ss += v * v;
+        }
+        ks.aux[static_cast<size_t>(j - j_begin)] = ss;
+      } else {
+        for (int64_t d = 0; d < D; ++d) p[d * NK] = ks.row[d];
+        ks.aux[static_cast<size_t>(j - j_begin)] = pl.use_aux ? a.key_aux[j] : 0.0f;
+      }
     } else {
       for (int64_t d = 0; d < D; ++d) p[d * NK] = 0.0f;
       ks.aux[static_cast<size_t>(j - j_begin)] = 0.0f;
@@ -367,18 +382,8 @@ const char* retrieval_cpu_isa_name(int isa) {
 }
 
 void retrieval_search_cpu(const RetrievalSearchParams& a, int num_threads, int isa) {
-  if (a.k < 1) throw std::invalid_argument("retrieval: k must be >= 1");
-  if (a.D < 1 || a.C < 0 || a.Q < 0) throw std::invalid_argument("retrieval: bad sizes");
-  if (a.C >= (int64_t(1) << 31)) throw std::invalid_argument("retrieval: more than 2^31 - 1 keys");
-  if (a.key_dtype != static_cast<int>(DType::F32) && a.key_dtype != static_cast<int>(DType::F16) &&
-      a.key_dtype != static_cast<int>(DType::BF16))
-    throw std::invalid_argument("retrieval: keys must be float32, float16 or bfloat16");
-  if (a.metric < kMetricIP || a.metric > kMetricL2) throw std::invalid_argument("retrieval: unknown metric");
+  check_retrieval_params(a, "retrieval");
   if (a.Q == 0) return;
-  if ((a.C > 0 && a.keys == nullptr) || a.queries == nullptr || a.out_scores == nullptr || a.out_slots == nullptr)
-    throw std::invalid_argument("retrieval: null pointer");
-  if (a.metric != kMetricIP && a.C > 0 && a.key_aux == nullptr) throw std::invalid_argument("retrieval: null aux");
-  if (a.exclude != nullptr && a.C > 0 && a.groups == nullptr) throw std::invalid_argument("retrieval: null groups");
   run_search(a, num_threads, resolve_isa(isa));
 }
 

@@ -440,16 +440,12 @@ int retrieval_cuda_splits(int64_t Q, int64_t C, int k, int device) {
 
 void retrieval_search_cuda(const RetrievalSearchParams& a, float* ws_scores, int32_t* ws_slots, int n_splits,
                            int device, std::uintptr_t stream_handle) {
-  if (a.k < 1 || a.k > 1024) throw std::invalid_argument("retrieval CUDA: k must be in [1, 1024]");
-  if (a.D < 1 || a.C < 0 || a.Q < 0) throw std::invalid_argument("retrieval CUDA: bad sizes");
-  if (a.C >= (int64_t(1) << 31)) throw std::invalid_argument("retrieval CUDA: more than 2^31 - 1 keys");
+  check_retrieval_params(a, "retrieval CUDA");
+  if (a.centre != nullptr)
+    throw std::invalid_argument("retrieval CUDA: no centre (the caller centres l2 keys and queries itself)");
   if (n_splits < 1 || n_splits > kMaxSplits) throw std::invalid_argument("retrieval CUDA: bad n_splits");
-  if (a.metric < kMetricIP || a.metric > kMetricL2) throw std::invalid_argument("retrieval CUDA: unknown metric");
   if (a.Q == 0) return;
-  if (a.queries == nullptr || a.out_scores == nullptr || a.out_slots == nullptr || ws_scores == nullptr ||
-      ws_slots == nullptr || (a.C > 0 && a.keys == nullptr) || (a.metric != kMetricIP && a.C > 0 && !a.key_aux) ||
-      (a.exclude != nullptr && a.C > 0 && a.groups == nullptr))
-    throw std::invalid_argument("retrieval CUDA: null pointer");
+  if (ws_scores == nullptr || ws_slots == nullptr) throw std::invalid_argument("retrieval CUDA: null pointer");
   CudaDeviceGuard guard(device, kOp);
   cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_handle);
   switch (static_cast<DType>(a.key_dtype)) {

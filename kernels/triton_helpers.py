@@ -71,7 +71,8 @@ def online_lse_update(m, s, t, z):
 
 @triton.jit
 def lse_entropy_finalize(m, s, t):
-    """(m, s, t) -> (lse, entropy). A row of only -inf gives lse = -inf and entropy NaN, as the reference does."""
+    """(m, s, t) -> (lse, entropy). A row of only -inf gives lse = -inf, a row with NaN or +inf lse = NaN; the
+    log-prob and entropy of either are NaN, as in the reference."""
     lse = m + tl.log(s)
     ent = tl.log(s) - t / s
     return lse, ent
@@ -82,11 +83,15 @@ def logprob_entropy_grad(z, is_target, lse, ent, g_lp, g_ent, inv_temp, WITH_ENT
     """d(g_lp * logp + g_ent * H)/d(logits) for one block, with z the temperature-scaled logits (fp32).
 
     grad = (g_lp * (onehot - p) - g_ent * p * (log p + H)) / T. Lanes with p = 0 (-inf logits, padding) get no
-    entropy term, which would otherwise be 0 * -inf.
+    entropy term, which would otherwise be 0 * -inf; a row with a non-finite lse gets 0.
     """
     logp = z - lse
     p = tl.exp(logp)
     grad = g_lp * (is_target.to(tl.float32) - p)
     if WITH_ENTROPY:
         grad -= g_ent * p * tl.where(p > 0.0, logp + ent, 0.0)
-    return grad * inv_temp
+    # A row whose lse is not finite (only -inf: a padding row; any NaN or +inf) has NaN log-prob and entropy and an
+    # exactly-zero gradient, as in the reference: a masked padding row must not put NaN into the optimiser step
+    # through 0 * NaN (docs/loss.md section 2).
+    row_ok = (lse == lse) & (lse != float("inf")) & (lse != float("-inf"))
+    return tl.where(row_ok, grad * inv_temp, 0.0)

@@ -24,7 +24,7 @@ _PUBLIC: dict[str, str] = {
     "rapo_advantages": "rapo_fast.loss.advantages",
     # step buffer and retrieval (retrieval issue)
     "StepBuffer": "rapo_fast.retrieval.buffer",
-    "ShardedStepBuffer": "rapo_fast.retrieval.buffer",
+    "ShardedStepBuffer": "rapo_fast.retrieval.sharded",
     # KV splicing (KV-splice issue)
     "StepKVStore": "rapo_fast.kv.store",
     "splice_kv": "rapo_fast.kv.splice",

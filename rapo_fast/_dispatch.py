@@ -1,5 +1,6 @@
 """Backend choice shared by every op: Triton on CUDA tensors, Triton on CPU tensors only under TRITON_INTERPRET=1,
-the plain-PyTorch reference otherwise; and the one helper through which ops are registered with torch.library.
+the plain-PyTorch reference otherwise; the device guard around every Triton launch; and the one helper through which
+ops are registered with torch.library.
 
 Not a place for op logic. docs/interpreter.md (backend choice) and docs/testing.md rule 3 (registered ops) give the
 rules implemented here.
@@ -7,6 +8,7 @@ rules implemented here.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Iterable, Sequence
 
@@ -43,6 +45,20 @@ def use_triton(device: torch.device) -> bool:
     if device.type == "cpu":
         return interpret_mode() and triton_available()
     return False
+
+
+def device_guard(x: torch.Tensor | torch.device) -> contextlib.AbstractContextManager:
+    """The context every Triton launch runs in: `torch.cuda.device(x's device)` for CUDA, a no-op otherwise.
+
+    Why: a Triton launch runs on the current CUDA device (and its current stream), not on its tensors' device; on a
+    multi-GPU host a tensor on cuda:1 would be computed by a launch on cuda:0. The C++ ops guard themselves
+    (CudaDeviceGuard in csrc/); the Triton launchers in rapo_fast/loss/ use this. Entering it on the current device
+    costs a device query and no switch.
+    """
+    dev = x.device if isinstance(x, torch.Tensor) else torch.device(x)
+    if dev.type == "cuda":
+        return torch.cuda.device(dev)
+    return contextlib.nullcontext()
 
 
 # Registration through one switch (FlashInfer keeps one too): RAPO_FAST_NO_CUSTOM_OP=1 calls the implementation

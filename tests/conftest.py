@@ -1,4 +1,5 @@
-"""Shared pytest setup: the Triton interpreter on machines without a GPU, the gpu marker, a seeded RNG per test.
+"""Shared pytest setup: the Triton interpreter on machines without a GPU, the gpu marker, a seeded RNG per test, the
+hypothesis profiles of the property tests (tests/fuzz/: the default run small, `thorough` >= 1,000 examples each).
 
 Not a place for test helpers of one op (those live beside the op's tests); cross-op helpers: tests/helpers/.
 """
@@ -7,6 +8,7 @@ import os
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 # The interpreter must be chosen before any @triton.jit function is defined; without a GPU the kernels can only run
 # there, and that is how CI exercises them (docs/interpreter.md).
@@ -14,7 +16,33 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# `thorough`: the slow property run of tests/fuzz (HYPOTHESIS_PROFILE=thorough, or `-m slow`, which also selects
+# those tests); tests/helpers/strategies.py gives each fuzz test that many examples, the default run a few dozen.
+settings.register_profile(
+    "thorough",
+    max_examples=1000,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+)
+
+
+def _thorough(config) -> bool:
+    return os.environ.get("HYPOTHESIS_PROFILE") == "thorough" or (config.option.markexpr or "").strip() == "slow"
+
+
+def pytest_configure(config):
+    if _thorough(config):
+        settings.load_profile("thorough")
+
+
+@pytest.hookimpl(tryfirst=True)  # before the -m selection, which must see the slow marks added here
 def pytest_collection_modifyitems(config, items):
+    thorough = _thorough(config)
+    for item in items:
+        if "tests/fuzz/" in item.nodeid.replace("\\", "/"):
+            item.add_marker(pytest.mark.fuzz)
+            if thorough:
+                item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

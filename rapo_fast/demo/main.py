@@ -16,6 +16,7 @@ import argparse
 import copy
 import csv
 import math
+import os
 import time
 from pathlib import Path
 
@@ -158,9 +159,38 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--sft-target must be in [0, 1], got {a.sft_target}")
     if a.target is not None and not 0.0 <= a.target <= 1.0:
         p.error(f"--target must be in [0, 1], got {a.target}")
+    if a.lr is not None and not math.isfinite(a.lr):
+        p.error(f"--lr must be finite, got {a.lr}")
+    if not 0 <= a.seed < 2**62:
+        p.error(f"--seed must be in [0, 2**62), got {a.seed}")
     if a.threads < 1:
         p.error(f"--threads must be >= 1, got {a.threads}")
+    _check_runtime(p, a)
     return a
+
+
+def _check_runtime(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """--device names a device this machine has (cpu, or cuda[:i] with CUDA available) and --out a folder that
+    exists or can be created: a bad one is argparse's one-line error (exit code 2), not a traceback mid-run."""
+    try:
+        dev = torch.device(a.device)
+    except (RuntimeError, ValueError):
+        p.error(f"--device must be cpu or cuda[:index], got {a.device!r}")
+    if dev.type not in ("cpu", "cuda"):
+        p.error(f"--device must be cpu or cuda[:index], got {a.device!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            p.error(f"--device {a.device}: no CUDA device is visible (torch {torch.__version__}); use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            p.error(f"--device {a.device}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    out = Path(a.out)
+    for q in [out, *out.parents]:
+        if q.exists():
+            if not q.is_dir():
+                p.error(f"--out {a.out}: {q} is a file, not a folder")
+            if not os.access(q, os.W_OK | os.X_OK):
+                p.error(f"--out {a.out}: {q} is not writable")
+            break
 
 
 def _encoder(name: str, model, tok):

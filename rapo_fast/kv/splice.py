@@ -23,6 +23,7 @@ import torch
 
 from rapo_fast._dispatch import register_op
 from rapo_fast.kv import hf_cache as hfc
+from rapo_fast.kv import splice_checks as sc
 from rapo_fast.kv.rope import RopeSpec
 from rapo_fast.kv.store import StepKVStore
 
@@ -59,38 +60,28 @@ def _kv_splice_impl(
     keys/values: per layer [B, H_kv, S, D] (HF) or [num_blocks, block_size, H_kv, D] (paged, with block_table
     [B, max_blocks] int32), all layers of one shape and strides, head dim contiguous. k_pool/v_pool
     [num_layers, capacity, H_kv, D] of the caches' dtype. requests int64 [R, 5]: (pool offset, tokens, batch row,
-    slot, rope delta). inv_freq fp32 [rotary_dim / 2]. max_tokens: the largest token count in requests (an int so
-    that no device sync is needed to find it). The kernel trusts these values: splice_kv validates them first.
+    slot, rope delta), on any device (on the CPU it costs no sync: the extension checks every request on a host copy).
+    inv_freq fp32 [rotary_dim / 2]. max_tokens: the largest token count in requests (an int so that no device sync is
+    needed to find it). splice_kv validates every value first; called directly, the op still refuses (IndexError /
+    ValueError from the extension) any index outside the pools, the caches or the block table.
     """
     from rapo_fast import _ext
 
     device = k_pool.device
     C = _ext.require_backend(device)
+    sc.check_op_tensors(keys, values, k_pool, v_pool, requests, inv_freq, block_table, max_tokens)
     num_requests = requests.shape[0]
     if num_requests == 0 or max_tokens == 0:
         return
-    # Cheap shape checks that keep the kernel inside its buffers when the op is called directly.
-    if requests.dtype != torch.int64 or requests.dim() != 2 or requests.shape[1] != 5:
-        raise ValueError(f"requests must be int64 [R, 5], got {requests.dtype} {tuple(requests.shape)}")
-    if len(keys) != k_pool.shape[0] or len(values) != k_pool.shape[0] or v_pool.shape != k_pool.shape:
-        raise ValueError(f"{len(keys)}/{len(values)} cache layers for pools of shape {tuple(k_pool.shape)}")
-    if inv_freq.dtype != torch.float32 or 2 * inv_freq.numel() > k_pool.shape[3]:
-        raise ValueError(
-            f"inv_freq must be fp32 with at most head_dim/2 entries, got {inv_freq.dtype} {inv_freq.numel()}"
-        )
-    req = requests.contiguous()
+    # The extension checks every index it dereferences on host copies of the requests and the block table (a device
+    # copy of a CUDA block table costs a sync; splice_kv passes requests on the CPU, so they cost none).
+    req_host = requests.contiguous() if requests.device.type == "cpu" else requests.cpu()
+    req = req_host.to(device)
     inv = inv_freq.to(device).contiguous()
     kptr = torch.tensor([t.data_ptr() for t in keys], dtype=torch.int64).to(device)
     vptr = torch.tensor([t.data_ptr() for t in values], dtype=torch.int64).to(device)
     paged = block_table is not None
-    k0, v0 = keys[0], values[0]
-    # HF layout [B, H, S, D]: (row, slot, head) strides; paged [blocks, block_size, H, D]: (block, in-block, head).
-    sr, ss, sh = (k0.stride(0), k0.stride(1), k0.stride(2)) if paged else (k0.stride(0), k0.stride(2), k0.stride(1))
-    vsr, vss, vsh = (v0.stride(0), v0.stride(1), v0.stride(2)) if paged else (v0.stride(0), v0.stride(2), v0.stride(1))
-    bt = None
-    if paged:
-        bt = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
-        bt = bt.contiguous()
+    layout, bt, bt_host = _cache_layout_fields(keys[0], values[0], block_table)  # both kept alive until the call ends
     aligned = all(t.data_ptr() % 16 == 0 for t in (*keys, *values, k_pool, v_pool))
     params = _ext.make_params(
         C.KVSpliceParams,
@@ -103,12 +94,6 @@ def _kv_splice_impl(
         pool_head_stride=k_pool.stride(2),
         dst_k_ptrs=kptr.data_ptr(),
         dst_v_ptrs=vptr.data_ptr(),
-        k_row_stride=sr,
-        k_slot_stride=ss,
-        k_head_stride=sh,
-        v_row_stride=vsr,
-        v_slot_stride=vss,
-        v_head_stride=vsh,
         num_layers=k_pool.shape[0],
         num_heads=k_pool.shape[2],
         head_dim=k_pool.shape[3],
@@ -117,10 +102,10 @@ def _kv_splice_impl(
         requests=req.data_ptr(),
         num_requests=num_requests,
         max_tokens=int(max_tokens),
-        block_table=bt.data_ptr() if paged else 0,
-        block_table_stride=bt.stride(0) if paged else 0,
-        block_size=k0.shape[1] if paged else 0,
         aligned16=aligned,
+        pool_tokens=k_pool.shape[1],
+        requests_host=req_host.data_ptr(),
+        **layout,
     )
     if device.type == "cpu":
         C.kv_splice_cpu(params)
@@ -130,6 +115,29 @@ def _kv_splice_impl(
         # req/kptr/vptr/inv/bt must live until the kernel has read them: tie them to the stream instead of syncing.
         for t in (req, kptr, vptr, inv) + ((bt,) if paged else ()):
             t.record_stream(torch.cuda.current_stream(device))
+
+
+def _cache_layout_fields(
+    k0: torch.Tensor, v0: torch.Tensor, block_table: torch.Tensor | None
+) -> tuple[dict, torch.Tensor | None, torch.Tensor | None]:
+    """KVSpliceParams' destination fields (strides, extents, block table and its host copy) for caches shaped like
+    k0/v0, the int32 block table the kernel reads and its host copy (both must outlive the call: the caller keeps them).
+    A CUDA block table is copied to the host for the extension's index checks (one sync)."""
+    if block_table is None:  # HF layout [B, H, S, D]: (row, slot, head) strides
+        fields = dict(k_row_stride=k0.stride(0), k_slot_stride=k0.stride(2), k_head_stride=k0.stride(1))
+        fields.update(v_row_stride=v0.stride(0), v_slot_stride=v0.stride(2), v_head_stride=v0.stride(1))
+        fields.update(dst_rows=k0.shape[0], dst_slots=k0.shape[2], dst_heads=k0.shape[1], dst_head_dim=k0.shape[3])
+        fields.update(block_table=0, block_table_stride=0, block_size=0, block_table_host=0)
+        return dict(fields, block_table_rows=0, block_table_cols=0), None, None
+    # paged [blocks, block_size, H, D]: (block, in-block, head) strides
+    bt = (block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)).contiguous()
+    bt_host = bt if bt.device.type == "cpu" else bt.cpu()
+    fields = dict(k_row_stride=k0.stride(0), k_slot_stride=k0.stride(1), k_head_stride=k0.stride(2))
+    fields.update(v_row_stride=v0.stride(0), v_slot_stride=v0.stride(1), v_head_stride=v0.stride(2))
+    fields.update(dst_rows=k0.shape[0], dst_slots=k0.shape[1], dst_heads=k0.shape[2], dst_head_dim=k0.shape[3])
+    fields.update(block_table=bt.data_ptr(), block_table_stride=bt.stride(0), block_size=k0.shape[1])
+    fields.update(block_table_host=bt_host.data_ptr(), block_table_rows=bt.shape[0], block_table_cols=bt.shape[1])
+    return fields, bt, bt_host
 
 
 def _kv_splice_fake(keys, values, k_pool, v_pool, requests, inv_freq, block_table, interleaved, max_tokens) -> None:
@@ -144,7 +152,7 @@ kv_splice_ = register_op("kv_splice_", _kv_splice_impl, mutates_args=("keys", "v
 def _launch_extension(ks, vs, store: StepKVStore, table, rope: RopeSpec, block_table) -> None:
     """Build the request table and call the registered op (validated by splice_kv already)."""
     device = store.device
-    req = torch.tensor(table, dtype=torch.int64).to(device)
+    req = torch.tensor(table, dtype=torch.int64)  # on the CPU: the op checks it there and copies it to the device
     max_tokens = max(n for _o, n, _r, _p, _d in table)
     kv_splice_(
         list(ks),
@@ -157,39 +165,6 @@ def _launch_extension(ks, vs, store: StepKVStore, table, rope: RopeSpec, block_t
         rope.layout == "interleaved",
         max_tokens,
     )
-
-
-def _as_requests(requests: Any) -> list[tuple[int, int, int]]:
-    if isinstance(requests, torch.Tensor):
-        if requests.dim() != 2 or requests.shape[1] != 3:
-            raise ValueError(f"requests must be [R, 3] (payload_id, batch_row, position), got {tuple(requests.shape)}")
-        return [tuple(int(x) for x in r) for r in requests.tolist()]
-    out = []
-    for i, r in enumerate(requests):
-        if len(r) != 3:
-            raise ValueError(f"requests[{i}] must be (payload_id, batch_row, position), got {r!r}")
-        out.append((int(r[0]), int(r[1]), int(r[2])))
-    return out
-
-
-def _check_layer_tensors(name: str, ts: list[torch.Tensor], store: StepKVStore, head_axis: int) -> None:
-    if len(ts) != store.num_layers:
-        raise ValueError(f"{name}: the cache has {len(ts)} layers, the store {store.num_layers}")
-    t0 = ts[0]
-    for i, t in enumerate(ts):
-        if t.dtype != store.dtype:
-            raise TypeError(f"{name}[{i}]: cache dtype {t.dtype} != store dtype {store.dtype}")
-        if t.device != store.device:
-            raise ValueError(f"{name}[{i}]: cache device {t.device} != store device {store.device}")
-        if t.dim() != 4 or t.shape[head_axis] != store.num_kv_heads or t.shape[-1] != store.head_dim:
-            raise ValueError(
-                f"{name}[{i}]: expected {store.num_kv_heads} KV heads of dim {store.head_dim} (axis {head_axis}, -1), "
-                f"got shape {tuple(t.shape)}"
-            )
-        if t.shape != t0.shape or t.stride() != t0.stride():
-            raise ValueError(f"{name}: every layer must have the same shape and strides (layer {i} differs)")
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name}[{i}]: the head dim must be contiguous (stride 1), got strides {t.stride()}")
 
 
 def splice_kv(
@@ -211,10 +186,12 @@ def splice_kv(
     lengths: optional per-request number of leading tokens to splice (default: the whole stored segment).
     Returns the HF cache's length after the call (for a DynamicCache: max(old length, max position + length); rows that
     end earlier have unwritten slots the caller must mask) or 0 for a paged cache (it has no length of its own).
-    Raises ValueError/TypeError before any write for an unknown payload id, a row or position out of range, overlapping
-    requests, or a dtype / head count / head dim / layer count / device mismatch between store, rope and cache.
+    Raises ValueError/TypeError before any write for an unknown payload id, a row or position out of range, a float
+    (or bool) id / row / position / length / rope position (TypeError), overlapping requests (also two requests whose
+    slots map to one physical slot of a paged cache), or a dtype / head count / head dim / layer count / device
+    mismatch between store, rope and cache.
     """
-    reqs = _as_requests(requests)
+    reqs = sc.as_requests(requests)
     if not isinstance(rope, RopeSpec):
         raise TypeError(f"rope must be a RopeSpec (e.g. RopeSpec.from_model(model)), got {type(rope).__name__}")
     if rope.head_dim != store.head_dim:
@@ -251,12 +228,12 @@ def _request_table(
         if pid not in store:
             raise ValueError(f"requests[{i}]: unknown payload_id {pid} (not in the StepKVStore)")
         off, n_stored = store.locate(pid)
-        n = n_stored if lengths is None else int(lengths[i])
+        n = n_stored if lengths is None else sc.as_int(f"lengths[{i}]", lengths[i])
         if not 0 <= n <= n_stored:
             raise ValueError(f"lengths[{i}]={n} must be in [0, {n_stored}] (payload {pid} has {n_stored} tokens)")
         if pos < 0:
             raise ValueError(f"requests[{i}]: position must be >= 0, got {pos}")
-        delta = pos if rope_positions is None else int(rope_positions[i])
+        delta = pos if rope_positions is None else sc.as_int(f"rope_positions[{i}]", rope_positions[i])
         if delta < 0:
             raise ValueError(f"rope_positions[{i}] must be >= 0, got {delta}")
         for a, b in rows_spans.get(row, []):
@@ -270,8 +247,8 @@ def _request_table(
 def _paged_target(cache: PagedKVCache, store: StepKVStore, table: list) -> tuple[list, list, torch.Tensor]:
     """The paged cache's per-layer tensors and its int32 block table, after checking every request's blocks."""
     ks, vs = list(cache.keys), list(cache.values)
-    _check_layer_tensors("cache.keys", ks, store, 2)
-    _check_layer_tensors("cache.values", vs, store, 2)
+    sc.check_layer_tensors("cache.keys", ks, store, 2)
+    sc.check_layer_tensors("cache.values", vs, store, 2)
     bt = cache.block_table
     if bt.dim() != 2 or bt.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"block_table must be [B, max_blocks] int32/int64, got {tuple(bt.shape)} {bt.dtype}")
@@ -290,6 +267,7 @@ def _paged_target(cache: PagedKVCache, store: StepKVStore, table: list) -> tuple
         used = bt_cpu[row, pos // bs : (pos + n - 1) // bs + 1] if n else bt_cpu[row, :0]
         if used.numel() and (used.min() < 0 or used.max() >= nb):
             raise ValueError(f"requests[{i}]: block table row {row} maps these slots to blocks outside [0, {nb})")
+    sc.check_physical_overlap(table, bt_cpu, bs)
     return ks, vs, (bt.to(torch.int32) if bt.dtype != torch.int32 else bt)
 
 
@@ -311,12 +289,12 @@ def _hf_target(cache: Any, store: StepKVStore, table: list) -> tuple[list, list,
             )
     new_len = max([cur] + [pos + n for _o, n, _r, pos, _d in table])
     ks, vs = hfc.layer_tensors(cache)
-    _check_layer_tensors("cache keys", ks, store, 1)
-    _check_layer_tensors("cache values", vs, store, 1)
+    sc.check_layer_tensors("cache keys", ks, store, 1)
+    sc.check_layer_tensors("cache values", vs, store, 1)
     hfc.grow(cache, new_len)  # raises for a StaticCache without room, before any write
     ks, vs = hfc.layer_tensors(cache)
-    _check_layer_tensors("cache keys", ks, store, 1)
-    _check_layer_tensors("cache values", vs, store, 1)
+    sc.check_layer_tensors("cache keys", ks, store, 1)
+    sc.check_layer_tensors("cache values", vs, store, 1)
     return ks, vs, new_len
 
 

@@ -15,6 +15,47 @@ import torch
 from rapo_fast.kv import hf_cache as hfc
 
 
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _checked_where(where: Any, used: int) -> dict[int, tuple[int, int]]:
+    """payload id -> (offset, length) inside [0, used), no two ranges overlapping; ValueError naming the entry."""
+    if not isinstance(where, dict):
+        raise ValueError(f"StepKVStore.load_state_dict: field 'where' must be a dict, got {type(where).__name__}")
+    out: dict[int, tuple[int, int]] = {}
+    for pid, span in where.items():
+        ok = _is_int(pid) and isinstance(span, (tuple, list)) and len(span) == 2 and all(_is_int(x) for x in span)
+        if not ok or not (0 <= span[0] and 0 <= span[1] and span[0] + span[1] <= used):
+            raise ValueError(
+                f"StepKVStore.load_state_dict: field 'where' maps {pid!r} to {span!r}, want an int payload id -> "
+                f"(offset, length) inside the {used} saved tokens"
+            )
+        out[pid] = (span[0], span[1])
+    pos = 0
+    for off, n in sorted(out.values()):
+        if off < pos:
+            raise ValueError(
+                f"StepKVStore.load_state_dict: field 'where': tokens [{off}, {off + n}) overlap another payload"
+            )
+        pos = off + n
+    return out
+
+
+def _checked_tokens(tokens: Any, where: dict) -> dict[int, list[int]]:
+    """payload id (stored in `where`) -> one token id >= 0 per cached position; ValueError naming the entry."""
+    if not isinstance(tokens, dict):
+        raise ValueError(f"StepKVStore.load_state_dict: field 'tokens' must be a dict, got {type(tokens).__name__}")
+    for pid, ids in tokens.items():
+        ok = pid in where and isinstance(ids, (list, tuple)) and len(ids) == where[pid][1]
+        if not ok or not all(_is_int(x) and x >= 0 for x in ids):
+            raise ValueError(
+                f"StepKVStore.load_state_dict: field 'tokens' has {pid!r}: {str(ids)[:80]}, want a stored payload "
+                "id -> one token id >= 0 per cached position"
+            )
+    return {pid: list(ids) for pid, ids in tokens.items()}
+
+
 class StepKVStore:
     """Per payload id, the K/V of a step's tokens for every layer, computed once at positions 0..L-1.
 
@@ -102,29 +143,62 @@ class StepKVStore:
             "tokens": {k: list(v) for k, v in self._tokens.items()},
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Replace the contents with a state_dict() of a store of the same shape and dtype (ValueError otherwise)."""
-        shape = tuple(int(x) for x in state["shape"])
-        if shape != (self.num_layers, self.num_kv_heads, self.head_dim) or state["dtype"] != self.dtype:
+    def check_state_dict(self, state: Any) -> tuple[int, dict[int, tuple[int, int]], dict[int, list[int]]]:
+        """Check that `state` is a state_dict() this store can hold, without changing the store: the fields and their
+        types, the shape and dtype, every (offset, length) inside the saved pools and no two overlapping, tokens one
+        id per cached position, finite K/V. Returns (capacity_tokens, where, tokens); ValueError naming the field."""
+        if not isinstance(state, dict):
+            raise TypeError(f"StepKVStore.load_state_dict: state must be a dict, got {type(state).__name__}")
+        missing = sorted({"shape", "dtype", "capacity_tokens", "keys", "values", "where", "tokens"} - set(state))
+        if missing:
+            raise ValueError(f"StepKVStore.load_state_dict: state lacks the fields {missing}")
+        want = (self.num_layers, self.num_kv_heads, self.head_dim)
+        shape = state["shape"]
+        if not isinstance(shape, (tuple, list)) or not all(_is_int(x) for x in shape):
+            raise ValueError(f"StepKVStore.load_state_dict: field 'shape' must be 3 ints, got {shape!r}")
+        if tuple(shape) != want or state["dtype"] != self.dtype:
             raise ValueError(
-                f"StepKVStore.load_state_dict: state is for (layers, kv heads, head dim) {shape} in {state['dtype']}, "
-                f"this store is {(self.num_layers, self.num_kv_heads, self.head_dim)} in {self.dtype}"
+                f"StepKVStore.load_state_dict: state is for (layers, kv heads, head dim) {tuple(shape)} in "
+                f"{state['dtype']}, this store is {want} in {self.dtype}"
             )
-        cap = max(int(state["capacity_tokens"]), state["keys"].shape[1], 1)
+        k, v = state["keys"], state["values"]
+        for name, t in (("keys", k), ("values", v)):
+            if not isinstance(t, torch.Tensor) or t.dtype != self.dtype or t.dim() != 4:
+                got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(
+                    f"StepKVStore.load_state_dict: field {name!r} must be a 4-d {self.dtype} tensor, got {got}"
+                )
+            if (t.shape[0], t.shape[2], t.shape[3]) != want or t.shape != k.shape:
+                raise ValueError(
+                    f"StepKVStore.load_state_dict: field {name!r} is {tuple(t.shape)}, want [{want[0]}, used, "
+                    f"{want[1]}, {want[2]}] and keys and values alike"
+                )
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"StepKVStore.load_state_dict: field {name!r} holds NaN or inf")
+        used, cap = k.shape[1], state["capacity_tokens"]
+        if not _is_int(cap) or not max(used, 1) <= cap < 2**31:
+            raise ValueError(
+                f"StepKVStore.load_state_dict: field 'capacity_tokens' must be an int in [{max(used, 1)}, 2^31), "
+                f"got {cap!r}"
+            )
+        where = _checked_where(state["where"], used)
+        return cap, where, _checked_tokens(state["tokens"], where)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Replace the contents with a state_dict() of a store of the same shape and dtype. Everything is checked
+        first (check_state_dict): a bad state raises ValueError/TypeError and leaves the store as it was."""
+        cap, where, tokens = self.check_state_dict(state)
         pool_shape = (self.num_layers, cap, self.num_kv_heads, self.head_dim)
-        self.keys_pool = torch.zeros(pool_shape, dtype=self.dtype, device=self.device)
-        self.values_pool = torch.zeros(pool_shape, dtype=self.dtype, device=self.device)
+        keys_pool = torch.zeros(pool_shape, dtype=self.dtype, device=self.device)
+        values_pool = torch.zeros(pool_shape, dtype=self.dtype, device=self.device)
         used = state["keys"].shape[1]
-        self.keys_pool[:, :used] = state["keys"].to(self.device)
-        self.values_pool[:, :used] = state["values"].to(self.device)
-        self._where = {int(k): (int(o), int(n)) for k, (o, n) in state["where"].items()}
-        self._tokens = {int(k): list(v) for k, v in state["tokens"].items()}
+        keys_pool[:, :used] = state["keys"].to(self.device)
+        values_pool[:, :used] = state["values"].to(self.device)
+        self.keys_pool, self.values_pool, self._where, self._tokens = keys_pool, values_pool, where, tokens
         # the free list is the gaps between the payloads (first-fit reuse continues as before the save)
         self._free = []
         pos = 0
         for off, n in sorted(self._where.values()):
-            if off < pos:
-                raise ValueError(f"StepKVStore: tokens [{off}, {off + n}) overlap another payload")
             self._release(pos, off - pos)
             pos = off + n
         self._release(pos, cap - pos)

@@ -24,15 +24,15 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from rapo_fast._dispatch import register_op, use_triton
+from rapo_fast._dispatch import device_guard, register_op, use_triton
 from rapo_fast.loss import tiles
 from rapo_fast.loss.linear_logprobs import linear_token_logprobs_fwd
+from rapo_fast.loss.options import TARGET_DTYPES
 from rapo_fast.reference.logprobs import linear_token_logprobs_ref, token_logprobs_ref
 
-__all__ = ["token_logprobs"]
+__all__ = ["token_logprobs", "TARGET_DTYPES"]
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_INDEX_DTYPES = (torch.int64, torch.int32)
 
 
 def _row_strides(x: torch.Tensor) -> tuple[int, int, int]:
@@ -61,13 +61,14 @@ def _lp_fwd_impl(
     rows_inner, s_outer, s_inner = _row_strides(logits)
     block, warps = tiles.launch_cfg(v)
     # the whole row in one launch (INIT and FINAL): the online state needs no storage, lse stands in for it
-    tiles.logprob_kernels().token_logprobs_fwd_kernel[(n,)](
-        z_ptr=logits, tgt_ptr=targets.reshape(-1), bias_ptr=logits, m_ptr=lse, s_ptr=lse, t_ptr=lse, zt_ptr=lse,
-        logp_ptr=logp, lse_ptr=lse, ent_ptr=ent if with_entropy else lse,
-        rows_inner=rows_inner, stride_outer=s_outer, stride_inner=s_inner, n_cols=v, v_start=0,
-        inv_temp=1.0 / temperature, INIT=True, FINAL=True, HAS_BIAS=False, WITH_ENTROPY=with_entropy,
-        BLOCK_V=block, num_warps=warps,
-    )  # fmt: skip
+    with device_guard(logits):
+        tiles.logprob_kernels().token_logprobs_fwd_kernel[(n,)](
+            z_ptr=logits, tgt_ptr=targets.reshape(-1), bias_ptr=logits, m_ptr=lse, s_ptr=lse, t_ptr=lse, zt_ptr=lse,
+            logp_ptr=logp, lse_ptr=lse, ent_ptr=ent if with_entropy else lse,
+            rows_inner=rows_inner, stride_outer=s_outer, stride_inner=s_inner, n_cols=v, v_start=0,
+            inv_temp=1.0 / temperature, INIT=True, FINAL=True, HAS_BIAS=False, WITH_ENTROPY=with_entropy,
+            BLOCK_V=block, num_warps=warps,
+        )  # fmt: skip
     return logp, lse, ent
 
 
@@ -90,12 +91,13 @@ def _lp_bwd_impl(
     block, warps = tiles.launch_cfg(v)
     g_lp = grad_logp.reshape(-1).to(torch.float32).contiguous()
     g_ent = grad_entropy.reshape(-1).to(torch.float32).contiguous() if with_entropy else g_lp
-    tiles.logprob_kernels().token_logprobs_bwd_kernel[(n,)](
-        z_ptr=logits, gz_ptr=grad, tgt_ptr=targets.reshape(-1), bias_ptr=logits, lse_ptr=lse.reshape(-1),
-        ent_ptr=entropy.reshape(-1) if with_entropy else lse, glp_ptr=g_lp, gent_ptr=g_ent,
-        rows_inner=rows_inner, stride_outer=s_outer, stride_inner=s_inner, stride_gz=v, n_cols=v, v_start=0,
-        inv_temp=1.0 / temperature, HAS_BIAS=False, WITH_ENTROPY=with_entropy, BLOCK_V=block, num_warps=warps,
-    )  # fmt: skip
+    with device_guard(logits):
+        tiles.logprob_kernels().token_logprobs_bwd_kernel[(n,)](
+            z_ptr=logits, gz_ptr=grad, tgt_ptr=targets.reshape(-1), bias_ptr=logits, lse_ptr=lse.reshape(-1),
+            ent_ptr=entropy.reshape(-1) if with_entropy else lse, glp_ptr=g_lp, gent_ptr=g_ent,
+            rows_inner=rows_inner, stride_outer=s_outer, stride_inner=s_inner, stride_gz=v, n_cols=v, v_start=0,
+            inv_temp=1.0 / temperature, HAS_BIAS=False, WITH_ENTROPY=with_entropy, BLOCK_V=block, num_warps=warps,
+        )  # fmt: skip
     return grad
 
 
@@ -187,7 +189,7 @@ def _validate(logits, hidden, weight, bias, targets, temperature, return_entropy
             tensors["bias"] = bias
     if not isinstance(targets, torch.Tensor):
         raise TypeError(f"targets must be a torch.Tensor, got {type(targets).__name__}")
-    if targets.dtype not in _INDEX_DTYPES:
+    if targets.dtype not in TARGET_DTYPES:
         raise TypeError(f"targets must have dtype int64 or int32, got {targets.dtype}")
     if tuple(targets.shape) != lead:
         src = "logits" if logits is not None else "hidden"
@@ -264,13 +266,16 @@ def token_logprobs(
             logits[:, :-1]) is read in place; otherwise it is copied once.
         hidden: [N, H] or [B, T, H] (instead of logits), with weight [V, H] and bias [V] or None, same dtype. The
             [N, V] logits are never materialised (tiles of rows x vocabulary, backward recomputes them).
-        targets: int64/int32, shaped like logits.shape[:-1] (or hidden.shape[:-1]), values in [0, V).
+        targets: int64/int32 (TARGET_DTYPES, the rule rapo_loss applies too), shaped like logits.shape[:-1] (or
+            hidden.shape[:-1]), values in [0, V).
         temperature: finite, > 0; divides the logits before the softmax (gradients carry 1/T).
         return_entropy: also return H_t.
 
     Returns:
         logp, or (logp, entropy): float32, shaped like targets. Differentiable w.r.t. logits / hidden / weight /
         bias through both outputs; gradients come back in the inputs' dtype.
+        A row whose log-sum-exp is not finite (only -inf, e.g. padding; any NaN or +inf) gives NaN logp and
+        entropy and an exactly-zero gradient (docs/loss.md section 2); there is no mask here.
 
     Raises ValueError / TypeError naming the argument before any kernel runs. Runs Triton on CUDA tensors (and on
     CPU tensors under TRITON_INTERPRET=1), the chunked reference otherwise. The targets range check costs one host

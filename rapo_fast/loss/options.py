@@ -33,7 +33,13 @@ __all__ = [
     "InputFacts",
     "check_inputs",
     "with_option_keywords",
+    "TARGET_DTYPES",
 ]
+
+# The integer dtypes accepted for targets, by rapo_loss (check_inputs) and by token_logprobs
+# (rapo_fast/loss/logprobs.py): torch's index dtypes. Narrower integers (int8/int16/uint8) are refused rather than
+# widened: they cannot hold a real vocabulary's ids.
+TARGET_DTYPES = (torch.int64, torch.int32)
 
 OFFPOLICY_MODES = ("none", "shaped", "truncated")
 IS_LEVELS = ("token", "sequence")
@@ -193,7 +199,7 @@ def _check_model_inputs(a: Mapping[str, Any]) -> tuple[torch.Tensor, tuple, int]
             "logits/hidden: pass exactly one of logits [..., V] or hidden [..., H] (+ weight [V, H]), "
             f"got {'both' if logits is not None else 'neither'}"
         )
-    targets = C.check_tensor("targets", a["targets"], ndim=(1, 2), dtypes=C.INT_DTYPES)
+    targets = C.check_tensor("targets", a["targets"], ndim=(1, 2), dtypes=TARGET_DTYPES)
     tshape = tuple(targets.shape)
     if logits is not None:
         C.check_tensor("logits", logits, dtypes=C.FLOAT_DTYPES)
@@ -256,6 +262,8 @@ def _check_values(a: Mapping[str, Any], opts: LossOptions, targets: torch.Tensor
     """Value checks (one sync each) and the tensors some options need."""
     if targets is not None:
         C.check_index_range("targets", targets, vocab)
+    if a.get("logits") is not None:
+        _check_logits_rows(a["logits"], a["loss_mask"])
     C.check_finite("advantages", a["advantages"])
     C.check_finite("old_logp", a["old_logp"], allow_inf=True)
     if opts.offpolicy_train == "truncated" and a["behav_logp"] is None:
@@ -271,19 +279,40 @@ def _check_values(a: Mapping[str, Any], opts: LossOptions, targets: torch.Tensor
             C.check_finite(k, a[k], allow_inf=True)
 
 
+def _check_logits_rows(logits: torch.Tensor, loss_mask: torch.Tensor) -> None:
+    """Every token in the loss has a logits row whose log-sum-exp is finite: no NaN, no +inf, not only -inf (those
+    would give a NaN loss). Masked tokens may hold anything: they contribute exactly zero (docs/loss.md section 3).
+    One pass over the logits (a row max, no [N, V] temporary) and one sync; skipped while tracing."""
+    if logits.numel() == 0 or torch.compiler.is_compiling():
+        return
+    row_max = logits.detach().amax(-1)  # NaN propagates
+    bad = ~torch.isfinite(row_max) & (loss_mask != 0)
+    if bool(bad.any()):
+        first = tuple(torch.nonzero(bad)[0].tolist())
+        raise ValueError(
+            f"logits: {int(bad.sum())} token(s) in the loss (loss_mask != 0) have a logits row with NaN or +inf, or "
+            f"only -inf (first at index {first}, row max {float(row_max[first])}): their log-prob is undefined"
+        )
+
+
 def _check_global_num_tokens(g: Any, dev: torch.device | None) -> None:
+    """A finite count > 0, whether given as a number or as a 1-element tensor (whose value is read: one sync,
+    skipped while tracing under torch.compile). A negative count would flip the loss's sign, 0 or NaN give NaN,
+    inf gives 0: one check for both forms."""
     if g is None:
         return
     if isinstance(g, torch.Tensor):
-        if g.numel() != 1 or g.dtype == torch.bool:
+        if g.numel() != 1 or g.dtype == torch.bool or g.is_complex():
             raise ValueError(
                 f"global_num_tokens: expected a number or a 1-element numeric tensor, got shape "
                 f"{tuple(g.shape)} dtype {g.dtype}"
             )
         if g.device != dev and g.device.type != "cpu":
             raise ValueError(f"global_num_tokens: expected device {dev} or cpu, got {g.device}")
-    else:
-        C.check_float("global_num_tokens", g, min_value=0.0, min_inclusive=False)
+        if torch.compiler.is_compiling():
+            return
+        g = g.detach().reshape(()).item()
+    C.check_float("global_num_tokens", g, min_value=0.0, min_inclusive=False)
 
 
 def check_inputs(a: Mapping[str, Any], opts: LossOptions) -> InputFacts:

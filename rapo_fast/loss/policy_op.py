@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from rapo_fast._dispatch import register_op, use_triton
+from rapo_fast._dispatch import device_guard, register_op, use_triton
 from rapo_fast.loss.options import LossOptions
 from rapo_fast.loss.policy_layout import NUM_METRICS, KLMode, Metric, OffMode, TokenCode
 from rapo_fast.reference.policy_loss import policy_token_loss_ref
@@ -141,12 +141,13 @@ def policy_loss_fwd(
     nb = max(1, -(-n // _BLOCK))
     part = torch.zeros((nb, NUM_METRICS), dtype=torch.float32, device=logp.device)
     if n > 0:
-        _kernels().policy_loss_fwd_kernel[(nb,)](
-            logp_ptr=logp, old_ptr=old, adv_ptr=adv, w_ptr=w, scale_ptr=scale, code_ptr=code,
-            seqlr_ptr=_or(seqlr, logp), behav_ptr=_or(behav, logp), ref_ptr=_or(ref, logp), ent_ptr=_or(ent, logp),
-            out_ptr=out, part_ptr=part, N=n, **s.kernel_args(),
-            SEQ=seqlr is not None, HAS_ENT=ent is not None, BLOCK=_BLOCK,
-        )  # fmt: skip
+        with device_guard(logp):
+            _kernels().policy_loss_fwd_kernel[(nb,)](
+                logp_ptr=logp, old_ptr=old, adv_ptr=adv, w_ptr=w, scale_ptr=scale, code_ptr=code,
+                seqlr_ptr=_or(seqlr, logp), behav_ptr=_or(behav, logp), ref_ptr=_or(ref, logp), ent_ptr=_or(ent, logp),
+                out_ptr=out, part_ptr=part, N=n, **s.kernel_args(),
+                SEQ=seqlr is not None, HAS_ENT=ent is not None, BLOCK=_BLOCK,
+            )  # fmt: skip
     return out, part.sum(0)
 
 
@@ -181,12 +182,13 @@ def policy_loss_bwd(
     dlogp = torch.empty_like(logp)
     dent = torch.empty_like(logp) if has_ent else logp.new_empty((0,))
     if n > 0:
-        _kernels().policy_loss_bwd_kernel[(max(1, -(-n // _BLOCK)),)](
-            grad_ptr=grad.contiguous(), logp_ptr=logp, old_ptr=old, adv_ptr=adv, w_ptr=w, scale_ptr=scale,
-            code_ptr=code, seqlr_ptr=_or(seqlr, logp), behav_ptr=_or(behav, logp), ref_ptr=_or(ref, logp),
-            ent_ptr=logp, dlogp_ptr=dlogp, dent_ptr=dent if has_ent else dlogp, N=n, **s.kernel_args(),
-            SEQ=seqlr is not None, HAS_ENT=has_ent, BLOCK=_BLOCK,
-        )  # fmt: skip
+        with device_guard(logp):
+            _kernels().policy_loss_bwd_kernel[(max(1, -(-n // _BLOCK)),)](
+                grad_ptr=grad.contiguous(), logp_ptr=logp, old_ptr=old, adv_ptr=adv, w_ptr=w, scale_ptr=scale,
+                code_ptr=code, seqlr_ptr=_or(seqlr, logp), behav_ptr=_or(behav, logp), ref_ptr=_or(ref, logp),
+                ent_ptr=logp, dlogp_ptr=dlogp, dent_ptr=dent if has_ent else dlogp, N=n, **s.kernel_args(),
+                SEQ=seqlr is not None, HAS_ENT=has_ent, BLOCK=_BLOCK,
+            )  # fmt: skip
     return dlogp, dent
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rapo_fast._dispatch import interpret_mode
+from rapo_fast._dispatch import device_guard, interpret_mode
 
 __all__ = [
     "TILE_BYTES",
@@ -87,14 +87,15 @@ def tile_fwd(
     writes logp, lse and, unless entropy is None, the entropy ([rows] fp32 each)."""
     rows, cols = z.shape
     block, warps = launch_cfg(cols)
-    logprob_kernels().token_logprobs_fwd_kernel[(rows,)](
-        z_ptr=z, tgt_ptr=targets, bias_ptr=z if bias is None else bias,
-        m_ptr=state[0], s_ptr=state[1], t_ptr=state[2], zt_ptr=state[3],
-        logp_ptr=logp, lse_ptr=lse, ent_ptr=lse if entropy is None else entropy,
-        rows_inner=rows, stride_outer=0, stride_inner=cols, n_cols=cols, v_start=v0, inv_temp=inv_temp,
-        INIT=v0 == 0, FINAL=v0 + cols == vocab, HAS_BIAS=bias is not None, WITH_ENTROPY=entropy is not None,
-        BLOCK_V=block, num_warps=warps,
-    )  # fmt: skip
+    with device_guard(z):
+        logprob_kernels().token_logprobs_fwd_kernel[(rows,)](
+            z_ptr=z, tgt_ptr=targets, bias_ptr=z if bias is None else bias,
+            m_ptr=state[0], s_ptr=state[1], t_ptr=state[2], zt_ptr=state[3],
+            logp_ptr=logp, lse_ptr=lse, ent_ptr=lse if entropy is None else entropy,
+            rows_inner=rows, stride_outer=0, stride_inner=cols, n_cols=cols, v_start=v0, inv_temp=inv_temp,
+            INIT=v0 == 0, FINAL=v0 + cols == vocab, HAS_BIAS=bias is not None, WITH_ENTROPY=entropy is not None,
+            BLOCK_V=block, num_warps=warps,
+        )  # fmt: skip
 
 
 def tile_grad(
@@ -106,9 +107,10 @@ def tile_grad(
     rows, cols = z.shape
     block, warps = launch_cfg(cols)
     with_entropy = entropy is not None and g_entropy is not None
-    logprob_kernels().token_logprobs_bwd_kernel[(rows,)](
-        z_ptr=z, gz_ptr=z, tgt_ptr=targets, bias_ptr=z if bias is None else bias, lse_ptr=lse,
-        ent_ptr=entropy if with_entropy else lse, glp_ptr=g_logp, gent_ptr=g_entropy if with_entropy else g_logp,
-        rows_inner=rows, stride_outer=0, stride_inner=cols, stride_gz=cols, n_cols=cols, v_start=v0,
-        inv_temp=inv_temp, HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, BLOCK_V=block, num_warps=warps,
-    )  # fmt: skip
+    with device_guard(z):
+        logprob_kernels().token_logprobs_bwd_kernel[(rows,)](
+            z_ptr=z, gz_ptr=z, tgt_ptr=targets, bias_ptr=z if bias is None else bias, lse_ptr=lse,
+            ent_ptr=entropy if with_entropy else lse, glp_ptr=g_logp, gent_ptr=g_entropy if with_entropy else g_logp,
+            rows_inner=rows, stride_outer=0, stride_inner=cols, stride_gz=cols, n_cols=cols, v_start=v0,
+            inv_temp=inv_temp, HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, BLOCK_V=block, num_warps=warps,
+        )  # fmt: skip

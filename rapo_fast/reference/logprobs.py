@@ -26,17 +26,27 @@ def token_logprobs_ref(
     logits [..., V] fp32/fp16/bf16/fp64, targets [...] int32/int64 in [0, V) ->
     logp [...] fp32 (fp64 for fp64 logits), and entropy [...] of the same dtype when return_entropy.
     Gradients reach `logits` through both outputs and come back in logits' dtype (autograd of the upcast).
+    A row whose log-sum-exp is not finite (only -inf, or any NaN or +inf) gives NaN logp and entropy and a zero
+    gradient; -inf entries in a row with a finite entry are ordinary (p = 0).
     """
     z = logits.to(_compute_dtype(logits.dtype)) / temperature
+    # Non-finite rows (lse not finite: only -inf, a padding row; any NaN or +inf) give NaN log-prob and entropy and an
+    # exactly-zero gradient, whatever the upstream gradient: they are computed on a row of zeros chosen by torch.where
+    # (whose backward sends nothing to the unchosen branch), never as 0 * NaN. A masked token's row thus cannot put NaN
+    # into a gradient (docs/loss.md section 2).
+    bad = ~torch.isfinite(torch.logsumexp(z.detach(), dim=-1))
+    z = torch.where(bad.unsqueeze(-1), torch.zeros_like(z), z)
+    nan = torch.full_like(bad, float("nan"), dtype=z.dtype)
     lse = torch.logsumexp(z, dim=-1)
     logp = z.gather(-1, targets.unsqueeze(-1).long()).squeeze(-1) - lse
+    logp = torch.where(bad, nan, logp)
     if not return_entropy:
         return logp
     p = torch.exp(z - lse.unsqueeze(-1))
     # -inf logits (masked vocabulary) have p = 0 and contribute 0; multiplying p by -inf would give NaN in the value
     # and, through the product's backward (0 * -inf), in the gradient too, so zero z there first (docs/pitfalls.md #3).
     z_finite = torch.where(p > 0, z, torch.zeros_like(z))
-    entropy = lse - (p * z_finite).sum(-1)
+    entropy = torch.where(bad, nan, lse - (p * z_finite).sum(-1))
     return logp, entropy
 
 

@@ -16,7 +16,9 @@ Per token t of row s (A the advantage, lr = logp - old_logp; every log-ratio cla
   retrieved tokens: excluded ("none"), -A p / (p + gamma) with p = exp(logp) ("shaped"),
                     -A w logp with w = sg(min(exp(logp - behav_logp), is_cap)) ("truncated")
   every token in the loss: + beta * KL_k(logp, ref_logp) - entropy_coef * H_t
-old_logp, behav_logp, ref_logp and advantages are data: they are detached. The options are the fields of
+old_logp, behav_logp, ref_logp and advantages are data: they are detached. Tokens out of the loss contribute exactly
+zero to the loss, the metrics and the gradients whatever they hold (NaN, inf): their inputs are replaced by 0 with
+torch.where before any arithmetic (docs/loss.md section 3). The options are the fields of
 rapo_fast.loss.options.LossOptions (its checks are the only validation here). Not a fast path.
 """
 
@@ -77,11 +79,18 @@ def policy_token_loss_ref(
     dual_clipped (bool), ratio, approx_kl, kl, tis_weight, offpolicy_weight.
     """
     o = LossOptions.from_call(None, options, caller="policy_token_loss_ref", exclude=_ROW_OPTIONS)
-    old_logp = old_logp.detach().to(logp.dtype)
-    adv = advantages.detach().to(logp.dtype)
     off_mask = torch.zeros_like(on_mask) if off_mask is None else off_mask
     active = on_mask | off_mask
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    # Tokens out of the loss contribute exactly zero to the loss and its gradient whatever they hold (a padding row's
+    # NaN log-prob, -inf old_logp): their inputs are replaced by 0 with torch.where before any arithmetic, so no
+    # 0 * NaN reaches a sum or a backward (a where's backward sends exactly 0 to the unchosen branch).
+    logp = torch.where(active, logp, zero)
+    old_logp = torch.where(active, old_logp.detach().to(logp.dtype), zero)
+    adv = torch.where(active, advantages.detach().to(logp.dtype), zero)
+    behav_logp = None if behav_logp is None else torch.where(active, behav_logp.detach().to(logp.dtype), zero)
+    ref_logp = None if ref_logp is None else torch.where(active, ref_logp.detach().to(logp.dtype), zero)
+    entropy = None if entropy is None else torch.where(active, entropy.to(logp.dtype), zero)
 
     ratio = _ratio(logp, old_logp, seq_log_ratio)
     r_hat = ratio_scale * ratio

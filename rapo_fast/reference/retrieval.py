@@ -9,6 +9,8 @@ Conventions (shared with csrc/include/rapo/retrieval_metric.h and csrc/include/r
   excluded group (a negative excluded group excludes nothing);
 - rows with fewer than k eligible slots are padded with score -inf and slot -1.
 Queries are rounded to the buffer's dtype before scoring (both backends score in that dtype); pass them that way.
+The backends score l2 about the stored keys' mean (docs/retrieval.md), the same distance; this spec takes the direct
+differences in float64, which need no centring.
 
 What this is not: a fast path (it materialises the full [Q, C] score matrix in float64) nor the StepBuffer's storage.
 """
@@ -24,7 +26,8 @@ COSINE_EPS = 1e-12
 
 
 def key_aux_ref(keys: torch.Tensor, metric: str) -> torch.Tensor:
-    """Per-key auxiliary value the backends use, in float32: cosine 1/max(|k|, eps), l2 |k|^2, ip zeros. keys [C, D]."""
+    """Per-key auxiliary value stored with each key, in float32: cosine 1/max(|k|, eps), l2 |k|^2, ip zeros. keys
+    [C, D]. The l2 search does not read it: it centres keys on their mean and takes |k - m|^2 itself."""
     k64 = keys.to(torch.float64)
     if metric == "cosine":
         aux = 1.0 / k64.norm(dim=-1).clamp_min(COSINE_EPS)

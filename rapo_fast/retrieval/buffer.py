@@ -6,13 +6,14 @@ scores and payload ids, exactly (equal to a float64 brute force up to ties withi
 rapo_fast.reference.retrieval.search_ref, which also states the score conventions: ip, cosine, and l2 reported as the
 negative squared distance, so larger is always better). CPU tensors go to the C++ backend of rapo_fast._C, CUDA
 tensors to its CUDA backend, both through the registered op `rapo_fast::retrieval_search`.
-`ShardedStepBuffer` spreads a buffer over torch.distributed ranks.
+`ShardedStepBuffer` (rapo_fast/retrieval/sharded.py) spreads a buffer over torch.distributed ranks.
 
 What this is not: an approximate index (no IVF/HNSW: exact search is the contract), or the storage of the payloads.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -21,8 +22,9 @@ import torch
 from rapo_fast.reference.retrieval import key_aux_ref
 from rapo_fast.retrieval.io import FORMAT_VERSION, StepBufferFormatError, read_snapshot, write_snapshot
 from rapo_fast.retrieval.op import MAX_K, METRIC_CODES, retrieval_search
+from rapo_fast.retrieval.rwlock import ReadWriteLock
 
-__all__ = ["StepBuffer", "ShardedStepBuffer", "StepBufferFormatError", "FORMAT_VERSION"]
+__all__ = ["StepBuffer", "StepBufferFormatError", "FORMAT_VERSION"]
 
 _KEY_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _EVICTIONS = ("fifo", "lowest_score")
@@ -106,6 +108,11 @@ class StepBuffer:
         self._size = 0  # slots 0..size-1 are occupied (slots fill in order and are never freed)
         self._head = 0  # fifo: the oldest slot once full
         self._next_seq = 0
+        # l2: float64 sum of the stored keys, kept by add (None: recomputed at the next search, e.g. after load); the
+        # search centres keys and queries on its mean (docs/retrieval.md, "l2 about the keys' mean").
+        self._key_sum: torch.Tensor | None = None
+        # Searches share it, add holds it alone (docs/retrieval.md, "Thread safety").
+        self._lock = ReadWriteLock()
 
     def __len__(self) -> int:
         return self._size
@@ -174,6 +181,14 @@ class StepBuffer:
             raise ValueError("scores must be finite")
         if bool((group < 0).any()):
             raise ValueError("group_ids must be >= 0 (negative values mean 'no exclusion' in search)")
+        with self._lock.write():
+            return self._store(keys, payload, group, score)
+
+    def _store(
+        self, keys: torch.Tensor, payload: torch.Tensor, group: torch.Tensor, score: torch.Tensor
+    ) -> torch.Tensor:
+        """add's writes, under the write lock: assign slots, then fill them."""
+        M, n_before = keys.shape[0], self._size
         slots = self._assign_slots(score) if self.eviction == "lowest_score" else self._assign_fifo(M)
         keep = slots >= 0
         if bool(keep.all()):
@@ -181,6 +196,9 @@ class StepBuffer:
         else:
             idx, src = slots[keep], keep
         seq = torch.arange(self._next_seq, self._next_seq + M, dtype=torch.int64, device=self.device)
+        if self._key_sum is not None:  # l2's running sum: minus the overwritten keys, plus the new ones
+            old = self._keys[idx[idx < n_before]]
+            self._key_sum += keys[src].sum(0, dtype=torch.float64) - old.sum(0, dtype=torch.float64)
         self._keys[idx] = keys[src]
         self._aux[idx] = key_aux_ref(keys[src], self.metric)
         self._payload[idx] = payload[src]
@@ -241,11 +259,24 @@ class StepBuffer:
             exclude = _check_int_vector("exclude_groups", exclude_groups, queries.shape[0])
             if exclude.device != self.device:
                 raise ValueError(f"exclude_groups must be on the buffer's device {self.device}, got {exclude.device}")
-        n = self._size
         q = queries.detach().to(self.dtype)  # retrieval is not differentiable: no autograd graph through the op
-        return retrieval_search(
-            self._keys[:n], self._aux[:n], self._group[:n], q, exclude, k, METRIC_CODES[self.metric], thr
-        )
+        # As strict as add: NaN/inf, or out of range once rounded. Not while torch.compile traces (a data-dependent
+        # branch would break the graph; docs/retrieval.md, "Thread safety").
+        if not torch.compiler.is_compiling() and not bool(torch.isfinite(q).all()):
+            raise ValueError(f"queries must be finite in {self.dtype} (NaN/inf found, or out of range)")
+        n = self._size
+        keys, aux, centre = self._keys[:n], self._aux[:n], None
+        if self.metric == "l2":
+            if self._key_sum is None:
+                self._key_sum = keys.sum(0, dtype=torch.float64)
+            c = (self._key_sum / max(n, 1)).float()
+            if self.device.type == "cpu":
+                centre = c  # the CPU backend centres keys as it packs them
+            else:  # the CUDA backend scores centred fp32 copies (FMA path, no tensor cores)
+                keys = keys.float() - c
+                aux = keys.double().square().sum(1).float()
+                q = q.float() - c
+        return retrieval_search(keys, aux, self._group[:n], q, exclude, k, METRIC_CODES[self.metric], thr, centre)
 
     def search(
         self,
@@ -260,60 +291,45 @@ class StepBuffer:
         exclude_groups [Q] int64: per query, steps of that group are skipped (a negative value skips nothing).
         min_score: steps scoring below it are skipped. 1 <= k <= 1024. The scores carry no gradient.
         """
-        scores, slots = self._search_slots(queries, k, exclude_groups, min_score)
-        payload = torch.where(slots >= 0, self._payload[slots.clamp_min(0)], torch.full_like(slots, -1))
+        # One consistent state for the scores and the payload ids they map to. A traced search (torch.compile) cannot
+        # hold a Python lock: it runs without it (docs/retrieval.md, "Thread safety").
+        with contextlib.nullcontext() if torch.compiler.is_compiling() else self._lock.read():
+            scores, slots = self._search_slots(queries, k, exclude_groups, min_score)
+            payload = torch.where(slots >= 0, self._payload[slots.clamp_min(0)], torch.full_like(slots, -1))
         return scores, payload
 
     # ---- persistence ----
     def save(self, directory: str | os.PathLike) -> None:
         """Save atomically to `directory` (safetensors + JSON, format version FORMAT_VERSION); docs/formats.md."""
-        n = self._size
-        tensors = {
-            "keys": self._keys[:n],
-            "payload_ids": self._payload[:n],
-            "group_ids": self._group[:n],
-            "scores": self._score[:n],
-            "seq": self._seq[:n],
-        }
-        meta = {
-            "capacity": self.capacity,
-            "dim": self.dim,
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "metric": self.metric,
-            "eviction": self.eviction,
-            "size": n,
-            "head": self._head,
-            "next_seq": self._next_seq,
-        }
-        write_snapshot(directory, tensors, meta)
+        with self._lock.read():  # one consistent state, also while another thread adds (adds wait)
+            n = self._size
+            tensors = {
+                "keys": self._keys[:n],
+                "payload_ids": self._payload[:n],
+                "group_ids": self._group[:n],
+                "scores": self._score[:n],
+                "seq": self._seq[:n],
+            }
+            meta = {
+                "capacity": self.capacity,
+                "dim": self.dim,
+                "dtype": str(self.dtype).removeprefix("torch."),
+                "metric": self.metric,
+                "eviction": self.eviction,
+                "size": n,
+                "head": self._head,
+                "next_seq": self._next_seq,
+            }
+            write_snapshot(directory, tensors, meta)
 
     @classmethod
     def load(cls, directory: str | os.PathLike, device: torch.device | str | None = None) -> StepBuffer:
-        """Load a buffer saved by `save` (onto `device`, default CPU). Raises StepBufferFormatError when corrupt."""
+        """Load a buffer saved by `save` (onto `device`, default CPU). Raises StepBufferFormatError when any file,
+        field or tensor is missing, corrupt or inconsistent (every one is checked first: rapo_fast/retrieval/io.py)."""
         tensors, meta = read_snapshot(directory)
-        try:
-            dtype = getattr(torch, meta["dtype"])
-            buf = cls(meta["capacity"], meta["dim"], dtype, device, meta["metric"], meta["eviction"])
-            n, head, next_seq = int(meta["size"]), int(meta["head"]), int(meta["next_seq"])
-            expect = {
-                "keys": ((n, buf.dim), dtype),
-                "payload_ids": ((n,), torch.int64),
-                "group_ids": ((n,), torch.int64),
-                "scores": ((n,), torch.float32),
-                "seq": ((n,), torch.int64),
-            }
-            for name, (shape, dt) in expect.items():
-                t = tensors[name]
-                if _shape(t) != shape or t.dtype != dt:
-                    raise StepBufferFormatError(
-                        f"{directory}: tensor {name} is {_shape(t)} {t.dtype}, want {shape} {dt}"
-                    )
-            if not 0 <= n <= buf.capacity or not 0 <= head < buf.capacity:
-                raise StepBufferFormatError(f"{directory}: size {n} / head {head} out of range")
-        except (KeyError, TypeError, AttributeError, ValueError) as exc:
-            if isinstance(exc, StepBufferFormatError):
-                raise
-            raise StepBufferFormatError(f"{directory}: inconsistent snapshot ({exc!r})") from exc
+        dtype = getattr(torch, meta["dtype"])  # one of the three key dtypes: read_snapshot checked it
+        buf = cls(meta["capacity"], meta["dim"], dtype, device, meta["metric"], meta["eviction"])
+        n, head, next_seq = meta["size"], meta["head"], meta["next_seq"]
         dev = buf.device
         buf._keys[:n] = tensors["keys"].to(dev)
         buf._aux[:n] = key_aux_ref(buf._keys[:n], buf.metric)
@@ -323,110 +339,3 @@ class StepBuffer:
         buf._seq[:n] = tensors["seq"].to(dev)
         buf._size, buf._head, buf._next_seq = n, head, next_seq
         return buf
-
-
-class ShardedStepBuffer:
-    """A StepBuffer sharded over the ranks of a torch.distributed process group (NCCL on GPU, gloo on CPU).
-
-    Each rank stores its own steps (`add` is local) in a shard of `capacity` slots; global slot ids are
-    rank * capacity + local slot. `search` is collective (every rank calls it, with its own queries, possibly a
-    different Q per rank, and the same k and min_score): queries are all-gathered, each rank takes its shard's top-k for
-    all of them, results are all-gathered and merged per query with the same order as StepBuffer (score, then global
-    slot). Returns the same shapes as StepBuffer.search for the calling rank's queries.
-    """
-
-    def __init__(
-        self,
-        capacity: int,
-        dim: int,
-        dtype: torch.dtype = torch.float16,
-        device: torch.device | str | None = None,
-        metric: str = "ip",
-        eviction: str = "fifo",
-        group=None,
-    ) -> None:
-        import torch.distributed as dist
-
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("ShardedStepBuffer needs an initialised torch.distributed process group")
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-        self.local = StepBuffer(capacity, dim, dtype, device, metric, eviction)
-
-    def __len__(self) -> int:
-        """Number of steps in this rank's shard (see global_len for the total)."""
-        return len(self.local)
-
-    def global_len(self) -> int:
-        """Total number of steps over all ranks (collective)."""
-        import torch.distributed as dist
-
-        t = torch.tensor([len(self.local)], dtype=torch.int64, device=self._comm_device())
-        dist.all_reduce(t, group=self.group)
-        return int(t.item())
-
-    def add(
-        self,
-        embeddings: torch.Tensor,
-        payload_ids: torch.Tensor,
-        group_ids: torch.Tensor,
-        scores: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Store steps in this rank's shard; returns global slot ids [M] (-1 for a step not kept). Not collective."""
-        slots = self.local.add(embeddings, payload_ids, group_ids, scores)
-        return torch.where(slots >= 0, slots + self.rank * self.local.capacity, slots)
-
-    def _comm_device(self) -> torch.device:
-        import torch.distributed as dist
-
-        return self.local.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
-
-    def _all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
-        import torch.distributed as dist
-
-        dev = self._comm_device()
-        out = [torch.empty_like(t, device=dev) for _ in range(self.world_size)]
-        dist.all_gather(out, t.to(dev).contiguous(), group=self.group)
-        return out
-
-    def search(
-        self, queries: torch.Tensor, k: int, exclude_groups: torch.Tensor | None = None, min_score: float | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Collective exact top-k over every shard: queries [Q, D] -> (scores [Q, k] fp32, payload_ids [Q, k])."""
-        k = _check_k(k)
-        Q = queries.shape[0] if isinstance(queries, torch.Tensor) and queries.dim() == 2 else -1
-        if Q < 0:
-            raise ValueError(f"queries must have shape [Q, {self.local.dim}], got {getattr(queries, 'shape', None)}")
-        dev, r = self.local.device, self.rank
-        sizes = [int(s.item()) for s in self._all_gather(torch.tensor([Q], dtype=torch.int64))]
-        qmax = max(sizes)
-        qpad = torch.zeros(qmax, self.local.dim, dtype=torch.float32, device=dev)
-        qpad[:Q] = queries.to(device=dev, dtype=torch.float32)
-        epad = torch.full((qmax,), -1, dtype=torch.int64, device=dev)
-        if exclude_groups is not None:
-            epad[:Q] = _check_int_vector("exclude_groups", exclude_groups, Q).to(dev)
-        all_q = torch.cat(self._all_gather(qpad)).to(dev)
-        all_e = torch.cat(self._all_gather(epad)).to(dev)
-        s, slot = self.local._search_slots(all_q, k, all_e, min_score)
-        payload = torch.where(slot >= 0, self.local._payload[slot.clamp_min(0)], torch.full_like(slot, -1))
-        gslot = torch.where(slot >= 0, slot + r * self.local.capacity, torch.full_like(slot, -1))
-        mine = slice(r * qmax, r * qmax + Q)
-        s_all = torch.cat([x.to(dev)[mine] for x in self._all_gather(s)], dim=1)  # [Q, W*k]
-        g_all = torch.cat([x.to(dev)[mine] for x in self._all_gather(gslot)], dim=1)
-        p_all = torch.cat([x.to(dev)[mine] for x in self._all_gather(payload)], dim=1)
-        # Order by global slot first (padding last), then a stable sort by score keeps the smaller slot on ties.
-        big = torch.iinfo(torch.int64).max
-        order = torch.argsort(torch.where(g_all >= 0, g_all, torch.full_like(g_all, big)), dim=1)
-        by_score = torch.argsort(torch.gather(s_all, 1, order), dim=1, descending=True, stable=True)
-        order = torch.gather(order, 1, by_score)
-        order = order[:, :k]
-        return torch.gather(s_all, 1, order), torch.gather(p_all, 1, order)
-
-    def save(self, directory: str | os.PathLike) -> None:
-        """Save this rank's shard to <directory>/rank<r> (not collective)."""
-        self.local.save(os.path.join(os.fspath(directory), f"rank{self.rank}"))
-
-    def load_shard(self, directory: str | os.PathLike) -> None:
-        """Replace this rank's shard with <directory>/rank<r> saved by `save`."""
-        self.local = StepBuffer.load(os.path.join(os.fspath(directory), f"rank{self.rank}"), self.local.device)

@@ -1,116 +1,118 @@
-"""Atomic, versioned save/load of a StepBuffer's state: safetensors for the arrays, JSON for the rest.
+"""Atomic, versioned, checksummed save/load of a StepBuffer's state: safetensors for the arrays, JSON for the rest.
 
-Directory layout: ``<dir>/CURRENT`` names the live snapshot ``<dir>/snapshot-<id>/`` holding ``tensors.safetensors``
-and ``meta.json`` (format name, format version, sizes, policy, the tensors file's SHA-256). A save writes a new
-snapshot under a temporary name, fsyncs it, renames it into place, then replaces CURRENT with os.replace (atomic on
-POSIX) and only then removes older snapshots: a crash at any point leaves CURRENT naming a complete snapshot.
-What this is not: the buffer logic (rapo_fast/retrieval/buffer.py) or a general checkpoint format.
+Directory layout (a versioned directory of rapo_fast._atomic; docs/formats.md section 2): ``<dir>/CURRENT`` names the
+live snapshot ``<dir>/snapshot-<id>/`` and the SHA-256 of its ``meta.json`` (format name, format version, the buffer's
+sizes and policy, and the size and SHA-256 of ``tensors.safetensors``). A save writes a new snapshot beside the live
+one and switches CURRENT with os.replace; a crash at any point leaves CURRENT naming a complete snapshot. A load
+checks every checksum, every field of meta.json (types, ranges, choices) and every tensor (names, shapes, dtypes,
+finite keys and scores, group ids >= 0, insertion numbers distinct and below next_seq), and raises
+StepBufferFormatError naming the file and the field.
+What this is not: the buffer logic (rapo_fast/retrieval/buffer.py) or the generic crash-safe machinery
+(rapo_fast/_atomic.py).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from rapo_fast._atomic import FormatError, HashingWriter, VersionWriter, check_choice, check_int, read_version
+from rapo_fast.retrieval.op import METRIC_CODES
+
 FORMAT_NAME = "rapo_fast.StepBuffer"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+_PREFIX = "snapshot"
 _TENSORS = "tensors.safetensors"
-_META = "meta.json"
-_CURRENT = "CURRENT"
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_EVICTIONS = ("fifo", "lowest_score")
+_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64"}
+MAX_CAPACITY = 2**31 - 1
 
 
-class StepBufferFormatError(ValueError):
+class StepBufferFormatError(FormatError):
     """A saved StepBuffer directory is missing, corrupt, or written by an incompatible format version."""
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb+") as f:
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+def _write_safetensors(f: HashingWriter, tensors: dict[str, torch.Tensor]) -> None:
+    """The safetensors layout (8-byte header length, JSON header, raw little-endian data), streamed tensor by tensor
+    so that a large buffer is not copied into one bytes object first."""
+    header, offset, parts = {}, 0, []
+    for name in sorted(tensors):
+        t = tensors[name].detach().to("cpu").contiguous()
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+        parts.append(t)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    f.write(len(raw).to_bytes(8, "little") + raw)
+    for t in parts:
+        if t.numel():
+            f.write(t.reshape(-1).view(torch.uint8).numpy())
 
 
 def write_snapshot(directory: str | os.PathLike, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Path:
     """Write tensors + meta as a new snapshot of `directory` and make it current atomically. Returns its path."""
-    from safetensors.torch import save_file
+    with VersionWriter(directory, _PREFIX, FORMAT_NAME, FORMAT_VERSION) as w:
+        with w.open(_TENSORS) as f:
+            _write_safetensors(f, tensors)
+        return w.commit(meta)
 
-    root = Path(directory)
-    root.mkdir(parents=True, exist_ok=True)
-    name = f"snapshot-{uuid.uuid4().hex}"
-    tmp = root / f".{name}.tmp"
-    tmp.mkdir()
-    try:
-        save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(tmp / _TENSORS))
-        _fsync_file(tmp / _TENSORS)
-        digest = _sha256(tmp / _TENSORS)
-        full_meta = dict(meta, format=FORMAT_NAME, format_version=FORMAT_VERSION, tensors_sha256=digest)
-        (tmp / _META).write_text(json.dumps(full_meta, indent=1, sort_keys=True))
-        _fsync_file(tmp / _META)
-        _fsync_dir(tmp)
-        os.rename(tmp, root / name)
-        _fsync_dir(root)
-        cur_tmp = root / f".{_CURRENT}.{uuid.uuid4().hex}.tmp"
-        cur_tmp.write_text(name + "\n")
-        _fsync_file(cur_tmp)
-        os.replace(cur_tmp, root / _CURRENT)
-        _fsync_dir(root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    # Older snapshots and leftovers of interrupted saves go only after CURRENT names the new one.
-    for p in root.iterdir():
-        if p.name != name and (p.name.startswith("snapshot-") or (p.name.startswith(".") and p.name.endswith(".tmp"))):
-            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-    return root / name
+
+def _check_meta(meta: dict[str, Any], where: Path) -> dict[str, Any]:
+    err = StepBufferFormatError
+    cap = check_int(meta, "capacity", where, err, 1, MAX_CAPACITY)
+    check_int(meta, "dim", where, err, 1, 2**31 - 1)
+    check_choice(meta, "dtype", tuple(_DTYPES), where, err)
+    check_choice(meta, "metric", tuple(METRIC_CODES), where, err)
+    check_choice(meta, "eviction", _EVICTIONS, where, err)
+    size = check_int(meta, "size", where, err, 0, cap)
+    # fifo: head moves only once the ring is full; lowest_score never moves it
+    check_int(meta, "head", where, err, 0, cap - 1 if size == cap and meta["eviction"] == "fifo" else 0)
+    check_int(meta, "next_seq", where, err, size)
+    return meta
+
+
+def _check_tensors(tensors: dict[str, torch.Tensor], meta: dict[str, Any], where: Path) -> None:
+    n, err = meta["size"], StepBufferFormatError
+    expect = {
+        "keys": ((n, meta["dim"]), _DTYPES[meta["dtype"]]),
+        "payload_ids": ((n,), torch.int64),
+        "group_ids": ((n,), torch.int64),
+        "scores": ((n,), torch.float32),
+        "seq": ((n,), torch.int64),
+    }
+    if set(tensors) != set(expect):
+        raise err(f"{where}: tensors {sorted(tensors)}, want {sorted(expect)}")
+    for name, (shape, dt) in expect.items():
+        t = tensors[name]
+        if tuple(t.shape) != shape or t.dtype != dt:
+            raise err(f"{where}: tensor {name!r} is {tuple(t.shape)} {t.dtype}, want {shape} {dt}")
+    if not bool(torch.isfinite(tensors["keys"]).all()) or not bool(torch.isfinite(tensors["scores"]).all()):
+        raise err(f"{where}: tensors 'keys' and 'scores' must be finite")
+    if bool((tensors["group_ids"] < 0).any()):
+        raise err(f"{where}: tensor 'group_ids' holds a negative id")
+    seq = tensors["seq"]
+    if n and (int(seq.min()) < 0 or int(seq.max()) >= meta["next_seq"] or seq.unique().numel() != n):
+        raise err(f"{where}: tensor 'seq' must hold {n} distinct values in [0, next_seq={meta['next_seq']})")
 
 
 def read_snapshot(directory: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Read the current snapshot of `directory`: (tensors on the CPU, meta). Raises StepBufferFormatError."""
+    """Read the current snapshot of `directory`: (tensors on the CPU, meta), every file, field and tensor checked
+    (module docstring). Raises StepBufferFormatError."""
     from safetensors.torch import load_file
 
-    root = Path(directory)
-    cur = root / _CURRENT
-    if not cur.is_file():
-        raise StepBufferFormatError(f"{root} is not a saved StepBuffer (no {_CURRENT} file)")
-    snap = root / cur.read_text().strip()
-    if not snap.name.startswith("snapshot-") or not (snap / _META).is_file() or not (snap / _TENSORS).is_file():
-        raise StepBufferFormatError(f"{root}: {_CURRENT} names {snap.name!r}, which is missing or incomplete")
-    try:
-        meta = json.loads((snap / _META).read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise StepBufferFormatError(f"{snap / _META} is corrupt: {exc}") from exc
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
-        raise StepBufferFormatError(f"{snap / _META}: not a {FORMAT_NAME} snapshot")
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise StepBufferFormatError(
-            f"{snap}: format version {meta.get('format_version')!r}, this rapo_fast reads version {FORMAT_VERSION}"
-        )
-    if _sha256(snap / _TENSORS) != meta.get("tensors_sha256"):
-        raise StepBufferFormatError(f"{snap / _TENSORS} is corrupt (SHA-256 differs from the one in {_META})")
-    try:
-        tensors = load_file(str(snap / _TENSORS))
-    except Exception as exc:  # safetensors raises its own error types
-        raise StepBufferFormatError(f"{snap / _TENSORS} could not be read: {exc}") from exc
+    with read_version(directory, _PREFIX, FORMAT_NAME, FORMAT_VERSION, StepBufferFormatError) as v:
+        meta = _check_meta(v.meta, v.path / "meta.json")
+        if set(v.files) != {_TENSORS}:
+            raise StepBufferFormatError(f"{v.path / 'meta.json'}: field 'files' lists {sorted(v.files)}")
+        try:
+            tensors = load_file(str(v.path / _TENSORS))
+        except Exception as exc:  # safetensors raises its own error types
+            raise StepBufferFormatError(f"{v.path / _TENSORS} could not be read: {exc}") from exc
+    _check_tensors(tensors, meta, v.path / _TENSORS)
     return tensors, meta

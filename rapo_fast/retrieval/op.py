@@ -1,7 +1,8 @@
 """The registered search op `rapo_fast::retrieval_search`: calls the compiled CPU or CUDA backend of rapo_fast._C on
 already-validated tensors, with a fake implementation so that a search traces under torch.compile.
 
-What this is not: argument validation (rapo_fast/retrieval/buffer.py validates before calling) or the buffer itself.
+What this is not: argument validation (rapo_fast/retrieval/buffer.py validates before calling; called directly, the op
+checks only the dtypes it reads pointers as, and the extension every extent it indexes with) or the buffer itself.
 Written without `from __future__ import annotations` because torch.library infers the op schema from the annotations.
 """
 
@@ -20,6 +21,30 @@ def _ptr(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None or t.numel() == 0 else int(t.data_ptr())
 
 
+def _check_op_inputs(keys, key_aux, groups, queries, exclude, centre) -> None:
+    """The dtypes and devices the op reads its pointers as (the extension checks every extent itself): the op can be
+    called directly, without StepBuffer's validation."""
+    if keys.dim() != 2 or queries.dim() != 2:
+        raise ValueError(f"keys [C, D] and queries [Q, D] expected, got {tuple(keys.shape)}, {tuple(queries.shape)}")
+    if keys.dtype not in (torch.float32, torch.float16, torch.bfloat16) or queries.dtype != keys.dtype:
+        raise TypeError(
+            f"keys and queries must share a float32/float16/bfloat16 dtype, got {keys.dtype}, {queries.dtype}"
+        )
+    expect = {"key_aux": (key_aux, torch.float32), "groups": (groups, torch.int64)}
+    expect.update(exclude=(exclude, torch.int64), centre=(centre, torch.float32))
+    for name, (t, dt) in expect.items():
+        if t is None:
+            continue
+        if t.dtype != dt or t.dim() != 1:
+            raise TypeError(f"{name} must be a 1-d {dt} tensor, got {t.dtype} {tuple(t.shape)}")
+        if t.device != queries.device:
+            raise ValueError(f"{name} is on {t.device}, queries on {queries.device}")
+    if keys.device != queries.device:
+        raise ValueError(f"keys are on {keys.device}, queries on {queries.device}")
+    if centre is not None and centre.numel() != queries.shape[1]:
+        raise ValueError(f"centre has {centre.numel()} entries for D = {queries.shape[1]}")
+
+
 def _search_impl(
     keys: torch.Tensor,
     key_aux: torch.Tensor,
@@ -29,9 +54,12 @@ def _search_impl(
     k: int,
     metric: int,
     min_score: float,
+    centre: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """keys [C, D] (fp32/fp16/bf16, rows contiguous), key_aux [C] fp32, groups [C] int64, queries [Q, D] in the keys'
-    dtype, exclude [Q] int64 or None -> (scores [Q, k] fp32, slots [Q, k] int64)."""
+    dtype, exclude [Q] int64 or None, centre [D] fp32 or None (l2 on CPU: keys and queries are centred on it, key_aux
+    unread) -> (scores [Q, k] fp32, slots [Q, k] int64)."""
+    _check_op_inputs(keys, key_aux, groups, queries, exclude, centre)
     device = queries.device
     ext = require_backend(device)
     Q, D = queries.shape
@@ -41,6 +69,7 @@ def _search_impl(
     key_aux = key_aux.contiguous()
     groups = groups.contiguous()
     exclude = None if exclude is None else exclude.contiguous()
+    centre = None if centre is None else centre.contiguous()
     scores = torch.empty(Q, k, dtype=torch.float32, device=device)
     slots = torch.empty(Q, k, dtype=torch.int64, device=device)
     params = make_params(
@@ -52,10 +81,16 @@ def _search_impl(
         groups=_ptr(groups),
         C=C,
         D=D,
+        key_dim=keys.shape[1],
+        aux_len=key_aux.numel(),
+        groups_len=groups.numel(),
         queries=_ptr(queries),
+        query_dtype=DTYPE_CODES[queries.dtype],
         query_row_stride=queries.stride(0) if Q else D,
         Q=Q,
         exclude=_ptr(exclude),
+        exclude_len=0 if exclude is None else exclude.numel(),
+        centre=_ptr(centre),
         k=k,
         metric=metric,
         min_score=float(min_score),
@@ -80,7 +115,7 @@ def _search_impl(
     return scores, slots
 
 
-def _search_fake(keys, key_aux, groups, queries, exclude, k, metric, min_score):
+def _search_fake(keys, key_aux, groups, queries, exclude, k, metric, min_score, centre=None):
     Q = queries.shape[0]
     return (
         queries.new_empty((Q, k), dtype=torch.float32),

@@ -22,8 +22,12 @@ from pathlib import Path
 
 import torch
 
+from rapo_fast._atomic import FormatError, VersionWriter, check_int, read_version
+
 OFFPOLICY_GROUP_BASE = 1 << 40
 RETRIEVE_OPEN, RETRIEVE_CLOSE = "<retrieve>", "</retrieve>"
+TRACES_FORMAT, TRACES_VERSION = "rapo_fast.StepTraces", 2  # version 1: the unversioned layout before the manifest
+_PREFIX, _TRACES, _KV = "traces", "traces.json", "kv_store.pt"
 
 
 def strip_retrieve_markers(text: str) -> str:
@@ -125,6 +129,8 @@ class StepTraces:
         keys = self.encoder([strip_retrieve_markers(h) for h in histories]).float()
         start = len(self.payloads)
         segs = [self.tokenizer.encode(f"{RETRIEVE_OPEN} {strip_retrieve_markers(s)} {RETRIEVE_CLOSE}") for s in steps]
+        # Segments first, then the buffer (which locks itself): a retrieve running in another thread meanwhile never
+        # gets a payload id whose segment is missing (docs/retrieval.md, "Thread safety": one writer, many readers).
         self.payloads.extend(segs)
         pids = torch.arange(start, start + len(segs), dtype=torch.int64)
         dev = getattr(self.buffer, "device", "cpu")
@@ -184,35 +190,113 @@ class StepTraces:
 
     # -- persistence ------------------------------------------------------------------------------------------------
     def save(self, directory: str | Path) -> None:
-        """Buffer (StepBuffer.save), payloads and counters (JSON), and the K/V store's contents when there is one (the
-        cached K/V are those of the policy that computed them, which a resume must keep: see `load`). The encoder is
-        not saved."""
-        d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
-        self.buffer.save(d / "buffer")
-        if self.kv_store is not None:
-            torch.save(self.kv_store.state_dict(), d / "kv_store.pt.tmp")
-            (d / "kv_store.pt.tmp").replace(d / "kv_store.pt")
-        meta = {"payloads": self.payloads, "num_offpolicy": self.num_offpolicy, "num_onpolicy": self.num_onpolicy}
-        tmp = d / "traces.json.tmp"
-        tmp.write_text(json.dumps(meta))
-        tmp.replace(d / "traces.json")
+        """Save as one versioned unit (docs/formats.md section 3): the buffer (a nested StepBuffer snapshot), the
+        payloads and counters (traces.json), and the K/V store's contents when there is one (kv_store.pt: the cached
+        K/V are those of the policy that computed them, which a resume must keep: see `load`), all listed with their
+        SHA-256 in one manifest that CURRENT switches to atomically. The encoder is not saved. Call it from the thread
+        that adds steps (as the trainer does): a save beside a concurrent add_steps could capture its parts at two
+        moments, which `load` would then refuse."""
+        with VersionWriter(directory, _PREFIX, TRACES_FORMAT, TRACES_VERSION) as w:
+            self.buffer.save(w.path / "buffer")
+            w.add_nested("buffer")
+            meta = {"payloads": self.payloads, "num_offpolicy": self.num_offpolicy, "num_onpolicy": self.num_onpolicy}
+            w.write_bytes(_TRACES, json.dumps(meta, separators=(",", ":")).encode())
+            if self.kv_store is not None:
+                with w.open(_KV) as f:
+                    torch.save(self.kv_store.state_dict(), f)
+            w.commit({"num_payloads": len(self.payloads), "buffer_size": len(self.buffer)})
 
     @classmethod
     def load(cls, directory: str | Path, encoder: Callable, tokenizer, *, kv_store=None, model=None) -> StepTraces:
         """Inverse of save. With a kv_store, its saved contents are restored (so that a run resumed between K/V
-        refreshes splices what the uninterrupted run would have); a save without them (or from an older version) has
-        the payloads' K/V recomputed with `model`."""
+        refreshes splices what the uninterrupted run would have); a save without them has the payloads' K/V
+        recomputed with `model`. Every file is checked against the manifest's checksums, and the parts against each
+        other (payload counts, the buffer's and the K/V store's payload ids, the K/V tokens) before anything is
+        changed: a mismatch raises StepTracesFormatError naming the file and field, and leaves kv_store as it was."""
         from rapo_fast.retrieval.buffer import StepBuffer
+        from rapo_fast.retrieval.io import StepBufferFormatError
 
-        d = Path(directory)
-        meta = json.loads((d / "traces.json").read_text())
-        traces = cls(StepBuffer.load(d / "buffer"), encoder, tokenizer, kv_store=kv_store, model=model)
-        traces.payloads = [list(p) for p in meta["payloads"]]
-        traces.num_offpolicy, traces.num_onpolicy = meta["num_offpolicy"], meta["num_onpolicy"]
+        with read_version(directory, _PREFIX, TRACES_FORMAT, TRACES_VERSION, StepTracesFormatError) as v:
+            if not {_TRACES, "buffer/CURRENT"} <= set(v.files) <= {_TRACES, "buffer/CURRENT", _KV}:
+                raise StepTracesFormatError(f"{v.path / 'meta.json'}: field 'files' lists {sorted(v.files)}")
+            payloads, n_off, n_on = _read_traces_json(v.path / _TRACES)
+            try:
+                buffer = StepBuffer.load(v.path / "buffer")
+            except StepBufferFormatError as exc:
+                raise StepTracesFormatError(str(exc)) from exc
+            kv_state = _read_kv(v.path / _KV) if kv_store is not None and _KV in v.files else None
+        _cross_check(v, payloads, buffer, kv_state, kv_store)
+        enc_dim = getattr(encoder, "dim", None)
+        if isinstance(enc_dim, int) and enc_dim > 0 and enc_dim != buffer.dim:
+            raise ValueError(f"StepTraces.load: the encoder's dim is {enc_dim}, the saved buffer's {buffer.dim}")
+        traces = cls(buffer, encoder, tokenizer, kv_store=kv_store, model=model)
+        traces.payloads, traces.num_offpolicy, traces.num_onpolicy = payloads, n_off, n_on
         if kv_store is not None:
-            if (d / "kv_store.pt").exists():
-                kv_store.load_state_dict(torch.load(d / "kv_store.pt", weights_only=True))
+            if kv_state is not None:
+                kv_store.load_state_dict(kv_state)
             else:
                 traces.refresh_kv()
         return traces
+
+
+class StepTracesFormatError(FormatError):
+    """A saved StepTraces directory is missing, corrupt, inconsistent, or of an incompatible format version."""
+
+
+def _read_traces_json(path: Path) -> tuple[list[list[int]], int, int]:
+    try:
+        meta = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise StepTracesFormatError(f"{path} is corrupt: {exc}") from None
+    if not isinstance(meta, dict):
+        raise StepTracesFormatError(f"{path}: not a JSON object")
+    n_off = check_int(meta, "num_offpolicy", path, StepTracesFormatError)
+    n_on = check_int(meta, "num_onpolicy", path, StepTracesFormatError)
+    payloads = meta.get("payloads")
+    if not isinstance(payloads, list) or not all(
+        isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p)
+        for p in payloads
+    ):
+        raise StepTracesFormatError(f"{path}: field 'payloads' must be a list of non-empty lists of token ids >= 0")
+    if n_off + n_on != len(payloads):
+        raise StepTracesFormatError(
+            f"{path}: fields 'num_offpolicy' ({n_off}) + 'num_onpolicy' ({n_on}) != {len(payloads)} payloads"
+        )
+    return payloads, n_off, n_on
+
+
+def _read_kv(path: Path) -> dict:
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as exc:  # torch raises pickle, zip and runtime errors alike
+        raise StepTracesFormatError(f"{path} could not be read: {exc}") from exc
+
+
+def _cross_check(v, payloads: list[list[int]], buffer, kv_state: dict | None, kv_store) -> None:
+    """The parts of one save must agree: counts in the manifest, payload ids in range, K/V tokens = payloads."""
+    where = v.path / "meta.json"
+    if check_int(v.meta, "num_payloads", where, StepTracesFormatError) != len(payloads):
+        raise StepTracesFormatError(
+            f"{where}: field 'num_payloads' is {v.meta['num_payloads']}, traces.json holds {len(payloads)}"
+        )
+    if check_int(v.meta, "buffer_size", where, StepTracesFormatError) != len(buffer):
+        raise StepTracesFormatError(
+            f"{where}: field 'buffer_size' is {v.meta['buffer_size']}, the buffer holds {len(buffer)}"
+        )
+    pids = buffer.payload_ids
+    if len(buffer) and (int(pids.min()) < 0 or int(pids.max()) >= len(payloads)):
+        got = f"[{int(pids.min())}, {int(pids.max())}]"
+        raise StepTracesFormatError(f"{v.path / 'buffer'}: payload ids must lie in [0, {len(payloads)}), got {got}")
+    if kv_state is None:
+        return
+    try:
+        _, kv_where, kv_tokens = kv_store.check_state_dict(kv_state)
+    except (ValueError, TypeError) as exc:
+        raise StepTracesFormatError(f"{v.path / _KV}: {exc}") from exc
+    missing = set(pids.tolist()) - set(kv_where)
+    bad = [p for p in kv_where if not 0 <= p < len(payloads) or kv_tokens.get(p, payloads[p]) != payloads[p]]
+    if missing or bad:
+        raise StepTracesFormatError(
+            f"{v.path / _KV}: field 'where' lacks payload ids {sorted(missing)[:8]} of the buffer, or holds ids "
+            f"{sorted(bad)[:8]} with no payload or other tokens than traces.json"
+        )

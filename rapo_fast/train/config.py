@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,79 +87,23 @@ class TrainerConfig:
 
     # -- validation -------------------------------------------------------------------------------------------------
     def validate(self) -> TrainerConfig:
-        def pos_int(name: str) -> None:
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"TrainerConfig.{name}: expected a positive int, got {v!r}")
+        """Check every field (type and range; the table of rules is _FIELD_RULES below); return self.
 
-        def num(name: str, lo: float | None = None, hi: float | None = None, allow_none: bool = False) -> None:
-            v = getattr(self, name)
-            if v is None and allow_none:
-                return
-            if not isinstance(v, (int, float)) or isinstance(v, bool):
-                raise TypeError(f"TrainerConfig.{name}: expected a number, got {type(v).__name__} {v!r}")
-            if (lo is not None and v < lo) or (hi is not None and v > hi):
-                raise ValueError(f"TrainerConfig.{name}: expected a value in [{lo}, {hi}], got {v!r}")
-
-        for n in (
-            "group_size",
-            "prompts_per_step",
-            "max_steps",
-            "max_step_tokens",
-            "arpo_beam",
-            "arpo_k",
-            "updates_per_step",
-            "refresh_kv_every",
-        ):
-            pos_int(n)
-        if self.strategy not in _STRATEGIES:
-            raise ValueError(f"TrainerConfig.strategy: expected one of {_STRATEGIES}, got {self.strategy!r}")
-        if self.mode not in ("exact", "splice"):
-            raise ValueError(f"TrainerConfig.mode: expected 'exact' or 'splice', got {self.mode!r}")
-        if self.advantage_attribution not in ("soft", "hard"):
-            raise ValueError(
-                f"TrainerConfig.advantage_attribution: expected 'soft' or 'hard', got {self.advantage_attribution!r}"
-            )
-        if not isinstance(self.n_hybrid, int) or not 0 <= self.n_hybrid <= self.group_size:
+        A wrong type raises TypeError, a wrong value (NaN, inf, out of range, an unknown choice) ValueError, both
+        naming the field. Every field of the dataclass has a rule (tests/train/test_config.py checks that)."""
+        for name, rule in _FIELD_RULES.items():
+            rule(f"TrainerConfig.{name}", getattr(self, name))
+        if not self.n_hybrid <= self.group_size:
             raise ValueError(
                 f"TrainerConfig.n_hybrid: expected an int in [0, group_size={self.group_size}], got {self.n_hybrid!r}"
             )
         if self.strategy != "hybrid" and self.n_hybrid:
             raise ValueError(f"TrainerConfig.n_hybrid: must be 0 with strategy={self.strategy!r}, got {self.n_hybrid}")
-        if self.arpo_initial is not None and not (
-            isinstance(self.arpo_initial, int) and 1 <= self.arpo_initial <= self.group_size
-        ):
+        if self.arpo_initial is not None and self.arpo_initial > self.group_size:
             raise ValueError(
-                f"TrainerConfig.arpo_initial: expected None or an int in [1, group_size], got {self.arpo_initial!r}"
+                f"TrainerConfig.arpo_initial: expected None or an int in [1, group_size={self.group_size}], got "
+                f"{self.arpo_initial!r}"
             )
-        num("retrieve_prob", 0.0, 1.0)
-        num("temperature", 0.0)
-        num("ret_coef")
-        num("lr", 0.0)
-        num("weight_decay", 0.0)
-        num("max_grad_norm", 0.0, allow_none=True)
-        num("tis_cap", 0.0, allow_none=True)
-        num("arpo_alpha", 0.0, 1.0)
-        num("arpo_beta")
-        if not isinstance(self.seed, int):
-            raise TypeError(f"TrainerConfig.seed: expected an int, got {type(self.seed).__name__}")
-        if not isinstance(self.loss, dict):
-            raise TypeError(f"TrainerConfig.loss: expected a dict of rapo_loss options, got {type(self.loss).__name__}")
-        allowed = set(LossOptions.names()) - {"return_metrics", "tis_cap", "temperature"}
-        unknown = sorted(set(self.loss) - allowed)
-        if unknown:
-            raise ValueError(
-                f"TrainerConfig.loss: unknown rapo_loss options {unknown}; expected a subset of {sorted(allowed)}"
-            )
-        if self.loss.get("beta", 0.0) not in (0, 0.0):
-            raise ValueError(
-                f"TrainerConfig.loss['beta']: the thin trainer keeps no reference model, so the KL "
-                f"coefficient must be 0, got {self.loss['beta']!r}"
-            )
-        try:  # the values, checked now as rapo_loss would check them at the first step
-            LossOptions(**self.loss)
-        except (TypeError, ValueError) as e:
-            raise type(e)(f"TrainerConfig.loss: {e}") from None
         return self
 
     # -- serialisation ----------------------------------------------------------------------------------------------
@@ -202,3 +148,110 @@ class TrainerConfig:
         p = Path(path)
         text = p.read_text()
         return cls.from_yaml(text) if p.suffix in (".yaml", ".yml") else cls.from_json(text)
+
+
+# -- the rule of each field -------------------------------------------------------------------------------------------
+def _int(lo: int, hi: int | None = None, allow_none: bool = False) -> Callable[[str, Any], None]:
+    """An int (bool refused) in [lo, hi]."""
+
+    def check(name: str, v: Any) -> None:
+        if v is None and allow_none:
+            return
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise TypeError(f"{name}: expected an int, got {type(v).__name__} {v!r}")
+        if v < lo or (hi is not None and v > hi):
+            raise ValueError(f"{name}: expected an int in [{lo}, {hi if hi is not None else 'inf'}], got {v!r}")
+
+    return check
+
+
+def _real(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False,
+          allow_none: bool = False) -> Callable[[str, Any], None]:  # fmt: skip
+    """A finite real number (bool refused) in [lo, hi], or (lo, hi] with lo_open."""
+
+    def check(name: str, v: Any) -> None:
+        if v is None and allow_none:
+            return
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            raise TypeError(f"{name}: expected a number, got {type(v).__name__} {v!r}")
+        if not math.isfinite(v):
+            raise ValueError(f"{name}: expected a finite number, got {v!r}")
+        if (lo is not None and (v < lo or (lo_open and v == lo))) or (hi is not None and v > hi):
+            left = "(" if lo_open else "["
+            raise ValueError(f"{name}: expected a value in {left}{lo}, {hi}], got {v!r}")
+
+    return check
+
+
+def _choice(*choices: str) -> Callable[[str, Any], None]:
+    def check(name: str, v: Any) -> None:
+        if not isinstance(v, str):
+            raise TypeError(f"{name}: expected one of {list(choices)}, got {type(v).__name__} {v!r}")
+        if v not in choices:
+            raise ValueError(f"{name}: expected one of {list(choices)}, got {v!r}")
+
+    return check
+
+
+def _of_type(kinds: tuple[type, ...], what: str) -> Callable[[str, Any], None]:
+    def check(name: str, v: Any) -> None:
+        if not isinstance(v, kinds):
+            raise TypeError(f"{name}: expected {what}, got {type(v).__name__} {v!r}")
+
+    return check
+
+
+_FIELD_RULES: dict[str, Callable[[str, Any], None]] = {
+    "strategy": _choice(*_STRATEGIES),
+    "group_size": _int(1),
+    "n_hybrid": _int(0),  # and <= group_size (validate)
+    "retrieve_prob": _real(0.0, 1.0),
+    "mode": _choice("exact", "splice"),
+    "prompts_per_step": _int(1),
+    "temperature": _real(0.0, lo_open=True),
+    "max_steps": _int(1),
+    "max_step_tokens": _int(1),
+    "exclude_own_group": _of_type((bool, type(None)), "a bool or None"),
+    "arpo_initial": _int(1, allow_none=True),  # and <= group_size (validate)
+    "arpo_beam": _int(1),
+    "arpo_k": _int(1),
+    "arpo_alpha": _real(0.0, 1.0),
+    "arpo_beta": _real(),
+    "advantage_attribution": _choice("soft", "hard"),
+    "ret_coef": _real(),
+    "loss": lambda name, v: _check_loss(v),
+    "tis_cap": _real(0.0, lo_open=True, allow_none=True),
+    "lr": _real(0.0),
+    "weight_decay": _real(0.0),
+    "max_grad_norm": _real(0.0, lo_open=True, allow_none=True),
+    "updates_per_step": _int(1),
+    "add_onpolicy_steps": _of_type((bool,), "a bool"),
+    "refresh_kv_every": _int(1),
+    "seed": _int(0, 2**63 - 1),
+    "log_csv": _of_type((str, type(None)), "a path string or None"),
+    "tensorboard_dir": _of_type((str, type(None)), "a path string or None"),
+}
+
+
+def _check_loss(loss: Any) -> None:
+    """TrainerConfig.loss: a dict of rapo_loss options (string keys, known names, beta 0), valid as LossOptions."""
+    if not isinstance(loss, dict):
+        raise TypeError(f"TrainerConfig.loss: expected a dict of rapo_loss options, got {type(loss).__name__}")
+    bad_keys = [k for k in loss if not isinstance(k, str)]
+    if bad_keys:
+        raise TypeError(f"TrainerConfig.loss: option names must be strings, got {bad_keys!r}")
+    allowed = set(LossOptions.names()) - {"return_metrics", "tis_cap", "temperature"}
+    unknown = sorted(set(loss) - allowed)
+    if unknown:
+        raise ValueError(
+            f"TrainerConfig.loss: unknown rapo_loss options {unknown}; expected a subset of {sorted(allowed)}"
+        )
+    if loss.get("beta", 0.0) not in (0, 0.0):
+        raise ValueError(
+            f"TrainerConfig.loss['beta']: the thin trainer keeps no reference model, so the KL "
+            f"coefficient must be 0, got {loss['beta']!r}"
+        )
+    try:  # the values, checked now as rapo_loss would check them at the first step
+        LossOptions(**loss)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"TrainerConfig.loss: {e}") from None

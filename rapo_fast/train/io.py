@@ -3,8 +3,9 @@
 What this is: `MetricsLogger` (one CSV row per step; when a new metric appears the file is rewritten with the wider
 header, so columns never shift) and `save_checkpoint` / `load_checkpoint` (model and optimiser state, step count,
 the trainer's Python and torch RNG states, torch's global RNG, the config, and the step buffer with its K/V store
-through StepTraces.save), written to a temporary directory and renamed into place so a crash never leaves half a
-checkpoint.
+through StepTraces.save), saved as a new version of a versioned directory (rapo_fast/_atomic.py: every file
+checksummed in one manifest, switched to atomically, the previous checkpoint removed only after the switch), so a
+crash leaves the previous checkpoint or the new one, never half of one; docs/formats.md section 4.
 What this is not: the training loop (rapo_fast/train/trainer.py).
 """
 
@@ -12,14 +13,17 @@ from __future__ import annotations
 
 import csv
 import math
-import shutil
+import random
 from pathlib import Path
 
 import torch
 
+from rapo_fast._atomic import FormatError, VersionWriter, check_int, read_version
 from rapo_fast.train.config import TrainerConfig
 
-CHECKPOINT_FORMAT = "rapo_fast.train.trainer.checkpoint/1"
+# version 1: "rapo_fast.train.trainer.checkpoint/1", one directory renamed into place (not crash-safe, no checksums)
+CHECKPOINT_FORMAT, CHECKPOINT_VERSION = "rapo_fast.train.checkpoint", 2
+_PREFIX = "checkpoint"
 
 
 class MetricsLogger:
@@ -67,63 +71,136 @@ class MetricsLogger:
         self.rows, self.columns = list(state["rows"]), list(state["columns"])
 
 
+class CheckpointFormatError(FormatError):
+    """A checkpoint directory is missing, corrupt, inconsistent, or of an incompatible format version."""
+
+
 def save_checkpoint(trainer, directory: str | Path) -> Path:
-    """Write everything needed to continue exactly where `trainer` is (see the module docstring)."""
-    final = Path(directory)
-    tmp = final.with_name(final.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    torch.save(trainer.model.state_dict(), tmp / "model.pt")
-    torch.save(trainer.optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save(
-        {
-            "format": CHECKPOINT_FORMAT,
+    """Write everything needed to continue exactly where `trainer` is (see the module docstring) as a new version of
+    the versioned directory `directory`, switched to atomically; the previous checkpoint stays until then."""
+    root = Path(directory)
+    with VersionWriter(root, _PREFIX, CHECKPOINT_FORMAT, CHECKPOINT_VERSION) as w:
+        with w.open("model.pt") as f:
+            torch.save(trainer.model.state_dict(), f)
+        with w.open("optimizer.pt") as f:
+            torch.save(trainer.optimizer.state_dict(), f)
+        state = {
             "step_count": trainer.step_count,
             "py_rng": trainer.py_rng.getstate(),
             "gen": trainer.gen.get_state(),
             "torch_rng": torch.get_rng_state(),
             "logger": trainer.logger.state(),
-        },
-        tmp / "trainer.pt",
-    )
-    (tmp / "config.json").write_text(trainer.config.to_json())
-    if trainer.buffer is not None:
-        trainer.buffer.save(tmp / "buffer")
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
-    return final
+        }
+        with w.open("trainer.pt") as f:
+            torch.save(state, f)
+        w.write_bytes("config.json", trainer.config.to_json().encode())
+        if trainer.buffer is not None:
+            trainer.buffer.save(w.path / "buffer")
+            w.add_nested("buffer")
+        w.commit({"step_count": trainer.step_count})
+    return root
+
+
+def _torch_load(path: Path):
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as exc:  # torch raises pickle, zip and runtime errors alike
+        raise CheckpointFormatError(f"{path} could not be read: {exc}") from exc
+
+
+def _check_trainer_state(state, path: Path, step_count: int) -> None:
+    """Every field of trainer.pt, checked by restoring it into scratch objects (the trainer is not touched)."""
+    fields = {"step_count", "py_rng", "gen", "torch_rng", "logger"}
+    if not isinstance(state, dict) or set(state) != fields:
+        got = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise CheckpointFormatError(f"{path}: want a dict of the fields {sorted(fields)}, got {got}")
+    if check_int(state, "step_count", path, CheckpointFormatError) != step_count:
+        raise CheckpointFormatError(f"{path}: field 'step_count' is {state['step_count']}, meta.json says {step_count}")
+    for field, restore in (
+        ("py_rng", lambda s: random.Random().setstate(s)),
+        ("gen", lambda s: torch.Generator().set_state(s)),
+        ("torch_rng", lambda s: torch.Generator().set_state(s)),
+    ):
+        try:
+            restore(state[field])
+        except Exception as exc:  # random and torch raise TypeError, ValueError or RuntimeError
+            raise CheckpointFormatError(f"{path}: field {field!r} is not a generator state ({exc})") from exc
+    log = state["logger"]
+    ok = isinstance(log, dict) and set(log) == {"rows", "columns"} and isinstance(log["rows"], list)
+    if not ok or not isinstance(log["columns"], list) or not all(isinstance(r, dict) for r in log["rows"]):
+        raise CheckpointFormatError(f"{path}: field 'logger' must be {{'rows': [dict], 'columns': [str]}}")
+
+
+def _check_like(saved, current, path: Path, what: str) -> None:
+    """`saved` (a state dict read from `path`) has the keys, shapes and dtypes of `current`."""
+    if not isinstance(saved, dict) or set(saved) != set(current):
+        extra = sorted(set(saved) ^ set(current)) if isinstance(saved, dict) else type(saved).__name__
+        raise CheckpointFormatError(f"{path}: not a state dict of this {what} (keys differ: {extra[:6]})")
+    for k, t in current.items():
+        s = saved[k]
+        if isinstance(t, torch.Tensor) and (
+            not isinstance(s, torch.Tensor) or s.shape != t.shape or s.dtype != t.dtype
+        ):
+            got = f"{tuple(s.shape)} {s.dtype}" if isinstance(s, torch.Tensor) else type(s).__name__
+            raise CheckpointFormatError(f"{path}: {k!r} is {got}, this {what} has {tuple(t.shape)} {t.dtype}")
+
+
+def _check_optimizer(saved, current: dict, path: Path) -> None:
+    """Same parameter groups (sizes) as the trainer's optimizer: what load_state_dict would refuse, refused first."""
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if not isinstance(groups, list) or not isinstance(saved.get("state"), dict):
+        raise CheckpointFormatError(f"{path}: not an optimizer state dict (fields 'state', 'param_groups')")
+    sizes = [len(g.get("params", ())) if isinstance(g, dict) else -1 for g in groups]
+    want = [len(g["params"]) for g in current["param_groups"]]
+    if sizes != want:
+        raise CheckpointFormatError(f"{path}: parameter group sizes {sizes}, this optimizer's are {want}")
 
 
 def load_checkpoint(trainer, directory: str | Path) -> None:
     """Restore a checkpoint written by save_checkpoint into `trainer` (built with the same model architecture, env
-    and encoder). The config must match the checkpoint's (a mismatch raises ValueError naming the fields)."""
-    from rapo_fast.retrieval.step_traces import StepTraces
+    and encoder). The config must match the checkpoint's (a mismatch raises ValueError naming the fields). Every file
+    is checked (checksums, fields, shapes) before the trainer is changed: a bad checkpoint raises
+    CheckpointFormatError naming the file and field, and leaves the trainer as it was."""
+    from rapo_fast.retrieval.step_traces import StepTraces, StepTracesFormatError
 
-    d = Path(directory)
-    state = torch.load(d / "trainer.pt", weights_only=False)
-    if state.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"load_checkpoint: {d} is not a rapo_fast trainer checkpoint (format {state.get('format')!r})")
-    saved = TrainerConfig.from_json((d / "config.json").read_text())
-    diff = sorted(
-        k
-        for k, v in saved.to_dict().items()
-        if trainer.config.to_dict().get(k) != v and k not in ("log_csv", "tensorboard_dir")
-    )
-    if diff:
-        raise ValueError(f"load_checkpoint: the trainer's config differs from the checkpoint's in {diff}")
-    trainer.model.load_state_dict(torch.load(d / "model.pt", weights_only=True))
-    trainer.optimizer.load_state_dict(torch.load(d / "optimizer.pt", weights_only=False))
+    with read_version(directory, _PREFIX, CHECKPOINT_FORMAT, CHECKPOINT_VERSION, CheckpointFormatError) as v:
+        d, names = v.path, {"model.pt", "optimizer.pt", "trainer.pt", "config.json"}
+        if not names <= set(v.files) <= names | {"buffer/CURRENT"}:
+            raise CheckpointFormatError(f"{d / 'meta.json'}: field 'files' lists {sorted(v.files)}")
+        state = _torch_load(d / "trainer.pt")
+        _check_trainer_state(state, d / "trainer.pt", check_int(v.meta, "step_count", d, CheckpointFormatError))
+        try:
+            saved = TrainerConfig.from_json((d / "config.json").read_bytes().decode("utf-8"))
+        except (ValueError, TypeError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            raise CheckpointFormatError(f"{d / 'config.json'}: {exc}") from exc
+        diff = sorted(
+            k
+            for k, val in saved.to_dict().items()
+            if trainer.config.to_dict().get(k) != val and k not in ("log_csv", "tensorboard_dir")
+        )
+        if diff:
+            raise ValueError(f"load_checkpoint: the trainer's config differs from the checkpoint's in {diff}")
+        model_sd = _torch_load(d / "model.pt")
+        _check_like(model_sd, trainer.model.state_dict(), d / "model.pt", "model")
+        opt_sd = _torch_load(d / "optimizer.pt")
+        _check_optimizer(opt_sd, trainer.optimizer.state_dict(), d / "optimizer.pt")
+        buffer = None
+        if "buffer/CURRENT" in v.files:
+            old = trainer.buffer
+            if old is None:
+                raise ValueError("load_checkpoint: the checkpoint holds a step buffer but the trainer has none")
+            try:  # last of the checks: it replaces the K/V store's contents once everything in it is checked
+                buffer = StepTraces.load(
+                    d / "buffer", old.encoder, old.tokenizer, kv_store=old.kv_store, model=old.model
+                )
+            except StepTracesFormatError as exc:
+                raise CheckpointFormatError(str(exc)) from exc
+    trainer.model.load_state_dict(model_sd)
+    trainer.optimizer.load_state_dict(opt_sd)
     trainer.step_count = state["step_count"]
     trainer.py_rng.setstate(state["py_rng"])
     trainer.gen.set_state(state["gen"])
     torch.set_rng_state(state["torch_rng"])
     trainer.logger.restore(state["logger"])
-    if (d / "buffer").exists():
-        old = trainer.buffer
-        if old is None:
-            raise ValueError("load_checkpoint: the checkpoint holds a step buffer but the trainer has none")
-        trainer.buffer = StepTraces.load(
-            d / "buffer", old.encoder, old.tokenizer, kv_store=old.kv_store, model=old.model
-        )
+    if buffer is not None:
+        trainer.buffer = buffer

@@ -44,3 +44,18 @@ def test_demo_quick_writes_plot_and_summary(tmp_path, monkeypatch):
 def test_demo_rejects_bad_arguments(bad, tmp_path):
     with pytest.raises(SystemExit):
         cli.main(["demo", "--out", str(tmp_path), *bad])
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [["--device", "tpu"], ["--device", "cuda:x"], ["--lr", "inf"], ["--seed", "-1"], ["--out", "FILE/x"]],
+)
+def test_demo_bad_runtime_flags_are_usage_errors(bad, tmp_path, capsys):
+    """--device a machine lacks, --out under a file, an infinite --lr: argparse's error (exit 2), not a traceback."""
+    (tmp_path / "FILE").write_text("not a folder")
+    bad = [str(tmp_path / b) if b.startswith("FILE") else b for b in bad]
+    out = [] if "--out" in bad else ["--out", str(tmp_path / "o")]
+    with pytest.raises(SystemExit) as e:
+        cli.main(["demo", *out, *bad])
+    assert e.value.code == 2
+    assert "error:" in capsys.readouterr().err

@@ -1,8 +1,10 @@
 """Shared check of the retrieval tests: `check_search` asserts that a StepBuffer search equals the float64 brute force
 (rapo_fast.reference.retrieval.search_ref) up to ties within rounding. Not a test file.
 
-Tolerance: per query, 4 * D * 2^-23 times the score's scale (|q| max|k| for ip, 1 for cosine, (|q| + max|k|)^2 for
-l2), plus 1e-6: a worst case of fp32 accumulation.
+Tolerance: per query, 4 * D * 2^-23 times the score's scale (|q| max|k| for ip, 1 for cosine, (|q - m| + max|k - m|)^2
+for l2, m the mean of the stored keys), plus 1e-6: a worst case of fp32 accumulation. The l2 scale is measured about
+the keys' mean because the backends score l2 about it (docs/retrieval.md): a scale measured about the origin,
+(|q| + max|k|)^2, would grow with the keys' offset from the origin and let any ranking of keys far from it pass.
 """
 
 from __future__ import annotations
@@ -16,10 +18,33 @@ from rapo_fast.reference.retrieval import scores_ref, search_ref
 def _tolerance(keys: torch.Tensor, queries: torch.Tensor, metric: str) -> torch.Tensor:
     """Per-query bound on |fp32-accumulated score - float64 score|: D * 2^-23 times the score's scale, a worst case."""
     D = keys.shape[1]
-    qn = queries.double().norm(dim=1)
-    kmax = keys.double().norm(dim=1).max() if keys.shape[0] else torch.tensor(0.0, dtype=torch.float64)
+    k64, q64 = keys.double(), queries.double()
+    if metric == "l2" and keys.shape[0]:  # about the keys' mean, as the backends score l2
+        m = k64.mean(0)
+        k64, q64 = k64 - m, q64 - m
+    qn = q64.norm(dim=1)
+    kmax = k64.norm(dim=1).max() if keys.shape[0] else torch.tensor(0.0, dtype=torch.float64)
     scale = {"ip": qn * kmax, "cosine": torch.ones_like(qn), "l2": (qn + kmax) ** 2}[metric]
     return 4 * D * 2.0**-23 * scale + 1e-6
+
+
+def cpu_isas() -> list[str]:
+    """Every CPU micro-kernel this machine can run, each under its own name: the packed tiles of each ISA (scalar,
+    avx2, avx512) and the few-query row-walking dot kernels ("avx2-dot", "avx512-dot"). Tests parametrize over all of
+    them (force_isa), so the AVX2 paths get the same exactness tests as the AVX-512 ones."""
+    from rapo_fast._ext import extension
+
+    best = extension().retrieval_cpu_isa(-1)
+    order = ["scalar", "avx2", "avx512"]
+    isas = order[: order.index(best) + 1]
+    return isas + [f"{i}-dot" for i in isas if i != "scalar"]
+
+
+def force_isa(monkeypatch, name: str) -> str:
+    """Make the CPU backend use micro-kernel `name` (one of cpu_isas()) for the rest of the test."""
+    monkeypatch.setenv("RAPO_FAST_CPU_ISA", name.removesuffix("-dot"))
+    monkeypatch.setenv("RAPO_FAST_CPU_DOT", "1" if name.endswith("-dot") else "0")
+    return name
 
 
 def check_search(buf: StepBuffer, queries, k, scores, payload, exclude=None, min_score=None, slots=None):

@@ -38,6 +38,12 @@ def _valid(flat=False, hidden=False):
     return d
 
 
+def _set_in_loss(d, pos, name, value):
+    """Set token `pos` of tensor `name` (its whole logits row for logits) to `value` and put the token in the loss."""
+    d[name][pos] = value
+    d["loss_mask"][pos] = 1
+
+
 BAD_CASES = [
     # (name, mutation of the valid padded call, exception type, text the message must contain)
     (
@@ -91,6 +97,31 @@ BAD_CASES = [
     ("global_num_tokens 0", lambda d: d.update(global_num_tokens=0), ValueError, "global_num_tokens"),
     ("global_num_tokens shape", lambda d: d.update(global_num_tokens=torch.ones(2)), ValueError, "global_num_tokens"),
     ("return_metrics", lambda d: d.update(return_metrics=1), TypeError, "return_metrics"),
+    # one check for the number and the tensor form of global_num_tokens: a count, finite and > 0
+    ("global_num_tokens -5", lambda d: d.update(global_num_tokens=-5), ValueError, "global_num_tokens"),
+    ("global_num_tokens t(-5)", lambda d: d.update(global_num_tokens=torch.tensor(-5)), ValueError, "global_num"),
+    ("global_num_tokens t(0.)", lambda d: d.update(global_num_tokens=torch.tensor(0.0)), ValueError, "global_num"),
+    (
+        "global_num_tokens t(nan)",
+        lambda d: d.update(global_num_tokens=torch.tensor(float("nan"))),
+        ValueError,
+        "global",
+    ),
+    (
+        "global_num_tokens t(inf)",
+        lambda d: d.update(global_num_tokens=torch.tensor(float("inf"))),
+        ValueError,
+        "global",
+    ),
+    ("global_num_tokens [[-1]]", lambda d: d.update(global_num_tokens=torch.tensor([[-1.0]])), ValueError, "global"),
+    # the integer dtypes of targets: one rule (rapo_fast.loss.options.TARGET_DTYPES) for rapo_loss and token_logprobs
+    ("targets int8", lambda d: d.update(targets=d["targets"].to(torch.int8)), TypeError, "targets"),
+    ("targets int16", lambda d: d.update(targets=d["targets"].to(torch.int16)), TypeError, "targets"),
+    ("targets uint8", lambda d: d.update(targets=d["targets"].to(torch.uint8)), TypeError, "targets"),
+    # +inf logits on a token in the loss would give a NaN loss: refused (on a masked token they are ignored)
+    ("logits +inf", lambda d: _set_in_loss(d, (0, 1), "logits", float("inf")), ValueError, "logits"),
+    ("logits nan row", lambda d: _set_in_loss(d, (1, 0), "logits", float("nan")), ValueError, "logits"),
+    ("logits -inf row", lambda d: _set_in_loss(d, (1, 2), "logits", float("-inf")), ValueError, "logits"),
 ]
 
 
@@ -211,3 +242,21 @@ def test_fuzz_valid_flat_inputs_run_and_match_reference(lens, V, agg, seq, per_s
     ref = rapo_loss_ref(**d, **opts)
     assert torch.isfinite(loss)
     assert_close_verbose(loss, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int16, torch.uint8, torch.int32, torch.int64])
+def test_targets_dtype_rule_is_one_rule(dtype):
+    """rapo_loss accepts exactly the integer target dtypes that token_logprobs accepts (once a dtype passed the loss's
+    check and then failed inside token_logprobs)."""
+    d = _valid()
+    d["targets"] = d["targets"].to(dtype)
+    accepted = dtype in rapo_fast.loss.options.TARGET_DTYPES
+    for call in (
+        lambda: rapo_fast.rapo_loss(**d),
+        lambda: rapo_fast.token_logprobs(d["logits"], targets=d["targets"]),
+    ):
+        if accepted:
+            assert torch.isfinite(torch.as_tensor(call())).all()
+        else:
+            with pytest.raises(TypeError, match="targets"):
+                call()

@@ -12,10 +12,9 @@ import os
 
 import pytest
 import torch
-from helpers.retrieval_cases import check_search
+from helpers.retrieval_cases import check_search, cpu_isas, force_isa
 
 from rapo_fast import StepBuffer
-from rapo_fast._ext import extension
 from rapo_fast.reference.retrieval import search_ref
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -30,20 +29,11 @@ def _filled(C, D, dtype, metric, n=None, groups=5, device="cpu"):
     return buf
 
 
-def _isas() -> list[str]:
-    best = extension().retrieval_cpu_isa(-1)
-    order = ["scalar", "avx2", "avx512"]
-    isas = order[: order.index(best) + 1]
-    return isas + [f"{i}-dot" for i in isas if i != "scalar"]
-
-
-@pytest.fixture(params=_isas())
+@pytest.fixture(params=cpu_isas())
 def isa(request, monkeypatch):
     """Every CPU micro-kernel: the packed tiles (dot mode off), and the few-query row-walking dot kernel forced on for
     any Q (one query group up to Q = 6, groups of 4 beyond), chosen under each ISA setting that allows it."""
-    monkeypatch.setenv("RAPO_FAST_CPU_ISA", request.param.removesuffix("-dot"))
-    monkeypatch.setenv("RAPO_FAST_CPU_DOT", "1" if request.param.endswith("-dot") else "0")
-    return request.param
+    return force_isa(monkeypatch, request.param)
 
 
 @pytest.mark.parametrize("metric", METRICS)
@@ -143,7 +133,7 @@ def test_reference_against_loop():
             assert torch.all(i[r, len(cand) :] == -1) and torch.all(s[r, len(cand) :] == float("-inf"))
 
 
-def test_threads_do_not_change_results():
+def test_threads_do_not_change_results(isa):
     buf = _filled(5000, 33, torch.float16, "ip")
     q = torch.randn(70, 33)
     n = torch.get_num_threads()

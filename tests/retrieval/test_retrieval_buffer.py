@@ -7,6 +7,7 @@ Not here: search exactness (test_retrieval.py), distributed (test_retrieval_dist
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -140,12 +141,15 @@ def test_crash_mid_save_keeps_previous(tmp_path, monkeypatch):
         buf.save(d)
     monkeypatch.undo()
     assert len(StepBuffer.load(d)) == 3  # the previous save is intact and current
-    # A crash that left a renamed but not-yet-current snapshot and a stray temp dir is also harmless.
+    # Entries the saves did not write are harmless to a load, and a save leaves them alone (issue 11: it used to
+    # delete every snapshot-* and .*.tmp entry of the directory).
     (d / "snapshot-deadbeef").mkdir()
     (d / ".snapshot-x.tmp").mkdir()
     assert len(StepBuffer.load(d)) == 3
     buf.save(d)
-    assert len(StepBuffer.load(d)) == 6 and not (d / "snapshot-deadbeef").exists()
+    assert len(StepBuffer.load(d)) == 6 and (d / "snapshot-deadbeef").is_dir() and (d / ".snapshot-x.tmp").is_dir()
+    ours = {p.name for p in d.iterdir()} - {"snapshot-deadbeef", ".snapshot-x.tmp"}
+    assert ours == {"CURRENT", "LOCK", (d / "CURRENT").read_text().split()[0]}  # the older snapshot is gone
 
 
 def test_corrupt_and_wrong_version(tmp_path):
@@ -155,17 +159,21 @@ def test_corrupt_and_wrong_version(tmp_path):
         StepBuffer.load(tmp_path / "missing")
     d = tmp_path / "b"
     buf.save(d)
-    snap = d / (d / "CURRENT").read_text().strip()
+    snap = d / (d / "CURRENT").read_text().split()[0]
     data = bytearray((snap / "tensors.safetensors").read_bytes())
     data[-3] ^= 0xFF
     (snap / "tensors.safetensors").write_bytes(bytes(data))
     with pytest.raises(StepBufferFormatError, match="corrupt"):
         StepBuffer.load(d)
     buf.save(d)
-    snap = d / (d / "CURRENT").read_text().strip()
+    snap = d / (d / "CURRENT").read_text().split()[0]
     meta = json.loads((snap / "meta.json").read_text())
     meta["format_version"] = 99
     (snap / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(StepBufferFormatError, match="corrupt"):  # meta.json's SHA-256 is in CURRENT
+        StepBuffer.load(d)
+    # as a newer rapo_fast would write it: CURRENT names the new meta.json's checksum
+    (d / "CURRENT").write_text(f"{snap.name} {hashlib.sha256((snap / 'meta.json').read_bytes()).hexdigest()}\n")
     with pytest.raises(StepBufferFormatError, match="format version 99"):
         StepBuffer.load(d)
     (snap / "meta.json").write_text("{not json")
@@ -288,3 +296,71 @@ def test_search_on_wrong_device_is_rejected():
     buf = StepBuffer(4, 2)
     with pytest.raises(ValueError, match="device"):
         buf.search(torch.zeros(1, 2, device="meta"), 1)
+
+
+def _op_inputs(C=100, D=16, Q=50):
+    keys = torch.randn(C, D)
+    return keys, torch.ones(C), torch.zeros(C, dtype=torch.int64), torch.randn(Q, D)
+
+
+@pytest.mark.parametrize(
+    ("change", "exc", "match"),
+    [
+        ({"queries": torch.randn(50, 4096)}, ValueError, "keys have D = 16, queries D = 4096"),  # read past every key
+        ({"keys": torch.randn(100, 4)}, ValueError, "keys have D = 4, queries D = 16"),
+        ({"exclude": torch.zeros(1, dtype=torch.int64)}, IndexError, "exclude has 1 entries for 50 queries"),
+        ({"key_aux": torch.ones(1), "metric": 1}, IndexError, "key_aux has 1 entries for 100 keys"),
+        (
+            {"groups": torch.zeros(3, dtype=torch.int64), "exclude": torch.zeros(50, dtype=torch.int64)},
+            IndexError,
+            "groups",
+        ),
+        ({"queries": torch.randn(50, 16).half()}, TypeError, "share a float32/float16/bfloat16 dtype"),
+        (
+            {"groups": torch.zeros(100, dtype=torch.int32), "exclude": torch.zeros(50, dtype=torch.int64)},
+            TypeError,
+            "groups",
+        ),
+        ({"k": 5000}, ValueError, "k must be in"),
+        ({"metric": 7}, ValueError, "unknown metric"),
+    ],
+)
+def test_search_op_called_directly_checks_every_extent(change, exc, match):
+    """The registered op bypasses StepBuffer's validation: the extension itself refuses what would read out of bounds
+    (issue 11; before, a mismatched D or a short exclude list read past the buffers)."""
+    keys, aux, groups, q = _op_inputs()
+    args = {"keys": keys, "key_aux": aux, "groups": groups, "queries": q, "exclude": None, "k": 5, "metric": 0}
+    args.update(change)
+    with pytest.raises(exc, match=match):
+        retrieval_search(
+            args["keys"],
+            args["key_aux"],
+            args["groups"],
+            args["queries"],
+            args["exclude"],
+            args["k"],
+            args["metric"],
+            0.0,
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_search_refuses_nonfinite_queries(dtype):
+    """Queries are validated as strictly as keys (issue 11): NaN/inf, or a finite value that overflows the buffer's
+    dtype (1e5 in fp16), is a ValueError naming queries, not an empty or garbage result."""
+    buf = StepBuffer(20, 4, dtype=dtype)
+    buf.add(torch.randn(20, 4), torch.arange(20), torch.zeros(20, dtype=torch.int64))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        q = torch.randn(3, 4)
+        q[1, 2] = bad
+        with pytest.raises(ValueError, match="queries must be finite"):
+            buf.search(q, 2)
+    q = torch.randn(3, 4)
+    q[0, 0] = 1e5
+    if dtype == torch.float16:
+        with pytest.raises(ValueError, match="queries must be finite in torch.float16"):
+            buf.search(q, 2)
+        with pytest.raises(ValueError, match="embeddings must be finite"):  # the same value is refused by add
+            buf.add(q[:1], torch.tensor([0]), torch.tensor([0]))
+    else:
+        assert torch.isfinite(buf.search(q, 2)[0]).all()

@@ -98,10 +98,23 @@ def test_cuda_empty_and_partial_buffer():
 def test_cuda_runs_on_current_stream_and_compiles():
     buf = _cuda_buffer(4000, 64, torch.bfloat16, "cosine")
     q = torch.randn(16, 64, device="cuda")
-    side = torch.cuda.Stream()
+    q_side = torch.zeros_like(q)
+    default, side = torch.cuda.current_stream(), torch.cuda.Stream()
+    # The buffer, q and q_side were written on the default stream: the side stream waits for them before reading.
+    side.wait_stream(default)
     with torch.cuda.stream(side):
-        s, p = buf.search(q, 8)
-    side.synchronize()
+        # The queries land on the side stream long after the host has enqueued the search: a search that ran on any
+        # stream but the current one would read the zeros and fail check_search below.
+        torch.cuda._sleep(50_000_000)
+        q_side.copy_(q)
+        s, p = buf.search(q_side, 8)
+    # s, p were written on the side stream and are read on the default one: order the default stream after side, and
+    # tell the caching allocator that these side-stream blocks are in use on the default stream (and q_side's
+    # default-stream block on side) so that neither is reused before the other stream is done with it.
+    default.wait_stream(side)
+    for t in (s, p):
+        t.record_stream(default)
+    q_side.record_stream(side)
     check_search(buf, q, 8, s, p)
     fn = torch.compile(lambda x: buf.search(x, 8), fullgraph=True)
     s2, p2 = fn(q)

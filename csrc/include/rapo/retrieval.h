@@ -1,9 +1,12 @@
 // Host-side interface of the step-retrieval backends (csrc/retrieval_cpu.cpp, csrc/retrieval_cuda.cu), called from
 // csrc/retrieval_bindings.cpp. Python (rapo_fast/retrieval/buffer.py) has validated every shape, dtype and device
-// before these run; the backends' own checks only keep memory safe. The search's contract is written in
-// docs/retrieval.md. Not a place for math (retrieval_metric.h, topk.h).
+// before these run; the backends still check every extent they index with (check_retrieval_params), so that the op
+// called directly raises instead of reading out of bounds. The search's contract is written in docs/retrieval.md.
+// Not a place for math (retrieval_metric.h, topk.h).
 #pragma once
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 
 namespace rapo {
 
@@ -15,17 +18,63 @@ struct RetrievalSearchParams {
   const float* key_aux = nullptr;   // [C] fp32 (cosine: inverse norm, l2: squared norm); unused for ip
   const int64_t* groups = nullptr;  // [C] group id of each slot; read only when exclude is given
   int64_t C = 0;
-  int64_t D = 0;
-  const void* queries = nullptr;  // [Q, D] rows of key_dtype (rounded to the buffer dtype by the caller)
+  int64_t D = 0;                  // of the queries
+  int64_t key_dim = 0;            // D of the keys: must equal D
+  int64_t aux_len = 0;            // entries of key_aux (>= C unless the metric is ip)
+  int64_t groups_len = 0;         // entries of groups (>= C when exclude is given)
+  const void* queries = nullptr;  // [Q, D] rows of query_dtype (rounded to the buffer dtype by the caller)
+  int query_dtype = 0;            // must equal key_dtype
   int64_t query_row_stride = 0;
   int64_t Q = 0;
   const int64_t* exclude = nullptr;  // [Q] group to exclude per query (negative: none), or nullptr
+  int64_t exclude_len = 0;           // entries of exclude (== Q when exclude is given)
+  // l2 only, CPU only: [D] fp32 centre subtracted from keys and queries before scoring, or nullptr. With a centre the
+  // CPU backend computes each key's squared norm itself (key_aux unread) and scores |q - c|^2 + |k - c|^2 - 2 (q -
+  // c).(k
+  // - c), which keeps l2 exact for keys far from the origin relative to their spread (docs/retrieval.md).
+  const float* centre = nullptr;
   int k = 1;
   int metric = 0;                // RetrievalMetric
   float min_score = 0.0f;        // candidates with score < min_score are not eligible (-inf: no threshold)
   float* out_scores = nullptr;   // [Q, k] contiguous, best first, -inf padding
   int64_t* out_slots = nullptr;  // [Q, k] contiguous, -1 padding
 };
+
+// The checks both backends run before touching memory: every extent the kernels index with, once per call.
+// std::invalid_argument reaches Python as ValueError, std::out_of_range as IndexError.
+inline void check_retrieval_params(const RetrievalSearchParams& a, const char* op) {
+  const std::string o(op);
+  if (a.k < 1 || a.k > 1024) throw std::invalid_argument(o + ": k must be in [1, 1024], got " + std::to_string(a.k));
+  if (a.D < 1 || a.C < 0 || a.Q < 0)
+    throw std::invalid_argument(o + ": bad sizes (C " + std::to_string(a.C) + ", D " + std::to_string(a.D) + ", Q " +
+                                std::to_string(a.Q) + ")");
+  if (a.C >= (int64_t(1) << 31)) throw std::invalid_argument(o + ": more than 2^31 - 1 keys");
+  if (a.key_dtype < 0 || a.key_dtype > 2)
+    throw std::invalid_argument(o + ": keys must be float32, float16 or bfloat16");
+  if (a.query_dtype != a.key_dtype) throw std::invalid_argument(o + ": queries must have the keys' dtype");
+  if (a.metric < 0 || a.metric > 2) throw std::invalid_argument(o + ": unknown metric " + std::to_string(a.metric));
+  if (a.C > 0 && a.key_dim != a.D)
+    throw std::invalid_argument(o + ": keys have D = " + std::to_string(a.key_dim) +
+                                ", queries D = " + std::to_string(a.D));
+  if ((a.C > 1 && a.key_row_stride < a.D) || (a.Q > 1 && a.query_row_stride < a.D))
+    throw std::invalid_argument(o + ": a row stride is smaller than D (overlapping rows)");
+  if (a.Q == 0) return;
+  if ((a.C > 0 && a.keys == nullptr) || a.queries == nullptr || a.out_scores == nullptr || a.out_slots == nullptr)
+    throw std::invalid_argument(o + ": null pointer");
+  const bool needs_aux = a.metric != 0 && !(a.metric == 2 && a.centre != nullptr);
+  if (needs_aux && a.C > 0 && (a.key_aux == nullptr || a.aux_len < a.C))
+    throw std::out_of_range(o + ": key_aux has " + std::to_string(a.aux_len) + " entries for " + std::to_string(a.C) +
+                            " keys");
+  if (a.centre != nullptr && a.metric != 2) throw std::invalid_argument(o + ": a centre is for the l2 metric only");
+  if (a.exclude != nullptr) {
+    if (a.exclude_len != a.Q)
+      throw std::out_of_range(o + ": exclude has " + std::to_string(a.exclude_len) + " entries for " +
+                              std::to_string(a.Q) + " queries");
+    if (a.C > 0 && (a.groups == nullptr || a.groups_len < a.C))
+      throw std::out_of_range(o + ": groups has " + std::to_string(a.groups_len) + " entries for " +
+                              std::to_string(a.C) + " keys");
+  }
+}
 
 // CPU backend. num_threads <= 0: OpenMP's default. isa: -1 picks the best the CPU supports (the RAPO_FAST_CPU_ISA
 // environment variable, "scalar" | "avx2" | "avx512", overrides it), 0 scalar, 1 AVX2+FMA+F16C, 2 AVX-512F.

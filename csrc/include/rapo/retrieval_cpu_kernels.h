@@ -79,7 +79,10 @@ constexpr int kDotMaxQ = 48;
 constexpr int kDotOut = 24;
 constexpr int dot_kb(int qg) { return qg <= 2 ? 8 : 4; }
 inline int dot_qg(int64_t Q) { return Q <= 6 ? static_cast<int>(Q) : 4; }
-using DotFn = void (*)(const void*, int64_t, int64_t, int64_t, const float*, int64_t, int64_t, float*);
+// (keys, key row stride, j0, jlast, query rows, D, Dp, out [KB * QG], centre [D] or nullptr, kss [KB]): with a
+// centre (l2, retrieval.h), keys are centred as they are loaded and kss[t] receives |k_t - centre|^2.
+using DotFn = void (*)(const void*, int64_t, int64_t, int64_t, const float*, int64_t, int64_t, float*, const float*,
+                       float*);
 
 constexpr int kScalarNK = 4;
 constexpr int kScalarQT = 8;
@@ -210,10 +213,20 @@ __attribute__((target("avx2,f16c"))) inline __m256 load8_avx2(const void* base, 
   }
 }
 
-template <DType DT, int QG>
+// Sum of the n 8-lane accumulators, then across lanes.
+__attribute__((target("avx2"))) inline float hsum8_avx2(const __m256* acc, int n) {
+  __m256 s8 = acc[0];
+  for (int u = 1; u < n; ++u) s8 = _mm256_add_ps(s8, acc[u]);
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
+  return _mm_cvtss_f32(s4);
+}
+
+template <DType DT, int QG, bool CENTRED>
 __attribute__((target("avx2,fma,f16c"))) void dotrow_avx2(const void* keys, int64_t ks, int64_t j0, int64_t jlast,
                                                           const float* __restrict qrows, int64_t D, int64_t Dp,
-                                                          float* out) {
+                                                          float* out, const float* __restrict centre, float* kss) {
   constexpr int kKB = dot_kb(QG);
   constexpr int kU = QG == 1 ? 4 : 2;  // independent accumulators per query
   const int esz = DT == DType::F32 ? 4 : 2;
@@ -221,53 +234,72 @@ __attribute__((target("avx2,fma,f16c"))) void dotrow_avx2(const void* keys, int6
   const int64_t D8 = D / 8 * 8;
   for (int t = 0; t < kKB; ++t) {
     const void* r = kb + std::min(j0 + t, jlast) * ks * esz;
-    __m256 acc[QG][kU];
+    __m256 acc[QG][kU], sq[kU];
+    for (int u = 0; u < kU; ++u) sq[u] = _mm256_setzero_ps();
     for (int l = 0; l < QG; ++l)
       for (int u = 0; u < kU; ++u) acc[l][u] = _mm256_setzero_ps();
     int64_t d = 0;
     for (; d + 8 * kU <= D8; d += 8 * kU) {
 #pragma GCC unroll 4
       for (int u = 0; u < kU; ++u) {
-        const __m256 kv = load8_avx2<DT>(r, d + 8 * u);
+        __m256 kv = load8_avx2<DT>(r, d + 8 * u);
+        if constexpr (CENTRED) {
+          kv = _mm256_sub_ps(kv, _mm256_loadu_ps(centre + d + 8 * u));
+          sq[u] = _mm256_fmadd_ps(kv, kv, sq[u]);
+        }
 #pragma GCC unroll 6
         for (int l = 0; l < QG; ++l)
           acc[l][u] = _mm256_fmadd_ps(kv, _mm256_loadu_ps(qrows + l * Dp + d + 8 * u), acc[l][u]);
       }
     }
     for (; d < D8; d += 8) {
-      const __m256 kv = load8_avx2<DT>(r, d);
+      __m256 kv = load8_avx2<DT>(r, d);
+      if constexpr (CENTRED) {
+        kv = _mm256_sub_ps(kv, _mm256_loadu_ps(centre + d));
+        sq[0] = _mm256_fmadd_ps(kv, kv, sq[0]);
+      }
       for (int l = 0; l < QG; ++l) acc[l][0] = _mm256_fmadd_ps(kv, _mm256_loadu_ps(qrows + l * Dp + d), acc[l][0]);
     }
+    const auto* re = static_cast<const typename FloatTraits<DT>::Bits*>(r);
     for (int l = 0; l < QG; ++l) {
-      __m256 s8 = acc[l][0];
-      for (int u = 1; u < kU; ++u) s8 = _mm256_add_ps(s8, acc[l][u]);
-      __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-      s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-      s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
-      float v = _mm_cvtss_f32(s4);
-      const auto* re = static_cast<const typename FloatTraits<DT>::Bits*>(r);
-      for (int64_t e = d; e < D; ++e) v += FloatTraits<DT>::to_float(re[e]) * qrows[l * Dp + e];
+      float v = hsum8_avx2(acc[l], kU);
+      for (int64_t e = d; e < D; ++e)
+        v += (FloatTraits<DT>::to_float(re[e]) - (CENTRED ? centre[e] : 0.0f)) * qrows[l * Dp + e];
       out[t * QG + l] = v;
+    }
+    if constexpr (CENTRED) {
+      float v = hsum8_avx2(sq, kU);
+      for (int64_t e = d; e < D; ++e) {
+        const float x = FloatTraits<DT>::to_float(re[e]) - centre[e];
+        v += x * x;
+      }
+      kss[t] = v;
     }
   }
 }
 
-template <int QG>
+template <int QG, bool CENTRED>
 DotFn pick_dotrow(int dtype) {
-  if (dtype == static_cast<int>(DType::F32)) return dotrow_avx2<DType::F32, QG>;
-  if (dtype == static_cast<int>(DType::F16)) return dotrow_avx2<DType::F16, QG>;
-  return dotrow_avx2<DType::BF16, QG>;
+  if (dtype == static_cast<int>(DType::F32)) return dotrow_avx2<DType::F32, QG, CENTRED>;
+  if (dtype == static_cast<int>(DType::F16)) return dotrow_avx2<DType::F16, QG, CENTRED>;
+  return dotrow_avx2<DType::BF16, QG, CENTRED>;
 }
 
-inline DotFn pick_dot(int dtype, int qg) {
+template <bool CENTRED>
+DotFn pick_dot_qg(int dtype, int qg) {
   switch (qg) {
-    case 1: return pick_dotrow<1>(dtype);
-    case 2: return pick_dotrow<2>(dtype);
-    case 3: return pick_dotrow<3>(dtype);
-    case 4: return pick_dotrow<4>(dtype);
-    case 5: return pick_dotrow<5>(dtype);
-    default: return pick_dotrow<6>(dtype);
+    case 1: return pick_dotrow<1, CENTRED>(dtype);
+    case 2: return pick_dotrow<2, CENTRED>(dtype);
+    case 3: return pick_dotrow<3, CENTRED>(dtype);
+    case 4: return pick_dotrow<4, CENTRED>(dtype);
+    case 5: return pick_dotrow<5, CENTRED>(dtype);
+    default: return pick_dotrow<6, CENTRED>(dtype);
   }
+}
+
+// The dot kernel for qg queries per group; centred: the l2 variant that centres keys as it loads them.
+inline DotFn pick_dot(int dtype, int qg, bool centred) {
+  return centred ? pick_dot_qg<true>(dtype, qg) : pick_dot_qg<false>(dtype, qg);
 }
 
 // fp16/bf16 rows to fp32, 8 at a time.

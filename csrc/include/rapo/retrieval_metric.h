@@ -4,7 +4,9 @@
 //   cosine: s = <q, k> * qaux * kaux, aux = 1 / max(||x||, 1e-12)  (zero vectors score 0 against everything)
 //   l2:     s = min(2 <q, k> - kaux - qaux, 0) = -||q - k||^2, aux = ||x||^2  (negative squared distance)
 // kaux is computed once per stored key when it is added (Python, float64, then rounded to fp32); qaux per query from
-// the query rounded to the buffer dtype. Not a place for the dot product itself (each backend tiles its own).
+// the query rounded to the buffer dtype. l2 is scored about the stored keys' mean m (q - m, k - m, with kaux =
+// ||k - m||^2 taken while the keys are packed; retrieval.h, RetrievalSearchParams::centre), so that the form above
+// does not cancel for keys far from the origin. Not a place for the dot product itself (each backend tiles its own).
 #pragma once
 #include <cmath>
 

@@ -1,0 +1,87 @@
+"""Make sure rapo_fast._C is there with the backend a stage needs: on the GPU, use a carried build
+(.carry/ext/_C*.so, brought back by stage 1) or build the CUDA backend for sm_90a with CMake; on the CPU (--cpu,
+the smoke run) configure the same CMake project without CUDA into a scratch folder and check the installed CPU build.
+
+Exit 0 when the needed backend imports, 1 otherwise (the stage then stops: nothing after it could measure anything).
+What this is not: the development rebuild (tools/build_ext.sh) nor `pip install` (no build isolation, no resolver:
+the GPU image's torch and pybind11 are used as they are).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CARRIED = ROOT / ".carry" / "ext"
+
+
+def _info() -> dict:
+    """build_info() of a fresh interpreter (this one may have imported an older .so)."""
+    code = "import json, rapo_fast; print(json.dumps(rapo_fast.build_info()))"
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    if res.returncode != 0:
+        return {"error": res.stderr.strip()[-500:]}
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _pybind11_dir() -> str:
+    res = subprocess.run([sys.executable, "-m", "pybind11", "--cmakedir"], capture_output=True, text=True)
+    return os.environ.get("PYBIND11_DIR") or res.stdout.strip()
+
+
+def _cmake(build: Path, cuda: bool, archs: str, configure_only: bool) -> None:
+    cmd = ["cmake", "-S", str(ROOT), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release"]
+    cmd += ["-G", "Ninja"] if shutil.which("ninja") else []
+    cmd += [
+        f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={ROOT / 'rapo_fast'}",
+        f"-Dpybind11_DIR={_pybind11_dir()}",
+        f"-DPython_EXECUTABLE={sys.executable}",
+        f"-DRAPO_FAST_CUDA={1 if cuda else 0}",
+        f"-DRAPO_FAST_CUDA_ARCHS={archs}",
+    ]
+    print("$", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+    if not configure_only:
+        jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 4))
+        subprocess.run(["cmake", "--build", str(build), "-j", jobs], check=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cpu", action="store_true", help="smoke mode: configure without CUDA, check the CPU backend")
+    p.add_argument("--archs", default="90a", help="CUDA architectures to build for (default 90a: H100/H200)")
+    p.add_argument("--copy-to", type=Path, default=None, help="also copy the built .so into this folder")
+    args = p.parse_args(argv)
+    need = "cpu" if args.cpu else "cuda"
+    if args.cpu and not _pybind11_dir():
+        print("configure skipped: pybind11 is not importable here (nor PYBIND11_DIR set)")
+    elif args.cpu:
+        _cmake(Path(tempfile.mkdtemp(prefix="rapo_fast_cmake_")), False, args.archs, configure_only=True)
+    elif not _info().get("cuda"):
+        carried = sorted(CARRIED.glob("_C*.so"))
+        if carried:
+            print(f"using the carried build {carried[-1]}", flush=True)
+            shutil.copy2(carried[-1], ROOT / "rapo_fast" / carried[-1].name)
+        if not _info().get("cuda"):
+            _cmake(ROOT / "build" / "gpu_stage", True, args.archs, configure_only=False)
+    info = _info()
+    print(f"build_info: {json.dumps(info)}")
+    if not info.get(need):
+        print(f"ensure_ext: rapo_fast._C has no {need} backend", file=sys.stderr)
+        return 1
+    if args.copy_to is not None:
+        for so in (ROOT / "rapo_fast").glob("_C*.so"):
+            shutil.copy2(so, args.copy_to / so.name)
+            print(f"copied {so.name} ({so.stat().st_size} bytes) to {args.copy_to}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,404 @@
+"""Crash-safe saving shared by rapo_fast's save formats: versioned directories, SHA-256 manifests, one atomic switch.
+
+A *versioned directory* ``<root>`` (docs/formats.md, "Guarantees on a crash") holds::
+
+    <root>/CURRENT              one line "<name> <SHA-256 of <name>/meta.json>": the live version
+    <root>/<name>/meta.json     the manifest: format, format_version, files {relative path: {sha256, size}}, meta {...}
+    <root>/<name>/...           the files the manifest lists (a nested versioned directory is listed by its CURRENT)
+    <root>/PENDING              while a save runs, or after one was killed: the names that save may leave behind
+    <root>/LOCK                 empty; a save holds an exclusive flock on it, a load a shared one
+
+`VersionWriter` writes a new version beside the live one (each file through a raw fd, its SHA-256 computed as it is
+written, fsynced), writes the manifest last, fsyncs the version directory, replaces CURRENT atomically (temporary
+file, fsync, os.replace, fsync of <root>), and only then removes the version CURRENT named before. A kill at any
+moment leaves CURRENT naming a complete version: the old one before the switch, the new one after. What a killed save
+may leave behind is listed in PENDING beforehand; the next save removes exactly those names (never anything else, and
+never the live version). `read_version` checks CURRENT's syntax, the manifest's checksum and schema, and every listed
+file's size and SHA-256 before the caller reads anything, and raises the format's own error class naming the file.
+
+Every write goes through os.open/os.write/os.fsync/os.replace/os.mkdir/os.unlink (no buffered Python or C++ writer),
+so that tests/reliability/test_fault_injection.py can kill a save before any one of them.
+What this is not: a format's own schema (each owner checks its fields, with `check_int` / `check_choice`), nor a
+database: two processes saving into one directory are serialised by LOCK, not merged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path, PurePosixPath
+from typing import Any, NamedTuple
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: saves into one directory must not overlap (nothing serialises them)
+    fcntl = None
+
+CURRENT, PENDING, LOCK, MANIFEST = "CURRENT", "PENDING", "LOCK", "meta.json"
+_SMALL = 4096  # CURRENT and PENDING hold a few short lines; a bigger file is not one of ours
+_BUFFER = 1 << 20  # small writes are gathered into 1 MiB os.write calls
+_MAX_WRITE = 1 << 30  # one os.write at most (Linux writes at most about 2 GiB per call anyway)
+_SHA = re.compile(r"[0-9a-f]{64}")
+_WFLAGS = os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+
+
+class FormatError(ValueError):
+    """A saved directory is missing, corrupt, or of another format or version (base of each format's error class)."""
+
+
+class Version(NamedTuple):
+    """The live version of a versioned directory, checked: its path, its manifest's `meta` and `files`."""
+
+    path: Path
+    meta: dict[str, Any]
+    files: dict[str, dict[str, Any]]
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """fsync a directory, so that the entries created or renamed in it survive a power loss."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+class HashingWriter:
+    """A new binary file written through os.write (1 MiB at a time), its SHA-256 and size computed as written.
+
+    Usable as the file object of torch.save. close() fsyncs; the file is created exclusively (never overwritten).
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._fd = os.open(self.path, _WFLAGS | os.O_EXCL, 0o644)
+        self._sha = hashlib.sha256()
+        self._pending: list[bytes] = []
+        self._pending_bytes = 0
+        self.size = 0
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        n = len(view)
+        self._sha.update(view)
+        self.size += n
+        if self._pending_bytes + n < _BUFFER:  # small pieces (torch.save writes many): gathered, copied
+            self._pending.append(bytes(view))
+            self._pending_bytes += n
+        else:  # a large piece goes straight from the caller's memory
+            self._drain()
+            self._write_all(view)
+        return n
+
+    def _write_all(self, view: memoryview) -> None:
+        while len(view):
+            view = view[os.write(self._fd, view[:_MAX_WRITE]) :]
+
+    def _drain(self) -> None:
+        if self._pending:
+            data = memoryview(b"".join(self._pending))
+            self._pending, self._pending_bytes = [], 0
+            self._write_all(data)
+
+    def flush(self) -> None:
+        self._drain()
+
+    @property
+    def sha256(self) -> str:
+        return self._sha.hexdigest()
+
+    def close(self) -> None:
+        if self._fd < 0:
+            return
+        try:
+            self._drain()
+            os.fsync(self._fd)
+        finally:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _write_small_atomic(root: Path, name: str, text: str) -> None:
+    """Replace <root>/<name> with `text` atomically (a fixed temporary name: a killed write leaves one small file,
+    which the next write of the same name reuses)."""
+    tmp = root / f".{name}.tmp"
+    fd = os.open(tmp, _WFLAGS | os.O_TRUNC, 0o644)
+    try:
+        data = memoryview(text.encode("ascii"))
+        while len(data):
+            data = data[os.write(fd, data) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, root / name)
+    fsync_dir(root)
+
+
+def _read_small(path: Path) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read(_SMALL + 1)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return None
+
+
+def _names(prefix: str) -> re.Pattern:
+    return re.compile(rf"{re.escape(prefix)}-[0-9a-f]{{32}}")
+
+
+def _parse_current(root: Path, prefix: str, error: type[FormatError], what: str) -> tuple[str, str]:
+    raw = _read_small(root / CURRENT)
+    if raw is None:
+        raise error(f"{root} is not a saved {what} (no {CURRENT} file)")
+    try:
+        text = raw.decode("ascii")
+    except UnicodeDecodeError:
+        raise error(f"{root / CURRENT} is corrupt (not ASCII text)") from None
+    m = re.fullmatch(rf"({_names(prefix).pattern}) ([0-9a-f]{{64}})\n", text)
+    if m is None:
+        raise error(f"{root / CURRENT} is corrupt (want one line '<{prefix}-id> <sha256>', got {text[:100]!r})")
+    return m.group(1), m.group(2)
+
+
+@contextlib.contextmanager
+def _locked(root: Path, exclusive: bool) -> Iterator[None]:
+    if fcntl is None:
+        yield
+        return
+    try:
+        fd = os.open(root / LOCK, (os.O_RDWR | os.O_CREAT) if exclusive else os.O_RDONLY, 0o644)
+    except OSError:
+        if exclusive:
+            raise
+        yield  # a read-only copy without LOCK: nothing can save into it meanwhile
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)  # releases the lock (the kernel also does on a kill)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def _rel_ok(rel: Any) -> bool:
+    if not isinstance(rel, str) or not rel or "\\" in rel:
+        return False
+    p = PurePosixPath(rel)
+    return not p.is_absolute() and str(p) == rel and all(part not in ("", ".", "..") for part in p.parts)
+
+
+class VersionWriter:
+    """One save into the versioned directory `root` (see the module docstring).
+
+    with VersionWriter(root, prefix, fmt, version) as w:
+        w.write_bytes("a.json", ...); with w.open("b.pt") as f: torch.save(obj, f)
+        other.save(w.path / "sub"); w.add_nested("sub")
+        w.commit(meta)          # the new version becomes current here; nothing is current from it before
+    """
+
+    def __init__(self, root: str | os.PathLike, prefix: str, fmt: str, version: int):
+        self.root, self.prefix, self.fmt, self.version = Path(root), prefix, fmt, version
+        self.name = f"{prefix}-{uuid.uuid4().hex}"
+        self.path = self.root / self.name
+        self.files: dict[str, dict[str, Any]] = {}
+        self._dirs: list[Path] = []
+        self._pending: list[str] = []
+        self._old: str | None = None
+        self._lock: contextlib.AbstractContextManager | None = None
+        self._committed = False
+
+    def __enter__(self) -> VersionWriter:
+        os.makedirs(self.root, exist_ok=True)
+        self._lock = _locked(self.root, exclusive=True)
+        self._lock.__enter__()
+        try:
+            self._prepare()
+        except BaseException:
+            self._lock.__exit__(None, None, None)
+            raise
+        return self
+
+    def _prepare(self) -> None:
+        pattern = _names(self.prefix)
+        try:
+            old = _parse_current(self.root, self.prefix, FormatError, "")[0]
+        except FormatError:
+            old = None
+        raw = _read_small(self.root / PENDING) or b""
+        stale = [n for n in raw.decode("ascii", "replace").split() if pattern.fullmatch(n) and n != old]
+        if old is not None:  # with a live version, what an earlier killed save listed is garbage: free it first
+            for n in stale:
+                _remove(self.root / n)
+            stale = []
+        # else: no live version; keep the earlier names listed, and remove them once this save is current
+        self._old, self._pending = old, [self.name] + ([old] if old else []) + stale
+        _write_small_atomic(self.root, PENDING, "".join(n + "\n" for n in self._pending))
+        os.mkdir(self.path)
+
+    def _new_path(self, rel: str) -> Path:
+        if not _rel_ok(rel) or rel == MANIFEST:
+            raise ValueError(f"VersionWriter: bad file name {rel!r}")
+        path = self.path / rel
+        for parent in reversed(PurePosixPath(rel).parents[:-1]):
+            d = self.path / parent
+            if not d.is_dir():
+                os.mkdir(d)
+                self._dirs.append(d)
+        return path
+
+    @contextlib.contextmanager
+    def open(self, rel: str) -> Iterator[HashingWriter]:
+        """A new file of this version (relative POSIX path), recorded in the manifest once closed."""
+        w = HashingWriter(self._new_path(rel))
+        try:
+            yield w
+        finally:
+            w.close()
+        self.files[rel] = {"sha256": w.sha256, "size": w.size}
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        with self.open(rel) as f:
+            f.write(data)
+
+    def add_nested(self, rel_dir: str) -> None:
+        """Record the versioned directory saved into `self.path / rel_dir`: its CURRENT (which names its manifest's
+        SHA-256, which names every file's) is listed, so the whole nested unit is covered."""
+        rel = f"{rel_dir}/{CURRENT}"
+        if not _rel_ok(rel):
+            raise ValueError(f"VersionWriter: bad directory name {rel_dir!r}")
+        data = (self.path / rel).read_bytes()
+        self.files[rel] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+
+    def commit(self, meta: dict[str, Any]) -> Path:
+        """Write the manifest, make this version current, then remove the version it replaces. Returns its path."""
+        manifest = {"format": self.fmt, "format_version": self.version, "files": self.files, "meta": meta}
+        with self._open_manifest() as f:
+            f.write(json.dumps(manifest, indent=1, sort_keys=True, allow_nan=False).encode())
+        for d in [*self._dirs, self.path]:
+            fsync_dir(d)
+        _write_small_atomic(self.root, CURRENT, f"{self.name} {f.sha256}\n")
+        self._committed = True
+        for n in self._pending[1:]:
+            _remove(self.root / n)
+        left = [n for n in self._pending[1:] if os.path.lexists(self.root / n)]  # a removal that failed: next time
+        if left:
+            _write_small_atomic(self.root, PENDING, "".join(n + "\n" for n in left))
+        else:
+            os.unlink(self.root / PENDING)
+            fsync_dir(self.root)
+        return self.path
+
+    @contextlib.contextmanager
+    def _open_manifest(self) -> Iterator[HashingWriter]:
+        w = HashingWriter(self.path / MANIFEST)
+        try:
+            yield w
+        finally:
+            w.close()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is not None and not self._committed:  # an exception, not a kill: undo what this save wrote
+                shutil.rmtree(self.path, ignore_errors=True)
+                left = [n for n in self._pending[1:] if n != self._old]  # earlier leftovers still to remove
+                if not self.path.exists():
+                    with contextlib.suppress(OSError):
+                        if left:
+                            _write_small_atomic(self.root, PENDING, "".join(n + "\n" for n in left))
+                        else:
+                            os.unlink(self.root / PENDING)
+        finally:
+            self._lock.__exit__(None, None, None)
+
+
+def _parse_manifest(path: Path, fmt: str, version: int, error: type[FormatError]) -> dict[str, Any]:
+    try:
+        m = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise error(f"{path} is corrupt: {exc}") from None
+    if not isinstance(m, dict):
+        raise error(f"{path}: not a JSON object")
+    if m.get("format") != fmt:
+        raise error(f"{path}: field 'format' is {m.get('format')!r}, want {fmt!r}")
+    v = m.get("format_version")
+    if v != version or isinstance(v, bool):
+        raise error(f"{path}: format version {v!r}, this rapo_fast reads version {version}")
+    files, meta = m.get("files"), m.get("meta")
+    if not isinstance(files, dict) or not isinstance(meta, dict):
+        raise error(f"{path}: fields 'files' and 'meta' must be JSON objects")
+    for rel, entry in files.items():
+        ok = isinstance(entry, dict) and set(entry) == {"sha256", "size"} and _rel_ok(rel)
+        ok = ok and isinstance(entry["sha256"], str) and _SHA.fullmatch(entry["sha256"]) is not None
+        ok = ok and isinstance(entry["size"], int) and not isinstance(entry["size"], bool) and entry["size"] >= 0
+        if not ok:
+            raise error(f"{path}: field 'files' has a malformed entry {rel!r}: {entry!r}")
+    return m
+
+
+@contextlib.contextmanager
+def read_version(
+    root: str | os.PathLike, prefix: str, fmt: str, version: int, error: type[FormatError]
+) -> Iterator[Version]:
+    """The live version of `root`, every file checked (size and SHA-256) against the manifest, whose own SHA-256 is
+    in CURRENT. Holds a shared lock while the caller reads (a concurrent save cannot remove the version meanwhile)."""
+    root, what = Path(root), fmt.rsplit(".", 1)[-1]
+    if not root.is_dir():
+        raise error(f"{root} is not a saved {what} (no such directory)")
+    with _locked(root, exclusive=False):
+        name, digest = _parse_current(root, prefix, error, what)
+        vdir = root / name
+        mpath = vdir / MANIFEST
+        if not mpath.is_file():
+            raise error(f"{root}: {CURRENT} names {name!r}, which has no {MANIFEST} (missing or incomplete)")
+        if sha256_file(mpath) != digest:
+            raise error(f"{mpath} is corrupt (its SHA-256 differs from the one in {root / CURRENT})")
+        m = _parse_manifest(mpath, fmt, version, error)
+        for rel, entry in m["files"].items():
+            p = vdir / rel
+            if not p.is_file():
+                raise error(f"{p} is missing (listed in {mpath})")
+            if p.stat().st_size != entry["size"]:
+                raise error(f"{p} is corrupt: {p.stat().st_size} bytes, {mpath} says {entry['size']}")
+            if sha256_file(p) != entry["sha256"]:
+                raise error(f"{p} is corrupt (its SHA-256 differs from the one in {mpath})")
+        yield Version(vdir, m["meta"], m["files"])
+
+
+def check_int(
+    meta: dict[str, Any], key: str, where: Any, error: type[FormatError], lo: int = 0, hi: int = 2**63 - 1
+) -> int:
+    """meta[key] as an int in [lo, hi] (bool refused), else `error` naming `where` and the field."""
+    v = meta.get(key, "<missing>")
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise error(f"{where}: field {key!r} must be an int in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+def check_choice(meta: dict[str, Any], key: str, choices, where: Any, error: type[FormatError]) -> Any:
+    """meta[key] if it is one of `choices` (of the same type: 1 is not True), else `error` naming `where` and the
+    field."""
+    v = meta.get(key, "<missing>")
+    if not any(type(v) is type(c) and v == c for c in choices):
+        raise error(f"{where}: field {key!r} must be one of {tuple(choices)}, got {v!r}")
+    return v

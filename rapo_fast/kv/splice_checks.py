@@ -1,0 +1,111 @@
+"""Argument checks of the KV splice (rapo_fast/kv/splice.py): integer arguments without silent truncation, the request
+list, cache layer tensors, physical-slot overlap in paged caches, and the dtypes/shapes the registered op
+`rapo_fast::kv_splice_` reads its pointers as.
+
+What this is not: the splice itself (rapo_fast/kv/splice.py) or the index checks of the compiled backends
+(csrc/include/rapo/kv_splice.h, which check every index they dereference).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+
+from rapo_fast.kv.store import StepKVStore
+
+
+def as_int(name: str, v: Any) -> int:
+    """An integer argument: a Python/NumPy int or an integer 0-d tensor. A float, even a whole one, or a bool is refused
+    (int() would truncate 2.7 to 2 silently)."""
+    if isinstance(v, bool) or (isinstance(v, torch.Tensor) and (v.is_floating_point() or v.dtype == torch.bool)):
+        raise TypeError(f"{name} must be an int, got {v!r}")
+    try:
+        return operator.index(v)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}") from None
+
+
+def as_requests(requests: Any) -> list[tuple[int, int, int]]:
+    if isinstance(requests, torch.Tensor):
+        if requests.dim() != 2 or requests.shape[1] != 3:
+            raise ValueError(f"requests must be [R, 3] (payload_id, batch_row, position), got {tuple(requests.shape)}")
+        if requests.is_floating_point() or requests.is_complex() or requests.dtype == torch.bool:
+            raise TypeError(f"requests must be an integer tensor [R, 3], got dtype {requests.dtype}")
+        return [tuple(int(x) for x in r) for r in requests.tolist()]
+    out = []
+    for i, r in enumerate(requests):
+        if len(r) != 3:
+            raise ValueError(f"requests[{i}] must be (payload_id, batch_row, position), got {r!r}")
+        names = (f"requests[{i}] payload_id", f"requests[{i}] batch_row", f"requests[{i}] position")
+        out.append(tuple(as_int(n, x) for n, x in zip(names, r)))
+    return out
+
+
+def check_layer_tensors(name: str, ts: list[torch.Tensor], store: StepKVStore, head_axis: int) -> None:
+    if len(ts) != store.num_layers:
+        raise ValueError(f"{name}: the cache has {len(ts)} layers, the store {store.num_layers}")
+    t0 = ts[0]
+    for i, t in enumerate(ts):
+        if t.dtype != store.dtype:
+            raise TypeError(f"{name}[{i}]: cache dtype {t.dtype} != store dtype {store.dtype}")
+        if t.device != store.device:
+            raise ValueError(f"{name}[{i}]: cache device {t.device} != store device {store.device}")
+        if t.dim() != 4 or t.shape[head_axis] != store.num_kv_heads or t.shape[-1] != store.head_dim:
+            raise ValueError(
+                f"{name}[{i}]: expected {store.num_kv_heads} KV heads of dim {store.head_dim} (axis {head_axis}, -1), "
+                f"got shape {tuple(t.shape)}"
+            )
+        if t.shape != t0.shape or t.stride() != t0.stride():
+            raise ValueError(f"{name}: every layer must have the same shape and strides (layer {i} differs)")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}[{i}]: the head dim must be contiguous (stride 1), got strides {t.stride()}")
+
+
+def check_physical_overlap(table: list, bt_cpu: torch.Tensor, bs: int) -> None:
+    """No two written slots map to one physical slot (two rows sharing a block, or one row mapping two logical blocks
+    to one physical block): the backends write in parallel, so the result would depend on the order of writes."""
+    spans: list[tuple[int, int, int, int]] = []  # (physical block, first offset, end offset, request)
+    for i, (_off, n, row, pos, _d) in enumerate(table):
+        for b in range(pos // bs, (pos + n - 1) // bs + 1) if n else ():
+            lo, hi = max(pos, b * bs) - b * bs, min(pos + n, (b + 1) * bs) - b * bs
+            spans.append((int(bt_cpu[row, b]), lo, hi, i))
+    spans.sort()
+    for (blk, _lo, hi, i), (blk2, lo2, _hi2, j) in zip(spans, spans[1:]):
+        if blk == blk2 and lo2 < hi:
+            raise ValueError(
+                f"requests[{i}] and requests[{j}] write the same physical slots of block {blk} (the block table maps "
+                "two written logical blocks to one physical block)"
+            )
+
+
+def check_op_tensors(keys, values, k_pool, v_pool, requests, inv_freq, block_table, max_tokens) -> None:
+    """What the op reads its pointers as: dtypes, ranks, one shape for every cache layer of keys and values, devices.
+    The extension checks every index (requests, rows, slots, blocks) itself."""
+    if requests.dtype != torch.int64 or requests.dim() != 2 or requests.shape[1] != 5:
+        raise ValueError(f"requests must be int64 [R, 5], got {requests.dtype} {tuple(requests.shape)}")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+        raise TypeError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
+    if k_pool.dim() != 4 or v_pool.shape != k_pool.shape or v_pool.dtype != k_pool.dtype:
+        raise ValueError(f"k_pool/v_pool must share one 4-d shape, got {tuple(k_pool.shape)}, {tuple(v_pool.shape)}")
+    if k_pool.dtype not in (torch.float32, torch.float16, torch.bfloat16) or k_pool.stride(-1) != 1:
+        raise TypeError(f"the pools must be float32/float16/bfloat16 with a contiguous head dim, got {k_pool.dtype}")
+    if v_pool.stride() != k_pool.stride() or v_pool.device != k_pool.device:
+        raise ValueError("k_pool and v_pool must share strides and device")
+    if len(keys) != k_pool.shape[0] or len(values) != k_pool.shape[0]:
+        raise ValueError(f"{len(keys)}/{len(values)} cache layers for pools of shape {tuple(k_pool.shape)}")
+    # One shape for keys and values; strides per kind (the op takes both sets).
+    for t0, t in [(keys[0], k) for k in keys] + [(values[0], v) for v in values]:
+        if t.dim() != 4 or t.shape != keys[0].shape or t.stride() != t0.stride() or t.stride(-1) != 1:
+            raise ValueError(
+                "every cache layer of keys and values must share one 4-d shape (and, per kind, strides), head dim last"
+            )
+        if t.dtype != k_pool.dtype or t.device != k_pool.device:
+            raise TypeError(f"cache layers must be {k_pool.dtype} on {k_pool.device}, got {t.dtype} on {t.device}")
+    if inv_freq.dtype != torch.float32 or inv_freq.dim() != 1 or 2 * inv_freq.numel() > k_pool.shape[3]:
+        raise ValueError(
+            f"inv_freq must be 1-d fp32 with at most head_dim/2 entries, got {inv_freq.dtype} {inv_freq.numel()}"
+        )
+    if block_table is not None and (block_table.dim() != 2 or block_table.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"block_table must be [B, max_blocks] int32/int64, got {block_table.dtype}")

@@ -1,0 +1,123 @@
+"""Property tests of `TrainerConfig` and of the command line's argument parsing (`rapo_fast.cli.main`) (hypothesis;
+budget in tests/helpers/strategies.py).
+
+Properties: a config of valid field values validates and round-trips through dict, JSON and YAML unchanged; one bad
+field value (NaN/inf, out of range, a bool or str for a number, an unknown loss key) raises a ValueError/TypeError
+naming the field; every bad command line exits with code 2 and a one-line error, never a traceback, and never runs
+anything. Not here: the trainer itself (tests/train/), the benches' own behaviour (tests/bench/).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from helpers.strategies import fuzz_settings
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rapo_fast import TrainerConfig
+from rapo_fast.cli import main as cli_main
+
+NAN, INF = math.nan, math.inf
+# field -> valid values (defaults of the other fields keep the combination valid)
+GOOD = {
+    "group_size": [16, 8],
+    "retrieve_prob": [0.0, 0.5, 1.0],
+    "temperature": [1.0, 0.5],
+    "lr": [1e-3, 0.0],
+    "weight_decay": [0.0, 0.01],
+    "max_grad_norm": [None, 1.0],
+    "ret_coef": [0.2, 0.0],
+    "arpo_alpha": [0.5, 1.0],
+    "mode": ["exact", "splice"],
+    "seed": [0, 123],
+    "updates_per_step": [1, 2],
+}
+# field -> values each of which must be refused naming the field (issue 11's list, and more of each kind)
+BAD = {
+    "lr": [NAN, INF, -1.0, "1e-3", True],
+    "temperature": [NAN, INF, 0.0, -1.0, None],
+    "retrieve_prob": [NAN, 1.5, -0.1, INF],
+    "ret_coef": [NAN, INF, -INF],
+    "max_grad_norm": [NAN, INF, -1.0],
+    "arpo_alpha": [NAN, 2.0, -0.5],
+    "arpo_beta": [NAN, INF],
+    "weight_decay": [NAN, INF, -1.0],
+    "tis_cap": [0.0, NAN, -1.0],
+    "n_hybrid": [True, -1, 17, 2.0],
+    "seed": [True, 1.5, "0", None],
+    "group_size": [0, -1, True, 2.5],
+    "exclude_own_group": ["yes", 1],
+    "strategy": ["", "HYBRID", None],
+    "mode": ["fast", 0],
+    "loss": [{"not_an_option": 1}, {"beta": 0.1}, "RAPO"],
+}
+
+
+@fuzz_settings(30)
+@given(data=st.data())
+def test_valid_config_validates_and_round_trips(data):
+    names = data.draw(st.lists(st.sampled_from(sorted(GOOD)), unique=True, max_size=4))
+    cfg = TrainerConfig(**{n: data.draw(st.sampled_from(GOOD[n])) for n in names}).validate()
+    assert TrainerConfig.from_dict(cfg.to_dict()) == cfg
+    assert TrainerConfig.from_json(cfg.to_json()) == cfg
+    assert TrainerConfig.from_yaml(cfg.to_yaml()) == cfg
+
+
+@fuzz_settings(60)
+@given(field=st.sampled_from(sorted(BAD)), data=st.data())
+def test_bad_field_is_refused_with_its_name(field, data):
+    value = data.draw(st.sampled_from(BAD[field]))
+    others = data.draw(st.lists(st.sampled_from(sorted(set(GOOD) - {field})), unique=True, max_size=3))
+    kw = {n: data.draw(st.sampled_from(GOOD[n])) for n in others}  # valid neighbours must not mask the bad field
+    with pytest.raises((ValueError, TypeError), match=field):
+        TrainerConfig(**kw, **{field: value}).validate()
+
+
+# ---- command line ----
+# Each argv is wrong in one way; the parser (or the command's own check) must exit 2 before running anything.
+BAD_ARGV = [
+    ["--garbage"],
+    ["info", "--garbage"],
+    ["info", "x"],
+    ["nonsense"],
+    [],
+    ["bench"],
+    ["bench", "nope"],
+    # --quick: should a check be missing, the bench runs for seconds (and the test fails) instead of minutes
+    ["bench", "retrieval", "--quick", "--repeats", "-3"],
+    ["bench", "retrieval", "--quick", "--repeats", "0"],
+    ["bench", "retrieval", "--quick", "--threads", "0"],
+    ["bench", "retrieval", "--quick", "--repeats", "x"],
+    ["bench", "retrieval", "--quick", "--metric", "cos"],
+    ["demo", "--device", "tpu"],
+    ["demo", "--garbage"],
+]
+
+
+def _exit_code(argv: list[str]) -> int:
+    try:
+        return int(cli_main(argv) or 0)
+    except SystemExit as exc:
+        code = exc.code
+        return code if isinstance(code, int) else 2 if code else 0
+
+
+@fuzz_settings(30)
+@given(argv=st.sampled_from(BAD_ARGV))
+def test_bad_command_line_exits_2_with_one_line(argv, capsys):
+    code = _exit_code(argv)
+    err = capsys.readouterr().err
+    assert code == 2, (argv, code, err[-2000:])
+    assert "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].strip(), "no error line"
+
+
+@fuzz_settings(30)
+@given(flags=st.lists(st.sampled_from(["--x", "-q", "--help=1", "7", "--", "-", "info"]), min_size=1, max_size=3))
+def test_info_with_any_extra_argument_exits_2(flags, capsys):
+    code = _exit_code(["info", *flags])
+    err = capsys.readouterr().err
+    assert code == 2, (flags, code)
+    assert "Traceback" not in err

@@ -1,0 +1,214 @@
+"""Property tests of the loss entry points: `rapo_loss`, `token_logprobs`, `RAPOLoss` (hypothesis; budget in
+tests/helpers/strategies.py).
+
+Properties: finite inputs give a finite loss and finite gradients within the tolerance rule of the float64 reference
+(docs/testing.md rule 1, via tests/helpers/loss_cases.check_case); masked tokens contribute exactly nothing whatever
+their logits hold; a bad option or normaliser gets a ValueError/TypeError naming it; RAPOLoss equals rapo_loss with the
+same options. Not here: the hand-written argument cases (tests/loss/test_loss_checks.py) and kernel tile coverage.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers.loss_cases import AGG_MODES, check_case, make_batch
+from helpers.strategies import NON_FINITE, fuzz_settings, seeds
+from hypothesis import given
+from hypothesis import strategies as st
+
+import rapo_fast
+from rapo_fast.reference import token_logprobs_ref
+
+# Valid values per option (rapo_fast/loss/options.py states the ranges).
+OPTION_VALUES = {
+    "shaping_m": st.sampled_from([0.0, 0.3, -0.5]),
+    "offpolicy_train": st.sampled_from(["none", "shaped", "truncated"]),
+    "gamma": st.sampled_from([0.1, 1.0]),
+    "is_cap": st.sampled_from([2.0, 0.5]),
+    "tis_cap": st.sampled_from([None, 2.0]),
+    "eps_low": st.sampled_from([0.2, 0.0, 1.0]),
+    "eps_high": st.sampled_from([0.2, 0.28, 0.0]),
+    "dual_clip": st.sampled_from([None, 3.0]),
+    "importance_sampling_level": st.sampled_from(["token", "sequence"]),
+    "beta": st.sampled_from([0.0, 0.04]),
+    "kl_estimator": st.sampled_from(["k1", "k2", "k3"]),
+    "entropy_coef": st.sampled_from([0.0, 0.01]),
+    "temperature": st.sampled_from([1.0, 0.7, 1.5]),
+    "loss_agg": st.sampled_from(AGG_MODES),
+}
+# Out-of-range values per option (each option must refuse it with its name in the message).
+BAD_OPTION_VALUES = {
+    "shaping_m": [-1.0, -2.0, math.nan],
+    "gamma": [0.0, -1.0, math.inf],
+    "is_cap": [0.0, math.nan],
+    "eps_low": [-0.1, 1.5],
+    "eps_high": [-0.1, math.nan],
+    "dual_clip": [1.0, 0.5],
+    "temperature": [0.0, -1.0, math.inf, math.nan],
+    "offpolicy_train": ["", "Shaped", 3],
+    "loss_agg": ["mean", None],
+    "kl_estimator": ["k4"],
+    "importance_sampling_level": ["seq"],
+}
+
+
+# Unbounded families of bad values, for the options with a numeric range.
+BAD_OPTION_RANGES = {
+    "shaping_m": st.floats(max_value=-1.0),
+    "gamma": st.floats(max_value=0.0),
+    "is_cap": st.floats(max_value=0.0),
+    "eps_low": st.floats(max_value=-1e-9) | st.floats(min_value=1.0 + 1e-9),
+    "temperature": st.floats(max_value=0.0),
+    "offpolicy_train": st.text(max_size=6).filter(lambda t: t not in ("none", "shaped", "truncated")),
+}
+
+
+@st.composite
+def option_sets(draw) -> dict:
+    names = draw(st.lists(st.sampled_from(sorted(OPTION_VALUES)), unique=True, max_size=5))
+    return {n: draw(OPTION_VALUES[n]) for n in names}
+
+
+@fuzz_settings(25)
+@given(
+    B=st.integers(1, 3),
+    T=st.integers(1, 5),
+    V=st.integers(1, 9),
+    per_seq=st.booleans(),
+    mask_p=st.sampled_from([0.0, 0.5, 1.0]),
+    opts=option_sets(),
+    seed=seeds,
+)
+def test_rapo_loss_matches_float64_reference(B, T, V, per_seq, mask_p, opts, seed):
+    d = make_batch(B, T, V, per_seq_adv=per_seq, mask_p=mask_p, seed=seed % 2**16)
+    check_case(d, opts)  # finite loss, gradients within the tolerance rule of the float64 reference
+
+
+@fuzz_settings(20)
+@given(
+    B=st.integers(1, 3),
+    T=st.integers(2, 4),
+    V=st.integers(2, 37),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
+    fill=st.sampled_from([-math.inf, math.nan, math.inf, 1e30]),
+    opts=option_sets(),
+    seed=seeds,
+)
+def test_masked_tokens_contribute_nothing_whatever_their_logits(B, T, V, dtype, fill, opts, seed):
+    d = make_batch(B, T, V, mask_p=1.0, seed=seed % 2**16)
+    g = torch.Generator().manual_seed(seed)
+    masked = torch.rand(B, T, generator=g) < 0.4
+    masked[0, 0] = True  # at least one masked token; an all-masked row is a padding row
+    d["loss_mask"] = d["loss_mask"] & ~masked
+    clean = {k: v.clone() for k, v in d.items()}
+    d["logits"][masked] = fill
+    clean["logits"][masked] = 0.0
+    losses, grads = [], []
+    for case in (d, clean):
+        x = case["logits"].to(dtype).requires_grad_(True)
+        try:
+            loss = rapo_fast.rapo_loss(**{**case, "logits": x}, **opts)
+        except ValueError as exc:  # +inf logits may be refused (the issue: "refused or handled, never NaN")
+            assert fill == math.inf and case is d and "logits" in str(exc), exc
+            return
+        (grad,) = torch.autograd.grad(loss, [x])
+        losses.append(loss)
+        grads.append(grad)
+    assert torch.isfinite(losses[0]), "masked tokens' logits made the loss non-finite"
+    assert torch.isfinite(grads[0]).all(), "masked tokens' logits produced a non-finite gradient"
+    assert torch.all(grads[0][masked] == 0), "a masked token got a gradient"
+    torch.testing.assert_close(losses[0], losses[1])
+    torch.testing.assert_close(grads[0], grads[1])
+
+
+@fuzz_settings(20)
+@given(value=st.sampled_from([0.0, *NON_FINITE]) | st.floats(max_value=-1e-30), as_tensor=st.booleans())
+def test_bad_global_num_tokens_is_refused(value, as_tensor):
+    d = make_batch(2, 3, 5)
+    g = torch.tensor(value) if as_tensor else value
+    with pytest.raises((ValueError, TypeError), match="global_num_tokens"):
+        rapo_fast.rapo_loss(**d, global_num_tokens=g)
+
+
+@fuzz_settings(25)
+@given(name=st.sampled_from(sorted(BAD_OPTION_VALUES)), data=st.data())
+def test_bad_option_is_refused_with_its_name(name, data):
+    value = data.draw(st.sampled_from(BAD_OPTION_VALUES[name]) | BAD_OPTION_RANGES.get(name, st.nothing()))
+    d = make_batch(2, 3, 5)
+    with pytest.raises((ValueError, TypeError), match=name):
+        rapo_fast.rapo_loss(**d, **{name: value})
+    with pytest.raises((ValueError, TypeError), match=name):
+        rapo_fast.RAPOLoss(**{name: value})
+
+
+@fuzz_settings(25)
+@given(
+    lead=st.sampled_from([(1,), (4,), (2, 3)]),
+    V=st.integers(1, 17),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    temperature=st.sampled_from([1.0, 0.5, 2.0]),
+    scale=st.sampled_from([0.1, 1.0, 30.0]),
+    seed=seeds,
+)
+def test_token_logprobs_match_float64(lead, V, dtype, temperature, scale, seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(*lead, V, generator=g) * scale).to(dtype)
+    targets = torch.randint(0, V, lead, generator=g)
+    logp, ent = rapo_fast.token_logprobs(logits, targets=targets, temperature=temperature, return_entropy=True)
+    ref_lp, ref_ent = token_logprobs_ref(logits.double(), targets, temperature, True)
+    assert logp.dtype == torch.float32 and logp.shape == targets.shape
+    assert torch.isfinite(logp).all() and torch.isfinite(ent).all()
+    # the logits are exact in `dtype`; the kernel computes in fp32 from them: fp32 rounding of a log-sum-exp
+    torch.testing.assert_close(logp.double(), ref_lp, atol=1e-5 * (1 + scale), rtol=1e-5)
+    torch.testing.assert_close(ent.double(), ref_ent, atol=1e-5 * (1 + scale), rtol=1e-5)
+
+
+@fuzz_settings(20)
+@given(temperature=st.sampled_from([0, 0.0, *NON_FINITE, "1", None, True]) | st.floats(max_value=0.0))
+def test_token_logprobs_bad_temperature_is_refused(temperature):
+    logits, targets = torch.randn(3, 5), torch.randint(0, 5, (3,))
+    with pytest.raises((ValueError, TypeError), match="temperature"):
+        rapo_fast.token_logprobs(logits, targets=targets, temperature=temperature)
+
+
+@fuzz_settings(10)
+@given(dtype=st.sampled_from([torch.int8, torch.int16, torch.uint8, torch.int32, torch.int64]))
+def test_target_dtype_rule_is_the_same_for_loss_and_logprobs(dtype):
+    d = make_batch(2, 3, 5)
+    d["targets"] = d["targets"].to(dtype)
+    outcomes = []
+    for call in (
+        lambda: rapo_fast.token_logprobs(d["logits"], targets=d["targets"]),
+        lambda: rapo_fast.rapo_loss(**d),
+    ):
+        try:
+            out = call()
+            assert torch.isfinite(out).all()
+            outcomes.append("ok")
+        except (TypeError, ValueError) as exc:
+            assert "targets" in str(exc)
+            outcomes.append(type(exc).__name__)
+    assert outcomes[0] == outcomes[1], outcomes
+
+
+@fuzz_settings(20)
+@given(
+    preset=st.sampled_from([None, "RAPO", "GRPO", "ARPO"]),
+    opts=option_sets(),
+    seed=seeds,
+)
+def test_rapoloss_module_equals_function(preset, opts, seed):
+    d = make_batch(2, 4, 6, seed=seed % 2**16)
+    if preset is not None and preset not in dir(rapo_fast.presets):
+        pytest.skip(f"no preset {preset}")
+    mod = rapo_fast.RAPOLoss(preset, **opts)
+    full = dict(mod.options)
+    full.pop("return_metrics", None)
+    want = rapo_fast.rapo_loss(**d, **full)
+    got = mod(**d)
+    assert torch.isfinite(got)
+    assert torch.equal(got, want)
+    with pytest.raises(TypeError, match="unknown|option"):
+        rapo_fast.RAPOLoss(preset, not_an_option=1)
