@@ -53,6 +53,8 @@ def check_search(buf: StepBuffer, queries, k, scores, payload, exclude=None, min
     q = queries.cpu().to(buf.dtype)
     groups = buf.group_ids.cpu()
     ex = None if exclude is None else exclude.cpu()
+    # k + 1 from the reference: a tie between the k-th and the (k+1)-th key is a near-tie too (either may be returned)
+    ref_s1, _ = search_ref(keys, q, k + 1, buf.metric, groups, ex, min_score)
     ref_s, ref_i = search_ref(keys, q, k, buf.metric, groups, ex, min_score)
     scores, payload = scores.cpu().double(), payload.cpu()
     assert scores.shape == (q.shape[0], k) and payload.shape == (q.shape[0], k)
@@ -84,7 +86,9 @@ def check_search(buf: StepBuffer, queries, k, scores, payload, exclude=None, min
             assert len(set(row)) == len(row), f"duplicate slot in row {r}"
         # Where the reference has no near-tie, the slot must be exactly the reference's.
         gap_prev = torch.cat([torch.full_like(ref_s[:, :1], float("inf")), ref_s[:, :-1] - ref_s[:, 1:]], 1)
-        gap_next = torch.cat([ref_s[:, :-1] - ref_s[:, 1:], torch.full_like(ref_s[:, :1], float("inf"))], 1)
+        beyond = ref_s1[:, k : k + 1].double()
+        last = torch.where(beyond > float("-inf"), ref_s[:, -1:] - beyond, torch.full_like(beyond, float("inf")))
+        gap_next = torch.cat([ref_s[:, :-1] - ref_s[:, 1:], last], 1)
         clear = valid & (gap_prev > 2 * tol) & (gap_next > 2 * tol)
         assert torch.equal(slots[clear], ref_i[clear]), "a slot without a near-tie differs from the reference"
     return ref_s, ref_i
