@@ -332,13 +332,19 @@ class VersionWriter:
             self._lock.__exit__(None, None, None)
 
 
-def _parse_manifest(path: Path, fmt: str, version: int, error: type[FormatError]) -> dict[str, Any]:
+def read_json_object(path: Path, error: type[FormatError]) -> dict[str, Any]:
+    """A saved file holding one JSON object; anything else raises `error` naming the file."""
     try:
         m = json.loads(path.read_bytes().decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise error(f"{path} is corrupt: {exc}") from None
     if not isinstance(m, dict):
         raise error(f"{path}: not a JSON object")
+    return m
+
+
+def _parse_manifest(path: Path, fmt: str, version: int, error: type[FormatError]) -> dict[str, Any]:
+    m = read_json_object(path, error)
     if m.get("format") != fmt:
         raise error(f"{path}: field 'format' is {m.get('format')!r}, want {fmt!r}")
     v = m.get("format_version")

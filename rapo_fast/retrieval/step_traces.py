@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from rapo_fast._atomic import FormatError, VersionWriter, check_int, read_version
+from rapo_fast._atomic import FormatError, VersionWriter, check_int, read_json_object, read_version
 
 OFFPOLICY_GROUP_BASE = 1 << 40
 RETRIEVE_OPEN, RETRIEVE_CLOSE = "<retrieve>", "</retrieve>"
@@ -244,12 +244,7 @@ class StepTracesFormatError(FormatError):
 
 
 def _read_traces_json(path: Path) -> tuple[list[list[int]], int, int]:
-    try:
-        meta = json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise StepTracesFormatError(f"{path} is corrupt: {exc}") from None
-    if not isinstance(meta, dict):
-        raise StepTracesFormatError(f"{path}: not a JSON object")
+    meta = read_json_object(path, StepTracesFormatError)
     n_off = check_int(meta, "num_offpolicy", path, StepTracesFormatError)
     n_on = check_int(meta, "num_onpolicy", path, StepTracesFormatError)
     payloads = meta.get("payloads")
