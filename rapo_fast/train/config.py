@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rapo_fast import _checks as C
 from rapo_fast.loss import presets
 from rapo_fast.loss.options import LossOptions
 
@@ -167,30 +167,13 @@ def _int(lo: int, hi: int | None = None, allow_none: bool = False) -> Callable[[
 
 def _real(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False,
           allow_none: bool = False) -> Callable[[str, Any], None]:  # fmt: skip
-    """A finite real number (bool refused) in [lo, hi], or (lo, hi] with lo_open."""
-
-    def check(name: str, v: Any) -> None:
-        if v is None and allow_none:
-            return
-        if not isinstance(v, (int, float)) or isinstance(v, bool):
-            raise TypeError(f"{name}: expected a number, got {type(v).__name__} {v!r}")
-        if not math.isfinite(v):
-            raise ValueError(f"{name}: expected a finite number, got {v!r}")
-        if (lo is not None and (v < lo or (lo_open and v == lo))) or (hi is not None and v > hi):
-            left = "(" if lo_open else "["
-            raise ValueError(f"{name}: expected a value in {left}{lo}, {hi}], got {v!r}")
-
-    return check
+    """A finite real number (bool refused) in [lo, hi], or (lo, hi] with lo_open: rapo_fast._checks.check_float."""
+    bounds = dict(min_value=lo, max_value=hi, min_inclusive=not lo_open, allow_none=allow_none)
+    return lambda name, v: C.check_float(name, v, **bounds)
 
 
 def _choice(*choices: str) -> Callable[[str, Any], None]:
-    def check(name: str, v: Any) -> None:
-        if not isinstance(v, str):
-            raise TypeError(f"{name}: expected one of {list(choices)}, got {type(v).__name__} {v!r}")
-        if v not in choices:
-            raise ValueError(f"{name}: expected one of {list(choices)}, got {v!r}")
-
-    return check
+    return lambda name, v: C.check_choice(name, v, choices)
 
 
 def _of_type(kinds: tuple[type, ...], what: str) -> Callable[[str, Any], None]:
