@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+from typing import Any
 
 import torch
 
@@ -241,9 +242,11 @@ class StepBuffer:
         return slots
 
     # ---- search ----
-    def _search_slots(
-        self, queries: torch.Tensor, k: int, exclude_groups: torch.Tensor | None, min_score: float | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _check_search_args(
+        self, queries: Any, k: Any, exclude_groups: Any, min_score: Any
+    ) -> tuple[torch.Tensor, int, torch.Tensor | None, float]:
+        """search's argument checks, shared with ShardedStepBuffer: (queries rounded to the buffer's dtype, k,
+        exclude as int64 or None, the score threshold)."""
         if not isinstance(queries, torch.Tensor):
             raise TypeError(f"queries must be a torch.Tensor [Q, {self.dim}], got {type(queries).__name__}")
         if not queries.is_floating_point():
@@ -264,6 +267,12 @@ class StepBuffer:
         # branch would break the graph; docs/retrieval.md, "Thread safety").
         if not torch.compiler.is_compiling() and not bool(torch.isfinite(q).all()):
             raise ValueError(f"queries must be finite in {self.dtype} (NaN/inf found, or out of range)")
+        return q, k, exclude, thr
+
+    def _search_slots(
+        self, queries: torch.Tensor, k: int, exclude_groups: torch.Tensor | None, min_score: float | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, exclude, thr = self._check_search_args(queries, k, exclude_groups, min_score)
         n = self._size
         keys, aux, centre = self._keys[:n], self._aux[:n], None
         if self.metric == "l2":

@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from rapo_fast.retrieval.buffer import StepBuffer, _check_int_vector, _check_k, _check_min_score
+from rapo_fast.retrieval.buffer import StepBuffer
 from rapo_fast.retrieval.op import METRIC_CODES
 
 __all__ = ["ShardedStepBuffer"]
@@ -120,28 +120,9 @@ class ShardedStepBuffer:
     # ---- collective validation ----
     def _check_local(self, queries, k, exclude_groups, min_score) -> tuple[torch.Tensor, torch.Tensor | None, float]:
         """This rank's own checks (no communication): the queries rounded to the shard's dtype (as fp32), exclude."""
-        buf = self.local
-        if not isinstance(queries, torch.Tensor):
-            raise TypeError(f"queries must be a torch.Tensor [Q, {buf.dim}], got {type(queries).__name__}")
-        if not queries.is_floating_point():
-            raise TypeError(f"queries must be a float tensor [Q, {buf.dim}], got dtype {queries.dtype}")
-        if queries.dim() != 2 or queries.shape[1] != buf.dim:
-            raise ValueError(f"queries must have shape [Q, {buf.dim}], got {tuple(queries.shape)}")
-        if queries.device != buf.device:
-            raise ValueError(f"queries must be on the buffer's device {buf.device}, got {queries.device}")
-        _check_k(k)
-        thr = _check_min_score(min_score)
-        exclude = None
-        if exclude_groups is not None:
-            exclude = _check_int_vector("exclude_groups", exclude_groups, queries.shape[0])
-            if exclude.device != buf.device:
-                raise ValueError(f"exclude_groups must be on the buffer's device {buf.device}, got {exclude.device}")
-        if not bool(torch.isfinite(queries).all()):
-            raise ValueError("queries must be finite (NaN/inf found)")
-        # Rounded here, as StepBuffer.search rounds them (fp16/bf16 values are exact in the fp32 that travels).
-        q = queries.detach().to(buf.dtype)
-        if not bool(torch.isfinite(q).all()):
-            raise ValueError(f"queries must be finite in the buffer's dtype {buf.dtype} (out of range)")
+        # StepBuffer.search's own checks; the queries come back rounded to the shard's dtype, exact in the fp32 that
+        # travels between ranks.
+        q, _k, exclude, thr = self.local._check_search_args(queries, k, exclude_groups, min_score)
         return q.to(torch.float32), exclude, thr
 
     def _descriptor(self, Q: int, k, thr: float, error: BaseException | None) -> torch.Tensor:
