@@ -34,6 +34,7 @@ from torch import Tensor
 
 from rapo_fast._dispatch import register_op
 from rapo_fast.loss import tiles
+from rapo_fast.loss.options import check_loss_logp_defined
 from rapo_fast.loss.policy_layout import NUM_METRICS
 from rapo_fast.loss.policy_op import KernelScalars, policy_loss_bwd, policy_loss_fwd
 
@@ -153,20 +154,23 @@ def _fused_impl(
     scale: Tensor, code: Tensor, behav: Tensor | None, ref: Tensor | None, eps_low: float, eps_high: float,
     dual_c: float, gamma: float, is_cap: float, tis_cap: float, beta: float, ent_coef: float, off_mode: int,
     kl_mode: int, temperature: float, with_ent: bool, need_h: bool, need_w: bool, need_b: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """hidden [N, H], weight [V, H], bias [V] or None, targets [N], per-token fp32 [N] inputs of the policy loss ->
-    (loss 0-dim fp32, metric sums [NUM_METRICS] fp32, grad_hidden, grad_weight, grad_bias) with the gradients of the
-    loss (upstream gradient 1) in the inputs' dtypes, a [0] tensor for each not needed."""
+    (loss 0-dim fp32, metric sums [NUM_METRICS] fp32, grad_hidden, grad_weight, grad_bias, undefined [N] bool) with the
+    gradients of the loss (upstream gradient 1) in the inputs' dtypes, a [0] tensor for each not needed. undefined
+    marks the tokens in the loss whose log-prob is NaN (their logits row's log-sum-exp is not finite, e.g. h W^T
+    overflowed): the caller refuses the call when any is set (the logits never exist as a whole to be checked first)."""
     s = KernelScalars(eps_low, eps_high, dual_c, gamma, is_cap, tis_cap, beta, ent_coef, off_mode, kl_mode)
     n, dev = hidden.shape[0], hidden.device
     loss = torch.zeros((), dtype=_F32, device=dev)
     sums = torch.zeros(NUM_METRICS, dtype=_F32, device=dev)
     need = (need_h, need_w, need_b and bias is not None)
+    undefined = torch.zeros(n, dtype=torch.bool, device=dev)
     if n == 0:
         grads = _Grads(hidden, weight, need, 1, 1)
         if need_h:
             grads.grad_h.zero_()
-        return (loss, sums, *grads.results(hidden, weight, bias))
+        return (loss, sums, *grads.results(hidden, weight, bias), undefined)
     tiling = _Tiles(hidden, weight, bias, temperature, with_ent)
     grads = _Grads(hidden, weight, need, tiling.rows, tiling.n_vtiles)
     g_ent_on = with_ent and ent_coef != 0.0  # H enters the loss only through -ent_coef * H
@@ -175,6 +179,7 @@ def _fused_impl(
         r1 = min(n, r0 + tiling.rows)
         hc = hidden[r0:r1]
         lp, lse, ent, z = tiling.logprob_sweep(hc, tgt[r0:r1])
+        torch.logical_and(torch.isnan(lp), code[r0:r1] != 0, out=undefined[r0:r1])
         # the per-token loss and its coefficients dL/dlogp, dL/dH (upstream gradient 1), from policy_op's launchers
         per_tok = (old[r0:r1], adv[r0:r1], w[r0:r1], scale[r0:r1], code[r0:r1], None,
                    None if behav is None else behav[r0:r1], None if ref is None else ref[r0:r1])  # fmt: skip
@@ -186,7 +191,7 @@ def _fused_impl(
             tiling.gradient_sweep(
                 hc, tgt[r0:r1], z, lse, ent if g_ent_on else None, g_lp, g_ent if g_ent_on else None, grads, r0
             )
-    return (loss, sums, *grads.results(hidden, weight, bias))
+    return (loss, sums, *grads.results(hidden, weight, bias), undefined)
 
 
 def _fused_fake(hidden, weight, bias, *args):
@@ -197,6 +202,7 @@ def _fused_fake(hidden, weight, bias, *args):
         hidden.new_empty(hidden.shape) if need_h else hidden.new_empty(0),
         weight.new_empty(weight.shape) if need_w else hidden.new_empty(0),
         bias.new_empty(bias.shape) if (need_b and bias is not None) else hidden.new_empty(0),
+        hidden.new_empty((hidden.shape[0],), dtype=torch.bool),
     )
 
 
@@ -206,15 +212,15 @@ _N_INPUTS_AFTER_BIAS = 8 + len(KernelScalars._fields) + 5
 
 
 def _setup_context(ctx, inputs, output):
-    _, _, gh, gw, gb = output
+    _, _, gh, gw, gb, _ = output
     ctx.save_for_backward(gh, gw, gb)
     ctx.need = tuple(inputs[-3:])
     ctx.has_bias = inputs[2] is not None
 
 
-def _backward(ctx, g_loss, g_sums, g_gh, g_gw, g_gb):
-    # The loss is 0-dim: the stored gradients (upstream 1) times the upstream scalar are the gradients. The sums and
-    # the stored gradients themselves are not differentiated through (their upstream gradients are ignored).
+def _backward(ctx, g_loss, g_sums, g_gh, g_gw, g_gb, g_undefined):
+    # The loss is 0-dim: the stored gradients (upstream 1) times the upstream scalar are the gradients. The sums, the
+    # stored gradients and the undefined flags are not differentiated through (their upstream gradients are ignored).
     gh, gw, gb = ctx.saved_tensors
     need_h, need_w, need_b = ctx.need
 
@@ -239,13 +245,15 @@ def fused_linear_policy_loss(
     temperature: float, with_ent: bool,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """(loss, metric sums) of rapo_fast.rapo_loss's token-level policy loss from hidden [..., H] @ weight [V, H]^T
-    (+ bias), differentiable w.r.t. hidden / weight / bias; the per-token fp32 [N] inputs are rapo_loss's."""
+    (+ bias), differentiable w.r.t. hidden / weight / bias; the per-token fp32 [N] inputs are rapo_loss's. Raises
+    ValueError (after the pass, before any backward) when a token in the loss has an undefined log-prob."""
     grad_on = torch.is_grad_enabled()
     need = tuple(grad_on and t is not None and t.requires_grad for t in (hidden, weight, bias))
     h2 = hidden.reshape(-1, hidden.shape[-1])
     bias = None if bias is None else bias.contiguous()  # the kernels index bias[v] densely
-    loss, sums, *_ = _fused_op(
+    loss, sums, _, _, _, undefined = _fused_op(
         h2, weight, bias, targets.reshape(-1), old, adv, w, scale, code, behav, ref, *scalars, temperature, with_ent,
         *need,
     )  # fmt: skip
+    check_loss_logp_defined(undefined)
     return loss, sums

@@ -32,6 +32,7 @@ __all__ = [
     "LOSS_AGG_MODES",
     "InputFacts",
     "check_inputs",
+    "check_loss_logp_defined",
     "with_option_keywords",
     "TARGET_DTYPES",
 ]
@@ -292,6 +293,22 @@ def _check_logits_rows(logits: torch.Tensor, loss_mask: torch.Tensor) -> None:
         raise ValueError(
             f"logits: {int(bad.sum())} token(s) in the loss (loss_mask != 0) have a logits row with NaN or +inf, or "
             f"only -inf (first at index {first}, row max {float(row_max[first])}): their log-prob is undefined"
+        )
+
+
+def check_loss_logp_defined(undefined: torch.Tensor) -> None:
+    """The hidden= path's check of docs/loss.md section 3: `undefined` [N] bool marks the tokens in the loss whose
+    log-prob came out NaN (their logits row, h W^T + b, has a log-sum-exp that is not finite: h W^T overflowed, or NaN
+    in hidden/weight). The logits never exist as a whole there, so this runs after the log-prob pass (one sync) and
+    before any backward; skipped while tracing."""
+    if undefined.numel() == 0 or torch.compiler.is_compiling():
+        return
+    if bool(undefined.any()):
+        first = int(torch.nonzero(undefined.reshape(-1))[0])
+        raise ValueError(
+            f"hidden: {int(undefined.sum())} token(s) in the loss have logits (hidden @ weight^T + bias) whose "
+            f"log-sum-exp is not finite (first at flat token index {first}): hidden @ weight^T overflowed the float "
+            "range or hidden/weight/bias hold NaN; their log-prob is undefined"
         )
 
 

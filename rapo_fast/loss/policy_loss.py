@@ -54,6 +54,7 @@ from rapo_fast.loss.options import (  # noqa: F401  (re-exported: the option voc
     InputFacts,
     LossOptions,
     check_inputs,
+    check_loss_logp_defined,
     with_option_keywords,
 )
 from rapo_fast.loss.policy_layout import Metric, TokenCode
@@ -309,6 +310,8 @@ def _loss_from_logp(a: dict, opts: LossOptions, facts: InputFacts, logp: torch.T
             float(opts.temperature), opts.entropy_coef != 0.0 or opts.return_metrics,
         )  # fmt: skip
     else:
+        if a.get("hidden") is not None:  # the logits= path checked its rows before any launch (check_inputs)
+            check_loss_logp_defined(torch.isnan(t.lp) & (code != 0))
         tensors = (t.lp.contiguous(), t.old, adv, w, scale, code, seqlr, behav, t.ref, t.ent)
         # fp64 (a checking precision) and devices without Triton: the same math in torch, differentiated by autograd
         if use_triton(t.device) and t.cd == torch.float32:

@@ -103,6 +103,42 @@ def test_hidden_path_masked_overflow_rows(fused, monkeypatch):
     assert bool((poisoned[1][1] == 0).all())
 
 
+@pytest.mark.parametrize("poison", ["overflow", "nan_hidden", "nan_weight"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("fused", ["1", "0"])
+def test_hidden_path_refuses_undefined_logp_in_loss(fused, dtype, poison, monkeypatch):
+    """Hidden path: a token IN the loss whose logits row has no finite log-sum-exp (h W^T overflows, or NaN in hidden
+    or weight) is refused with a ValueError naming hidden and the first token, in the fused one-pass op, the two-pass
+    path and the fp64 reference path, instead of a finite but wrong loss. The same poison in a masked row is fine
+    (test above). fp64 does not overflow at 1e38, so the overflow case there is checked to give the finite answer."""
+    monkeypatch.setenv("RAPO_FAST_FUSED_LINEAR_LOSS", fused)
+    d = make_batch(2, 4, 29, H=8, masked_rows=(), seed=6)
+    d = {k: (v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() and k in ("hidden", "weight", "bias")
+             else v) for k, v in d.items()}  # fmt: skip
+    opts = {k: v for k, v in OPTIONS.items() if k != "return_metrics"}
+    h, wt = d["hidden"].clone(), d["weight"].clone()
+    in_loss = d["loss_mask"].reshape(-1) != 0
+    if d.get("retrieved_mask") is not None and OPTIONS.get("offpolicy_train", "none") == "none":
+        in_loss &= d["retrieved_mask"].reshape(-1) == 0
+    flat = int(torch.nonzero(in_loss)[-1])  # a token that enters the loss
+    if poison == "overflow":
+        h.view(-1, h.shape[-1])[flat] = 1e38 * torch.sign(h.view(-1, h.shape[-1])[flat])
+    elif poison == "nan_hidden":
+        h.view(-1, h.shape[-1])[flat, 3] = float("nan")
+    else:
+        wt[7, 2] = float("nan")  # every row's lse is NaN: every token in the loss is undefined
+    h.requires_grad_(True)
+    args = {k: v for k, v in d.items() if k not in ("hidden", "weight")}
+    if poison == "overflow" and dtype == torch.float64:
+        loss = rapo_fast.rapo_loss(hidden=h, weight=wt, **args, **opts)
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(h.grad).all()
+        return
+    with pytest.raises(ValueError, match=r"hidden: \d+ token\(s\) in the loss .*log-sum-exp is not finite"):
+        rapo_fast.rapo_loss(hidden=h, weight=wt, **args, **opts)
+    assert h.grad is None
+
+
 @pytest.mark.parametrize("poison", list(POISONS))
 @pytest.mark.parametrize("path", ["triton", "fallback"])
 def test_token_logprobs_nonfinite_row(path, poison, monkeypatch):
