@@ -1,4 +1,4 @@
-"""verl adapter: a RAPO policy loss with verl's policy-loss registry signature, and fused log-prob helpers (actor).
+"""verl adapter: a RAPO policy loss with verl's policy-loss registry signature.
 
 What it is:
 - `rapo_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)`,
@@ -8,19 +8,13 @@ What it is:
   +-20, `agg_loss` with `config.global_batch_info`: dp_size, batch_num_tokens, global_batch_size, loss_scale_factor).
   Keyword-only extras (retrieved_mask, shaping_m, offpolicy_train, ...) add RAPO's importance shaping and off-policy
   tokens for callers that have them (verl's own actor passes only the registry arguments).
-  When verl is importable, importing this module registers it as policy loss "rapo"
-  (`actor.policy_loss.loss_mode=rapo`); `register_rapo_policy_loss(name, **options)` registers a variant with fixed
-  RAPO options.
-- `fused_logprobs_from_hidden(hidden_states, vocab_weights, input_ids, temperature)` -> (log_probs, entropy), the
-  contract of verl's `FusedLinearForPPO.forward` / `linear_cross_entropy(..., "none")` (the fused-kernel path of
-  verl/models/transformers/dense_common.py), computed by `rapo_fast.token_logprobs` on the hidden states without
-  materialising [N, V]; `RAPOFusedLinearForPPO` wraps it as a module with FusedLinearForPPO's forward signature.
-  `logprobs_from_logits` covers verl's unfused actor path (logits already computed).
+  `register_rapo_policy_loss(name, **options)` registers it (with fixed RAPO options) in verl's registry; the verl
+  plugin (rapo_fast/integrations/verl/plugin.py) registers "rapo" when verl loads its plugins.
 
 What it is not: a verl actor or trainer, and not the fused logits->loss kernel: verl's registry hands the loss
 log-probs that are already computed, so the loss here is `rapo_fast.loss.policy_loss_from_logp` on those log-probs
 (rapo_loss after its log-prob step: the per-token policy-loss kernel over [B, T], with rapo_loss's validation); the
-fusion that saves memory is in the log-prob helpers.
+fused log-prob helpers are in rapo_fast/integrations/verl/logprobs.py. Importing this module imports no verl.
 """
 
 from __future__ import annotations
@@ -37,9 +31,6 @@ __all__ = [
     "rapo_policy_loss",
     "register_rapo_policy_loss",
     "verl_normaliser",
-    "fused_logprobs_from_hidden",
-    "logprobs_from_logits",
-    "RAPOFusedLinearForPPO",
 ]
 
 VERL_LOSS_AGG_MODES = (
@@ -254,90 +245,3 @@ def register_rapo_policy_loss(name: str = "rapo", **options: Any) -> Callable[..
     policy_loss.__name__ = f"rapo_policy_loss_{name}"
     policy_loss.__doc__ = f"rapo_policy_loss with options {options!r} (registered as {name!r})."
     return register_policy_loss(name)(policy_loss)
-
-
-# ------------------------------------------------------------------------------------------- fused log-prob helpers
-def fused_logprobs_from_hidden(
-    hidden_states: torch.Tensor,
-    vocab_weights: torch.Tensor,
-    input_ids: torch.Tensor,
-    temperature: float = 1.0,
-    bias: torch.Tensor | None = None,
-    return_entropy: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
-    """Per-token log-prob (and entropy) of `input_ids` under softmax((hidden @ W^T + b) / T), never holding [N, V].
-
-    The contract of verl's `FusedLinearForPPO.forward(hidden_states, vocab_weights, input_ids, temperature)`:
-    hidden_states [..., H] (e.g. [B, S, H], or [1, total_nnz, H] with remove-padding), vocab_weights [V, H] (the
-    gathered lm_head weight), input_ids [...] the already shifted (rolled) labels. Returns fp32 (log_probs, entropy)
-    shaped like input_ids, or log_probs alone with return_entropy=False. Gradients flow to hidden, weight and bias.
-    """
-    if hidden_states.shape[:-1] != input_ids.shape:
-        raise ValueError(
-            f"input_ids: expected shape {tuple(hidden_states.shape[:-1])} (hidden_states without H), "
-            f"got {tuple(input_ids.shape)}"
-        )
-    import rapo_fast
-
-    shape = input_ids.shape
-    out = rapo_fast.token_logprobs(
-        hidden=hidden_states.reshape(-1, hidden_states.shape[-1]),
-        weight=vocab_weights,
-        bias=bias,
-        targets=input_ids.reshape(-1),
-        temperature=temperature,
-        return_entropy=return_entropy,
-    )
-    if return_entropy:
-        logp, ent = out
-        return logp.reshape(shape), ent.reshape(shape)
-    return out.reshape(shape)
-
-
-def logprobs_from_logits(
-    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, return_entropy: bool = False
-) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
-    """verl's `logprobs_from_logits(logits / T, labels)` (and `entropy_from_logits`) through rapo_fast's kernel.
-
-    logits [..., V] (not yet divided by the temperature: pass it here instead of verl's in-place `div_`), labels
-    [...]. Returns fp32 log-probs (and entropy) shaped like labels.
-    """
-    import rapo_fast
-
-    shape = labels.shape
-    out = rapo_fast.token_logprobs(
-        logits.reshape(-1, logits.shape[-1]),
-        targets=labels.reshape(-1),
-        temperature=temperature,
-        return_entropy=return_entropy,
-    )
-    if return_entropy:
-        return out[0].reshape(shape), out[1].reshape(shape)
-    return out.reshape(shape)
-
-
-class RAPOFusedLinearForPPO(torch.nn.Module):
-    """Drop-in for verl's `FusedLinearForPPO`: forward(hidden_states, vocab_weights, input_ids, temperature) ->
-    (log_probs, entropy), computed by `fused_logprobs_from_hidden`."""
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        vocab_weights: torch.Tensor,
-        input_ids: torch.Tensor,
-        temperature: float = 1.0,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return fused_logprobs_from_hidden(hidden_states, vocab_weights, input_ids, temperature)
-
-
-def _register_if_verl_present() -> bool:
-    """Register "rapo" in verl's registry when verl is importable; return whether it was."""
-    try:
-        import verl.trainer.ppo.core_algos  # noqa: F401
-    except ImportError:
-        return False
-    register_rapo_policy_loss("rapo")
-    return True
-
-
-VERL_REGISTERED = _register_if_verl_present()

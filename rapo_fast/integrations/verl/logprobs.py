@@ -1,0 +1,88 @@
+"""verl's fused log-prob contract through rapo_fast's kernels, for verl's actor (FSDP/Megatron workers).
+
+What it is: `fused_logprobs_from_hidden(hidden_states, vocab_weights, input_ids, temperature)` -> (log_probs, entropy),
+the contract of verl's `FusedLinearForPPO.forward` / `linear_cross_entropy(..., "none")` (the fused-kernel path of
+verl/models/transformers/dense_common.py), computed by `rapo_fast.token_logprobs` on the hidden states without
+materialising [N, V]; `RAPOFusedLinearForPPO` wraps it as a module with FusedLinearForPPO's forward signature;
+`logprobs_from_logits` covers verl's unfused actor path (logits already computed).
+What it is not: the policy loss (rapo_fast/integrations/verl/policy_loss.py). Imports neither verl nor ray.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["fused_logprobs_from_hidden", "logprobs_from_logits", "RAPOFusedLinearForPPO"]
+
+
+def fused_logprobs_from_hidden(
+    hidden_states: torch.Tensor,
+    vocab_weights: torch.Tensor,
+    input_ids: torch.Tensor,
+    temperature: float = 1.0,
+    bias: torch.Tensor | None = None,
+    return_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+    """Per-token log-prob (and entropy) of `input_ids` under softmax((hidden @ W^T + b) / T), never holding [N, V].
+
+    The contract of verl's `FusedLinearForPPO.forward(hidden_states, vocab_weights, input_ids, temperature)`:
+    hidden_states [..., H] (e.g. [B, S, H], or [1, total_nnz, H] with remove-padding), vocab_weights [V, H] (the
+    gathered lm_head weight), input_ids [...] the already shifted (rolled) labels. Returns fp32 (log_probs, entropy)
+    shaped like input_ids, or log_probs alone with return_entropy=False. Gradients flow to hidden, weight and bias.
+    """
+    if hidden_states.shape[:-1] != input_ids.shape:
+        raise ValueError(
+            f"input_ids: expected shape {tuple(hidden_states.shape[:-1])} (hidden_states without H), "
+            f"got {tuple(input_ids.shape)}"
+        )
+    import rapo_fast
+
+    shape = input_ids.shape
+    out = rapo_fast.token_logprobs(
+        hidden=hidden_states.reshape(-1, hidden_states.shape[-1]),
+        weight=vocab_weights,
+        bias=bias,
+        targets=input_ids.reshape(-1),
+        temperature=temperature,
+        return_entropy=return_entropy,
+    )
+    if return_entropy:
+        logp, ent = out
+        return logp.reshape(shape), ent.reshape(shape)
+    return out.reshape(shape)
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, return_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+    """verl's `logprobs_from_logits(logits / T, labels)` (and `entropy_from_logits`) through rapo_fast's kernel.
+
+    logits [..., V] (not yet divided by the temperature: pass it here instead of verl's in-place `div_`), labels
+    [...]. Returns fp32 log-probs (and entropy) shaped like labels.
+    """
+    import rapo_fast
+
+    shape = labels.shape
+    out = rapo_fast.token_logprobs(
+        logits.reshape(-1, logits.shape[-1]),
+        targets=labels.reshape(-1),
+        temperature=temperature,
+        return_entropy=return_entropy,
+    )
+    if return_entropy:
+        return out[0].reshape(shape), out[1].reshape(shape)
+    return out.reshape(shape)
+
+
+class RAPOFusedLinearForPPO(torch.nn.Module):
+    """Drop-in for verl's `FusedLinearForPPO`: forward(hidden_states, vocab_weights, input_ids, temperature) ->
+    (log_probs, entropy), computed by `fused_logprobs_from_hidden`."""
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        vocab_weights: torch.Tensor,
+        input_ids: torch.Tensor,
+        temperature: float = 1.0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return fused_logprobs_from_hidden(hidden_states, vocab_weights, input_ids, temperature)
