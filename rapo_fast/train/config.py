@@ -54,7 +54,8 @@ class TrainerConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
     max_grad_norm: float | None = 1.0
-    updates_per_step: int = 1
+    updates_per_step: int = 1  # passes over the rollout batch (verl's ppo_epochs)
+    mini_batch_groups: int | None = None  # prompt groups per optimiser step (verl's ppo_mini_batch_size); None: all
     # buffer
     add_onpolicy_steps: bool = False
     refresh_kv_every: int = 1
@@ -208,6 +209,7 @@ _FIELD_RULES: dict[str, Callable[[str, Any], None]] = {
     "weight_decay": _real(0.0),
     "max_grad_norm": _real(0.0, lo_open=True, allow_none=True),
     "updates_per_step": _int(1),
+    "mini_batch_groups": _int(1, allow_none=True),
     "add_onpolicy_steps": _of_type((bool,), "a bool"),
     "refresh_kv_every": _int(1),
     "seed": _int(0, 2**63 - 1),

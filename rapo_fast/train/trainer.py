@@ -65,6 +65,18 @@ def retrieval_rewards(batch: RolloutBatch, step_ent: torch.Tensor) -> tuple[torc
     return retrieval_reward(hb, ha), counts
 
 
+def mini_batch_rows(group_ids: torch.Tensor, groups_per_mini_batch: int | None) -> list[torch.Tensor]:
+    """Row indices of each PPO mini-batch: whole prompt groups, in the order they first appear, groups_per_mini_batch
+    of them per mini-batch (the last may hold fewer); None: one mini-batch of every row. As verl's actor splits a
+    rollout batch by ppo_mini_batch_size prompts (without shuffling), so a group's advantages stay together."""
+    gid = group_ids.reshape(-1)
+    if groups_per_mini_batch is None:
+        return [torch.arange(gid.numel())]
+    order = list(dict.fromkeys(gid.tolist()))  # unique, first-appearance order
+    chunks = [order[i : i + groups_per_mini_batch] for i in range(0, len(order), groups_per_mini_batch)]
+    return [torch.nonzero(torch.isin(gid, torch.tensor(c, dtype=gid.dtype))).reshape(-1) for c in chunks]
+
+
 def hard_attribution(batch: RolloutBatch, adv: torch.Tensor) -> torch.Tensor:
     """ARPO hard attribution: per token [B, T-1] (shifted coordinates), a sampled token shared by several branches
     (same origin id) gets the mean advantage of the branches holding it; other tokens keep their row's advantage."""
@@ -227,33 +239,29 @@ class RAPOTrainer:
             adv = hard_attribution(batch, adv)
         t1 = time.perf_counter()
         opts = dict(cfg.loss)
+        # per-row tensors of the loss, sliced per mini-batch
+        tensors = {k: s[k] for k in ("input_ids", "attention_mask", "targets", "loss_mask", "retrieved_mask",
+                                     "response_mask")}  # fmt: skip
+        tensors.update(old_logp=old_logp, advantages=adv)
         if cfg.mode == "splice" and cfg.tis_cap is not None and batch.retrieved_mask.any():
-            opts.update(behav_logp=s["behav_logp"].to(dev), tis_cap=cfg.tis_cap)
+            opts["tis_cap"] = cfg.tis_cap
+            tensors["behav_logp"] = s["behav_logp"]
         self.model.train()
-        loss_val, lm, t_opt = 0.0, {}, 0.0
+        loss_val, sums, n_updates, t_opt = 0.0, {}, 0, 0.0
         for _ in range(cfg.updates_per_step):
-            _, h = self._score(batch)
-            loss, lm = self.loss_fn(
-                hidden=h,
-                weight=W,
-                targets=s["targets"].to(dev),
-                old_logp=old_logp.to(dev),
-                advantages=adv.to(dev),
-                loss_mask=s["loss_mask"].to(dev),
-                retrieved_mask=s["retrieved_mask"].to(dev),
-                response_mask=s["response_mask"].to(dev),
-                temperature=cfg.temperature or 1.0,
-                return_metrics=True,
-                **opts,
-            )
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            t_o = time.perf_counter()
-            if cfg.max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
-            self.optimizer.step()
-            t_opt += time.perf_counter() - t_o
-            loss_val = float(loss.detach())
+            for rows in mini_batch_rows(batch.group_ids, cfg.mini_batch_groups):
+                loss, lm = self._mini_batch_loss({k: v[rows] for k, v in tensors.items()}, W, opts)
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                t_o = time.perf_counter()
+                if cfg.max_grad_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+                self.optimizer.step()
+                t_opt += time.perf_counter() - t_o
+                loss_val, n_updates = float(loss.detach()), n_updates + 1
+                for k, v in lm.items():
+                    sums[k] = sums.get(k, 0.0) + float(v)
+        lm = {k: v / n_updates for k, v in sums.items()}  # loss metrics: mean over the optimiser steps
         t2 = time.perf_counter()
         has_ret = n_scored > 0
         out = {
@@ -269,6 +277,27 @@ class RAPOTrainer:
             if k in lm:
                 out[k] = float(lm[k])
         return out
+
+    def _mini_batch_loss(self, t: dict[str, torch.Tensor], W: torch.Tensor, opts: dict):
+        """rapo_loss on one mini-batch (rows of the shifted batch), with gradients; hidden states recomputed with the
+        current weights, old log-probs and advantages those of the whole rollout batch before its first update."""
+        cfg, dev = self.config, next(self.model.parameters()).device
+        h = final_hidden(self.model, t["input_ids"].to(dev), t["attention_mask"].to(dev))[:, :-1]
+        extra = {"behav_logp": t["behav_logp"].to(dev)} if "behav_logp" in t else {}
+        return self.loss_fn(
+            hidden=h,
+            weight=W,
+            targets=t["targets"].to(dev),
+            old_logp=t["old_logp"].to(dev),
+            advantages=t["advantages"].to(dev),
+            loss_mask=t["loss_mask"].to(dev),
+            retrieved_mask=t["retrieved_mask"].to(dev),
+            response_mask=t["response_mask"].to(dev),
+            temperature=cfg.temperature or 1.0,
+            return_metrics=True,
+            **extra,
+            **opts,
+        )
 
     def _add_onpolicy(self, batch: RolloutBatch, rewards: torch.Tensor) -> int:
         """The successful trajectories' generated tool steps go into the buffer under their prompt's group id."""

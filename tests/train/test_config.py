@@ -39,6 +39,7 @@ BAD = {
     "weight_decay": [NAN, INF, -0.1],
     "max_grad_norm": [NAN, INF, 0.0, -1.0],
     "updates_per_step": [0, True],
+    "mini_batch_groups": [0, -1, 1.5, True, "2"],
     "add_onpolicy_steps": ["no", 1],
     "refresh_kv_every": [0, 1.0],
     "seed": [True, 1.5, -1, 2**64, "0"],

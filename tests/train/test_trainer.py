@@ -177,6 +177,47 @@ def test_one_step_lowers_the_loss_on_a_fixed_batch(world):
     assert loss_now() < m["loss"] - 1e-4
 
 
+def test_mini_batches_make_the_clip_bind_and_each_loss_equals_the_reference(world):
+    """PPO mini-batches (verl's ppo_mini_batch_size, ppo_epochs): a rollout batch of 2 prompt groups split into 2
+    mini-batches of 1 group, 2 epochs = 4 optimiser steps. The old log-probs are those before the first step, so
+    after it the ratios move off 1 and the clip binds (a non-zero clip fraction); each step's loss equals the float64
+    reference (rapo_loss_ref) on that mini-batch's rows with the hidden states it was given; the mini-batches hold
+    whole groups, in order."""
+    from rapo_fast.loss.options import LossOptions
+    from rapo_fast.reference.policy_loss import rapo_loss_ref
+    from rapo_fast.train.trainer import mini_batch_rows
+
+    task, tok, problems, path = world
+    model = build_tiny_policy(tok.vocab_size, hidden_size=32, num_heads=2, num_kv_heads=1, seed=0)
+    traces = StepTraces.from_jsonl(path, HashedNgramEncoder(), tok)
+    fixed = rollout(model, tok, task, problems[:2], group_size=4, n_hybrid=2, traces=traces, max_step_tokens=6,
+                    max_steps=2, generator=torch.Generator().manual_seed(0))  # fmt: skip
+    calls = []
+
+    def loss_fn(**kw):
+        loss, m = rapo_loss(**kw)
+        calls.append(({k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in kw.items()}, loss, m))
+        return loss, m
+
+    cfg = _cfg(mini_batch_groups=1, updates_per_step=2, lr=0.05, loss=dict(_cfg().loss, eps_low=0.02, eps_high=0.02))
+    trainer = RAPOTrainer(model, tok, task, traces, cfg, problems, rollout_fn=lambda *a, **k: fixed,
+                          reward_fn=_rewards_from_tokens, loss_fn=loss_fn)  # fmt: skip
+    m = trainer.step()
+    assert len(calls) == 4
+    rows = mini_batch_rows(fixed.group_ids, 1)
+    assert [r.tolist() for r in rows] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # whole groups, in order
+    assert [c[0]["hidden"].shape[0] for c in calls] == [4, 4, 4, 4]
+    fracs = [float(c[2]["clip_frac_low"] + c[2]["clip_frac_high"]) for c in calls]
+    assert fracs[0] == 0.0 and max(fracs[1:]) > 0.0, fracs  # r = 1 only before the first update
+    assert m["clip_frac_low"] + m["clip_frac_high"] == pytest.approx(sum(fracs) / 4, rel=1e-5)
+    for kw, loss, _ in calls:
+        opts = {k: v for k, v in kw.items() if k in LossOptions.names() and k != "return_metrics"}
+        t = {k: v for k, v in kw.items() if torch.is_tensor(v)}
+        want = rapo_loss_ref(**{k: (v.double() if v.is_floating_point() else v) for k, v in t.items()},
+                             options=LossOptions(**opts))  # fmt: skip
+        torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-6)
+
+
 def _params(model):
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
