@@ -130,6 +130,8 @@ def rollout(
     arpo_k: int = 20,
     arpo_alpha: float = 0.5,
     arpo_beta: float = 0.2,
+    arpo_rule: str = "paper",
+    arpo_topk: int = 10,
 ) -> RolloutBatch:
     """Roll out `group_size` trajectories for each problem; see the module docstring.
 
@@ -137,7 +139,9 @@ def rollout(
     (`execute(call_text) -> observation text`, `prompt` attribute of each problem, `qid` its group id), traces (a
     StepTraces for hybrid rollouts), exclude_own_group (None: exclude exactly when the buffer holds on-policy steps),
     generator (torch.Generator for token sampling; `seed` seeds the retrieval/branching coin flips, default drawn
-    from the generator). Returns a RolloutBatch on the CPU.
+    from the generator). ARPO (strategy="arpo"): arpo_rule "paper" or "released" (rapo_fast/rollouts/arpo.py), with
+    arpo_alpha / arpo_beta the released code's branch_probability / entropy_weight under "released", arpo_k its
+    first-k tokens (20) and arpo_topk its top-k log-probs (10). Returns a RolloutBatch on the CPU.
     """
     _check_args(group_size, strategy, n_hybrid, retrieve_prob, mode, temperature, max_steps, max_step_tokens, traces)
     t_start = time.perf_counter()
@@ -168,7 +172,10 @@ def rollout(
         if strategy == "arpo":
             from rapo_fast.rollouts.arpo import ArpoBrancher
 
-            loop.arpo = ArpoBrancher(rows, engine, group_size, n_init, arpo_beam, arpo_k, arpo_alpha, arpo_beta, coin)
+            loop.arpo = ArpoBrancher(
+                rows, engine, group_size, n_init, arpo_beam, arpo_k, arpo_alpha, arpo_beta, coin,
+                rule=arpo_rule, topk=arpo_topk, temperature=temperature,
+            )  # fmt: skip
         loop.run()
     finally:
         if was_training:

@@ -44,6 +44,8 @@ class TrainerConfig:
     arpo_k: int = 20
     arpo_alpha: float = 0.5
     arpo_beta: float = 0.2
+    arpo_rule: str = "paper"  # "released": the released ARPO code's rule (rapo_fast/rollouts/arpo.py)
+    arpo_topk: int = 10
     advantage_attribution: str = "soft"
     # advantages
     ret_coef: float = 0.2
@@ -201,6 +203,8 @@ _FIELD_RULES: dict[str, Callable[[str, Any], None]] = {
     "arpo_k": _int(1),
     "arpo_alpha": _real(0.0, 1.0),
     "arpo_beta": _real(),
+    "arpo_rule": _choice("paper", "released"),
+    "arpo_topk": _int(1),
     "advantage_attribution": _choice("soft", "hard"),
     "ret_coef": _real(),
     "loss": lambda name, v: _check_loss(v),

@@ -176,6 +176,8 @@ class RAPOTrainer:
             arpo_k=cfg.arpo_k,
             arpo_alpha=cfg.arpo_alpha,
             arpo_beta=cfg.arpo_beta,
+            arpo_rule=cfg.arpo_rule,
+            arpo_topk=cfg.arpo_topk,
         )
         t_roll = time.perf_counter()
         rewards = self.reward_fn(self.env, problems, batch).float()

@@ -33,6 +33,8 @@ GOOD = {
     "mode": ["exact", "splice"],
     "seed": [0, 123],
     "updates_per_step": [1, 2],
+    "arpo_rule": ["paper", "released"],
+    "arpo_topk": [1, 10],
     "mini_batch_groups": [None, 1, 3],
 }
 # field -> values each of which must be refused naming the field (issue 11's list, and more of each kind)
