@@ -2,8 +2,10 @@
 spans, retrievals) and the masks the trainer derives from it.
 
 What this is not: the generation loop (rapo_fast/rollouts/loop.py) or the loss (rapo_fast/loss/policy_loss.py).
-Token kinds: KIND_PAD 0, KIND_PROMPT 1, KIND_GEN 2 (sampled by the policy: the only tokens in the loss), KIND_RET 3
-(a retrieved step, between and including <retrieve> ... </retrieve>), KIND_TOOL 4 (tool output).
+Token kinds: KIND_PAD 0, KIND_PROMPT 1, KIND_GEN 2 (sampled by the policy), KIND_RET 3 (a retrieved step, between
+and including <retrieve> ... </retrieve>), KIND_TOOL 4 (tool output), KIND_OFF 5 (a model token of a whole off-policy
+trajectory: trajectory-level off-policy, LUFFY-style). The loss holds GEN and OFF tokens; OFF tokens count as
+retrieved (off-policy) tokens, trained only through rapo_loss's offpolicy_train ("shaped": p / (p + gamma)).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-KIND_PAD, KIND_PROMPT, KIND_GEN, KIND_RET, KIND_TOOL = 0, 1, 2, 3, 4
+KIND_PAD, KIND_PROMPT, KIND_GEN, KIND_RET, KIND_TOOL, KIND_OFF = 0, 1, 2, 3, 4, 5
 
 
 @dataclass
@@ -54,22 +56,31 @@ class RolloutBatch:
 
     @property
     def loss_mask(self) -> torch.Tensor:
-        """[B, T] bool: the tokens in the loss (generated only; never retrieved, tool output, prompt or padding)."""
-        return self.kinds == KIND_GEN
+        """[B, T] bool: the tokens in the loss: generated, and the model tokens of whole off-policy trajectories
+        (never a retrieved step, tool output, prompt or padding)."""
+        return (self.kinds == KIND_GEN) | (self.kinds == KIND_OFF)
 
     @property
     def retrieved_mask(self) -> torch.Tensor:
-        return self.kinds == KIND_RET
+        """[B, T] bool: tokens not sampled by the policy that rapo_loss treats as off-policy: retrieved steps (out of
+        the loss) and off-policy trajectories' model tokens (in it, trained by offpolicy_train)."""
+        return (self.kinds == KIND_RET) | (self.kinds == KIND_OFF)
+
+    @property
+    def offpolicy_rows(self) -> torch.Tensor:
+        """[B] bool: the rows that are whole off-policy trajectories (trajectory-level off-policy)."""
+        return (self.kinds == KIND_OFF).any(1)
 
     @property
     def response_mask(self) -> torch.Tensor:
-        """[B, T] bool: every token after the prompt (generated, retrieved, tool output): the trajectory's length."""
-        return (self.kinds == KIND_GEN) | (self.kinds == KIND_RET) | (self.kinds == KIND_TOOL)
+        """[B, T] bool: every token after the prompt (generated, retrieved, tool output, off-policy): its length."""
+        return (self.kinds >= KIND_GEN) & (self.kinds <= KIND_OFF)
 
     def retrieved_fraction(self) -> torch.Tensor:
-        """F_ret [B] fp32 = retrieved tokens / trajectory length (response tokens), the RAPO shaping's F."""
+        """F_ret [B] fp32 = retrieved-step tokens / trajectory length (response tokens), the RAPO shaping's F (an
+        off-policy trajectory retrieves nothing: 0)."""
         n = self.response_mask.sum(1).clamp_min(1)
-        return self.retrieved_mask.sum(1).float() / n.float()
+        return (self.kinds == KIND_RET).sum(1).float() / n.float()
 
     def num_retrievals(self) -> torch.Tensor:
         """[B] int64: retrievals per trajectory."""

@@ -31,7 +31,7 @@ import torch
 from rapo_fast.rollouts.batch import KIND_GEN, KIND_PAD, KIND_PROMPT, KIND_RET, KIND_TOOL, RolloutBatch
 from rapo_fast.rollouts.engine import DecodeEngine, sample
 
-STRATEGIES = ("hybrid", "on_policy", "arpo")
+STRATEGIES = ("hybrid", "on_policy", "arpo", "offpolicy_traj")
 MODES = ("exact", "splice")
 
 
@@ -86,6 +86,16 @@ class _Row:
         self.retrievals = [list(r) for r in snap["retrievals"]]
 
 
+def _check_offpolicy(group_size: int, n_offpolicy, offpolicy) -> None:
+    if offpolicy is None:
+        raise ValueError("rollout: strategy='offpolicy_traj' needs offpolicy (an OffPolicyTrajectories), got None")
+    if not isinstance(n_offpolicy, int) or isinstance(n_offpolicy, bool) or not 1 <= n_offpolicy < group_size:
+        raise ValueError(
+            f"rollout: n_offpolicy must be an int in [1, group_size={group_size}) for strategy='offpolicy_traj' "
+            f"(at least one on-policy member per group), got {n_offpolicy!r}"
+        )
+
+
 def _check_args(group_size, strategy, n_hybrid, retrieve_prob, mode, temperature, max_steps, max_step_tokens, traces):
     if not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"rollout: group_size must be a positive int, got {group_size!r}")
@@ -132,6 +142,8 @@ def rollout(
     arpo_beta: float = 0.2,
     arpo_rule: str = "paper",
     arpo_topk: int = 10,
+    n_offpolicy: int = 0,
+    offpolicy=None,
 ) -> RolloutBatch:
     """Roll out `group_size` trajectories for each problem; see the module docstring.
 
@@ -141,9 +153,15 @@ def rollout(
     generator (torch.Generator for token sampling; `seed` seeds the retrieval/branching coin flips, default drawn
     from the generator). ARPO (strategy="arpo"): arpo_rule "paper" or "released" (rapo_fast/rollouts/arpo.py), with
     arpo_alpha / arpo_beta the released code's branch_probability / entropy_weight under "released", arpo_k its
-    first-k tokens (20) and arpo_topk its top-k log-probs (10). Returns a RolloutBatch on the CPU.
+    first-k tokens (20) and arpo_topk its top-k log-probs (10). Trajectory-level off-policy
+    (strategy="offpolicy_traj"): `n_offpolicy` members of each group are whole trajectories of `offpolicy` (an
+    OffPolicyTrajectories: the top-K of the step buffer's JSONL source for that prompt, drawn by the coin; a prompt
+    without any keeps all its members on-policy), appended after the on-policy rows. Returns a RolloutBatch on the
+    CPU.
     """
     _check_args(group_size, strategy, n_hybrid, retrieve_prob, mode, temperature, max_steps, max_step_tokens, traces)
+    if strategy == "offpolicy_traj":
+        _check_offpolicy(group_size, n_offpolicy, offpolicy)
     t_start = time.perf_counter()
     device = next(model.parameters()).device
     was_training = model.training
@@ -151,7 +169,9 @@ def rollout(
     try:
         generator, coin = _random_sources(generator, seed)
         n_init = group_size if strategy != "arpo" else (arpo_initial or max(1, group_size // 2))
-        rows = _make_rows(tokenizer, problems, group_size, n_hybrid if strategy == "hybrid" else 0, n_init)
+        picks = [offpolicy.pick(p.qid, n_offpolicy, coin) if strategy == "offpolicy_traj" else [] for p in problems]
+        sizes = [group_size - len(pk) for pk in picks]
+        rows = _make_rows(tokenizer, problems, sizes, n_hybrid if strategy == "hybrid" else 0, n_init)
         engine = DecodeEngine(model, len(rows), device)
         loop = _Lockstep(
             engine,
@@ -177,6 +197,7 @@ def rollout(
                 rule=arpo_rule, topk=arpo_topk, temperature=temperature,
             )  # fmt: skip
         loop.run()
+        rows += _offpolicy_rows(tokenizer, problems, picks)
     finally:
         if was_training:
             model.train()
@@ -192,18 +213,45 @@ def _random_sources(generator: torch.Generator | None, seed: int | None) -> tupl
     return generator, coin
 
 
-def _make_rows(tokenizer, problems: Sequence, group_size: int, n_hybrid: int, n_init: int) -> list[_Row]:
-    """`group_size` rows per problem: the first `n_hybrid` of a group hybrid, the first `n_init` started."""
+def _prompt_ids(tokenizer, prob) -> list[int]:
+    ids = tokenizer.encode(prob.prompt)
+    if not ids or ids[0] != tokenizer.bos_token_id:
+        ids = [tokenizer.bos_token_id] + ids  # column 0 must be <bos> for every row (engine invariant)
+    return ids
+
+
+def _make_rows(tokenizer, problems: Sequence, sizes: list[int], n_hybrid: int, n_init: int) -> list[_Row]:
+    """sizes[i] generated rows for problem i: the first `n_hybrid` of a group hybrid, the first `n_init` started."""
     rows: list[_Row] = []
-    for pi, prob in enumerate(problems):
-        ids = tokenizer.encode(prob.prompt)
-        if not ids or ids[0] != tokenizer.bos_token_id:
-            ids = [tokenizer.bos_token_id] + ids  # column 0 must be <bos> for every row (engine invariant)
-        for g in range(group_size):
+    for pi, (prob, size) in enumerate(zip(problems, sizes)):
+        ids = _prompt_ids(tokenizer, prob)
+        for g in range(size):
             rows.append(_Row(ids, int(prob.qid), pi, g < n_hybrid, g < n_init))
     if not rows:
         raise ValueError("rollout: problems is empty")
     return rows
+
+
+def _offpolicy_rows(tokenizer, problems: Sequence, picks: list[list[dict]]) -> list[_Row]:
+    """The whole off-policy trajectories of each problem as finished rows (never fed to the model: the trainer scores
+    them with the current policy like every row)."""
+    from rapo_fast.rollouts.offpolicy import trajectory_tokens
+
+    out = []
+    for pi, (prob, records) in enumerate(zip(problems, picks)):
+        for rec in records:
+            r = _Row(_prompt_ids(tokenizer, prob), int(prob.qid), pi, False, True)
+            ids, kinds, steps = trajectory_tokens(rec, tokenizer)
+            base = len(r.tokens)
+            r.tokens += ids
+            r.kinds += kinds
+            r.logp += [0.0] * len(ids)
+            r.ent += [0.0] * len(ids)
+            r.origin += [-1] * len(ids)
+            r.steps = [[a + base, b + base, c + base] for a, b, c in steps]
+            r.done = True
+            out.append(r)
+    return out
 
 
 @dataclass

@@ -20,7 +20,7 @@ from rapo_fast import _checks as C
 from rapo_fast.loss import presets
 from rapo_fast.loss.options import LossOptions
 
-_STRATEGIES = ("hybrid", "on_policy", "arpo")
+_STRATEGIES = ("hybrid", "on_policy", "arpo", "offpolicy_traj")
 
 
 @dataclass
@@ -38,6 +38,8 @@ class TrainerConfig:
     max_steps: int = 6
     max_step_tokens: int = 24
     exclude_own_group: bool | None = None
+    # trajectory-level off-policy (strategy "offpolicy_traj"): whole off-policy trajectories per group
+    n_offpolicy: int = 1
     # ARPO
     arpo_initial: int | None = None
     arpo_beam: int = 2
@@ -82,8 +84,16 @@ class TrainerConfig:
         return cls(**(kw | overrides)).validate()
 
     @classmethod
+    def OFFPOLICY_TRAJ(cls, **overrides: Any) -> TrainerConfig:
+        """Trajectory-level off-policy (LUFFY-style): n_offpolicy members of each group are whole off-policy
+        trajectories, their tokens trained with the shaped weight p / (p + gamma); no step retrieval, no shaping."""
+        kw = dict(strategy="offpolicy_traj", n_hybrid=0, ret_coef=0.0,
+                  loss=dict(presets.RAPO, shaping_m=0.0, offpolicy_train="shaped"))  # fmt: skip
+        return cls(**(kw | overrides)).validate()
+
+    @classmethod
     def preset(cls, name: str, **overrides: Any) -> TrainerConfig:
-        makers = {"RAPO": cls.RAPO, "GRPO": cls.GRPO, "ARPO": cls.ARPO}
+        makers = {"RAPO": cls.RAPO, "GRPO": cls.GRPO, "ARPO": cls.ARPO, "OFFPOLICY_TRAJ": cls.OFFPOLICY_TRAJ}
         if not isinstance(name, str) or name.upper() not in makers:
             raise ValueError(f"TrainerConfig.preset: name must be one of {sorted(makers)}, got {name!r}")
         return makers[name.upper()](**overrides)
@@ -102,6 +112,11 @@ class TrainerConfig:
             )
         if self.strategy != "hybrid" and self.n_hybrid:
             raise ValueError(f"TrainerConfig.n_hybrid: must be 0 with strategy={self.strategy!r}, got {self.n_hybrid}")
+        if self.strategy == "offpolicy_traj" and not self.n_offpolicy < self.group_size:
+            raise ValueError(
+                f"TrainerConfig.n_offpolicy: expected an int in [1, group_size={self.group_size}) with "
+                f"strategy='offpolicy_traj', got {self.n_offpolicy!r}"
+            )
         if self.arpo_initial is not None and self.arpo_initial > self.group_size:
             raise ValueError(
                 f"TrainerConfig.arpo_initial: expected None or an int in [1, group_size={self.group_size}], got "
@@ -198,6 +213,7 @@ _FIELD_RULES: dict[str, Callable[[str, Any], None]] = {
     "max_steps": _int(1),
     "max_step_tokens": _int(1),
     "exclude_own_group": _of_type((bool, type(None)), "a bool or None"),
+    "n_offpolicy": _int(1),
     "arpo_initial": _int(1, allow_none=True),  # and <= group_size (validate)
     "arpo_beam": _int(1),
     "arpo_k": _int(1),

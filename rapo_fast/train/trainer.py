@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from rapo_fast.rollouts.batch import RolloutBatch
+from rapo_fast.rollouts.batch import KIND_GEN, KIND_RET, RolloutBatch
 from rapo_fast.train.callbacks import EvalCallback, TrainerCallback
 from rapo_fast.train.config import TrainerConfig
 from rapo_fast.train.hf_model import final_hidden, lm_head_weight
@@ -110,6 +110,7 @@ class RAPOTrainer:
         reward_fn: Callable | None = None,
         advantage_fn: Callable | None = None,
         loss_fn: Callable | None = None,
+        offpolicy=None,
     ):
         if not isinstance(config, TrainerConfig):
             raise TypeError(f"RAPOTrainer: config must be a TrainerConfig, got {type(config).__name__}")
@@ -121,11 +122,17 @@ class RAPOTrainer:
                 raise ValueError("RAPOTrainer: mode='splice' needs a buffer with a kv_store (StepTraces(kv_store=...))")
         if not problems:
             raise ValueError("RAPOTrainer: problems (training prompts) is empty")
+        if config.strategy == "offpolicy_traj" and offpolicy is None:
+            raise ValueError(
+                "RAPOTrainer: strategy='offpolicy_traj' needs offpolicy (rapo_fast.rollouts.offpolicy."
+                "OffPolicyTrajectories, from the JSONL the step buffer is built from), got None"
+            )
         from rapo_fast.loss.advantages import rapo_advantages
         from rapo_fast.loss.policy_loss import rapo_loss
         from rapo_fast.rollouts.loop import rollout
 
         self.model, self.tokenizer, self.env, self.buffer, self.config = model, tokenizer, env, buffer, config
+        self.offpolicy = offpolicy
         self.problems = list(problems)
         self.optimizer = optimizer or torch.optim.AdamW(
             model.parameters(), lr=config.lr, weight_decay=config.weight_decay
@@ -146,10 +153,11 @@ class RAPOTrainer:
 
     def step(self) -> dict[str, float]:
         """One RL step; returns (and logs) its metrics: reward, success_rate (all rollouts), success_rate_onpolicy
-        (non-hybrid rollouts), retrieval_rate (hybrid rollouts with >= 1 retrieval), retrievals_per_traj, f_ret,
-        retrieval_reward (mean Z over trajectories with a scored retrieval), loss, entropy, the loss's clip/ratio/
-        TIS metrics, tokens_per_s (response tokens per rollout second) and seconds per phase (t_rollout excludes
-        t_retrieval and t_splice; t_logprob, t_loss (forward + backward), t_optimizer, t_buffer)."""
+        (rollouts neither hybrid nor off-policy), tokens_generated (tokens the policy sampled), retrieval_rate
+        (hybrid rollouts with >= 1 retrieval), retrievals_per_traj, f_ret, retrieval_reward (mean Z over trajectories
+        with a scored retrieval), loss, entropy, the loss's clip/ratio/TIS metrics, tokens_per_s (response tokens per
+        rollout second) and seconds per phase (t_rollout excludes t_retrieval and t_splice; t_logprob, t_loss
+        (forward + backward), t_optimizer, t_buffer)."""
         cfg, t0 = self.config, time.perf_counter()
         problems = self.sample_problems()
         if cfg.mode == "splice" and self.buffer is not None and self.step_count % cfg.refresh_kv_every == 0:
@@ -178,6 +186,8 @@ class RAPOTrainer:
             arpo_beta=cfg.arpo_beta,
             arpo_rule=cfg.arpo_rule,
             arpo_topk=cfg.arpo_topk,
+            n_offpolicy=cfg.n_offpolicy,
+            offpolicy=self.offpolicy,
         )
         t_roll = time.perf_counter()
         rewards = self.reward_fn(self.env, problems, batch).float()
@@ -188,13 +198,13 @@ class RAPOTrainer:
         t_end = time.perf_counter()
         n_tok = int(batch.response_mask.sum())
         n_ret = batch.num_retrievals()
+        onpol = ~batch.hybrid & ~batch.offpolicy_rows  # rollouts that saw neither a retrieved step nor a whole trace
         metrics.update(
             step=self.step_count,
             reward=float(rewards.mean()),
             success_rate=float((rewards > 0.5).float().mean()),
-            success_rate_onpolicy=float((rewards > 0.5).float()[~batch.hybrid].mean())
-            if (~batch.hybrid).any()
-            else float("nan"),
+            success_rate_onpolicy=float((rewards > 0.5).float()[onpol].mean()) if onpol.any() else float("nan"),
+            tokens_generated=int((batch.kinds == KIND_GEN).sum()),
             retrieval_rate=float((n_ret > 0).float()[batch.hybrid].mean()) if batch.hybrid.any() else 0.0,
             retrievals_per_traj=float(n_ret.float().mean()),
             f_ret=float(batch.retrieved_fraction().mean()),
@@ -245,7 +255,7 @@ class RAPOTrainer:
         tensors = {k: s[k] for k in ("input_ids", "attention_mask", "targets", "loss_mask", "retrieved_mask",
                                      "response_mask")}  # fmt: skip
         tensors.update(old_logp=old_logp, advantages=adv)
-        if cfg.mode == "splice" and cfg.tis_cap is not None and batch.retrieved_mask.any():
+        if cfg.mode == "splice" and cfg.tis_cap is not None and (batch.kinds == KIND_RET).any():
             opts["tis_cap"] = cfg.tis_cap
             tensors["behav_logp"] = s["behav_logp"]
         self.model.train()

@@ -39,6 +39,7 @@ BAD = {
     "weight_decay": [NAN, INF, -0.1],
     "max_grad_norm": [NAN, INF, 0.0, -1.0],
     "updates_per_step": [0, True],
+    "n_offpolicy": [0, -1, 1.5, True],
     "arpo_rule": ["Paper", None, 1],
     "arpo_topk": [0, 2.5],
     "mini_batch_groups": [0, -1, 1.5, True, "2"],

@@ -1,0 +1,69 @@
+"""Whole off-policy trajectories for trajectory-level off-policy training (LUFFY-style), the baseline that RAPO's
+step-level retrieval is compared against.
+
+What this is: `OffPolicyTrajectories`, the top-K trajectories per query (by reward) of the same JSONL source the step
+buffer is built from (docs/formats.md: {"query_id", "prompt", "steps", "answer", "reward"}), and
+`trajectory_tokens`, one record rendered in the rollout's token format: each step's text up to and including
+`</tool>` and the answer are the trajectory's model tokens (KIND_OFF: in the loss, trained as off-policy tokens), the
+rest of a step is tool output (KIND_TOOL). `rapo_fast.rollout(strategy="offpolicy_traj", n_offpolicy=n, offpolicy=...)`
+replaces n members of each group by such trajectories (rapo_fast/rollouts/loop.py). What this is not: step-level
+retrieval (rapo_fast.retrieval.step_traces) or the shaped loss (rapo_fast.rapo_loss with offpolicy_train="shaped").
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from rapo_fast.rollouts.batch import KIND_OFF, KIND_TOOL
+
+__all__ = ["OffPolicyTrajectories", "trajectory_tokens"]
+
+
+def trajectory_tokens(record: dict, tokenizer) -> tuple[list[int], list[int], list[list[int]]]:
+    """(ids, kinds, steps) of a record's response (after its prompt): kinds KIND_OFF / KIND_TOOL per token; steps
+    [start, end_model, end_with_tool_output] relative to the response's first token, the answer last (as a rollout
+    records its steps)."""
+    ids: list[int] = []
+    kinds: list[int] = []
+    steps: list[list[int]] = []
+    for step in list(record["steps"]) + [record["answer"]]:
+        gen, sep, obs = step.partition("</tool>")
+        gen_ids = tokenizer.encode(gen + (" </tool>" if sep else ""))
+        obs_ids = tokenizer.encode(obs) if obs.strip() else []
+        start = len(ids)
+        ids += gen_ids + obs_ids
+        kinds += [KIND_OFF] * len(gen_ids) + [KIND_TOOL] * len(obs_ids)
+        steps.append([start, start + len(gen_ids), len(ids)])
+    return ids, kinds, steps
+
+
+class OffPolicyTrajectories:
+    """The top `top_k` trajectories per query id (highest reward first; ties: file order) of a JSONL source."""
+
+    def __init__(self, records: list[dict], top_k: int = 5):
+        from rapo_fast.retrieval.step_traces import top_k_by_reward
+
+        if not isinstance(top_k, int) or top_k < 1:
+            raise ValueError(f"OffPolicyTrajectories: top_k must be a positive int, got {top_k!r}")
+        self.by_query: dict[int, list[dict]] = {}
+        for r in top_k_by_reward(records, top_k):
+            self.by_query.setdefault(int(r["query_id"]), []).append(r)
+
+    @classmethod
+    def from_jsonl(cls, path: str | Path, top_k: int = 5) -> OffPolicyTrajectories:
+        from rapo_fast.retrieval.jsonl import read_jsonl
+
+        return cls(read_jsonl(path), top_k)
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self.by_query.values())
+
+    def pick(self, qid: int, n: int, coin: random.Random) -> list[dict]:
+        """n of query qid's trajectories, drawn without replacement by `coin` (cycling through them when fewer
+        than n are kept); [] when the query has none (its group then stays on-policy)."""
+        pool = self.by_query.get(int(qid), [])
+        if not pool or n <= 0:
+            return []
+        order = coin.sample(range(len(pool)), len(pool))
+        return [pool[order[j % len(pool)]] for j in range(n)]
