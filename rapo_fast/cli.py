@@ -56,7 +56,7 @@ def _run_bench(name: str, argv: list[str]) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rapo-fast", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="cmd", required=True, metavar="{demo,bench,info}")
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="{demo,bench,info,verl-build-buffer}")
     # demo and each benchmark parse their own options (add_help=False here, so `--help` reaches them)
     sub.add_parser("demo", help="train RAPO vs GRPO on a synthetic tool task (CPU, minutes)", add_help=False)
     bench = sub.add_parser("bench", help="microbenchmarks: " + ", ".join(BENCHES), description=_BENCH_DESCRIPTION)
@@ -69,6 +69,11 @@ def _parser() -> argparse.ArgumentParser:
         description="Print, as JSON, how rapo_fast was built and what it finds at run time: whether the C++ "
         "extension loaded (and the error if not), its CPU (OpenMP) and CUDA backends, the CUDA architectures "
         "compiled in, the torch and Triton versions, and whether a CUDA device is visible. Takes no options.",
+    )
+    sub.add_parser(
+        "verl-build-buffer",
+        help="build RAPO's step buffer for a verl job from off-policy JSONL traces (README 'RAPO on verl')",
+        add_help=False,
     )
     return parser
 
@@ -83,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         return int(demo.main(rest) or 0)
     if args.cmd == "bench":
         return _run_bench(args.which, rest)
+    if args.cmd == "verl-build-buffer":
+        from rapo_fast.integrations.verl import buffer_setup
+
+        return int(buffer_setup.main(rest) or 0)
     if rest:
         parser.error(f"info takes no arguments, got {' '.join(rest)}")
     from rapo_fast._ext import build_info

@@ -5,14 +5,17 @@ the contract of verl's `FusedLinearForPPO.forward` / `linear_cross_entropy(..., 
 verl/models/transformers/dense_common.py), computed by `rapo_fast.token_logprobs` on the hidden states without
 materialising [N, V]; `RAPOFusedLinearForPPO` wraps it as a module with FusedLinearForPPO's forward signature;
 `logprobs_from_logits` covers verl's unfused actor path (logits already computed).
-What it is not: the policy loss (rapo_fast/integrations/verl/policy_loss.py). Imports neither verl nor ray.
+`register()` (opt-in, RAPO_FAST_VERL_FUSED_LOGPROBS=1) puts RAPOFusedLinearForPPO in place of verl's class, so that
+verl's fused-kernel actor forward runs rapo_fast's kernel.
+What it is not: the policy loss (rapo_fast/integrations/verl/policy_loss.py). Importing it imports neither verl nor
+ray (register() and unregister() import verl).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["fused_logprobs_from_hidden", "logprobs_from_logits", "RAPOFusedLinearForPPO"]
+__all__ = ["fused_logprobs_from_hidden", "logprobs_from_logits", "RAPOFusedLinearForPPO", "register", "unregister"]
 
 
 def fused_logprobs_from_hidden(
@@ -76,7 +79,12 @@ def logprobs_from_logits(
 
 class RAPOFusedLinearForPPO(torch.nn.Module):
     """Drop-in for verl's `FusedLinearForPPO`: forward(hidden_states, vocab_weights, input_ids, temperature) ->
-    (log_probs, entropy), computed by `fused_logprobs_from_hidden`."""
+    (log_probs, entropy), computed by `fused_logprobs_from_hidden`. The constructor takes verl's arguments
+    (chunk_size, impl_backend) and ignores them: rapo_fast's kernel picks its own vocabulary tiles."""
+
+    def __init__(self, chunk_size: int = 512, impl_backend: str = "torch") -> None:
+        super().__init__()
+        self.chunk_size, self.impl_backend = chunk_size, impl_backend
 
     def forward(
         self,
@@ -86,3 +94,38 @@ class RAPOFusedLinearForPPO(torch.nn.Module):
         temperature: float = 1.0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return fused_logprobs_from_hidden(hidden_states, vocab_weights, input_ids, temperature)
+
+
+# verl's fused-kernel model forward (verl/models/transformers/dense_common.py and the VL variants) imports this name
+# from this module at call time, so replacing the module attribute reroutes the actor's log-probs and entropy.
+VERL_FUSED_MODULE = "verl.utils.experimental.torch_functional"
+FUSED_ENV = "RAPO_FAST_VERL_FUSED_LOGPROBS"
+
+
+def register(enable: bool | None = None) -> bool:
+    """Make verl's fused-kernel actor forward (`actor_rollout_ref.model.use_fused_kernels=True`, backend "torch")
+    compute log-probs and entropy with rapo_fast's hidden-state kernel: replaces
+    verl.utils.experimental.torch_functional.FusedLinearForPPO by RAPOFusedLinearForPPO. Opt-in: `enable`, or
+    by default the environment variable RAPO_FAST_VERL_FUSED_LOGPROBS=1 (set it in the Ray runtime env so every worker
+    sees it). Idempotent; returns whether the replacement is in place. Imports verl.
+    """
+    import importlib
+    import os
+
+    if enable is None:
+        enable = os.environ.get(FUSED_ENV, "0") == "1"
+    mod = importlib.import_module(VERL_FUSED_MODULE)
+    if enable and mod.FusedLinearForPPO is not RAPOFusedLinearForPPO:
+        mod._verl_FusedLinearForPPO = mod.FusedLinearForPPO  # kept, so that unregister can put it back
+        mod.FusedLinearForPPO = RAPOFusedLinearForPPO
+    return mod.FusedLinearForPPO is RAPOFusedLinearForPPO
+
+
+def unregister() -> None:
+    """Put verl's own FusedLinearForPPO back (no-op when register() did not replace it). Imports verl."""
+    import importlib
+
+    mod = importlib.import_module(VERL_FUSED_MODULE)
+    original = getattr(mod, "_verl_FusedLinearForPPO", None)
+    if original is not None:
+        mod.FusedLinearForPPO = original

@@ -6,10 +6,22 @@ What it is:
   `compute_policy_loss_vanilla`), returning `(pg_loss, pg_metrics)` like verl's vanilla loss. With retrieval off it
   equals verl's vanilla loss (PPO clip with clip_ratio_low/high, dual clip with clip_ratio_c, log-ratio clamped to
   +-20, `agg_loss` with `config.global_batch_info`: dp_size, batch_num_tokens, global_batch_size, loss_scale_factor).
-  Keyword-only extras (retrieved_mask, shaping_m, offpolicy_train, ...) add RAPO's importance shaping and off-policy
-  tokens for callers that have them (verl's own actor passes only the registry arguments).
-  `register_rapo_policy_loss(name, **options)` registers it (with fixed RAPO options) in verl's registry; the verl
-  plugin (rapo_fast/integrations/verl/plugin.py) registers "rapo" when verl loads its plugins.
+  Keyword-only extras (retrieved_mask, trajectory_mask, shaping_m, offpolicy_train, ...) add RAPO's importance
+  shaping and off-policy tokens for callers that have them (verl's own `ppo_loss` passes only the registry
+  arguments: the registered loss then reads them from the micro-batch context that
+  rapo_fast/integrations/verl/actor_loss.py sets around verl's ppo_loss).
+  F (the shaping's retrieved fraction) = retrieved tokens / `trajectory_mask` tokens per row. In verl,
+  `response_mask` is 1 on model tokens only (tool and retrieved tokens are 0), so it is NOT F's denominator in a
+  multi-turn run: pass `trajectory_mask` = every response token (model, tool, retrieved), as rapo_fast's trainer
+  (RolloutBatch.response_mask) counts them. Without it, F's denominator is `response_mask` (the old behaviour).
+  Dual clip: option `dual_clip` = "config" (default: verl's vanilla loss, c = config.clip_ratio_c, 3.0 by default),
+  None (off: rapo_fast's RAPO preset and the paper) or a float c > 1.
+  `register_rapo_policy_loss(name, **options)` registers it (with fixed RAPO options) in verl's registry;
+  `register()` registers POLICY_LOSSES: "rapo" (m = 0.05, verl's dual clip: equals verl's vanilla loss with
+  retrieval off) and "rapo_no_dual_clip" (m = 0.05, no dual clip: rapo_fast's RAPO preset).
+- `RapoTokenFields`, `rapo_token_fields(...)` (a context manager) and `current_rapo_fields()`: the micro-batch's
+  retrieved flags and response lengths, which the registered loss reads when its caller passes no retrieved_mask
+  (actor_loss.py sets them around verl's ppo_loss). A registered loss called outside that route warns once.
 
 What it is not: a verl actor or trainer, and not the fused logits->loss kernel: verl's registry hands the loss
 log-probs that are already computed, so the loss here is `rapo_fast.loss.policy_loss_from_logp` on those log-probs
@@ -19,7 +31,11 @@ fused log-prob helpers are in rapo_fast/integrations/verl/logprobs.py. Importing
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,8 +45,14 @@ from rapo_fast.loss.policy_loss import policy_loss_from_logp
 
 __all__ = [
     "rapo_policy_loss",
+    "make_rapo_registry_loss",
     "register_rapo_policy_loss",
     "verl_normaliser",
+    "RapoTokenFields",
+    "current_rapo_fields",
+    "rapo_token_fields",
+    "POLICY_LOSSES",
+    "register",
 ]
 
 VERL_LOSS_AGG_MODES = (
@@ -42,6 +64,9 @@ VERL_LOSS_AGG_MODES = (
 )
 # The LossOptions fields a verl caller may set; the clip and aggregation options come from verl's config.
 _RAPO_KEYWORDS = ("shaping_m", "offpolicy_train", "gamma", "is_cap", "tis_cap", "importance_sampling_level")
+# Options of the adapter itself (not LossOptions fields passed through).
+_ADAPTER_KEYWORDS = ("dual_clip",)
+DUAL_CLIP_FROM_CONFIG = "config"
 
 
 def _cfg(config: Any, name: str, default: Any = None) -> Any:
@@ -113,6 +138,8 @@ def rapo_policy_loss(
     *,
     rollout_log_probs: torch.Tensor | None = None,
     retrieved_mask: torch.Tensor | None = None,
+    trajectory_mask: torch.Tensor | None = None,
+    dual_clip: float | str | None = DUAL_CLIP_FROM_CONFIG,
     **rapo_options: Any,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """RAPO policy loss with verl's `PolicyLossFn` signature; returns (pg_loss, pg_metrics) as verl's vanilla loss.
@@ -128,13 +155,22 @@ def rapo_policy_loss(
         rollout_log_probs: older verl interface: behaviour log-probs; with config.tis_imp_ratio_cap > 0 they give
             truncated IS min(exp(old - rollout), cap).
         retrieved_mask: [B, T] tokens inserted by retrieval (RAPO); excluded from the loss unless offpolicy_train.
+        trajectory_mask: [B, T] every response token of the trajectory (model, tool, retrieved): F's denominator, as
+            rapo_fast's trainer counts it. Default: response_mask (right only when there are no tool tokens).
+        dual_clip: "config" (verl: c = config.clip_ratio_c), None (no dual clip, as rapo_fast's RAPO preset), or c > 1.
         rapo_options: shaping_m, offpolicy_train, gamma, is_cap, tis_cap, importance_sampling_level (fields of
             rapo_fast.loss.options.LossOptions).
     Metrics (floats, verl's keys): actor/pg_clipfrac, actor/ppo_kl, actor/pg_clipfrac_lower, plus rapo/ratio_mean and
     rapo/retrieved_frac.
     """
     _check_rapo_options(rapo_options, "rapo_policy_loss")
-    eps_low, eps_high, clip_ratio_c = _clip_ratios(config)
+    eps_low, eps_high, clip_ratio_c = _clip_ratios(config, dual_clip)
+    if trajectory_mask is not None and tuple(trajectory_mask.shape) != tuple(response_mask.shape):
+        raise ValueError(
+            f"trajectory_mask: expected shape {tuple(response_mask.shape)} (response_mask's), "
+            f"got {tuple(trajectory_mask.shape)}"
+        )
+    f_denominator = response_mask if trajectory_mask is None else trajectory_mask
     loss_agg, g, dp_size = _verl_aggregation(config, response_mask, loss_agg_mode)
     adv = advantages if rollout_is_weights is None else advantages * rollout_is_weights.detach()
     behav, rapo_options = _behaviour_logp(config, rollout_log_probs, rapo_options)
@@ -146,7 +182,7 @@ def rapo_policy_loss(
         advantages=adv,
         loss_mask=response_mask.bool(),
         retrieved_mask=None if retrieved_mask is None else retrieved_mask.bool(),
-        response_mask=response_mask.bool(),
+        response_mask=f_denominator.bool(),
         behav_logp=behav,
         global_num_tokens=g,
         options=opts,
@@ -154,21 +190,33 @@ def rapo_policy_loss(
     return loss * dp_size, _verl_metrics(m)
 
 
-def _check_rapo_options(options: Mapping[str, Any], caller: str) -> None:
-    unknown = sorted(set(options) - set(_RAPO_KEYWORDS))
+def _check_rapo_options(options: Mapping[str, Any], caller: str, extra: tuple[str, ...] = ()) -> None:
+    allowed = _RAPO_KEYWORDS + extra
+    unknown = sorted(set(options) - set(allowed))
     if unknown:
-        raise TypeError(f"{caller}: unknown option(s) {unknown}; expected some of {list(_RAPO_KEYWORDS)}")
+        raise TypeError(f"{caller}: unknown option(s) {unknown}; expected some of {list(allowed)}")
 
 
-def _clip_ratios(config: Any) -> tuple[float, float, float]:
-    """(eps_low, eps_high, dual clip c) from verl's clip_ratio, clip_ratio_low / _high and clip_ratio_c."""
+def _clip_ratios(
+    config: Any, dual_clip: float | str | None = DUAL_CLIP_FROM_CONFIG
+) -> tuple[float, float, float | None]:
+    """(eps_low, eps_high, dual clip c or None) from verl's clip_ratio, clip_ratio_low / _high and, with
+    dual_clip="config", clip_ratio_c (verl's vanilla loss always applies it)."""
     clip_ratio = _cfg(config, "clip_ratio", 0.2)
     eps_low = float(_cfg(config, "clip_ratio_low", clip_ratio))
     eps_high = float(_cfg(config, "clip_ratio_high", clip_ratio))
-    clip_ratio_c = float(_cfg(config, "clip_ratio_c", 3.0))
-    if not clip_ratio_c > 1.0:
-        raise ValueError(f"clip_ratio_c: the dual-clip bound must be > 1.0, got {clip_ratio_c}")
-    return eps_low, eps_high, clip_ratio_c
+    if dual_clip is None:
+        return eps_low, eps_high, None
+    if isinstance(dual_clip, str):
+        if dual_clip != DUAL_CLIP_FROM_CONFIG:
+            raise ValueError(f"dual_clip: expected {DUAL_CLIP_FROM_CONFIG!r}, None or a float > 1, got {dual_clip!r}")
+        clip_ratio_c = float(_cfg(config, "clip_ratio_c", 3.0))
+        if not clip_ratio_c > 1.0:
+            raise ValueError(f"clip_ratio_c: the dual-clip bound must be > 1.0, got {clip_ratio_c}")
+        return eps_low, eps_high, clip_ratio_c
+    if isinstance(dual_clip, bool) or not isinstance(dual_clip, (int, float)) or not float(dual_clip) > 1.0:
+        raise ValueError(f"dual_clip: expected {DUAL_CLIP_FROM_CONFIG!r}, None or a float > 1, got {dual_clip!r}")
+    return eps_low, eps_high, float(dual_clip)
 
 
 def _verl_aggregation(config: Any, response_mask: torch.Tensor, loss_agg_mode: str) -> tuple[str, torch.Tensor, int]:
@@ -212,14 +260,91 @@ def _verl_metrics(m: Mapping[str, torch.Tensor]) -> dict[str, float]:
     }
 
 
-def register_rapo_policy_loss(name: str = "rapo", **options: Any) -> Callable[..., Any]:
-    """Register `rapo_policy_loss` (with `options` bound, e.g. shaping_m) in verl's policy-loss registry.
+RETRIEVED_MASK_KEY = "rapo_retrieved_mask"
+F_RET_KEY = "rapo_f_ret"
+F_RET_ATOL = 1e-5  # the agent loop's F (a float) against the one recomputed from the mask
 
-    Returns the registered function. Raises ImportError when verl is not installed.
+_CURRENT: ContextVar[RapoTokenFields | None] = ContextVar("rapo_verl_token_fields", default=None)
+# Whether the call runs inside the actor-loss route (rapo_token_fields), to tell "no retrieval in this micro-batch"
+# from "the route is not installed" (then the registered loss warns once: F would silently be 0).
+_IN_ROUTE: ContextVar[bool] = ContextVar("rapo_verl_in_route", default=False)
+_warned_no_route = False
+
+
+@dataclass(frozen=True)
+class RapoTokenFields:
+    """The RAPO fields of one micro-batch: per row the retrieved flags (one per response token) and the response
+    length (model + tool + retrieved tokens, from verl's `responses`), and the agent loop's F if it sent one."""
+
+    retrieved: tuple[tuple[int, ...], ...]
+    response_lens: tuple[int, ...]
+    f_ret: tuple[float, ...] | None = None
+
+    def loss_kwargs(self, response_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """{"retrieved_mask", "trajectory_mask"} as [B, T] bool tensors on response_mask's device (T = its width).
+
+        Raises ValueError when the rows do not match response_mask, a retrieved token is in response_mask (it must be
+        0 there: no gradient), or the agent loop's F disagrees with the mask.
+        """
+        B, T = response_mask.shape
+        if len(self.retrieved) != B:
+            raise ValueError(f"{RETRIEVED_MASK_KEY}: expected {B} rows (response_mask's), got {len(self.retrieved)}")
+        if self.response_lens and max(self.response_lens) > T:
+            raise ValueError(f"responses: a response of {max(self.response_lens)} tokens is longer than T = {T}")
+        retrieved = torch.zeros(B, T, dtype=torch.bool)
+        for i, row in enumerate(self.retrieved):
+            retrieved[i, : len(row)] = torch.as_tensor(row, dtype=torch.bool) if row else False
+        lens = torch.as_tensor(self.response_lens, dtype=torch.int64)
+        trajectory = torch.arange(T)[None, :] < lens[:, None]
+        retrieved, trajectory = retrieved.to(response_mask.device), trajectory.to(response_mask.device)
+        if bool((retrieved & response_mask.bool()).any()):
+            raise ValueError(f"{RETRIEVED_MASK_KEY}: a retrieved token has response_mask 1; expected 0 (no gradient)")
+        if self.f_ret is not None:
+            f = retrieved.sum(1).double().cpu() / lens.clamp_min(1).double()
+            got = torch.as_tensor(self.f_ret, dtype=torch.float64)
+            if not torch.allclose(f, got, atol=F_RET_ATOL, rtol=0):
+                raise ValueError(
+                    f"{F_RET_KEY}: expected retrieved / response tokens per row {f.tolist()}, got {got.tolist()}"
+                )
+        return {"retrieved_mask": retrieved, "trajectory_mask": trajectory}
+
+
+@contextmanager
+def rapo_token_fields(fields: RapoTokenFields | None) -> Iterator[None]:
+    """Make `fields` the micro-batch fields the registered RAPO policy loss reads while the block runs."""
+    token, route = _CURRENT.set(fields), _IN_ROUTE.set(True)
+    try:
+        yield
+    finally:
+        _IN_ROUTE.reset(route)
+        _CURRENT.reset(token)
+
+
+def current_rapo_fields() -> RapoTokenFields | None:
+    """The RAPO fields of the micro-batch whose loss is being computed (set by actor_loss.rapo_ppo_loss), or None."""
+    return _CURRENT.get()
+
+
+def _warn_no_route(name: str) -> None:
+    global _warned_no_route
+    if not _warned_no_route:
+        _warned_no_route = True
+        warnings.warn(
+            f"rapo_fast: policy loss {name!r} called outside rapo_fast's actor-loss route (actor_loss.register() or "
+            "set_loss_fn(partial(actor_loss.rapo_ppo_loss, ...)) not installed): no retrieved mask reaches it, so "
+            "the shaping's F is 0 (the loss is verl's vanilla one)",
+            stacklevel=3,
+        )
+
+
+def make_rapo_registry_loss(name: str = "rapo", **options: Any) -> Callable[..., Any]:
+    """`rapo_policy_loss` with `options` bound, as a function of verl's `PolicyLossFn` signature (no verl import).
+
+    When the caller passes no `retrieved_mask` (verl's ppo_loss never does), the function takes the retrieved mask
+    and the trajectory mask of the current micro-batch from `actor_loss.current_rapo_fields()` (set by
+    `actor_loss.rapo_ppo_loss` around verl's ppo_loss); with none set, the batch has no retrieval (F = 0).
     """
-    from verl.trainer.ppo.core_algos import register_policy_loss
-
-    _check_rapo_options(options, "register_rapo_policy_loss")
+    _check_rapo_options(options, "make_rapo_registry_loss", _ADAPTER_KEYWORDS)
 
     def policy_loss(
         old_log_prob,
@@ -231,17 +356,45 @@ def register_rapo_policy_loss(name: str = "rapo", **options: Any) -> Callable[..
         rollout_is_weights=None,
         **kwargs,
     ):
+        kw = {**options, **kwargs}
+        if kw.get("retrieved_mask") is None:
+            fields = current_rapo_fields()
+            if fields is not None:
+                kw.update(fields.loss_kwargs(response_mask))
+            elif not _IN_ROUTE.get():
+                _warn_no_route(name)
         return rapo_policy_loss(
-            old_log_prob,
-            log_prob,
-            advantages,
-            response_mask,
-            loss_agg_mode,
-            config,
-            rollout_is_weights,
-            **{**options, **kwargs},
+            old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights, **kw
         )
 
     policy_loss.__name__ = f"rapo_policy_loss_{name}"
     policy_loss.__doc__ = f"rapo_policy_loss with options {options!r} (registered as {name!r})."
-    return register_policy_loss(name)(policy_loss)
+    return policy_loss
+
+
+def register_rapo_policy_loss(name: str = "rapo", **options: Any) -> Callable[..., Any]:
+    """Register `make_rapo_registry_loss(name, **options)` in verl's policy-loss registry under `name`.
+
+    options: shaping_m, offpolicy_train, gamma, is_cap, tis_cap, importance_sampling_level, dual_clip. Returns the
+    registered function. Registering a name again replaces it (verl's registry allows that). Raises ImportError
+    when verl is not installed.
+    """
+    from verl.trainer.ppo.core_algos import register_policy_loss
+
+    _check_rapo_options(options, "register_rapo_policy_loss", _ADAPTER_KEYWORDS)
+    return register_policy_loss(name)(make_rapo_registry_loss(name, **options))
+
+
+# The policy losses registered: "rapo" applies verl's dual clip (config.clip_ratio_c), so that it equals verl's
+# vanilla loss with retrieval off; "rapo_no_dual_clip" is rapo_fast's RAPO preset exactly (the paper has none).
+RAPO_SHAPING_M = 0.05
+POLICY_LOSSES: dict[str, dict[str, Any]] = {
+    "rapo": {"shaping_m": RAPO_SHAPING_M, "dual_clip": "config"},
+    "rapo_no_dual_clip": {"shaping_m": RAPO_SHAPING_M, "dual_clip": None},
+}
+
+
+def register() -> None:
+    """Register POLICY_LOSSES in verl's policy-loss registry (idempotent: a name registered again is replaced)."""
+    for name, options in POLICY_LOSSES.items():
+        register_rapo_policy_loss(name, **options)

@@ -1,0 +1,247 @@
+"""The "rapo" advantage estimator for verl: GRPO group advantages times RAPO's retrieval factor (1 + a A_ret).
+
+What it is: `compute_rapo_outcome_advantage(token_level_rewards, response_mask, index, ..., config, non_tensor_batch)`
+with verl's estimator signature, registered by `register()` as "rapo" (`algorithm.adv_estimator=rapo`).
+A_acc is verl's own `compute_grpo_outcome_advantage` (called, not restated: with no retrieval in the batch the output
+IS verl's GRPO output); the retrieval reward Z per trajectory is `rapo_fast.loss.advantages.retrieval_reward` of the
+agent loop's "rapo_h_before" / "rapo_h_after" lists, A_ret = `group_normalize(Z, group)` (groups from verl's `index`,
+the prompt uid), and A = (1 + a A_ret) A_acc per token, a = `algorithm.rapo_ret_coef` (default 0.2), the same as
+`rapo_fast.loss.advantages.rapo_advantages` (up to fp32 rounding: verl computes A_acc in fp32). A group with no
+retrieval has A_ret = 0 exactly, so its rows are GRPO's exactly.
+
+The route of the retrieval fields. verl's trainer calls a registered estimator with token_level_rewards,
+response_mask, config and index only (GDPO alone also gets the batch), so the fields need a route:
+- legacy trainer (trainer.use_v1=False, verl/trainer/ppo/ray_trainer.py `compute_advantage`): the agent loop's
+  extra_fields are `data.non_tensor_batch` keys. `register()` wraps `compute_advantage` (in ray_trainer and in
+  v1/utils, which imports it by name) so that for "rapo" it puts `data.non_tensor_batch` in a context variable that
+  the estimator reads (as if it were passed like GDPO's), then runs verl's function unchanged.
+- v1 trainer (the default, verl/trainer/ppo/v1/trainer_base.py `_compute_advantage`): the DataProto it builds holds
+  only uid / response_mask / rm_scores / log-probs; the extra_fields stay in TransferQueue. `register()` wraps the
+  `compute_advantage_for_multi_trajectories` name there: for "rapo" it reads "extra_fields" of the batch's keys from
+  TransferQueue (partition "train": advantages are computed for training batches only) into the context.
+An estimator called with neither (e.g. by hand) gets `non_tensor_batch=` as a keyword, or computes GRPO.
+
+What it is not: the per-token loss (actor_loss.py, policy_loss.py) or the entropies (the agent loop records them).
+Importable without verl; verl is imported inside the functions and `register()`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
+
+import numpy as np
+import torch
+
+from rapo_fast.loss.advantages import group_normalize, retrieval_reward
+
+__all__ = [
+    "ESTIMATOR_NAME",
+    "H_BEFORE_KEY",
+    "H_AFTER_KEY",
+    "retrieval_rewards_from_fields",
+    "compute_rapo_outcome_advantage",
+    "rapo_non_tensor_batch",
+    "register",
+]
+
+ESTIMATOR_NAME = "rapo"
+H_BEFORE_KEY = "rapo_h_before"
+H_AFTER_KEY = "rapo_h_after"
+EXTRA_FIELDS_KEY = "extra_fields"
+DEFAULT_RET_COEF = 0.2  # RAPO's a
+TQ_TRAIN_PARTITION = "train"
+
+_NON_TENSOR: ContextVar[Mapping[str, Any] | None] = ContextVar("rapo_verl_non_tensor_batch", default=None)
+
+
+def _cfg(config: Any, name: str, default: Any) -> Any:
+    if config is None:
+        return default
+    if isinstance(config, Mapping) or hasattr(config, "get"):
+        value = config.get(name, default)
+    else:
+        value = getattr(config, name, default)
+    return default if value is None else value
+
+
+def _field_rows(non_tensor_batch: Mapping[str, Any], key: str, batch_size: int) -> list[Any] | None:
+    """Per-row values of `key`: a non_tensor_batch key (legacy trainer) or a key of each row's extra_fields dict."""
+    if key in non_tensor_batch:
+        rows = list(non_tensor_batch[key])
+    elif EXTRA_FIELDS_KEY in non_tensor_batch:
+        extra = list(non_tensor_batch[EXTRA_FIELDS_KEY])
+        if not all(isinstance(e, Mapping) for e in extra):
+            return None
+        rows = [e.get(key) for e in extra]
+        if all(r is None for r in rows):
+            return None
+    else:
+        return None
+    if len(rows) != batch_size:
+        raise ValueError(f"{key}: expected {batch_size} rows (token_level_rewards'), got {len(rows)}")
+    return rows
+
+
+def retrieval_rewards_from_fields(non_tensor_batch: Mapping[str, Any] | None, batch_size: int) -> torch.Tensor | None:
+    """Z [B] fp64 (rapo_fast's retrieval_reward of each row's rapo_h_before / rapo_h_after lists; 0 for a row with
+    none), or None when the batch carries no such fields. Raises ValueError when a row's two lists differ in length."""
+    if non_tensor_batch is None:
+        return None
+    before = _field_rows(non_tensor_batch, H_BEFORE_KEY, batch_size)
+    after = _field_rows(non_tensor_batch, H_AFTER_KEY, batch_size)
+    if before is None and after is None:
+        return None
+    if before is None or after is None:
+        raise ValueError(f"{H_BEFORE_KEY}/{H_AFTER_KEY}: expected both fields, got only one")
+    before = [list(b) if b is not None else [] for b in before]
+    after = [list(a) if a is not None else [] for a in after]
+    for i, (b, a) in enumerate(zip(before, after, strict=True)):
+        if len(b) != len(a):
+            raise ValueError(
+                f"{H_BEFORE_KEY}/{H_AFTER_KEY}: row {i}: expected equal lengths, got {len(b)} and {len(a)}"
+            )
+    R = max([1] + [len(b) for b in before])
+    hb = torch.full((batch_size, R), float("nan"), dtype=torch.float64)
+    ha = hb.clone()
+    for i, (b, a) in enumerate(zip(before, after, strict=True)):
+        if b:
+            hb[i, : len(b)] = torch.as_tensor(b, dtype=torch.float64)
+            ha[i, : len(a)] = torch.as_tensor(a, dtype=torch.float64)
+    return retrieval_reward(hb, ha)
+
+
+def _group_ids(index: Any) -> torch.Tensor:
+    """verl's `index` (uid labels, any hashable) as int64 group ids, in order of first appearance."""
+    ids: dict[Any, int] = {}
+    return torch.as_tensor([ids.setdefault(k, len(ids)) for k in list(index)], dtype=torch.int64)
+
+
+def compute_rapo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool | None = None,
+    config: Any = None,
+    non_tensor_batch: Mapping[str, Any] | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RAPO advantages [B, T] (returned twice, as verl's GRPO estimator returns (advantages, returns)).
+
+    token_level_rewards, response_mask: [B, T]; index: [B] prompt uids (the groups). norm_adv_by_std_in_grpo: None
+    reads config.norm_adv_by_std_in_grpo (default True), as verl's trainer passes it to GRPO. config.rapo_ret_coef
+    (default 0.2) is a. non_tensor_batch: the rows' "rapo_h_before"/"rapo_h_after" (or "extra_fields" dicts holding
+    them); None reads the context set by `rapo_non_tensor_batch` (the wrapped verl trainer sets it). Other keyword
+    arguments verl passes (e.g. batch, reward_baselines) are ignored.
+    """
+    from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
+
+    if token_level_rewards.dim() != 2:
+        raise ValueError(f"token_level_rewards: expected [B, T], got shape {tuple(token_level_rewards.shape)}")
+    norm = (
+        bool(_cfg(config, "norm_adv_by_std_in_grpo", True))
+        if norm_adv_by_std_in_grpo is None
+        else bool(norm_adv_by_std_in_grpo)
+    )
+    adv, _ = compute_grpo_outcome_advantage(
+        token_level_rewards=token_level_rewards,
+        response_mask=response_mask,
+        index=index,
+        epsilon=epsilon,
+        norm_adv_by_std_in_grpo=norm,
+        config=config,
+    )
+    fields = non_tensor_batch if non_tensor_batch is not None else _NON_TENSOR.get()
+    z = retrieval_rewards_from_fields(fields, token_level_rewards.shape[0])
+    if z is None or not bool((z != 0).any()):
+        return adv, adv  # no retrieval reward: exactly verl's GRPO
+    a = float(_cfg(config, "rapo_ret_coef", DEFAULT_RET_COEF))
+    a_ret = group_normalize(z, _group_ids(index), epsilon)
+    factor = (1.0 + a * a_ret).to(adv.dtype).to(adv.device)
+    adv = adv * factor[:, None]
+    return adv, adv
+
+
+@contextmanager
+def rapo_non_tensor_batch(non_tensor_batch: Mapping[str, Any] | None) -> Iterator[None]:
+    """Make `non_tensor_batch` the one the "rapo" estimator reads while the block runs."""
+    token = _NON_TENSOR.set(non_tensor_batch)
+    try:
+        yield
+    finally:
+        _NON_TENSOR.reset(token)
+
+
+def _is_rapo(adv_estimator: Any) -> bool:
+    return getattr(adv_estimator, "value", adv_estimator) == ESTIMATOR_NAME
+
+
+def _wrap_compute_advantage(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """verl's compute_advantage(data, adv_estimator, ...) with data.non_tensor_batch visible to "rapo"."""
+    if getattr(fn, "_rapo_wrapped", False):
+        return fn
+
+    @functools.wraps(fn)
+    def compute_advantage(data: Any, adv_estimator: Any, *args: Any, **kwargs: Any):
+        if not _is_rapo(adv_estimator) or _NON_TENSOR.get() is not None:
+            return fn(data, adv_estimator, *args, **kwargs)
+        with rapo_non_tensor_batch(getattr(data, "non_tensor_batch", None)):
+            return fn(data, adv_estimator, *args, **kwargs)
+
+    compute_advantage._rapo_wrapped = True  # type: ignore[attr-defined]
+    return compute_advantage
+
+
+def _extra_fields_from_tq(batch_keys: list[str]) -> dict[str, Any] | None:
+    """{"extra_fields": object array, one dict per key} read from TransferQueue, or None without that field."""
+    import transfer_queue as tq
+
+    td = tq.kv_batch_get(keys=batch_keys, partition_id=TQ_TRAIN_PARTITION, select_fields=[EXTRA_FIELDS_KEY])
+    if EXTRA_FIELDS_KEY not in td.keys():
+        return None
+    rows = np.empty(len(batch_keys), dtype=object)
+    rows[:] = list(td[EXTRA_FIELDS_KEY])
+    return {EXTRA_FIELDS_KEY: rows}
+
+
+def _wrap_multi_trajectories(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """v1's compute_advantage_for_multi_trajectories(data, batch_keys, adv_estimator, ...) with the extra_fields of
+    batch_keys (from TransferQueue) visible to "rapo"."""
+    if getattr(fn, "_rapo_wrapped", False):
+        return fn
+
+    @functools.wraps(fn)
+    def compute_advantage_for_multi_trajectories(data: Any, batch_keys: list[str], adv_estimator: Any, *a, **kw):
+        if not _is_rapo(adv_estimator):
+            return fn(data, batch_keys, adv_estimator, *a, **kw)
+        with rapo_non_tensor_batch(_extra_fields_from_tq(list(batch_keys))):
+            return fn(data, batch_keys, adv_estimator, *a, **kw)
+
+    compute_advantage_for_multi_trajectories._rapo_wrapped = True  # type: ignore[attr-defined]
+    return compute_advantage_for_multi_trajectories
+
+
+def register() -> None:
+    """Register "rapo" in verl's estimator registry and wrap verl's trainer entry points (idempotent). Imports verl."""
+    import importlib
+
+    from verl.trainer.ppo import core_algos
+
+    if core_algos.ADV_ESTIMATOR_REGISTRY.get(ESTIMATOR_NAME) is not compute_rapo_outcome_advantage:
+        core_algos.ADV_ESTIMATOR_REGISTRY.pop(ESTIMATOR_NAME, None)
+        core_algos.register_adv_est(ESTIMATOR_NAME)(compute_rapo_outcome_advantage)
+    for module, name, wrap in (
+        ("verl.trainer.ppo.ray_trainer", "compute_advantage", _wrap_compute_advantage),
+        ("verl.trainer.ppo.v1.utils", "compute_advantage", _wrap_compute_advantage),
+        ("verl.trainer.ppo.v1.trainer_base", "compute_advantage_for_multi_trajectories", _wrap_multi_trajectories),
+    ):
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:  # a verl without that trainer (e.g. no transfer_queue for v1): nothing to wrap there
+            continue
+        if hasattr(mod, name):
+            setattr(mod, name, wrap(getattr(mod, name)))

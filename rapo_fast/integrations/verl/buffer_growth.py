@@ -1,0 +1,217 @@
+"""Growing RAPO's step buffer from a verl job's own rollouts: the "rapo" reward manager.
+
+What it is: `RapoRewardManager`, registered in verl 0.9.1's reward-manager registry as "rapo" by `register()` (called
+by plugin.py) and selected with `reward.reward_manager.name=rapo`. It wraps the reward manager the job would use
+otherwise (`rapo.inner_reward_manager`, default "naive"): the score is the inner manager's, unchanged. With
+`rapo.add_onpolicy_steps: true` (default false, as rapo_fast's TrainConfig) it then adds the trajectory's generated
+tool steps to the step buffer under its prompt's group id when the trajectory succeeded (reward >
+`rapo.onpolicy_reward_threshold`, default 0.5), by rapo_fast's own trainer's rule (`buffer_setup.onpolicy_steps`:
+history = prompt + response before the step, step = the step through its tool response, the answer step excluded).
+
+Why a reward manager: it is the one place in verl's code path where a trajectory's tokens, the agent loop's
+extra_fields and its reward meet, in both trainers. verl's AgentLoopWorker._compute_score (the legacy trainer's
+AgentLoopWorker and the v1 trainer's AgentLoopWorkerTQ alike) sends each finished trajectory to a RewardLoopWorker,
+whose manager's `run_single(data)` gets `prompts`, `responses`, `prompt_len`/`response_len`, the sample's fields and
+`tool_extra_fields` (the loop's extra_fields). The driver sees rewards only as batched tensors after the fact (and in
+the v1 trainer only as TransferQueue keys), and verl's driver-side hooks (the checkpoint callback) never see a batch.
+Training vs validation: verl tells no reward manager, so the agent loop records `rapo_validate` (and the group id
+`rapo_group`) in extra_fields; validation rollouts never grow the buffer, nor do trajectories of other agent loops.
+
+Adds from concurrent trajectories of one reward worker that arrive within `rapo.onpolicy_add_window_s` (default
+0.05 s) go to the buffer as one `add_steps` call (one encoder call in the actor); `run_single` returns after its
+steps were added, so an add that fails fails the reward computation loudly. Difference from rapo_fast's trainer: it
+adds after the step's update; here a step is added as soon as its trajectory is scored, so rollouts of the same
+batch that start later (other prompts: the own group is excluded) can already retrieve it.
+
+Not covered (buffer_setup.check_growth_config, run by the checkpoint callback on the driver, raises for them when
+the option is on, as it does when the job's reward manager is not this one): a reward model computed in the trainer
+(`reward.reward_model.enable` without `enable_resource_pool`: the trainer scores a batch without extra_fields), and
+a discriminative reward model without a custom reward function (verl bypasses the reward manager).
+
+What it is not: the buffer (buffer_actor.py), the rule itself (buffer_setup.onpolicy_steps) or the agent loop
+(agent_loop.py). Not importable without verl (it subclasses verl's RewardManagerBase): only plugin.py, verl's
+reward-manager loader and the tests import it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
+
+from rapo_fast.integrations.verl.agent_loop import _client, resolve_loop_config
+from rapo_fast.integrations.verl.buffer_setup import onpolicy_steps
+
+__all__ = [
+    "REWARD_MANAGER_NAME",
+    "GrowthConfig",
+    "growth_config",
+    "RapoRewardManager",
+    "register",
+]
+
+REWARD_MANAGER_NAME = "rapo"
+_log = logging.getLogger(__name__)
+_WARNED: set[str] = set()
+
+
+@dataclass(frozen=True)
+class GrowthConfig:
+    """The buffer-growth keys of the trainer config's `rapo` section (see the module docstring)."""
+
+    add_onpolicy_steps: bool = False
+    onpolicy_reward_threshold: float = 0.5
+    inner_reward_manager: str = "naive"
+    onpolicy_add_window_s: float = 0.05
+    buffer_name: str = "rapo_step_buffer"  # the agent loop's key (rapo.buffer_name)
+    history_skip_special_tokens: bool = True  # decode as the agent loop decodes its retrieval queries
+
+
+def _section(config: Any) -> Mapping:
+    rapo = config.get("rapo", None) if hasattr(config, "get") else None
+    return rapo if rapo is not None else {}
+
+
+def growth_config(config: Any) -> GrowthConfig:
+    """The GrowthConfig of a verl trainer config. buffer_name and history_skip_special_tokens are resolved by the agent
+    loop's own rule from the same `rapo` section (set them there, not only in an agent-loop YAML entry, when the buffer
+    grows). Raises ValueError on a bad value."""
+    rapo = _section(config)
+    d = GrowthConfig()
+    add = rapo.get("add_onpolicy_steps", d.add_onpolicy_steps)
+    thr = rapo.get("onpolicy_reward_threshold", d.onpolicy_reward_threshold)
+    inner = rapo.get("inner_reward_manager", d.inner_reward_manager)
+    window = rapo.get("onpolicy_add_window_s", d.onpolicy_add_window_s)
+    if not isinstance(add, bool):
+        raise ValueError(f"rapo.add_onpolicy_steps must be a bool, got {add!r}")
+    if isinstance(thr, bool) or not isinstance(thr, (int, float)):
+        raise ValueError(f"rapo.onpolicy_reward_threshold must be a float, got {thr!r}")
+    if not isinstance(inner, str) or not inner or inner == REWARD_MANAGER_NAME:
+        raise ValueError(f"rapo.inner_reward_manager must name another registered reward manager, got {inner!r}")
+    if isinstance(window, bool) or not isinstance(window, (int, float)) or window < 0:
+        raise ValueError(f"rapo.onpolicy_add_window_s must be a float >= 0, got {window!r}")
+    n = int(config.actor_rollout_ref.rollout.n)
+    loop_cfg = resolve_loop_config(rapo, {}, n)
+    return GrowthConfig(
+        add, float(thr), inner, float(window), loop_cfg.buffer_name, loop_cfg.history_skip_special_tokens
+    )
+
+
+class _AddQueue:
+    """Adds arriving within `window_s` of the first pending one go to the buffer as one add_steps call; every
+    caller awaits the call that carried its steps (its error included)."""
+
+    def __init__(self, window_s: float):
+        self.window_s = window_s
+        self.pending: list[tuple[list[str], list[str], list[int], asyncio.Future]] = []
+        self.task: asyncio.Task | None = None
+
+    async def add(self, client: Any, histories: list[str], steps: list[str], groups: list[int]) -> None:
+        fut = asyncio.get_running_loop().create_future()
+        self.pending.append((histories, steps, groups, fut))
+        if self.task is None or self.task.done():
+            self.task = asyncio.ensure_future(self._drain(client))
+        await fut
+
+    async def _drain(self, client: Any) -> None:
+        while self.pending:  # requests arriving during an add wait for the next one
+            await asyncio.sleep(self.window_s)
+            batch, self.pending = self.pending, []
+            try:
+                await client.add_steps(
+                    [h for b in batch for h in b[0]], [s for b in batch for s in b[1]], [g for b in batch for g in b[2]]
+                )
+            except Exception as e:  # noqa: BLE001 - handed to every waiting caller
+                for *_, fut in batch:
+                    fut.set_exception(e)
+            else:
+                for *_, fut in batch:
+                    fut.set_result(None)
+
+
+def _warn_once(key: str, msg: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        _log.warning(msg)
+
+
+class RapoRewardManager(RewardManagerBase):
+    """verl's reward manager "rapo": the inner manager's score, plus the buffer growth (module docstring). Built by
+    verl's load_reward_manager in each RewardLoopWorker with (config, tokenizer, compute_score, **reward kwargs)."""
+
+    rapo_grows_step_buffer = True  # marker for buffer_setup.check_growth_config (which must not import this module)
+
+    def __init__(self, config: Any, tokenizer: Any, compute_score: Any, **kwargs: Any):
+        from verl.experimental.reward_loop.reward_manager import get_reward_manager_cls
+
+        super().__init__(config, tokenizer, compute_score)
+        self.growth = growth_config(config)
+        inner_cls = get_reward_manager_cls(self.growth.inner_reward_manager)
+        if getattr(inner_cls, "rapo_grows_step_buffer", False):
+            raise ValueError(f"rapo.inner_reward_manager must not be a RapoRewardManager, got {inner_cls.__name__}")
+        self.inner = inner_cls(config, tokenizer, compute_score, **kwargs)
+        self._adds = _AddQueue(self.growth.onpolicy_add_window_s)
+
+    async def run_single(self, data: Any) -> dict:
+        result = await self.inner.run_single(data)
+        if self.growth.add_onpolicy_steps:
+            await self.grow(data, float(result["reward_score"]))
+        return result
+
+    async def grow(self, data: Any, reward: float) -> int:
+        """Add the steps of `data`'s last trajectory (the one verl scores) when it is a successful training rollout
+        of the RAPO agent loop; returns how many steps were added."""
+        nt, i = data.non_tensor_batch, len(data) - 1
+        extra = nt.get("tool_extra_fields")
+        if extra is None:
+            _warn_once(
+                "extra", "rapo reward manager: no tool_extra_fields in the batch (scored outside the agent loop)"
+            )
+            return 0
+        fields = extra[i]
+        if not isinstance(fields, Mapping) or "rapo_step_spans" not in fields:
+            return 0  # another agent loop's trajectory: nothing known about its steps
+        if fields.get("rapo_validate", True):  # unknown counts as validation: never grow from it
+            return 0
+        if not reward > self.growth.onpolicy_reward_threshold:
+            return 0
+        group = fields.get("rapo_group")
+        if group is None:
+            raise ValueError(
+                "rapo reward manager: the trajectory has no group id (rapo_group is None: the sample lacks an int "
+                "field named by the agent loop's group_key, default 'index'); on-policy steps need one"
+            )
+        p_len = int(nt["prompt_len"][i]) if "prompt_len" in nt else data.batch["prompts"].shape[-1]
+        r_len = int(nt["response_len"][i]) if "response_len" in nt else data.batch["responses"].shape[-1]
+        prompt, response = data.batch["prompts"][i, :p_len].tolist(), data.batch["responses"][i, :r_len].tolist()
+        skip = self.growth.history_skip_special_tokens
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=skip)  # noqa: E731
+        loop = asyncio.get_running_loop()
+        hist, steps = await loop.run_in_executor(
+            None,
+            lambda: onpolicy_steps(
+                prompt,
+                response,
+                fields["rapo_step_spans"],
+                fields["rapo_step_obs_end"],
+                reward,
+                decode,
+                self.growth.onpolicy_reward_threshold,
+            ),
+        )
+        if steps:
+            client = await _client(self.growth.buffer_name, loop)
+            await self._adds.add(client, hist, steps, [int(group)] * len(steps))
+        return len(steps)
+
+
+def register() -> None:
+    """Register RapoRewardManager as verl's reward manager "rapo" (idempotent)."""
+    from verl.experimental.reward_loop.reward_manager import registry
+
+    if registry.REWARD_MANAGER.get(REWARD_MANAGER_NAME) is not RapoRewardManager:
+        registry.register(REWARD_MANAGER_NAME)(RapoRewardManager)

@@ -1,0 +1,122 @@
+"""The verl recipe (examples/verl/) cannot go stale: its config composes on top of verl's own ppo_trainer config the
+way `verl.trainer.main_ppo` composes it and passes verl's `validate_config`; every name it selects (advantage
+estimator, policy loss, agent loop, checkpoint callback, reward function, function tool) resolves to rapo_fast's
+registered or importable part; the agent-loop YAML's RAPO knobs are the loop's own; the launch script points at that
+config; the data preparation writes the fields verl's dataset reads. It cannot run here (8 GPUs, vLLM, a retrieval
+server); nothing here pretends to. Not here: the parts' behaviour (the other test_verl_*.py files)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("verl")
+
+RECIPE = Path(__file__).resolve().parents[3] / "examples" / "verl"
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    import os
+
+    from hydra import compose, initialize_config_dir
+
+    os.environ["RAPO_RECIPE_DIR"] = str(RECIPE)
+    try:
+        with initialize_config_dir(config_dir=str(RECIPE / "config"), version_base=None):
+            yield compose(config_name="rapo_trainer")
+    finally:
+        os.environ.pop("RAPO_RECIPE_DIR", None)
+
+
+def test_launch_script_runs_main_ppo_on_this_config():
+    text = (RECIPE / "run_rapo_qwen2_5_7b.sh").read_text()
+    assert "-m verl.trainer.main_ppo" in text
+    assert '--config-path="$RECIPE_DIR/config"' in text and "--config-name=rapo_trainer" in text
+    assert (RECIPE / "config" / "rapo_trainer.yaml").exists()
+
+
+def test_config_composes_and_passes_verl_validation(cfg):
+    from verl.trainer.main_ppo import need_critic, need_reference_policy
+    from verl.utils.config import omega_conf_to_dataclass, validate_config
+
+    validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    rollout = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
+    # the paper's setting
+    assert (cfg.trainer.n_gpus_per_node, cfg.trainer.nnodes) == (8, 1)
+    assert rollout.n == 16 and rollout.name == "vllm" and rollout.calculate_log_probs
+    assert actor.clip_ratio_low == actor.clip_ratio_high == 0.28
+    assert actor.loss_agg_mode == "seq-mean-token-mean" and not actor.use_kl_loss and actor.kl_loss_coef == 0
+    assert not cfg.algorithm.use_kl_in_reward and not need_reference_policy(cfg)
+    assert cfg.rapo.retrieve_prob == 0.5 and cfg.rapo.n_hybrid == 8
+
+
+def test_every_selected_name_resolves_to_a_registered_part(cfg):
+    import verl  # noqa: F401  (loads rapo_fast's plugin)
+    from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
+    from verl.trainer.ppo import core_algos
+
+    assert cfg.algorithm.adv_estimator in core_algos.ADV_ESTIMATOR_REGISTRY
+    assert cfg.actor_rollout_ref.actor.policy_loss.loss_mode in core_algos.POLICY_LOSS_REGISTRY
+    assert cfg.actor_rollout_ref.rollout.agent.default_agent_loop in _agent_loop_registry
+    module, _, name = cfg.trainer.checkpoint_callback_class.rpartition(".")
+    assert callable(getattr(importlib.import_module(module), name))
+
+
+def test_agent_loop_yaml_sets_only_the_loops_own_knobs(cfg):
+    import hydra
+    from omegaconf import OmegaConf
+
+    from rapo_fast.integrations.verl.agent_loop import RapoLoopConfig, resolve_loop_config
+
+    entries = OmegaConf.load(cfg.actor_rollout_ref.rollout.agent.agent_loop_config_path)
+    (entry,) = [e for e in entries if e.name == "rapo_tool_agent"]
+    cls = hydra.utils.get_class(entry._target_)
+    assert cls.__name__ == "RAPOToolAgentLoop"
+    knobs = {k: v for k, v in entry.items() if k not in ("name", "_target_")}
+    assert set(knobs) <= {f.name for f in dataclasses.fields(RapoLoopConfig)}, knobs
+    resolved = resolve_loop_config(cfg.rapo, knobs, int(cfg.actor_rollout_ref.rollout.n))  # raises on a bad value
+    assert (resolved.retrieve_prob, resolved.n_hybrid, resolved.exclude_own_group) == (0.5, 8, True)
+
+
+def test_tool_and_reward_load_as_verl_loads_them(cfg):
+    from omegaconf import OmegaConf
+    from verl.tools.function_tool import load_function_tools_from_path
+
+    OmegaConf.resolve(cfg)
+    tools = load_function_tools_from_path(cfg.actor_rollout_ref.rollout.multi_turn.function_tool_path)
+    assert [t.name for t in tools] == ["search"]
+    assert "query" in json.dumps(tools[0].tool_schema.model_dump())
+    spec = importlib.util.spec_from_file_location("rapo_recipe_reward", cfg.reward.custom_reward_function.path)
+    reward = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reward)
+    score = getattr(reward, cfg.reward.custom_reward_function.name)
+    assert score("s", "think <answer> The Eiffel Tower. </answer>", ["eiffel tower"]) == 1.0
+    assert score("s", "<answer>a</answer> then <answer>Paris</answer>", "paris") == 1.0  # the last answer counts
+    assert score("s", "no answer tag: paris", ["paris"]) == 0.0
+    assert score("s", "<answer>Lyon</answer>", ["paris", "PARIS!"]) == 0.0
+
+
+def test_prepare_data_writes_verls_fields(tmp_path):
+    pd = pytest.importorskip("pandas")
+    pytest.importorskip("pyarrow")
+    spec = importlib.util.spec_from_file_location("rapo_recipe_prep", RECIPE / "prepare_data.py")
+    prep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prep)
+    src = tmp_path / "q.jsonl"
+    src.write_text(json.dumps({"question": "Who?", "answer": ["A", "B"], "id": 7}) + "\n")
+    prep.main(["--train", str(src), "--val", str(src), "--out", str(tmp_path / "out")])
+    row = pd.read_parquet(tmp_path / "out" / "train.parquet").iloc[0]
+    assert row["agent_name"] == "rapo_tool_agent" and row["extra_info"]["index"] == 7
+    assert [m["role"] for m in row["prompt"]] == ["system", "user"] and row["prompt"][1]["content"] == "Who?"
+    assert list(row["reward_model"]["ground_truth"]) == ["A", "B"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"q": 1}) + "\n")
+    with pytest.raises(ValueError, match=re.escape("expected keys 'question' and 'answer'")):
+        prep.main(["--train", str(bad), "--val", str(bad), "--out", str(tmp_path / "o2")])
