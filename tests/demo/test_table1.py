@@ -1,0 +1,74 @@
+"""`rapo-fast table1`: the confidence-interval arithmetic against hand computations, and a tiny configuration end to
+end (every method from one SFT warm-up per seed, the same seeds, the CSV's columns, the markdown's numbers equal to
+the CSV's). The Triton kernels are off here (their own tests cover them); the run is about the runner."""
+
+from __future__ import annotations
+
+import csv
+import math
+
+import pytest
+import torch
+
+from rapo_fast.demo import table1
+from rapo_fast.demo.table1_report import CSV_COLUMNS
+from rapo_fast.demo.table1_stats import first_reach, fmt, mean_ci, paired_diff, t975
+
+
+def test_interval_arithmetic_by_hand():
+    m, h = mean_ci([0.5, 0.7, 0.6])
+    sd = math.sqrt(((0.5 - 0.6) ** 2 + (0.7 - 0.6) ** 2 + 0) / 2)  # 0.1
+    assert m == pytest.approx(0.6) and h == pytest.approx(4.303 * sd / math.sqrt(3))
+    assert mean_ci([0.25, 0.75]) == (pytest.approx(0.5), pytest.approx(12.706 * math.sqrt(0.125) / math.sqrt(2)))
+    assert math.isnan(mean_ci([0.3])[1]) and mean_ci([0.3])[0] == pytest.approx(0.3)
+    assert all(math.isnan(x) for x in mean_ci([]))
+    assert t975(1) == 12.706 and t975(4) == 2.776 and t975(100) == 1.96
+    d, hd, n = paired_diff({0: 0.6, 1: 0.8, 2: 0.5}, {0: 0.5, 1: 0.6, 3: 0.9})  # seeds 0, 1: diffs 0.1, 0.2
+    assert n == 2 and d == pytest.approx(0.15) and hd == pytest.approx(12.706 * math.sqrt(0.005) / math.sqrt(2))
+    assert first_reach([(0, 0.2), (2, 0.5), (4, 0.4)], 0.45) == 2 and first_reach([(0, 0.1)], 0.5) is None
+    assert fmt(0.5, 0.1234) == "0.500 ± 0.123" and fmt(0.5, math.nan) == "0.500" and fmt(math.nan, 1) == "n/a"
+
+
+def test_tiny_table1_end_to_end(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAPO_FAST_DISABLE_TRITON", "1")
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    warmups = []
+    real_warm_up = table1.warm_up
+
+    def counting_warm_up(task, tok, s, seed):
+        warmups.append(seed)
+        return real_warm_up(task, tok, s, seed)
+
+    monkeypatch.setattr(table1, "warm_up", counting_warm_up)
+    seen = []
+    real_run_one = table1.run_one
+
+    def recording_run_one(family, method, seed, s, data, enc):
+        seen.append((family, method, seed, id(data["warm"])))
+        return real_run_one(family, method, seed, s, data, enc)
+
+    monkeypatch.setattr(table1, "run_one", recording_run_one)
+    s = dict(table1.QUICK, seeds=2, sft_steps=20, rl_steps=2, eval_every=1, n_eval=6, n_train=4,
+             families=["arith"], methods=list(table1.METHODS))  # fmt: skip
+    try:
+        rows = table1.run(s, tmp_path, progress=False)
+    finally:
+        torch.set_num_threads(n)
+    assert warmups == [0, 1]  # one SFT warm-up per (family, seed), shared by the 4 methods
+    for seed in (0, 1):
+        ids = {w for f, m, sd, w in seen if sd == seed}
+        assert len(ids) == 1 and sorted(m for _, m, sd, _ in seen if sd == seed) == sorted(table1.METHODS)
+        starts = {r["eval_start"] for r in rows if r["seed"] == seed}
+        assert len(starts) == 1  # the same weights, the same greedy evaluation: the same start for every method
+    with open(tmp_path / "table1.csv") as f:
+        got = list(csv.DictReader(f))
+    assert tuple(got[0].keys()) == CSV_COLUMNS and len(got) == 8
+    assert {r["arpo_rule"] for r in got if r["method"] == "ARPO"} == {"released"}
+    assert all(r["encoder"] in ("hashed", "minilm") for r in got)
+    assert all(int(r["tokens_generated"]) > 0 for r in got)
+    md = (tmp_path / "table1.md").read_text()
+    for method in table1.METHODS:  # the table's cells are the CSV's numbers through mean_ci
+        finals = [float(r["eval_final"]) for r in got if r["method"] == method]
+        assert f"| {method} | {fmt(*mean_ci(finals))} |" in md
+    assert (tmp_path / "table1.png").stat().st_size > 0
