@@ -300,6 +300,20 @@ def _summaries(results, timers, args, setting):
     return rows
 
 
+COLORS = {"RAPO": "tab:red", "GRPO": "tab:blue"}
+
+
+def _sft_miss_lines(setting: dict, args) -> list[str]:
+    """The warning of summary.md (and the console) when the supervised warm-up stopped short of --sft-target."""
+    if setting["sft_valid_success"] >= args.sft_target:
+        return []
+    return [
+        f"**SFT missed its target**: {setting['sft_done']} steps reached validation success "
+        f"{setting['sft_valid_success']:.2f} < --sft-target {args.sft_target:g}; RL started from there.",
+        "",
+    ]
+
+
 def _write(out: Path, rows, results, timers, args, setting, total_wall):
     cols = list(rows[0])
     with (out / "summary.csv").open("w", newline="") as f:
@@ -317,6 +331,7 @@ def _write(out: Path, rows, results, timers, args, setting, total_wall):
         "problems. Train success = sampled rollouts of the step (RAPO's include hybrid ones, helped by retrieval); "
         "on-policy success = its non-hybrid rollouts only.",
         "",
+        *_sft_miss_lines(setting, args),
         "| " + " | ".join(cols) + " |",
         "|" + "---|" * len(cols),
     ]
@@ -335,21 +350,24 @@ def _write(out: Path, rows, results, timers, args, setting, total_wall):
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for name, (curve, hist) in results.items():
-        axes[0].plot([s for s, _ in curve], [r for _, r in curve], marker="o", label=name)
+        color = COLORS.get(name)  # one colour per method in both panels
+        axes[0].plot([s for s, _ in curve], [r for _, r in curve], marker="o", label=name, color=color)
         k = 5
         tr = [h["success_rate"] for h in hist]
         smooth = [sum(tr[max(0, i - k + 1) : i + 1]) / len(tr[max(0, i - k + 1) : i + 1]) for i in range(len(tr))]
-        axes[1].plot(range(1, len(tr) + 1), smooth, label=f"{name} (all rollouts)")
+        axes[1].plot(range(1, len(tr) + 1), smooth, label=f"{name} (all rollouts)", color=color)
         if name == "RAPO":
             onp = [h["success_rate_onpolicy"] for h in hist]
             sm = [_nanmean(onp[max(0, i - k + 1) : i + 1]) for i in range(len(onp))]
-            axes[1].plot(range(1, len(onp) + 1), sm, linestyle="--", label="RAPO (on-policy rollouts)")
+            axes[1].plot(range(1, len(onp) + 1), sm, linestyle="--", label="RAPO (on-policy rollouts)", color=color)
     axes[0].axhline(rows[0]["target"], color="grey", linewidth=0.8, linestyle=":", label="target")
     axes[0].set(title="held-out greedy success (no retrieval)", xlabel="RL step", ylabel="success rate")
     axes[1].set(title="training success (5-step mean)", xlabel="RL step", ylabel="success rate")
     for ax in axes:
+        ax.set_ylim(0, 1)
         ax.legend()
         ax.grid(alpha=0.3)
+    fig.suptitle(f"rapo-fast demo, seed {args.seed}")
     fig.tight_layout()
     fig.savefig(out / "curves.png", dpi=110)
     plt.close(fig)
@@ -410,6 +428,8 @@ def _main(args: argparse.Namespace, setting: dict) -> int:
         done += n
         sft_success = evaluate(model, tok, task, valid, max_step_tokens=16)
     setting["sft_done"], setting["sft_valid_success"] = done, sft_success
+    for line in _sft_miss_lines(setting, args)[:1]:
+        print("demo: " + line.replace("**", ""), flush=True)
     warm_state = copy.deepcopy(model.state_dict())
     timers["sft"] = time.perf_counter() - t0
 

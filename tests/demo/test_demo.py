@@ -2,6 +2,7 @@
 retrieval statistics only for RAPO, wall-time split present; bad arguments rejected."""
 
 import csv
+import re
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ import torch
 from rapo_fast import cli
 
 
-def test_demo_quick_writes_plot_and_summary(tmp_path, monkeypatch):
+def test_demo_quick_writes_plot_and_summary(tmp_path, monkeypatch, capsys):
     # the loss on its torch path: under the Triton interpreter (set by conftest on CPU machines) the kernels run
     # ~50x slower, and they have their own tests
     monkeypatch.setenv("RAPO_FAST_DISABLE_TRITON", "1")
@@ -37,6 +38,10 @@ def test_demo_quick_writes_plot_and_summary(tmp_path, monkeypatch):
         assert len(steps) == int(rows[m]["rl_steps"]) == 4
     md = (out / "summary.md").read_text()
     assert "| RAPO |" in md and "| GRPO |" in md and "Wall time" in md
+    # a warm-up that stopped short of --sft-target (default 0.4) says so, in summary.md and on the console
+    sft = float(re.search(r"validation greedy success ([0-9.]+)", md).group(1))
+    assert ("SFT missed its target" in md) == (sft < 0.4)
+    assert ("SFT missed its target" in capsys.readouterr().out) == (sft < 0.4)
     assert (out / "offpolicy_trajectories.jsonl").stat().st_size > 0
 
 
