@@ -72,3 +72,22 @@ def test_tiny_table1_end_to_end(tmp_path, monkeypatch):
         finals = [float(r["eval_final"]) for r in got if r["method"] == method]
         assert f"| {method} | {fmt(*mean_ci(finals))} |" in md
     assert (tmp_path / "table1.png").stat().st_size > 0
+
+
+def test_kb_family_runs_from_its_two_hop_warm_up(tmp_path, monkeypatch):
+    """The knowledge-base family: SFT on 2-hop questions, RL on 3-hop ones, over one vocabulary."""
+    monkeypatch.setenv("RAPO_FAST_DISABLE_TRITON", "1")
+    make_task, _, make_sft_task = table1.families()["kb"]
+    rl, sft = make_task(), make_sft_task()
+    assert rl.words() == sft.words()
+    assert all(p.prompt.split()[1] == "ask" and len(p.prompt.split()) == 6 for p in rl.make_problems(8, seed=0))
+    assert all(len(p.prompt.split()) == 5 for p in sft.make_problems(8, seed=0))  # <bos> ask r2 r1 e
+    s = dict(table1.QUICK, seeds=1, sft_steps=10, rl_steps=1, eval_every=1, n_eval=4, n_train=4,
+             families=["kb"], methods=["GRPO", "OFFPOLICY_TRAJ"])  # fmt: skip
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rows = table1.run(s, tmp_path, progress=False)
+    finally:
+        torch.set_num_threads(n)
+    assert [(r["task"], r["method"]) for r in rows] == [("kb", "GRPO"), ("kb", "OFFPOLICY_TRAJ")]
