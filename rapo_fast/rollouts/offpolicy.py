@@ -17,7 +17,16 @@ from pathlib import Path
 
 from rapo_fast.rollouts.batch import KIND_OFF, KIND_TOOL
 
-__all__ = ["OffPolicyTrajectories", "trajectory_tokens"]
+__all__ = ["OffPolicyTrajectories", "split_step", "trajectory_tokens"]
+
+
+def split_step(step: str, tokenizer) -> tuple[list[int], list[int]]:
+    """One step's text in the rollout's token format: (the model's tokens up to and including `</tool>`, the tool
+    output after it); a step without `</tool>` (the answer) is all model tokens. Shared with the SFT warm-up
+    (rapo_fast/train/sft.py), which renders solutions the same way."""
+    gen, sep, obs = step.partition("</tool>")
+    gen_ids = tokenizer.encode(gen + (" </tool>" if sep else ""))
+    return gen_ids, (tokenizer.encode(obs) if obs.strip() else [])
 
 
 def trajectory_tokens(record: dict, tokenizer) -> tuple[list[int], list[int], list[list[int]]]:
@@ -28,9 +37,7 @@ def trajectory_tokens(record: dict, tokenizer) -> tuple[list[int], list[int], li
     kinds: list[int] = []
     steps: list[list[int]] = []
     for step in list(record["steps"]) + [record["answer"]]:
-        gen, sep, obs = step.partition("</tool>")
-        gen_ids = tokenizer.encode(gen + (" </tool>" if sep else ""))
-        obs_ids = tokenizer.encode(obs) if obs.strip() else []
+        gen_ids, obs_ids = split_step(step, tokenizer)
         start = len(ids)
         ids += gen_ids + obs_ids
         kinds += [KIND_OFF] * len(gen_ids) + [KIND_TOOL] * len(obs_ids)

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from rapo_fast.rollouts.batch import KIND_GEN, KIND_PROMPT, KIND_RET, KIND_TOOL
+from rapo_fast.rollouts.offpolicy import split_step
 
 
 def sft_examples(task, tokenizer, problems: Sequence, retrieve_frac: float, rng: random.Random):
@@ -30,9 +31,7 @@ def sft_examples(task, tokenizer, problems: Sequence, retrieve_frac: float, rng:
                 ids += seg
                 kinds += [KIND_RET] * len(seg)
                 continue
-            gen, _, obs = step.partition("</tool>")
-            gen_ids = tokenizer.encode(gen + (" </tool>" if obs else ""))
-            obs_ids = tokenizer.encode(obs)
+            gen_ids, obs_ids = split_step(step, tokenizer)
             ids += gen_ids + obs_ids
             kinds += [KIND_GEN] * len(gen_ids) + [KIND_TOOL] * len(obs_ids)
         out.append((ids, kinds))
