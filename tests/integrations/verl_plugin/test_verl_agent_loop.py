@@ -25,6 +25,7 @@ pytest.importorskip("verl")
 
 import hydra  # noqa: E402
 import torch  # noqa: E402
+from helpers.verl_tiny import chat_word_tokenizer  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 CALL = '{"name":"lookup","arguments":{}}'
@@ -33,10 +34,6 @@ WORDS = (
     f"<tool_call> </tool_call> {CALL} fact one two <retrieve> </retrieve>"
 ).split()
 ID = {w: i for i, w in enumerate(WORDS)}
-TEMPLATE = (
-    "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
-)
 TRANSITIONS = {  # bigram program of the tiny model: next tokens (equally likely) after each token
     "assistant": ["think"],
     "think": ["a", "b"],
@@ -55,14 +52,7 @@ TURN, CTX = 6, 7  # tokens of one assistant turn; of one tool response + generat
 
 
 def _tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordLevel(ID, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<|im_end|>", unk_token="<unk>")
-    out.chat_template = TEMPLATE
-    return out
+    return chat_word_tokenizer(ID)
 
 
 def _model():

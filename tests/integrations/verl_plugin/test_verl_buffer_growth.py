@@ -24,6 +24,7 @@ ray = pytest.importorskip("ray")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from helpers.verl_tiny import chat_word_tokenizer  # noqa: E402
 
 CALL = '{"name":"lookup","arguments":{}}'
 WORDS = (
@@ -31,10 +32,6 @@ WORDS = (
     f"<tool_call> </tool_call> {CALL} fact one <retrieve> </retrieve>"
 ).split()
 ID = {w: i for i, w in enumerate(WORDS)}
-TEMPLATE = (
-    "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
-)
 TURN, CTX = 6, 7  # tokens of one assistant turn; of one tool response + the next generation prompt
 SPANS, OBS_END = [(0, 6), (13, 19), (26, 32)], [13, 26, 32]  # 3 turns (max_assistant_turns): the last is the answer
 TOOL = '''
@@ -70,15 +67,10 @@ class ScriptedServer:
 def model_dir(tmp_path_factory):
     """A directory verl's HFModelConfig loads: a word-level tokenizer with a chat template and a tiny Llama config;
     plus the tool and the reward function files."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, PreTrainedTokenizerFast
+    from transformers import LlamaConfig
 
     d = tmp_path_factory.mktemp("tiny")
-    tok = Tokenizer(models.WordLevel(ID, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<|im_end|>", unk_token="<unk>")
-    out.chat_template = TEMPLATE
-    out.save_pretrained(d)
+    chat_word_tokenizer(ID).save_pretrained(d)
     dims = {"hidden_size": 16, "intermediate_size": 16, "num_attention_heads": 2, "num_key_value_heads": 2}
     LlamaConfig(vocab_size=len(WORDS), num_hidden_layers=1, architectures=["LlamaForCausalLM"], **dims).save_pretrained(
         d
