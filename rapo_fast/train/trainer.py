@@ -260,9 +260,12 @@ class RAPOTrainer:
             tensors["behav_logp"] = s["behav_logp"]
         self.model.train()
         loss_val, sums, n_updates, t_opt = 0.0, {}, 0, 0.0
+        # one mini-batch of every row (the default) uses the tensors as they are: no gather of [B, T] copies
+        parts = mini_batch_rows(batch.group_ids, cfg.mini_batch_groups) if cfg.mini_batch_groups else [None]
         for _ in range(cfg.updates_per_step):
-            for rows in mini_batch_rows(batch.group_ids, cfg.mini_batch_groups):
-                loss, lm = self._mini_batch_loss({k: v[rows] for k, v in tensors.items()}, W, opts)
+            for rows in parts:
+                mb = tensors if rows is None else {k: v[rows] for k, v in tensors.items()}
+                loss, lm = self._mini_batch_loss(mb, W, opts)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 t_o = time.perf_counter()
