@@ -9,6 +9,10 @@ Providers, side by side in one run at each shape:
 - `torch_eager`: what a trainer does without us: logits = hidden @ W^T materialised, fp32 log-softmax, gather,
   clipped surrogate (rapo_fast.reference), token-mean.
 - `torch_compile`: the same function under torch.compile.
+- `torch_linear_ce`: the same loss with the log-probs from torch's own chunked op, -F.linear_cross_entropy(hidden, W,
+  targets, reduction="none", options=LinearCrossEntropyOptions(batch_chunk_size=256)) (torch >= 2.13): what a
+  trainer gets from PyTorch core without [N, V] logits. (torch's default chunking for fp32 on the CPU gives 16-row
+  chunks and runs about 3x slower; 256 rows is the tuned anchor.)
 - `liger`: Liger-Kernel's LigerFusedLinearGRPOLoss (when liger_kernel is importable; compiled on CUDA).
 Usage: `rapo-fast bench loss [--quick] [--gpu] [--dtype D] [--out DIR | --record]`. Rows (with device, date and
 commit) are appended to <DIR>/loss.csv, to bench/results/loss.csv with --record, or to a new temporary folder.
@@ -64,12 +68,25 @@ def _eager_loss(hidden, weight, targets, old_logp, adv, mask):
     """Without fused kernels: materialised fp32 logits, log-softmax, clipped surrogate, token-mean."""
     from rapo_fast.reference import linear_token_logprobs_ref
 
-    logp = linear_token_logprobs_ref(hidden, weight, targets)
+    return _surrogate(linear_token_logprobs_ref(hidden, weight, targets), old_logp, adv, mask)
+
+
+def _surrogate(logp, old_logp, adv, mask):
     ratio = torch.exp(torch.clamp(logp - old_logp, -20, 20))
     a = adv[:, None]
     token = -torch.minimum(ratio * a, torch.clamp(ratio, 1 - EPS, 1 + EPS) * a)
     m = mask.to(token.dtype)
     return (token * m).sum() / m.sum().clamp_min(1)
+
+
+def _torch_linear_ce_loss(hidden, weight, targets, old_logp, adv, mask):
+    """The clipped surrogate on log-probs from torch's chunked F.linear_cross_entropy (fp32, as our fallback)."""
+    opts = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=256, chunking_method=None)
+    h = hidden.reshape(-1, hidden.shape[-1]).float()
+    lce = torch.nn.functional.linear_cross_entropy(
+        h, weight.float(), targets.reshape(-1), reduction="none", options=opts
+    )
+    return _surrogate(-lce.view(targets.shape), old_logp, adv, mask)
 
 
 def _providers(device: torch.device, n: int, v: int):
@@ -126,6 +143,10 @@ def _providers(device: torch.device, n: int, v: int):
     if device.type == "cuda":  # the two variants differ only where Triton runs
         provs["rapo_fast_hidden_2pass"] = ours_hidden_2pass
     provs["torch_compile"] = torch.compile(_eager_loss, dynamic=False)
+    if hasattr(torch.nn, "LinearCrossEntropyOptions"):
+        provs["torch_linear_ce"] = _torch_linear_ce_loss
+    else:
+        print(f"torch_linear_ce: unavailable (torch {torch.__version__} has no chunked F.linear_cross_entropy)")
     try:
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 

@@ -7,11 +7,14 @@ gradient dL/dlogp, as in the policy update):
 - `rapo_fast_logits`: token_logprobs(logits, targets=...), the same logits.
 - `torch_eager_hidden`: logits = hidden @ weight.T materialised in the input dtype, then as torch_eager_logits.
 - `torch_chunked_hidden`: -torch.nn.functional.linear_cross_entropy(..., reduction="none", options=
-  torch.nn.LinearCrossEntropyOptions()), torch's own chunked path that never holds [N, V] (torch >= 2.13; skipped
-  with a printed note where torch lacks it).
+  torch.nn.LinearCrossEntropyOptions(batch_chunk_size=256)), torch's own chunked path that never holds [N, V] (torch
+  >= 2.13; skipped with a printed note where torch lacks it). 256 rows, not torch's default chunking, which gives 16
+  rows for fp32 on the CPU at N=2048, V=32768 and runs about 3x slower.
 - `rapo_fast_hidden`: token_logprobs(hidden=, weight=, targets=...), never an [N, V] tensor.
-Which path ours took is in the `path` column: Triton kernels on CUDA; on the CPU the chunked reference fallback (row
-chunks of a 64 MiB budget, each under torch.utils.checkpoint when a gradient is needed), because Triton runs on CPU
+Which path ours took is in the `path` column: Triton kernels on CUDA; on the CPU, from hidden states without entropy,
+torch's chunked F.linear_cross_entropy with our chunk size (rapo_fast/loss/torch_linear_ce.py), else the chunked
+reference fallback (row chunks of a 64 MiB budget, each under torch.utils.checkpoint when a gradient is needed),
+because Triton runs on CPU
 tensors only in its interpreter (TRITON_INTERPRET=1, for tests; this bench switches Triton off on the CPU rather than
 time the interpreter). Liger's fused linear cross-entropy is not a provider: it is a loss whose backward assumes a
 scalar upstream gradient, not a per-token op (bench/bench_loss.py compares against Liger's GRPO loss).
@@ -90,14 +93,20 @@ def _providers(device: torch.device) -> dict[str, tuple[str, str, Callable]]:
     if lce is not None and options is not None:
 
         def chunked(t):
-            return -lce(t["hidden"], t["weight"], t["targets"], reduction="none", options=options())
+            opts = options(batch_chunk_size=256, chunking_method=None)
+            return -lce(t["hidden"], t["weight"], t["targets"], reduction="none", options=opts)
 
         provs["torch_chunked_hidden"] = ("hidden", "torch chunked (F.linear_cross_entropy)", chunked)
     else:
         print(f"torch_chunked_hidden: unavailable (torch {torch.__version__} has no F.linear_cross_entropy options)")
+    from rapo_fast.loss.torch_linear_ce import torch_linear_ce_available
+
+    hidden_path = ours_path
+    if not use_triton(device) and torch_linear_ce_available():
+        hidden_path = "torch chunked linear CE (rapo_fast/loss/torch_linear_ce.py)"
     provs["rapo_fast_hidden"] = (
         "hidden",
-        ours_path,
+        hidden_path,
         lambda t: token_logprobs(hidden=t["hidden"], weight=t["weight"], targets=t["targets"]),
     )
     return provs

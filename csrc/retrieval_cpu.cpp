@@ -58,7 +58,7 @@ FloatBuf aligned_floats(int64_t n) {
   return FloatBuf(p);
 }
 
-using TileFn = void (*)(const float*, const float*, int64_t, TileCtx&);
+using TileFn = void (*)(const float*, const float*, int64_t, float*, int, TileCtx&);
 
 int detect_isa() {
 #ifdef RAPO_X86
@@ -106,7 +106,28 @@ struct SearchPlan {
   int64_t Qp = 0;        // queries per pass
   int64_t Kc = 0;        // keys per chunk
   int64_t nchunks = 0;
+  int64_t kc = 0;  // tiled path: D per micro-kernel block (D blocking, see tile_block_d)
 };
+
+// D per micro-kernel block of the tiled path: the query panel block [kc][QT] and the key panel block [kc][NK] must
+// stay in L1 together while the key tiles of a chunk stream past the query block. Without blocking, the AVX2 6 x 16
+// tile at D = 384 needs 33 KiB (24 + 9) against a 32 KiB L1, and the query panel was re-read from L2 for every key
+// tile (bench/NOTES_retrieval.md, "D blocking"). Budget 20 KiB; blocks of equal size, multiples of 8. AVX-512 keeps
+// one block (kc = D): its 12 x 32 tile was measured fast as is on AVX-512 machines, and no AVX-512 machine was at
+// hand to measure the blocked variant. RAPO_FAST_CPU_KC=n forces blocks of n (tests use it to cover the partial-tile
+// path at small D).
+int64_t tile_block_d(int64_t D, int NK, int QT, int isa) {
+  const char* env = std::getenv("RAPO_FAST_CPU_KC");
+  if (env != nullptr && *env != '\0') {
+    const long v = std::strtol(env, nullptr, 10);
+    if (v <= 0) throw std::invalid_argument(std::string("RAPO_FAST_CPU_KC must be a positive integer, got ") + env);
+    return std::min<int64_t>(D, v);
+  }
+  if (isa == kIsaAvx512 || D <= 0) return std::max<int64_t>(D, 1);
+  const int64_t kc_max = std::max<int64_t>(8, (int64_t(20) << 10) / (4 * (NK + QT)) / 8 * 8);
+  const int64_t nblk = (D + kc_max - 1) / kc_max;
+  return std::min<int64_t>(D, ((D + nblk - 1) / nblk + 7) / 8 * 8);
+}
 
 SearchPlan make_plan(const RetrievalSearchParams& a, int num_threads, int isa, bool dot_mode) {
   SearchPlan pl;
@@ -147,6 +168,7 @@ SearchPlan make_plan(const RetrievalSearchParams& a, int num_threads, int isa, b
   const int64_t balance = ((C + 4 * T - 1) / (4 * T) + NK - 1) / NK * NK;  // >= 4 chunks per thread when C is small
   pl.Kc = std::max<int64_t>(NK, std::min(Kc, balance));
   pl.nchunks = (C + pl.Kc - 1) / pl.Kc;
+  pl.kc = tile_block_d(a.D, pl.NK, pl.QT, isa);
   return pl;
 }
 
@@ -227,13 +249,15 @@ struct KeyScratch {
   FloatBuf panel;
   std::vector<float> aux;
   std::vector<float> row;
+  std::vector<float> part;  // [ntile][NK * QT] partial scores across D blocks (empty with one block)
 };
 
 KeyScratch make_key_scratch(const RetrievalSearchParams& a, const SearchPlan& pl) {
   const int64_t ntile_max = (pl.Kc + pl.NK - 1) / pl.NK;
-  return KeyScratch{aligned_floats(pl.dot_mode ? 1 : ntile_max * a.D * pl.NK),
-                    std::vector<float>(static_cast<size_t>(ntile_max * pl.NK), 0.0f),
-                    std::vector<float>(static_cast<size_t>(a.D))};
+  return KeyScratch{
+      aligned_floats(pl.dot_mode ? 1 : ntile_max * a.D * pl.NK),
+      std::vector<float>(static_cast<size_t>(ntile_max * pl.NK), 0.0f), std::vector<float>(static_cast<size_t>(a.D)),
+      std::vector<float>(pl.dot_mode || pl.kc >= a.D ? 0 : static_cast<size_t>(ntile_max * pl.NK * pl.QT))};
 }
 
 void pack_key_chunk(const RetrievalSearchParams& a, const SearchPlan& pl, KeyScratch& ks, int64_t j_begin,
@@ -265,7 +289,8 @@ void pack_key_chunk(const RetrievalSearchParams& a, const SearchPlan& pl, KeyScr
   }
 }
 
-// Tiled path: pack keys [j_begin, j_end), then run the micro-kernel on every (query tile, key tile) of the pass.
+// Tiled path: pack keys [j_begin, j_end), then run the micro-kernel on every (query tile, key tile) of the pass,
+// D block by D block (the query block stays in L1 while the chunk's key tiles stream past it).
 void scan_chunk_tiled(const RetrievalSearchParams& a, const SearchPlan& pl, const PackedQueries& pq, KeyScratch& ks,
                       ThreadHeaps& h, TileCtx& c, int64_t q0, int64_t nqt, int64_t j_begin, int64_t j_end) {
   const int64_t NK = pl.NK, QT = pl.QT, D = a.D;
@@ -277,10 +302,15 @@ void scan_chunk_tiled(const RetrievalSearchParams& a, const SearchPlan& pl, cons
     c.thr = h.thr.data() + qt * QT;
     c.qaux = pq.aux.data() + q0 + qt * QT;
     c.qlocal0 = qt * QT;
-    for (int64_t tl = 0; tl < ntile; ++tl) {
-      c.j0 = j_begin + tl * NK;
-      c.kaux = ks.aux.data() + tl * NK;
-      tile(qp, ks.panel.get() + tl * D * NK, D, c);
+    for (int64_t d0 = 0; d0 < D; d0 += pl.kc) {
+      const int64_t dl = std::min(pl.kc, D - d0);
+      const int phase = (d0 == 0 ? kFirst : 0) | (d0 + dl == D ? kLast : 0);
+      for (int64_t tl = 0; tl < ntile; ++tl) {
+        c.j0 = j_begin + tl * NK;
+        c.kaux = ks.aux.data() + tl * NK;
+        float* part = ks.part.empty() ? nullptr : ks.part.data() + tl * NK * QT;
+        tile(qp + d0 * QT, ks.panel.get() + tl * D * NK + d0 * NK, dl, part, phase, c);
+      }
     }
   }
 }

@@ -2,15 +2,19 @@
 // each query's running top-k in shared memory; a second kernel merges the splits. No [Q, C] score matrix exists: a
 // block holds one [BQ, BK] score tile at a time (docs/retrieval.md).
 //
-// score_topk_kernel<T, BQ>: grid (ceil(Q / BQ), n_splits), 128 threads (4 warps).
+// score_topk_kernel<T, BQ>: grid (ceil(Q / BQ), n_splits), 128 threads (4 warps); split s scans the keys
+// [retrieval_split_key_begin(s), retrieval_split_key_begin(s + 1)) (whole 64-key tiles, balanced).
 //   - per key tile of BK = 64 keys, the [BQ, 64] dot products are accumulated over D in chunks of DK = 32 staged in
 //     shared memory: fp16/bf16 on tensor cores (WMMA 16x16x16, fp32 accumulation), fp32 with FMA (exact fp32, no TF32);
 //   - the tile goes to shared memory as fp32; each warp then owns query rows: it applies the metric
 //     (retrieval_metric.h), the min_score / exclusion filter, and inserts admitted candidates into the row's sorted
 //     top-k list (shared memory, order of topk.h) with a warp-parallel shift;
 //   - the block writes its lists to the workspace [n_splits, Q, k].
-// merge_kernel: one warp per query, the n_splits sorted lists fed through the same admission + insertion.
-// BQ is 64 for k <= 128 and 16 above (lists take BQ * k * 8 bytes of shared memory; k <= 1024 fits on sm_80/sm_90).
+// merge_kernel: one block of 256 threads per query merges the n_splits sorted lists by a tree of parallel merge-path
+// rounds in shared memory (retrieval_merge_query in rapo/retrieval_cuda_plan.h, whose host instantiation is tested).
+// BQ is 16 for k > 128 or Q <= 16, else 64 (lists take BQ * k * 8 bytes of shared memory; k <= 1024 fits on
+// sm_80/sm_90). The split count comes from retrieval_cuda_splits_for: the cost model of retrieval_cuda_plan.h with the
+// device's SM count and this kernel's occupancy.
 // Launched on the caller's stream (torch's current stream).
 // Not here: argument validation (rapo_fast/retrieval/buffer.py; the checks here only keep memory safe).
 #include <cuda_bf16.h>
@@ -20,12 +24,16 @@
 
 #include <cfloat>
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "rapo/cuda_guard.h"
 #include "rapo/dtype.h"
 #include "rapo/retrieval.h"
+#include "rapo/retrieval_cuda_plan.h"
 #include "rapo/retrieval_metric.h"
 #include "rapo/topk.h"
 
@@ -34,12 +42,10 @@ namespace {
 
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
-constexpr int BK = 64;  // keys per tile
-constexpr int DK = 32;  // reduction chunk staged in shared memory
-constexpr int kMaxSplits = 4096;
+constexpr int BK = kRetrievalKeyTile;     // keys per tile
+constexpr int DK = kRetrievalDepthChunk;  // reduction chunk staged in shared memory
+constexpr int kMaxSplits = kRetrievalMaxSplits;
 constexpr const char* kOp = "retrieval CUDA";  // prefix of every error message
-
-inline int bq_for_k(int k) { return k <= 128 ? 64 : 16; }
 
 template <class T>
 struct Stage;  // shared-memory row pitch (elements) of the staged Q/K chunks, chosen for alignment and few conflicts
@@ -331,14 +337,14 @@ __device__ __forceinline__ void write_lists(const RetrievalSearchParams& a, cons
 }
 
 template <class T, int BQ>
-__global__ void __launch_bounds__(kThreads) score_topk_kernel(RetrievalSearchParams a, float* __restrict__ ws_s,
-                                                              int32_t* __restrict__ ws_i, int64_t split_len, bool vec) {
+__global__ void __launch_bounds__(kThreads)
+    score_topk_kernel(RetrievalSearchParams a, float* __restrict__ ws_s, int32_t* __restrict__ ws_i, bool vec) {
   extern __shared__ __align__(128) unsigned char smem[];
   const SmemViews<T> v = carve_smem<T, BQ>(smem, a.k);
   const int64_t q0 = int64_t(blockIdx.x) * BQ;
   const int split = blockIdx.y;
-  const int64_t c_begin = int64_t(split) * split_len;
-  const int64_t c_end = c_begin + split_len < a.C ? c_begin + split_len : a.C;
+  const int64_t c_begin = retrieval_split_key_begin(split, gridDim.y, a.C);
+  const int64_t c_end = retrieval_split_key_begin(split + 1, gridDim.y, a.C);
   const float min_thr = fmaxf(a.min_score, -FLT_MAX);  // eligible: >= min_score and > -inf; NaN never passes
 
   init_rows<T, BQ>(a, v, q0);
@@ -352,90 +358,129 @@ __global__ void __launch_bounds__(kThreads) score_topk_kernel(RetrievalSearchPar
   write_lists<T, BQ>(a, v, ws_s, ws_i, q0, split);
 }
 
-// One warp per query: the splits' lists (each sorted, padded with -inf / -1) are fed through the same admission test
-// and warp_insert as the scoring kernel into a shared-memory list, which is then written out. A split's list is
-// sorted, so once a full list rejects a whole chunk of it the rest of that split is skipped.
-constexpr int kMergeWarps = 4;
+// One block per query: retrieval_merge_query (rapo/retrieval_cuda_plan.h) with the block's threads striding over each
+// round's work items and __syncthreads between rounds. The workspace is read and rewritten in place by the block (a
+// level's group results), so its pointers are neither const nor __restrict__: loads must stay coherent with the
+// block's own earlier stores (no read-only cache path); __syncthreads orders them within the block.
+constexpr int kMergeThreads = 256;
 
-__global__ void __launch_bounds__(32 * kMergeWarps)
-    merge_kernel(const float* __restrict__ ws_s, const int32_t* __restrict__ ws_i, int n_splits, int64_t Q, int k,
-                 float* __restrict__ out_s, int64_t* __restrict__ out_i) {
+struct BlockExec {
+  template <class F>
+  __device__ __forceinline__ void parallel_for(int n, F&& f) const {
+    for (int w = threadIdx.x; w < n; w += kMergeThreads) f(w);
+  }
+  __device__ __forceinline__ void sync() const { __syncthreads(); }
+};
+
+__global__ void __launch_bounds__(kMergeThreads)
+    merge_kernel(float* ws_s, int32_t* ws_i, int n_splits, int64_t Q, int k, float* __restrict__ out_s,
+                 int64_t* __restrict__ out_i) {
   extern __shared__ __align__(128) unsigned char smem[];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
-  const int64_t q = int64_t(blockIdx.x) * kMergeWarps + warp;
-  if (q >= Q) return;  // warp-uniform; no block-wide barrier follows
-  float* ls = reinterpret_cast<float*>(smem) + size_t(warp) * k;
-  int32_t* li = reinterpret_cast<int32_t*>(smem + sizeof(float) * size_t(kMergeWarps) * k) + size_t(warp) * k;
-  int* n_ptr = reinterpret_cast<int*>(smem + (sizeof(float) + sizeof(int32_t)) * size_t(kMergeWarps) * k) + warp;
-  if (lane == 0) *n_ptr = 0;
-  __syncwarp();
-  for (int sp = 0; sp < n_splits; ++sp) {
-    const float* ss = ws_s + (int64_t(sp) * Q + q) * k;
-    const int32_t* si = ws_i + (int64_t(sp) * Q + q) * k;
-    for (int base = 0; base < k; base += 32) {
-      const int i = base + lane;
-      const int32_t j = i < k ? si[i] : -1;
-      const float s = i < k ? ss[i] : -INFINITY;
-      bool pass = j >= 0;
-      if (pass && *n_ptr == k) pass = topk_better(s, j, ls[k - 1], li[k - 1]);
-      unsigned mask = __ballot_sync(0xffffffffu, pass);
-      if (mask == 0u) break;  // sorted list: nothing later in this split can be admitted (or it is padding)
-      while (mask != 0u) {
-        const int src = __ffs(mask) - 1;
-        mask &= mask - 1;
-        warp_insert(ls, li, n_ptr, k, __shfl_sync(0xffffffffu, s, src), __shfl_sync(0xffffffffu, j, src));
-      }
-    }
-  }
-  const int n = *n_ptr;
-  for (int i = lane; i < k; i += 32) {
-    out_s[q * k + i] = i < n ? ls[i] : -INFINITY;
-    out_i[q * k + i] = i < n ? int64_t(li[i]) : int64_t(-1);
-  }
+  const size_t entries = retrieval_merge_buffer_entries(n_splits, k);
+  float* buf_s = reinterpret_cast<float*>(smem);
+  int32_t* buf_i = reinterpret_cast<int32_t*>(smem + sizeof(float) * entries);
+  retrieval_merge_query(BlockExec{}, ws_s, ws_i, n_splits, Q, int64_t(blockIdx.x), k, buf_s, buf_i, out_s, out_i);
+}
+
+// Raises Kernel's dynamic shared-memory limit on the current device to at least `bytes`, never lowers it. Searches
+// with different k share a kernel from several host threads (the bindings release the GIL): a limit lowered between
+// one search's raise and its launch would fail that launch.
+template <auto Kernel>
+cudaError_t raise_smem_limit(size_t bytes) {
+  constexpr int kDevices = 64;
+  static std::mutex mu;
+  static int limit[kDevices] = {};
+  int dev = 0;
+  const cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  std::lock_guard<std::mutex> lock(mu);
+  if (dev >= 0 && dev < kDevices && int(bytes) <= limit[dev]) return cudaSuccess;
+  const cudaError_t r = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+  if (r == cudaSuccess && dev >= 0 && dev < kDevices) limit[dev] = int(bytes);
+  return r;
 }
 
 template <class T, int BQ>
 void launch(const RetrievalSearchParams& a, float* ws_s, int32_t* ws_i, int n_splits, cudaStream_t stream) {
   const size_t bytes = Smem<T, BQ>::bytes(a.k);
   auto kernel = score_topk_kernel<T, BQ>;
-  cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)), kOp,
+  cuda_check(raise_smem_limit<score_topk_kernel<T, BQ>>(bytes), kOp,
              "shared memory size (k too large for this device?)");
-  const int64_t tiles = (a.C + BK - 1) / BK;
-  const int64_t split_len = ((tiles + n_splits - 1) / n_splits) * BK;
   constexpr int VE = 16 / sizeof(T);
   const bool vec = a.D % VE == 0 && a.key_row_stride % VE == 0 && a.query_row_stride % VE == 0 &&
                    reinterpret_cast<std::uintptr_t>(a.keys) % 16 == 0 &&
                    reinterpret_cast<std::uintptr_t>(a.queries) % 16 == 0;
   const dim3 grid(unsigned((a.Q + BQ - 1) / BQ), unsigned(n_splits));
-  kernel<<<grid, kThreads, bytes, stream>>>(a, ws_s, ws_i, split_len, vec);
+  kernel<<<grid, kThreads, bytes, stream>>>(a, ws_s, ws_i, vec);
   cuda_check(cudaGetLastError(), kOp, "score_topk_kernel launch");
 }
 
 template <class T>
 void launch_dtype(const RetrievalSearchParams& a, float* ws_s, int32_t* ws_i, int n_splits, cudaStream_t stream) {
-  if (bq_for_k(a.k) == 64)
+  if (retrieval_cuda_query_tile(a.Q, a.k) == 64)
     launch<T, 64>(a, ws_s, ws_i, n_splits, stream);
   else
     launch<T, 16>(a, ws_s, ws_i, n_splits, stream);
 }
 
+// Scoring blocks of (T, BQ) resident per SM at k on the current device (at least 1; 1 when the shared memory does not
+// fit, which the launch then reports), cached per (device, k): every search asks. Clears the error a refused
+// attribute leaves, so that it is not taken for a later launch's.
+template <class T, int BQ>
+int scoring_blocks_per_sm(int k) {
+  static std::mutex mu;
+  static std::map<std::pair<int, int>, int> cache;
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 1;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    const auto it = cache.find({dev, k});
+    if (it != cache.end()) return it->second;
+  }
+  const size_t bytes = Smem<T, BQ>::bytes(k);
+  auto kernel = score_topk_kernel<T, BQ>;
+  int blocks = 0;
+  if (raise_smem_limit<score_topk_kernel<T, BQ>>(bytes) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, bytes) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 1;
+  }
+  blocks = blocks < 1 ? 1 : blocks;
+  std::lock_guard<std::mutex> lock(mu);
+  cache[{dev, k}] = blocks;
+  return blocks;
+}
+
+template <class T>
+int scoring_blocks_per_sm_dtype(int64_t Q, int k) {
+  return retrieval_cuda_query_tile(Q, k) == 64 ? scoring_blocks_per_sm<T, 64>(k) : scoring_blocks_per_sm<T, 16>(k);
+}
+
 }  // namespace
 
-int retrieval_cuda_splits(int64_t Q, int64_t C, int k, int device) {
+int retrieval_cuda_splits_for(int64_t Q, int64_t C, int64_t D, int k, int dtype, int device) {
   if (k < 1 || Q < 0 || C < 0) throw std::invalid_argument("retrieval_cuda_splits: bad sizes");
   CudaDeviceGuard guard(device, kOp);
   int sms = 1;
   cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), kOp, "multiprocessor count");
-  const int64_t q_tiles = (Q + bq_for_k(k) - 1) / bq_for_k(k);
-  const int64_t k_tiles = (C + BK - 1) / BK;
-  // About 8 blocks per SM: a block stages its tiles synchronously, so several per SM keep enough loads in flight.
-  int64_t splits = q_tiles > 0 ? (8 * int64_t(sms) + q_tiles - 1) / q_tiles : 1;
-  if (splits > k_tiles) splits = k_tiles;
-  if (splits > kMaxSplits) splits = kMaxSplits;
-  const int64_t per_split_bytes = Q * k * 8;  // workspace of one split; keep the total under 1 GiB
-  while (splits > 1 && splits * per_split_bytes > (int64_t(1) << 30)) --splits;
+  int blocks_per_sm = 1;
+  switch (static_cast<DType>(dtype)) {
+    case DType::F32: blocks_per_sm = scoring_blocks_per_sm_dtype<float>(Q, k); break;
+    case DType::F16: blocks_per_sm = scoring_blocks_per_sm_dtype<__half>(Q, k); break;
+    case DType::BF16: blocks_per_sm = scoring_blocks_per_sm_dtype<__nv_bfloat16>(Q, k); break;
+    default: throw std::invalid_argument("retrieval_cuda_splits: dtype must be float32, float16 or bfloat16");
+  }
+  const int elem_bytes = static_cast<DType>(dtype) == DType::F32 ? 4 : 2;
+  const int splits = retrieval_cuda_plan_splits(Q, C, D > 0 ? D : 384, k, sms, blocks_per_sm, elem_bytes);
   guard.restore();
-  return int(splits < 1 ? 1 : splits);
+  return splits;
+}
+
+int retrieval_cuda_splits(int64_t Q, int64_t C, int k, int device) {
+  return retrieval_cuda_splits_for(Q, C, 0, k, static_cast<int>(DType::F16), device);
 }
 
 void retrieval_search_cuda(const RetrievalSearchParams& a, float* ws_scores, int32_t* ws_slots, int n_splits,
@@ -445,6 +490,7 @@ void retrieval_search_cuda(const RetrievalSearchParams& a, float* ws_scores, int
     throw std::invalid_argument("retrieval CUDA: no centre (the caller centres l2 keys and queries itself)");
   if (n_splits < 1 || n_splits > kMaxSplits) throw std::invalid_argument("retrieval CUDA: bad n_splits");
   if (a.Q == 0) return;
+  if (a.Q > INT32_MAX) throw std::invalid_argument("retrieval CUDA: more than 2^31 - 1 queries");
   if (ws_scores == nullptr || ws_slots == nullptr) throw std::invalid_argument("retrieval CUDA: null pointer");
   CudaDeviceGuard guard(device, kOp);
   cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_handle);
@@ -454,12 +500,11 @@ void retrieval_search_cuda(const RetrievalSearchParams& a, float* ws_scores, int
     case DType::BF16: launch_dtype<__nv_bfloat16>(a, ws_scores, ws_slots, n_splits, stream); break;
     default: throw std::invalid_argument("retrieval CUDA: keys must be float32, float16 or bfloat16");
   }
-  const unsigned blocks = unsigned((a.Q + kMergeWarps - 1) / kMergeWarps);
-  const size_t merge_bytes = size_t(kMergeWarps) * a.k * (sizeof(float) + sizeof(int32_t)) + kMergeWarps * sizeof(int);
-  cuda_check(cudaFuncSetAttribute(merge_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(merge_bytes)), kOp,
-             "merge shared memory size");
-  merge_kernel<<<blocks, 32 * kMergeWarps, merge_bytes, stream>>>(ws_scores, ws_slots, n_splits, a.Q, a.k, a.out_scores,
-                                                                  a.out_slots);
+  const size_t merge_bytes =
+      retrieval_merge_buffer_entries(n_splits, a.k) * (sizeof(float) + sizeof(int32_t));  // <= 96 KB
+  cuda_check(raise_smem_limit<merge_kernel>(merge_bytes), kOp, "merge shared memory size");
+  merge_kernel<<<unsigned(a.Q), kMergeThreads, merge_bytes, stream>>>(ws_scores, ws_slots, n_splits, a.Q, a.k,
+                                                                      a.out_scores, a.out_slots);
   cuda_check(cudaGetLastError(), kOp, "merge_kernel launch");
   guard.restore();
 }

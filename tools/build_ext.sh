@@ -8,12 +8,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build_dir="${BUILD_DIR:-build/cmake}"
+case "$build_dir" in /*) ;; *) build_dir="$PWD/$build_dir" ;; esac  # absolute: CMake gets it below
 out_dir="${OUT_DIR:-$PWD/rapo_fast}"
 pybind11_dir="${PYBIND11_DIR:-$(python -m pybind11 --cmakedir)}"
 exec 9>/tmp/rapo_fast_build.lock
 flock 9
 cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-  -DCMAKE_LIBRARY_OUTPUT_DIRECTORY="$PWD/$build_dir/lib" \
+  -DCMAKE_LIBRARY_OUTPUT_DIRECTORY="$build_dir/lib" \
   -Dpybind11_DIR="$pybind11_dir" -DPython_EXECUTABLE="$(command -v python)" \
   -DRAPO_FAST_CUDA="${RAPO_FAST_CUDA:-AUTO}" -DRAPO_FAST_CUDA_ARCHS="${RAPO_FAST_CUDA_ARCHS:-80;90a}" >/dev/null
 cmake --build "$build_dir" -j "${MAX_JOBS:-2}"

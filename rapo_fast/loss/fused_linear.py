@@ -5,7 +5,7 @@ What this is: the registered op `rapo_fast::fused_linear_policy_loss` that rapo_
 with token-level importance sampling when a gradient is needed and the device runs Triton. It reuses the kernels of
 token_logprobs (kernels/loss/token_logprobs.py: the online log-sum-exp forward and the in-place grad_z backward, which
 takes any per-row g_logp, g_H) through the tile helpers of rapo_fast/loss/tiles.py (whose TILE_BYTES and
-MAX_VOCAB_TILE, read at call time, bound the tiles), and the per-token policy-loss launchers of
+MAX_VOCAB_TILE and tile_budget, read at call time, bound the tiles), and the per-token policy-loss launchers of
 rapo_fast/loss/policy_op.py (kernels/loss/policy_loss.py), applied tile by tile.
 What this is not: new math (there is none here), the sequence-level (GSPO) path (its ratio needs the whole sequence's
 log-prob before any token's loss gradient is known: it keeps the two-pass path), or the logits= path.
@@ -21,9 +21,16 @@ logits gradient needs the row's final LSE, so the tile stays in memory from its 
 single row does not fit the budget (V * elem > TILE_BYTES), the token tile is swept twice over vocabulary tiles: once
 for the online LSE / entropy, once recomputing each tile's GEMM to form its gradient; that is 4 GEMM families again
 (no saving over two-pass, but still one pass over the data in the forward and a free backward).
-Memory: one logits tile, [N] fp32 vectors, the gradients, and an fp32 accumulator of grad_W ([V, H]; grad_W sums over
-token tiles and is rounded to the input dtype once) plus an fp32 [rows, H] grad_h accumulator when vocabulary tiles
-are swept. A custom op rather than a torch.autograd.Function, like every other op (docs/testing.md rule 3); the
+Tile size: the budget comes from the free device memory on CUDA (rapo_fast/loss/tiles.py tile_budget: a fraction
+of it, capped), so that where memory allows the whole [N, V] logits form one token tile.
+grad_W: with one token tile, each vocabulary tile's rows of grad_W = grad_z^T h depend on that tile alone and are
+written by one GEMM in the weight's dtype (fp32 accumulation inside the GEMM, one rounding). With several token tiles
+(bf16/fp16) grad_W sums over them in an fp32 [V, H] accumulator, updated by the GEMM itself (addmm with
+out_dtype=float32, where torch has it for the device; otherwise the product in the input dtype summed in fp32 in
+chunks of MAX_VOCAB_TILE rows) and rounded to the input dtype once; fp32 weights accumulate in grad_W with addmm_.
+Memory: one logits tile, [N] fp32 vectors, the gradients, the fp32 grad_W accumulator when there are several token
+tiles and the inputs are bf16/fp16, plus an fp32 [rows, H] grad_h accumulator when vocabulary tiles are swept.
+A custom op rather than a torch.autograd.Function, like every other op (docs/testing.md rule 3); the
 gradients are extra outputs of the op so that torch.compile and opcheck see them.
 """
 
@@ -44,11 +51,11 @@ _F32 = torch.float32
 
 
 def tile_shape(n: int, v: int, elem: int, device: torch.device) -> tuple[int, int]:
-    """(rows, vocabulary columns) of one logits tile: whole rows when V fits the byte budget, else the vocabulary
-    tiles of rapo_fast/loss/tiles.py."""
-    budget = tiles.TILE_BYTES[tiles.device_kind(device)]
+    """(rows, vocabulary columns) of one logits tile: whole rows when V fits the byte budget (tiles.tile_budget: from
+    the free memory on CUDA), in token tiles of balanced size, else the vocabulary tiles of rapo_fast/loss/tiles.py."""
+    budget = tiles.tile_budget(device)
     if v * elem <= budget:
-        return max(1, min(n, budget // (v * elem))), v
+        return tiles.balanced_rows(n, min(n, budget // (v * elem))), v
     return tiles.vocab_tiles(n, v, elem, device)
 
 
@@ -99,18 +106,24 @@ class _Tiles:
 
 class _Grads:
     """The gradients of one call, accumulated tile by tile: grad_h in the input dtype (through an fp32 [rows, H]
-    accumulator when vocabulary tiles are swept), grad_W and grad_b in fp32 (rounded to the input dtype once)."""
+    accumulator when vocabulary tiles are swept), grad_b in fp32 (rounded once), and grad_W either written directly
+    (one token tile: each vocabulary tile's rows of grad_W = grad_z^T h are finished by one GEMM, which accumulates
+    in fp32 and rounds once) or summed over token tiles in an fp32 [V, H] accumulator by the GEMM itself
+    (tiles.accumulate_fp32) and rounded to the input dtype once."""
 
     def __init__(self, hidden: Tensor, weight: Tensor, need: tuple[bool, bool, bool], tile_rows: int,
                  n_vtiles: int):  # fmt: skip
         need_h, need_w, need_b = need
-        h, v, dev = hidden.shape[1], weight.shape[0], hidden.device
+        n, h, v, dev = hidden.shape[0], hidden.shape[1], weight.shape[0], hidden.device
         self.need_h = need_h
-        self.low_precision = hidden.dtype != _F32
         # contiguous whatever hidden's strides (empty_like would copy them), matching the fake
         self.grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=dev) if need_h else hidden.new_empty(0)
         self.acc_h = torch.empty(tile_rows, h, dtype=_F32, device=dev) if need_h and n_vtiles > 1 else None
-        self.acc_w = torch.zeros(v, h, dtype=_F32, device=dev) if need_w else None
+        self.direct_w = need_w and (tile_rows >= n > 0 or weight.dtype == _F32)
+        # direct: grad_W in the weight's dtype, every row written once (fp32 inputs accumulate in it with addmm_);
+        # else an fp32 accumulator, each row's first token tile writes it (beta = 0), so neither needs zeroing
+        self.grad_w = torch.empty(v, h, dtype=weight.dtype, device=dev) if self.direct_w else None
+        self.acc_w = torch.empty(v, h, dtype=_F32, device=dev) if need_w and not self.direct_w else None
         self.grad_b32 = torch.zeros(v, dtype=_F32, device=dev) if need_b else None
         self.w_chunk = tiles.MAX_VOCAB_TILE[tiles.device_kind(dev)]
 
@@ -120,19 +133,15 @@ class _Grads:
         if self.need_h:
             if self.acc_h is None:
                 torch.matmul(gz, wv, out=self.grad_h[r0 : r0 + rows])
-            elif v0 == 0:
-                self.acc_h[:rows].copy_(gz @ wv)
             else:
-                self.acc_h[:rows] += gz @ wv
-        if self.acc_w is not None:
-            if not self.low_precision:
-                self.acc_w[v0:v1].addmm_(gz.T, hc)
-            else:
-                # the GEMM accumulates in fp32 internally; its bf16/fp16 result is summed in fp32, in column chunks
-                # of at most MAX_VOCAB_TILE so that the low-precision temporary stays small
-                for c0 in range(v0, v1, self.w_chunk):
-                    c1 = min(v1, c0 + self.w_chunk)
-                    self.acc_w[c0:c1] += gz[:, c0 - v0 : c1 - v0].T @ hc
+                tiles.accumulate_fp32(self.acc_h[:rows], gz, wv, first=v0 == 0, chunk=rows)
+        if self.grad_w is not None:
+            if r0 == 0:
+                torch.mm(gz.T, hc, out=self.grad_w[v0:v1])
+            else:  # fp32 weight over several token tiles
+                self.grad_w[v0:v1].addmm_(gz.T, hc)
+        elif self.acc_w is not None:
+            tiles.accumulate_fp32(self.acc_w[v0:v1], gz.T, hc, first=r0 == 0, chunk=self.w_chunk)
         if self.grad_b32 is not None:
             self.grad_b32[v0:v1] += gz.sum(0, dtype=_F32)
 
@@ -143,8 +152,10 @@ class _Grads:
     def results(self, hidden: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
         """(grad_hidden, grad_weight, grad_bias) in the inputs' dtypes, a [0] tensor for each not needed."""
         grad_w = hidden.new_empty(0)
-        if self.acc_w is not None:
-            grad_w = self.acc_w if weight.dtype == _F32 else self.acc_w.to(weight.dtype)
+        if self.grad_w is not None:
+            grad_w = self.grad_w
+        elif self.acc_w is not None:
+            grad_w = self.acc_w.to(weight.dtype)
         grad_b = self.grad_b32.to(bias.dtype) if self.grad_b32 is not None else hidden.new_empty(0)
         return self.grad_h, grad_w, grad_b
 
@@ -168,8 +179,9 @@ def _fused_impl(
     undefined = torch.zeros(n, dtype=torch.bool, device=dev)
     if n == 0:
         grads = _Grads(hidden, weight, need, 1, 1)
-        if need_h:
-            grads.grad_h.zero_()
+        for g in (grads.grad_h, grads.grad_w, grads.acc_w):
+            if g is not None:
+                g.zero_()
         return (loss, sums, *grads.results(hidden, weight, bias), undefined)
     tiling = _Tiles(hidden, weight, bias, temperature, with_ent)
     grads = _Grads(hidden, weight, need, tiling.rows, tiling.n_vtiles)

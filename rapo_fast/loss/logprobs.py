@@ -28,9 +28,10 @@ from rapo_fast._dispatch import device_guard, register_op, use_triton
 from rapo_fast.loss import tiles
 from rapo_fast.loss.linear_logprobs import linear_token_logprobs_fwd
 from rapo_fast.loss.options import TARGET_DTYPES
+from rapo_fast.loss.torch_linear_ce import linear_logprobs_torch
 from rapo_fast.reference.logprobs import linear_token_logprobs_ref, token_logprobs_ref
 
-__all__ = ["token_logprobs", "TARGET_DTYPES"]
+__all__ = ["token_logprobs", "TARGET_DTYPES", "check_inplace_backward"]
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -46,10 +47,11 @@ def _row_strides(x: torch.Tensor) -> tuple[int, int, int]:
 
 
 def _lp_fwd_impl(
-    logits: Tensor, targets: Tensor, temperature: float, with_entropy: bool
+    logits: Tensor, targets: Tensor, temperature: float, with_entropy: bool, inplace_backward: bool = False
 ) -> tuple[Tensor, Tensor, Tensor]:
     """logits [N, V] or [B, T, V] (last dim contiguous), targets shaped like logits.shape[:-1] ->
-    (logp, lse, entropy) fp32 shaped like targets (entropy is [0] when not with_entropy)."""
+    (logp, lse, entropy) fp32 shaped like targets (entropy is [0] when not with_entropy). inplace_backward only
+    tells the backward (_lp_backward) where to write the logits gradient."""
     shape = targets.shape
     n, v = targets.numel(), logits.shape[-1]
     dev = logits.device
@@ -72,21 +74,19 @@ def _lp_fwd_impl(
     return logp, lse, ent
 
 
-def _lp_fwd_fake(logits, targets, temperature, with_entropy):
+def _lp_fwd_fake(logits, targets, temperature, with_entropy, inplace_backward=False):
     shape = targets.shape
     return tuple(logits.new_empty(m, dtype=torch.float32) for m in (shape, shape, shape if with_entropy else (0,)))
 
 
-def _lp_bwd_impl(
-    logits: Tensor, targets: Tensor, lse: Tensor, entropy: Tensor, grad_logp: Tensor, grad_entropy: Tensor,
-    temperature: float, with_entropy: bool,
-) -> Tensor:  # fmt: skip
-    """grad_logits (contiguous, logits' dtype and shape) from the upstream fp32 grads of logp and entropy."""
-    v = logits.shape[-1]
-    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    n = targets.numel()
+def _lp_bwd_launch(
+    logits: Tensor, grad: Tensor, stride_gz: int, targets: Tensor, lse: Tensor, entropy: Tensor, grad_logp: Tensor,
+    grad_entropy: Tensor, temperature: float, with_entropy: bool,
+) -> None:  # fmt: skip
+    """The backward kernel over every row: grad row r at grad + r * stride_gz (grad may be logits itself)."""
+    n, v = targets.numel(), logits.shape[-1]
     if n == 0:
-        return grad
+        return
     rows_inner, s_outer, s_inner = _row_strides(logits)
     block, warps = tiles.launch_cfg(v)
     g_lp = grad_logp.reshape(-1).to(torch.float32).contiguous()
@@ -95,10 +95,43 @@ def _lp_bwd_impl(
         tiles.logprob_kernels().token_logprobs_bwd_kernel[(n,)](
             z_ptr=logits, gz_ptr=grad, tgt_ptr=targets.reshape(-1), bias_ptr=logits, lse_ptr=lse.reshape(-1),
             ent_ptr=entropy.reshape(-1) if with_entropy else lse, glp_ptr=g_lp, gent_ptr=g_ent,
-            rows_inner=rows_inner, stride_outer=s_outer, stride_inner=s_inner, stride_gz=v, n_cols=v, v_start=0,
-            inv_temp=1.0 / temperature, HAS_BIAS=False, WITH_ENTROPY=with_entropy, BLOCK_V=block, num_warps=warps,
+            rows_inner=rows_inner, stride_outer=s_outer, stride_inner=s_inner, stride_gz=stride_gz, n_cols=v,
+            v_start=0, inv_temp=1.0 / temperature, HAS_BIAS=False, WITH_ENTROPY=with_entropy, BLOCK_V=block,
+            num_warps=warps,
         )  # fmt: skip
+
+
+def _lp_bwd_impl(
+    logits: Tensor, targets: Tensor, lse: Tensor, entropy: Tensor, grad_logp: Tensor, grad_entropy: Tensor,
+    temperature: float, with_entropy: bool,
+) -> Tensor:  # fmt: skip
+    """grad_logits (contiguous, logits' dtype and shape) from the upstream fp32 grads of logp and entropy."""
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    _lp_bwd_launch(logits, grad, logits.shape[-1], targets, lse, entropy, grad_logp, grad_entropy, temperature,
+                   with_entropy)  # fmt: skip
     return grad
+
+
+def _rows_evenly_spaced(x: Tensor) -> bool:
+    """Whether row r of x (2-D, or 3-D flattened to rows) starts at r * x.stride(-2): the in-place backward's
+    addressing of the gradient (true of a contiguous tensor and of any 2-D one; not of logits[:, :-1])."""
+    if x.dim() == 2 or x.shape[0] <= 1:
+        return True
+    rows_inner, s_outer, s_inner = _row_strides(x)
+    return s_outer == rows_inner * s_inner
+
+
+def _lp_bwd_inplace_impl(
+    logits: Tensor, targets: Tensor, lse: Tensor, entropy: Tensor, grad_logp: Tensor, grad_entropy: Tensor,
+    temperature: float, with_entropy: bool,
+) -> None:  # fmt: skip
+    """_lp_bwd_impl writing grad_logits over logits itself (rows evenly spaced: _rows_evenly_spaced)."""
+    _lp_bwd_launch(logits, logits, logits.stride(-2), targets, lse, entropy, grad_logp, grad_entropy, temperature,
+                   with_entropy)  # fmt: skip
+
+
+def _lp_bwd_inplace_fake(logits, targets, lse, entropy, grad_logp, grad_entropy, temperature, with_entropy):
+    return None
 
 
 def _lp_bwd_fake(logits, targets, lse, entropy, grad_logp, grad_entropy, temperature, with_entropy):
@@ -106,13 +139,19 @@ def _lp_bwd_fake(logits, targets, lse, entropy, grad_logp, grad_entropy, tempera
 
 
 _token_logprobs_bwd = register_op("token_logprobs_bwd", _lp_bwd_impl, fake=_lp_bwd_fake)
+_token_logprobs_bwd_inplace = register_op(
+    "token_logprobs_bwd_inplace", _lp_bwd_inplace_impl, mutates_args=("logits",), fake=_lp_bwd_inplace_fake
+)
 
 
 def _lp_setup_context(ctx, inputs, output):
-    logits, targets, temperature, with_entropy = inputs
+    logits, targets, temperature, with_entropy = inputs[:4]
     _, lse, ent = output
     ctx.save_for_backward(logits, targets, lse, ent)
     ctx.temperature, ctx.with_entropy = temperature, with_entropy
+    # in place only where the gradient can take the logits' storage: evenly spaced rows (else the kernel's gradient
+    # addressing does not fit), and not a leaf (its .grad must be a tensor of its own: AccumulateGrad would copy)
+    ctx.inplace = len(inputs) > 4 and bool(inputs[4]) and _rows_evenly_spaced(logits) and not logits.is_leaf
 
 
 def _lp_backward(ctx, g_logp, g_lse, g_ent):
@@ -121,10 +160,14 @@ def _lp_backward(ctx, g_logp, g_lse, g_ent):
     if g_logp is None:
         g_logp = torch.zeros_like(lse)
     with_ent = ctx.with_entropy and g_ent is not None
-    grad = _token_logprobs_bwd(
-        logits, targets, lse, ent, g_logp, g_ent if with_ent else g_logp, ctx.temperature, with_ent
-    )
-    return grad, None, None, None
+    args = (targets, lse, ent, g_logp, g_ent if with_ent else g_logp, ctx.temperature, with_ent)
+    if ctx.inplace:
+        # inplace_backward=True: the gradient overwrites the logits (the caller said they are not needed again);
+        # this bumps their version counter, so any other use of them saved for backward fails loudly in its own
+        # backward rather than reading a gradient as logits
+        _token_logprobs_bwd_inplace(logits, *args)
+        return logits, None, None, None, None
+    return _token_logprobs_bwd(logits, *args), None, None, None, None
 
 
 _token_logprobs_fwd = register_op(
@@ -207,6 +250,15 @@ def _validate(logits, hidden, weight, bias, targets, temperature, return_entropy
     return v
 
 
+def check_inplace_backward(inplace_backward, logits: Tensor | None) -> None:
+    """token_logprobs' / rapo_loss's inplace_backward: a bool, True only with logits= (the hidden-state paths never
+    hold a logits gradient of [N, V] to save)."""
+    if not isinstance(inplace_backward, bool):
+        raise TypeError(f"inplace_backward must be a bool, got {type(inplace_backward).__name__}")
+    if inplace_backward and logits is None:
+        raise ValueError("inplace_backward=True applies to logits= only (the hidden= path has no [N, V] gradient)")
+
+
 def _row_slices(x: torch.Tensor, rows: int):
     """Yield views of at most `rows` rows of x ([N, D] or [B, T, D]) in flattened row order, without copying."""
     if x.dim() == 2:
@@ -256,6 +308,7 @@ def token_logprobs(
     targets: torch.Tensor,
     temperature: float = 1.0,
     return_entropy: bool = False,
+    inplace_backward: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-prob of `targets` under softmax(z / temperature), and optionally the full-vocabulary entropy.
 
@@ -270,6 +323,14 @@ def token_logprobs(
             hidden.shape[:-1]), values in [0, V).
         temperature: finite, > 0; divides the logits before the softmax (gradients carry 1/T).
         return_entropy: also return H_t.
+        inplace_backward: logits= only. The backward writes the logits gradient over the logits themselves instead
+            of a fresh [N, V] tensor (one N x V buffer less at the peak, as Liger-Kernel's fused cross-entropy does).
+            Opt in only when nothing reads the logits after this call's backward: they hold the gradient then.
+            A use of them that autograd saved (another loss term on the same logits, a second backward through
+            this call) raises torch's "modified by an inplace operation" error instead of a wrong gradient; a read
+            outside autograd (logging logits after backward) sees the gradient. No effect (a fresh gradient, as
+            by default) for a leaf logits tensor, for a view whose rows are not evenly spaced (e.g.
+            logits[:, :-1]: its slicing backward allocates the full gradient anyway), or without Triton.
 
     Returns:
         logp, or (logp, entropy): float32, shaped like targets. Differentiable w.r.t. logits / hidden / weight /
@@ -282,14 +343,19 @@ def token_logprobs(
     sync and is skipped under torch.compile tracing.
     """
     _validate(logits, hidden, weight, bias, targets, temperature, return_entropy)
+    check_inplace_backward(inplace_backward, logits)
     temperature = float(temperature)
     x = logits if logits is not None else hidden
     if not use_triton(x.device):
+        if hidden is not None and not return_entropy:  # torch's chunked linear CE where it does the job
+            logp = linear_logprobs_torch(hidden, weight, bias, targets, temperature)
+            if logp is not None:
+                return logp
         return _reference_chunked(logits, hidden, weight, bias, targets, temperature, return_entropy)
     if logits is not None:
         if logits.stride(-1) != 1:
             logits = logits.contiguous()
-        logp, _, ent = _token_logprobs_fwd(logits, targets, temperature, return_entropy)
+        logp, _, ent = _token_logprobs_fwd(logits, targets, temperature, return_entropy, inplace_backward)
     else:
         h2 = hidden.reshape(-1, hidden.shape[-1])
         bias = None if bias is None else bias.contiguous()  # the kernel indexes bias[v] densely

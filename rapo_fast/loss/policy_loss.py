@@ -44,7 +44,7 @@ from torch import nn
 from rapo_fast._dispatch import use_triton
 from rapo_fast.loss import presets as P
 from rapo_fast.loss.fused_linear import fused_linear_policy_loss
-from rapo_fast.loss.logprobs import token_logprobs
+from rapo_fast.loss.logprobs import check_inplace_backward, token_logprobs
 from rapo_fast.loss.options import (  # noqa: F401  (re-exported: the option vocabularies are public)
     IS_LEVELS,
     KL_ESTIMATORS,
@@ -100,6 +100,7 @@ def rapo_loss(
     cu_seqlens: torch.Tensor | None = None,
     global_num_tokens: int | float | torch.Tensor | None = None,
     options: LossOptions | None = None,
+    inplace_backward: bool = False,
     **option_kwargs: Any,
 ):
     """RAPO policy loss (clipped surrogate with importance shaping, off-policy terms, TIS, KL, entropy bonus).
@@ -112,7 +113,9 @@ def rapo_loss(
     fit). loss_mask / retrieved_mask / response_mask: bool or 0/1 numbers shaped like targets. loss_mask marks the
     tokens eligible for the loss; retrieved tokens among them enter only with offpolicy_train "shaped"/"truncated".
     response_mask (default: every position of the row / segment) is F's denominator. global_num_tokens: the global
-    normaliser of loss_agg (see module docstring).
+    normaliser of loss_agg (see module docstring). inplace_backward (logits= only): the backward writes the logits
+    gradient over the logits instead of a new [N, V] tensor; only when nothing reads the logits afterwards (the
+    hazard and the cases where it has no effect: rapo_fast.token_logprobs, docs/loss.md).
     Options: the fields of rapo_fast.loss.options.LossOptions (shaping_m, offpolicy_train, gamma, is_cap, tis_cap,
     eps_low, eps_high, dual_clip, importance_sampling_level, beta, kl_estimator, entropy_coef, temperature, loss_agg,
     return_metrics), as keywords, or as `options=LossOptions(...)` (keywords given beside it win).
@@ -123,6 +126,7 @@ def rapo_loss(
     """
     a = dict(locals())
     opts = LossOptions.from_call(a.pop("options"), a.pop("option_kwargs"), caller="rapo_loss")
+    check_inplace_backward(a.pop("inplace_backward"), logits)
     facts = check_inputs(a, opts)
     if _use_fused(hidden, weight, bias, opts.importance_sampling_level):
         # log-probs, loss and gradients in one pass: rapo_fast/loss/fused_linear.py
@@ -144,6 +148,7 @@ def rapo_loss(
             targets=targets,
             temperature=opts.temperature,
             return_entropy=want_ent,
+            inplace_backward=inplace_backward,
         )
     logp, ent = out if want_ent else (out, None)
     return _loss_from_logp(a, opts, facts, logp, ent)
@@ -350,7 +355,7 @@ class RAPOLoss(nn.Module):
     construction as a LossOptions (`self.loss_options`; `self.options` is a read-only dict view), explicit keyword
     options overriding the preset; forward(logits=None, *, hidden, weight, bias, targets, old_logp, advantages,
     loss_mask, retrieved_mask, response_mask, behav_logp, ref_logp, cu_seqlens, global_num_tokens,
-    return_metrics=None) takes the tensors and returns what rapo_loss returns."""
+    inplace_backward, return_metrics=None) takes the tensors and returns what rapo_loss returns."""
 
     def __init__(self, preset: str | dict | None = None, **options: Any):
         super().__init__()

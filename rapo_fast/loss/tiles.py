@@ -5,8 +5,11 @@ launch configuration and kernel loader.
 
 What this is: a [rows, V_chunk] block of logits is formed by torch.matmul in the input dtype into a reused buffer,
 then one Triton launch folds it into the per-row online state (m, s, t, target logit) or overwrites it with its
-gradient grad_z. The budget bounds the tile's bytes (TILE_BYTES) and its vocabulary width (MAX_VOCAB_TILE, so that
-an fp32 grad_W accumulator of one vocabulary tile stays small too); tests shrink both through these module dicts.
+gradient grad_z. The budget bounds the tile's bytes (tile_budget: on CUDA a fraction of the free device memory, capped
+by TILE_BYTES["gpu"]; on the CPU the fixed TILE_BYTES["cpu"]) and its vocabulary width (MAX_VOCAB_TILE, so that an
+fp32 grad_W accumulator of one vocabulary tile stays small too); tests shrink both through these module dicts.
+accumulate_fp32 sums a GEMM into an fp32 accumulator with the GEMM itself (torch.addmm with out_dtype=float32 where
+torch has it for the device and dtype, probed once) instead of a low-precision temporary.
 What this is not: the kernels (kernels/loss/token_logprobs.py), the logits= path's launches
 (rapo_fast/loss/logprobs.py), or a place for autograd.
 """
@@ -21,6 +24,13 @@ from rapo_fast._dispatch import device_guard, interpret_mode
 __all__ = [
     "TILE_BYTES",
     "MAX_VOCAB_TILE",
+    "FREE_FRACTION",
+    "MIN_TILE_BYTES",
+    "budget_from_free",
+    "tile_budget",
+    "balanced_rows",
+    "fp32_addmm_supported",
+    "accumulate_fp32",
     "device_kind",
     "launch_cfg",
     "logprob_kernels",
@@ -32,10 +42,18 @@ __all__ = [
 ]
 
 # Byte budget of one logits tile (input dtype) of the hidden path, per device kind.
-# GPU: 512 MiB keeps GEMMs at full size (e.g. 16k x 16k bf16) while the tile is ~1/20 of [16k, 152k] bf16.
-# Interpreter / CPU: small, so tests exercise many tiles.
-TILE_BYTES = {"gpu": 512 << 20, "cpu": 8 << 20}
+# GPU: the cap of the free-memory budget (tile_budget). 8 GiB holds the whole [16k, 152k] bf16 logits (5 GB), so that
+# on a device with room the fused loss runs one token tile and writes grad_W with one GEMM per vocabulary tile.
+# Interpreter / CPU: the budget itself, small, so tests exercise many tiles.
+TILE_BYTES = {"gpu": 8 << 30, "cpu": 8 << 20}
 MAX_VOCAB_TILE = {"gpu": 16384, "cpu": 16384}
+# GPU: the tile takes at most this fraction of the free memory (the rest is left to the gradients the call allocates
+# -- grad_h [N, H], grad_W [V, H] and its fp32 accumulator -- and to the caller), and at least MIN_TILE_BYTES.
+FREE_FRACTION = 0.25
+MIN_TILE_BYTES = 64 << 20
+
+# (device type, index, dtype) -> whether torch.addmm(..., out_dtype=torch.float32, out=fp32) runs there
+_FP32_ADDMM: dict[tuple[str, int | None, torch.dtype], bool] = {}
 
 
 def logprob_kernels():
@@ -58,12 +76,89 @@ def launch_cfg(n_cols: int) -> tuple[int, int]:
     return block, (8 if block >= 2048 else 4)
 
 
+def budget_from_free(free_bytes: int, cap: int, *, fraction: float | None = None, floor: int | None = None) -> int:
+    """The tile budget for `free_bytes` of free device memory: fraction * free (default FREE_FRACTION), at most cap, at
+    least min(floor, cap) (default MIN_TILE_BYTES; both read at call time). A pure function (tested on its own);
+    tile_budget feeds it the device's free memory."""
+    fraction = FREE_FRACTION if fraction is None else fraction
+    floor = MIN_TILE_BYTES if floor is None else floor
+    return int(max(min(floor, cap), min(cap, int(free_bytes * fraction))))
+
+
+def free_device_bytes(device: torch.device) -> int:
+    """Free memory of a CUDA device as a tensor could use it: the driver's free memory plus what torch's caching
+    allocator holds reserved but unallocated."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+
+
+def tile_budget(device: torch.device) -> int:
+    """Byte budget of one logits tile on `device`: budget_from_free(free memory, TILE_BYTES["gpu"]) on CUDA (one
+    query of the driver per call), the fixed TILE_BYTES["cpu"] elsewhere."""
+    kind = device_kind(device)
+    if device.type != "cuda":
+        return TILE_BYTES[kind]
+    return budget_from_free(free_device_bytes(device), TILE_BYTES[kind])
+
+
+def balanced_rows(n: int, max_rows: int) -> int:
+    """Rows per token tile: as few tiles as max_rows allows, of near-equal size (ceil(n / tiles); the last tile is
+    at most tiles - 1 rows shorter), so that no tile is a small remainder. >= 1, at most max(1, max_rows)."""
+    max_rows = max(1, max_rows)
+    n_tiles = max(1, -(-n // max_rows))
+    return max(1, -(-n // n_tiles))
+
+
 def vocab_tiles(n: int, v: int, elem: int, device: torch.device) -> tuple[int, int]:
     """(rows, vocab columns) of one logits tile under the byte budget, at most MAX_VOCAB_TILE columns; both >= 1."""
-    kind = device_kind(device)
-    vc = max(1, min(v, MAX_VOCAB_TILE[kind]))
-    nc = max(1, min(n, TILE_BYTES[kind] // (vc * elem)))
+    vc = max(1, min(v, MAX_VOCAB_TILE[device_kind(device)]))
+    nc = balanced_rows(n, min(n, tile_budget(device) // (vc * elem)))
     return nc, vc
+
+
+def _probe_fp32_addmm(device: torch.device, dtype: torch.dtype) -> bool:
+    a = torch.tensor([[1.0, 2.0]], dtype=dtype, device=device)
+    b = torch.tensor([[3.0], [4.0]], dtype=dtype, device=device)
+    acc = torch.full((1, 1), 0.5, dtype=torch.float32, device=device)
+    try:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    except (RuntimeError, NotImplementedError, TypeError):  # no such overload, or no kernel for this device/dtype
+        return False
+    return acc.dtype == torch.float32 and float(acc.item()) == 11.5  # 0.5 + 1 * 3 + 2 * 4: beta = 1 kept self
+
+
+def fp32_addmm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)` runs for `dtype` inputs and an fp32 acc on
+    `device` (CUDA in recent torch; not the CPU in torch 2.13; torch versions differ on whether an fp32 self is taken,
+    hence a probe rather than a version test). Probed once per device and dtype (one tiny GEMM and one sync)."""
+    if dtype == torch.float32:
+        return True
+    key = (device.type, device.index, dtype)
+    if key not in _FP32_ADDMM:
+        _FP32_ADDMM[key] = _probe_fp32_addmm(device, dtype)
+    return _FP32_ADDMM[key]
+
+
+def accumulate_fp32(acc: Tensor, a: Tensor, b: Tensor, *, first: bool, chunk: int) -> None:
+    """acc = a @ b, or acc += a @ b unless first; acc fp32 [m, n], a [m, k] and b [k, n] in the input dtype.
+
+    fp32 inputs: addmm_ in place. bf16/fp16 where fp32_addmm_supported: one addmm with out_dtype=float32 into acc (the
+    GEMM accumulates in fp32 and reads/writes acc in its epilogue: no low-precision product, no temporary). Otherwise
+    (the CPU, or a torch without the overload) the product in the input dtype, summed into acc in row chunks of at most
+    `chunk` rows so that the temporary stays small."""
+    beta = 0.0 if first else 1.0  # beta = 0: acc's old content (uninitialised) is ignored, not multiplied
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b, beta=beta)
+    elif fp32_addmm_supported(a.device, a.dtype):
+        torch.addmm(acc, a, b, beta=beta, out_dtype=torch.float32, out=acc)
+    else:
+        for c0 in range(0, acc.shape[0], max(1, chunk)):
+            c1 = min(acc.shape[0], c0 + max(1, chunk))
+            part = a[c0:c1] @ b
+            if first:
+                acc[c0:c1].copy_(part)
+            else:
+                acc[c0:c1] += part
 
 
 def tile_buffer(nc: int, vc: int, like: Tensor) -> Tensor:

@@ -30,20 +30,25 @@ def _tolerance(keys: torch.Tensor, queries: torch.Tensor, metric: str) -> torch.
 
 def cpu_isas() -> list[str]:
     """Every CPU micro-kernel this machine can run, each under its own name: the packed tiles of each ISA (scalar,
-    avx2, avx512) and the few-query row-walking dot kernels ("avx2-dot", "avx512-dot"). Tests parametrize over all of
-    them (force_isa), so the AVX2 paths get the same exactness tests as the AVX-512 ones."""
+    avx2, avx512), the same tiles with D split into blocks of 8 ("avx2-kc8": partial scores carried across blocks,
+    RAPO_FAST_CPU_KC) and the few-query row-walking dot kernels ("avx2-dot", "avx512-dot"). Tests parametrize over
+    all of them (force_isa), so the AVX2 paths get the same exactness tests as the AVX-512 ones."""
     from rapo_fast._ext import extension
 
     best = extension().retrieval_cpu_isa(-1)
     order = ["scalar", "avx2", "avx512"]
     isas = order[: order.index(best) + 1]
-    return isas + [f"{i}-dot" for i in isas if i != "scalar"]
+    return isas + [f"{i}-kc8" for i in isas] + [f"{i}-dot" for i in isas if i != "scalar"]
 
 
 def force_isa(monkeypatch, name: str) -> str:
     """Make the CPU backend use micro-kernel `name` (one of cpu_isas()) for the rest of the test."""
-    monkeypatch.setenv("RAPO_FAST_CPU_ISA", name.removesuffix("-dot"))
+    monkeypatch.setenv("RAPO_FAST_CPU_ISA", name.split("-")[0])
     monkeypatch.setenv("RAPO_FAST_CPU_DOT", "1" if name.endswith("-dot") else "0")
+    if name.endswith("-kc8"):
+        monkeypatch.setenv("RAPO_FAST_CPU_KC", "8")
+    else:
+        monkeypatch.delenv("RAPO_FAST_CPU_KC", raising=False)
     return name
 
 

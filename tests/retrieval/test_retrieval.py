@@ -50,6 +50,8 @@ def isa(request, monkeypatch):
         (64, 7, 5, 3),
         (301, 64, 6, 9),
         (257, 45, 7, 9),
+        # D past the AVX2 tile's L1 block (232): two D blocks by default, partial scores carried between them
+        (203, 300, 40, 5),
     ],
 )
 def test_matches_fp64(isa, metric, dtype, C, D, Q, k):
@@ -154,3 +156,13 @@ def test_isa_env_rejects_unknown(monkeypatch):
         buf.search(torch.randn(2, 4), 1)
     monkeypatch.delenv("RAPO_FAST_CPU_ISA")
     assert os.environ.get("RAPO_FAST_CPU_ISA") is None
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "x"])
+def test_block_env_rejects_non_positive(monkeypatch, value):
+    monkeypatch.setenv("RAPO_FAST_CPU_ISA", "scalar")
+    monkeypatch.setenv("RAPO_FAST_CPU_DOT", "0")
+    monkeypatch.setenv("RAPO_FAST_CPU_KC", value)
+    buf = _filled(10, 4, torch.float32, "ip")
+    with pytest.raises(ValueError, match="RAPO_FAST_CPU_KC"):
+        buf.search(torch.randn(2, 4), 1)

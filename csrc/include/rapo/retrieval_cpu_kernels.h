@@ -68,7 +68,12 @@ __attribute__((noinline)) inline void admit(TileCtx& c, int lane, int t, float s
   }
 }
 
-// ---- micro-kernels: score tile NK keys x QT queries over the whole D, then the epilogue ----
+// ---- micro-kernels: score tile NK keys x QT queries over one block of D, then the epilogue ----
+// D is split into blocks (SearchPlan::kc) so that a query panel block and a key panel block fit in L1 together; the
+// NK x QT partial scores of a tile cross blocks through `part` (kFirst: start from zero, else load `part`; kLast: run
+// the epilogue, else store `part`). One block (kFirst | kLast) is the whole D with no partial traffic.
+constexpr int kFirst = 1;
+constexpr int kLast = 2;
 
 // Dot mode (few queries, see dotrow_avx2): KB keys x QG queries per block, KB * QG <= kDotOut scores; KB = 8 for
 // QG <= 2, else 4 (measured 1.5x faster at Q = 3). One group of exactly Q queries up to 6 (the keys are streamed
@@ -87,13 +92,21 @@ using DotFn = void (*)(const void*, int64_t, int64_t, int64_t, const float*, int
 constexpr int kScalarNK = 4;
 constexpr int kScalarQT = 8;
 
-inline void tile_scalar(const float* __restrict qp, const float* __restrict kp, int64_t D, TileCtx& c) {
-  float acc[kScalarNK][kScalarQT] = {};
+inline void tile_scalar(const float* __restrict qp, const float* __restrict kp, int64_t D, float* part, int phase,
+                        TileCtx& c) {
+  float acc[kScalarNK][kScalarQT];
+  for (int t = 0; t < kScalarNK; ++t)
+    for (int l = 0; l < kScalarQT; ++l) acc[t][l] = (phase & kFirst) ? 0.0f : part[t * kScalarQT + l];
   for (int64_t d = 0; d < D; ++d) {
     const float* q = qp + d * kScalarQT;
     const float* kd = kp + d * kScalarNK;
     for (int t = 0; t < kScalarNK; ++t)
       for (int l = 0; l < kScalarQT; ++l) acc[t][l] += kd[t] * q[l];
+  }
+  if (!(phase & kLast)) {
+    for (int t = 0; t < kScalarNK; ++t)
+      for (int l = 0; l < kScalarQT; ++l) part[t * kScalarQT + l] = acc[t][l];
+    return;
   }
   for (int t = 0; t < kScalarNK; ++t)
     for (int l = 0; l < kScalarQT; ++l) {
@@ -106,27 +119,13 @@ inline void tile_scalar(const float* __restrict qp, const float* __restrict kp, 
 constexpr int kAvx2NK = 6;
 constexpr int kAvx2QT = 16;
 
-__attribute__((target("avx2,fma"))) inline void tile_avx2(const float* __restrict qp, const float* __restrict kp,
-                                                          int64_t D, TileCtx& c) {
-  constexpr int NK = kAvx2NK;
-  __m256 a0[NK], a1[NK];
-  for (int t = 0; t < NK; ++t) a0[t] = a1[t] = _mm256_setzero_ps();
-  for (int64_t d = 0; d < D; ++d) {
-    const __m256 q0 = _mm256_loadu_ps(qp + d * 16);
-    const __m256 q1 = _mm256_loadu_ps(qp + d * 16 + 8);
-    const float* kd = kp + d * NK;
-#pragma GCC unroll 6
-    for (int t = 0; t < NK; ++t) {
-      const __m256 b = _mm256_broadcast_ss(kd + t);
-      a0[t] = _mm256_fmadd_ps(b, q0, a0[t]);
-      a1[t] = _mm256_fmadd_ps(b, q1, a1[t]);
-    }
-  }
+// Metric, threshold compare and admission of one NK x 16 score tile stored row by row in `sc` (key t at sc + 16 t).
+__attribute__((target("avx2,fma"))) inline void epilogue_avx2(const float* sc, int NK, TileCtx& c) {
   const __m256 th0 = _mm256_loadu_ps(c.thr), th1 = _mm256_loadu_ps(c.thr + 8);
   const __m256 qa0 = _mm256_loadu_ps(c.qaux), qa1 = _mm256_loadu_ps(c.qaux + 8);
   const __m256 zero = _mm256_setzero_ps(), two = _mm256_set1_ps(2.0f);
   for (int t = 0; t < NK; ++t) {
-    __m256 s0 = a0[t], s1 = a1[t];
+    __m256 s0 = _mm256_loadu_ps(sc + t * 16), s1 = _mm256_loadu_ps(sc + t * 16 + 8);
     if (c.metric == kMetricCosine) {
       const __m256 ka = _mm256_set1_ps(c.kaux[t]);
       s0 = _mm256_mul_ps(_mm256_mul_ps(s0, qa0), ka);
@@ -150,30 +149,50 @@ __attribute__((target("avx2,fma"))) inline void tile_avx2(const float* __restric
   }
 }
 
+// Every access to the accumulator arrays is in a fully unrolled loop with constant indices, so that they live in
+// registers: with the epilogue's loop indexing them, GCC 12 kept them in memory and stored all 12 on every step of
+// the D loop (store-bound at about 55% of the FMA rate; bench/NOTES_retrieval.md "accumulators in registers").
+__attribute__((target("avx2,fma"))) inline void tile_avx2(const float* __restrict qp, const float* __restrict kp,
+                                                          int64_t D, float* part, int phase, TileCtx& c) {
+  constexpr int NK = kAvx2NK;
+  __m256 a0[NK], a1[NK];
+  const bool first = phase & kFirst;
+#pragma GCC unroll 6
+  for (int t = 0; t < NK; ++t) {
+    a0[t] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(part + t * 16);
+    a1[t] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(part + t * 16 + 8);
+  }
+  for (int64_t d = 0; d < D; ++d) {
+    const __m256 q0 = _mm256_loadu_ps(qp + d * 16);
+    const __m256 q1 = _mm256_loadu_ps(qp + d * 16 + 8);
+    const float* kd = kp + d * NK;
+#pragma GCC unroll 6
+    for (int t = 0; t < NK; ++t) {
+      const __m256 b = _mm256_broadcast_ss(kd + t);
+      a0[t] = _mm256_fmadd_ps(b, q0, a0[t]);
+      a1[t] = _mm256_fmadd_ps(b, q1, a1[t]);
+    }
+  }
+  alignas(32) float sc[NK * 16];
+  float* dst = (phase & kLast) ? sc : part;
+#pragma GCC unroll 6
+  for (int t = 0; t < NK; ++t) {
+    _mm256_storeu_ps(dst + t * 16, a0[t]);
+    _mm256_storeu_ps(dst + t * 16 + 8, a1[t]);
+  }
+  if (phase & kLast) epilogue_avx2(sc, NK, c);
+}
+
 constexpr int kAvx512NK = 12;
 constexpr int kAvx512QT = 32;
 
-__attribute__((target("avx512f"))) inline void tile_avx512(const float* __restrict qp, const float* __restrict kp,
-                                                           int64_t D, TileCtx& c) {
-  constexpr int NK = kAvx512NK;
-  __m512 a0[NK], a1[NK];
-  for (int t = 0; t < NK; ++t) a0[t] = a1[t] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; ++d) {
-    const __m512 q0 = _mm512_loadu_ps(qp + d * 32);
-    const __m512 q1 = _mm512_loadu_ps(qp + d * 32 + 16);
-    const float* kd = kp + d * NK;
-#pragma GCC unroll 12
-    for (int t = 0; t < NK; ++t) {
-      const __m512 b = _mm512_set1_ps(kd[t]);
-      a0[t] = _mm512_fmadd_ps(b, q0, a0[t]);
-      a1[t] = _mm512_fmadd_ps(b, q1, a1[t]);
-    }
-  }
+// As epilogue_avx2, for an NK x 32 tile (key t at sc + 32 t).
+__attribute__((target("avx512f"))) inline void epilogue_avx512(const float* sc, int NK, TileCtx& c) {
   const __m512 th0 = _mm512_loadu_ps(c.thr), th1 = _mm512_loadu_ps(c.thr + 16);
   const __m512 qa0 = _mm512_loadu_ps(c.qaux), qa1 = _mm512_loadu_ps(c.qaux + 16);
   const __m512 zero = _mm512_setzero_ps(), two = _mm512_set1_ps(2.0f);
   for (int t = 0; t < NK; ++t) {
-    __m512 s0 = a0[t], s1 = a1[t];
+    __m512 s0 = _mm512_loadu_ps(sc + t * 32), s1 = _mm512_loadu_ps(sc + t * 32 + 16);
     if (c.metric == kMetricCosine) {
       const __m512 ka = _mm512_set1_ps(c.kaux[t]);
       s0 = _mm512_mul_ps(_mm512_mul_ps(s0, qa0), ka);
@@ -197,6 +216,38 @@ __attribute__((target("avx512f"))) inline void tile_avx512(const float* __restri
   }
 }
 
+// Accumulators in registers as in tile_avx2 (every access unrolled with constant indices).
+__attribute__((target("avx512f"))) inline void tile_avx512(const float* __restrict qp, const float* __restrict kp,
+                                                           int64_t D, float* part, int phase, TileCtx& c) {
+  constexpr int NK = kAvx512NK;
+  __m512 a0[NK], a1[NK];
+  const bool first = phase & kFirst;
+#pragma GCC unroll 12
+  for (int t = 0; t < NK; ++t) {
+    a0[t] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(part + t * 32);
+    a1[t] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(part + t * 32 + 16);
+  }
+  for (int64_t d = 0; d < D; ++d) {
+    const __m512 q0 = _mm512_loadu_ps(qp + d * 32);
+    const __m512 q1 = _mm512_loadu_ps(qp + d * 32 + 16);
+    const float* kd = kp + d * NK;
+#pragma GCC unroll 12
+    for (int t = 0; t < NK; ++t) {
+      const __m512 b = _mm512_set1_ps(kd[t]);
+      a0[t] = _mm512_fmadd_ps(b, q0, a0[t]);
+      a1[t] = _mm512_fmadd_ps(b, q1, a1[t]);
+    }
+  }
+  alignas(64) float sc[NK * 32];
+  float* dst = (phase & kLast) ? sc : part;
+#pragma GCC unroll 12
+  for (int t = 0; t < NK; ++t) {
+    _mm512_storeu_ps(dst + t * 32, a0[t]);
+    _mm512_storeu_ps(dst + t * 32 + 16, a1[t]);
+  }
+  if (phase & kLast) epilogue_avx512(sc, NK, c);
+}
+
 // Few queries (Q <= kDotMaxQ): packing keys would cost more than scoring them, so keys are read straight from the
 // buffer, converted 8 at a time. The scan is memory-bound, so it is written for streaming: each of the KB rows is
 // walked to its end before the next (one linear stream; interleaving the KB rows, KB streams a row apart, streamed at
@@ -213,10 +264,9 @@ __attribute__((target("avx2,f16c"))) inline __m256 load8_avx2(const void* base, 
   }
 }
 
-// Sum of the n 8-lane accumulators, then across lanes.
-__attribute__((target("avx2"))) inline float hsum8_avx2(const __m256* acc, int n) {
-  __m256 s8 = acc[0];
-  for (int u = 1; u < n; ++u) s8 = _mm256_add_ps(s8, acc[u]);
+// Sum of the 8 lanes. Takes a value, not a pointer to the accumulators: a pointer kept them in memory, stored on every
+// step of the dot loop (see tile_avx2).
+__attribute__((target("avx2"))) inline float hsum8_avx2(__m256 s8) {
   __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
   s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
   s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
@@ -235,8 +285,11 @@ __attribute__((target("avx2,fma,f16c"))) void dotrow_avx2(const void* keys, int6
   for (int t = 0; t < kKB; ++t) {
     const void* r = kb + std::min(j0 + t, jlast) * ks * esz;
     __m256 acc[QG][kU], sq[kU];
+#pragma GCC unroll 4
     for (int u = 0; u < kU; ++u) sq[u] = _mm256_setzero_ps();
+#pragma GCC unroll 6
     for (int l = 0; l < QG; ++l)
+#pragma GCC unroll 4
       for (int u = 0; u < kU; ++u) acc[l][u] = _mm256_setzero_ps();
     int64_t d = 0;
     for (; d + 8 * kU <= D8; d += 8 * kU) {
@@ -258,17 +311,25 @@ __attribute__((target("avx2,fma,f16c"))) void dotrow_avx2(const void* keys, int6
         kv = _mm256_sub_ps(kv, _mm256_loadu_ps(centre + d));
         sq[0] = _mm256_fmadd_ps(kv, kv, sq[0]);
       }
+#pragma GCC unroll 6
       for (int l = 0; l < QG; ++l) acc[l][0] = _mm256_fmadd_ps(kv, _mm256_loadu_ps(qrows + l * Dp + d), acc[l][0]);
     }
     const auto* re = static_cast<const typename FloatTraits<DT>::Bits*>(r);
+#pragma GCC unroll 6
     for (int l = 0; l < QG; ++l) {
-      float v = hsum8_avx2(acc[l], kU);
+      __m256 s8 = acc[l][0];
+#pragma GCC unroll 4
+      for (int u = 1; u < kU; ++u) s8 = _mm256_add_ps(s8, acc[l][u]);
+      float v = hsum8_avx2(s8);
       for (int64_t e = d; e < D; ++e)
         v += (FloatTraits<DT>::to_float(re[e]) - (CENTRED ? centre[e] : 0.0f)) * qrows[l * Dp + e];
       out[t * QG + l] = v;
     }
     if constexpr (CENTRED) {
-      float v = hsum8_avx2(sq, kU);
+      __m256 s8 = sq[0];
+#pragma GCC unroll 4
+      for (int u = 1; u < kU; ++u) s8 = _mm256_add_ps(s8, sq[u]);
+      float v = hsum8_avx2(s8);
       for (int64_t e = d; e < D; ++e) {
         const float x = FloatTraits<DT>::to_float(re[e]) - centre[e];
         v += x * x;

@@ -1,0 +1,63 @@
+"""The CPU fallback of token_logprobs(hidden=...) through PyTorch's own chunked linear cross-entropy.
+
+What this is: where Triton does not run (CPU tensors outside the interpreter), log-probs from hidden states without
+entropy are -F.linear_cross_entropy(h / T, W, y, linear_bias=b / T, reduction="none", options=...) — torch's chunked
+op (torch >= 2.13), which never holds [N, V]; measured on a 2-core AVX2 CPU it ran about 2x faster than our own
+chunked reference with less extra peak memory (bench/NOTES_token_logprobs.md). Gradients flow through
+torch's own backward, in fp32 (low-precision inputs are upcast once, as the reference fallback does, so that the
+log-softmax and the gradient sums over rows are fp32).
+What this is not: the path for entropy, for a row whose log-sum-exp is not finite, or under torch.compile tracing.
+Entropy is not an output of torch's op; a non-finite row must give NaN log-prob and an exactly-zero gradient
+(docs/loss.md section 2), which torch's backward does not (a NaN row's softmax poisons grad_W); the finiteness check
+is a data-dependent branch that would break a full graph. Those cases return None and the caller takes the chunked
+reference (rapo_fast/loss/logprobs.py), which has the exact semantics. The Triton kernels are elsewhere
+(rapo_fast/loss/linear_logprobs.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["linear_logprobs_torch", "torch_linear_ce_available"]
+
+_LCE = getattr(torch.nn.functional, "linear_cross_entropy", None)
+_OPTIONS = getattr(torch.nn, "LinearCrossEntropyOptions", None)
+CHUNK_BYTES = 32 << 20  # fp32 logits of one chunk: 256 rows at V = 32768, the anchor the CPU bench compares with
+
+
+def torch_linear_ce_available() -> bool:
+    """Whether this torch has the chunked F.linear_cross_entropy (torch >= 2.13)."""
+    return _LCE is not None and _OPTIONS is not None
+
+
+def chunk_rows(n: int, v: int) -> int:
+    """Rows per chunk of torch's op: a [rows, V] fp32 logits chunk within CHUNK_BYTES, a power of two, at least 32.
+    torch's own default for fp32 on the CPU ("aspect_ratio:2") gives 16 rows at N=2048, H=512, V=32768 and ran 3x
+    slower than 256 rows; 128 to 1024 rows were within 15% of each other there (bench/NOTES_token_logprobs.md)."""
+    rows = max(1, CHUNK_BYTES // (4 * max(v, 1)))
+    return max(32, min(max(n, 1), 1 << (rows.bit_length() - 1)))
+
+
+def linear_logprobs_torch(
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float
+) -> Tensor | None:
+    """logp [targets.shape] fp32 of softmax((hidden @ weight.T + bias) / T) at targets, by torch's chunked op; None
+    where this path does not apply (no such op, tracing, or a row whose loss is not finite: see the module docstring).
+    Arguments are already validated by token_logprobs."""
+    if not torch_linear_ce_available() or torch.compiler.is_compiling():
+        return None
+    h = hidden.reshape(-1, hidden.shape[-1])
+    w, b = weight, bias
+    if h.dtype != torch.float32:  # fp32 log-softmax and gradient sums; grads rounded once by these casts' backward
+        h, w = h.float(), w.float()
+        b = None if b is None else b.float()
+    if temperature != 1.0:  # (h W^T + b) / T = (h / T) W^T + b / T: an [N, H] scale instead of an [N, V] one
+        h = h / temperature
+        b = None if b is None else b / temperature
+    y = targets.reshape(-1).long()
+    opts = _OPTIONS(batch_chunk_size=chunk_rows(h.shape[0], w.shape[0]), chunking_method=None)
+    loss = _LCE(h, w, y, linear_bias=b, reduction="none", options=opts)
+    if not bool(torch.isfinite(loss).all()):
+        return None
+    return (-loss).view(targets.shape)
