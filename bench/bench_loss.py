@@ -6,6 +6,10 @@ Providers, side by side in one run at each shape:
 - `rapo_fast_hidden_2pass`: the same with RAPO_FAST_FUSED_LINEAR_LOSS=0 (backward recomputes the logits: 4 GEMMs).
 - `rapo_fast_logits`: rapo_loss(logits=) — the logits path; its bytes (logits read twice, grad written once) are
   compared with the measured copy bandwidth.
+- `rapo_fast_logits_lmhead` / `rapo_fast_logits_lmhead_inplace`: logits = hidden @ W^T formed inside the timed call
+  (as a trainer does), then rapo_loss(logits=) with inplace_backward False / True: the in-place option writes the
+  logits gradient over the logits and saves one [N, V] buffer (it has no effect on a leaf, hence not the provider
+  above).
 - `torch_eager`: what a trainer does without us: logits = hidden @ W^T materialised, fp32 log-softmax, gather,
   clipped surrogate (rapo_fast.reference), token-mean.
 - `torch_compile`: the same function under torch.compile.
@@ -89,6 +93,58 @@ def _torch_linear_ce_loss(hidden, weight, targets, old_logp, adv, mask):
     return _surrogate(-lce.view(targets.shape), old_logp, adv, mask)
 
 
+def _rapo_fast():
+    import rapo_fast
+
+    return rapo_fast
+
+
+def _ours_logits_lmhead(hidden, weight, targets, old_logp, adv, mask, inplace=False):
+    """rapo_loss(logits=) on logits formed in the call (a trainer's lm_head), so that the in-place option applies."""
+    return _rapo_fast().rapo_loss(
+        hidden @ weight.T,
+        targets=targets,
+        old_logp=old_logp,
+        advantages=adv,
+        loss_mask=mask,
+        eps_low=EPS,
+        eps_high=EPS,
+        loss_agg="token-mean",
+        inplace_backward=inplace,
+    )
+
+
+def _ours_logits_lmhead_inplace(*args):
+    return _ours_logits_lmhead(*args, inplace=True)
+
+
+def _liger_provider(device: torch.device):
+    """Liger-Kernel's LigerFusedLinearGRPOLoss as a provider, or None (printed why) where it is unavailable."""
+    provs: dict = {}
+    try:
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+        # loss_type "dapo" = token-mean over the batch; no reference model (beta 0); compiled (Liger's fast path) on
+        # CUDA only, its plain-torch chunked path on the CPU.
+        liger = LigerFusedLinearGRPOLoss(
+            beta=0.0,
+            use_ref_model=False,
+            epsilon_low=EPS,
+            epsilon_high=EPS,
+            loss_type="dapo",
+            compiled=device.type == "cuda",
+        )
+
+        def liger_fn(hidden, weight, targets, old_logp, adv, mask):
+            out = liger(hidden, weight, targets, mask.long(), adv, old_per_token_logps=old_logp)
+            return out[0] if isinstance(out, tuple) else out
+
+        provs["liger"] = liger_fn
+    except Exception as exc:  # not installed, or an API change: say so in the table, never fake a number
+        print(f"liger: unavailable ({exc!r})")
+    return provs.get("liger")
+
+
 def _providers(device: torch.device, n: int, v: int):
     import rapo_fast
 
@@ -139,7 +195,13 @@ def _providers(device: torch.device, n: int, v: int):
         )
 
     # torch_eager first: the other providers' losses are checked against its value
-    provs = {"torch_eager": _eager_loss, "rapo_fast_hidden": ours_hidden, "rapo_fast_logits": ours_logits}
+    provs = {
+        "torch_eager": _eager_loss,
+        "rapo_fast_hidden": ours_hidden,
+        "rapo_fast_logits": ours_logits,
+        "rapo_fast_logits_lmhead": _ours_logits_lmhead,
+        "rapo_fast_logits_lmhead_inplace": _ours_logits_lmhead_inplace,
+    }
     if device.type == "cuda":  # the two variants differ only where Triton runs
         provs["rapo_fast_hidden_2pass"] = ours_hidden_2pass
     provs["torch_compile"] = torch.compile(_eager_loss, dynamic=False)
@@ -147,27 +209,9 @@ def _providers(device: torch.device, n: int, v: int):
         provs["torch_linear_ce"] = _torch_linear_ce_loss
     else:
         print(f"torch_linear_ce: unavailable (torch {torch.__version__} has no chunked F.linear_cross_entropy)")
-    try:
-        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
-
-        # loss_type "dapo" = token-mean over the batch; no reference model (beta 0); compiled (Liger's fast path) on
-        # CUDA only, its plain-torch chunked path on the CPU.
-        liger = LigerFusedLinearGRPOLoss(
-            beta=0.0,
-            use_ref_model=False,
-            epsilon_low=EPS,
-            epsilon_high=EPS,
-            loss_type="dapo",
-            compiled=device.type == "cuda",
-        )
-
-        def liger_fn(hidden, weight, targets, old_logp, adv, mask):
-            out = liger(hidden, weight, targets, mask.long(), adv, old_per_token_logps=old_logp)
-            return out[0] if isinstance(out, tuple) else out
-
-        provs["liger"] = liger_fn
-    except Exception as exc:  # not installed, or an API change: say so in the table, never fake a number
-        print(f"liger: unavailable ({exc!r})")
+    liger = _liger_provider(device)
+    if liger is not None:
+        provs["liger"] = liger
     return provs
 
 

@@ -4,8 +4,9 @@ Providers at each shape, timed round-robin in one run (so a shared machine's loa
 - CPU: `ours` (C++ backend, fp32 keys; `ours_fp16` with fp16 keys; `ours_excl` with a per-query exclusion filter),
   `faiss_flat` (faiss-cpu IndexFlatIP / IndexFlatL2, BLAS sgemm blocks + heaps), `torch` (matmul + topk over key
   chunks of 65536, merged).
-- GPU (--gpu): `ours` (CUDA backend, fp16 keys; `ours_excl` with the filter), `torch` (fp16 matmul + topk in chunks that
-  fit memory) and `floor`, the bandwidth floor C * D * bytes / measured copy bandwidth.
+- GPU (--gpu): `ours` (fp16 keys, the backend the crossover table picks; `ours_excl` with the filter; `ours_triton` and
+  `ours_cuda` force the Triton kernel or the CUDA backend), `torch` (fp16 matmul + topk in chunks that fit memory) and
+  `floor`, the bandwidth floor C * D * bytes / measured copy bandwidth.
 Order: the paper's scale first (C=170k steps, D=384 MiniLM, Q=256 = 32 prompts x 8 hybrid rollouts, k in {1, 3}),
 then (CPU) the few-query shapes SMALL_Q, then the grid C in {100k, 1M, 4M} x D in {256, 768} x Q in
 {64, 1024, 4096} x k in {8, 64} (on the CPU a subset, see
@@ -180,6 +181,21 @@ def _cpu_case(C, D, Q, k, metric, repeats, faiss_mod) -> list[dict]:
 _GPU_BUF: dict = {}
 
 
+def _forced(backend: str, fn, *args):
+    """fn(*args) with RAPO_FAST_RETRIEVAL_BACKEND set to `backend` (the override the search reads per call)."""
+    from rapo_fast.retrieval.triton_search import BACKEND_ENV
+
+    before = os.environ.get(BACKEND_ENV)
+    os.environ[BACKEND_ENV] = backend
+    try:
+        return fn(*args)
+    finally:
+        if before is None:
+            os.environ.pop(BACKEND_ENV, None)
+        else:
+            os.environ[BACKEND_ENV] = before
+
+
 def _gpu_case(C, D, Q, k, metric, device, bw_gbs, rep_ms: int = 200) -> list[dict]:
     from rapo_fast import StepBuffer
 
@@ -208,9 +224,13 @@ def _gpu_case(C, D, Q, k, metric, device, bw_gbs, rep_ms: int = 200) -> list[dic
         "ours": lambda: buf.search(q, k),
         "ours_excl": lambda: buf.search(q, k, exclude_groups=excl),
         "torch": lambda: _torch_topk(keys, q, k, metric, chunk),
+        # `ours` follows the crossover table; these two force each backend (rapo_fast/retrieval/triton_search.py).
+        "ours_triton": lambda: _forced("triton", buf.search, q, k),
+        "ours_cuda": lambda: _forced("cuda", buf.search, q, k),
     }
     _, ref_p = buf.search(q, k)
     agree = {"ours": 1.0, "ours_excl": float("nan"), "torch": _agree(_torch_topk(keys, q, k, metric, chunk)[1], ref_p)}
+    agree.update({n: _agree(fns[n]()[1], ref_p) for n in ("ours_triton", "ours_cuda")})
     floor_ms = C * D * 2 / (bw_gbs * 1e9) * 1e3
     rows = []
     for name, fn in fns.items():

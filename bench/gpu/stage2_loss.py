@@ -21,7 +21,10 @@ V152K = "--shape 16384,4096,152064"
 # torch.compile's compilation at V=152k can take a minute: its own step (with torch_eager again, the reference the
 # loss agreement is checked against), so a timeout there keeps the other providers' rows. On the CPU it costs minutes
 # of C++ compilation: the smoke run leaves it out.
-NO_COMPILE = "torch_eager,rapo_fast_hidden,rapo_fast_hidden_2pass,rapo_fast_logits,liger"
+NO_COMPILE = (
+    "torch_eager,rapo_fast_hidden,rapo_fast_hidden_2pass,rapo_fast_logits,rapo_fast_logits_lmhead,"
+    "rapo_fast_logits_lmhead_inplace,torch_linear_ce,liger"
+)
 SMOKE_PROVIDERS = NO_COMPILE
 
 STAGE = Stage(

@@ -3,6 +3,7 @@ already-validated tensors, with a fake implementation so that a search traces un
 
 What this is not: argument validation (rapo_fast/retrieval/buffer.py validates before calling; called directly, the op
 checks only the dtypes it reads pointers as, and the extension every extent it indexes with) or the buffer itself.
+On CUDA tensors the op may instead run the Triton kernel (rapo_fast/retrieval/triton_search.py picks; same contract).
 Written without `from __future__ import annotations` because torch.library infers the op schema from the annotations.
 """
 
@@ -12,6 +13,7 @@ import torch
 
 from rapo_fast._dispatch import register_op
 from rapo_fast._ext import DTYPE_CODES, make_params, require_backend, stream_of
+from rapo_fast.retrieval.triton_search import select_backend, triton_search
 
 METRIC_CODES = {"ip": 0, "cosine": 1, "l2": 2}
 MAX_K = 1024
@@ -61,9 +63,13 @@ def _search_impl(
     unread) -> (scores [Q, k] fp32, slots [Q, k] int64)."""
     _check_op_inputs(keys, key_aux, groups, queries, exclude, centre)
     device = queries.device
-    ext = require_backend(device)
     Q, D = queries.shape
     C = keys.shape[0]
+    # CUDA tensors: the Triton kernel or the CUDA backend, per the crossover table or RAPO_FAST_RETRIEVAL_BACKEND
+    # (rapo_fast/retrieval/triton_search.py; docs/retrieval.md, "Triton path"). CPU tensors: the C++ backend.
+    if device.type == "cuda" and select_backend(Q, C, D, keys.dtype, k, metric) == "triton":
+        return triton_search(keys, key_aux, groups, queries, exclude, k, metric, min_score, centre)
+    ext = require_backend(device)
     keys = keys if keys.stride(-1) == 1 else keys.contiguous()
     queries = queries if queries.stride(-1) == 1 else queries.contiguous()
     key_aux = key_aux.contiguous()
@@ -101,7 +107,7 @@ def _search_impl(
         ext.retrieval_search_cpu(params, num_threads=torch.get_num_threads(), isa=-1)
     else:
         dev = device.index if device.index is not None else torch.cuda.current_device()
-        n_splits = int(ext.retrieval_cuda_splits(Q=Q, C=C, k=k, device=dev))
+        n_splits = int(ext.retrieval_cuda_splits(Q=Q, C=C, k=k, device=dev, D=D, dtype=DTYPE_CODES[keys.dtype]))
         ws_scores = torch.empty(n_splits, Q, k, dtype=torch.float32, device=device)
         ws_slots = torch.empty(n_splits, Q, k, dtype=torch.int32, device=device)
         ext.retrieval_search_cuda(

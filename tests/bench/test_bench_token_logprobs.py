@@ -49,8 +49,13 @@ def test_bench_logprobs_quick_writes_agreeing_rows_to_out(tmp_path, monkeypatch)
         assert float(r["max_abs_diff_logp"]) <= 2e-3, r
         if r["mode"] == "fwd+bwd":
             assert float(r["grad_rel_err"]) <= 1e-3, r
-        if r["provider"].startswith("rapo_fast"):
+        if r["provider"] == "rapo_fast_logits":
             assert r["path"].startswith("chunked reference fallback"), r  # the CPU takes the fallback, and says so
+        if r["provider"] == "rapo_fast_hidden":  # torch's chunked linear CE where this torch has it
+            expect = (
+                "torch chunked linear CE" if hasattr(torch.nn, "LinearCrossEntropyOptions") else "chunked reference"
+            )
+            assert r["path"].startswith(expect), r
 
 
 def test_bench_without_out_writes_to_a_temporary_folder(tmp_path, monkeypatch, capsys):

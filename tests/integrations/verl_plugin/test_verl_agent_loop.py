@@ -22,6 +22,7 @@ import random
 import pytest
 
 pytest.importorskip("verl")
+pytest.importorskip("datasets", reason="verl imports datasets (its absence must skip, not break collection)")
 
 import hydra  # noqa: E402
 import torch  # noqa: E402

@@ -20,6 +20,7 @@ import asyncio
 import pytest
 
 pytest.importorskip("verl")
+pytest.importorskip("datasets", reason="verl imports datasets (its absence must skip, not break collection)")
 ray = pytest.importorskip("ray")
 
 import numpy as np  # noqa: E402

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 pytest.importorskip("verl")
+pytest.importorskip("datasets", reason="verl imports datasets (its absence must skip, not break collection)")
 
 from verl import DataProto  # noqa: E402
 from verl.trainer.ppo.core_algos import compute_policy_loss_vanilla, get_policy_loss_fn  # noqa: E402

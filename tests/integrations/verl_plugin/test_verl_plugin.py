@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("verl")
+pytest.importorskip("datasets", reason="verl imports datasets (its absence must skip, not break collection)")
 
 TESTS = Path(__file__).resolve().parents[2]  # tests/: `helpers` is importable from it
 

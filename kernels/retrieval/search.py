@@ -1,0 +1,253 @@
+"""Triton kernel of exact top-k retrieval: a tensor-core score tile per (query tile, key tile) with a fused, filtered
+top-k, so that no [Q, C] score matrix is ever written (docs/retrieval.md, "Triton path").
+
+What this is: `@triton.jit` code only; the launcher, argument checks and the merge of the splits are in
+rapo_fast/retrieval/triton_search.py, the contract in rapo_fast/reference/retrieval.py.
+
+One program owns BLOCK_Q queries and one split of the keys. It walks the split in BLOCK_C-key tiles; each tile is a
+`tl.dot` K-loop over D (pipelined with num_stages by the launcher), then the metric of csrc/include/rapo/
+retrieval_metric.h (same operation order), the eligibility rules (exclusion group, min_score, NaN / -inf), and a
+running-threshold filter: only keys that beat the row's current k-th best are kept. Survivors are appended, compacted
+by a prefix sum, to the row's pending area in the program's workspace row; when a row's pending area could overflow
+on the next tile (and once at the end) the row's running top-k and its pending survivors are merged: an exact
+selection of the k-th best (a bisection on the int64 key, `select_kth`), the k best compacted to the front of the row,
+and the k-th best as the new threshold. The threshold rises quickly, so after the first tiles most tiles append
+little and the merge runs a few times per split. No sort runs in the kernel: the merge of the splits
+(triton_search.py) is a torch.topk over [Q, splits * KP], which also orders the result.
+
+Candidates are int64 sort keys: the order-preserving integer image of the fp32 score in the high 32 bits and
+0x7fffffff - slot in the low 32 bits, so the descending integer order is the contract's order (higher score first,
+equal scores to the smaller slot) and carries the slot with it. -0.0 is mapped to +0.0 first (they compare equal).
+SENTINEL, below every eligible key, marks an empty place.
+
+Workspace row of query q in split s (int64, W wide): [0, KP) the running top-KP (KP = next power of two >= k),
+[KP, W) the pending survivors. thr / cnt scratch ([splits, Q]) carry a row's threshold and pending count through the
+row-chunked merge. All offsets are int64 (docs/pitfalls.md #5).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from rapo_fast.kernels.triton_helpers import dot_operand
+
+# Below every eligible key (-FLT_MAX encodes to about -9.187e18; this is -9.223e18). A constexpr: jit code reads it.
+SENTINEL = tl.constexpr(-0x7FFFFFFFFFFFFFFF)
+
+
+@triton.jit
+def encode_keys(score, slot):
+    """(fp32 score, int32 slot) -> int64 key, larger = better: score order first, then the smaller slot."""
+    score = tl.where(score == 0.0, 0.0, score)  # -0.0 == +0.0: one image, so the slot decides the tie
+    bits = score.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    return (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - slot).to(tl.int64)
+
+
+@triton.jit
+def decode_threshold(key):
+    """A row's threshold key -> (score, slot) to compare fp32 scores against; SENTINEL -> (-inf, 2^31 - 1)."""
+    hi = (key >> 32).to(tl.int32)
+    bits = tl.where(hi >= 0, hi, hi ^ 0x7FFFFFFF)
+    score = tl.where(key == SENTINEL, float("-inf"), bits.to(tl.float32, bitcast=True))
+    slot = tl.where(key == SENTINEL, 0x7FFFFFFF, 0x7FFFFFFF - (key & 0xFFFFFFFF).to(tl.int32))
+    return score, slot
+
+
+@triton.jit
+def score_tile(
+    q_ptr,
+    k_ptr,
+    rows,
+    cols,
+    row_ok,
+    col_ok,
+    D,
+    stride_q,
+    stride_k,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    FP32_KEYS: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    """fp32 dot products [BLOCK_Q, BLOCK_C] of the query rows with the key columns: a K-loop of tl.dot over D."""
+    acc = tl.zeros([BLOCK_Q, BLOCK_C], dtype=tl.float32)
+    q_row = q_ptr + rows.to(tl.int64)[:, None] * stride_q
+    k_col = k_ptr + cols.to(tl.int64)[None, :] * stride_k
+    for d0 in range(0, D, BLOCK_D):
+        dd = d0 + tl.arange(0, BLOCK_D)
+        d_ok = dd < D
+        q = tl.load(q_row + dd[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        k = tl.load(k_col + dd[:, None], mask=d_ok[:, None] & col_ok[None, :], other=0.0)
+        if FP32_KEYS:  # the contract's fp32 path: no TF32 (docs/retrieval.md, "Precision")
+            acc = tl.dot(q, k, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(dot_operand(q, UPCAST_DOT), dot_operand(k, UPCAST_DOT), acc)
+    return acc
+
+
+@triton.jit
+def finish_scores(dot, qaux, kaux, METRIC: tl.constexpr):
+    """retrieval_finish of csrc/include/rapo/retrieval_metric.h, same operation order: 0 ip, 1 cosine, 2 l2."""
+    if METRIC == 1:
+        return (dot * qaux[:, None]) * kaux[None, :]
+    elif METRIC == 2:
+        t = (2.0 * dot - kaux[None, :]) - qaux[:, None]
+        return tl.where(t > 0.0, 0.0, t)  # NaN stays NaN (never eligible)
+    else:
+        return dot
+
+
+@triton.jit
+def select_kth(x, K_TOP: tl.constexpr, ROWS: tl.constexpr):
+    """The K_TOP-th largest int64 of each row of x [ROWS, W] (rows hold at least K_TOP entries, SENTINEL counted):
+    a bisection on the value, 64 halvings of the int64 range, each a compare and a row count. Cheaper than a sort
+    and the same on the GPU as in the interpreter (where tl.sort takes seconds per call)."""
+    lo = tl.full([ROWS], SENTINEL, tl.int64)  # count(x >= lo) >= K_TOP always
+    hi = tl.max(x, axis=1) + 1  # count(x >= hi) == 0 < K_TOP
+    for _ in range(64):
+        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without overflow
+        enough = tl.sum((x >= mid[:, None]).to(tl.int32), axis=1) >= K_TOP
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid)
+    return lo
+
+
+@triton.jit
+def merge_rows(
+    ws_row,
+    thr_ptr,
+    cnt_ptr,
+    cnt,
+    q0,
+    Q,
+    K_TOP: tl.constexpr,
+    KP: tl.constexpr,
+    W: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """Select each row's K_TOP best of its running list and its `cnt` pending survivors, compact them to the front
+    of the row (SENTINEL after them), and return the new thresholds: the K_TOP-th best key per row (SENTINEL while a
+    row has fewer). Row chunks of ROWS rows keep the block [ROWS, W] small."""
+    rows = q0 + tl.arange(0, BLOCK_Q)
+    tl.store(cnt_ptr + rows, cnt, mask=rows < Q)
+    tl.debug_barrier()  # the survivors and counts written by every thread are visible before any row is read
+    cols = tl.arange(0, W)
+    for r0 in range(0, tl.minimum(BLOCK_Q, Q - q0), ROWS):  # the tile's rows that exist (few-query searches)
+        rr = q0 + r0 + tl.arange(0, ROWS)
+        r_ok = rr < Q
+        n = tl.load(cnt_ptr + rr, mask=r_ok, other=0)
+        ptrs = ws_row + (rr - q0).to(tl.int64)[:, None] * W + cols[None, :]
+        live = r_ok[:, None] & (cols[None, :] < KP + n[:, None])
+        x = tl.load(ptrs, mask=live, other=SENTINEL)
+        kth = select_kth(x, K_TOP, ROWS)
+        keep = (x >= kth[:, None]) & (x != SENTINEL)  # keys are distinct: exactly min(K_TOP, real entries) kept
+        pos = tl.cumsum(keep.to(tl.int32), axis=1) - 1
+        n_keep = tl.sum(keep.to(tl.int32), axis=1)
+        tl.debug_barrier()  # every thread has read its row block before any of it is overwritten
+        row_base = ws_row + (rr - q0).to(tl.int64)[:, None] * W
+        tl.store(row_base + pos, x, mask=keep)
+        tl.store(
+            ptrs,
+            tl.full([ROWS, W], SENTINEL, tl.int64),
+            mask=r_ok[:, None] & (cols[None, :] >= n_keep[:, None]) & (cols < KP)[None, :],
+        )
+        tl.store(thr_ptr + rr, kth, mask=r_ok)
+    tl.debug_barrier()  # the new running lists and thresholds are written before the next tile appends or reads
+    return tl.load(thr_ptr + rows, mask=rows < Q, other=SENTINEL)
+
+
+@triton.jit
+def clear_rows(ws_row, q0, Q, W: tl.constexpr, BLOCK_Q: tl.constexpr, ROWS: tl.constexpr):
+    """Fill the program's workspace rows with SENTINEL: the running lists start empty."""
+    lane = tl.arange(0, W)
+    for r0 in range(0, tl.minimum(BLOCK_Q, Q - q0), ROWS):
+        rr = r0 + tl.arange(0, ROWS)
+        empty = tl.full([ROWS, W], SENTINEL, tl.int64)
+        tl.store(ws_row + rr.to(tl.int64)[:, None] * W + lane[None, :], empty, mask=(q0 + rr < Q)[:, None])
+    tl.debug_barrier()
+
+
+@triton.jit
+def admit(s, cols, row_ok, col_ok, grp_ptr, excl, thr, min_score, HAS_EXCL: tl.constexpr):
+    """The keys of a tile that enter a row's pending area: eligible (in range, not NaN or -inf, >= min_score, not of
+    the row's excluded group) and better than the row's threshold key (higher score, or equal and a smaller slot)."""
+    ok = row_ok[:, None] & col_ok[None, :] & (s == s) & (s > float("-inf")) & (s >= min_score)
+    if HAS_EXCL:
+        grp = tl.load(grp_ptr + cols, mask=col_ok, other=-1)
+        ok = ok & ((grp[None, :] != excl[:, None]) | (excl[:, None] < 0))
+    t_score, t_slot = decode_threshold(thr)
+    beats = (s > t_score[:, None]) | ((s == t_score[:, None]) & (cols[None, :] < t_slot[:, None]))
+    return ok & beats
+
+
+@triton.jit
+def retrieval_topk_kernel(
+    q_ptr,  # [Q, D] queries in the keys' dtype, rows strided, last dim contiguous
+    k_ptr,  # [C, D] keys, rows strided, last dim contiguous
+    kaux_ptr,  # [C] fp32 per-key aux (cosine 1/|k|, l2 |k|^2; unread for ip)
+    qaux_ptr,  # [Q] fp32 per-query aux, same convention
+    grp_ptr,  # [C] int64 group ids (unread without HAS_EXCL)
+    excl_ptr,  # [Q] int64 excluded group per query (negative: none)
+    ws_ptr,  # [splits, Q, W] int64 workspace: running top-KP then pending survivors per row
+    thr_ptr,  # [splits, Q] int64 scratch: thresholds during a merge
+    cnt_ptr,  # [splits, Q] int32 scratch: pending counts during a merge
+    Q,
+    C,
+    D,
+    stride_q,
+    stride_k,
+    keys_per_split,  # a multiple of BLOCK_C
+    min_score,  # fp32, -inf for none
+    K_TOP: tl.constexpr,
+    KP: tl.constexpr,
+    W: tl.constexpr,
+    METRIC: tl.constexpr,
+    HAS_EXCL: tl.constexpr,
+    FP32_KEYS: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    # Query tiles vary fastest: programs running at once share a key split, which L2 then serves to all of them.
+    n_qt = tl.cdiv(Q, BLOCK_Q)
+    pid = tl.program_id(0)
+    qt, split = pid % n_qt, pid // n_qt
+    q0 = qt * BLOCK_Q
+    rows = q0 + tl.arange(0, BLOCK_Q)
+    row_ok = rows < Q
+    ws_row = ws_ptr + (split.to(tl.int64) * Q + q0) * W
+    thr_ptr += split.to(tl.int64) * Q
+    cnt_ptr += split.to(tl.int64) * Q
+    clear_rows(ws_row, q0, Q, W, BLOCK_Q, ROWS)
+    qaux = tl.load(qaux_ptr + rows, mask=row_ok, other=0.0)
+    excl = tl.full([BLOCK_Q], -1, tl.int64)
+    if HAS_EXCL:
+        excl = tl.load(excl_ptr + rows, mask=row_ok, other=-1)
+    thr = tl.full([BLOCK_Q], SENTINEL, tl.int64)
+    cnt = tl.zeros([BLOCK_Q], dtype=tl.int32)
+    c_begin = split * keys_per_split
+    c_end = tl.minimum(C, c_begin + keys_per_split)
+    for c0 in range(c_begin, c_end, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        col_ok = cols < c_end
+        dot = score_tile(q_ptr, k_ptr, rows, cols, row_ok, col_ok, D, stride_q, stride_k, BLOCK_Q, BLOCK_C, BLOCK_D,
+                         FP32_KEYS, UPCAST_DOT)  # fmt: skip
+        kaux = tl.load(kaux_ptr + cols, mask=col_ok, other=0.0)
+        s = finish_scores(dot, qaux, kaux, METRIC)
+        keep = admit(s, cols, row_ok, col_ok, grp_ptr, excl, thr, min_score, HAS_EXCL)
+        n_new = tl.sum(keep.to(tl.int32), axis=1)
+        if tl.max(n_new, axis=0) > 0:  # most tiles, once the thresholds have risen, skip this
+            pos = cnt[:, None] + tl.cumsum(keep.to(tl.int32), axis=1) - 1
+            dst = ws_row + (rows - q0).to(tl.int64)[:, None] * W + KP + pos
+            tl.store(dst, encode_keys(s, cols), mask=keep)
+            cnt += n_new
+            if tl.max(cnt, axis=0) > W - KP - BLOCK_C:  # the next tile could overflow a pending area
+                thr = merge_rows(ws_row, thr_ptr, cnt_ptr, cnt, q0, Q, K_TOP, KP, W, BLOCK_Q, ROWS)
+                cnt = tl.zeros([BLOCK_Q], dtype=tl.int32)
+    merge_rows(ws_row, thr_ptr, cnt_ptr, cnt, q0, Q, K_TOP, KP, W, BLOCK_Q, ROWS)

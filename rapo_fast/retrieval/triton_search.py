@@ -1,0 +1,246 @@
+"""The Triton search path of StepBuffer.search on CUDA: its launcher, argument checks, the merge of the per-split
+candidates, and the dispatch table that picks the Triton path or the CUDA backend per call (docs/retrieval.md,
+"Triton path").
+
+`triton_search(keys, key_aux, groups, queries, exclude, k, metric, min_score, centre)` has the signature and the
+contract of `rapo_fast::retrieval_search` (rapo_fast/retrieval/op.py): scores [Q, k] fp32 and slots [Q, k] int64,
+best first, ties to the smaller slot, -inf / -1 padding. It runs on CUDA tensors, and on CPU tensors under
+TRITON_INTERPRET=1 (how the tests check it without a GPU). `select_backend` reads RAPO_FAST_RETRIEVAL_BACKEND
+(cuda | triton | auto) and, for auto, CROSSOVERS.
+
+What this is not: the kernel (kernels/retrieval/search.py), StepBuffer's argument checks (rapo_fast/retrieval/
+buffer.py), or the CUDA backend (csrc/retrieval_cuda.cu).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from rapo_fast._dispatch import device_guard, interpret_mode
+
+__all__ = ["CROSSOVERS", "Crossover", "BACKEND_ENV", "TILES_ENV", "select_backend", "triton_search", "plan"]
+
+BACKEND_ENV = "RAPO_FAST_RETRIEVAL_BACKEND"
+_MAX_K = 1024  # = rapo_fast.retrieval.op.MAX_K (not imported: op.py imports this module)
+_MAX_C = 2**31 - 2**20  # the kernel's int32 key indices (a split's end: C + splits x BLOCK_C) stay below 2^31
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SENTINEL = -0x7FFFFFFFFFFFFFFF  # = kernels/retrieval/search.py SENTINEL: an empty candidate
+
+
+@dataclass(frozen=True)
+class Crossover:
+    """One row of the dispatch table: calls with this key dtype, Q >= min_q, C >= min_c and k <= max_k go to
+    `backend`. The first matching row wins; no match means 'cuda'."""
+
+    dtype: torch.dtype
+    min_q: int
+    min_c: int
+    max_k: int
+    backend: str
+
+
+# PREDICTED crossovers, not measured: no GPU has run the Triton path yet (docs/perf.md, "Retrieval, many queries").
+# The Triton kernel is a pipelined tensor-core GEMM with a filtered top-k: predicted ~2x faster than the CUDA backend's
+# WMMA kernel once the search is compute bound (64 against 32 flop per byte streamed from L2), but each program pays
+# a few merges (~10 tiles' worth each) and needs ~132 programs of >= 64 key tiles to fill an H100, hence Q >= 512 and
+# C >= 1M. Few queries (paper scale, Q <= 64) stay on the CUDA backend (bandwidth bound there; issue 13 item 2), and
+# so do fp32 keys and l2 (both score in fp32 FMA on either path) and large k (the workspace and merges grow with k).
+# bench/gpu/stage3_retrieval.py times `ours_cuda` and `ours_triton` side by side; its numbers replace these rows.
+CROSSOVERS: tuple[Crossover, ...] = (
+    Crossover(torch.float16, min_q=512, min_c=1_000_000, max_k=256, backend="triton"),
+    Crossover(torch.bfloat16, min_q=512, min_c=1_000_000, max_k=256, backend="triton"),
+)
+
+
+def select_backend(Q: int, C: int, D: int, dtype: torch.dtype, k: int, metric: int, override: str | None = None) -> str:
+    """'cuda' or 'triton' for a search on CUDA tensors. `override` (or the env var RAPO_FAST_RETRIEVAL_BACKEND when
+    None) is 'cuda', 'triton' or 'auto' (the table). l2 (metric 2) scores fp32 centred keys: CUDA under 'auto'."""
+    choice = os.environ.get(BACKEND_ENV, "auto") if override is None else override
+    if choice not in ("cuda", "triton", "auto"):
+        raise ValueError(f"{BACKEND_ENV} (or backend) must be 'cuda', 'triton' or 'auto', got {choice!r}")
+    if choice != "auto":
+        return choice
+    if metric == 2 or dtype == torch.float32 or C > _MAX_C:
+        return "cuda"
+    for row in CROSSOVERS:
+        if dtype == row.dtype and Q >= row.min_q and C >= row.min_c and k <= row.max_k:
+            return row.backend
+    return "cuda"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Launch configuration: tile sizes, workspace row width W, merge row chunk, splits of the keys."""
+
+    block_q: int
+    block_c: int
+    block_d: int
+    kp: int
+    w: int
+    rows: int
+    splits: int
+    keys_per_split: int
+    num_warps: int
+    num_stages: int
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+TILES_ENV = "RAPO_FAST_TRITON_RETRIEVAL_TILES"
+
+
+def _gpu_tiles(fp32: bool) -> tuple[int, int, int, int, int]:
+    """(BLOCK_Q, BLOCK_C, BLOCK_D, num_warps, num_stages) on a GPU. fp16/bf16: 128 x 128 x 64, 8 warps, 3 stages:
+    64 flop per byte of operands streamed from L2 (128 x 64 tiles: 43). Compiled for sm_90a it uses 255 registers
+    and spills, but only ~20 spill instructions sit in the per-tile path (the rest in the survivors' branch and the
+    merge); 128 x 64 compiles without spills. fp32 (FMA, no TF32): 64 x 64 x 32, 4 warps. TILES_ENV
+    ("128,64,64,8,3") overrides both, for the GPU run to compare (docs/retrieval.md, "Triton path")."""
+    env = os.environ.get(TILES_ENV)
+    if env:
+        vals = tuple(int(v) for v in env.split(","))
+        if len(vals) != 5 or min(vals[3:]) < 1 or any(v < 16 or v & (v - 1) for v in vals[:3]):
+            raise ValueError(f"{TILES_ENV} must be 'BQ,BC,BD,warps,stages' with powers of two >= 16, got {env!r}")
+        return vals  # type: ignore[return-value]
+    return (64, 64, 32, 4, 3) if fp32 else (128, 128, 64, 8, 3)
+
+
+def plan(Q: int, C: int, k: int, fp32: bool, device: torch.device, splits: int | None = None) -> Plan:
+    """Tiles and splits. GPU: `_gpu_tiles`, and about 4 waves of programs over the SMs with the workspace held under
+    512 MiB and at least 64 key tiles a split. Interpreter: small tiles, so that tests cross many tiles, splits and
+    merges quickly. `splits` forces the split count (tests)."""
+    if device.type == "cuda":
+        bq, bc, bd, warps, stages = _gpu_tiles(fp32)
+        n_sm = torch.cuda.get_device_properties(device).multi_processor_count
+        target = max(1, (4 * n_sm) // -(-Q // bq))
+        min_tiles = 64  # a merge costs about as much as ten tiles, and a split merges at least twice
+    else:
+        bq, bc, bd, warps, stages = 16, 32, 16, 4, 1
+        target, min_tiles = 2, 1
+    kp = _pow2(k)
+    w = _pow2(kp + 2 * bc)  # room for at least one tile of survivors after the running list, with slack
+    # The merge's [rows, W] int64 block: 4096 entries. Triton spreads each row over all warps, so every bisection step
+    # pays one cross-warp reduction whatever `rows` is: more rows a chunk, fewer of them (sm_90a cubin: fewer spills
+    # than at 1024, none added to the per-tile path). The interpreter takes all rows at once.
+    rows = max(1, min(bq, 4096 // w)) if device.type == "cuda" else bq
+    n_tiles = max(1, -(-C // bc))
+    cap = max(1, (512 << 20) // max(1, Q * w * 8))
+    s = splits if splits is not None else min(target, cap, max(1, n_tiles // min_tiles))
+    s = max(1, min(s, n_tiles))
+    per = -(-n_tiles // s) * bc
+    s = max(1, -(-C // per))
+    return Plan(bq, bc, bd, kp, w, rows, s, per, warps, stages)
+
+
+def _check(keys, key_aux, groups, queries, exclude, k, metric, min_score, centre) -> None:
+    """Every argument the kernel reads, checked before any launch (ValueError / TypeError naming it)."""
+    for name, t in (("keys", keys), ("queries", queries), ("key_aux", key_aux), ("groups", groups)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if keys.dim() != 2 or queries.dim() != 2 or keys.shape[1] != queries.shape[1]:
+        raise ValueError(f"keys [C, D] and queries [Q, D] expected, got {tuple(keys.shape)}, {tuple(queries.shape)}")
+    if keys.dtype not in _DTYPES or queries.dtype != keys.dtype:
+        raise TypeError(
+            f"keys and queries must share a float32/float16/bfloat16 dtype, got {keys.dtype}, {queries.dtype}"
+        )
+    C, Q, D = keys.shape[0], queries.shape[0], keys.shape[1]
+    if C > _MAX_C:
+        raise ValueError(f"keys: the Triton path takes at most {_MAX_C} keys, got {C}")
+    want = {"key_aux": (key_aux, torch.float32, C), "groups": (groups, torch.int64, C)}
+    if exclude is not None:
+        want["exclude"] = (exclude, torch.int64, Q)
+    if centre is not None:
+        want["centre"] = (centre, torch.float32, D)
+    for name, (t, dt, n) in want.items():
+        if not isinstance(t, torch.Tensor) or t.dtype != dt or t.dim() != 1:
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise TypeError(f"{name} must be a 1-d {dt} tensor of shape [{n}], got {got}")
+        if t.shape[0] != n:
+            raise ValueError(f"{name} must have shape [{n}], got {tuple(t.shape)}")
+    for name, t in (("keys", keys), *((n, v[0]) for n, v in want.items())):
+        if t.device != queries.device:
+            raise ValueError(f"{name} is on {t.device}, queries on {queries.device}")
+    if queries.device.type == "cpu" and not interpret_mode():
+        raise ValueError("triton_search runs on CUDA tensors, or on CPU tensors only under TRITON_INTERPRET=1")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= _MAX_K:
+        raise ValueError(f"k must be an int in [1, {_MAX_K}], got {k!r}")
+    if metric not in (0, 1, 2):
+        raise ValueError(f"metric must be 0 (ip), 1 (cosine) or 2 (l2), got {metric!r}")
+    if min_score != min_score:
+        raise ValueError("min_score must not be NaN")
+
+
+def _prepare(keys, key_aux, queries, metric, centre):
+    """(keys, key_aux, queries, query aux) as the kernel reads them. l2 with a centre scores centred fp32 copies,
+    as StepBuffer does for the CUDA backend (docs/retrieval.md, "l2 about the keys' mean")."""
+    if metric == 2 and centre is not None:
+        keys = keys.float() - centre
+        key_aux = keys.double().square().sum(1).float()
+        queries = queries.float() - centre
+    keys = keys if keys.stride(-1) == 1 else keys.contiguous()
+    queries = queries if queries.stride(-1) == 1 else queries.contiguous()
+    sumsq = queries.float().square().sum(1)
+    if metric == 1:
+        qaux = 1.0 / sumsq.sqrt().clamp_min(1e-12)
+    elif metric == 2:
+        qaux = sumsq
+    else:
+        qaux = torch.zeros_like(sumsq)
+    return keys, key_aux.contiguous(), queries, qaux.contiguous()
+
+
+def decode_keys(cand: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 candidate keys -> (fp32 scores, int64 slots); SENTINEL -> (-inf, -1). The inverse of encode_keys."""
+    hi = (cand >> 32).to(torch.int32)
+    bits = torch.where(hi >= 0, hi, hi ^ 0x7FFFFFFF)
+    empty = cand == SENTINEL
+    scores = torch.where(empty, float("-inf"), bits.view(torch.float32))
+    slots = torch.where(empty, -1, 0x7FFFFFFF - (cand & 0xFFFFFFFF))
+    return scores, slots
+
+
+def triton_search(
+    keys: torch.Tensor,
+    key_aux: torch.Tensor,
+    groups: torch.Tensor,
+    queries: torch.Tensor,
+    exclude: torch.Tensor | None,
+    k: int,
+    metric: int,
+    min_score: float,
+    centre: torch.Tensor | None = None,
+    *,
+    splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact top-k with the Triton kernel; arguments and results as `rapo_fast::retrieval_search` (op.py).
+    `splits` forces the number of key splits (tests)."""
+    _check(keys, key_aux, groups, queries, exclude, k, metric, min_score, centre)
+    dev, Q, C = queries.device, queries.shape[0], keys.shape[0]
+    if Q == 0 or C == 0:
+        return torch.full((Q, k), float("-inf"), device=dev), torch.full((Q, k), -1, dtype=torch.int64, device=dev)
+    keys, key_aux, queries, qaux = _prepare(keys, key_aux, queries, metric, centre)
+    p = plan(Q, C, k, keys.dtype == torch.float32, dev, splits)
+    ws = torch.empty(p.splits, Q, p.w, dtype=torch.int64, device=dev)
+    thr = torch.empty(p.splits, Q, dtype=torch.int64, device=dev)
+    cnt = torch.empty(p.splits, Q, dtype=torch.int32, device=dev)
+    # Triton on first use only, so that `import rapo_fast` stays cheap (and works where triton is not installed).
+    from rapo_fast.kernels.retrieval.search import retrieval_topk_kernel
+    from rapo_fast.kernels.triton_helpers import interpreter_upcast
+
+    n_qt = -(-Q // p.block_q)
+    with device_guard(dev):
+        retrieval_topk_kernel[(n_qt * p.splits,)](
+            queries, keys, key_aux, qaux, groups, exclude if exclude is not None else groups,
+            ws, thr, cnt, Q, C, keys.shape[1], queries.stride(0), keys.stride(0), p.keys_per_split,
+            float(min_score), K_TOP=k, KP=p.kp, W=p.w, METRIC=metric, HAS_EXCL=exclude is not None,
+            FP32_KEYS=keys.dtype == torch.float32, UPCAST_DOT=interpreter_upcast(), BLOCK_Q=p.block_q,
+            BLOCK_C=p.block_c, BLOCK_D=p.block_d, ROWS=p.rows, num_warps=p.num_warps, num_stages=p.num_stages,
+        )  # fmt: skip
+    # Merge of the splits: the best k of [Q, splits * KP] distinct keys (a descending integer top-k is the order).
+    cand = ws[:, :, : p.kp].permute(1, 0, 2).reshape(Q, p.splits * p.kp)
+    best = torch.topk(cand, k, dim=1, sorted=True).values
+    return decode_keys(best)
