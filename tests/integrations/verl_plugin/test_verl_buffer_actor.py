@@ -18,6 +18,8 @@ import torch
 
 ray = pytest.importorskip("ray")
 
+from helpers.ray_local import local_ray  # noqa: E402
+
 from rapo_fast.demo.tiny_policy import WordTokenizer  # noqa: E402
 from rapo_fast.integrations.verl.buffer_actor import (  # noqa: E402
     build_step_buffer_from_jsonl,
@@ -45,13 +47,8 @@ CALLBACK = "rapo_fast.integrations.verl.buffer_setup.StepBufferCheckpointCallbac
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
     # The remote functions below live in this test module, which Ray's workers cannot import by name.
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    yield
-    if started:
-        ray.shutdown()
+    with local_ray(pickle_by_value=sys.modules[__name__]):
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -25,6 +25,7 @@ ray = pytest.importorskip("ray")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from helpers.ray_local import local_ray  # noqa: E402
 from helpers.verl_tiny import chat_word_tokenizer  # noqa: E402
 
 CALL = '{"name":"lookup","arguments":{}}'
@@ -83,12 +84,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    yield
-    if started:
-        ray.shutdown()
+    with local_ray():
+        yield
 
 
 def _config(model_dir, buffer_name: str, add: bool | None = True, retrieve_prob: float = 0.0, importlib=False):
