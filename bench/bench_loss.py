@@ -99,19 +99,17 @@ def _rapo_fast():
     return rapo_fast
 
 
+def _ours(targets, old_logp, adv, mask, **inputs):
+    """rapo_loss with the bench's options (clip EPS, token-mean) on the given logits= or hidden=/weight= inputs."""
+    return _rapo_fast().rapo_loss(
+        targets=targets, old_logp=old_logp, advantages=adv, loss_mask=mask, eps_low=EPS, eps_high=EPS,
+        loss_agg="token-mean", **inputs,
+    )  # fmt: skip
+
+
 def _ours_logits_lmhead(hidden, weight, targets, old_logp, adv, mask, inplace=False):
     """rapo_loss(logits=) on logits formed in the call (a trainer's lm_head), so that the in-place option applies."""
-    return _rapo_fast().rapo_loss(
-        hidden @ weight.T,
-        targets=targets,
-        old_logp=old_logp,
-        advantages=adv,
-        loss_mask=mask,
-        eps_low=EPS,
-        eps_high=EPS,
-        loss_agg="token-mean",
-        inplace_backward=inplace,
-    )
+    return _ours(targets, old_logp, adv, mask, logits=hidden @ weight.T, inplace_backward=inplace)
 
 
 def _ours_logits_lmhead_inplace(*args):
@@ -146,20 +144,9 @@ def _liger_provider(device: torch.device):
 
 
 def _providers(device: torch.device, n: int, v: int):
-    import rapo_fast
 
     def ours_hidden(hidden, weight, targets, old_logp, adv, mask):
-        return rapo_fast.rapo_loss(
-            hidden=hidden,
-            weight=weight,
-            targets=targets,
-            old_logp=old_logp,
-            advantages=adv,
-            loss_mask=mask,
-            eps_low=EPS,
-            eps_high=EPS,
-            loss_agg="token-mean",
-        )
+        return _ours(targets, old_logp, adv, mask, hidden=hidden, weight=weight)
 
     def ours_hidden_2pass(*args):
         old = os.environ.get("RAPO_FAST_FUSED_LINEAR_LOSS")
@@ -183,16 +170,7 @@ def _providers(device: torch.device, n: int, v: int):
             cache[key] = (hidden @ weight.T).detach().requires_grad_(True)
         logits = cache[key]
         logits.grad = None
-        return rapo_fast.rapo_loss(
-            logits,
-            targets=targets,
-            old_logp=old_logp,
-            advantages=adv,
-            loss_mask=mask,
-            eps_low=EPS,
-            eps_high=EPS,
-            loss_agg="token-mean",
-        )
+        return _ours(targets, old_logp, adv, mask, logits=logits)
 
     # torch_eager first: the other providers' losses are checked against its value
     provs = {
