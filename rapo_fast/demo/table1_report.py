@@ -104,6 +104,10 @@ def plot(path: Path, rows: list[dict], tasks: list[str], methods: list[str]) -> 
     plt.close(fig)
 
 
+def _per_task(v, tasks: list[str]) -> str:
+    return ", ".join(f"{t} {v[t]}" for t in tasks) if isinstance(v, dict) else str(v)
+
+
 def write_outputs(out: Path, rows: list[dict], s: dict, encoder: str, wall_s: float) -> None:
     tasks = [t for t in s["families"] if any(r["task"] == t for r in rows)]
     methods = [m for m in s["methods"] if any(r["method"] == m for r in rows)]
@@ -113,7 +117,8 @@ def write_outputs(out: Path, rows: list[dict], s: dict, encoder: str, wall_s: fl
         "",
         f"{s['seeds']} seed(s) per task; every method from the same SFT warm-up weights per seed, {s['rl_steps']} RL "
         f"steps of {s['prompts_per_step']} prompts x G={s['group_size']}, lr {s['lr']:g}, PPO mini-batches of "
-        f"{s['mini_batch_groups']} group(s); held-out greedy evaluation without retrieval on {s['n_eval']} problems; "
+        f"{s['mini_batch_groups']} group(s); training problems: {_per_task(s['n_train'], tasks)}; greedy evaluation "
+        f"without retrieval on {s['n_eval']} problems whose questions are not training ones; "
         f"history encoder: {encoder}; ARPO: the released code's branching rule; wall time {wall_s:.0f} s.",
         "",
         "## Final held-out success (mean ± 95% CI over seeds)",

@@ -77,10 +77,14 @@ class MiniLMEncoder:
     @torch.no_grad()
     def __call__(self, texts: Sequence[str]) -> torch.Tensor:
         texts = _check_texts(texts, "MiniLMEncoder")
+        # Batches of similar lengths (as sentence-transformers does): histories grow step by step, so batches in the
+        # given order pad most rows to the longest; the rows go back to the given order at the end.
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+        ordered = [texts[i] for i in order]
         outs = []
-        for i in range(0, len(texts), self.batch_size):
+        for i in range(0, len(ordered), self.batch_size):
             enc = self.tokenizer(
-                texts[i : i + self.batch_size],
+                ordered[i : i + self.batch_size],
                 padding=True,
                 truncation=True,
                 max_length=self.max_length,
@@ -91,7 +95,9 @@ class MiniLMEncoder:
             outs.append(torch.nn.functional.normalize((h * m).sum(1) / m.sum(1).clamp_min(1.0), dim=-1))
         if not outs:
             return torch.zeros(0, self.dim)
-        return torch.cat(outs).float().cpu()
+        out = torch.empty(len(texts), self.dim)
+        out[torch.tensor(order)] = torch.cat(outs).float().cpu()
+        return out
 
 
 class PolicyHiddenEncoder:

@@ -91,3 +91,24 @@ def test_kb_family_runs_from_its_two_hop_warm_up(tmp_path, monkeypatch):
     finally:
         torch.set_num_threads(n)
     assert [(r["task"], r["method"]) for r in rows] == [("kb", "GRPO"), ("kb", "OFFPOLICY_TRAJ")]
+
+
+@pytest.mark.parametrize("family", ["arith", "kb"])
+def test_evaluation_questions_are_held_out_from_training(family):
+    """No evaluation question is a training question (the knowledge base has only 384 distinct 3-hop questions, so
+    random draws would repeat training ones); the set has the size asked for and distinct qids."""
+    task = table1.families()[family][0]()
+    train = task.make_problems(64, seed=3)
+    evals = table1.held_out(task, train, 625, seed=4)
+    assert len(evals) == 625 and len({p.qid for p in evals}) == 625
+    assert not {p.prompt for p in evals} & {p.prompt for p in train}
+    assert table1.held_out(task, train, 625, seed=4) == evals  # deterministic
+    if family == "kb":  # without the filter about a quarter would be training questions
+        raw = task.make_problems(625, seed=4)
+        assert sum(p.prompt in {q.prompt for q in train} for p in raw) > 60
+
+
+def test_held_out_says_when_training_covers_every_question():
+    task = table1.families()["kb"][0]()
+    with pytest.raises(ValueError, match="held_out: fewer than 10 problems"):
+        table1.held_out(task, task.make_problems(5000, seed=0), 10, seed=4)

