@@ -1,0 +1,51 @@
+"""The README's `rapo-fast table1` section against the recorded full run (bench/results/table1/): its tables are the
+run's table1.md verbatim, and table1.md's numbers are the CSV's through the report's statistics, so the README quotes
+what the run measured. tools/table1_readme.py (which writes the section) is run on the recorded files."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+from rapo_fast.demo.table1_report import efficiency_table, main_table, paired_table
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN = ROOT / "bench" / "results" / "table1"
+
+
+def _rows() -> list[dict]:
+    with open(RUN / "table1.csv") as f:
+        rows = list(csv.DictReader(f))
+    for r in rows:
+        r["seed"] = int(r["seed"])
+        r["steps_to_target"] = int(r["steps_to_target"]) if r["steps_to_target"] else ""
+        r["tokens_to_target"] = int(r["tokens_to_target"]) if r["tokens_to_target"] else ""
+    return rows
+
+
+def test_recorded_markdown_is_the_csv_through_the_report():
+    rows = _rows()
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    md = (RUN / "table1.md").read_text()
+    assert len({r["seed"] for r in rows}) == 5 and set(tasks) == {"arith", "kb"}  # the full run: 5 seeds, both
+    for table in (main_table(rows, tasks, methods), paired_table(rows, tasks, methods)):
+        assert "\n".join(table) in md
+    assert "\n".join(efficiency_table(rows, tasks, methods)[2:]).split("\n")[0] in md
+
+
+def test_readme_quotes_the_recorded_run():
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Comparing methods: `rapo-fast table1`", 1)[1].split("\n## ", 1)[0]
+    md = (RUN / "table1.md").read_text()
+    for title in ("## Final held-out success", "## Paired difference against GRPO", "## Efficiency"):
+        table = md.split(title, 1)[1].split("\n\n", 2)[1]  # the table right under the title
+        assert table.strip() in section, title
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "table1_readme.py"), str(RUN), "c0ffee", "a CPU"],
+                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    wall = md.split("wall time ", 1)[1].split(" s", 1)[0]
+    assert f"**{int(wall) // 60} min {int(wall) % 60} s**" in section
+    verdict = out.split("What it shows: ")[1].split(" This is a miniature")[0].replace("\n", " ")
+    assert verdict in section.replace("\n", " ")
