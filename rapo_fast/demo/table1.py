@@ -2,9 +2,13 @@
 (LUFFY-style) from the same supervised warm-up weights, with the same seeds and rollout budget, on each synthetic
 task family, several seeds; greedy held-out evaluation without retrieval.
 
-What this is: the runner. Per task family and seed: one SFT warm-up (the weights every method starts from), one set
-of solver trajectories (the step buffer of RAPO, the off-policy trajectories of OFFPOLICY_TRAJ), then each method
-through RAPOTrainer.train with the held-out evaluation inside the loop (EvalCallback). Writes to --out:
+What this is: the runner. Per task family and seed, one "prepare" job: the SFT warm-up (the weights every method
+starts from, saved as warm_{family}_{seed}.pt) and one set of solver trajectories (the step buffer of RAPO, the
+off-policy trajectories of OFFPOLICY_TRAJ, saved as traces_{family}_{seed}.jsonl); then one job per method through
+RAPOTrainer.train from those files, with the held-out evaluation inside the loop (EvalCallback). Every job runs with
+one torch thread, in `--workers` worker processes: for a policy this small two 1-thread processes do about 1.7x the
+work of one 2-thread process, and since every job's arithmetic is the same whatever the number of workers, so are
+the results (tested: workers 0 and 2 give the same CSV apart from wall_s). Writes to --out:
 table1.csv (one row per run), table1.md (mean +- 95% CI over seeds per method and family, paired differences against
 GRPO, efficiency: steps and generated tokens to reach GRPO's final mean eval, as ratios to GRPO) and table1.png (mean
 curve +- band per method, one panel per family). Hyper-parameters are one setting for every method (none is tuned
@@ -17,7 +21,10 @@ from __future__ import annotations
 import argparse
 import copy
 import math
+import multiprocessing as mp
+import os
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from pathlib import Path
 
 import torch
@@ -32,9 +39,10 @@ QUICK = dict(seeds=2, sft_steps=60, rl_steps=4, eval_every=2, n_eval=32, group_s
              n_train=16, lr=3e-4, mini_batch_groups=1, solver_traces=16, traces_top_k=5)  # fmt: skip
 # The full setting was chosen on GRPO alone (docs/table1_tuning.md has every setting tried and what GRPO did): lr
 # 1e-3 or 5e-4 fell below the start, a validation-target warm-up, temperature 1.3 and 16 x 4 groups did not help;
-# 1000 fresh arithmetic problems instead of 64 (the policy memorised the 64) and 80 steps did. The knowledge base
-# keeps 64 training problems so that most of its 384 distinct questions stay held out for the evaluation.
-FULL = dict(seeds=5, sft_steps=300, rl_steps=80, eval_every=20, n_eval=625, group_size=8, prompts_per_step=8,
+# 1000 fresh arithmetic problems instead of 64 (the policy memorised the 64) and 100 steps did (GRPO gained more at
+# 100 than at 80 steps on both families; 100 fit in the 45-minute budget once the runs went to 1-thread workers).
+# The knowledge base keeps 64 training problems so that most of its 384 distinct questions stay held out.
+FULL = dict(seeds=5, sft_steps=300, rl_steps=100, eval_every=20, n_eval=625, group_size=8, prompts_per_step=8,
             n_train={"arith": 1000, "kb": 64}, lr=3e-4, mini_batch_groups=4,
             solver_traces={"arith": 4, "kb": 16}, traces_top_k={"arith": 1, "kb": 5})  # fmt: skip
 
@@ -100,8 +108,39 @@ def warm_up(task, tok, s: dict, seed: int) -> dict:
     return copy.deepcopy(model.state_dict())
 
 
-def run_one(family: str, method: str, seed: int, s: dict, data: dict, enc: str) -> dict:
-    """One method from the family's warm-up weights for `seed`; returns its CSV row plus its curves."""
+def family_data(family: str, seed: int, s: dict) -> dict:
+    """The task, tokenizer, training problems and held-out evaluation problems of one (family, seed): deterministic,
+    cheap, rebuilt by every job rather than shipped between processes."""
+    task = families()[family][0]()
+    train = task.make_problems(per_family(s, "n_train", family), seed=seed)
+    return {"task": task, "tok": task.tokenizer(), "train": train,
+            "evals": held_out(task, train, s["n_eval"], seed=seed + 1)}  # fmt: skip
+
+
+def prepare(family: str, seed: int, s: dict, out: Path) -> dict[str, Path]:
+    """The shared inputs of one (family, seed)'s method runs, written into `out`: the SFT warm-up weights and the
+    solver's trajectories. Returns their paths."""
+    from rapo_fast.demo.tasks import write_jsonl
+
+    _, solver, make_sft_task = families()[family]
+    data = family_data(family, seed, s)
+    traces = solver(data["task"], data["train"], per_family(s, "solver_traces", family), 0.2, seed=seed)
+    paths = {"warm": out / f"warm_{family}_{seed}.pt", "jsonl": out / f"traces_{family}_{seed}.jsonl"}
+    write_jsonl(traces, paths["jsonl"])
+    _save_atomic(warm_up(make_sft_task(), data["tok"], s, seed), paths["warm"])
+    return paths
+
+
+def _save_atomic(obj, path: Path) -> None:
+    # A run cut off mid-save must not leave a truncated weights file that a later job would load.
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    tmp.replace(path)
+
+
+def run_one(family: str, method: str, seed: int, s: dict, paths: dict[str, Path], enc: str) -> dict:
+    """One method from the family's warm-up weights for `seed` (the files `prepare` wrote); returns its CSV row plus
+    its curves."""
     from rapo_fast.demo.tiny_policy import build_tiny_policy
     from rapo_fast.retrieval.step_traces import StepTraces
     from rapo_fast.rollouts.offpolicy import OffPolicyTrajectories
@@ -109,15 +148,16 @@ def run_one(family: str, method: str, seed: int, s: dict, data: dict, enc: str) 
     from rapo_fast.train.sft import evaluate
     from rapo_fast.train.trainer import RAPOTrainer
 
-    task, tok = data["task"], data["tok"]
     t0 = time.perf_counter()
+    data = family_data(family, seed, s)
+    task, tok = data["task"], data["tok"]
     torch.manual_seed(seed)
     model = build_tiny_policy(tok.vocab_size, seed=seed)
-    model.load_state_dict(data["warm"])
+    model.load_state_dict(torch.load(paths["warm"], weights_only=True))
     cfg = _config(method, s, seed)
     k = per_family(s, "traces_top_k", family)
-    traces = StepTraces.from_jsonl(data["jsonl"], _encoder(enc), tok, top_k=k) if method == "RAPO" else None
-    off = OffPolicyTrajectories.from_jsonl(data["jsonl"], top_k=k) if method == "OFFPOLICY_TRAJ" else None
+    traces = StepTraces.from_jsonl(paths["jsonl"], _encoder(enc), tok, top_k=k) if method == "RAPO" else None
+    off = OffPolicyTrajectories.from_jsonl(paths["jsonl"], top_k=k) if method == "OFFPOLICY_TRAJ" else None
     trainer = RAPOTrainer(model, tok, task, traces, cfg, data["train"], offpolicy=off)
     held_out = EvalCallback(lambda t: evaluate(t.model, tok, task, data["evals"], max_step_tokens=16), s["eval_every"])
     history = trainer.train(s["rl_steps"], progress=False, callbacks=[held_out], desc=f"{family}/{method}/{seed}")
@@ -173,6 +213,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--n-eval", type=int, default=None, help="held-out problems (625: standard error <= 0.02)")
     p.add_argument("--families", default=None, help="comma-separated task families (default: all)")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {','.join(METHODS)}")
+    p.add_argument("--workers", type=int, default=None,
+                   help="1-thread worker processes (default: one per core, at most 8; 0: in this process); the "
+                        "results do not depend on it")  # fmt: skip
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -194,31 +237,84 @@ def setting_from(a: argparse.Namespace) -> dict:
     return s
 
 
-def run(s: dict, out: Path, progress: bool = True) -> list[dict]:
-    """Every (family, seed, method) run of setting `s`; writes the three outputs into `out`; returns the rows."""
+# Which ready job a free worker takes first: prepare jobs (each unlocks four runs), then the longest runs, so that
+# the last ones to finish are short (measured, one full run: RAPO 110-150 s, ARPO and OFFPOLICY_TRAJ 50-75 s, GRPO
+# 40-60 s; arithmetic longer than the knowledge base).
+_COST = {"RAPO": 3, "ARPO": 2, "OFFPOLICY_TRAJ": 2, "GRPO": 1}
+
+
+def default_workers() -> int:
+    """One worker per available core, at most 8 (each holds its own torch, ~0.5 GB)."""
+    return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+def _job(kind: str, args: tuple):
+    # Every job, in a worker or in this process, at one thread: the results must not depend on --workers.
+    _one_thread()
+    return prepare(*args) if kind == "prepare" else run_one(*args)
+
+
+class _InProcess:
+    """The executor of --workers 0: every job in this process, in order (for debugging and for the tests that
+    patch the runner's functions)."""
+
+    def submit(self, fn, *args) -> Future:
+        f: Future = Future()
+        try:
+            f.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 -- handed to the caller through the future, as a pool would
+            f.set_exception(e)
+        return f
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+        pass
+
+
+def run(s: dict, out: Path, progress: bool = True, workers: int | None = None) -> list[dict]:
+    """Every (family, seed, method) run of setting `s`, in `workers` 1-thread worker processes (0: in this process,
+    default: `default_workers()`); writes the three outputs into `out`; returns the rows in (family, seed, method)
+    order whatever order the runs finished in."""
     from tqdm.auto import tqdm
 
-    from rapo_fast.demo.tasks import write_jsonl
-
+    workers = default_workers() if workers is None else workers
+    if workers < 0:
+        raise ValueError(f"table1.run: workers must be >= 0, got {workers}")
     out.mkdir(parents=True, exist_ok=True)
-    enc, fams, rows = encoder_name(), families(), []
+    enc, rows = encoder_name(), []
     t_all = time.perf_counter()
-    bar = tqdm(total=len(s["families"]) * s["seeds"] * len(s["methods"]), desc="table1 runs", disable=not progress)
-    for family in s["families"]:
-        make_task, solver, make_sft_task = fams[family]
-        task, sft_task = make_task(), make_sft_task()
-        tok = task.tokenizer()
-        for seed in range(s["seeds"]):
-            train = task.make_problems(per_family(s, "n_train", family), seed=seed)
-            traces = solver(task, train, per_family(s, "solver_traces", family), 0.2, seed=seed)
-            data = {"task": task, "tok": tok, "train": train,
-                    "evals": held_out(task, train, s["n_eval"], seed=seed + 1),
-                    "warm": warm_up(sft_task, tok, s, seed),
-                    "jsonl": write_jsonl(traces, out / f"traces_{family}_{seed}.jsonl")}  # fmt: skip
-            for method in s["methods"]:
-                rows.append(run_one(family, method, seed, s, data, enc))
+    todo = [("prepare", (f, seed, s, out)) for f in s["families"] for seed in range(s["seeds"])]
+    bar = tqdm(total=len(todo) * (1 + len(s["methods"])), desc="table1 jobs (SFT + runs)", disable=not progress)
+    threads = torch.get_num_threads()
+    pool = (_InProcess() if workers == 0 else
+            ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_one_thread))  # fmt: skip
+    running: dict[Future, tuple] = {}
+    try:
+        while todo or running:
+            while todo and len(running) < max(workers, 1):
+                kind, args = todo.pop(0)
+                running[pool.submit(_job, kind, args)] = (kind, args)
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            for f in done:
+                kind, args = running.pop(f)
+                if kind == "prepare":
+                    family, seed = args[0], args[1]
+                    todo += [("run", (family, m, seed, s, f.result(), enc)) for m in s["methods"]]
+                    todo.sort(key=lambda j: 0 if j[0] == "prepare" else -_COST.get(j[1][1], 1))
+                else:
+                    rows.append(f.result())
                 bar.update(1)
-    bar.close()
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    finally:
+        torch.set_num_threads(threads)
+        bar.close()
+    pool.shutdown()
+    rows.sort(key=lambda r: (s["families"].index(r["task"]), r["seed"], s["methods"].index(r["method"])))
     add_targets(rows)
     write_outputs(out, rows, s, enc, time.perf_counter() - t_all)
     return rows
@@ -227,7 +323,9 @@ def run(s: dict, out: Path, progress: bool = True) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     s = setting_from(a)
-    rows = run(s, Path(a.out), progress=not a.no_progress)
+    if a.workers is not None and a.workers < 0:
+        raise SystemExit(f"rapo-fast table1: --workers must be >= 0, got {a.workers}")
+    rows = run(s, Path(a.out), progress=not a.no_progress, workers=a.workers)
     print((Path(a.out) / "table1.md").read_text())
     print(f"table1: {len(rows)} runs; wrote table1.csv, table1.md, table1.png to {a.out}")
     return 0

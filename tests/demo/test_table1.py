@@ -32,7 +32,6 @@ def test_interval_arithmetic_by_hand():
 def test_tiny_table1_end_to_end(tmp_path, monkeypatch):
     monkeypatch.setenv("RAPO_FAST_DISABLE_TRITON", "1")
     n = torch.get_num_threads()
-    torch.set_num_threads(1)
     warmups = []
     real_warm_up = table1.warm_up
 
@@ -44,17 +43,15 @@ def test_tiny_table1_end_to_end(tmp_path, monkeypatch):
     seen = []
     real_run_one = table1.run_one
 
-    def recording_run_one(family, method, seed, s, data, enc):
-        seen.append((family, method, seed, id(data["warm"])))
-        return real_run_one(family, method, seed, s, data, enc)
+    def recording_run_one(family, method, seed, s, paths, enc):
+        seen.append((family, method, seed, paths["warm"]))
+        return real_run_one(family, method, seed, s, paths, enc)
 
     monkeypatch.setattr(table1, "run_one", recording_run_one)
     s = dict(table1.QUICK, seeds=2, sft_steps=20, rl_steps=2, eval_every=1, n_eval=6, n_train=4,
              families=["arith"], methods=list(table1.METHODS))  # fmt: skip
-    try:
-        rows = table1.run(s, tmp_path, progress=False)
-    finally:
-        torch.set_num_threads(n)
+    rows = table1.run(s, tmp_path, progress=False, workers=0)  # in this process, so that the patches hold
+    assert torch.get_num_threads() == n  # restored after the run's 1-thread jobs
     assert warmups == [0, 1]  # one SFT warm-up per (family, seed), shared by the 4 methods
     for seed in (0, 1):
         ids = {w for f, m, sd, w in seen if sd == seed}
@@ -84,13 +81,38 @@ def test_kb_family_runs_from_its_two_hop_warm_up(tmp_path, monkeypatch):
     assert all(len(p.prompt.split()) == 5 for p in sft.make_problems(8, seed=0))  # <bos> ask r2 r1 e
     s = dict(table1.QUICK, seeds=1, sft_steps=10, rl_steps=1, eval_every=1, n_eval=4, n_train=4,
              families=["kb"], methods=["GRPO", "OFFPOLICY_TRAJ"])  # fmt: skip
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        rows = table1.run(s, tmp_path, progress=False)
-    finally:
-        torch.set_num_threads(n)
+    rows = table1.run(s, tmp_path, progress=False, workers=0)
     assert [(r["task"], r["method"]) for r in rows] == [("kb", "GRPO"), ("kb", "OFFPOLICY_TRAJ")]
+
+
+def test_results_do_not_depend_on_the_number_of_workers(tmp_path, monkeypatch):
+    """Every job runs at one thread, in this process (workers 0) or in worker processes that finish in any order:
+    the CSV is the same apart from wall times, rows in (family, seed, method) order."""
+    monkeypatch.setenv("RAPO_FAST_DISABLE_TRITON", "1")  # inherited by the spawned workers
+    s = dict(table1.QUICK, seeds=2, sft_steps=10, rl_steps=2, eval_every=1, n_eval=6, n_train=4,
+             families=["arith", "kb"], methods=list(table1.METHODS))  # fmt: skip
+    got = {}
+    for w in (0, 2):
+        table1.run(s, tmp_path / f"w{w}", progress=False, workers=w)
+        with open(tmp_path / f"w{w}" / "table1.csv") as f:
+            got[w] = [{k: v for k, v in r.items() if k != "wall_s"} for r in csv.DictReader(f)]
+    assert len(got[0]) == 16 and got[0] == got[2]
+    assert [(r["task"], r["seed"], r["method"]) for r in got[0]] == [
+        (f, str(sd), m) for f in ("arith", "kb") for sd in (0, 1) for m in table1.METHODS
+    ]
+    for f in ("arith", "kb"):
+        for sd in (0, 1):  # the shared inputs every method of a (family, seed) started from
+            assert (tmp_path / "w2" / f"warm_{f}_{sd}.pt").stat().st_size > 0
+            assert (tmp_path / "w2" / f"traces_{f}_{sd}.jsonl").read_text() == (
+                tmp_path / "w0" / f"traces_{f}_{sd}.jsonl"
+            ).read_text()
+
+
+def test_bad_workers_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="workers must be >= 0, got -1"):
+        table1.run(dict(table1.QUICK, families=["arith"], methods=["GRPO"]), tmp_path, progress=False, workers=-1)
+    with pytest.raises(SystemExit, match="--workers must be >= 0"):
+        table1.main(["--workers", "-2", "--out", str(tmp_path)])
 
 
 @pytest.mark.parametrize("family", ["arith", "kb"])
