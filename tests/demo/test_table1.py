@@ -134,3 +134,22 @@ def test_held_out_says_when_training_covers_every_question():
     task = table1.families()["kb"][0]()
     with pytest.raises(ValueError, match="held_out: fewer than 10 problems"):
         table1.held_out(task, task.make_problems(5000, seed=0), 10, seed=4)
+
+
+def test_efficiency_table_by_hand():
+    """Seeds starting at or above GRPO's final mean are left out (they 'reach' it at step 0 with every method); the
+    ratios to GRPO are paired over the seeds both reached."""
+    from rapo_fast.demo.table1_report import efficiency_table
+
+    def row(method, seed, start, final, steps, tokens):
+        return {"task": "t", "method": method, "seed": seed, "eval_start": start, "eval_final": final,
+                "steps_to_target": steps, "tokens_to_target": tokens}  # fmt: skip
+
+    rows = [  # GRPO's final mean: (0.7 + 0.5 + 0.6) / 3 = 0.6; seed 2 starts at 0.65, above it
+        row("GRPO", 0, 0.3, 0.7, 40, 400), row("GRPO", 1, 0.4, 0.5, "", ""), row("GRPO", 2, 0.65, 0.6, 0, 0),
+        row("RAPO", 0, 0.3, 0.8, 20, 300), row("RAPO", 1, 0.4, 0.7, 60, 500), row("RAPO", 2, 0.65, 0.9, 0, 0),
+    ]  # fmt: skip
+    lines = efficiency_table(rows, ["t"], ["GRPO", "RAPO"])
+    assert lines[2] == "| t | GRPO | 1/2 | 40.0 | 400 | 1.00 | 1.00 | 1 |"
+    # RAPO reached on seeds 0 and 1 (mean 40 steps, 400 tokens); paired with GRPO on seed 0 only: 20/40, 300/400
+    assert lines[3] == "| t | RAPO | 2/2 | 40.0 | 400 | 0.50 | 0.75 | 1 |"
