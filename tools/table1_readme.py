@@ -23,7 +23,9 @@ budget and hyper-parameters, on two synthetic task families (chain arithmetic wi
 search over a synthetic knowledge base, `kb`: SFT on 2-hop questions, RL on 3-hop ones), and writes `table1.csv`,
 `table1.md` and `table1.png` to `--out`. Evaluation is greedy, without retrieval, on 625 problems per family whose
 questions are not training ones. The setting is the command's default, chosen on GRPO alone and used unchanged for
-every method (no method was tuned); `docs/table1_tuning.md` lists every setting tried and what GRPO did in it.
+every method (no method was tuned); `docs/table1_tuning.md` lists every setting tried and what GRPO did in it. The
+runs go to `--workers` 1-thread worker processes (default one per core), and the results do not depend on their
+number (tested); they do depend on the machine's CPU kernels (floating-point order).
 """
 
 
@@ -86,7 +88,8 @@ Paired difference against GRPO (same seeds and warm-up weights):
 
 What it shows: {learn}. {rapo}. This is a miniature on synthetic tasks with a tiny policy built from a config, not a
 reproduction of the paper's Table 1; the numbers vary by machine (floating-point order), so a rerun elsewhere gives
-different figures within the CIs' spread. Steps and generated tokens to reach GRPO's final mean:
+different figures within the CIs' spread. Steps and generated tokens to reach GRPO's final mean (seeds whose start
+is already above it left out; ratios to GRPO paired over the n seeds both reached):
 
 {_section(md, "## Efficiency: steps and generated tokens to reach GRPO's final mean eval")}
 """)
