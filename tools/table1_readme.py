@@ -88,8 +88,7 @@ Paired difference against GRPO (same seeds and warm-up weights):
 
 What it shows: {learn}. {rapo}. This is a miniature on synthetic tasks with a tiny policy built from a config, not a
 reproduction of the paper's Table 1; the numbers vary by machine (floating-point order), so a rerun elsewhere gives
-different figures within the CIs' spread. Steps and generated tokens to reach GRPO's final mean (seeds whose start
-is already above it left out; ratios to GRPO paired over the n seeds both reached):
+different figures within the CIs' spread. Steps and generated tokens to reach GRPO's final mean:
 
 {_section(md, "## Efficiency: steps and generated tokens to reach GRPO's final mean eval")}
 """)

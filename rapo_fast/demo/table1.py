@@ -258,6 +258,26 @@ def _job(kind: str, args: tuple):
     return prepare(*args) if kind == "prepare" else run_one(*args)
 
 
+def _priority(job: tuple) -> tuple[int, int]:
+    kind, args = job
+    return (0, 0) if kind == "prepare" else (1, -_COST.get(args[1], 1))
+
+
+def _job_name(kind: str, args: tuple) -> str:
+    return f"family {args[0]}, seed {args[1]}" if kind == "prepare" else f"{args[0]}/{args[1]}/seed {args[2]}"
+
+
+def _stop(pool) -> None:
+    """After a failed job: drop the queued jobs and end the running ones now (shutdown alone waits for them, up to a
+    whole RAPO run, while they keep writing into --out)."""
+    # ProcessPoolExecutor has no public way to end its workers before Python 3.14 (terminate_workers); its
+    # _processes map is read before shutdown, which clears it.
+    procs = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for proc in procs:
+        proc.terminate()
+
+
 class _InProcess:
     """The executor of --workers 0: every job in this process, in order (for debugging and for the tests that
     patch the runner's functions)."""
@@ -283,6 +303,11 @@ def run(s: dict, out: Path, progress: bool = True, workers: int | None = None) -
     workers = default_workers() if workers is None else workers
     if workers < 0:
         raise ValueError(f"table1.run: workers must be >= 0, got {workers}")
+    for key in ("families", "methods"):
+        if not s[key]:
+            raise ValueError(f"table1.run: setting {key!r} must name at least one, got {s[key]!r}")
+    if s["seeds"] < 1:
+        raise ValueError(f"table1.run: setting 'seeds' must be >= 1, got {s['seeds']}")
     out.mkdir(parents=True, exist_ok=True)
     enc, rows = encoder_name(), []
     t_all = time.perf_counter()
@@ -300,15 +325,18 @@ def run(s: dict, out: Path, progress: bool = True, workers: int | None = None) -
             done, _ = wait(running, return_when=FIRST_COMPLETED)
             for f in done:
                 kind, args = running.pop(f)
+                try:
+                    result = f.result()
+                except Exception as e:
+                    raise RuntimeError(f"table1: the {kind} job of {_job_name(kind, args)} failed: {e!r}") from e
                 if kind == "prepare":
-                    family, seed = args[0], args[1]
-                    todo += [("run", (family, m, seed, s, f.result(), enc)) for m in s["methods"]]
-                    todo.sort(key=lambda j: 0 if j[0] == "prepare" else -_COST.get(j[1][1], 1))
+                    todo += [("run", (args[0], m, args[1], s, result, enc)) for m in s["methods"]]
+                    todo.sort(key=_priority)
                 else:
-                    rows.append(f.result())
+                    rows.append(result)
                 bar.update(1)
     except BaseException:
-        pool.shutdown(wait=False, cancel_futures=True)
+        _stop(pool)
         raise
     finally:
         torch.set_num_threads(threads)

@@ -54,8 +54,8 @@ def test_tiny_table1_end_to_end(tmp_path, monkeypatch):
     assert torch.get_num_threads() == n  # restored after the run's 1-thread jobs
     assert warmups == [0, 1]  # one SFT warm-up per (family, seed), shared by the 4 methods
     for seed in (0, 1):
-        ids = {w for f, m, sd, w in seen if sd == seed}
-        assert len(ids) == 1 and sorted(m for _, m, sd, _ in seen if sd == seed) == sorted(table1.METHODS)
+        assert {w for f, m, sd, w in seen if sd == seed} == {tmp_path / f"warm_arith_{seed}.pt"}
+        assert sorted(m for _, m, sd, _ in seen if sd == seed) == sorted(table1.METHODS)
         starts = {r["eval_start"] for r in rows if r["seed"] == seed}
         assert len(starts) == 1  # the same weights, the same greedy evaluation: the same start for every method
     with open(tmp_path / "table1.csv") as f:
@@ -91,12 +91,14 @@ def test_results_do_not_depend_on_the_number_of_workers(tmp_path, monkeypatch):
     monkeypatch.setenv("RAPO_FAST_DISABLE_TRITON", "1")  # inherited by the spawned workers
     s = dict(table1.QUICK, seeds=2, sft_steps=10, rl_steps=2, eval_every=1, n_eval=6, n_train=4,
              families=["arith", "kb"], methods=list(table1.METHODS))  # fmt: skip
-    got = {}
+    got, returned = {}, {}
     for w in (0, 2):
-        table1.run(s, tmp_path / f"w{w}", progress=False, workers=w)
+        returned[w] = [{k: v for k, v in r.items() if k != "wall_s"}
+                       for r in table1.run(s, tmp_path / f"w{w}", progress=False, workers=w)]  # fmt: skip
         with open(tmp_path / f"w{w}" / "table1.csv") as f:
             got[w] = [{k: v for k, v in r.items() if k != "wall_s"} for r in csv.DictReader(f)]
     assert len(got[0]) == 16 and got[0] == got[2]
+    assert returned[0] == returned[2]  # exactly: every curve point and token count, not only the CSV's 6 digits
     assert [(r["task"], r["seed"], r["method"]) for r in got[0]] == [
         (f, str(sd), m) for f in ("arith", "kb") for sd in (0, 1) for m in table1.METHODS
     ]
@@ -108,9 +110,22 @@ def test_results_do_not_depend_on_the_number_of_workers(tmp_path, monkeypatch):
             ).read_text()
 
 
+def test_a_failed_job_names_itself_and_ends_the_workers(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAPO_FAST_DISABLE_TRITON", "1")
+    s = dict(table1.QUICK, seeds=1, sft_steps=2, rl_steps=1, eval_every=1, n_eval=4, n_train=4, group_size=0,
+             families=["arith"], methods=["GRPO", "RAPO"])  # fmt: skip
+    for w in (0, 2):
+        with pytest.raises(RuntimeError, match=r"the run job of arith/(GRPO|RAPO)/seed 0 failed: .*group_size"):
+            table1.run(s, tmp_path / f"w{w}", progress=False, workers=w)
+
+
 def test_bad_workers_is_refused(tmp_path):
     with pytest.raises(ValueError, match="workers must be >= 0, got -1"):
         table1.run(dict(table1.QUICK, families=["arith"], methods=["GRPO"]), tmp_path, progress=False, workers=-1)
+    for key, bad in (("seeds", 0), ("methods", []), ("families", [])):
+        s = dict(table1.QUICK, families=["arith"], methods=["GRPO"])
+        with pytest.raises(ValueError, match=f"setting '{key}' must"):
+            table1.run(dict(s, **{key: bad}), tmp_path, progress=False, workers=0)
     with pytest.raises(SystemExit, match="--workers must be >= 0"):
         table1.main(["--workers", "-2", "--out", str(tmp_path)])
 
