@@ -88,7 +88,9 @@ Paired difference against GRPO (same seeds and warm-up weights):
 
 What it shows: {learn}. {rapo}. This is a miniature on synthetic tasks with a tiny policy built from a config, not a
 reproduction of the paper's Table 1; the numbers vary by machine (floating-point order), so a rerun elsewhere gives
-different figures within the CIs' spread. Steps and generated tokens to reach GRPO's final mean:
+different figures within the CIs' spread. Steps and generated tokens to reach GRPO's final mean (seeds whose shared
+start is already above it left out; means over the seeds the method reached; ratios to GRPO paired over the n seeds
+both reached):
 
 {_section(md, "## Efficiency: steps and generated tokens to reach GRPO's final mean eval")}
 """)
