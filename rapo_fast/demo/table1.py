@@ -248,13 +248,9 @@ def default_workers() -> int:
     return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
 
-def _one_thread() -> None:
-    torch.set_num_threads(1)
-
-
 def _job(kind: str, args: tuple):
     # Every job, in a worker or in this process, at one thread: the results must not depend on --workers.
-    _one_thread()
+    torch.set_num_threads(1)
     return prepare(*args) if kind == "prepare" else run_one(*args)
 
 
@@ -314,8 +310,7 @@ def run(s: dict, out: Path, progress: bool = True, workers: int | None = None) -
     todo = [("prepare", (f, seed, s, out)) for f in s["families"] for seed in range(s["seeds"])]
     bar = tqdm(total=len(todo) * (1 + len(s["methods"])), desc="table1 jobs (SFT + runs)", disable=not progress)
     threads = torch.get_num_threads()
-    pool = (_InProcess() if workers == 0 else
-            ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_one_thread))  # fmt: skip
+    pool = _InProcess() if workers == 0 else ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"))
     running: dict[Future, tuple] = {}
     try:
         while todo or running:
