@@ -1,20 +1,19 @@
 #!/usr/bin/env bash
-# Thin wrapper: runs the four staged GPU validation scripts (bench/gpu/stage1..4) in order into OUTDIR/stageN/, for a
-# GPU machine without the device tool's limits. It is NOT what to run through the device tool: there each stage is
-# its own call (at most 10 minutes and 8 returned files per call; README.md "GPU validation" lists the calls).
-#   bash bench/gpu_suite.sh OUTDIR            (about 30 minutes; --dry-run as OUTDIR lists the steps instead)
-# Wheels: put the ones from tools/fetch_gpu_wheels.sh in .carry/wheels; each stage installs them (--no-index --no-deps).
+# Thin wrapper: runs the two GPU validation calls (bench/gpu/call1_build_test_loss.py, then
+# bench/gpu/call2_retrieval_kv_train.py) in order into OUTDIR/call1/ and OUTDIR/call2/, on a GPU machine reached
+# without the device tool. Through the device tool each call is its own command (README.md "GPU validation";
+# `python bench/gpu/validate.py --dry-run` prints both, with their budgets and rows).
+#   bash bench/gpu_suite.sh OUTDIR            (under 18 minutes; --dry-run as OUTDIR lists the plan instead)
+# Wheels: put the ones from tools/fetch_gpu_wheels.sh in .carry/wheels; call 1 installs them (--no-index --no-deps).
 set -uo pipefail
 OUT="${1:?usage: bench/gpu_suite.sh OUTDIR | --dry-run}"
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
-echo "gpu_suite: running bench/gpu/stage1..4 in order (each bounded by its own 8-minute budget)"
+if [ "$OUT" = "--dry-run" ]; then
+  exec "$PY" bench/gpu/validate.py --dry-run
+fi
 rc=0
-for stage in stage1_build_test stage2_loss stage3_retrieval stage4_kv_train; do
-  if [ "$OUT" = "--dry-run" ]; then
-    "$PY" "bench/gpu/$stage.py" --dry-run || rc=1
-  else
-    "$PY" "bench/gpu/$stage.py" --out "$OUT/$stage" || rc=1
-  fi
-done
+"$PY" bench/gpu/call1_build_test_loss.py --out "$OUT/call1" || rc=1
+mkdir -p .carry/ext && cp "$OUT"/call1/_C*.so .carry/ext/ 2>/dev/null
+"$PY" bench/gpu/call2_retrieval_kv_train.py --out "$OUT/call2" || rc=1
 exit $rc

@@ -1,14 +1,16 @@
-"""The runner every GPU validation stage (bench/gpu/stage*.py) shares: steps under `timeout`, one log, a summary with
-a compact table printed last, and the `--dry-run`, `--cpu-smoke` and `--record` modes.
+"""The runner both GPU validation calls (bench/gpu/call*.py) share: steps under `timeout`, one log, a summary with a
+compact table printed last, and the `--dry-run`, `--cpu-smoke` and `--record` modes.
 
-A stage is a list of Steps (a bash command with its time budget and the files it writes into the output folder). The
-budgets of a stage add up to at most STAGE_BUDGET_S (8 minutes, so that one device-tool call of at most 10 minutes
-holds the stage and its start) and a stage writes at most MAX_FILES files, flat, into its output folder (the device
-tool brings back at most 8). Every step runs under coreutils `timeout` with its budget; a step that fails or times out
-is reported and the next step still runs (a later step never needs an earlier step's success except the extension
-check, whose failure ends the stage).
-What this is not: a benchmark or a test runner itself (the steps call bench/bench_*.py and pytest), nor the record
-logic (bench/gpu/_record.py).
+A call is a list of Steps (a bash command with its time budget and the files it writes into the output folder). The
+budgets of a call add up to less than CALL_BUDGET_S (9 minutes, so that one device-tool command of at most 10 minutes
+holds the call with a margin) and a call writes at most MAX_FILES files, flat, into its output folder (the device tool
+brings back 8). Every step runs under coreutils `timeout`: at its budget the step's process group gets SIGINT, so pytest
+writes its junit XML and summary and a bench writes its "interrupted" row, then SIGKILL GRACE_S later. The benches
+append each row as soon as it is measured, so a step stopped at any moment keeps every finished row. A step that fails
+or times out is reported and the next step still runs (only the extension check ends the call: nothing after it could
+measure anything). The summary is rewritten after every step, so even a call killed from outside keeps what it did.
+What this is not: a benchmark or a test runner itself (the steps call bench/bench_*.py and pytest), the record logic
+(bench/gpu/_record.py) nor the plan of the rows (bench/gpu/_plan.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 import csv
 import datetime as _dt
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -26,27 +29,30 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
-STAGE_BUDGET_S = 480
-MAX_FILES = 6
+CALL_BUDGET_S = 540  # the sum of a call's step budgets must stay under this (9 minutes; the tool allows 10)
+MAX_FILES = 8  # the device tool returns at most 8 files
+GRACE_S = 15  # after SIGINT at the budget: time to write junit XML / the interrupted row, then SIGKILL
 WHEELS = ".carry/wheels"
 SITE = "/tmp/rapo_fast_site"  # where the carried wheels are installed on the GPU machine (--target, on PYTHONPATH)
 
 
 @dataclass(frozen=True)
 class Step:
-    """One command of a stage: `cmd` is bash with {py} (this Python), {out} (the output folder), {tmp} (a scratch
-    folder outside it), {root} (the repository) and {here} (bench/gpu); `files` are the names it writes into {out}."""
+    """One command of a call: `cmd` is bash with {py} (this Python), {out} (the output folder), {tmp} (a scratch
+    folder outside it), {root} (the repository) and {here} (bench/gpu); `files` are the names it writes into {out}.
+    `plan` says which CSV rows the step takes, in order: a bench's argv (its `--plan` lists them) or fixed lines."""
 
     name: str
     cmd: str
     budget_s: int
     files: tuple[str, ...] = ()
-    required: bool = False  # when it fails, the stage stops (the extension check)
+    required: bool = False  # when it fails, the call stops (the extension check)
+    plan: tuple[str, ...] = ()  # ("bench:<bench_x.py> ARGS",) or fixed row descriptions
 
 
 @dataclass
 class Stage:
-    """A stage: its name (also the stem of its log and summary), its steps for the GPU and for the CPU smoke run, and
+    """A call: its name (also the stem of its log and summary), its steps for the GPU and for the CPU smoke run, and
     the CSVs its table shows (name -> columns) and that `--record` appends to bench/results/ (name -> results name)."""
 
     name: str
@@ -62,32 +68,53 @@ class Stage:
 
 
 def check_bounds(stage: Stage) -> None:
-    """Fail at import (so in CI) when a stage's steps exceed the time budget or the file limit."""
+    """Fail at import (so in CI) when a call's steps reach the time budget or exceed the file limit."""
     for steps in (stage.gpu_steps, stage.smoke_steps):
         total = sum(s.budget_s for s in steps)
-        if total > STAGE_BUDGET_S or len(stage.files(steps)) > MAX_FILES:
+        if total >= CALL_BUDGET_S or len(stage.files(steps)) > MAX_FILES:
             raise ValueError(
-                f"{stage.name}: {total} s of budget (limit {STAGE_BUDGET_S}) and {len(stage.files(steps))} files "
-                f"(limit {MAX_FILES})"
+                f"{stage.name}: {total} s of budget (must stay under {CALL_BUDGET_S}) and "
+                f"{len(stage.files(steps))} files (limit {MAX_FILES})"
             )
+
+
+def _budget_override(text: str) -> tuple[str, int]:
+    name, sep, secs = text.partition("=")
+    if not sep or not secs.isdigit() or int(secs) < 1:
+        raise argparse.ArgumentTypeError(f"--budget expects STEP=SECONDS (SECONDS >= 1), got {text!r}")
+    return name, int(secs)
 
 
 def _parser(stage: Stage) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"bench/gpu/{stage.name}.py", description=stage.title)
     g = p.add_mutually_exclusive_group(required=True)
-    g.add_argument("--out", type=Path, metavar="DIR", help="run the stage on the GPU, writing its files into DIR")
-    g.add_argument("--dry-run", action="store_true", help="list the steps, budgets and files; run nothing")
+    g.add_argument("--out", type=Path, metavar="DIR", help="run the call on the GPU, writing its files into DIR")
+    g.add_argument("--dry-run", action="store_true", help="list the steps, budgets, files and rows; run nothing")
     g.add_argument(
         "--cpu-smoke",
         type=Path,
         metavar="DIR",
-        help="run the stage end to end on the CPU at tiny shapes into DIR (tests the script; times mean nothing)",
+        help="run the call end to end on the CPU at tiny shapes into DIR (tests the script; times mean nothing)",
     )
     g.add_argument(
         "--record",
         type=Path,
         metavar="DIR",
         help="append the CSV rows of a GPU run found in DIR to bench/results/*_gpu.csv (device, date, commit)",
+    )
+    p.add_argument(
+        "--steps",
+        default=None,
+        metavar="A,B",
+        help="run only these steps (and the required extension step), e.g. to retake what a timeout cut short",
+    )
+    p.add_argument(
+        "--budget",
+        type=_budget_override,
+        action="append",
+        default=[],
+        metavar="STEP=SECONDS",
+        help="replace one step's budget (repeatable; the tests use it to stop a step mid-way)",
     )
     p.add_argument("--results", type=Path, default=ROOT / "bench" / "results", help=argparse.SUPPRESS)
     p.add_argument(
@@ -100,28 +127,29 @@ def _parser(stage: Stage) -> argparse.ArgumentParser:
 
 
 def main(stage: Stage, argv: list[str] | None = None) -> int:
-    args = _parser(stage).parse_args(argv)
+    p = _parser(stage)
+    args = p.parse_args(argv)
     if args.dry_run:
-        return dry_run(stage)
+        from _plan import print_stage
+
+        return print_stage(stage)
     if args.record:
         from _record import record
 
         return record(stage, args.record, args.results, args.commit)
     smoke = args.cpu_smoke is not None
-    return run(stage, args.cpu_smoke if smoke else args.out, smoke)
-
-
-def dry_run(stage: Stage) -> int:
-    for label, steps in (("GPU", stage.gpu_steps), ("--cpu-smoke", stage.smoke_steps)):
-        print(f"{stage.name} ({label}): {stage.title}")
-        for i, s in enumerate(steps, 1):
-            print(f"  {i}. {s.name:<14} budget {s.budget_s:>4} s  writes {', '.join(s.files) or '-'}")
-            print(f"     $ {s.cmd}")
-        files = stage.files(steps)
-        total = sum(s.budget_s for s in steps)
-        print(f"  budget: {total} s = {total / 60:.1f} min (limit {STAGE_BUDGET_S // 60} min)")
-        print(f"  files: {len(files)} (limit {MAX_FILES}): {', '.join(files)}")
-    return 0
+    steps = stage.smoke_steps if smoke else stage.gpu_steps
+    names = {s.name for s in steps}
+    budgets = dict(args.budget)
+    wanted = set(args.steps.split(",")) if args.steps else None
+    for n in (set(budgets) | (wanted or set())) - names:
+        p.error(f"no step {n!r} in {stage.name} ({'cpu-smoke' if smoke else 'GPU'} steps: {', '.join(sorted(names))})")
+    steps = [
+        Step(s.name, s.cmd, budgets.get(s.name, s.budget_s), s.files, s.required, s.plan)
+        for s in steps
+        if wanted is None or s.name in wanted or s.required
+    ]
+    return run(stage, steps, args.cpu_smoke if smoke else args.out, smoke)
 
 
 def _env(smoke: bool) -> dict:
@@ -145,33 +173,48 @@ def _gpu_name() -> str:
         return "unknown"
 
 
+def _default_signals() -> None:
+    """In the step's process, before exec: SIGINT and SIGTERM back to their defaults. A command started in the
+    background by a non-interactive shell (as a remote runner may start ours) inherits SIGINT ignored, and then
+    `timeout`'s SIGINT would do nothing: no KeyboardInterrupt, no junit XML, no interrupted row."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def _run_step(step: Step, fmt: dict, env: dict, log) -> tuple[str, float]:
     cmd = step.cmd.format(**fmt)
     log.write(f"\n===== {step.name} (budget {step.budget_s} s): {cmd}\n")
     log.flush()
     t0 = time.perf_counter()
-    try:  # coreutils timeout bounds the step and its children; the Python timeout is the backstop
-        rc = subprocess.run(
-            ["timeout", "-k", "10", str(step.budget_s), "bash", "-c", cmd],
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            timeout=step.budget_s + 30,
-        ).returncode
+    argv = ["timeout", "-s", "INT", "-k", str(GRACE_S), str(step.budget_s), "bash", "-c", cmd]
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_default_signals)
+    try:  # coreutils timeout bounds the step and its children; this wait is the backstop
+        rc = proc.wait(timeout=step.budget_s + GRACE_S + 15)
     except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
         rc = 124
     dt = time.perf_counter() - t0
-    status = "ok" if rc == 0 else ("TIMEOUT" if rc in (124, 137) else f"FAILED rc={rc}")
+    # timeout's own 124 (stopped at the budget) and 137 (killed after the grace); a step whose commands exited on
+    # the SIGINT themselves (pytest: 2, a bench: 130) is still a timeout when it ran to its budget.
+    over = rc in (124, 137) or (rc != 0 and dt >= step.budget_s)
+    status = "ok" if rc == 0 else ("TIMEOUT" if over else f"FAILED rc={rc}")
     log.write(f"===== {step.name}: {status} in {dt:.1f} s\n")
     log.flush()
     return status, dt
 
 
-def run(stage: Stage, out: Path, smoke: bool) -> int:
+def _summary(stage: Stage, out: Path, head: list[str], results: list, steps: list[Step]) -> list[str]:
+    lines = head + [f"step {s.name:<16} {st:<12} {dt:7.1f} s / {s.budget_s} s" for s, st, dt in results]
+    lines += [f"step {s.name:<16} {'not run':<12}" for s in steps[len(results) :]]
+    lines += table(out, stage.table)
+    (out / f"{stage.name}_summary.txt").write_text("\n".join(lines) + "\n")
+    return lines
+
+
+def run(stage: Stage, steps: list[Step], out: Path, smoke: bool) -> int:
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    steps = stage.smoke_steps if smoke else stage.gpu_steps
     tmp = Path(tempfile.mkdtemp(prefix=f"rapo_fast_{stage.name}_"))
     fmt = dict(py=sys.executable, out=out, tmp=tmp, root=ROOT, here=HERE)
     env = _env(smoke)
@@ -182,24 +225,23 @@ def run(stage: Stage, out: Path, smoke: bool) -> int:
         f"commit: {os.environ.get('RAPO_FAST_COMMIT', 'unknown')}",
         f"device: {'cpu (smoke run)' if smoke else _gpu_name()}",
     ]
-    results = []
+    results: list = []
     with (out / f"{stage.name}.log").open("a") as log:
         for step in steps:
             status, dt = _run_step(step, fmt, env, log)
             results.append((step, status, dt))
             print(f"[{stage.name}] {step.name}: {status} in {dt:.1f} s (budget {step.budget_s} s)", flush=True)
+            _summary(stage, out, head, results, steps)  # after every step: a call killed later keeps this much
             if step.required and status != "ok":
                 break
-    lines = head + [f"step {s.name:<14} {st:<12} {dt:7.1f} s / {s.budget_s} s" for s, st, dt in results]
-    lines += table(out, stage.table)
-    (out / f"{stage.name}_summary.txt").write_text("\n".join(lines) + "\n")
+    lines = _summary(stage, out, head, results, steps)
     print("\n".join(lines))
     bad = [s.name for s, st, _ in results if st != "ok"] + [s.name for s in steps[len(results) :]]
     return 1 if bad else 0
 
 
 def table(out: Path, spec: dict[str, list[str]], cap: int = 48) -> list[str]:
-    """The compact table: for each CSV of the stage, its rows in the named columns, each column as wide as its widest
+    """The compact table: for each CSV of the call, its rows in the named columns, each column as wide as its widest
     cell up to `cap` (longer cells keep their end: a test's name, a status's reason); a missing CSV is said so."""
     lines = []
     for name, cols in spec.items():

@@ -1,5 +1,6 @@
-"""Print what this machine offers the GPU stages: Python, torch, triton, the device, rapo_fast's extension backends,
-and whether each optional package the tests and benches use imports (trl's GRPOConfig, liger-kernel, datasets).
+"""Print what this machine offers the GPU calls: Python, torch, triton, the device, rapo_fast's extension backends,
+where rapo_fast, its kernels and its extension were imported from, and whether each optional package the tests and
+benches use imports (trl's GRPOConfig, liger-kernel, cut-cross-entropy, datasets).
 
 Informational only (exit 0): a missing optional package makes its tests skip and its bench provider drop out, and
 the stage's table says so. What this is not: an installer (the stage's wheels step installs the carried wheels).
@@ -18,6 +19,7 @@ import torch
 CHECKS = {  # name -> the statement a test module or bench provider runs
     "trl": "from trl import GRPOConfig, GRPOTrainer",
     "liger": "from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss",
+    "cce": "from cut_cross_entropy import linear_cross_entropy",
     "datasets": "import datasets",
     "transformers": "import transformers",
 }
@@ -52,6 +54,14 @@ def main(argv: list[str] | None = None) -> int:
     import rapo_fast
 
     print(f"rapo_fast build_info: {rapo_fast.build_info()}")
+    # Where the package, its kernels and its extension were imported from: on the GPU machine (and in CI's copy test)
+    # all three must lie in the repository copy, with nothing installed.
+    print(f"rapo_fast from: {rapo_fast.__file__}")
+    for name in ("rapo_fast.kernels", "rapo_fast._C"):
+        try:
+            print(f"{name} from: {importlib.import_module(name).__file__}")
+        except Exception as exc:  # say it, the stage's extension step decides whether the call can go on
+            print(f"{name}: not importable ({type(exc).__name__}: {str(exc)[:200]})")
     for name in names:
         print(f"import {name}: {_try(CHECKS[name])}")
     return 0

@@ -1,8 +1,9 @@
-"""Make sure rapo_fast._C is there with the backend a stage needs: on the GPU, use a carried build
-(.carry/ext/_C*.so, brought back by stage 1) or build the CUDA backend for sm_90a with CMake; on the CPU (--cpu,
-the smoke run) configure the same CMake project without CUDA into a scratch folder and check the installed CPU build.
+"""Make sure rapo_fast._C is there with the backend a call needs: on the GPU, use a carried build
+(.carry/ext/_C*.so, brought back by call 1) or build the CUDA backend for sm_90a with CMake; on the CPU (--cpu, the
+smoke run) use the CPU build found, or, in a copy of the repository that has none (as the GPU machine's copy has no
+build), build it with the same CMake command without CUDA (about 20 s on 2 cores).
 
-Exit 0 when the needed backend imports, 1 otherwise (the stage then stops: nothing after it could measure anything).
+Exit 0 when the needed backend imports, 1 otherwise (the call then stops: nothing after it could measure anything).
 What this is not: the development rebuild (tools/build_ext.sh) nor `pip install` (no build isolation, no resolver:
 the GPU image's torch and pybind11 are used as they are).
 """
@@ -60,10 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--copy-to", type=Path, default=None, help="also copy the built .so into this folder")
     args = p.parse_args(argv)
     need = "cpu" if args.cpu else "cuda"
-    if args.cpu and not _pybind11_dir():
-        print("configure skipped: pybind11 is not importable here (nor PYBIND11_DIR set)")
+    if args.cpu and _info().get("cpu"):
+        print("the CPU backend is there; CMake configured in a scratch folder only (the build command's check)")
+        if _pybind11_dir():
+            _cmake(Path(tempfile.mkdtemp(prefix="rapo_fast_cmake_")), False, args.archs, configure_only=True)
     elif args.cpu:
-        _cmake(Path(tempfile.mkdtemp(prefix="rapo_fast_cmake_")), False, args.archs, configure_only=True)
+        _cmake(Path(tempfile.mkdtemp(prefix="rapo_fast_cmake_")), False, args.archs, configure_only=False)
     elif not _info().get("cuda"):
         carried = sorted(CARRIED.glob("_C*.so"))
         if carried:
