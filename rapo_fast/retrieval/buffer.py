@@ -22,6 +22,7 @@ import torch
 
 from rapo_fast.reference.retrieval import key_aux_ref
 from rapo_fast.retrieval.io import FORMAT_VERSION, StepBufferFormatError, read_snapshot, write_snapshot
+from rapo_fast.retrieval.l2_chunks import chunked_l2_search, l2_chunk_rows
 from rapo_fast.retrieval.op import MAX_K, METRIC_CODES, retrieval_search
 from rapo_fast.retrieval.rwlock import ReadWriteLock
 
@@ -281,10 +282,10 @@ class StepBuffer:
             c = (self._key_sum / max(n, 1)).float()
             if self.device.type == "cpu":
                 centre = c  # the CPU backend centres keys as it packs them
-            else:  # the CUDA backend scores centred fp32 copies (FMA path, no tensor cores)
-                keys = keys.float() - c
-                aux = keys.double().square().sum(1).float()
-                q = q.float() - c
+            else:  # the CUDA backend scores centred fp32 keys (FMA path): copies of one bounded chunk at a time
+                rows = l2_chunk_rows(self.dim)
+                args = (keys, self._group[:n], q, exclude, k, thr, c, rows, retrieval_search)
+                return chunked_l2_search(*args)
         return retrieval_search(keys, aux, self._group[:n], q, exclude, k, METRIC_CODES[self.metric], thr, centre)
 
     def search(
