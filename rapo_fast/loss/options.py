@@ -5,15 +5,18 @@ What this is: `LossOptions`, the frozen dataclass that rapo_loss, RAPOLoss, poli
 TRL / verl adapters and the reference (rapo_fast/reference/policy_loss.py) all build; the option vocabularies;
 `OPTION_DEFAULTS`, a read-only view of the defaults derived from the dataclass; and `check_inputs`, the validation of
 the tensors that runs before any kernel (it may sync with the device once: target range, NaN in advantages,
-cu_seqlens), returning the facts the launcher needs. What it is not: the loss math (docs/loss.md gives the formulas;
-rapo_fast/loss/policy_loss.py and kernels/loss/policy_loss.py compute them) or generic checks (rapo_fast/_checks.py,
-which this module uses).
+cu_seqlens), returning the facts the launcher needs; and the two checks that run after the log-prob pass instead,
+from its [N] output (check_logits_rows_defined, check_loss_logp_defined: a token in the loss whose logits row has no
+finite log-sum-exp), so that no check reads the [N, V] logits. What it is not: the loss math (docs/loss.md gives the
+formulas; rapo_fast/loss/policy_loss.py and kernels/loss/policy_loss.py compute them) or generic checks
+(rapo_fast/_checks.py, which this module uses).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
@@ -32,6 +35,7 @@ __all__ = [
     "LOSS_AGG_MODES",
     "InputFacts",
     "check_inputs",
+    "check_logits_rows_defined",
     "check_loss_logp_defined",
     "with_option_keywords",
     "TARGET_DTYPES",
@@ -263,8 +267,8 @@ def _check_values(a: Mapping[str, Any], opts: LossOptions, targets: torch.Tensor
     """Value checks (one sync each) and the tensors some options need."""
     if targets is not None:
         C.check_index_range("targets", targets, vocab)
-    if a.get("logits") is not None:
-        _check_logits_rows(a["logits"], a["loss_mask"])
+    # logits rows are not checked here: that would be one more pass over [N, V]; check_logits_rows_defined does it
+    # from the forward's output instead (after the log-prob launch, before anything else)
     C.check_finite("advantages", a["advantages"])
     C.check_finite("old_logp", a["old_logp"], allow_inf=True)
     if opts.offpolicy_train == "truncated" and a["behav_logp"] is None:
@@ -280,19 +284,28 @@ def _check_values(a: Mapping[str, Any], opts: LossOptions, targets: torch.Tensor
             C.check_finite(k, a[k], allow_inf=True)
 
 
-def _check_logits_rows(logits: torch.Tensor, loss_mask: torch.Tensor) -> None:
-    """Every token in the loss has a logits row whose log-sum-exp is finite: no NaN, no +inf, not only -inf (those
-    would give a NaN loss). Masked tokens may hold anything: they contribute exactly zero (docs/loss.md section 3).
-    One pass over the logits (a row max, no [N, V] temporary) and one sync; skipped while tracing."""
-    if logits.numel() == 0 or torch.compiler.is_compiling():
+def check_logits_rows_defined(logp: torch.Tensor, loss_mask: torch.Tensor, logits: torch.Tensor) -> None:
+    """The logits= path's check of docs/loss.md section 3: every token in the loss (loss_mask != 0) has a logits row
+    whose log-sum-exp is finite: no NaN, no +inf, not only -inf (and no overflow of logits / temperature); any of
+    those would give a NaN loss. Masked tokens may hold anything: they contribute exactly zero.
+
+    Decided from the forward's own output rather than from a pass of its own over the [N, V] logits (which cost
+    about 2 ms of a 5.5 ms loss at N=16k, V=152k): `logp` is token_logprobs' log-prob, and every path of it (the
+    Triton kernel, whose logp = z_y - lse; the chunked reference and the fp64 reference, which write NaN where the
+    lse is not finite) gives NaN exactly where the row's lse is not finite (docs/loss.md section 2; a finite lse gives
+    a finite or -inf logp). So: one [N] comparison and one sync, after the log-prob launch and before the policy op
+    and any backward; skipped while tracing under torch.compile (as check_loss_logp_defined). The error path alone
+    reads one logits row, for the message."""
+    if logp.numel() == 0 or torch.compiler.is_compiling():
         return
-    row_max = logits.detach().amax(-1)  # NaN propagates
-    bad = ~torch.isfinite(row_max) & (loss_mask != 0)
+    bad = torch.isnan(logp.detach()).reshape(loss_mask.shape) & (loss_mask != 0)
     if bool(bad.any()):
         first = tuple(torch.nonzero(bad)[0].tolist())
+        row_max = float(logits.detach()[first].amax())  # one row, on the error path only
+        why = "" if not math.isfinite(row_max) else ": logits / temperature overflow the float range"
         raise ValueError(
             f"logits: {int(bad.sum())} token(s) in the loss (loss_mask != 0) have a logits row with NaN or +inf, or "
-            f"only -inf (first at index {first}, row max {float(row_max[first])}): their log-prob is undefined"
+            f"only -inf (first at index {first}, row max {row_max}{why}): their log-prob is undefined"
         )
 
 

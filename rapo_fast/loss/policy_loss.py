@@ -1,13 +1,14 @@
 """rapo_fast.rapo_loss and rapo_fast.RAPOLoss: the drop-in RAPO / GRPO / DAPO / GSPO / PPO policy loss.
 
 Flow: validate (may sync with the device, before anything runs) -> logp (and entropy H when entropy_coef != 0 or
-metrics are asked for) = rapo_fast.token_logprobs(...) -> per-sequence quantities (shaping factor F, GSPO sequence
-log-ratio, aggregation weights) as small torch ops on [N]/[S] vectors -> one elementwise Triton kernel
-(kernels/loss/policy_loss.py, launched by rapo_fast/loss/policy_op.py, registered as rapo_fast::policy_loss with a fake
-and an autograd formula) giving the weighted per-token loss and the metric partial sums; its backward gives dL/dlogp
-and dL/dH times the upstream gradient. The loss itself only touches [N] vectors. CPU tensors without
-TRITON_INTERPRET=1, and float64 inputs, take the same math through the reference's per-token function
-(rapo_fast/reference/policy_loss.py, the spec). The options are one rapo_fast.loss.options.LossOptions.
+metrics are asked for) = rapo_fast.token_logprobs(...) -> the check that every token in the loss has a logits row with
+a finite log-sum-exp, from logp (NaN exactly there: one [N] pass and one sync, no read of the logits) -> per-sequence
+quantities (shaping factor F, GSPO sequence log-ratio, aggregation weights) as small torch ops on [N]/[S] vectors ->
+one elementwise Triton kernel (kernels/loss/policy_loss.py, launched by rapo_fast/loss/policy_op.py, registered as
+rapo_fast::policy_loss with a fake and an autograd formula) giving the weighted per-token loss and the metric partial
+sums; its backward gives dL/dlogp and dL/dH times the upstream gradient. The loss itself only touches [N] vectors.
+CPU tensors without TRITON_INTERPRET=1, and float64 inputs, take the same math through the reference's per-token
+function (rapo_fast/reference/policy_loss.py, the spec). The options are one rapo_fast.loss.options.LossOptions.
 
 Passes over the logits and GEMMs of the hidden path (logits= always takes the two-pass path: its logits exist already):
 - two-pass (GSPO, no gradient needed, RAPO_FAST_FUSED_LINEAR_LOSS=0, or no Triton): token_logprobs' forward (GEMM
@@ -17,7 +18,7 @@ Passes over the logits and GEMMs of the hidden path (logits= always takes the tw
   each tile's logits, log-prob, entropy, token loss and logits gradient while the tile is in memory and accumulates
   grad_h / grad_W / grad_b in the forward; the backward multiplies them by the upstream scalar: 1 pass, 3 GEMM
   families (4 again, in the forward, when one row of V exceeds the tile byte budget; see that module).
-No host sync after validation: metrics are 0-dim tensors computed from on-device sums.
+No host sync after that check: metrics are 0-dim tensors computed from on-device sums.
 
 Aggregation (verl's agg_loss) and `global_num_tokens` (the normaliser of the whole global batch, so that the losses of
 data-parallel shards or gradient-accumulation micro-batches, and their gradients, sum to the one-big-batch loss):
@@ -54,6 +55,7 @@ from rapo_fast.loss.options import (  # noqa: F401  (re-exported: the option voc
     InputFacts,
     LossOptions,
     check_inputs,
+    check_logits_rows_defined,
     check_loss_logp_defined,
     with_option_keywords,
 )
@@ -123,6 +125,9 @@ def rapo_loss(
     clip_frac_high, dual_clip_frac, ratio_mean, approx_kl (mean old - logp), kl, entropy (on tokens in the loss),
     retrieved_frac (retrieved / response tokens), tis_weight_mean, offpolicy_weight_mean, num_tokens,
     num_offpolicy_tokens.
+    Raises ValueError / TypeError naming the argument before any kernel runs, except for a token in the loss whose
+    logits row has no finite log-sum-exp (NaN, +inf, only -inf): refused from the log-prob pass's output, before the
+    policy op and any backward (docs/loss.md section 3).
     """
     a = dict(locals())
     opts = LossOptions.from_call(a.pop("options"), a.pop("option_kwargs"), caller="rapo_loss")
@@ -315,8 +320,12 @@ def _loss_from_logp(a: dict, opts: LossOptions, facts: InputFacts, logp: torch.T
             float(opts.temperature), opts.entropy_coef != 0.0 or opts.return_metrics,
         )  # fmt: skip
     else:
-        if a.get("hidden") is not None:  # the logits= path checked its rows before any launch (check_inputs)
+        # a token in the loss whose logits row has no finite log-sum-exp: refused here, from the log-probs (NaN
+        # exactly there), before the policy op and any backward; no pass of its own over the [N, V] logits
+        if a.get("hidden") is not None:
             check_loss_logp_defined(torch.isnan(t.lp) & (code != 0))
+        elif a.get("logits") is not None:
+            check_logits_rows_defined(t.lp, a["loss_mask"], a["logits"])
         tensors = (t.lp.contiguous(), t.old, adv, w, scale, code, seqlr, behav, t.ref, t.ent)
         # fp64 (a checking precision) and devices without Triton: the same math in torch, differentiated by autograd
         if use_triton(t.device) and t.cd == torch.float32:

@@ -1,6 +1,7 @@
 """rapo_loss argument checks: every kind of bad input raises ValueError/TypeError naming the argument, before any
-log-prob or loss kernel runs (both are replaced by a tripwire here); hypothesis fuzzes single corruptions of a valid
-call, and valid calls of random shapes (which must run and match the reference).
+log-prob or loss kernel runs (both are replaced by a tripwire here), except a bad logits row on a token in the loss,
+which is refused from the log-prob pass's output, before the policy op (tripwire on that op only); hypothesis fuzzes
+single corruptions of a valid call, and valid calls of random shapes (which must run and match the reference).
 Not here: numerical behaviour (test_loss*.py); the shared helpers in rapo_fast/_checks.py are exercised through here.
 """
 
@@ -118,6 +119,10 @@ BAD_CASES = [
     ("targets int8", lambda d: d.update(targets=d["targets"].to(torch.int8)), TypeError, "targets"),
     ("targets int16", lambda d: d.update(targets=d["targets"].to(torch.int16)), TypeError, "targets"),
     ("targets uint8", lambda d: d.update(targets=d["targets"].to(torch.uint8)), TypeError, "targets"),
+]
+# A logits row with NaN or +inf, or only -inf, on a token in the loss: refused too, but from the log-prob pass's output
+# (after that launch, before the policy op), so not under the tripwire of every kernel: LOGITS_ROW_CASES below.
+LOGITS_ROW_CASES = [
     # +inf logits on a token in the loss would give a NaN loss: refused (on a masked token they are ignored)
     ("logits +inf", lambda d: _set_in_loss(d, (0, 1), "logits", float("inf")), ValueError, "logits"),
     ("logits nan row", lambda d: _set_in_loss(d, (1, 0), "logits", float("nan")), ValueError, "logits"),
@@ -127,6 +132,25 @@ BAD_CASES = [
 
 @pytest.mark.parametrize("case", BAD_CASES, ids=[c[0] for c in BAD_CASES])
 def test_bad_input_padded(case, tripwire):
+    _, mutate, exc, text = case
+    d = _valid()
+    mutate(d)
+    with pytest.raises(exc, match=text):
+        rapo_fast.rapo_loss(**d)
+
+
+@pytest.fixture
+def policy_tripwire(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("the policy op ran before the logits rows were checked")
+
+    monkeypatch.setattr(loss_mod, "policy_loss_op", boom)
+    monkeypatch.setattr(loss_mod, "torch_policy_loss", boom)
+
+
+@pytest.mark.parametrize("case", LOGITS_ROW_CASES, ids=[c[0] for c in LOGITS_ROW_CASES])
+def test_bad_logits_row_in_the_loss(case, policy_tripwire):
+    """More paths and the whole message: test_logits_row_check.py."""
     _, mutate, exc, text = case
     d = _valid()
     mutate(d)
