@@ -5,20 +5,27 @@ temporary folder).
 Where results go: a run writes its CSV (and plot) into `--out DIR` when given, into the committed bench/results/ only
 with `--record`, and otherwise into a fresh temporary folder whose path it prints; `--quick` (smoke) runs cannot be
 recorded, so no smoke run ever changes a tracked file (tools/check_layout.py checks this).
+Rows are written one at a time (RowWriter): each is appended to the CSV, and the file closed, as soon as it is measured,
+so a run stopped at any moment keeps every finished row. The rows a run will take are known before it starts (its plan,
+printed by `--plan` as `bench,provider,field=value,...`); a SIGINT or SIGTERM (stop_on_signals) ends the run with one
+"interrupted: step budget" row for what was being measured and exit code 130.
 What this is not: a place for any op's providers (those live in bench/bench_<op>.py), nor a plotting module.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime as _dt
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -208,7 +215,9 @@ def output_dir(args: argparse.Namespace, bench: str) -> Path:
 
 
 def append_rows(name: str, rows: list[dict], out_dir: Path) -> Path:
-    """Append rows to <out_dir>/<name>.csv (header written once; columns = union, stable order)."""
+    """Append rows to <out_dir>/<name>.csv (header written once; columns = union, stable order). A row bringing new
+    columns rewrites the file with the widened header into a temporary file renamed over the old one, so a run killed
+    during the rewrite leaves the old file whole, never half of it."""
     out = Path(out_dir) / f"{name}.csv"
     out.parent.mkdir(parents=True, exist_ok=True)
     fields: list[str] = []
@@ -216,18 +225,20 @@ def append_rows(name: str, rows: list[dict], out_dir: Path) -> Path:
         for k in r:
             if k not in fields:
                 fields.append(k)
-    exists = out.exists()
+    exists = out.exists() and out.stat().st_size > 0
     if exists:
-        with out.open() as f:
+        with out.open(newline="") as f:
             header = next(csv.reader(f), [])
         fields = header + [k for k in fields if k not in header]
         if header != fields:  # new columns: rewrite with the widened header
-            with out.open() as f:
+            with out.open(newline="") as f:
                 old = list(csv.DictReader(f))
-            with out.open("w", newline="") as f:
+            tmp = out.with_name(out.name + ".tmp")
+            with tmp.open("w", newline="") as f:
                 w = csv.DictWriter(f, fieldnames=fields)
                 w.writeheader()
                 w.writerows(old)
+            os.replace(tmp, out)
     with out.open("a", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields)
         if not exists:
@@ -271,3 +282,208 @@ def add_grid_args(parser: argparse.ArgumentParser, dims: str, providers: bool = 
         metavar="MS",
         help="time budget of each measurement in ms (caps the repeats of slow providers)",
     )
+
+
+def add_plan_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the rows this run would take, in order, one a line as BENCH,PROVIDER,FIELD=VALUE,... and exit "
+        "without creating inputs or measuring (works without a GPU, --gpu included)",
+    )
+
+
+def check_providers(parser: argparse.ArgumentParser, asked: list[str] | None, known: list[str]) -> None:
+    """A name in --providers that no provider has is a typo: argparse's error (exit 2), so that a GPU run's dry run
+    (which asks every bench for its --plan) catches it before any device time is spent."""
+    bad = [p for p in asked or [] if p not in known]
+    if bad:
+        parser.error(f"--providers: unknown {', '.join(bad)} (known: {', '.join(known)})")
+
+
+def ordered(asked: list[str] | None, default: list[str]) -> list[str]:
+    """The providers of a run in the order it takes them: those of --providers in the order given (the GPU plan puts
+    its headline rows first), else the bench's default list."""
+    return list(dict.fromkeys(asked)) if asked else list(default)
+
+
+def plan_line(bench: str, key: dict) -> str:
+    """`bench,provider,field=value,...`: one planned row (the fields are the row's key columns besides provider)."""
+    return ",".join([bench, str(key["provider"]), *(f"{k}={v}" for k, v in key.items() if k != "provider")])
+
+
+def print_plan(bench: str, keys: list[dict]) -> int:
+    """`--plan`: the planned rows, one a line, in the order the run takes them; exit status 0."""
+    print("\n".join(plan_line(bench, key) for key in keys), flush=True)
+    return 0
+
+
+INTERRUPTED = "interrupted: step budget"
+INTERRUPTED_RC = 130  # a shell's code for "ended by SIGINT"; the GPU runner reads it, at the budget, as a timeout
+BAD_STATUS = ("DISAGREES", "error", INTERRUPTED)  # a run with such a row exits non-zero; "unavailable" is not one
+
+
+class Unavailable(Exception):
+    """Raised while building a provider that cannot run here (not installed, needs another device): its row says
+    "unavailable: <reason>", which is not a failure of the run."""
+
+
+# The stop signals' state: `received` the first signal; while `defer` > 0 (a row being written) a signal only sets
+# `pending`, raised as KeyboardInterrupt once the row is out, so no row is ever half written.
+_STOP = {"received": None, "defer": 0, "pending": False}
+
+
+def _on_stop_signal(signum, frame) -> None:
+    _STOP["received"] = _STOP["received"] or signum
+    if _STOP["defer"]:
+        _STOP["pending"] = True
+        return
+    raise KeyboardInterrupt
+
+
+def stop_requested() -> bool:
+    """A stop signal arrived: an exception caught meanwhile (a compiler subprocess killed by the same SIGINT, a
+    library that turned the KeyboardInterrupt into its own error) is the interruption, not the provider's error."""
+    return _STOP["received"] is not None
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+    """SIGINT and SIGTERM raise KeyboardInterrupt inside the block (even where the process inherited SIGINT ignored,
+    as a background job of a non-interactive shell does); the previous handlers come back after it."""
+    old = {}
+    try:
+        for s in (signal.SIGINT, signal.SIGTERM):
+            old[s] = signal.signal(s, _on_stop_signal)
+    except ValueError:  # not the main thread (a test calling main() from a worker): leave the handlers alone
+        pass
+    _STOP.update(received=None, defer=0, pending=False)
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        _STOP.update(received=None, defer=0, pending=False)
+
+
+class RowWriter:
+    """The rows of one run, in the order of its plan (`planned`: each row's key columns), each appended to
+    <out_dir>/<csv_name>.csv as soon as it is written, stamped with device, date and commit.
+
+    `pending()` is what is being measured now: the keys given to `measuring()` (a round-robin timing measures several
+    at once), else the first planned row not yet written; on a stop signal the bench writes one interrupted row for
+    each (`interrupted()`). `finish()` writes an error row for any planned row the run did not write, so that the
+    CSV always has exactly the rows `--plan` lists."""
+
+    def __init__(self, csv_name: str, out_dir: Path, device: torch.device, planned: list[dict], columns=()):
+        self.csv_name, self.out_dir = csv_name, Path(out_dir)
+        self.meta = {"device": device_name(device), "commit": commit()}
+        self.planned = [dict(k) for k in planned]
+        self.done = [False] * len(self.planned)
+        # every row carries every known column (blank when it has no value), so the header is written once
+        self.columns = list(dict.fromkeys([*(k for key in self.planned for k in key), *columns, "status"]))
+        self.rows: list[dict] = []
+        self._now: list[dict] | None = None
+
+    def _index(self, row: dict) -> int | None:
+        for i, key in enumerate(self.planned):
+            if not self.done[i] and all(row.get(k) == v for k, v in key.items()):
+                return i
+        return None
+
+    def measuring(self, keys: list[dict] | None) -> None:
+        self._now = None if keys is None else [dict(k) for k in keys]
+
+    def pending(self) -> list[dict]:
+        if self._now:
+            return [k for k in self._now if self._index(k) is not None]
+        return next(([k] for i, k in enumerate(self.planned) if not self.done[i]), [])
+
+    def write(self, row: dict, echo: tuple[str, ...] = ()) -> dict:
+        full = {c: "" for c in self.columns}
+        full.update(row)
+        full.update(self.meta, date=now())
+        _STOP["defer"] += 1
+        try:
+            append_rows(self.csv_name, [full], self.out_dir)
+            self.rows.append(full)
+            i = self._index(full)
+            if i is not None:
+                self.done[i] = True
+        finally:
+            _STOP["defer"] -= 1
+        if echo:
+            print({k: full.get(k) for k in echo}, flush=True)
+        if _STOP["pending"] and not _STOP["defer"]:
+            _STOP["pending"] = False
+            raise KeyboardInterrupt
+        return full
+
+    def interrupted(self, **extra) -> None:
+        """One "interrupted: step budget" row for each row being measured; signals meanwhile change nothing."""
+        _STOP["defer"] += 1
+        try:
+            for key in self.pending():
+                self.write({**key, **extra, "status": INTERRUPTED})
+        finally:
+            _STOP["defer"] -= 1
+            _STOP["pending"] = False
+
+    def finish(self) -> list[dict]:
+        for i, key in enumerate(self.planned):
+            if not self.done[i]:
+                self.write({**key, "status": "error: no row was measured for this planned row"})
+        return self.rows
+
+    def bad(self) -> list[dict]:
+        return [r for r in self.rows if str(r.get("status", "")).startswith(BAD_STATUS)]
+
+
+def error_status(exc: BaseException, phase: str = "") -> str:
+    """The status of a provider that raised: "error: [phase: ]repr" (one line, 200 characters). Raised again as
+    KeyboardInterrupt when a stop signal came meanwhile: then the row is the interrupted one, not an error."""
+    if stop_requested():
+        raise KeyboardInterrupt from exc
+    text = f"{phase}: {exc!r}" if phase else repr(exc)
+    return ("error: " + " ".join(text.split()))[:200]
+
+
+def free_device_memory(device: torch.device) -> None:
+    """After a provider (an error may leave its buffers to the collector): the next starts from a clean allocator."""
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_rows(writer: RowWriter, body: Callable[[], None], **interrupted_extra) -> int:
+    """Run `body` (which writes the rows through `writer`) under stop_on_signals: 0 when every row is ok or
+    unavailable/skipped, 1 when one erred or disagrees, INTERRUPTED_RC (after the interrupted row) on a stop signal.
+    An exception out of `body` itself (a bug of the bench, not a provider's) still leaves one error row for each
+    planned row, with its traceback on stderr."""
+    with stop_on_signals():
+        try:
+            try:
+                body()
+            except Exception as exc:  # a fault of the bench's own loop, not of a provider: still one row each
+                traceback.print_exc()
+                status = error_status(exc, "bench")
+                for key in writer.pending():
+                    writer.write({**key, "status": status})
+            writer.finish()
+        except KeyboardInterrupt:
+            writer.interrupted(**interrupted_extra)
+            print(f"interrupted: rows written to {writer.out_dir / writer.csv_name}.csv", file=sys.stderr, flush=True)
+            return INTERRUPTED_RC
+    return 1 if writer.bad() else 0
+
+
+def exit_process(rc: int) -> None:
+    """The end of a bench run as a script: an interrupted run leaves at once (os._exit, after flushing), without
+    waiting on interpreter shutdown (compile worker pools, CUDA teardown) that the runner's SIGKILL would cut anyway."""
+    if rc == INTERRUPTED_RC:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    raise SystemExit(rc)

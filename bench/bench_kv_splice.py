@@ -8,9 +8,14 @@ Providers, side by side in one run at one shape (segments x tokens into a batch 
 - `copy_floor`: the bytes the splice must move (pool read + cache write, K and V) over the measured copy bandwidth.
 GPU shape: 32 layers, 8 KV heads, head dim 128, bf16, 256 segments x 128 tokens into 64 caches, 7B-shaped prefill
 model. CPU: the same structure scaled down (printed in the CSV). Usage: `rapo-fast bench kv [--gpu] [--quick] [--plot]
-[--out DIR | --record]` (or `python bench/bench_kv_splice.py ...`); rows (with device, date and commit) are appended
-to <DIR>/kv_splice.csv, to bench/results/kv_splice.csv with --record, or to a new temporary folder. Readings in
-bench/NOTES_kv.md.
+[--providers A,B] [--rep-ms MS] [--plan] [--out DIR | --record]` (or `python bench/bench_kv_splice.py ...`); rows
+(with device, date and commit) are appended to <DIR>/kv_splice.csv, to bench/results/kv_splice.csv with --record, or
+to a new temporary folder. Readings in bench/NOTES_kv.md.
+Each row is appended as soon as it is measured. The two splices are each checked, untimed, against the library's
+reference rotation (rapo_fast.reference.kv_splice) of layer 0 (status DISAGREES when off), whatever their order. A
+provider that raises gets its own "error: ..." row and the others still run; SIGINT or SIGTERM ends the run with an
+"interrupted: step budget" row and exit code 130. `--providers` picks and orders providers; `--plan` prints the rows
+in order (`kv_splice,PROVIDER,shape=..,layers=..,...`) and exits without a GPU.
 What this is not: a correctness test (tests/kv/); providers are only cross-checked loosely.
 """
 
@@ -24,16 +29,25 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
+    RowWriter,
     add_output_args,
-    append_rows,
-    commit,
-    device_name,
+    add_plan_arg,
+    check_providers,
+    error_status,
+    exit_process,
     measure_copy_bandwidth_gbs,
-    now,
+    ordered,
     output_dir,
+    positive_int,
+    print_plan,
+    run_rows,
     time_fn,
 )
 
+PROVIDERS = ["rapo_fast", "torch_plain", "reprefill", "copy_floor"]
+DIMS = ("layers", "kv_heads", "head_dim", "segs", "seg_len", "batch")  # the shape's fields in each row and plan line
+COLUMNS = ["shape_desc", "dtype", "bytes", "copy_bw_gbs", "median_ms", "p20_ms", "p80_ms", "gbs", "pct_copy_bw"]
+COLUMNS += ["samples", "ours_speedup", "max_abs_diff"]
 SHAPES = {
     "gpu": dict(
         layers=32,
@@ -65,8 +79,9 @@ def _build(shape: dict, dtype: torch.dtype, device: torch.device):
     per_row = -(-r // b)
     s = per_row * t + 16
     store = StepKVStore(nl, h, d, dtype=dtype, device=device, capacity_tokens=r * t)
-    store.keys_pool.normal_()
-    store.values_pool.normal_()
+    g = torch.Generator(device=device).manual_seed(0)  # on the device, deterministic per device
+    store.keys_pool.normal_(generator=g)
+    store.values_pool.normal_(generator=g)
     store._where = {i: (i * t, t) for i in range(r)}  # fill the pool in place: the bench times splicing, not adding
     store._free = []
     cache = DynamicCache(
@@ -122,68 +137,133 @@ def _prefill_model(shape: dict, dtype, device):
     return model
 
 
-def run(device: torch.device, shape_name: str, out: Path, plot: bool, rep_ms: int | None = None) -> list[dict]:
+def _key(provider: str, shape_name: str) -> dict:
+    return dict(provider=provider, shape=shape_name, **{k: SHAPES[shape_name][k] for k in DIMS})
+
+
+def _reference_layer0(store, cache, reqs, rope) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer 0's keys and values after the splice, from the library's reference rotation, one segment at a time
+    (untimed): what both splices are checked against, whichever runs first."""
+    from rapo_fast.reference.kv_splice import rotate_keys_ref
+
+    keys = torch.zeros_like(cache.layers[0].keys)
+    values = torch.zeros_like(cache.layers[0].values)
+    inv = rope.inv_freq_on(store.device)
+    for pid, row, pos in reqs:
+        start, t = store.locate(pid)
+        k = store.keys_pool[0][start : start + t]  # [T, H, D], stored at rotation 0..T-1
+        k = rotate_keys_ref(k, pos, inv, rotary_dim=rope.rotary_dim, layout=rope.layout)
+        keys[row, :, pos : pos + t] = k.transpose(0, 1)
+        values[row, :, pos : pos + t] = store.values_pool[0][start : start + t].transpose(0, 1)
+    return keys, values
+
+
+def _splice_row(fn, row: dict, cache, ref, device, reps: dict) -> dict:
+    """Check one splice on layer 0 against the reference (the cache's layer 0 cleared first, so a splice that writes
+    nothing is caught), then time it."""
+    phase = "first call"
+    try:
+        lay = cache.layers[0]
+        lay.keys.zero_()
+        lay.values.zero_()
+        fn()
+        phase = "check"
+        diff = float((lay.keys.float() - ref[0].float()).abs().max())
+        wrong_values = int((lay.values != ref[1]).sum())  # a copy: exact
+        row["max_abs_diff"] = round(diff, 5)
+        status = "ok"
+        if diff > 0.1 or wrong_values:
+            status = f"DISAGREES: layer 0 keys max |diff| {diff:.3g}, {wrong_values} values differ from the reference"
+        phase = "timing"
+        row.update(time_fn(fn, device, **reps), status=status)
+    except Exception as exc:
+        row["status"] = error_status(exc, phase)
+    return row
+
+
+def _prefill_row(shape: dict, row: dict, dtype, device, rep_ms: int | None) -> dict:
+    """Re-prefill: the segments' tokens through a model of the same shape (what mode="exact" costs)."""
+    phase = "setup"
+    try:
+        model = _prefill_model(shape, dtype, device)
+        g = torch.Generator(device=device).manual_seed(1)
+        ids = torch.randint(0, shape["vocab"], (shape["segs"], shape["seg_len"]), generator=g, device=device)
+
+        def prefill():
+            with torch.no_grad():
+                model(input_ids=ids, use_cache=True)
+
+        phase = "timing"
+        ms = rep_ms or (400 if device.type == "cuda" else 1000)
+        row.update(time_fn(prefill, device, rep_ms=ms, min_runs=3), status="ok")
+    except Exception as exc:
+        row["status"] = error_status(exc, phase)
+    return row
+
+
+def _finish_row(row: dict, nbytes: int, floor_ms: float | None, ours_ms: float | None) -> dict:
+    """Rounded times, GB/s, % of the copy floor and how many times slower than rapo_fast (blank where unknown)."""
+    if "median_ms" not in row:
+        return row
+    ms = row["median_ms"]
+    row.update({k: round(row[k], 4) for k in ("median_ms", "p20_ms", "p80_ms")})
+    row["gbs"] = round(nbytes / (ms * 1e-3) / 1e9, 2)
+    if floor_ms:
+        row["pct_copy_bw"] = round(100 * floor_ms / ms, 1)
+    if ours_ms:
+        row["ours_speedup"] = round(ms / ours_ms, 2)
+    return row
+
+
+def run(writer: RowWriter, device: torch.device, shape_name: str, names: list[str], rep_ms: int | None) -> None:
     from rapo_fast.kv.splice import splice_kv
 
     shape = SHAPES[shape_name]
     dtype = torch.bfloat16
-    store, cache, reqs, rope = _build(shape, dtype, device)
     nl, h, d, r, t = (shape[k] for k in ("layers", "kv_heads", "head_dim", "segs", "seg_len"))
     nbytes = 2 * 2 * nl * r * t * h * d * dtype.itemsize  # K and V, read from the pool and written to the cache
-    backend = "cuda" if device.type == "cuda" else "cpu"
-    bw = measure_copy_bandwidth_gbs(device)
-    reps = {} if rep_ms is None else {"rep_ms": rep_ms}
-    res = {"rapo_fast": time_fn(lambda: splice_kv(cache, store, reqs, rope, backend=backend), device, **reps)}
-    got = [lay.keys.clone() for lay in cache.layers[:1]]
-    res["torch_plain"] = time_fn(lambda: _torch_plain(cache, store, reqs, rope), device, **reps)
-    diff = (cache.layers[0].keys.float() - got[0].float()).abs().max().item()
-    if diff > 0.1:
-        raise RuntimeError(f"providers disagree (max |diff| {diff}); not posting times")
-    model = _prefill_model(shape, dtype, device)
-    ids = torch.randint(0, shape["vocab"], (r, t), device=device)
-
-    def prefill():
-        with torch.no_grad():
-            model(input_ids=ids, use_cache=True)
-
-    prefill_ms = rep_ms or (400 if device.type == "cuda" else 1000)
-    res["reprefill"] = time_fn(prefill, device, rep_ms=prefill_ms, min_runs=3)
+    meta = dict(shape_desc=f"L{nl} Hkv{h} D{d} {r}x{t} into B{shape['batch']}", dtype="bf16", bytes=nbytes)
+    try:
+        store, cache, reqs, rope = _build(shape, dtype, device)
+        bw = measure_copy_bandwidth_gbs(device)
+        ref = _reference_layer0(store, cache, reqs, rope)
+    except Exception as exc:
+        status = error_status(exc, "inputs")
+        for name in names:
+            writer.write({**_key(name, shape_name), **meta, "status": status}, ("provider", "status"))
+        return
     floor_ms = nbytes / (bw * 1e9) * 1e3
-    rows = []
-    meta = dict(
-        device=device_name(device),
-        date=now(),
-        commit=commit(),
-        shape=shape_name,
-        shape_desc=f"L{nl} Hkv{h} D{d} {r}x{t} into B{shape['batch']}",
-        dtype="bf16",
-        bytes=nbytes,
-        copy_bw_gbs=round(bw, 2),
+    meta["copy_bw_gbs"] = round(bw, 2)
+    backend = "cuda" if device.type == "cuda" else "cpu"
+    fns = {
+        "rapo_fast": lambda: splice_kv(cache, store, reqs, rope, backend=backend),
+        "torch_plain": lambda: _torch_plain(cache, store, reqs, rope),
+    }
+    reps = {} if rep_ms is None else {"rep_ms": rep_ms}
+    ours_ms = None
+    for name in names:
+        row = {**_key(name, shape_name), **meta}
+        if name in fns:
+            row = _splice_row(fns[name], row, cache, ref, device, reps)
+        elif name == "reprefill":
+            row = _prefill_row(shape, row, dtype, device, rep_ms)
+        else:  # copy_floor: the bytes over the measured copy bandwidth
+            row.update(median_ms=floor_ms, p20_ms=floor_ms, p80_ms=floor_ms, status="ok")
+        if name == "rapo_fast" and row["status"] == "ok":
+            ours_ms = row["median_ms"]
+        row = writer.write(_finish_row(row, nbytes, floor_ms, ours_ms))
+        _print(row)
+
+
+def _print(row: dict) -> None:
+    if row.get("status") != "ok" and not str(row.get("status")).startswith("DISAGREES"):
+        print(f"{row['provider']:>12}: {row['status']}", flush=True)
+        return
+    print(
+        f"{row['provider']:>12}: {row['median_ms']:10.3f} ms  {row['gbs']:8.2f} GB/s  "
+        f"{row['pct_copy_bw']:5.1f}% of copy bw  (rapo_fast is {row['ours_speedup'] or '?'}x faster)  {row['status']}",
+        flush=True,
     )
-    for prov, tm in [*res.items(), ("copy_floor", {"median_ms": floor_ms, "p20_ms": floor_ms, "p80_ms": floor_ms})]:
-        ms = tm["median_ms"]
-        rows.append(
-            dict(
-                meta,
-                provider=prov,
-                median_ms=round(ms, 4),
-                p20_ms=round(tm["p20_ms"], 4),
-                p80_ms=round(tm["p80_ms"], 4),
-                gbs=round(nbytes / (ms * 1e-3) / 1e9, 2),
-                pct_copy_bw=round(100 * floor_ms / ms, 1),
-                ours_speedup=round(ms / res["rapo_fast"]["median_ms"], 2),
-            )
-        )
-    for row in rows:
-        print(
-            f"{row['provider']:>12}: {row['median_ms']:10.3f} ms  {row['gbs']:8.2f} GB/s  "
-            f"{row['pct_copy_bw']:5.1f}% of copy bw  (rapo_fast is {row['ours_speedup']}x faster)"
-        )
-    path = append_rows("kv_splice", rows, out)
-    print(f"rows appended to {path}")
-    if plot:
-        _plot(rows, path.with_suffix(".png"))
-    return rows
 
 
 def _plot(rows: list[dict], path: Path) -> None:
@@ -216,22 +296,39 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", action="store_true", help="also draw the times as kv_splice.png next to the CSV")
     ap.add_argument(
         "--rep-ms",
-        type=int,
+        type=positive_int,
         default=None,
         metavar="MS",
         help="time budget of each measurement in ms (default: 200, and 400 / 1000 for re-prefill on GPU / CPU)",
     )
+    ap.add_argument(
+        "--providers",
+        type=lambda s: [p for p in s.split(",") if p],
+        default=None,
+        metavar="A,B",
+        help=f"run only these providers, in this order (default: {','.join(PROVIDERS)})",
+    )
+    add_plan_arg(ap)
     add_output_args(ap, "kv_splice.csv (and kv_splice.png with --plot)")
     args = ap.parse_args(argv)
+    check_providers(ap, args.providers, PROVIDERS)
+    shape_name = "gpu" if args.gpu else ("cpu_quick" if args.quick else "cpu")
+    names = ordered(args.providers, PROVIDERS)
+    keys = [_key(name, shape_name) for name in names]
+    if args.plan:  # before any device check: the GPU run's dry run lists its rows on any machine
+        return print_plan("kv_splice", keys)
     if args.gpu and not torch.cuda.is_available():
         ap.error("--gpu: no CUDA device is visible")
     out = output_dir(args, "kv")
-    if args.gpu:
-        run(torch.device("cuda"), "gpu", out, args.plot, args.rep_ms)
-    else:
-        run(torch.device("cpu"), "cpu_quick" if args.quick else "cpu", out, args.plot, args.rep_ms)
-    return 0
+    device = torch.device("cuda" if args.gpu else "cpu")
+    writer = RowWriter("kv_splice", out, device, keys, COLUMNS)
+    rc = run_rows(writer, lambda: run(writer, device, shape_name, names, args.rep_ms))
+    print(f"rows appended to {writer.out_dir / 'kv_splice.csv'}")
+    timed = [r for r in writer.rows if r.get("median_ms") not in ("", None)]
+    if args.plot and rc != 130 and timed:
+        _plot(timed, (writer.out_dir / "kv_splice.csv").with_suffix(".png"))
+    return rc
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_process(main())

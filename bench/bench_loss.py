@@ -18,8 +18,17 @@ Providers, side by side in one run at each shape:
   trainer gets from PyTorch core without [N, V] logits. (torch's default chunking for fp32 on the CPU gives 16-row
   chunks and runs about 3x slower; 256 rows is the tuned anchor.)
 - `liger`: Liger-Kernel's LigerFusedLinearGRPOLoss (when liger_kernel is importable; compiled on CUDA).
-Usage: `rapo-fast bench loss [--quick] [--gpu] [--dtype D] [--out DIR | --record]`. Rows (with device, date and
-commit) are appended to <DIR>/loss.csv, to bench/results/loss.csv with --record, or to a new temporary folder.
+- `cce`: Apple's Cut Cross-Entropy: log-probs = -linear_cross_entropy(hidden, W, targets, reduction="none"), then the
+  same clipped surrogate, backward through CCE (CUDA only: its kernels are Triton on CUDA tensors).
+The providers themselves live in bench/_loss_providers.py. With --providers the run takes them in the order given.
+Every provider's loss is checked against `ref_loss`, computed once per shape, untimed, in fp32 from row chunks of the
+logits (bench/_reference.py), whatever the order. Each row is appended to the CSV as soon as it is measured; a
+provider that raises gets its own "error: ..." row (the others still run), one that cannot run here "unavailable: ...";
+SIGINT or SIGTERM ends the run with an "interrupted: step budget" row and exit code 130. `--plan` prints the rows a
+run would take, in order, as `loss,PROVIDER,N=..,H=..,V=..`, and exits (no GPU needed).
+Usage: `rapo-fast bench loss [--quick] [--gpu] [--dtype D] [--providers A,B] [--shape N,H,V] [--plan]
+[--out DIR | --record]`. Rows (with device, date and commit) are appended to <DIR>/loss.csv, to bench/results/loss.csv
+with --record, or to a new temporary folder.
 Plot with bench/plot_loss.py; predictions and readings in bench/NOTES_loss.md.
 What this is not: a correctness test (tests/loss/ does that); it only checks that providers agree to a loose
 tolerance so that a broken provider cannot post a fast time.
@@ -28,236 +37,160 @@ tolerance so that a broken provider cannot post a fast time.
 from __future__ import annotations
 
 import argparse
-import gc
 import math
-import os
-from pathlib import Path
 
+import _loss_providers as lp
 import torch
 
 from _common import (
+    RowWriter,
+    Unavailable,
     add_grid_args,
     add_output_args,
-    append_rows,
-    commit,
-    device_name,
+    add_plan_arg,
+    check_providers,
+    error_status,
+    exit_process,
+    free_device_memory,
     measure_copy_bandwidth_gbs,
-    now,
+    ordered,
     output_dir,
     peak_memory_mb,
+    print_plan,
+    run_rows,
     time_fn,
 )
 
 GRID_GPU = [(n, 4096, v) for n in (4096, 16384, 65536) for v in (32768, 152064)]
 GRID_CPU_QUICK = [(256, 128, 1000), (512, 96, 4099)]
 GRID_CPU = [(1024, 256, 8192), (2048, 512, 32768)]
-EPS = 0.2
+EPS = lp.EPS
+COLUMNS = ["dtype", "median_ms", "p20_ms", "p80_ms", "peak_mem_mb", "loss", "ref_loss"]
+COLUMNS += ["achieved_gbs", "copy_bw_gbs", "pct_of_copy_bw"]
+ECHO = ("provider", "N", "H", "V", "median_ms", "peak_mem_mb", "status")
 
 
 def _inputs(n: int, h: int, v: int, dtype: torch.dtype, device: torch.device, seed: int = 0):
-    """N tokens as B sequences of T = min(512, N) (a GRPO batch): hidden [B, T, H], per-sequence advantages [B]."""
-    t = min(512, n)
+    """N tokens as B sequences of T = min(512, N) (a GRPO batch; one sequence of N when 512 does not divide N):
+    hidden [B, T, H], per-sequence advantages [B]. Made on the device by its own generator (deterministic per seed
+    and device): a 152k x 4096 weight made on the CPU and copied took ~5 s."""
+    t = min(512, n) if n % min(512, n) == 0 else n
     b = n // t
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    hidden = (torch.randn(b, t, h, generator=g) / math.sqrt(h)).to(device=device, dtype=dtype)
-    weight = (torch.randn(v, h, generator=g) * 0.5).to(device=device, dtype=dtype)
-    targets = torch.randint(0, v, (b, t), generator=g).to(device)
-    old_logp = (-torch.rand(b, t, generator=g) * 8).to(device)
-    adv = torch.randn(b, generator=g).to(device)
-    mask = (torch.rand(b, t, generator=g) > 0.1).to(device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    hidden = torch.randn(b, t, h, generator=g, device=device, dtype=dtype).div_(math.sqrt(h))
+    weight = torch.randn(v, h, generator=g, device=device, dtype=dtype).mul_(0.5)
+    targets = torch.randint(0, v, (b, t), generator=g, device=device)
+    old_logp = torch.rand(b, t, generator=g, device=device).mul_(-8)
+    adv = torch.randn(b, generator=g, device=device)
+    mask = torch.rand(b, t, generator=g, device=device) > 0.1
     return hidden, weight, targets, old_logp, adv, mask
 
 
-def _eager_loss(hidden, weight, targets, old_logp, adv, mask):
-    """Without fused kernels: materialised fp32 logits, log-softmax, clipped surrogate, token-mean."""
-    from rapo_fast.reference import linear_token_logprobs_ref
-
-    return _surrogate(linear_token_logprobs_ref(hidden, weight, targets), old_logp, adv, mask)
-
-
-def _surrogate(logp, old_logp, adv, mask):
-    ratio = torch.exp(torch.clamp(logp - old_logp, -20, 20))
-    a = adv[:, None]
-    token = -torch.minimum(ratio * a, torch.clamp(ratio, 1 - EPS, 1 + EPS) * a)
-    m = mask.to(token.dtype)
-    return (token * m).sum() / m.sum().clamp_min(1)
-
-
-def _torch_linear_ce_loss(hidden, weight, targets, old_logp, adv, mask):
-    """The clipped surrogate on log-probs from torch's chunked F.linear_cross_entropy (fp32, as our fallback)."""
-    opts = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=256, chunking_method=None)
-    h = hidden.reshape(-1, hidden.shape[-1]).float()
-    lce = torch.nn.functional.linear_cross_entropy(
-        h, weight.float(), targets.reshape(-1), reduction="none", options=opts
-    )
-    return _surrogate(-lce.view(targets.shape), old_logp, adv, mask)
-
-
-def _rapo_fast():
-    import rapo_fast
-
-    return rapo_fast
-
-
-def _ours(targets, old_logp, adv, mask, **inputs):
-    """rapo_loss with the bench's options (clip EPS, token-mean) on the given logits= or hidden=/weight= inputs."""
-    return _rapo_fast().rapo_loss(
-        targets=targets, old_logp=old_logp, advantages=adv, loss_mask=mask, eps_low=EPS, eps_high=EPS,
-        loss_agg="token-mean", **inputs,
-    )  # fmt: skip
-
-
-def _ours_logits_lmhead(hidden, weight, targets, old_logp, adv, mask, inplace=False):
-    """rapo_loss(logits=) on logits formed in the call (a trainer's lm_head), so that the in-place option applies."""
-    return _ours(targets, old_logp, adv, mask, logits=hidden @ weight.T, inplace_backward=inplace)
-
-
-def _ours_logits_lmhead_inplace(*args):
-    return _ours_logits_lmhead(*args, inplace=True)
-
-
-def _liger_provider(device: torch.device):
-    """Liger-Kernel's LigerFusedLinearGRPOLoss as a provider, or None (printed why) where it is unavailable."""
-    provs: dict = {}
-    try:
-        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
-
-        # loss_type "dapo" = token-mean over the batch; no reference model (beta 0); compiled (Liger's fast path) on
-        # CUDA only, its plain-torch chunked path on the CPU.
-        liger = LigerFusedLinearGRPOLoss(
-            beta=0.0,
-            use_ref_model=False,
-            epsilon_low=EPS,
-            epsilon_high=EPS,
-            loss_type="dapo",
-            compiled=device.type == "cuda",
-        )
-
-        def liger_fn(hidden, weight, targets, old_logp, adv, mask):
-            out = liger(hidden, weight, targets, mask.long(), adv, old_per_token_logps=old_logp)
-            return out[0] if isinstance(out, tuple) else out
-
-        provs["liger"] = liger_fn
-    except Exception as exc:  # not installed, or an API change: say so in the table, never fake a number
-        print(f"liger: unavailable ({exc!r})")
-    return provs.get("liger")
-
-
-def _providers(device: torch.device, n: int, v: int):
-
-    def ours_hidden(hidden, weight, targets, old_logp, adv, mask):
-        return _ours(targets, old_logp, adv, mask, hidden=hidden, weight=weight)
-
-    def ours_hidden_2pass(*args):
-        old = os.environ.get("RAPO_FAST_FUSED_LINEAR_LOSS")
-        os.environ["RAPO_FAST_FUSED_LINEAR_LOSS"] = "0"
+def _providers(device: torch.device, n: int = 0, v: int = 0) -> dict:
+    """name -> fn of every default provider that can run here (bench/cpu_peak_rss.py picks one by name)."""
+    provs = {}
+    for name in lp.default_providers(device.type == "cuda"):
         try:
-            return ours_hidden(*args)
-        finally:
-            if old is None:
-                del os.environ["RAPO_FAST_FUSED_LINEAR_LOSS"]
-            else:
-                os.environ["RAPO_FAST_FUSED_LINEAR_LOSS"] = old
-
-    cache: dict = {}
-
-    def ours_logits(hidden, weight, targets, old_logp, adv, mask):
-        # The logits are an input of this provider (made once, outside the timed region), as in a trainer that already
-        # has them; only the loss and its backward into the logits are timed.
-        key = (hidden.data_ptr(), weight.data_ptr())
-        if key not in cache:
-            cache.clear()
-            cache[key] = (hidden @ weight.T).detach().requires_grad_(True)
-        logits = cache[key]
-        logits.grad = None
-        return _ours(targets, old_logp, adv, mask, logits=logits)
-
-    # torch_eager first: the other providers' losses are checked against its value
-    provs = {
-        "torch_eager": _eager_loss,
-        "rapo_fast_hidden": ours_hidden,
-        "rapo_fast_logits": ours_logits,
-        "rapo_fast_logits_lmhead": _ours_logits_lmhead,
-        "rapo_fast_logits_lmhead_inplace": _ours_logits_lmhead_inplace,
-    }
-    if device.type == "cuda":  # the two variants differ only where Triton runs
-        provs["rapo_fast_hidden_2pass"] = ours_hidden_2pass
-    provs["torch_compile"] = torch.compile(_eager_loss, dynamic=False)
-    if hasattr(torch.nn, "LinearCrossEntropyOptions"):
-        provs["torch_linear_ce"] = _torch_linear_ce_loss
-    else:
-        print(f"torch_linear_ce: unavailable (torch {torch.__version__} has no chunked F.linear_cross_entropy)")
-    liger = _liger_provider(device)
-    if liger is not None:
-        provs["liger"] = liger
+            provs[name] = lp.make_provider(name, device)
+        except Unavailable as exc:
+            print(f"{name}: unavailable ({exc})")
     return provs
 
 
-def run(shapes, dtype, device, out_dir: Path, reps_ms: int, providers: list[str] | None = None) -> list[dict]:
-    rows = []
-    dev_name = device_name(device)
-    bw = measure_copy_bandwidth_gbs(device)
+def _too_big(name: str, n: int, v: int, device: torch.device) -> bool:
+    """The eager providers hold [N, V] fp32 logits plus their grad: skipped where that cannot fit."""
+    if name not in lp.EAGER_LOGITS or device.type != "cuda":
+        return False
+    return n * v * 4 * 3 > 0.8 * torch.cuda.get_device_properties(device).total_memory
+
+
+def _measure(name: str, fn, inputs, ref: float | None, row: dict, device, reps_ms: int, bw: dict) -> dict:
+    """Check one provider against the reference, time it, read its peak memory: the row, with what was measured
+    before an error kept beside the error's status."""
+    hidden, weight, *rest = inputs
+    n, v = hidden.numel() // hidden.shape[-1], weight.shape[0]
+    hh = hidden.detach().requires_grad_(True)
+    ww = weight.detach().requires_grad_(True)
+
+    def step():
+        hh.grad = None
+        ww.grad = None
+        loss = fn(hh, ww, *rest)
+        loss.backward()
+        return loss
+
+    phase = "first call"
+    try:
+        loss = float(step().detach())
+        row["loss"] = loss
+        if ref is None:
+            status = "ok (unchecked: the reference failed)"
+        elif abs(loss - ref) <= 5e-2 * max(1.0, abs(ref)):
+            status = "ok"
+        else:
+            status = f"DISAGREES: loss {loss:.5g} vs reference {ref:.5g}"
+        phase = "timing"
+        t = time_fn(step, device, rep_ms=reps_ms)
+        row.update({k: round(t[k], 4) for k in ("median_ms", "p20_ms", "p80_ms")})
+        phase = "peak memory"
+        row["peak_mem_mb"] = round(peak_memory_mb(step, device), 1)
+        if name == "rapo_fast_logits":
+            phase = "copy bandwidth"
+            if "gbs" not in bw:
+                bw["gbs"] = measure_copy_bandwidth_gbs(device)
+            esize = hidden.element_size()
+            gbs = 3 * n * v * esize / (t["median_ms"] * 1e-3) / 1e9  # read twice (fwd, bwd) + write grad once
+            row.update(achieved_gbs=round(gbs, 1), copy_bw_gbs=round(bw["gbs"], 1))
+            row["pct_of_copy_bw"] = round(100 * gbs / bw["gbs"], 1)
+        row["status"] = status
+    except Exception as exc:  # say so in the table, never fake a number; the next provider still runs
+        row["status"] = error_status(exc, phase)
+    return row
+
+
+def _shape(writer: RowWriter, names: list[str], n, h, v, dtype, device, reps_ms: int, bw: dict) -> None:
+    """Every provider at one shape, each row written as soon as it is measured."""
+    dt = str(dtype).replace("torch.", "")
+    keys = [dict(provider=name, N=n, H=h, V=v) for name in names]
+    try:
+        inputs = _inputs(n, h, v, dtype, device)
+    except Exception as exc:
+        status = error_status(exc, "inputs")
+        for key in keys:
+            writer.write({**key, "dtype": dt, "status": status}, ECHO)
+        return
+    try:
+        ref = lp.reference_loss(*inputs)
+    except Exception as exc:
+        print(f"loss N={n} V={v}: the reference failed: {error_status(exc)}")
+        ref = None
+    for key in keys:
+        name, row = key["provider"], {**key, "dtype": dt, "ref_loss": "" if ref is None else ref}
+        if _too_big(name, n, v, device):
+            writer.write({**row, "status": "skipped: OOM by design"}, ECHO)
+            continue
+        try:
+            fn = lp.make_provider(name, device)
+        except Unavailable as exc:
+            writer.write({**row, "status": f"unavailable: {exc}"}, ECHO)
+            continue
+        except Exception as exc:
+            writer.write({**row, "status": error_status(exc, "setup")}, ECHO)
+            continue
+        writer.write(_measure(name, fn, inputs, ref, row, device, reps_ms, bw), ECHO)
+        del fn
+        free_device_memory(device)
+    del inputs
+    free_device_memory(device)
+
+
+def run(writer: RowWriter, shapes, names: list[str], dtype, device, reps_ms: int) -> None:
+    bw: dict = {}  # the copy bandwidth, measured once when a row needs it
     for n, h, v in shapes:
-        hidden, weight, targets, old_logp, adv, mask = _inputs(n, h, v, dtype, device)
-        ref_loss = None
-        for name, fn in _providers(device, n, v).items():
-            if providers is not None and name not in providers:
-                continue
-            if name == "torch_eager" or name == "torch_compile":
-                # the eager reference holds [N, V] fp32 logits plus their grad: skip where that cannot fit
-                need = n * v * 4 * 3
-                if device.type == "cuda" and need > 0.8 * torch.cuda.get_device_properties(device).total_memory:
-                    rows.append({"provider": name, "N": n, "H": h, "V": v, "status": "skipped: OOM by design"})
-                    continue
-            hh = hidden.detach().requires_grad_(True)
-            ww = weight.detach().requires_grad_(True)
-
-            def step(fn=fn, hh=hh, ww=ww, rest=(targets, old_logp, adv, mask)):
-                hh.grad = None
-                ww.grad = None
-                loss = fn(hh, ww, *rest)
-                loss.backward()
-                return loss
-
-            try:
-                loss = step().detach()
-                if ref_loss is None:
-                    ref_loss = float(loss)
-                agree = abs(float(loss) - ref_loss) <= 5e-2 * max(1.0, abs(ref_loss))
-                t = time_fn(step, device, rep_ms=reps_ms)
-                mem = peak_memory_mb(step, device)
-                status = "ok" if agree else f"DISAGREES: loss {float(loss):.5g} vs {ref_loss:.5g}"
-            except Exception as exc:
-                rows.append({"provider": name, "N": n, "H": h, "V": v, "status": f"error: {exc!r}"[:200]})
-                continue
-            row = {
-                "provider": name,
-                "N": n,
-                "H": h,
-                "V": v,
-                "dtype": str(dtype).replace("torch.", ""),
-                "median_ms": round(t["median_ms"], 4),
-                "p20_ms": round(t["p20_ms"], 4),
-                "p80_ms": round(t["p80_ms"], 4),
-                "peak_mem_mb": round(mem, 1),
-                "loss": float(loss),
-                "status": status,
-            }
-            if name == "rapo_fast_logits":
-                esize = torch.empty((), dtype=dtype).element_size()
-                gbs = 3 * n * v * esize / (t["median_ms"] * 1e-3) / 1e9  # read twice (fwd, bwd) + write grad once
-                row.update(achieved_gbs=round(gbs, 1), copy_bw_gbs=round(bw, 1))
-                row["pct_of_copy_bw"] = round(100 * gbs / bw, 1)
-            rows.append(row)
-            print({k: row.get(k) for k in ("provider", "N", "H", "V", "median_ms", "peak_mem_mb", "status")})
-            gc.collect()
-    meta = {"device": dev_name, "date": now(), "commit": commit()}
-    rows = [{**r, **meta} for r in rows]
-    print(f"rows appended to {append_rows('loss', rows, out_dir)}")
-    return rows
+        _shape(writer, names, n, h, v, dtype, device, reps_ms, bw)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p = argparse.ArgumentParser(prog="rapo-fast bench loss", description=__doc__.splitlines()[0])
     p.add_argument(
         "--quick",
@@ -277,11 +210,15 @@ def main(argv: list[str] | None = None) -> int:
         help="dtype of hidden states and lm_head weight (default bfloat16 with --gpu, float32 on the CPU)",
     )
     add_grid_args(p, "N,H,V")
+    add_plan_arg(p)
     add_output_args(p, "loss.csv")
     args = p.parse_args(argv)
-    if args.gpu and not torch.cuda.is_available():
-        p.error("--gpu: no CUDA device is visible")
-    out = output_dir(args, "loss")
+    check_providers(p, args.providers, lp.ALL)
+    return p, args
+
+
+def main(argv: list[str] | None = None) -> int:
+    p, args = _parse(argv)
     if args.gpu:
         device, shapes, dtype, reps = torch.device("cuda"), GRID_GPU, torch.bfloat16, 300
     else:
@@ -292,11 +229,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.dtype:
         dtype = getattr(torch, args.dtype)
     shapes, reps = args.shape or shapes, args.rep_ms or reps
-    rows = run(shapes, dtype, device, out, reps, args.providers)
-    bad = [r for r in rows if str(r.get("status", "")).startswith(("DISAGREES", "error"))]
-    print(f"bench loss: {len(rows)} rows, {len(bad)} disagreeing/erroring providers, device {device_name(device)}")
-    return 1 if bad else 0
+    names = ordered(args.providers, lp.default_providers(args.gpu))
+    keys = [dict(provider=name, N=n, H=h, V=v) for n, h, v in shapes for name in names]
+    if args.plan:  # before any device check: the GPU run's dry run lists its rows on any machine
+        return print_plan("loss", keys)
+    if args.gpu and not torch.cuda.is_available():
+        p.error("--gpu: no CUDA device is visible")
+    writer = RowWriter("loss", output_dir(args, "loss"), device, keys, COLUMNS)
+    dt = str(dtype).replace("torch.", "")
+    rc = run_rows(writer, lambda: run(writer, shapes, names, dtype, device, reps), dtype=dt)
+    bad = writer.bad()
+    dev = writer.meta["device"]
+    print(f"bench loss: {len(writer.rows)} rows, {len(bad)} disagreeing/erroring/interrupted, device {dev}")
+    print(f"rows appended to {writer.out_dir / 'loss.csv'}")
+    return rc
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_process(main())

@@ -13,8 +13,14 @@ then (CPU) the few-query shapes SMALL_Q, then the grid C in {100k, 1M, 4M} x D i
 GRID_CPU; --quick is a smoke subset for CI). Rows (with device, date, commit and the load average) are appended to
 <DIR>/retrieval_{cpu,gpu}.csv, to bench/results/ with --record, or to a new temporary folder; every provider's ids
 are compared with `ours` (agree = fraction of equal ids) so a broken provider cannot post a fast time.
-Usage: `rapo-fast bench retrieval [--quick] [--gpu] [--repeats N] [--out DIR | --record]`; plot with
-bench/plot_retrieval.py; readings in bench/NOTES_retrieval.md.
+Rows: on the GPU each is appended as soon as it is measured (`torch` first by default, so that every later row carries
+its ratio_vs_torch); on the CPU a shape's rows are appended together when its round-robin timing ends. A provider that
+raises (at setup, first call or timing) gets its own "error: ..." row and the others still run; one that cannot run
+here (faiss not installed) gets "unavailable: ...". SIGINT or SIGTERM ends the run with an "interrupted: step budget"
+row for what was being measured and exit code 130. `--providers` picks and orders providers; `--plan` prints the rows
+in order (`retrieval,PROVIDER,C=..,D=..,Q=..,k=..`) and exits without a GPU.
+Usage: `rapo-fast bench retrieval [--quick] [--gpu] [--repeats N] [--providers A,B] [--shape C,D,Q,k] [--plan]
+[--out DIR | --record]`; plot with bench/plot_retrieval.py; readings in bench/NOTES_retrieval.md.
 What this is not: a correctness test (tests/retrieval/).
 """
 
@@ -28,15 +34,20 @@ import time
 import torch
 
 from _common import (
+    RowWriter,
+    Unavailable,
     add_grid_args,
     add_output_args,
-    append_rows,
-    commit,
-    device_name,
+    add_plan_arg,
+    check_providers,
+    error_status,
+    exit_process,
     measure_copy_bandwidth_gbs,
-    now,
+    ordered,
     output_dir,
     positive_int,
+    print_plan,
+    run_rows,
     time_fn,
 )
 
@@ -53,6 +64,18 @@ GRID_CPU = [(100_000, d, q, k) for d in (256, 768) for q in (64, 1024) for k in 
 SMALL_Q = [(170_000, 384, q, 3) for q in (1, 2, 4, 6, 8, 16, 32)]
 QUICK = [(20_000, 64, 32, 8), (5_000, 48, 7, 3)]
 N_GROUPS = 1000
+# The providers of each device in their default order. GPU: `torch` first, so that every row after it carries its
+# ratio_vs_torch (rows are written as they are measured); `ours` is the headline and comes next.
+CPU_PROVIDERS = ["ours", "ours_excl", "torch", "ours_fp16", "faiss_flat", "ours_faiss_mem"]
+GPU_PROVIDERS = ["torch", "ours", "ours_excl", "ours_triton", "ours_cuda", "floor"]
+FP16_MAX = 100_000_000  # CPU: the fp16 copy of the keys doubles memory; built only up to C * D of this
+COLUMNS = ["metric", "dtype", "median_ms", "p20_ms", "p80_ms", "qps", "agree"]
+CPU_COLUMNS = [*COLUMNS, "repeats", "ratio_vs_faiss", "ratio_vs_torch", "isa", "threads", "load_avg_1m"]
+GPU_COLUMNS = [*COLUMNS, "ratio_vs_torch", "pct_of_copy_bw", "copy_bw_gbs"]
+
+
+class _Skip(Exception):
+    """A provider left out at this shape by design: its row says "skipped: ..."."""
 
 
 def _torch_topk(keys: torch.Tensor, queries: torch.Tensor, k: int, metric: str, chunk: int):
@@ -81,27 +104,35 @@ def _agree(a: torch.Tensor, b: torch.Tensor) -> float:
 SLOW_S = 10.0
 
 
-def _time_round_robin(fns: dict, repeats: int) -> dict[str, dict]:
-    """CPU timing: one warm-up each, then `repeats` rounds over all providers; medians and 20/80% quantiles in ms.
+def _time_round_robin(fns: dict, repeats: int, errors: dict) -> dict[str, dict]:
+    """CPU timing: one warm-up each, then `repeats` rounds over all providers; medians and 20/80% quantiles in ms. A
+    provider that raises is dropped from the rounds, its status in `errors`.
 
     A provider whose warm-up takes over SLOW_S seconds is timed by that one run only (repeats = 1 in the row): at
     such durations warm-up effects are negligible and repeats would take many minutes."""
     times: dict[str, list[float]] = {n: [] for n in fns}
-    for n, fn in fns.items():
-        t0 = time.perf_counter()
-        fn()
-        dt = time.perf_counter() - t0
-        if dt > SLOW_S:
-            times[n].append(dt * 1e3)
-    for _ in range(repeats):
-        for n, fn in fns.items():
-            if times[n] and len(times[n]) == 1 and times[n][0] > SLOW_S * 1e3:
-                continue
-            t0 = time.perf_counter()
-            fn()
-            times[n].append((time.perf_counter() - t0) * 1e3)
+    slow: set[str] = set()
+    for phase, rounds in (("warm-up", 1), ("timing", repeats)):
+        for _ in range(rounds):
+            for n, fn in fns.items():
+                if n in errors or (phase == "timing" and n in slow):
+                    continue
+                t0 = time.perf_counter()
+                try:
+                    fn()
+                except Exception as exc:
+                    errors[n] = error_status(exc, phase)
+                    continue
+                dt = time.perf_counter() - t0
+                if phase == "warm-up" and dt > SLOW_S:
+                    slow.add(n)
+                    times[n].append(dt * 1e3)
+                elif phase == "timing":
+                    times[n].append(dt * 1e3)
     out = {}
     for n, ts in times.items():
+        if n in errors or not ts:
+            continue
         ts.sort()
         out[n] = {
             "median_ms": statistics.median(ts),
@@ -112,7 +143,7 @@ def _time_round_robin(fns: dict, repeats: int) -> dict[str, dict]:
     return out
 
 
-def _cpu_case(C, D, Q, k, metric, repeats, faiss_mod) -> list[dict]:
+def _cpu_buffer(C, D, Q, metric):
     from rapo_fast import StepBuffer
 
     g = torch.Generator().manual_seed(0)
@@ -120,62 +151,91 @@ def _cpu_case(C, D, Q, k, metric, repeats, faiss_mod) -> list[dict]:
     for c0 in range(0, C, 262_144):  # build in pieces to bound the temporary memory
         n = min(262_144, C - c0)
         buf.add(torch.randn(n, D, generator=g), torch.arange(c0, c0 + n), torch.randint(0, N_GROUPS, (n,), generator=g))
-    buf16 = None
-    if C * D <= 100_000_000:  # the fp16 variant doubles memory; only at sizes that fit comfortably
+    return buf, torch.randn(Q, D, generator=g), torch.randint(0, N_GROUPS, (Q,), generator=g)
+
+
+def _cpu_fn(name: str, st: dict, k: int, metric: str, faiss_mod):
+    """The timed call of CPU provider `name` on the shape's state `st` (buffer, queries, filter)."""
+    buf, q, excl, C, D = st["buf"], st["q"], st["excl"], st["C"], st["D"]
+    if name == "ours":
+        return lambda: buf.search(q, k)
+    if name == "ours_excl":
+        return lambda: buf.search(q, k, exclude_groups=excl)
+    if name == "torch":
+        return lambda: _torch_topk(buf.embeddings, q, k, metric, 65_536)
+    if name == "ours_fp16":
+        if C * D > FP16_MAX:
+            raise _Skip(f"the fp16 copy of the keys is built only up to C*D = {FP16_MAX:.0e}")
+        from rapo_fast import StepBuffer
+
         buf16 = StepBuffer(C, D, dtype=torch.float16, metric=metric)
         buf16.add(buf.embeddings, buf.payload_ids, buf.group_ids)
-    q = torch.randn(Q, D, generator=g)
-    excl = torch.randint(0, N_GROUPS, (Q,), generator=g)
-    keys = buf.embeddings
-    fns = {
-        "ours": lambda: buf.search(q, k),
-        "ours_excl": lambda: buf.search(q, k, exclude_groups=excl),
-        "torch": lambda: _torch_topk(keys, q, k, metric, 65_536),
-    }
-    if buf16 is not None:
-        fns["ours_fp16"] = lambda: buf16.search(q, k)
-    index = None
-    if faiss_mod is not None and metric in ("ip", "l2"):
+        return lambda: buf16.search(q, k)
+    if faiss_mod is None:
+        raise Unavailable("faiss is not importable (pip install faiss-cpu)")
+    if "index" not in st:
         index = (faiss_mod.IndexFlatIP if metric == "ip" else faiss_mod.IndexFlatL2)(D)
-        index.add(keys.numpy())
-        qn = q.numpy()
-        fns["faiss_flat"] = lambda: index.search(qn, k)
-        # Our op over faiss's own copy of the keys: the same bytes in the same pages, so that a difference between the
-        # two is the kernels' and not where the two buffers' pages landed (worth up to 20% at Q=1 here, NOTES).
-        from rapo_fast.retrieval.op import METRIC_CODES, retrieval_search
+        index.add(buf.embeddings.numpy())
+        st["index"] = index
+    index, qn = st["index"], q.numpy()
+    if name == "faiss_flat":
+        return lambda: index.search(qn, k)
+    # ours_faiss_mem: our op over faiss's own copy of the keys, the same bytes in the same pages, so that a difference
+    # between the two is the kernels' and not where the two buffers' pages landed (worth up to 20% at Q=1, NOTES).
+    from rapo_fast.retrieval.op import METRIC_CODES, retrieval_search
 
-        xb = torch.from_numpy(faiss_mod.rev_swig_ptr(index.get_xb(), C * D).reshape(C, D))
-        aux, grp = buf._aux[:C], buf._group[:C]
-        fns["ours_faiss_mem"] = lambda: retrieval_search(xb, aux, grp, q, None, k, METRIC_CODES[metric], float("-inf"))
-    ref_s, ref_p = buf.search(q, k)
-    agree = {"ours": 1.0, "ours_excl": float("nan"), "torch": _agree(_torch_topk(keys, q, k, metric, 65_536)[1], ref_p)}
-    if buf16 is not None:
-        agree["ours_fp16"] = _agree(buf16.search(q, k)[1], ref_p)
-    if index is not None:
-        agree["faiss_flat"] = _agree(torch.from_numpy(index.search(q.numpy(), k)[1]), ref_p)
-        slots = fns["ours_faiss_mem"]()[1]  # slots = payload ids here (payload i sits in slot i)
-        agree["ours_faiss_mem"] = _agree(slots, ref_p)
-    res = _time_round_robin(fns, repeats)
-    rows = []
-    for name, r in res.items():
-        rows.append(
-            dict(
-                provider=name,
-                metric=metric,
-                dtype="float16" if name == "ours_fp16" else "float32",
-                C=C,
-                D=D,
-                Q=Q,
-                k=k,
-                qps=Q / (r["median_ms"] * 1e-3),
-                agree=round(agree[name], 4),
-                **r,
-            )
-        )
-    base = res.get("faiss_flat", res["torch"])["median_ms"]
-    for row in rows:
-        row["ratio_vs_faiss" if "faiss_flat" in res else "ratio_vs_torch"] = round(row["median_ms"] / base, 3)
-    return rows
+    xb = torch.from_numpy(faiss_mod.rev_swig_ptr(index.get_xb(), C * D).reshape(C, D))
+    aux, grp = buf._aux[:C], buf._group[:C]
+    return lambda: retrieval_search(xb, aux, grp, q, None, k, METRIC_CODES[metric], float("-inf"))
+
+
+def _ids(out) -> torch.Tensor:
+    """The ids of a provider's (scores, ids) result: payload ids, faiss labels (numpy) or slots (= payload ids here:
+    payload i sits in slot i)."""
+    return torch.as_tensor(out[1])
+
+
+def _cpu_case(writer: RowWriter, names, C, D, Q, k, metric, repeats, faiss_mod, extra: dict) -> None:
+    """One CPU shape: every provider built and checked, then timed round-robin, then its rows written in order."""
+    keys = [dict(provider=n, C=C, D=D, Q=Q, k=k) for n in names]
+    writer.measuring(keys)  # timed together: a stop now interrupts all of them
+    rows = {key["provider"]: {**key, **extra, "metric": metric, "dtype": "float32"} for key in keys}
+    rows.get("ours_fp16", {})["dtype"] = "float16"
+    fns, errors = {}, {}
+    try:
+        st = dict(zip(("buf", "q", "excl"), _cpu_buffer(C, D, Q, metric)), C=C, D=D)
+        ref = _ids(st["buf"].search(st["q"], k))
+    except Exception as exc:
+        errors = dict.fromkeys(names, error_status(exc, "inputs"))
+    for name in names:
+        if name in errors:
+            continue
+        phase = "setup"
+        try:
+            fn = _cpu_fn(name, st, k, metric, faiss_mod)
+            phase = "first call"
+            rows[name]["agree"] = float("nan") if name == "ours_excl" else round(_agree(_ids(fn()), ref), 4)
+            fns[name] = fn
+        except Unavailable as exc:
+            errors[name] = f"unavailable: {exc}"
+        except _Skip as exc:
+            errors[name] = f"skipped: {exc}"
+        except Exception as exc:
+            errors[name] = error_status(exc, phase)
+    res = _time_round_robin(fns, repeats, errors)
+    base = res.get("faiss_flat", res.get("torch", {})).get("median_ms")
+    for name in names:
+        row = rows[name]
+        if name in res:
+            r = res[name]
+            row.update(qps=Q / (r["median_ms"] * 1e-3), **r, status="ok")
+            if base is not None:
+                row["ratio_vs_faiss" if "faiss_flat" in res else "ratio_vs_torch"] = round(r["median_ms"] / base, 3)
+        else:
+            row["status"] = errors.get(name, "error: not timed")
+        writer.write(row)
+        _print(row)
+    writer.measuring(None)
 
 
 _GPU_BUF: dict = {}
@@ -196,7 +256,8 @@ def _forced(backend: str, fn, *args):
             os.environ[BACKEND_ENV] = before
 
 
-def _gpu_case(C, D, Q, k, metric, device, bw_gbs, rep_ms: int = 200) -> list[dict]:
+def _gpu_state(C, D, Q, metric, device) -> dict:
+    """The shape's buffer (kept across the Q and k of one (C, D)), queries and filter, made on the device."""
     from rapo_fast import StepBuffer
 
     g = torch.Generator(device=device).manual_seed(0)
@@ -216,62 +277,76 @@ def _gpu_case(C, D, Q, k, metric, device, bw_gbs, rep_ms: int = 200) -> list[dic
     buf = _GPU_BUF["buf"]
     q = torch.randn(Q, D, generator=g, device=device)
     excl = torch.randint(0, N_GROUPS, (Q,), generator=g, device=device)
-    keys = buf.embeddings
     free, _ = torch.cuda.mem_get_info(device)
     # Score chunk [Q, chunk] in fp16 + its fp32 copy within an eighth of free memory each, so topk's workspace fits too.
     chunk = int(max(4096, min(C, free // 8 // max(1, Q * 4))))
-    fns = {
+    return dict(buf=buf, q=q, excl=excl, chunk=chunk)
+
+
+def _gpu_fn(name: str, st: dict, k: int, metric: str):
+    buf, q = st["buf"], st["q"]
+    return {
         "ours": lambda: buf.search(q, k),
-        "ours_excl": lambda: buf.search(q, k, exclude_groups=excl),
-        "torch": lambda: _torch_topk(keys, q, k, metric, chunk),
+        "ours_excl": lambda: buf.search(q, k, exclude_groups=st["excl"]),
+        "torch": lambda: _torch_topk(buf.embeddings, q, k, metric, st["chunk"]),
         # `ours` follows the crossover table; these two force each backend (rapo_fast/retrieval/triton_search.py).
         "ours_triton": lambda: _forced("triton", buf.search, q, k),
         "ours_cuda": lambda: _forced("cuda", buf.search, q, k),
-    }
-    _, ref_p = buf.search(q, k)
-    agree = {"ours": 1.0, "ours_excl": float("nan"), "torch": _agree(_torch_topk(keys, q, k, metric, chunk)[1], ref_p)}
-    agree.update({n: _agree(fns[n]()[1], ref_p) for n in ("ours_triton", "ours_cuda")})
-    floor_ms = C * D * 2 / (bw_gbs * 1e9) * 1e3
-    rows = []
-    for name, fn in fns.items():
+    }[name]
+
+
+def _gpu_row(name, row: dict, st: dict, ref: dict, k, metric, device, floor_ms: float, rep_ms: int) -> dict:
+    """Check one GPU provider against `ours`'s ids (computed once, untimed, when first needed) and time it."""
+    phase = "setup"
+    try:
+        fn = _gpu_fn(name, st, k, metric)
+        phase = "first call"
+        ids = _ids(fn())
+        if name == "ours_excl":
+            row["agree"] = float("nan")
+        else:
+            if "ids" not in ref:
+                phase = "reference (ours)"
+                ref["ids"] = _ids(st["buf"].search(st["q"], k))
+            row["agree"] = round(_agree(ids, ref["ids"]), 4)
+        phase = "timing"
         r = time_fn(fn, device, rep_ms=rep_ms)
-        rows.append(
-            dict(
-                provider=name,
-                metric=metric,
-                dtype="float16",
-                C=C,
-                D=D,
-                Q=Q,
-                k=k,
-                qps=Q / (r["median_ms"] * 1e-3),
-                agree=round(agree[name], 4),
-                pct_of_copy_bw=round(100 * floor_ms / r["median_ms"], 1),
-                **r,
-            )
-        )
-    rows.append(
-        dict(
-            provider="floor",
-            metric=metric,
-            dtype="float16",
-            C=C,
-            D=D,
-            Q=Q,
-            k=k,
-            median_ms=floor_ms,
-            qps=Q / (floor_ms * 1e-3),
-            copy_bw_gbs=round(bw_gbs, 1),
-        )
-    )
-    base = rows[2]["median_ms"]
-    for row in rows:
-        row["ratio_vs_torch"] = round(row["median_ms"] / base, 3)
+        row.update(qps=row["Q"] / (r["median_ms"] * 1e-3), pct_of_copy_bw=round(100 * floor_ms / r["median_ms"], 1))
+        row.update(**r, status="ok")
+    except Exception as exc:  # one provider's failure (a Triton compile, a CUDA error) is its own row
+        row["status"] = error_status(exc, phase)
+    return row
+
+
+def _gpu_case(writer: RowWriter, names, C, D, Q, k, metric, device, bw_gbs, rep_ms: int = 200) -> None:
+    """One GPU shape: each provider checked, timed and its row written in turn."""
+    base = dict(metric=metric, dtype="float16", C=C, D=D, Q=Q, k=k)
+    try:
+        st = _gpu_state(C, D, Q, metric, device)
+    except Exception as exc:
+        status = error_status(exc, "inputs")
+        for name in names:
+            writer.write(dict(provider=name, **base, status=status))
+        return
+    floor_ms = C * D * 2 / (bw_gbs * 1e9) * 1e3
+    ref: dict = {}
+    torch_ms = None
+    for name in names:
+        row = dict(provider=name, **base)
+        if name == "floor":
+            row.update(median_ms=floor_ms, qps=Q / (floor_ms * 1e-3), copy_bw_gbs=round(bw_gbs, 1), status="ok")
+        else:
+            row = _gpu_row(name, row, st, ref, k, metric, device, floor_ms, rep_ms)
+        if name == "torch" and row["status"] == "ok":
+            torch_ms = row["median_ms"]
+        if torch_ms and "median_ms" in row:
+            row["ratio_vs_torch"] = round(row["median_ms"] / torch_ms, 3)
+        writer.write(row)
+        _print(row)
     torch.cuda.empty_cache()
-    return rows
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p = argparse.ArgumentParser(prog="rapo-fast bench retrieval", description=__doc__.split("\n")[0])
     p.add_argument(
         "--quick",
@@ -313,77 +388,86 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="CPU threads given to every provider, faiss included (default: torch's thread count)",
     )
-    add_grid_args(p, "C,D,Q,k", providers=False)
+    add_grid_args(p, "C,D,Q,k")
+    add_plan_arg(p)
     add_output_args(p, "retrieval_cpu.csv (retrieval_gpu.csv with --gpu)")
     args = p.parse_args(argv)
+    check_providers(p, args.providers, GPU_PROVIDERS if args.gpu else CPU_PROVIDERS)
+    return p, args
+
+
+def _shapes(args: argparse.Namespace) -> list[tuple[int, int, int, int]]:
+    if args.shape:
+        return args.shape
+    if args.quick:
+        return QUICK
+    if args.gpu:
+        return PAPER if args.paper_only else PAPER + GRID_FULL
+    if args.small_q or args.paper_only:
+        return SMALL_Q if args.small_q else PAPER
+    return PAPER + SMALL_Q + GRID_CPU
+
+
+def main(argv: list[str] | None = None) -> int:
+    p, args = _parse(argv)
+    shapes = _shapes(args)
+    names = ordered(args.providers, GPU_PROVIDERS if args.gpu else CPU_PROVIDERS)
+    keys = [dict(provider=n, C=C, D=D, Q=Q, k=k) for C, D, Q, k in shapes for n in names]
+    if args.plan:  # before any device check: the GPU run's dry run lists its rows on any machine
+        return print_plan("retrieval", keys)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.gpu and not torch.cuda.is_available():
         p.error("--gpu: no CUDA device is visible")
     out = output_dir(args, "retrieval")
-    rows = _run_gpu(args) if args.gpu else _run_cpu(args)
-    path = append_rows("retrieval_gpu" if args.gpu else "retrieval_cpu", rows, out)
-    print(f"wrote {len(rows)} rows to {path}")
-    return 0
+    device = torch.device("cuda", 0) if args.gpu else torch.device("cpu")
+    name, columns = ("retrieval_gpu", GPU_COLUMNS) if args.gpu else ("retrieval_cpu", CPU_COLUMNS)
+    writer = RowWriter(name, out, device, keys, columns)
+    body = _run_gpu if args.gpu else _run_cpu
+    rc = run_rows(writer, lambda: body(writer, args, shapes, names), metric=args.metric)
+    print(f"wrote {len(writer.rows)} rows to {writer.out_dir / writer.csv_name}.csv")
+    return rc
 
 
-def _run_gpu(args: argparse.Namespace) -> list[dict]:
-    stamp = dict(date=now(), commit=commit())
+def _run_gpu(writer: RowWriter, args: argparse.Namespace, shapes, names) -> None:
     device = torch.device("cuda", 0)
     bw = measure_copy_bandwidth_gbs(device)
-    shapes = args.shape or (QUICK if args.quick else (PAPER if args.paper_only else PAPER + GRID_FULL))
-    rows = []
     for C, D, Q, k in shapes:
-        case = _gpu_case(C, D, Q, k, args.metric, device, bw, args.rep_ms or 200)
-        rows += [dict(device=device_name(device), **stamp, **r) for r in case]
-        _print(case)
-    return rows
+        _gpu_case(writer, names, C, D, Q, k, args.metric, device, bw, args.rep_ms or 200)
 
 
-def _run_cpu(args: argparse.Namespace) -> list[dict]:
-    stamp = dict(date=now(), commit=commit())
+def _run_cpu(writer: RowWriter, args: argparse.Namespace, shapes, names) -> None:
     # faiss-cpu bundles its own OpenBLAS, whose threads would otherwise oversubscribe the cores next to faiss's OpenMP
     # threads (measured here: 2-4x slower on a loaded 2-core machine); it reads this variable when faiss is imported.
     os.environ.setdefault("OPENBLAS_NUM_THREADS", str(torch.get_num_threads()))
-    try:
-        import faiss
-    except ImportError:
-        faiss = None
-    from rapo_fast._ext import extension
-
+    faiss = None
+    if any(n in ("faiss_flat", "ours_faiss_mem") for n in names):
+        try:
+            import faiss
+        except ImportError:
+            faiss = None
     if faiss is not None:
         faiss.omp_set_num_threads(torch.get_num_threads())
-    if args.quick or args.small_q or args.paper_only:
-        shapes = QUICK if args.quick else SMALL_Q if args.small_q else PAPER
-    else:
-        shapes = PAPER + SMALL_Q + GRID_CPU
-    shapes = args.shape or shapes
-    repeats = args.repeats or (3 if args.quick else 5)
+    from rapo_fast._ext import extension
+
     isa = extension().retrieval_cpu_isa(-1)
-    rows = []
+    repeats = args.repeats or (3 if args.quick else 5)
     for C, D, Q, k in shapes:
-        load = os.getloadavg()[0]
-        case = _cpu_case(C, D, Q, k, args.metric, repeats, faiss)
-        extra = dict(
-            device=device_name(torch.device("cpu")),
-            **stamp,
-            isa=isa,
-            threads=torch.get_num_threads(),
-            load_avg_1m=round(load, 2),
-        )
-        rows += [dict(extra, **r) for r in case]
-        _print(case)
-    return rows
+        extra = dict(isa=isa, threads=torch.get_num_threads(), load_avg_1m=round(os.getloadavg()[0], 2))
+        _cpu_case(writer, names, C, D, Q, k, args.metric, repeats, faiss, extra)
 
 
-def _print(rows: list[dict]) -> None:
-    for r in rows:
-        ratio = r.get("ratio_vs_faiss", r.get("ratio_vs_torch"))
-        print(
-            f"C={r['C']:>8} D={r['D']:>4} Q={r['Q']:>5} k={r['k']:>3} {r['provider']:>11}: "
-            f"{r['median_ms']:10.2f} ms  {r['qps']:12.0f} q/s  ratio {ratio}  agree {r.get('agree', '')}"
-        )
+def _print(r: dict) -> None:
+    if r.get("status") != "ok":
+        print(f"C={r['C']:>8} D={r['D']:>4} Q={r['Q']:>5} k={r['k']:>3} {r['provider']:>11}: {r['status']}")
+        return
+    ratio = r.get("ratio_vs_faiss", r.get("ratio_vs_torch"))
+    print(
+        f"C={r['C']:>8} D={r['D']:>4} Q={r['Q']:>5} k={r['k']:>3} {r['provider']:>11}: "
+        f"{r['median_ms']:10.2f} ms  {r['qps']:12.0f} q/s  ratio {ratio}  agree {r.get('agree', '')}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_process(main())

@@ -19,36 +19,52 @@ tensors only in its interpreter (TRITON_INTERPRET=1, for tests; this bench switc
 time the interpreter). Liger's fused linear cross-entropy is not a provider: it is a loss whose backward assumes a
 scalar upstream gradient, not a per-token op (bench/bench_loss.py compares against Liger's GRPO loss).
 
-Every provider's log-probs (and, in fwd+bwd, its input gradients) are compared with the eager provider of the same
-input; one that disagrees is marked DISAGREES and the run exits 1, so a broken provider cannot post a fast time.
-Usage: `rapo-fast bench logprobs [--quick] [--gpu] [--dtype D] [--plot] [--out DIR | --record]`. Rows (with device,
-date and commit) are appended to <DIR>/token_logprobs.csv, to bench/results/token_logprobs.csv with --record, or to a
-new temporary folder. Predictions and readings: bench/NOTES_token_logprobs.md.
+- `cce`: Apple's Cut Cross-Entropy, -linear_cross_entropy(hidden, weight, targets, reduction="none") (CUDA only:
+  Triton kernels on CUDA tensors; its backward needs bf16/fp16 hidden states).
+
+Every provider's log-probs (and, in fwd+bwd, its input gradients) are compared with a reference computed once per shape,
+untimed, in fp32 from row chunks (bench/_reference.py: never the whole fp32 [N, V]), of the logits given for the
+logits providers and of hidden @ weight^T for the hidden ones, whatever the providers' order; one that disagrees is
+marked DISAGREES and the run exits 1, so a broken provider cannot post a fast time. With --providers the run takes them
+in the order given. Each row is appended as soon as it is measured; a provider that raises gets its own "error: ..."
+row, one that cannot run here "unavailable: ..."; SIGINT or SIGTERM ends the run with an "interrupted: step budget"
+row and exit code 130. `--plan` prints the rows in order (`token_logprobs,PROVIDER,N=..,H=..,V=..,mode=..`) and exits.
+Usage: `rapo-fast bench logprobs [--quick] [--gpu] [--dtype D] [--providers A,B] [--shape N,H,V] [--plan] [--plot]
+[--out DIR | --record]`. Rows (with device, date and commit) are appended to <DIR>/token_logprobs.csv, to
+bench/results/token_logprobs.csv with --record, or to a new temporary folder. Predictions and readings:
+bench/NOTES_token_logprobs.md.
 What this is not: a correctness test (tests/loss/test_logprobs*.py), nor the policy loss (bench/bench_loss.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import math
 import os
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+import _reference as ref
 import torch
+from _loss_providers import cce_check
 
 from _common import (
+    RowWriter,
+    Unavailable,
     add_grid_args,
     add_output_args,
-    append_rows,
-    commit,
-    device_name,
+    add_plan_arg,
+    check_providers,
+    error_status,
+    exit_process,
+    free_device_memory,
     measure_copy_bandwidth_gbs,
-    now,
+    ordered,
     output_dir,
     peak_memory_mb,
+    print_plan,
+    run_rows,
     time_fn,
 )
 
@@ -57,19 +73,32 @@ GRID_CPU = [(512, 256, 8192), (1024, 256, 32768)]
 GRID_CPU_QUICK = [(64, 32, 500), (96, 48, 1031)]
 MODES = ("fwd", "fwd+bwd")
 MIN_SAMPLES = 5  # CPU: timed blocks per provider and mode at least (slow providers get exactly this many)
+# provider -> the input it takes, in the default order of a run
+INPUT = {
+    "torch_eager_logits": "logits",
+    "rapo_fast_logits": "logits",
+    "torch_eager_hidden": "hidden",
+    "torch_chunked_hidden": "hidden",
+    "rapo_fast_hidden": "hidden",
+    "cce": "hidden",
+}
+COLUMNS = ["input", "mode", "dtype", "path", "median_ms", "p20_ms", "p80_ms", "samples", "peak_mem_mb"]
+COLUMNS += ["max_abs_diff_logp", "grad_rel_err", "achieved_gbs", "copy_bw_gbs", "pct_of_copy_bw"]
+ECHO = ("provider", "mode", "N", "V", "median_ms", "peak_mem_mb", "status")
 
 
-def _inputs(n: int, h: int, v: int, dtype: torch.dtype, device: torch.device, seed: int = 0) -> dict:
-    """hidden [N, H], weight [V, H] (scaled so logits have O(1) spread), their logits [N, V], targets, upstream grad."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    hidden = (torch.randn(n, h, generator=g) / math.sqrt(h)).to(device=device, dtype=dtype)
-    weight = (torch.randn(v, h, generator=g) * 2.0).to(device=device, dtype=dtype)
+def _inputs(n: int, h: int, v: int, dtype: torch.dtype, device: torch.device, seed: int = 0, logits=True) -> dict:
+    """hidden [N, H], weight [V, H] (scaled so logits have O(1) spread), their logits [N, V] (when a logits provider
+    runs), targets, upstream grad; made on the device by its own generator (deterministic per seed and device)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g, device=device, dtype=dtype).div_(math.sqrt(h))
+    weight = torch.randn(v, h, generator=g, device=device, dtype=dtype).mul_(2.0)
     return {
         "hidden": hidden,
         "weight": weight,
-        "logits": (hidden @ weight.T).contiguous(),
-        "targets": torch.randint(0, v, (n,), generator=g).to(device),
-        "grad_logp": torch.randn(n, generator=g).to(device),
+        "logits": (hidden @ weight.T).contiguous() if logits else None,
+        "targets": torch.randint(0, v, (n,), generator=g, device=device),
+        "grad_logp": torch.randn(n, generator=g, device=device),
     }
 
 
@@ -77,39 +106,58 @@ def _eager_logp(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[:, None]).squeeze(-1)
 
 
-def _providers(device: torch.device) -> dict[str, tuple[str, str, Callable]]:
-    """name -> (input kind "logits" | "hidden", path taken, fn(tensors) -> logp [N] fp32)."""
+def _chunked(t):
+    """torch's own chunked F.linear_cross_entropy, 256-row chunks."""
+    opts = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=256, chunking_method=None)
+    lce = torch.nn.functional.linear_cross_entropy
+    return -lce(t["hidden"], t["weight"], t["targets"], reduction="none", options=opts)
+
+
+def _cce(device: torch.device) -> Callable:
+    cce_check(device)
+    try:
+        from cut_cross_entropy import linear_cross_entropy
+    except ImportError as exc:
+        raise Unavailable(f"cut_cross_entropy not importable ({exc!r})") from exc
+    return lambda t: -linear_cross_entropy(t["hidden"], t["weight"], t["targets"], reduction="none", impl="cce")
+
+
+def _provider(name: str, device: torch.device) -> tuple[str, Callable]:
+    """(path taken, fn(tensors) -> logp [N] fp32) of provider `name`; Unavailable where it cannot run here."""
     from rapo_fast import token_logprobs
     from rapo_fast._dispatch import use_triton
-
-    ours_path = "triton" if use_triton(device) else "chunked reference fallback (no Triton on this device)"
-    provs: dict[str, tuple[str, str, Callable]] = {
-        "torch_eager_logits": ("logits", "eager", lambda t: _eager_logp(t["logits"], t["targets"])),
-        "rapo_fast_logits": ("logits", ours_path, lambda t: token_logprobs(t["logits"], targets=t["targets"])),
-        "torch_eager_hidden": ("hidden", "eager", lambda t: _eager_logp(t["hidden"] @ t["weight"].T, t["targets"])),
-    }
-    lce = getattr(torch.nn.functional, "linear_cross_entropy", None)
-    options = getattr(torch.nn, "LinearCrossEntropyOptions", None)
-    if lce is not None and options is not None:
-
-        def chunked(t):
-            opts = options(batch_chunk_size=256, chunking_method=None)
-            return -lce(t["hidden"], t["weight"], t["targets"], reduction="none", options=opts)
-
-        provs["torch_chunked_hidden"] = ("hidden", "torch chunked (F.linear_cross_entropy)", chunked)
-    else:
-        print(f"torch_chunked_hidden: unavailable (torch {torch.__version__} has no F.linear_cross_entropy options)")
     from rapo_fast.loss.torch_linear_ce import torch_linear_ce_available
 
-    hidden_path = ours_path
-    if not use_triton(device) and torch_linear_ce_available():
-        hidden_path = "torch chunked linear CE (rapo_fast/loss/torch_linear_ce.py)"
-    provs["rapo_fast_hidden"] = (
-        "hidden",
-        hidden_path,
-        lambda t: token_logprobs(hidden=t["hidden"], weight=t["weight"], targets=t["targets"]),
-    )
-    return provs
+    ours_path = "triton" if use_triton(device) else "chunked reference fallback (no Triton on this device)"
+    if name == "torch_eager_logits":
+        return "eager", lambda t: _eager_logp(t["logits"], t["targets"])
+    if name == "rapo_fast_logits":
+        return ours_path, lambda t: token_logprobs(t["logits"], targets=t["targets"])
+    if name == "torch_eager_hidden":
+        return "eager", lambda t: _eager_logp(t["hidden"] @ t["weight"].T, t["targets"])
+    if name == "torch_chunked_hidden":
+        if not hasattr(torch.nn, "LinearCrossEntropyOptions"):
+            raise Unavailable(f"torch {torch.__version__} has no F.linear_cross_entropy options")
+        return "torch chunked (F.linear_cross_entropy)", _chunked
+    if name == "rapo_fast_hidden":
+        path = ours_path
+        if not use_triton(device) and torch_linear_ce_available():
+            path = "torch chunked linear CE (rapo_fast/loss/torch_linear_ce.py)"
+        return path, lambda t: token_logprobs(hidden=t["hidden"], weight=t["weight"], targets=t["targets"])
+    if name == "cce":
+        return "Cut Cross-Entropy (Triton)", _cce(device)
+    raise ValueError(f"unknown provider {name!r}")
+
+
+def _providers(device: torch.device) -> dict[str, tuple[str, str, Callable]]:
+    """name -> (input kind, path, fn) of every default provider that can run here."""
+    out = {}
+    for name, kind in INPUT.items():
+        try:
+            out[name] = (kind, *_provider(name, device))
+        except Unavailable as exc:
+            print(f"{name}: unavailable ({exc})")
+    return out
 
 
 def _step_fn(fn: Callable, leaves: dict, rest: dict, mode: str) -> Callable[[], torch.Tensor]:
@@ -135,23 +183,47 @@ def _tolerances(dtype: torch.dtype) -> tuple[float, float]:
     return (2e-3, 1e-3) if dtype == torch.float32 else (0.15, 3e-2)
 
 
-def _rel_err(got: torch.Tensor, ref: torch.Tensor, rows: int = 1024) -> float:
-    """|got - ref| / |ref| (Frobenius), in fp32 over row blocks: no fp32 copy of a whole [N, V] gradient."""
+def _rel_err(got: torch.Tensor, ref_rows: Callable[[int, int], torch.Tensor], rows: int = 1024) -> float:
+    """|got - ref| / |ref| (Frobenius), in fp32 over row blocks (ref_rows(r0, r1) gives the reference's rows): no fp32
+    copy of a whole [N, V] gradient."""
     num = den = 0.0
-    for r0 in range(0, ref.shape[0], rows):
-        g, r = got[r0 : r0 + rows].float(), ref[r0 : r0 + rows].float()
+    for r0 in range(0, got.shape[0], rows):
+        r1 = min(got.shape[0], r0 + rows)
+        g, r = got[r0:r1].float(), ref_rows(r0, r1)
         num += float((g - r).square().sum())
         den += float(r.square().sum())
     return math.sqrt(num) / max(math.sqrt(den), 1e-30)
 
 
-def _check(logp, grads: dict, ref: dict | None, dtype: torch.dtype) -> tuple[dict, str]:
-    """Compare with the eager provider of the same input kind (ref None: no reference ran)."""
-    if ref is None:
-        return {"max_abs_diff_logp": "", "grad_rel_err": ""}, "ok (unchecked: the eager reference did not run)"
+class _Refs:
+    """The reference of one shape, each part computed once, when a provider first needs it (untimed)."""
+
+    def __init__(self, t: dict):
+        self.t, self.cache = t, {}
+
+    def logp(self, kind: str) -> torch.Tensor:
+        if kind not in self.cache:
+            t = self.t
+            src = {"logits": t["logits"]} if kind == "logits" else {"hidden": t["hidden"], "weight": t["weight"]}
+            self.cache[kind] = ref.token_logp(t["targets"], **src)
+        return self.cache[kind]
+
+    def grad_rows(self, name: str) -> Callable[[int, int], torch.Tensor]:
+        t = self.t
+        if name == "logits":  # rebuilt per row block from the logits: the [N, V] reference is never held
+            z, y, g = t["logits"], t["targets"], t["grad_logp"]
+            return lambda r0, r1: ref.logits_grad(z[r0:r1].float(), y[r0:r1], g[r0:r1])
+        if "grads" not in self.cache:
+            self.cache["grads"] = ref.hidden_grads(t["hidden"], t["weight"], t["targets"], t["grad_logp"])
+        g = self.cache["grads"][name]
+        return lambda r0, r1: g[r0:r1]
+
+
+def _check(logp, grads: dict, kind: str, refs: _Refs, dtype: torch.dtype) -> tuple[dict, str]:
+    """Compare with the reference of the same input kind."""
     tol_logp, tol_grad = _tolerances(dtype)
-    diff = float((logp.float() - ref["logp"]).abs().max()) if logp.numel() else 0.0
-    gerr = max((_rel_err(g, ref["grads"][k]) for k, g in grads.items()), default=0.0)
+    diff = float((logp.float() - refs.logp(kind)).abs().max()) if logp.numel() else 0.0
+    gerr = max((_rel_err(g, refs.grad_rows(k)) for k, g in grads.items()), default=0.0)
     out = {"max_abs_diff_logp": round(diff, 7), "grad_rel_err": round(gerr, 7) if grads else ""}
     if diff > tol_logp or gerr > tol_grad:
         return out, f"DISAGREES: max|dlogp| {diff:.3g} (tol {tol_logp}), grad rel err {gerr:.3g} (tol {tol_grad})"
@@ -164,74 +236,76 @@ def _bytes_moved(n: int, v: int, dtype: torch.dtype, mode: str) -> int:
     return n * v * esize * (1 if mode == "fwd" else 3)
 
 
-def _measure(name, kind, path, fn, t, mode, refs, dtype, device, reps_ms) -> dict:
-    """Run one provider in one mode: check it against the eager provider of its input kind, then time it."""
+def _measure(row: dict, fn, t: dict, refs: _Refs, dtype, device, reps_ms: int, bw: dict) -> dict:
+    """Run one provider in one mode: check it against the reference, time it, read its peak memory. What was measured
+    before an error stays in the row beside the error's status."""
+    kind, mode = row["input"], row["mode"]
     names = ("logits",) if kind == "logits" else ("hidden", "weight")
     leaves = {k: t[k].detach().requires_grad_(mode == "fwd+bwd") for k in names}
     rest = {k: x for k, x in t.items() if k not in leaves}
     step = _step_fn(fn, leaves, rest, mode)
-    with warnings.catch_warnings(record=True) as caught:  # a provider falling back to another path says so
-        warnings.simplefilter("always")
-        logp = step().detach()
-    grads = {k: x.grad.detach() for k, x in leaves.items() if x.grad is not None}
-    if name.startswith("torch_eager"):  # the reference of its input kind: the providers after it are checked on it
-        refs[(kind, mode)] = {"logp": logp.float(), "grads": {k: g.clone() for k, g in grads.items()}}
-    extra, status = _check(logp, grads, refs.get((kind, mode)), dtype)
-    tm = time_fn(step, device, rep_ms=reps_ms, min_runs=MIN_SAMPLES)
-    row = {
-        "provider": name,
-        "input": kind,
-        "mode": mode,
-        "path": path,
-        "median_ms": round(tm["median_ms"], 4),
-        "p20_ms": round(tm["p20_ms"], 4),
-        "p80_ms": round(tm["p80_ms"], 4),
-        "samples": tm.get("samples", ""),
-        "peak_mem_mb": round(peak_memory_mb(step, device), 1),
-        **extra,
-        "status": status,
-    }
-    if caught:
-        row["warnings"] = "; ".join(sorted({str(w.message)[:120] for w in caught}))
-    return row
-
-
-def _row(name, kind, path, fn, t, mode, refs, dtype, device, reps_ms, bw) -> dict:
-    """One CSV row: the shape, the measurement (or the error), and for the logits inputs the bandwidth reached."""
-    n, h = t["hidden"].shape
-    v = t["weight"].shape[0]
-    shape = {"N": n, "H": h, "V": v, "dtype": str(dtype).replace("torch.", "")}
+    phase = "first call"
     try:
-        row = {**shape, **_measure(name, kind, path, fn, t, mode, refs, dtype, device, reps_ms)}
-    except Exception as exc:  # say so in the table, never fake a number
-        return {**shape, "provider": name, "input": kind, "mode": mode, "status": f"error: {exc!r}"[:200]}
-    if kind == "logits":
-        gbs = _bytes_moved(n, v, dtype, mode) / (row["median_ms"] * 1e-3) / 1e9
-        row.update(achieved_gbs=round(gbs, 2), copy_bw_gbs=round(bw, 2), pct_of_copy_bw=round(100 * gbs / bw, 1))
+        with warnings.catch_warnings(record=True) as caught:  # a provider falling back to another path says so
+            warnings.simplefilter("always")
+            logp = step().detach()
+        if caught:
+            row["warnings"] = "; ".join(sorted({str(w.message)[:120] for w in caught}))
+        grads = {k: x.grad.detach() for k, x in leaves.items() if x.grad is not None}
+        phase = "check"
+        extra, status = _check(logp, grads, kind, refs, dtype)
+        row.update(extra)
+        del logp, grads
+        phase = "timing"
+        tm = time_fn(step, device, rep_ms=reps_ms, min_runs=MIN_SAMPLES)
+        row.update({k: round(tm[k], 4) for k in ("median_ms", "p20_ms", "p80_ms")}, samples=tm.get("samples", ""))
+        phase = "peak memory"
+        row["peak_mem_mb"] = round(peak_memory_mb(step, device), 1)
+        if kind == "logits":
+            phase = "copy bandwidth"
+            if "gbs" not in bw:
+                bw["gbs"] = measure_copy_bandwidth_gbs(device)
+            gbs = _bytes_moved(row["N"], row["V"], dtype, mode) / (row["median_ms"] * 1e-3) / 1e9
+            row.update(achieved_gbs=round(gbs, 2), copy_bw_gbs=round(bw["gbs"], 2))
+            row["pct_of_copy_bw"] = round(100 * gbs / bw["gbs"], 1)
+        row["status"] = status
+    except Exception as exc:  # say so in the table, never fake a number; the next provider still runs
+        row["status"] = error_status(exc, phase)
     return row
 
 
-def run(
-    shapes, dtype: torch.dtype, device: torch.device, out_dir: Path, reps_ms: int, providers: list[str] | None = None
-) -> list[dict]:
-    rows = []
-    bw = measure_copy_bandwidth_gbs(device)
+def _shape(writer: RowWriter, names: list[str], n, h, v, dtype, device, reps_ms: int, bw: dict) -> None:
+    """Every provider in both modes at one shape, each row written as soon as it is measured."""
+    base = {"N": n, "H": h, "V": v, "dtype": str(dtype).replace("torch.", "")}
+    rows = [{"provider": p, **base, "mode": m, "input": INPUT[p]} for m in MODES for p in names]
+    try:
+        t = _inputs(n, h, v, dtype, device, logits=any(INPUT[p] == "logits" for p in names))
+    except Exception as exc:
+        status = error_status(exc, "inputs")
+        for row in rows:
+            writer.write({**row, "status": status}, ECHO)
+        return
+    refs = _Refs(t)
+    for row in rows:
+        try:
+            row["path"], fn = _provider(row["provider"], device)
+        except Unavailable as exc:
+            writer.write({**row, "status": f"unavailable: {exc}"}, ECHO)
+            continue
+        except Exception as exc:
+            writer.write({**row, "status": error_status(exc, "setup")}, ECHO)
+            continue
+        writer.write(_measure(row, fn, t, refs, dtype, device, reps_ms, bw), ECHO)
+        del fn
+        free_device_memory(device)
+    del t, refs
+    free_device_memory(device)
+
+
+def run(writer: RowWriter, shapes, names: list[str], dtype, device, reps_ms: int) -> None:
+    bw: dict = {}  # the copy bandwidth, measured once when a logits row needs it
     for n, h, v in shapes:
-        t = _inputs(n, h, v, dtype, device)
-        refs: dict = {}
-        for mode in MODES:
-            for name, (kind, path, fn) in _providers(device).items():
-                if providers is not None and name not in providers:
-                    continue
-                row = _row(name, kind, path, fn, t, mode, refs, dtype, device, reps_ms, bw)
-                rows.append(row)
-                print({k: row.get(k) for k in ("provider", "mode", "N", "V", "median_ms", "peak_mem_mb", "status")})
-                gc.collect()
-        del t, refs
-    meta = {"device": device_name(device), "date": now(), "commit": commit()}
-    rows = [{**r, **meta} for r in rows]
-    print(f"rows appended to {append_rows('token_logprobs', rows, out_dir)}")
-    return rows
+        _shape(writer, names, n, h, v, dtype, device, reps_ms, bw)
 
 
 def plot(csv_path: Path, png_path: Path) -> Path:
@@ -271,7 +345,7 @@ def plot(csv_path: Path, png_path: Path) -> Path:
     return png_path
 
 
-def _parse(argv: list[str] | None) -> argparse.Namespace:
+def _parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p = argparse.ArgumentParser(prog="rapo-fast bench logprobs", description=__doc__.splitlines()[0])
     p.add_argument(
         "--quick",
@@ -294,16 +368,15 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--plot", action="store_true", help="also draw time and memory per provider as token_logprobs.png by the CSV"
     )
     add_grid_args(p, "N,H,V")
+    add_plan_arg(p)
     add_output_args(p, "token_logprobs.csv (and token_logprobs.png with --plot)")
     args = p.parse_args(argv)
-    if args.gpu and not torch.cuda.is_available():
-        p.error("--gpu: no CUDA device is visible")
-    return args
+    check_providers(p, args.providers, list(INPUT))
+    return p, args
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parse(argv)
-    out = output_dir(args, "logprobs")
+    p, args = _parse(argv)
     if args.gpu:
         device, shapes, dtype, reps = torch.device("cuda"), GRID_GPU, torch.bfloat16, 300
     else:
@@ -312,22 +385,33 @@ def main(argv: list[str] | None = None) -> int:
         shapes, reps = (GRID_CPU_QUICK, 20) if args.quick else (GRID_CPU, 500)
     if args.dtype:
         dtype = getattr(torch, args.dtype)
+    shapes, reps = args.shape or shapes, args.rep_ms or reps
+    names = ordered(args.providers, list(INPUT))
+    keys = [dict(provider=p_, N=n, H=h, V=v, mode=m) for n, h, v in shapes for m in MODES for p_ in names]
+    if args.plan:  # before any device check: the GPU run's dry run lists its rows on any machine
+        return print_plan("token_logprobs", keys)
+    if args.gpu and not torch.cuda.is_available():
+        p.error("--gpu: no CUDA device is visible")
+    out = output_dir(args, "logprobs")
+    writer = RowWriter("token_logprobs", out, device, keys, COLUMNS)
+    base_dtype = str(dtype).replace("torch.", "")
     saved = os.environ.get("RAPO_FAST_DISABLE_TRITON")
     if device.type == "cpu":
         os.environ["RAPO_FAST_DISABLE_TRITON"] = "1"  # time the CPU fallback, not Triton's interpreter
     try:
-        rows = run(args.shape or shapes, dtype, device, out, args.rep_ms or reps, args.providers)
+        rc = run_rows(writer, lambda: run(writer, shapes, names, dtype, device, reps), dtype=base_dtype)
     finally:
         if saved is None:
             os.environ.pop("RAPO_FAST_DISABLE_TRITON", None)
         else:
             os.environ["RAPO_FAST_DISABLE_TRITON"] = saved
-    if args.plot:
+    if args.plot and rc != 130:
         print(f"plot written to {plot(out / 'token_logprobs.csv', out / 'token_logprobs.png')}")
-    bad = [r for r in rows if str(r.get("status", "")).startswith(("DISAGREES", "error"))]
-    print(f"bench logprobs: {len(rows)} rows, {len(bad)} disagreeing/erroring, device {device_name(device)}")
-    return 1 if bad else 0
+    dev = writer.meta["device"]
+    bad = len(writer.bad())
+    print(f"bench logprobs: {len(writer.rows)} rows, {bad} disagreeing/erroring/interrupted, device {dev}")
+    return rc
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_process(main())

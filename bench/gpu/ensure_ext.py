@@ -16,7 +16,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,11 +24,20 @@ CARRIED = ROOT / ".carry" / "ext"
 
 def _info() -> dict:
     """build_info() of a fresh interpreter (this one may have imported an older .so)."""
-    code = "import json, rapo_fast; print(json.dumps(rapo_fast.build_info()))"
+    code = (
+        "import json, rapo_fast, rapo_fast._ext as e; d = rapo_fast.build_info(); "
+        "d['file'] = getattr(e._C, '__file__', None); print(json.dumps(d))"
+    )
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     if res.returncode != 0:
         return {"error": res.stderr.strip()[-500:]}
     return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _here(info: dict, need: str) -> bool:
+    """The needed backend imports, from this copy's own rapo_fast/ (an extension found elsewhere, e.g. through another
+    checkout's editable install, is not the build of this tree)."""
+    return bool(info.get(need)) and str(info.get("file") or "").startswith(str(ROOT / "rapo_fast"))
 
 
 def _pybind11_dir() -> str:
@@ -56,28 +64,24 @@ def _cmake(build: Path, cuda: bool, archs: str, configure_only: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cpu", action="store_true", help="smoke mode: configure without CUDA, check the CPU backend")
+    p.add_argument("--cpu", action="store_true", help="smoke mode: the CPU backend (built when this tree has none)")
     p.add_argument("--archs", default="90a", help="CUDA architectures to build for (default 90a: H100/H200)")
     p.add_argument("--copy-to", type=Path, default=None, help="also copy the built .so into this folder")
     args = p.parse_args(argv)
     need = "cpu" if args.cpu else "cuda"
-    if args.cpu and _info().get("cpu"):
-        print("the CPU backend is there; CMake configured in a scratch folder only (the build command's check)")
-        if _pybind11_dir():
-            _cmake(Path(tempfile.mkdtemp(prefix="rapo_fast_cmake_")), False, args.archs, configure_only=True)
-    elif args.cpu:
-        _cmake(Path(tempfile.mkdtemp(prefix="rapo_fast_cmake_")), False, args.archs, configure_only=False)
-    elif not _info().get("cuda"):
-        carried = sorted(CARRIED.glob("_C*.so"))
+    if not _here(_info(), need):
+        carried = [] if args.cpu else sorted(CARRIED.glob("_C*.so"))
         if carried:
             print(f"using the carried build {carried[-1]}", flush=True)
             shutil.copy2(carried[-1], ROOT / "rapo_fast" / carried[-1].name)
-        if not _info().get("cuda"):
-            _cmake(ROOT / "build" / "gpu_stage", True, args.archs, configure_only=False)
+        if not _here(_info(), need):
+            build = ROOT / "build" / ("gpu_stage" if not args.cpu else "cpu_smoke")
+            _cmake(build, not args.cpu, args.archs, configure_only=False)
     info = _info()
     print(f"build_info: {json.dumps(info)}")
-    if not info.get(need):
-        print(f"ensure_ext: rapo_fast._C has no {need} backend", file=sys.stderr)
+    print(f"rapo_fast._C from: {info.get('file')}")  # the copy's own build, not one installed elsewhere
+    if not _here(info, need):
+        print(f"ensure_ext: this tree's rapo_fast._C has no {need} backend", file=sys.stderr)
         return 1
     if args.copy_to is not None:
         for so in (ROOT / "rapo_fast").glob("_C*.so"):

@@ -152,8 +152,8 @@ def test_cpu_smoke_from_a_copy_runs_end_to_end(name, smoke):
     log = (r["out"] / f"{name}.log").read_text()
     copy = str(r["copy"])
     for what in ("rapo_fast from", "rapo_fast.kernels from", "rapo_fast._C from"):
-        m = re.search(rf"^{re.escape(what)}: (\S+)$", log, re.M)
-        assert m and m.group(1).startswith(copy), (what, m and m.group(1), copy)
+        found = re.findall(rf"^{re.escape(what)}: (\S+)$", log, re.M)  # the last: after the extension step
+        assert found and found[-1].startswith(copy), (what, found, copy)
 
 
 def test_a_step_stopped_at_its_budget_keeps_its_rows(tmp_path):
@@ -168,7 +168,7 @@ def test_a_step_stopped_at_its_budget_keeps_its_rows(tmp_path):
         "import time\n\ndef test_fast():\n    assert 1 + 1 == 2\n\ndef test_slow():\n    time.sleep(120)\n"
     )
     providers = "torch_eager,rapo_fast_hidden,rapo_fast_logits,torch_linear_ce,rapo_fast_hidden_2pass"
-    bench = f"{{py}} bench/bench_loss.py --out {{out}} --shape 48,16,64 --rep-ms 2500 --providers {providers}"
+    bench = f"{{py}} bench/bench_loss.py --out {{out}} --shape 48,16,64 --rep-ms 6000 --providers {providers}"
     pytest_cmd = f"{{py}} -m pytest -q -p no:cacheprovider --junitxml={{out}}/junit.xml {tmp_path}/test_slow.py"
     stage = Stage("killed", "a bench and pytest stopped at their budgets", [], [], {"loss.csv": ["provider", "status"]})
     steps = [Step("bench", bench, 25, ("loss.csv",)), Step("pytest", pytest_cmd, 20, ("junit.xml",))]
