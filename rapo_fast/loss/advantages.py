@@ -7,11 +7,16 @@ entropy itself (rapo_fast.token_logprobs(..., return_entropy=True) gives the per
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 from rapo_fast import _checks as C
 
-__all__ = ["step_entropy", "retrieval_reward", "rapo_advantages", "group_normalize"]
+__all__ = ["step_entropy", "retrieval_reward", "rapo_advantages", "group_normalize", "RET_NORMS"]
+
+# the rows A_ret is normalised over (rapo_advantages' ret_norm)
+RET_NORMS = ("group", "retrieved")
 
 
 def step_entropy(entropy: torch.Tensor, step_spans: torch.Tensor) -> torch.Tensor:
@@ -94,23 +99,53 @@ def group_normalize(values: torch.Tensor, group_ids: torch.Tensor, eps: float = 
 
 
 def rapo_advantages(
-    rewards: torch.Tensor, group_ids: torch.Tensor, z_ret: torch.Tensor, a: float = 0.2, eps: float = 1e-6
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    z_ret: torch.Tensor,
+    a: float = 0.2,
+    eps: float = 1e-6,
+    *,
+    ret_norm: Literal["group", "retrieved"] = "group",
+    retrieved: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """RAPO's combined advantage A = (1 + a * A_ret) * A_acc per trajectory.
 
     rewards (outcome), z_ret (retrieval reward, e.g. from retrieval_reward): float [B]; group_ids: integer [B], the
-    prompt group of each trajectory. A_acc and A_ret are group_normalize(rewards) and group_normalize(z_ret):
-    (x - mean_g) / (std_g + eps), unbiased std, eps = 1e-6 by default; a group with std 0 gets A = 0 (A_acc = 0) or
-    A = A_acc (A_ret = 0). Returns [B] in rewards' dtype; pass it to rapo_loss as per-sequence advantages.
+    prompt group of each trajectory. A_acc = group_normalize(rewards) over every row of the group: (x - mean_g) /
+    (std_g + eps), unbiased std, eps = 1e-6 by default; a group with std 0 gets A = 0.
+
+    ret_norm picks the rows A_ret is normalised over (docs/loss.md section 8):
+    - "group" (default): group_normalize(z_ret) over every row of the group, rows without a retrieval included with
+      their Z = 0; such a row then gets A_ret != 0 whenever the group's Z vary, so its advantage is scaled too.
+    - "retrieved": z-scored over the rows of the group that retrieved (retrieved, bool [B], required), the others get
+      A_ret = 0 exactly (A = A_acc) and their z_ret is ignored; a group with one retrieving row, or retrieving rows of
+      equal Z, gives them A_ret = 0 (the std-0 rule). With every row retrieving it equals "group" bit for bit.
+    The published method writes A_ret as the group-normalised Z with Z = 0 for a trajectory without retrieval
+    (arXiv 2603.03078 as summarised in the project's design notes); whether its code normalises over every rollout
+    or only the retrieving ones could not be checked (its source is not in the stored corpora), so the default keeps
+    the formula as written. Returns [B] in rewards' dtype; pass it to rapo_loss as per-sequence advantages.
     """
     C.check_tensor("rewards", rewards, ndim=1, dtypes=C.FLOAT_DTYPES)
     C.check_tensor("group_ids", group_ids, shape=tuple(rewards.shape), dtypes=C.INT_DTYPES)
     C.check_tensor("z_ret", z_ret, shape=tuple(rewards.shape), dtypes=C.FLOAT_DTYPES)
-    C.check_same_device(rewards=rewards, group_ids=group_ids, z_ret=z_ret)
+    C.check_choice("ret_norm", ret_norm, RET_NORMS)
+    if ret_norm == "retrieved":
+        if retrieved is None:
+            raise ValueError("retrieved: expected a bool tensor of shape (B,) with ret_norm='retrieved', got None")
+        C.check_tensor("retrieved", retrieved, shape=tuple(rewards.shape), dtypes=(torch.bool,))
+    elif retrieved is not None:  # a mask that would silently do nothing is a caller's mistake
+        raise ValueError(f"retrieved: only used with ret_norm='retrieved', got a tensor with ret_norm={ret_norm!r}")
+    C.check_same_device(rewards=rewards, group_ids=group_ids, z_ret=z_ret, retrieved=retrieved)
     C.check_float("a", a)
     C.check_float("eps", eps, min_value=0.0, min_inclusive=False)
     C.check_finite("rewards", rewards)
     C.check_finite("z_ret", z_ret)
     a_acc = group_normalize(rewards, group_ids, eps).to(torch.float64)
-    a_ret = group_normalize(z_ret, group_ids, eps).to(torch.float64)
+    if retrieved is None:
+        a_ret = group_normalize(z_ret, group_ids, eps).to(torch.float64)
+    else:
+        # the same group_normalize on the retrieving rows only, so that "every row retrieved" equals "group" exactly
+        rows = torch.nonzero(retrieved).flatten()
+        a_ret = torch.zeros(rewards.shape, dtype=torch.float64, device=rewards.device)
+        a_ret[rows] = group_normalize(z_ret[rows], group_ids[rows], eps).to(torch.float64)
     return ((1.0 + a * a_ret) * a_acc).to(rewards.dtype)

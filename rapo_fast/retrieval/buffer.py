@@ -77,6 +77,12 @@ class StepBuffer:
             oldest among equals) if the new step's score is >= it, and otherwise drops the new step (slot -1). A batch
             keeps exactly the steps that adding its steps one by one would keep; its kept steps take the freed slots
             in ascending order.
+
+    Pinned steps (`add(..., pinned=...)`, `set_pinned`; none by default): when full, a new step evicts only among the
+    unpinned ("evictable") steps, by the policy above; with none left, a new unpinned step is dropped (slot -1) and a
+    new pinned one applies the policy to the pinned steps. StepTraces pins its off-policy source this way. The pin
+    flags are not saved by `save` (the snapshot format has no field for them): a loaded buffer has none until
+    `set_pinned` (StepTraces.load derives them again from its payload ids). docs/retrieval.md, "Pinned steps".
     """
 
     def __init__(
@@ -107,6 +113,10 @@ class StepBuffer:
         self._group = torch.full((capacity,), -1, dtype=torch.int64, device=dev)
         self._score = torch.zeros(capacity, dtype=torch.float32, device=dev)
         self._seq = torch.full((capacity,), -1, dtype=torch.int64, device=dev)  # insertion order, for eviction
+        self._pinned = torch.zeros(capacity, dtype=torch.bool, device=dev)  # never evicted by an unpinned step
+        self._has_pins = False  # any pinned step: eviction goes through _assign_pinned
+        # fifo by insertion number instead of the ring: set once pinned eviction broke the ring's age order
+        self._by_age = False
         self._size = 0  # slots 0..size-1 are occupied (slots fill in order and are never freed)
         self._head = 0  # fifo: the oldest slot once full
         self._next_seq = 0
@@ -142,6 +152,22 @@ class StepBuffer:
     def scores(self) -> torch.Tensor:
         return self._score[: self._size]
 
+    @property
+    def pinned(self) -> torch.Tensor:
+        return self._pinned[: self._size]
+
+    def set_pinned(self, mask: torch.Tensor) -> None:
+        """Replace the pin flags of the occupied slots: mask [len(self)] bool (slot order, as the views above)."""
+        with self._lock.write():  # the size checked is the size written
+            n = self._size
+            if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+                got = getattr(mask, "dtype", type(mask).__name__)
+                raise TypeError(f"mask must be a bool tensor of shape [{n}], got {got}")
+            if mask.dim() != 1 or mask.shape[0] != n:
+                raise ValueError(f"mask must have shape [{n}] (one flag per stored step), got {_shape(mask)}")
+            self._pinned[:n] = mask.to(self.device)
+            self._has_pins = bool(mask.any())
+
     # ---- add ----
     def add(
         self,
@@ -149,12 +175,14 @@ class StepBuffer:
         payload_ids: torch.Tensor,
         group_ids: torch.Tensor,
         scores: torch.Tensor | None = None,
+        pinned: torch.Tensor | bool | None = None,
     ) -> torch.Tensor:
         """Store M steps; returns their slot ids [M] int64 on the buffer's device (-1 for a step not kept).
 
         embeddings [M, D] float (finite; rounded to the buffer dtype), payload_ids [M] int64, group_ids [M] int64
-        (>= 0), scores [M] float (finite; default 0). A batch larger than the free space evicts per the policy; steps
-        of the same batch can evict each other (fifo keeps the last C).
+        (>= 0), scores [M] float (finite; default 0), pinned [M] bool or one bool for all (default: none pinned; see
+        the class docstring). A batch larger than the free space evicts per the policy; steps of the same batch can
+        evict each other (fifo keeps the last C).
         """
         if not isinstance(embeddings, torch.Tensor):
             raise TypeError(f"embeddings must be a torch.Tensor [M, {self.dim}], got {type(embeddings).__name__}")
@@ -174,6 +202,7 @@ class StepBuffer:
             if scores.dim() != 1 or scores.shape[0] != M:
                 raise ValueError(f"scores must have shape [{M}], got {_shape(scores)}")
             score = scores.to(device=self.device, dtype=torch.float32)
+        pin = self._check_pinned(pinned, M)
         keys = embeddings.to(device=self.device, dtype=self.dtype)
         if M == 0:
             return torch.empty(0, dtype=torch.int64, device=self.device)
@@ -184,14 +213,38 @@ class StepBuffer:
         if bool((group < 0).any()):
             raise ValueError("group_ids must be >= 0 (negative values mean 'no exclusion' in search)")
         with self._lock.write():
-            return self._store(keys, payload, group, score)
+            return self._store(keys, payload, group, score, pin)
+
+    def _check_pinned(self, pinned, M: int) -> torch.Tensor | None:
+        """add's pinned as a bool [M] tensor on the buffer's device, or None when no step is pinned."""
+        if pinned is None or pinned is False:
+            return None
+        if pinned is True:
+            return torch.ones(M, dtype=torch.bool, device=self.device)
+        if not isinstance(pinned, torch.Tensor) or pinned.dtype != torch.bool:
+            got = getattr(pinned, "dtype", type(pinned).__name__)
+            raise TypeError(f"pinned must be a bool tensor of shape [{M}], a bool or None, got {got}")
+        if pinned.dim() != 1 or pinned.shape[0] != M:
+            raise ValueError(f"pinned must have shape [{M}], got {_shape(pinned)}")
+        return pinned.to(self.device) if bool(pinned.any()) else None
 
     def _store(
-        self, keys: torch.Tensor, payload: torch.Tensor, group: torch.Tensor, score: torch.Tensor
+        self,
+        keys: torch.Tensor,
+        payload: torch.Tensor,
+        group: torch.Tensor,
+        score: torch.Tensor,
+        pinned: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """add's writes, under the write lock: assign slots, then fill them."""
         M, n_before = keys.shape[0], self._size
-        slots = self._assign_slots(score) if self.eviction == "lowest_score" else self._assign_fifo(M)
+        if pinned is not None or self._has_pins or self._by_age:
+            slots = self._assign_pinned(score, pinned)
+            self._has_pins = self._has_pins or pinned is not None
+        elif self.eviction == "lowest_score":
+            slots = self._assign_slots(score)
+        else:
+            slots = self._assign_fifo(M)
         keep = slots >= 0
         if bool(keep.all()):
             idx, src = slots, slice(None)
@@ -207,6 +260,7 @@ class StepBuffer:
         self._group[idx] = group[src]
         self._score[idx] = score[src]
         self._seq[idx] = seq[src]
+        self._pinned[idx] = False if pinned is None else pinned[src]
         self._next_seq += M
         return slots
 
@@ -239,6 +293,37 @@ class StepBuffer:
         new_kept = kept[n:]
         slots = torch.full((M,), -1, dtype=torch.int64, device=dev)
         slots[new_kept] = freed  # freed is ascending; kept new steps take it in batch order
+        self._size = C
+        return slots
+
+    def _assign_pinned(self, new_score: torch.Tensor, new_pinned: torch.Tensor | None) -> torch.Tensor:
+        """Eviction with pinned steps: of (stored + new), ranked by the policy (fifo: newer first; lowest_score: higher
+        score, then newer, first), keep the best min(P, C) of the P pinned and the best of the unpinned for the rest
+        of the room; this is what adding the steps one by one keeps (the sequential model is in
+        tests/retrieval/test_retrieval_buffer_pins.py). New keepers take the freed slots in ascending order, as in
+        _assign_slots."""
+        C, n, M, dev = self.capacity, self._size, new_score.shape[0], self.device
+        if self.eviction == "fifo":
+            self._by_age = True  # freed slots no longer follow the ring, so fifo goes by insertion number from now on
+        if n + M <= C:
+            self._size = n + M
+            return torch.arange(n, n + M, dtype=torch.int64, device=dev)
+        new_pin = new_pinned if new_pinned is not None else torch.zeros(M, dtype=torch.bool, device=dev)
+        pin = torch.cat([self._pinned[:n], new_pin])
+        seq = torch.cat([self._seq[:n], torch.arange(self._next_seq, self._next_seq + M, device=dev)])
+        order = torch.argsort(seq, descending=True)
+        if self.eviction == "lowest_score":
+            score = torch.cat([self._score[:n], new_score])
+            order = order[torch.argsort(score[order], descending=True, stable=True)]
+        keep_pinned = min(int(pin.sum()), C)
+        p = pin[order]
+        # rank of each step among its own kind (pinned or not) in `order`, 1-based
+        rank = torch.where(p, torch.cumsum(p, 0), torch.cumsum(~p, 0))
+        kept = torch.zeros(n + M, dtype=torch.bool, device=dev)
+        kept[order] = torch.where(p, rank <= keep_pinned, rank <= C - keep_pinned)
+        freed = torch.cat([torch.nonzero(~kept[:n]).flatten(), torch.arange(n, C, device=dev)])
+        slots = torch.full((M,), -1, dtype=torch.int64, device=dev)
+        slots[kept[n:]] = freed
         self._size = C
         return slots
 
@@ -348,4 +433,7 @@ class StepBuffer:
         buf._score[:n] = tensors["scores"].to(dev)
         buf._seq[:n] = tensors["seq"].to(dev)
         buf._size, buf._head, buf._next_seq = n, head, next_seq
+        if buf.eviction == "fifo" and n > 1:  # pinned eviction may have left slots out of ring order: go by age then
+            ring_seq = buf._seq[(head + torch.arange(n, device=dev)) % n]
+            buf._by_age = not bool((ring_seq[1:] > ring_seq[:-1]).all())
         return buf

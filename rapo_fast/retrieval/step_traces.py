@@ -12,6 +12,13 @@ under the prompt's group id so that a rollout can exclude its own group. What it
 Group ids: on-policy steps carry the prompt's query id; off-policy steps carry OFFPOLICY_GROUP_BASE + query id, so
 excluding a prompt's own group removes the policy's own earlier steps on that prompt but keeps the off-policy
 agent's steps, which are what the paper retrieves.
+
+Eviction (pin_offpolicy, default True): the off-policy steps are pinned in the StepBuffer, so once it is full the
+on-policy steps added later evict only each other (fifo: the oldest on-policy step; lowest_score: the lowest-scored),
+and a new one is dropped when off-policy steps fill every slot. Otherwise a fifo buffer would evict the off-policy
+source first, as it was added first. pin_offpolicy=False keeps the old rule (one eviction order for every step).
+Off-policy steps are the payload ids below num_offpolicy (from_jsonl stores them first), which is how `load` pins
+them again: StepBuffer snapshots do not store pin flags.
 """
 
 from __future__ import annotations
@@ -61,10 +68,20 @@ class StepTraces:
 
     Args: buffer (a rapo_fast.StepBuffer with dim == the encoder's output dim), encoder (texts -> [N, D] fp32),
     tokenizer (encode(text) -> ids), kv_store (optional rapo_fast.StepKVStore keyed by payload id), model (needed with
-    kv_store to compute the K/V of new segments).
+    kv_store to compute the K/V of new segments), pin_offpolicy (keep the off-policy steps when on-policy steps fill
+    the buffer: the module docstring; applies to a buffer with `set_pinned`, i.e. a StepBuffer).
     """
 
-    def __init__(self, buffer, encoder: Callable, tokenizer, *, kv_store=None, model: torch.nn.Module | None = None):
+    def __init__(
+        self,
+        buffer,
+        encoder: Callable,
+        tokenizer,
+        *,
+        kv_store=None,
+        model: torch.nn.Module | None = None,
+        pin_offpolicy: bool = True,
+    ):
         self.buffer, self.encoder, self.tokenizer = buffer, encoder, tokenizer
         self.kv_store, self.model = kv_store, model
         self.payloads: list[list[int]] = []
@@ -72,6 +89,15 @@ class StepTraces:
         self.num_onpolicy = 0
         if kv_store is not None and model is None:
             raise ValueError("StepTraces: kv_store needs the model that computes the segments' K/V (model=None given)")
+        if not isinstance(pin_offpolicy, bool):
+            raise TypeError(f"StepTraces: pin_offpolicy must be a bool, got {type(pin_offpolicy).__name__}")
+        self.pin_offpolicy = pin_offpolicy
+
+    def pin_offpolicy_steps(self) -> None:
+        """Pin the stored off-policy steps (payload ids below num_offpolicy) when pin_offpolicy and the buffer supports
+        pins (`set_pinned`). from_jsonl and load call it; call it again after replacing `buffer` by a loaded copy."""
+        if self.pin_offpolicy and self.num_offpolicy and hasattr(self.buffer, "set_pinned"):
+            self.buffer.set_pinned(self.buffer.payload_ids < self.num_offpolicy)
 
     @property
     def has_on_policy(self) -> bool:
@@ -95,10 +121,13 @@ class StepTraces:
         kv_store=None,
         model: torch.nn.Module | None = None,
         eviction: str = "fifo",
+        pin_offpolicy: bool = True,
     ) -> StepTraces:
         """Read trajectories, keep the top `top_k` per query by reward, split into steps and fill a new StepBuffer.
 
-        The buffer's capacity defaults to 4x the off-policy steps (room for on-policy steps added later).
+        The buffer's capacity defaults to 4x the off-policy steps (room for on-policy steps added later). The
+        off-policy steps are pinned once stored (pin_offpolicy; the module docstring), so the buffer holds what it held
+        before pins existed until on-policy steps arrive.
         """
         from rapo_fast.retrieval.buffer import StepBuffer
         from rapo_fast.retrieval.jsonl import read_jsonl
@@ -112,7 +141,7 @@ class StepTraces:
         dim = int(getattr(encoder, "dim", 0)) or int(encoder(["probe"]).shape[-1])
         cap = capacity if capacity is not None else max(64, 4 * len(pairs))
         buffer = StepBuffer(cap, dim, dtype=dtype, device=device, metric=metric, eviction=eviction)
-        traces = cls(buffer, encoder, tokenizer, kv_store=kv_store, model=model)
+        traces = cls(buffer, encoder, tokenizer, kv_store=kv_store, model=model, pin_offpolicy=pin_offpolicy)
         if pairs:
             traces._add(
                 [h for h, *_ in pairs],
@@ -121,6 +150,7 @@ class StepTraces:
                 [sc for *_, sc in pairs],
             )
             traces.num_offpolicy = len(pairs)
+            traces.pin_offpolicy_steps()  # after the adds: their slots are those of an unpinned fill
         return traces
 
     def _add(
@@ -199,7 +229,12 @@ class StepTraces:
         with VersionWriter(directory, _PREFIX, TRACES_FORMAT, TRACES_VERSION) as w:
             self.buffer.save(w.path / "buffer")
             w.add_nested("buffer")
-            meta = {"payloads": self.payloads, "num_offpolicy": self.num_offpolicy, "num_onpolicy": self.num_onpolicy}
+            meta = {
+                "payloads": self.payloads,
+                "num_offpolicy": self.num_offpolicy,
+                "num_onpolicy": self.num_onpolicy,
+                "pin_offpolicy": self.pin_offpolicy,  # optional field: a save without it reads as True
+            }
             w.write_bytes(_TRACES, json.dumps(meta, separators=(",", ":")).encode())
             if self.kv_store is not None:
                 with w.open(_KV) as f:
@@ -207,19 +242,30 @@ class StepTraces:
             w.commit({"num_payloads": len(self.payloads), "buffer_size": len(self.buffer)})
 
     @classmethod
-    def load(cls, directory: str | Path, encoder: Callable, tokenizer, *, kv_store=None, model=None) -> StepTraces:
+    def load(
+        cls,
+        directory: str | Path,
+        encoder: Callable,
+        tokenizer,
+        *,
+        kv_store=None,
+        model=None,
+        pin_offpolicy: bool | None = None,
+    ) -> StepTraces:
         """Inverse of save. With a kv_store, its saved contents are restored (so that a run resumed between K/V
         refreshes splices what the uninterrupted run would have); a save without them has the payloads' K/V
         recomputed with `model`. Every file is checked against the manifest's checksums, and the parts against each
         other (payload counts, the buffer's and the K/V store's payload ids, the K/V tokens) before anything is
-        changed: a mismatch raises StepTracesFormatError naming the file and field, and leaves kv_store as it was."""
+        changed: a mismatch raises StepTracesFormatError naming the file and field, and leaves kv_store as it was.
+        pin_offpolicy: None keeps the saved choice (True for a save that predates it); the off-policy steps are pinned
+        again from their payload ids."""
         from rapo_fast.retrieval.buffer import StepBuffer
         from rapo_fast.retrieval.io import StepBufferFormatError
 
         with read_version(directory, _PREFIX, TRACES_FORMAT, TRACES_VERSION, StepTracesFormatError) as v:
             if not {_TRACES, "buffer/CURRENT"} <= set(v.files) <= {_TRACES, "buffer/CURRENT", _KV}:
                 raise StepTracesFormatError(f"{v.path / 'meta.json'}: field 'files' lists {sorted(v.files)}")
-            payloads, n_off, n_on = _read_traces_json(v.path / _TRACES)
+            payloads, n_off, n_on, pin_saved = _read_traces_json(v.path / _TRACES)
             try:
                 buffer = StepBuffer.load(v.path / "buffer")
             except StepBufferFormatError as exc:
@@ -229,8 +275,10 @@ class StepTraces:
         enc_dim = getattr(encoder, "dim", None)
         if isinstance(enc_dim, int) and enc_dim > 0 and enc_dim != buffer.dim:
             raise ValueError(f"StepTraces.load: the encoder's dim is {enc_dim}, the saved buffer's {buffer.dim}")
-        traces = cls(buffer, encoder, tokenizer, kv_store=kv_store, model=model)
+        pin = pin_saved if pin_offpolicy is None else pin_offpolicy
+        traces = cls(buffer, encoder, tokenizer, kv_store=kv_store, model=model, pin_offpolicy=pin)
         traces.payloads, traces.num_offpolicy, traces.num_onpolicy = payloads, n_off, n_on
+        traces.pin_offpolicy_steps()
         if kv_store is not None:
             if kv_state is not None:
                 kv_store.load_state_dict(kv_state)
@@ -243,10 +291,13 @@ class StepTracesFormatError(FormatError):
     """A saved StepTraces directory is missing, corrupt, inconsistent, or of an incompatible format version."""
 
 
-def _read_traces_json(path: Path) -> tuple[list[list[int]], int, int]:
+def _read_traces_json(path: Path) -> tuple[list[list[int]], int, int, bool]:
     meta = read_json_object(path, StepTracesFormatError)
     n_off = check_int(meta, "num_offpolicy", path, StepTracesFormatError)
     n_on = check_int(meta, "num_onpolicy", path, StepTracesFormatError)
+    pin = meta.get("pin_offpolicy", True)  # absent from saves before the field: the default
+    if not isinstance(pin, bool):
+        raise StepTracesFormatError(f"{path}: field 'pin_offpolicy' must be a bool, got {pin!r}")
     payloads = meta.get("payloads")
     if not isinstance(payloads, list) or not all(
         isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p)
@@ -257,7 +308,7 @@ def _read_traces_json(path: Path) -> tuple[list[list[int]], int, int]:
         raise StepTracesFormatError(
             f"{path}: fields 'num_offpolicy' ({n_off}) + 'num_onpolicy' ({n_on}) != {len(payloads)} payloads"
         )
-    return payloads, n_off, n_on
+    return payloads, n_off, n_on, pin
 
 
 def _read_kv(path: Path) -> dict:

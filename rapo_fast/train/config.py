@@ -18,6 +18,7 @@ from typing import Any
 
 from rapo_fast import _checks as C
 from rapo_fast.loss import presets
+from rapo_fast.loss.advantages import RET_NORMS
 from rapo_fast.loss.options import LossOptions
 
 _STRATEGIES = ("hybrid", "on_policy", "arpo", "offpolicy_traj")
@@ -51,6 +52,9 @@ class TrainerConfig:
     advantage_attribution: str = "soft"
     # advantages
     ret_coef: float = 0.2
+    # rows A_ret is z-scored over: "group" (all, as written in the paper) or "retrieved" (the rows with a scored
+    # retrieval; the others get A_ret = 0): rapo_fast.loss.advantages.rapo_advantages
+    ret_norm: str = "group"
     # loss: keyword options of rapo_fast.rapo_loss (tensors excluded)
     loss: dict[str, Any] = field(default_factory=lambda: dict(presets.RAPO))
     tis_cap: float | None = 2.0
@@ -223,6 +227,7 @@ _FIELD_RULES: dict[str, Callable[[str, Any], None]] = {
     "arpo_topk": _int(1),
     "advantage_attribution": _choice("soft", "hard"),
     "ret_coef": _real(),
+    "ret_norm": _choice(*RET_NORMS),
     "loss": lambda name, v: _check_loss(v),
     "tis_cap": _real(0.0, lo_open=True, allow_none=True),
     "lr": _real(0.0),

@@ -246,7 +246,9 @@ class RAPOTrainer:
         old_logp, ent = old_logp.float().cpu(), ent.float().cpu()
         step_ent = step_entropy(ent, batch.step_spans_shifted()) if batch.step_spans.numel() else torch.zeros(0)
         z, n_scored = retrieval_rewards(batch, step_ent)
-        adv = self.advantage_fn(rewards, batch.group_ids, z, cfg.ret_coef).float()
+        # ret_norm only when asked: a replaced advantage_fn keeps the 4-argument call it was written for
+        extra = {} if cfg.ret_norm == "group" else {"ret_norm": cfg.ret_norm, "retrieved": n_scored > 0}
+        adv = self.advantage_fn(rewards, batch.group_ids, z, cfg.ret_coef, **extra).float()
         if cfg.strategy == "arpo" and cfg.advantage_attribution == "hard":
             adv = hard_attribution(batch, adv)
         t1 = time.perf_counter()

@@ -1,5 +1,6 @@
 """rapo_fast.step_entropy, retrieval_reward, rapo_advantages (and group_normalize) against numbers worked out by hand
-in the comments, against straightforward loops, and their argument checks.
+in the comments, against straightforward loops, and their argument checks; rapo_advantages' ret_norm="retrieved"
+(A_ret over the retrieving rows only) and the trainer's call that passes it (TrainerConfig.ret_norm).
 Not here: the entropy computation itself (token_logprobs tests) or the loss (test_loss*.py).
 """
 
@@ -153,3 +154,120 @@ def test_rapo_advantages_checks():
         rapo_fast.rapo_advantages(r, g, z, eps=0.0)
     with pytest.raises(TypeError, match="a"):
         rapo_fast.rapo_advantages(r, g, z, a="0.2")
+
+
+# -- ret_norm="retrieved": A_ret z-scored over the rows that retrieved, 0 for the others --------------------------
+def test_ret_norm_retrieved_by_hand():
+    # group 0: rows 0, 1 retrieved (Z 0.4, 0.1), rows 2, 3 did not (Z 0 by convention; row 3's 9.0 must be ignored)
+    # group 1: only row 4 retrieved -> A_ret = 0 for the whole group (std-0 rule); group 2: no row retrieved
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0])
+    gid = torch.tensor([0, 0, 0, 0, 1, 1, 1, 2, 2])
+    z = torch.tensor([0.4, 0.1, 0.0, 9.0, 0.5, 0.0, 0.0, 0.0, 0.0])
+    ret = torch.tensor([True, True, False, False, True, False, False, False, False])
+    eps = 1e-6
+    # A_acc, group 0: mean 0.5, unbiased std sqrt(1/3); group 1: [0, 1, 1] mean 2/3, std sqrt(1/3); group 2: std
+    # sqrt(1/2)
+    s0, s1, s2 = math.sqrt(1 / 3), math.sqrt(1 / 3), math.sqrt(1 / 2)
+    a_acc = [0.5 / (s0 + eps), -0.5 / (s0 + eps), 0.5 / (s0 + eps), -0.5 / (s0 + eps)]
+    a_acc += [-2 / 3 / (s1 + eps), 1 / 3 / (s1 + eps), 1 / 3 / (s1 + eps), 0.5 / (s2 + eps), -0.5 / (s2 + eps)]
+    # A_ret, group 0 over {0.4, 0.1}: mean 0.25, unbiased std sqrt(2 * 0.15^2 / 1) = 0.15 sqrt(2) -> +-1/sqrt(2)
+    r = 0.15 / (0.15 * math.sqrt(2) + eps)
+    a_ret = [r, -r, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    want = torch.tensor([(1 + 0.2 * ar) * aa for aa, ar in zip(a_acc, a_ret)], dtype=torch.float64)
+    out = rapo_fast.rapo_advantages(rewards, gid, z, ret_norm="retrieved", retrieved=ret)
+    assert out.dtype == torch.float32
+    assert_close_verbose(out, want, atol=1e-5)
+    # the rows that did not retrieve keep A = A_acc exactly, as does the group with one retrieving row
+    a_acc_t = rapo_fast.rapo_advantages(rewards, gid, z, a=0.0)
+    assert torch.equal(out[~ret], a_acc_t[~ret]) and out[4] == a_acc_t[4]
+    # "group" (the default) scales the rows that never retrieved: their Z = 0 sits below the group's mean
+    grp = rapo_fast.rapo_advantages(rewards, gid, z)
+    assert not torch.allclose(grp[2], a_acc_t[2]) and not torch.allclose(grp[5:7], a_acc_t[5:7])
+
+
+def test_ret_norm_retrieved_with_every_row_retrieving_equals_group():
+    g = torch.Generator().manual_seed(3)
+    rewards = torch.randint(0, 2, (24,), generator=g).double()
+    gid = torch.randint(0, 5, (24,), generator=g)
+    z = torch.randn(24, generator=g, dtype=torch.float64)
+    every = torch.ones(24, dtype=torch.bool)
+    out = rapo_fast.rapo_advantages(rewards, gid, z, ret_norm="retrieved", retrieved=every)
+    assert torch.equal(out, rapo_fast.rapo_advantages(rewards, gid, z))  # bit for bit
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.floats(-5, 5), st.floats(-1, 1), st.booleans()), max_size=12))
+def test_ret_norm_retrieved_matches_loop(rows):
+    gid = torch.tensor([r[0] for r in rows], dtype=torch.int64)
+    rew = torch.tensor([r[1] for r in rows], dtype=torch.float64)
+    z = torch.tensor([r[2] for r in rows], dtype=torch.float64)
+    ret = torch.tensor([r[3] for r in rows], dtype=torch.bool)
+
+    def norm(x, rows_in):
+        out = torch.zeros_like(x)
+        for g in gid.unique():
+            m = (gid == g) & rows_in
+            v = x[m]
+            if v.numel() == 0 or v.max() == v.min():
+                continue
+            out[m] = (v - v.mean()) / (v.std() + 1e-6)
+        return out
+
+    everyone = torch.ones_like(ret)
+    want = (1 + 0.2 * norm(z, ret)) * norm(rew, everyone)
+    got = rapo_fast.rapo_advantages(rew, gid, z, ret_norm="retrieved", retrieved=ret)
+    assert_close_verbose(got, want, atol=1e-9, rtol=1e-9)
+
+
+@pytest.mark.parametrize(
+    "kw,exc,text",
+    [
+        (dict(ret_norm="all"), ValueError, "ret_norm"),
+        (dict(ret_norm=1), TypeError, "ret_norm"),
+        (dict(ret_norm="retrieved"), ValueError, "retrieved"),
+        (dict(ret_norm="retrieved", retrieved=torch.ones(3)), TypeError, "retrieved"),
+        (dict(ret_norm="retrieved", retrieved=torch.ones(4, dtype=torch.bool)), ValueError, "retrieved"),
+        (dict(ret_norm="retrieved", retrieved=[True, False, True]), TypeError, "retrieved"),
+        (dict(retrieved=torch.ones(3, dtype=torch.bool)), ValueError, "retrieved"),
+    ],
+)
+def test_ret_norm_checks(kw, exc, text):
+    r, g, z = torch.zeros(3), torch.zeros(3, dtype=torch.long), torch.zeros(3)
+    with pytest.raises(exc, match=text):
+        rapo_fast.rapo_advantages(r, g, z, **kw)
+
+
+def test_trainer_passes_ret_norm_and_the_scored_retrieval_mask(tmp_path, monkeypatch):
+    """TrainerConfig.ret_norm reaches rapo_advantages; the mask is "a retrieval with a step after it" (the rows whose Z
+    was measured); the default calls the advantage function with its four positional arguments only."""
+    from rapo_fast.demo.tasks import ChainArithmeticTask, solver_trajectories, write_jsonl
+    from rapo_fast.demo.tiny_policy import build_tiny_policy
+    from rapo_fast.retrieval.encoders import HashedNgramEncoder
+    from rapo_fast.retrieval.step_traces import StepTraces
+    from rapo_fast.train.trainer import RAPOTrainer, TrainerConfig
+
+    monkeypatch.setenv("RAPO_FAST_DISABLE_TRITON", "1")  # the loss kernels have their own tests
+    task = ChainArithmeticTask()
+    tok, problems = task.tokenizer(), task.make_problems(4, seed=0)
+    path = write_jsonl(solver_trajectories(task, problems, 4, 0.2, seed=0), tmp_path / "t.jsonl")
+    traces = StepTraces.from_jsonl(path, HashedNgramEncoder(), tok)
+    calls = []
+
+    def adv_fn(rewards, group_ids, z, a, **kw):
+        calls.append(kw)
+        return rapo_fast.rapo_advantages(rewards, group_ids, z, a, **kw)
+
+    for norm in ("group", "retrieved"):
+        model = build_tiny_policy(tok.vocab_size, hidden_size=32, num_heads=2, num_kv_heads=1, seed=0)
+        cfg = TrainerConfig.RAPO(group_size=4, n_hybrid=4, retrieve_prob=1.0, prompts_per_step=2, max_steps=4,
+                                 max_step_tokens=12, ret_norm=norm)  # fmt: skip
+        trainer = RAPOTrainer(model, tok, task, traces, cfg, problems, advantage_fn=adv_fn)
+        trainer.step()
+    assert calls[0] == {} and calls[1]["ret_norm"] == "retrieved"
+    rets = trainer.last_batch.retrievals
+    scored = torch.zeros(trainer.last_batch.batch_size, dtype=torch.bool)
+    scored[rets[rets[:, 2] >= 0, 0]] = True
+    assert scored.any() and not scored.all()  # this seed's rollout has rows of both kinds
+    assert torch.equal(calls[1]["retrieved"], scored)
+    with pytest.raises(ValueError, match="ret_norm"):
+        TrainerConfig.RAPO(ret_norm="rows")

@@ -175,3 +175,80 @@ def test_bad_arguments(data):
     traces = StepTraces.from_jsonl(path, HashedNgramEncoder(), tok)
     with pytest.raises(ValueError, match="one entry per step"):
         traces.add_steps(["a"], ["b", "c"], [1])
+    with pytest.raises(TypeError, match="pin_offpolicy"):
+        StepTraces.from_jsonl(path, HashedNgramEncoder(), tok, pin_offpolicy="yes")
+
+
+# -- eviction: on-policy steps added past capacity keep the off-policy source (pin_offpolicy) ------------------------
+def _onpolicy(problems, n):
+    """n distinct on-policy (history, step, group) triples."""
+    return (
+        [f"{problems[i % len(problems)].prompt} own {i}" for i in range(n)],
+        [f"own step {i}" for i in range(n)],
+        [problems[i % len(problems)].qid for i in range(n)],
+    )
+
+
+@pytest.mark.parametrize("eviction", ["fifo", "lowest_score"])
+def test_onpolicy_steps_past_capacity_keep_every_offpolicy_step(data, eviction):
+    task, tok, problems, recs, path = data
+    n_off = sum(len(r["steps"]) for r in _kept(recs, 5))
+    traces = StepTraces.from_jsonl(path, HashedNgramEncoder(), tok, capacity=n_off + 3, eviction=eviction)
+    assert traces.num_offpolicy == n_off and bool(traces.buffer.pinned.all())
+    hs, ss, gs = _onpolicy(problems, 11)
+    traces.add_steps(hs[:5], ss[:5], gs[:5])
+    traces.add_steps(hs[5:], ss[5:], gs[5:])
+    pids = traces.buffer.payload_ids.tolist()
+    assert len(traces.buffer) == n_off + 3
+    assert sorted(p for p in pids if p < n_off) == list(range(n_off))  # every off-policy step is still there
+    assert sorted(p for p in pids if p >= n_off) == [n_off + 8, n_off + 9, n_off + 10]  # the newest on-policy ones
+    # ... and retrievable: each kept trajectory's histories find an off-policy step of that history (cosine 1)
+    histories = [h for r in _kept(recs, 5) for h, _ in split_trajectory(r)]
+    segs, got, scores = traces.retrieve(histories)
+    assert all(0 <= p < n_off for p in got.tolist()) and torch.allclose(scores, torch.ones_like(scores), atol=1e-5)
+    assert all(seg == traces.payloads[p] for seg, p in zip(segs, got.tolist()))
+    # a buffer full of off-policy steps drops new on-policy steps
+    full = StepTraces.from_jsonl(path, HashedNgramEncoder(), tok, capacity=n_off, eviction=eviction)
+    full.add_steps(hs, ss, gs)
+    assert sorted(full.buffer.payload_ids.tolist()) == list(range(n_off)) and full.num_onpolicy == 11
+
+
+def test_pin_offpolicy_false_is_the_old_fifo(data):
+    task, tok, problems, recs, path = data
+    n_off = sum(len(r["steps"]) for r in _kept(recs, 5))
+    cap = n_off + 3
+    traces = StepTraces.from_jsonl(path, HashedNgramEncoder(), tok, capacity=cap, pin_offpolicy=False)
+    assert not bool(traces.buffer.pinned.any())
+    hs, ss, gs = _onpolicy(problems, 11)
+    traces.add_steps(hs[:5], ss[:5], gs[:5])
+    traces.add_steps(hs[5:], ss[5:], gs[5:])
+    # one ring over every step in insertion (= payload id) order: the 11 + n_off - cap oldest, off-policy, are gone
+    want = {max(i for i in range(n_off + 11) if i % cap == s) for s in range(cap)}
+    assert set(traces.buffer.payload_ids.tolist()) == want
+    assert min(want) == 11 + n_off - cap
+
+
+def test_save_load_keeps_the_pin_choice(data, tmp_path):
+    from rapo_fast.retrieval.step_traces import StepTracesFormatError, _read_traces_json
+
+    task, tok, problems, recs, path = data
+    enc = HashedNgramEncoder()
+    n_off = sum(len(r["steps"]) for r in _kept(recs, 5))
+    hs, ss, gs = _onpolicy(problems, 12)
+    for pin in (True, False):
+        traces = StepTraces.from_jsonl(path, enc, tok, capacity=n_off + 2, pin_offpolicy=pin)
+        traces.add_steps(hs[:4], ss[:4], gs[:4])
+        traces.save(tmp_path / f"tr{pin}")
+        back = StepTraces.load(tmp_path / f"tr{pin}", enc, tok)  # None: the saved choice
+        assert back.pin_offpolicy is pin and torch.equal(back.buffer.pinned, traces.buffer.pinned)
+        traces.add_steps(hs[4:], ss[4:], gs[4:])
+        back.add_steps(hs[4:], ss[4:], gs[4:])
+        assert torch.equal(back.buffer.payload_ids, traces.buffer.payload_ids)  # resumed == uninterrupted
+    flipped = StepTraces.load(tmp_path / "trFalse", enc, tok, pin_offpolicy=True)
+    assert flipped.pin_offpolicy and int(flipped.buffer.pinned.sum()) == int((flipped.buffer.payload_ids < n_off).sum())
+    # traces.json: the field is optional (saves before it read as True) and must be a bool
+    (tmp_path / "old.json").write_text('{"payloads": [[1]], "num_offpolicy": 1, "num_onpolicy": 0}')
+    assert _read_traces_json(tmp_path / "old.json")[3] is True
+    (tmp_path / "bad.json").write_text('{"payloads": [[1]], "num_offpolicy": 1, "num_onpolicy": 0, "pin_offpolicy": 1}')
+    with pytest.raises(StepTracesFormatError, match="pin_offpolicy"):
+        _read_traces_json(tmp_path / "bad.json")

@@ -33,6 +33,7 @@ BAD = {
     "arpo_beta": [NAN, INF, -INF, "0.2"],
     "advantage_attribution": ["medium", None],
     "ret_coef": [NAN, INF, True],
+    "ret_norm": ["all", None, 1],
     "loss": [None, {"warp": 1}, {1: 0.2}, {"beta": 0.04}, {"eps_high": NAN}, {"return_metrics": True}],
     "tis_cap": [0.0, -1.0, NAN, INF, True],
     "lr": [NAN, INF, -1e-3, "1e-3"],

@@ -194,6 +194,7 @@ class StepBufferActor:
             with tempfile.TemporaryDirectory() as tmp:
                 traces.buffer.save(tmp)
                 traces.buffer = StepBuffer.load(tmp, device=self.device)
+            traces.pin_offpolicy_steps()  # pins are not part of a buffer snapshot: the off-policy source's again
         return traces
 
     async def ready(self) -> int:

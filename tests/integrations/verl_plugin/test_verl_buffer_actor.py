@@ -106,9 +106,11 @@ def _all_steps(data) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
     return keys, groups, segs
 
 
-def _state(n: int, cap: int) -> torch.Tensor:
-    """The payload id in each slot after n steps were added to a fifo ring of `cap` slots (slot of step i: i % cap)."""
-    return torch.tensor([max(i for i in range(n) if i % cap == s) for s in range(min(n, cap))])
+def _state(n: int, n_off: int, cap: int) -> torch.Tensor:
+    """The payload ids held after n steps were added to `cap` slots, the first n_off being the off-policy source's:
+    those are pinned (StepTraces' default), so the on-policy steps take turns in the other cap - n_off slots (fifo)."""
+    assert n_off < cap
+    return torch.tensor(list(range(n_off)) + list(range(max(n_off, n - (cap - n_off)), n)))
 
 
 def _matches(res, q: torch.Tensor, excl: int, keys, groups, segs, ids: torch.Tensor) -> bool:
@@ -175,7 +177,7 @@ def test_concurrent_search_while_adding_matches_a_held_state(data):
 
     keys, groups, segs = _all_steps(data)
     n_off = keys.shape[0] - sum(len(b[0]) for b in data["adds"])
-    states = [_state(n_off + 6 * j, CAP) for j in range(len(data["adds"]) + 1)]
+    states = [_state(n_off + 6 * j, n_off, CAP) for j in range(len(data["adds"]) + 1)]
     assert keys.shape[0] > CAP  # the ring wrapped
     qkeys = dict(zip(qs, data["enc"](qs)))
     for h, e, res in results:
