@@ -85,6 +85,20 @@ def test_validate_dry_run_two_commands_budgets_and_rows_in_order():
     assert any(r.startswith("token_logprobs,") for r in text) and any(r.startswith("trainer,RAPO") for r in text)
 
 
+def test_call1_order_wheels_env_build_then_headline():
+    """check_env runs after the wheels (it used to report trl and liger missing before they were installed) with a
+    budget for a cold `import torch`; the build comes before any measurement and the headline loss rows before the
+    tests; compile-heavy providers (torch.compile, Liger, CCE) have steps of their own, away from the headline."""
+    names = [s.name for s in _stage(CALLS[0]).gpu_steps]
+    assert names[:4] == ["wheels", "env", "extension", "loss_v152k"], names
+    assert names.index("loss_v152k") < names.index("pytest_gpu")
+    steps = {s.name: s for s in _stage(CALLS[0]).gpu_steps}
+    assert steps["env"].budget_s >= 30
+    for heavy in ("torch_compile", "liger", "cce"):
+        holders = [n for n, s in steps.items() if heavy in s.cmd]
+        assert holders and "loss_v152k" not in holders and "loss_v32k" not in holders, (heavy, holders)
+
+
 @pytest.mark.parametrize("name", CALLS)
 def test_dry_run_within_budget_and_files(name):
     res = _run([f"bench/gpu/{name}.py", "--dry-run"], timeout=120)
