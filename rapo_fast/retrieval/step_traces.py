@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from rapo_fast._atomic import FormatError, VersionWriter, check_int, read_json_object, read_version
+from rapo_fast._tokens import encode_plain
 
 OFFPOLICY_GROUP_BASE = 1 << 40
 RETRIEVE_OPEN, RETRIEVE_CLOSE = "<retrieve>", "</retrieve>"
@@ -158,7 +159,10 @@ class StepTraces:
     ) -> torch.Tensor:
         keys = self.encoder([strip_retrieve_markers(h) for h in histories]).float()
         start = len(self.payloads)
-        segs = [self.tokenizer.encode(f"{RETRIEVE_OPEN} {strip_retrieve_markers(s)} {RETRIEVE_CLOSE}") for s in steps]
+        # no special tokens: a segment is spliced into the middle of a rollout (a BOS there would be a foreign token)
+        segs = [
+            encode_plain(self.tokenizer, f"{RETRIEVE_OPEN} {strip_retrieve_markers(s)} {RETRIEVE_CLOSE}") for s in steps
+        ]
         # Segments first, then the buffer (which locks itself): a retrieve running in another thread meanwhile never
         # gets a payload id whose segment is missing (docs/retrieval.md, "Thread safety": one writer, many readers).
         self.payloads.extend(segs)

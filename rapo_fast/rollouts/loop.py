@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from rapo_fast._tokens import encode_plain
 from rapo_fast.rollouts.batch import KIND_GEN, KIND_PAD, KIND_PROMPT, KIND_RET, KIND_TOOL, RolloutBatch
 from rapo_fast.rollouts.engine import DecodeEngine, sample
 
@@ -375,7 +376,7 @@ class _Lockstep:
             return
         call = _last_call(r.tokens, self.tool_open, r.cur_start)
         t0 = time.perf_counter()
-        obs = self.tokenizer.encode(self.env.execute(self.tokenizer.decode(call)))
+        obs = encode_plain(self.tokenizer, self.env.execute(self.tokenizer.decode(call)))  # mid-rollout: no BOS
         self.timings["tool"] += time.perf_counter() - t0
         r.append(obs, KIND_TOOL)
         r.to_feed.extend(obs)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from rapo_fast._tokens import encode_plain
 from rapo_fast.rollouts.batch import KIND_OFF, KIND_TOOL
 
 __all__ = ["OffPolicyTrajectories", "split_step", "trajectory_tokens"]
@@ -25,8 +26,8 @@ def split_step(step: str, tokenizer) -> tuple[list[int], list[int]]:
     output after it); a step without `</tool>` (the answer) is all model tokens. Shared with the SFT warm-up
     (rapo_fast/train/sft.py), which renders solutions the same way."""
     gen, sep, obs = step.partition("</tool>")
-    gen_ids = tokenizer.encode(gen + (" </tool>" if sep else ""))
-    return gen_ids, (tokenizer.encode(obs) if obs.strip() else [])
+    gen_ids = encode_plain(tokenizer, gen + (" </tool>" if sep else ""))  # mid-sequence: no special tokens
+    return gen_ids, (encode_plain(tokenizer, obs) if obs.strip() else [])
 
 
 def trajectory_tokens(record: dict, tokenizer) -> tuple[list[int], list[int], list[list[int]]]:
