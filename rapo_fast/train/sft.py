@@ -13,13 +13,20 @@ from collections.abc import Sequence
 
 import torch
 
+from rapo_fast._tokens import encode_plain
 from rapo_fast.rollouts.batch import KIND_GEN, KIND_PROMPT, KIND_RET, KIND_TOOL
 from rapo_fast.rollouts.offpolicy import split_step
 
+RETRIEVE_STYLES = ("replace", "hint")
 
-def sft_examples(task, tokenizer, problems: Sequence, retrieve_frac: float, rng: random.Random):
-    """One (token ids, kinds) pair per problem: prompt, solution steps (each later one wrapped as retrieved with
-    probability `retrieve_frac`), answer. Kinds follow rapo_fast.rollouts.batch (only KIND_GEN is trained)."""
+
+def sft_examples(task, tokenizer, problems: Sequence, retrieve_frac: float, rng: random.Random, style: str = "replace"):
+    """One (token ids, kinds) pair per problem: prompt, solution steps, answer; each later step is shown as
+    retrieved with probability `retrieve_frac`. style "replace": the retrieved block stands for the step (the policy
+    goes on with the next one); "hint": the block comes before the policy's own copy of the step (the policy takes
+    the step itself after seeing it retrieved). Kinds follow rapo_fast.rollouts.batch (only KIND_GEN is trained)."""
+    if style not in RETRIEVE_STYLES:
+        raise ValueError(f"sft_examples: style must be one of {RETRIEVE_STYLES}, got {style!r}")
     out = []
     for p in problems:
         ids = tokenizer.encode(p.prompt)
@@ -27,10 +34,11 @@ def sft_examples(task, tokenizer, problems: Sequence, retrieve_frac: float, rng:
         for k, step in enumerate(task.solution(p)):
             is_answer = step.startswith("<answer>")
             if k >= 1 and not is_answer and rng.random() < retrieve_frac:
-                seg = tokenizer.encode(f"<retrieve> {step} </retrieve>")
+                seg = encode_plain(tokenizer, f"<retrieve> {step} </retrieve>")  # mid-sequence: no BOS
                 ids += seg
                 kinds += [KIND_RET] * len(seg)
-                continue
+                if style == "replace":
+                    continue
             gen_ids, obs_ids = split_step(step, tokenizer)
             ids += gen_ids + obs_ids
             kinds += [KIND_GEN] * len(gen_ids) + [KIND_TOOL] * len(obs_ids)
@@ -60,10 +68,12 @@ def sft_warmup(
     batch_size: int = 32,
     lr: float = 3e-3,
     retrieve_frac: float = 0.3,
+    retrieve_style: str = "replace",
     seed: int = 0,
     progress: bool = False,
 ) -> list[float]:
-    """Cross-entropy on the generated tokens of rendered solutions; returns the loss per step."""
+    """Cross-entropy on the generated tokens of rendered solutions (sft_examples: `retrieve_frac`,
+    `retrieve_style`); returns the loss per step."""
     if not isinstance(steps, int) or steps < 0:
         raise ValueError(f"sft_warmup: steps must be a non-negative int, got {steps!r}")
     if not problems:
@@ -80,7 +90,12 @@ def sft_warmup(
         it = tqdm(it, desc="sft", leave=False)
     for _ in it:
         batch = sft_examples(
-            task, tokenizer, rng.sample(list(problems), min(batch_size, len(problems))), retrieve_frac, rng
+            task,
+            tokenizer,
+            rng.sample(list(problems), min(batch_size, len(problems))),
+            retrieve_frac,
+            rng,
+            retrieve_style,
         )
         ids, mask, train = (t.to(dev) for t in _collate(batch, tokenizer.pad_token_id))
         logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from rapo_fast.demo.tiny_policy import WordTokenizer
@@ -73,7 +73,11 @@ class KnowledgeBaseTask:
     """Knowledge base (built from `kb_seed`), question generator, search tool and verifier.
 
     Args: n_people, n_cities, n_countries, n_companies (entity counts; every entity is one token), min_hops..max_hops
-    relations per question (2-3 by default), kb_seed (the knowledge base; problems have their own seed).
+    relations per question (2-3 by default), kb_seed (the knowledge base; problems have their own seed),
+    pattern_filter (keeps the relation chains, innermost first, for which it returns True; None: all), fact_seed
+    (None: the facts follow from kb_seed; else drawn from fact_seed over kb_seed's entities and types: another draw
+    of the knowledge base in which every entity keeps its type, e.g. for demonstrations that teach the procedure
+    without the facts).
     """
 
     tool_end = "</tool>"
@@ -88,6 +92,8 @@ class KnowledgeBaseTask:
         min_hops: int = 2,
         max_hops: int = 3,
         kb_seed: int = 0,
+        pattern_filter: Callable[[tuple[str, ...]], bool] | None = None,
+        fact_seed: int | None = None,
     ):
         counts = {"person": n_people, "city": n_cities, "country": n_countries, "company": n_companies}
         for name, v in counts.items():
@@ -104,9 +110,9 @@ class KnowledgeBaseTask:
                 f"max_hops={max_hops!r}"
             )
         self.min_hops, self.max_hops, self.kb_seed = min_hops, max_hops, kb_seed
-        self.entities, self.facts = build_kb(counts, kb_seed)
+        self.entities, self.facts = build_kb(counts, kb_seed, fact_seed)
         self.entity_type = {e: t for t, es in self.entities.items() for e in es}
-        self.patterns = self._patterns()
+        self.patterns = [(r, st) for r, st in self._patterns() if pattern_filter is None or pattern_filter(r)]
         if not self.patterns:
             raise ValueError("KnowledgeBaseTask: this knowledge base has no multi-hop question; use more entities")
 
@@ -123,22 +129,48 @@ class KnowledgeBaseTask:
         """The object of the fact (relation, entity), or None when the knowledge base has no such fact."""
         return self.facts.get((relation, entity))
 
-    def make_problems(self, n: int, seed: int, start_qid: int = 0) -> list[KBProblem]:
+    def make_problems(
+        self, n: int, seed: int, start_qid: int = 0, starts: Collection[str] | None = None
+    ) -> list[KBProblem]:
         """`n` random questions from `seed` (deterministic), with qids start_qid .. start_qid + n - 1.
 
         Each draws a relation pattern uniformly among those with min_hops..max_hops relations, then a start entity
         uniformly among the pattern's valid starts (distinct entities along the path; the answer is neither the
-        start nor the result of any single search on it).
+        start nor the result of any single search on it). `starts`: only these start entities (e.g. one side of
+        `split_starts`, so that training and held-out questions ask about disjoint entities); None: all.
         """
         if not isinstance(n, int) or n < 0:
             raise ValueError(f"make_problems: n must be a non-negative int, got {n!r}")
+        patterns = self.patterns
+        if starts is not None:
+            allowed = set(starts)
+            patterns = [(r, [e for e in st if e in allowed]) for r, st in patterns]
+            patterns = [(r, st) for r, st in patterns if st]
+            if not patterns:
+                raise ValueError(f"make_problems: no question starts from the {len(allowed)} entities of `starts`")
         rng = random.Random(seed)
         out = []
         for i in range(n):
-            rels, starts = self.patterns[rng.randrange(len(self.patterns))]
-            start = rng.choice(starts)
+            rels, pool = patterns[rng.randrange(len(patterns))]
+            start = rng.choice(pool)
             out.append(KBProblem(start_qid + i, start, rels, tuple(self.walk(start, rels))))
         return out
+
+    def split_starts(self, held_out_frac: float, seed: int) -> tuple[list[str], list[str]]:
+        """The entities split in two (training starts, held-out starts), each type split in the same proportion,
+        deterministic given `seed`: questions over one side never start from an entity of the other (their paths
+        may still pass through shared entities: the knowledge base is one)."""
+        if not 0.0 < float(held_out_frac) < 1.0:
+            raise ValueError(f"split_starts: held_out_frac must be in (0, 1), got {held_out_frac!r}")
+        rng = random.Random(seed)
+        train, held = [], []
+        for t in TYPES:
+            es = list(self.entities[t])
+            rng.shuffle(es)
+            k = max(1, round(len(es) * float(held_out_frac)))
+            held += es[:k]
+            train += es[k:]
+        return train, held
 
     def walk(self, start: str, relations: Sequence[str]) -> list[str]:
         """The entities the searches of `relations` (in order) return from `start`; `none` once a fact is missing."""
@@ -203,8 +235,11 @@ class KnowledgeBaseTask:
         return 1.0 if m is not None and m.group(1) == problem.answer else 0.0
 
 
-def build_kb(counts: dict[str, int], seed: int) -> tuple[dict[str, list[str]], dict[tuple[str, str], str]]:
-    """Entities per type and the facts {(relation, subject): object}, deterministic given `seed`.
+def build_kb(
+    counts: dict[str, int], seed: int, fact_seed: int | None = None
+) -> tuple[dict[str, list[str]], dict[tuple[str, str], str]]:
+    """Entities per type and the facts {(relation, subject): object}, deterministic given `seed` (and `fact_seed`,
+    which, when given, draws the facts instead of `seed`: the entities and their types stay `seed`'s).
 
     Entity names `e0`, `e1`, ... are shuffled across types (the name does not tell the type). Every subject has
     exactly one object per relation of its type; each country's capital is a distinct city located in it.
@@ -218,6 +253,8 @@ def build_kb(counts: dict[str, int], seed: int) -> tuple[dict[str, list[str]], d
     for t in TYPES:
         entities[t] = [f"e{i}" for i in ids[k : k + counts[t]]]
         k += counts[t]
+    if fact_seed is not None:
+        rng = random.Random(fact_seed)
     cities, countries = entities["city"], entities["country"]
     facts: dict[tuple[str, str], str] = {}
     capitals = rng.sample(cities, len(countries))
@@ -239,8 +276,11 @@ def _balanced(objects: list[str], n: int, rng: random.Random) -> list[str]:
     return out[:n]
 
 
-def kb_solve(task: KnowledgeBaseTask, problem: KBProblem, rng: random.Random, error_rate: float) -> dict:
-    """One trajectory of the scripted solver on `problem`; each step goes wrong with probability `error_rate`.
+def kb_solve(
+    task: KnowledgeBaseTask, problem: KBProblem, rng: random.Random, error_rate: float | Sequence[float]
+) -> dict:
+    """One trajectory of the scripted solver on `problem`; step k goes wrong with probability `error_rate` (or
+    `error_rate[k]`, the last entry for later steps: a solver whose reliability depends on the step).
 
     Errors: a wrong relation (another relation of the vocabulary), the wrong order (this relation swapped with the
     next one; a wrong relation at the last step) or a stale entity (the one searched before instead of the last
@@ -251,7 +291,8 @@ def kb_solve(task: KnowledgeBaseTask, problem: KBProblem, rng: random.Random, er
     steps, cur, prev = [], problem.start, None
     for k in range(len(rels)):
         rel, ent = rels[k], cur
-        if rng.random() < error_rate:
+        rate = error_rate if isinstance(error_rate, float) else error_rate[min(k, len(error_rate) - 1)]
+        if rng.random() < rate:
             kind = rng.randrange(3)
             if kind == 1 and k + 1 < len(rels):
                 rels[k], rels[k + 1] = rels[k + 1], rels[k]
@@ -278,17 +319,20 @@ def kb_solver_trajectories(
     task: KnowledgeBaseTask,
     problems: Sequence[KBProblem],
     n_per_query: int = 16,
-    error_rate: float = 0.2,
+    error_rate: float | Sequence[float] = 0.2,
     seed: int = 0,
 ) -> list[dict]:
     """`n_per_query` scripted trajectories for each problem (deterministic given `seed`), in the JSONL record format
-    of rapo_fast.retrieval.jsonl: {query_id, prompt, steps, answer, reward}."""
+    of rapo_fast.retrieval.jsonl: {query_id, prompt, steps, answer, reward}. `error_rate`: one rate for every step,
+    or one per step index (the last for later steps)."""
     if not isinstance(n_per_query, int) or n_per_query < 1:
         raise ValueError(f"kb_solver_trajectories: n_per_query must be a positive int, got {n_per_query!r}")
-    if not 0.0 <= float(error_rate) <= 1.0:
-        raise ValueError(f"kb_solver_trajectories: error_rate must be in [0, 1], got {error_rate!r}")
+    rates = [error_rate] if isinstance(error_rate, (int, float)) else list(error_rate)
+    if not rates or not all(isinstance(r, (int, float)) and 0.0 <= float(r) <= 1.0 for r in rates):
+        raise ValueError(f"kb_solver_trajectories: error_rate: [0, 1] or a list of such, got {error_rate!r}")
+    rate: float | list[float] = float(rates[0]) if isinstance(error_rate, (int, float)) else [float(r) for r in rates]
     rng = random.Random(seed)
-    return [kb_solve(task, p, rng, float(error_rate)) for p in problems for _ in range(n_per_query)]
+    return [kb_solve(task, p, rng, rate) for p in problems for _ in range(n_per_query)]
 
 
 __all__ = ["RELATIONS", "KBProblem", "KnowledgeBaseTask", "build_kb", "kb_solve", "kb_solver_trajectories"]

@@ -1,0 +1,244 @@
+"""What `rapo-fast table1`'s fair setting measures beside the score: where a success came from, and whether the
+setting can test RAPO's claim at all.
+
+What this is: readers of knowledge-base completions and the go/no-go checks of issue 24.
+- `read_completion`: a completion's segments (own searches, retrieved steps, the answer) against the question's
+  correct hops: which hops the policy did itself, which came from retrieval, and the answer.
+- `signature`: the compact string of one completion ("S" own correct hop, "s" own wrong search, "R" retrieved step
+  that was the next hop, "r" retrieved step that was not, "A"/"a" right/wrong answer, "-" none), counted per method.
+- `leak_frac`: among successes of rows that retrieved, the fraction whose answer is the observation of a retrieved
+  step (copied, not found); `unobserved_success`: successes whose answer no observation of the row showed
+  (guessed or memorised), with its chance level.
+- `conditioning_probe`: at the warm-up, P(own next hop correct | the previous hop retrieved) against P(own next
+  hop correct | the previous hop the policy's own), both greedy, on the same questions and positions.
+- `kept_trace_stats`: how good the off-policy source is after top-k (correct fraction, distinct trajectories per
+  query, queries without a correct trajectory).
+- `go_no_go`: the figures of table1_checks.json and whether each passes.
+What this is not: the runner (rapo_fast/demo/table1.py) or the statistics over seeds (table1_stats.py).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from collections.abc import Sequence
+
+import torch
+
+# One segment of a completion: a retrieved block, an answer, or an own tool step (whatever the policy wrote up to
+# `</tool>`, then the tool's observation); scanned left to right, so every segment starts where the last one ended.
+_SEGMENT = re.compile(
+    r"<retrieve>(?P<ret>.*?)</retrieve>"
+    r"|<answer>\s*(?P<ans>[^\s<]\S*)?"
+    r"|(?P<gen>(?:(?!<retrieve>|<answer>|</tool>).)*?)</tool>\s*(?:<obs>\s*(?P<obs>\S+)\s*</obs>)?",
+    re.S,
+)
+_CALL = re.compile(r"<tool>\s*search\s+(\S+)\s+(\S+)\s*(?:</tool>|$)")
+_OBS = re.compile(r"<obs>\s*(\S+)\s*</obs>")
+
+
+def _call(text: str) -> tuple[str | None, str | None]:
+    """(relation, entity) of the last well-formed search call in `text`, else (None, None)."""
+    calls = _CALL.findall(text)
+    return calls[-1] if calls else (None, None)
+
+
+def read_completion(problem, text: str) -> dict:
+    """The segments of `text` (a completion of `problem`, a KBProblem) in order: dicts with kind "own", "ret" or
+    "answer", and for searches `hop` (True when it was the question's next correct hop from the entity reached so
+    far, or the policy's own copy of the hop a retrieved step just took) and `obs`. Also returns `answer` (None
+    when there is none), `success`, `observed` (every observation) and `retrieved_obs` (those of retrieved blocks)."""
+    hop, cur = 0, problem.start
+    last: tuple | None = None  # (relation, entity, kind) of the last hop reached
+    segs: list[dict] = []
+    answer = None
+    for m in _SEGMENT.finditer(text):
+        if m.group(0).startswith("<answer>"):
+            answer = m.group("ans")
+            segs.append({"kind": "answer", "value": answer})
+            break
+        if m.group("ret") is not None:
+            body = m.group("ret")
+            rel, ent = _call(body + " </tool>")
+            obs_m = _OBS.search(body)
+            kind, obs = "ret", obs_m.group(1) if obs_m else None
+        else:
+            (rel, ent), kind, obs = _call(m.group("gen") + " </tool>"), "own", m.group("obs")
+        ok = hop < len(problem.relations) and rel == problem.relations[hop] and ent == cur
+        if ok:
+            hop, cur = hop + 1, obs
+            last = (rel, ent, kind)
+        elif kind == "own" and last is not None and last[2] == "ret" and (rel, ent) == last[:2]:
+            ok = True  # the policy takes a hop it was just shown retrieved (a hint): its own correct step
+            last = (rel, ent, kind)
+        segs.append({"kind": kind, "hop": ok, "obs": obs})
+    observed = [s["obs"] for s in segs if s["kind"] != "answer" and s["obs"] is not None]
+    return {
+        "segments": segs,
+        "answer": answer,
+        "success": answer is not None and answer == problem.answer,
+        "observed": observed,
+        "retrieved_obs": [s["obs"] for s in segs if s["kind"] == "ret"],
+    }
+
+
+def signature(read: dict) -> str:
+    """One letter per segment: S/s own search (next hop / not), R/r retrieved step (next hop / not), A/a answer
+    (right / wrong), '-' when the completion has no answer."""
+    out = []
+    for s in read["segments"]:
+        if s["kind"] == "answer":
+            out.append("A" if read["success"] else "a")
+        else:
+            out.append(("S" if s["hop"] else "s") if s["kind"] == "own" else ("R" if s["hop"] else "r"))
+    return "".join(out) + ("" if out and out[-1] in "Aa" else "-")
+
+
+def leak_frac(reads: Sequence[dict]) -> float:
+    """Among successes whose row retrieved at least once: the fraction whose answer is a retrieved observation (the
+    retrieval handed over the answer). NaN when there is no such success."""
+    hits = [r for r in reads if r["success"] and any(s["kind"] == "ret" for s in r["segments"])]
+    if not hits:
+        return math.nan
+    return sum(r["answer"] in r["retrieved_obs"] for r in hits) / len(hits)
+
+
+def unobserved_success(reads: Sequence[dict]) -> float:
+    """The fraction of completions that are right with an answer no observation of the row showed."""
+    if not reads:
+        return math.nan
+    return sum(r["success"] and r["answer"] not in r["observed"] for r in reads) / len(reads)
+
+
+def chance_level(task, problems: Sequence) -> float:
+    """The success of a uniform guess among the entities of the answer's type, averaged over `problems`: what
+    `unobserved_success` would be without memorised facts."""
+    if not problems:
+        return math.nan
+    return sum(1.0 / len(task.entities[task.entity_type[p.answer]]) for p in problems) / len(problems)
+
+
+def chance_bound(chance: float, n: int, z: float = 3.0) -> float:
+    """The largest `unobserved_success` over `n` questions still read as chance: chance + z binomial standard
+    errors (z = 3: a 0.1% one-sided false alarm)."""
+    return chance + z * math.sqrt(max(chance * (1 - chance), 0.0) / max(n, 1))
+
+
+def signatures(reads: Sequence[dict], top: int = 6, successes_only: bool = True) -> dict[str, int]:
+    """The `top` most frequent signatures of the successes (or of all completions), e.g. {"SSSSA": 30}."""
+    return dict(Counter(signature(r) for r in reads if r["success"] or not successes_only).most_common(top))
+
+
+# -- the conditioning probe --------------------------------------------------------------------------------------
+@torch.no_grad()
+def _greedy_steps(model, tok, contexts: list[str], max_tokens: int = 16) -> list[str]:
+    """Greedy continuation of each context up to `</tool>`, <eos> or max_tokens (contexts of one token length are
+    batched together: no padding)."""
+    dev = next(model.parameters()).device
+    stop = {tok.convert_tokens_to_ids("</tool>"), tok.eos_token_id}
+    was = model.training
+    model.eval()
+    out: list[str] = [""] * len(contexts)
+    enc = [tok.encode(c) for c in contexts]
+    by_len: dict[int, list[int]] = {}
+    for i, ids in enumerate(enc):
+        by_len.setdefault(len(ids), []).append(i)
+    for idx in by_len.values():
+        ids = torch.tensor([enc[i] for i in idx], device=dev)
+        new = torch.zeros(len(idx), 0, dtype=torch.long, device=dev)
+        done = torch.zeros(len(idx), dtype=torch.bool, device=dev)
+        for _ in range(max_tokens):
+            nxt = model(input_ids=torch.cat([ids, new], 1)).logits[:, -1].argmax(-1)
+            new = torch.cat([new, nxt[:, None]], 1)
+            done |= torch.tensor([int(t) in stop for t in nxt.tolist()], device=dev)
+            if bool(done.all()):
+                break
+        for j, i in enumerate(idx):
+            out[i] = tok.decode(new[j].tolist())
+    if was:
+        model.train()
+    return out
+
+
+def _own_hop_ok(text: str, relation: str, entity: str) -> bool:
+    m = re.search(r"<tool>\s*search\s+(\S+)\s+(\S+)\s*</tool>", text)
+    return m is not None and m.group(1) == relation and m.group(2) == entity
+
+
+def conditioning_probe(model, tok, task, problems: Sequence) -> dict:
+    """P(the policy's own next hop is right | the previous hop was shown retrieved) against P(... | the previous hop
+    was its own), greedy, over every problem and every position k >= 1 with a next hop: the same correct hops
+    0..k-1 before, hop k-1 written as the policy's step or as a retrieved block (the format of a hybrid rollout).
+    A policy that can use a retrieved step scores the first close to the second."""
+    ctx_own, ctx_ret, want = [], [], []
+    for p in problems:
+        steps = task.solution(p)[:-1]  # the hops, without the answer
+        for k in range(1, len(steps)):
+            prefix = p.prompt + " " + " ".join(steps[: k - 1])
+            ctx_own.append(f"{prefix} {steps[k - 1]}")
+            ctx_ret.append(f"{prefix} <retrieve> {steps[k - 1]} </retrieve>")
+            want.append((p.relations[k], p.path[k - 1]))
+    if not want:
+        return {"p_next_given_retrieved": math.nan, "p_next_given_own": math.nan, "n": 0}
+    own = _greedy_steps(model, tok, [" ".join(c.split()) for c in ctx_own])
+    ret = _greedy_steps(model, tok, [" ".join(c.split()) for c in ctx_ret])
+    ok_own = [_own_hop_ok(t, r, e) for t, (r, e) in zip(own, want)]
+    ok_ret = [_own_hop_ok(t, r, e) for t, (r, e) in zip(ret, want)]
+    return {
+        "p_next_given_retrieved": sum(ok_ret) / len(want),
+        "p_next_given_own": sum(ok_own) / len(want),
+        "n": len(want),
+    }
+
+
+# -- the off-policy source ---------------------------------------------------------------------------------------
+def kept_trace_stats(records: Sequence[dict], top_k: int) -> dict:
+    """The top-k-by-reward traces per query (what RAPO's buffer and OFFPOLICY_TRAJ keep): the correct fraction, the
+    mean number of distinct trajectories per query and the fraction of queries without a correct one."""
+    from rapo_fast.retrieval.step_traces import top_k_by_reward
+
+    kept = top_k_by_reward(list(records), top_k)
+    by_q: dict[int, list[dict]] = {}
+    for r in kept:
+        by_q.setdefault(int(r["query_id"]), []).append(r)
+    if not by_q:
+        return {
+            "kept_trace_correct_frac": math.nan,
+            "distinct_per_query": math.nan,
+            "queries_without_correct": math.nan,
+        }
+    return {
+        "kept_trace_correct_frac": sum(float(r["reward"]) > 0.5 for r in kept) / len(kept),
+        "distinct_per_query": sum(len({tuple(r["steps"]) for r in v}) for v in by_q.values()) / len(by_q),
+        "queries_without_correct": sum(all(float(r["reward"]) <= 0.5 for r in v) for v in by_q.values()) / len(by_q),
+    }
+
+
+# -- go / no-go ----------------------------------------------------------------------------------------------------
+LEAK_MAX = 0.25  # issue 24: the default setting keeps leak_frac at or under this
+KEPT_CORRECT_MAX = 0.8  # an imperfect source: top-k keeps wrong trajectories (98.8% correct was the oracle)
+PROBE_MIN_RATIO = 0.5  # a policy that uses a retrieved step: at least half its success after its own step
+
+
+def go_no_go(figures: dict) -> dict:
+    """The checks of table1_checks.json from the measured figures: for each, the figure, its bound and `pass`.
+
+    figures: unobserved_answer_success {family: {"value", "chance", "n"}}, kept_trace_correct_frac {family: x},
+    conditioning_probe {family: {"p_next_given_retrieved", "p_next_given_own"}}, leak_frac {family: x} (the mean
+    over RAPO's runs; NaN, no success that retrieved, passes: nothing leaked)."""
+    checks: dict = {}
+    for fam, u in figures.get("unobserved_answer_success", {}).items():
+        bound = chance_bound(u["chance"], u["n"])
+        checks[f"no_shortcut/{fam}"] = {"value": u["value"], "chance": u["chance"], "bound": bound,
+                                        "pass": bool(u["value"] <= bound)}  # fmt: skip
+    for fam, x in figures.get("kept_trace_correct_frac", {}).items():
+        checks[f"imperfect_source/{fam}"] = {"value": x, "bound": KEPT_CORRECT_MAX, "pass": bool(x <= KEPT_CORRECT_MAX)}
+    for fam, pr in figures.get("conditioning_probe", {}).items():
+        own, ret = pr["p_next_given_own"], pr["p_next_given_retrieved"]
+        ok = own > 0 and ret >= PROBE_MIN_RATIO * own
+        checks[f"uses_retrieved_step/{fam}"] = {"value": ret, "own": own, "bound": PROBE_MIN_RATIO * own, "pass": ok}
+    for fam, x in figures.get("leak_frac", {}).items():
+        checks[f"no_answer_leak/{fam}"] = {"value": x, "bound": LEAK_MAX,
+                                           "pass": bool(math.isnan(x) or x <= LEAK_MAX)}  # fmt: skip
+    return checks
