@@ -33,6 +33,11 @@ from rapo_fast.demo.table1_report import write_outputs
 from rapo_fast.demo.table1_stats import first_reach, mean_ci
 
 METHODS = ("GRPO", "ARPO", "RAPO", "OFFPOLICY_TRAJ")
+# Controls and ablations of issue 24, run on request (--methods): GRPO with RAPO's on-policy row count (RAPO keeps
+# group_size - n_hybrid on-policy rows; GRPO keeps all group_size), RAPO without the retrieval reward (ret_coef 0)
+# and RAPO without importance shaping (shaping_m 0).
+EXTRA_METHODS = ("GRPO_ONPOLICY_MATCHED", "RAPO_NO_RET_REWARD", "RAPO_NO_SHAPING")
+ALL_METHODS = METHODS + EXTRA_METHODS
 # solver_traces: scripted trajectories generated per training problem, traces_top_k: kept per problem (the best by
 # reward) for RAPO's step buffer and OFFPOLICY_TRAJ's trajectories.
 QUICK = dict(seeds=2, sft_steps=60, rl_steps=4, eval_every=2, n_eval=32, group_size=4, prompts_per_step=2,
@@ -82,12 +87,20 @@ def _encoder(name: str):
 
 
 def _config(method: str, s: dict, seed: int):
+    from rapo_fast.loss import presets
     from rapo_fast.train.trainer import TrainerConfig
 
     common = dict(group_size=s["group_size"], prompts_per_step=s["prompts_per_step"], lr=s["lr"], seed=seed,
                   max_step_tokens=16, mini_batch_groups=s["mini_batch_groups"])  # fmt: skip
+    n_hybrid = s["group_size"] // 2
     if method == "RAPO":
-        return TrainerConfig.RAPO(n_hybrid=s["group_size"] // 2, **common)
+        return TrainerConfig.RAPO(n_hybrid=n_hybrid, **common)
+    if method == "RAPO_NO_RET_REWARD":
+        return TrainerConfig.RAPO(n_hybrid=n_hybrid, **(common | dict(ret_coef=0.0)))
+    if method == "RAPO_NO_SHAPING":
+        return TrainerConfig.RAPO(n_hybrid=n_hybrid, **(common | dict(loss=dict(presets.RAPO, shaping_m=0.0))))
+    if method == "GRPO_ONPOLICY_MATCHED":
+        return TrainerConfig.GRPO(**(common | dict(group_size=s["group_size"] - n_hybrid)))
     if method == "ARPO":  # the released rule: the one behind the published ARPO numbers
         return TrainerConfig.ARPO(arpo_rule="released", **common)
     if method == "OFFPOLICY_TRAJ":
@@ -156,7 +169,8 @@ def run_one(family: str, method: str, seed: int, s: dict, paths: dict[str, Path]
     model.load_state_dict(torch.load(paths["warm"], weights_only=True))
     cfg = _config(method, s, seed)
     k = per_family(s, "traces_top_k", family)
-    traces = StepTraces.from_jsonl(paths["jsonl"], _encoder(enc), tok, top_k=k) if method == "RAPO" else None
+    uses_traces = method.startswith("RAPO")
+    traces = StepTraces.from_jsonl(paths["jsonl"], _encoder(enc), tok, top_k=k) if uses_traces else None
     off = OffPolicyTrajectories.from_jsonl(paths["jsonl"], top_k=k) if method == "OFFPOLICY_TRAJ" else None
     trainer = RAPOTrainer(model, tok, task, traces, cfg, data["train"], offpolicy=off)
     held_out = EvalCallback(lambda t: evaluate(t.model, tok, task, data["evals"], max_step_tokens=16), s["eval_every"])
@@ -212,7 +226,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sft-steps", type=int, default=None, help="SFT warm-up steps per (family, seed)")
     p.add_argument("--n-eval", type=int, default=None, help="held-out problems (625: standard error <= 0.02)")
     p.add_argument("--families", default=None, help="comma-separated task families (default: all)")
-    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {','.join(METHODS)}")
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {','.join(ALL_METHODS)}")
     p.add_argument("--workers", type=int, default=None,
                    help="1-thread worker processes (default: one per core, at most 8; 0: in this process); the "
                         "results do not depend on it")  # fmt: skip
@@ -230,7 +244,7 @@ def setting_from(a: argparse.Namespace) -> dict:
     fams = families()
     s["families"] = list(fams) if a.families is None else a.families.split(",")
     s["methods"] = a.methods.split(",")
-    for name, known in (("families", fams), ("methods", METHODS)):
+    for name, known in (("families", fams), ("methods", ALL_METHODS)):
         bad = [x for x in s[name] if x not in known]
         if bad:
             raise SystemExit(f"rapo-fast table1: unknown {name} {bad}; expected a subset of {list(known)}")
@@ -240,7 +254,7 @@ def setting_from(a: argparse.Namespace) -> dict:
 # Which ready job a free worker takes first: prepare jobs (each unlocks four runs), then the longest runs, so that
 # the last ones to finish are short (measured, one full run: RAPO 110-150 s, ARPO and OFFPOLICY_TRAJ 50-75 s, GRPO
 # 40-60 s; arithmetic longer than the knowledge base).
-_COST = {"RAPO": 3, "ARPO": 2, "OFFPOLICY_TRAJ": 2, "GRPO": 1}
+_COST = {"RAPO": 3, "RAPO_NO_RET_REWARD": 3, "RAPO_NO_SHAPING": 3, "ARPO": 2, "OFFPOLICY_TRAJ": 2, "GRPO": 1}
 
 
 def default_workers() -> int:

@@ -168,3 +168,33 @@ def test_efficiency_table_by_hand():
     assert lines[2] == "| t | GRPO | 1/2 | 40.0 | 400 | 1.00 | 1.00 | 1 |"
     # RAPO reached on seeds 0 and 1 (mean 40 steps, 400 tokens); paired with GRPO on seed 0 only: 20/40, 300/400
     assert lines[3] == "| t | RAPO | 2/2 | 40.0 | 400 | 0.50 | 0.75 | 1 |"
+
+
+def test_controls_and_ablations_configs():
+    """Issue 24's controls: GRPO with RAPO's on-policy row count, RAPO without the retrieval reward, RAPO without
+    importance shaping; every other option equal to the method they control."""
+    s = dict(table1.QUICK, group_size=8)
+    rapo, grpo = table1._config("RAPO", s, 0), table1._config("GRPO", s, 0)
+    matched = table1._config("GRPO_ONPOLICY_MATCHED", s, 0)
+    assert matched.group_size == rapo.group_size - rapo.n_hybrid == 4 and matched.n_hybrid == 0
+    assert {k: v for k, v in matched.to_dict().items() if k != "group_size"} == {
+        k: v for k, v in grpo.to_dict().items() if k != "group_size"
+    }
+    no_ret, no_shape = table1._config("RAPO_NO_RET_REWARD", s, 0), table1._config("RAPO_NO_SHAPING", s, 0)
+    assert no_ret.ret_coef == 0.0 and rapo.ret_coef > 0 and no_shape.loss["shaping_m"] == 0.0
+    assert rapo.loss["shaping_m"] > 0
+    for cfg, field in ((no_ret, "ret_coef"), (no_shape, "loss")):
+        assert {k: v for k, v in cfg.to_dict().items() if k != field} == {
+            k: v for k, v in rapo.to_dict().items() if k != field
+        }
+
+
+def test_extra_methods_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAPO_FAST_DISABLE_TRITON", "1")
+    s = dict(table1.QUICK, seeds=1, sft_steps=10, rl_steps=1, eval_every=1, n_eval=4, n_train=4,
+             families=["kb"], methods=list(table1.EXTRA_METHODS))  # fmt: skip
+    rows = table1.run(s, tmp_path, progress=False, workers=0)
+    assert [r["method"] for r in rows] == list(table1.EXTRA_METHODS)
+    assert len({r["eval_start"] for r in rows}) == 1  # one warm-up for every method
+    with pytest.raises(SystemExit, match="unknown methods"):
+        table1.setting_from(table1._parser().parse_args(["--methods", "RAPO,NOPE"]))
