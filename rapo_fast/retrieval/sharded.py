@@ -99,10 +99,21 @@ class ShardedStepBuffer:
         payload_ids: torch.Tensor,
         group_ids: torch.Tensor,
         scores: torch.Tensor | None = None,
+        pinned: torch.Tensor | bool | None = None,
     ) -> torch.Tensor:
-        """Store steps in this rank's shard; returns global slot ids [M] (-1 for a step not kept). Not collective."""
-        slots = self.local.add(embeddings, payload_ids, group_ids, scores)
+        """Store steps in this rank's shard; returns global slot ids [M] (-1 for a step not kept). Not collective.
+        `pinned` as StepBuffer.add: pinned steps are evicted only by pinned ones (the shard's own eviction)."""
+        slots = self.local.add(embeddings, payload_ids, group_ids, scores, pinned)
         return torch.where(slots >= 0, slots + self.rank * self.local.capacity, slots)
+
+    @property
+    def pinned(self) -> torch.Tensor:
+        """This rank's shard's pins [len(self)] (StepBuffer.pinned)."""
+        return self.local.pinned
+
+    def set_pinned(self, mask: torch.Tensor) -> None:
+        """Set this rank's shard's pins (StepBuffer.set_pinned; a loaded shard has none: pins are not saved)."""
+        self.local.set_pinned(mask)
 
     def _comm_device(self) -> torch.device:
         import torch.distributed as dist

@@ -204,3 +204,17 @@ def test_sharded_bad_argument_is_named(single_rank_group, case, data):
         sharded.search(**args)
     s, p = sharded.search(torch.zeros(1, ref.dim), 1)  # the group is still usable
     assert p.tolist() == [[-1]] and s.tolist() == [[-math.inf]]
+
+
+def test_sharded_add_forwards_pins(single_rank_group):
+    """ShardedStepBuffer.add(pinned=) pins in its shard as StepBuffer does: a full shard evicts the unpinned step."""
+    sharded = ShardedStepBuffer(2, 3, torch.float32)
+    e = torch.eye(3)[:2]
+    sharded.add(e[:1], torch.tensor([7]), torch.tensor([0]), pinned=True)
+    sharded.add(e[1:], torch.tensor([8]), torch.tensor([0]))
+    sharded.add(e[1:], torch.tensor([9]), torch.tensor([1]))  # full: evicts 8 (unpinned), keeps the pinned 7
+    _, p = sharded.search(torch.eye(3)[:1], 2)
+    assert sorted(p[0].tolist()) == [7, 9]
+    assert sharded.pinned.tolist().count(True) == 1
+    sharded.set_pinned(torch.tensor([False, False]))
+    assert not sharded.pinned.any()
