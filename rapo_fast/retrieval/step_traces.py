@@ -258,13 +258,18 @@ class StepTraces:
     ) -> tuple[list[list[int] | None], torch.Tensor, torch.Tensor]:
         """Top-1 step for each history: (segments, payload ids [Q] int64 with -1 = none, scores [Q] fp32).
 
-        exclude_groups: one group id per history whose steps must not be returned (or None).
+        exclude_groups: one group id per history whose steps must not be returned (or None; ints in int64's range,
+        negative: none excluded).
         """
+        if exclude_groups is not None:  # int64's range (ValueError naming the entry), before any work is done
+            if isinstance(exclude_groups, torch.Tensor):
+                exclude_groups = exclude_groups.tolist()
+            exclude_groups = C.check_int_list("exclude_groups", exclude_groups, len(histories))
         if not histories:
             return [], torch.zeros(0, dtype=torch.int64), torch.zeros(0)
         dev = getattr(self.buffer, "device", "cpu")
         q = self.encoder([strip_retrieve_markers(h) for h in histories]).float().to(dev)
-        excl = None if exclude_groups is None else torch.tensor(list(exclude_groups), dtype=torch.int64, device=dev)
+        excl = None if exclude_groups is None else torch.tensor(exclude_groups, dtype=torch.int64, device=dev)
         scores, pids = self.buffer.search(q, 1, exclude_groups=excl, min_score=min_score)
         pids, scores = pids[:, 0].cpu(), scores[:, 0].float().cpu()
         segs = [self.payloads[p] if p >= 0 else None for p in pids.tolist()]
