@@ -33,7 +33,13 @@ from typing import Any
 import torch
 
 from rapo_fast._atomic import FormatError, VersionWriter, check_int, read_version
-from rapo_fast._checks import INT64_MAX, INT64_MIN, check_float, check_int_list
+from rapo_fast.integrations.verl.buffer_requests import (
+    check_groups,
+    check_histories,
+    check_min_score,
+    check_scores,
+    settle,
+)
 from rapo_fast.retrieval.jsonl import read_jsonl, write_jsonl
 from rapo_fast.retrieval.step_traces import StepTraces
 
@@ -123,44 +129,6 @@ def _is_bare_traces(path: Path) -> bool:
         return False
 
 
-def _check_histories(histories: Any, who: str, name: str = "histories") -> list[str]:
-    """A list of str, each encodable as UTF-8 (a lone surrogate would fail in the encoder or the tokenizer, inside a
-    shared search: it is refused here, naming the caller's entry)."""
-    if isinstance(histories, str) or not isinstance(histories, Sequence):
-        raise TypeError(f"{who}: {name} must be a list of str, got {type(histories).__name__}")
-    for i, h in enumerate(histories):
-        if not isinstance(h, str):
-            raise TypeError(f"{who}: {name}[{i}] must be a str, got {type(h).__name__}")
-        try:
-            h.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise ValueError(f"{who}: {name}[{i}] is not valid Unicode text ({exc.reason} at {exc.start})") from None
-    return list(histories)
-
-
-def _check_groups(groups: Any, n: int, name: str, who: str, lo: int = INT64_MIN) -> list[int]:
-    """`n` ints in [lo, 2^63 - 1] (the int64 the buffer stores them in; bool refused)."""
-    if isinstance(groups, (str, bytes)) or not isinstance(groups, Sequence) or len(groups) != n:
-        raise ValueError(f"{who}: {name} must be a list of {n} ints (one per history), got {groups!r:.200}")
-    return check_int_list(f"{who}: {name}", groups, n, lo=lo, hi=INT64_MAX)
-
-
-def _check_min_score(min_score: Any) -> float | None:
-    """None (no threshold) or a finite number: NaN would never equal another request's threshold (it could never be
-    batched), and an infinite threshold is no threshold (-inf) or no result (+inf)."""
-    if min_score is None:
-        return None
-    return check_float("retrieve: min_score", min_score)
-
-
-def _check_scores(scores: Any, n: int) -> list[float] | None:
-    if scores is None:
-        return None
-    if isinstance(scores, (str, bytes)) or not isinstance(scores, Sequence) or len(scores) != n:
-        raise ValueError(f"add_steps: scores must be None or a list of {n} floats, got {scores!r:.200}")
-    return [check_float(f"add_steps: scores[{i}]", s) for i, s in enumerate(scores)]
-
-
 class StepBufferActor:
     """One shard of the step buffer (made a Ray actor by `get_or_create_step_buffer`; usable in-process too).
 
@@ -236,13 +204,13 @@ class StepBufferActor:
         exclude_groups (ints in int64's range; negative: exclude nothing), min_score (None or finite). A request that
         still fails inside a search (e.g. the encoder refuses a history) fails alone: its batch is retried request by
         request, so the other callers get their rows."""
-        histories = _check_histories(histories, "retrieve")
+        histories = check_histories(histories, "retrieve")
         excl = (
             [-1] * len(histories)
             if exclude_groups is None
-            else _check_groups(exclude_groups, len(histories), "exclude_groups", "retrieve")
+            else check_groups(exclude_groups, len(histories), "exclude_groups", "retrieve")
         )
-        min_score = _check_min_score(min_score)
+        min_score = check_min_score(min_score)
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._pending.append((histories, excl, min_score, fut))
@@ -279,19 +247,19 @@ class StepBufferActor:
                 rows = await loop.run_in_executor(self._pool, self._search, batch)
             except Exception as exc:
                 if len(batch) == 1:
-                    _settle(batch[0][3], exc=exc)
+                    settle(batch[0][3], exc=exc)
                     continue
                 # One caller's request may be what failed: search each alone, so only the failing caller gets an error.
                 for req in batch:
                     try:
                         (row,) = await loop.run_in_executor(self._pool, self._search, [req])
                     except Exception as one_exc:
-                        _settle(req[3], exc=one_exc)
+                        settle(req[3], exc=one_exc)
                     else:
-                        _settle(req[3], row)
+                        settle(req[3], row)
                 continue
             for req, row in zip(batch, rows):
-                _settle(req[3], row)
+                settle(req[3], row)
 
     def _search(self, batch) -> list[tuple[list, list[int], list[float]]]:
         hist = [h for req in batch for h in req[0]]
@@ -312,12 +280,12 @@ class StepBufferActor:
     ) -> int:
         """The policy's own steps under their prompts' group ids (StepTraces.add_steps); returns how many. group_ids
         in [0, 2^63 - 1], scores None or finite; a refused call changes nothing."""
-        histories = _check_histories(histories, "add_steps")
-        steps = _check_histories(steps, "add_steps", "steps")
-        group_ids = _check_groups(group_ids, len(histories), "group_ids", "add_steps", lo=0)
+        histories = check_histories(histories, "add_steps")
+        steps = check_histories(steps, "add_steps", "steps")
+        group_ids = check_groups(group_ids, len(histories), "group_ids", "add_steps", lo=0)
         if len(steps) != len(histories):
             raise ValueError(f"add_steps: {len(histories)} histories but {len(steps)} steps")
-        scores = _check_scores(scores, len(histories))
+        scores = check_scores(scores, len(histories))
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._pool, self.traces.add_steps, histories, steps, group_ids, scores)
         self.counters["add_calls"] += 1
@@ -331,16 +299,6 @@ class StepBufferActor:
     async def load(self, path: str) -> None:
         traces = await asyncio.get_running_loop().run_in_executor(self._pool, self._load_traces, path)
         self.traces = traces
-
-
-def _settle(fut: asyncio.Future, row: Any = None, exc: BaseException | None = None) -> None:
-    """Hand a caller its rows or its error, unless it has gone (a cancelled caller)."""
-    if fut.done():
-        return
-    if exc is not None:
-        fut.set_exception(exc)
-    else:
-        fut.set_result(row)
 
 
 def _gpu_ids() -> list:
@@ -373,10 +331,10 @@ class StepBufferClient:
     ) -> list[tuple[list[int] | None, int, float]]:
         """Per history: (token ids of the retrieved segment incl. <retrieve> delimiters or None, payload id or -1,
         score or -inf). exclude_groups: per history, the group whose steps must not be returned (negative: none)."""
-        histories = _check_histories(histories, "retrieve")
+        histories = check_histories(histories, "retrieve")
         if exclude_groups is not None:
-            exclude_groups = _check_groups(exclude_groups, len(histories), "exclude_groups", "retrieve")
-        min_score = _check_min_score(min_score)
+            exclude_groups = check_groups(exclude_groups, len(histories), "exclude_groups", "retrieve")
+        min_score = check_min_score(min_score)
         if not histories:
             return []
         parts = await asyncio.gather(*(h.retrieve.remote(histories, exclude_groups, min_score) for h in self.handles))
@@ -393,12 +351,12 @@ class StepBufferClient:
         self, histories: list[str], steps: list[str], group_ids: list[int], scores: list[float] | None = None
     ) -> None:
         """Add the policy's own steps (one entry per step) under their prompts' group ids."""
-        histories = _check_histories(histories, "add_steps")
-        group_ids = _check_groups(group_ids, len(histories), "group_ids", "add_steps", lo=0)
-        steps = _check_histories(steps, "add_steps", "steps")
+        histories = check_histories(histories, "add_steps")
+        group_ids = check_groups(group_ids, len(histories), "group_ids", "add_steps", lo=0)
+        steps = check_histories(steps, "add_steps", "steps")
         if len(steps) != len(histories):
             raise ValueError(f"add_steps: steps must be a list of {len(histories)} str, got {len(steps)} entries")
-        scores = _check_scores(scores, len(histories))
+        scores = check_scores(scores, len(histories))
         n, calls = self.num_shards, []
         for s, h in enumerate(self.handles):
             idx = [i for i, g in enumerate(group_ids) if g % n == s]
