@@ -9,6 +9,7 @@ validation side, never in the hot path. What this is not: a place for op math.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -86,7 +87,10 @@ def check_float(
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name}: expected a real number, got {type(value).__name__} {value!r}")
-    v = float(value)
+    try:
+        v = float(value)
+    except OverflowError:  # an int past float's range
+        raise ValueError(f"{name}: expected a finite number, got an int of {value.bit_length()} bits") from None
     if not math.isfinite(v):
         raise ValueError(f"{name}: expected a finite number, got {v}")
     if min_value is not None and (v < min_value or (not min_inclusive and v == min_value)):
@@ -95,6 +99,37 @@ def check_float(
     if max_value is not None and v > max_value:
         raise ValueError(f"{name}: expected <= {max_value}, got {v}")
     return v
+
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+
+
+def check_int(name: str, value, *, lo: int = INT64_MIN, hi: int = INT64_MAX) -> int:
+    """An integer (Python or NumPy int, or an integer 0-d tensor; bool and float refused, even a whole float) in
+    [lo, hi], returned as a Python int. The default range is int64's: every id this library stores in an int64 tensor
+    is checked here first, so that a past-int64 value fails naming its argument instead of overflowing in torch."""
+    not_int = isinstance(value, torch.Tensor) and (
+        value.is_floating_point() or value.is_complex() or value.dtype == torch.bool
+    )
+    if isinstance(value, bool) or not_int:
+        raise TypeError(f"{name}: expected an int in [{lo}, {hi}], got {type(value).__name__} {value!r}")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected an int in [{lo}, {hi}], got {type(value).__name__} {value!r}") from None
+    if not lo <= v <= hi:
+        raise ValueError(f"{name}: expected an int in [{lo}, {hi}], got {v}")
+    return v
+
+
+def check_int_list(name: str, values, n: int | None = None, *, lo: int = INT64_MIN, hi: int = INT64_MAX) -> list[int]:
+    """A sequence (not a str/bytes) of `n` ints (any length when n is None), each as `check_int` with `name[i]`."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise TypeError(f"{name}: expected a list of ints in [{lo}, {hi}], got {type(values).__name__}")
+    if n is not None and len(values) != n:
+        raise ValueError(f"{name}: expected {n} entries, got {len(values)}")
+    return [check_int(f"{name}[{i}]", v, lo=lo, hi=hi) for i, v in enumerate(values)]
 
 
 def check_index_range(name: str, t: torch.Tensor, high: int) -> None:

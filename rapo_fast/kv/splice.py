@@ -130,6 +130,8 @@ def _cache_layout_fields(
         fields.update(block_table=0, block_table_stride=0, block_size=0, block_table_host=0)
         return dict(fields, block_table_rows=0, block_table_cols=0), None, None
     # paged [blocks, block_size, H, D]: (block, in-block, head) strides
+    if block_table.dtype != torch.int32:  # narrowed to the kernels' int32 only after a range check
+        sc.check_block_table_int32(block_table, block_table if block_table.device.type == "cpu" else block_table.cpu())
     bt = (block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)).contiguous()
     bt_host = bt if bt.device.type == "cpu" else bt.cpu()
     fields = dict(k_row_stride=k0.stride(0), k_slot_stride=k0.stride(1), k_head_stride=k0.stride(2))
@@ -268,6 +270,7 @@ def _paged_target(cache: PagedKVCache, store: StepKVStore, table: list) -> tuple
         if used.numel() and (used.min() < 0 or used.max() >= nb):
             raise ValueError(f"requests[{i}]: block table row {row} maps these slots to blocks outside [0, {nb})")
     sc.check_physical_overlap(table, bt_cpu, bs)
+    sc.check_block_table_int32(bt, bt_cpu)
     return ks, vs, (bt.to(torch.int32) if bt.dtype != torch.int32 else bt)
 
 
@@ -388,7 +391,7 @@ def insert_segment(
     base = (
         torch.full((b,), p, dtype=torch.long)
         if rope_positions is None
-        else torch.tensor([int(rope_positions[i]) for i in order], dtype=torch.long)
+        else torch.tensor([sc.as_int(f"rope_positions[{i}]", rope_positions[i]) for i in order], dtype=torch.long)
     )
     n_exact = seg_len if mode == "exact" else 1 if mode == "splice" else max(1, math.ceil(blend_fraction * seg_len))
     n_exact = min(n_exact, seg_len)

@@ -13,18 +13,36 @@ from typing import Any
 
 import torch
 
+from rapo_fast._checks import INT32_MAX, INT32_MIN, INT64_MAX, INT64_MIN
 from rapo_fast.kv.store import StepKVStore
 
 
 def as_int(name: str, v: Any) -> int:
-    """An integer argument: a Python/NumPy int or an integer 0-d tensor. A float, even a whole one, or a bool is refused
-    (int() would truncate 2.7 to 2 silently)."""
+    """An integer argument: a Python/NumPy int or an integer 0-d tensor, within int64 (the request table's width). A
+    float, even a whole one, or a bool is refused (int() would truncate 2.7 to 2 silently); a past-int64 int raises
+    ValueError naming the argument (torch would say only "Overflow when unpacking long long")."""
     if isinstance(v, bool) or (isinstance(v, torch.Tensor) and (v.is_floating_point() or v.dtype == torch.bool)):
         raise TypeError(f"{name} must be an int, got {v!r}")
     try:
-        return operator.index(v)
+        i = operator.index(v)
     except TypeError:
         raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}") from None
+    if not INT64_MIN <= i <= INT64_MAX:
+        raise ValueError(f"{name} must be an int in [{INT64_MIN}, {INT64_MAX}] (int64), got {i}")
+    return i
+
+
+def check_block_table_int32(block_table: torch.Tensor, host: torch.Tensor) -> None:
+    """An int64 block table fits the int32 the kernels read it as: a block id past int32 would wrap (2^32 + 1 read as
+    block 1) and write another block. `host` is the table on the CPU (the values are read there)."""
+    if host.dtype == torch.int32 or host.numel() == 0:
+        return
+    lo, hi = int(host.min()), int(host.max())
+    if lo < INT32_MIN or hi > INT32_MAX:
+        raise ValueError(
+            f"block_table must hold block ids in int32's range [{INT32_MIN}, {INT32_MAX}] (the kernels read it as "
+            f"int32), got {block_table.dtype} values in [{lo}, {hi}]"
+        )
 
 
 def as_requests(requests: Any) -> list[tuple[int, int, int]]:

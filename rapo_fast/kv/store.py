@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from rapo_fast._checks import check_int, check_int_list
 from rapo_fast.kv import hf_cache as hfc
 
 
@@ -241,31 +242,48 @@ class StepKVStore:
         tokens: Sequence[Sequence[int]] | None = None,
         replace: bool = False,
     ) -> None:
-        """Store segments: keys[i], values[i] [num_layers, L_i, H_kv, D] (rotated to positions 0..L_i-1)."""
+        """Store segments: keys[i], values[i] [num_layers, L_i, H_kv, D] (rotated to positions 0..L_i-1).
+
+        All or nothing, and only what `load_state_dict` accepts: payload ids ints in [0, 2^63 - 1] (bool and float
+        refused: a float id would be truncated; -1 is the "no step" of a search), K/V float tensors finite once cast to
+        the store's dtype, tokens one int id >= 0 per cached position. Everything is checked before the store changes;
+        a refusal raises ValueError/TypeError naming the argument and entry."""
         if not (len(payload_ids) == len(keys) == len(values)):
             raise ValueError(f"payload_ids ({len(payload_ids)}), keys ({len(keys)}), values ({len(values)}) differ")
+        if tokens is not None and len(tokens) != len(payload_ids):
+            raise ValueError(f"tokens has {len(tokens)} entries for {len(payload_ids)} payload_ids")
         want = (self.num_layers, self.num_kv_heads, self.head_dim)
-        for i, (pid, k, v) in enumerate(zip(payload_ids, keys, values)):
+        pids = [check_int(f"payload_ids[{i}]", p, lo=0) for i, p in enumerate(payload_ids)]
+        toks: list[list[int]] | None = None if tokens is None else []
+        for i, (pid, k, v) in enumerate(zip(pids, keys, values)):
             for nm, t in (("keys", k), ("values", v)):
+                if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                    got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+                    raise TypeError(f"{nm}[{i}] must be a float tensor [num_layers, L, H_kv, D], got {got}")
                 if t.dim() != 4 or (t.shape[0], t.shape[2], t.shape[3]) != want:
                     raise ValueError(
                         f"{nm}[{i}] must be [num_layers={want[0]}, L, H_kv={want[1]}, D={want[2]}], "
                         f"got {tuple(t.shape)}"
                     )
+                if not bool(torch.isfinite(t.to(self.dtype)).all()):
+                    raise ValueError(f"{nm}[{i}] must be finite in {self.dtype} (NaN/inf found, or out of range)")
             if k.shape != v.shape:
                 raise ValueError(f"keys[{i}] {tuple(k.shape)} and values[{i}] {tuple(v.shape)} differ")
-            if int(pid) in self._where and not replace:
+            if pid in self._where and not replace:
                 raise ValueError(f"payload_id {pid} is already stored (pass replace=True to overwrite it)")
-            if tokens is not None and len(tokens[i]) != k.shape[1]:
-                raise ValueError(f"tokens[{i}] has {len(tokens[i])} ids for {k.shape[1]} cached positions")
-        for i, (pid, k, v) in enumerate(zip(payload_ids, keys, values)):
-            self.evict([pid]) if int(pid) in self._where else None
+            if toks is not None:
+                ids = tokens[i].tolist() if isinstance(tokens[i], torch.Tensor) else tokens[i]
+                toks.append(check_int_list(f"tokens[{i}]", ids, lo=0))
+                if len(toks[i]) != k.shape[1]:
+                    raise ValueError(f"tokens[{i}] has {len(toks[i])} ids for {k.shape[1]} cached positions")
+        for i, (pid, k, v) in enumerate(zip(pids, keys, values)):
+            self.evict([pid]) if pid in self._where else None
             off = self._alloc(k.shape[1])
             self.keys_pool[:, off : off + k.shape[1]] = k.to(device=self.device, dtype=self.dtype)
             self.values_pool[:, off : off + k.shape[1]] = v.to(device=self.device, dtype=self.dtype)
-            self._where[int(pid)] = (off, k.shape[1])
-            if tokens is not None:
-                self._tokens[int(pid)] = [int(x) for x in tokens[i]]
+            self._where[pid] = (off, k.shape[1])
+            if toks is not None:
+                self._tokens[pid] = toks[i]
 
     def evict(self, payload_ids: Sequence[int]) -> None:
         """Forget payloads (unknown ids are ignored, as the StepBuffer may evict steps that were never cached)."""

@@ -179,10 +179,10 @@ class StepBuffer:
     ) -> torch.Tensor:
         """Store M steps; returns their slot ids [M] int64 on the buffer's device (-1 for a step not kept).
 
-        embeddings [M, D] float (finite; rounded to the buffer dtype), payload_ids [M] int64, group_ids [M] int64
-        (>= 0), scores [M] float (finite; default 0), pinned [M] bool or one bool for all (default: none pinned; see
-        the class docstring). A batch larger than the free space evicts per the policy; steps of the same batch can
-        evict each other (fifo keeps the last C).
+        embeddings [M, D] float (finite; rounded to the buffer dtype), payload_ids [M] int64 (>= 0: -1 is the
+        padding of `search`), group_ids [M] int64 (>= 0), scores [M] float (finite; default 0), pinned [M] bool or
+        one bool for all (default: none pinned; see the class docstring). A batch larger than the free space evicts
+        per the policy; steps of the same batch can evict each other (fifo keeps the last C).
         """
         if not isinstance(embeddings, torch.Tensor):
             raise TypeError(f"embeddings must be a torch.Tensor [M, {self.dim}], got {type(embeddings).__name__}")
@@ -212,6 +212,9 @@ class StepBuffer:
             raise ValueError("scores must be finite")
         if bool((group < 0).any()):
             raise ValueError("group_ids must be >= 0 (negative values mean 'no exclusion' in search)")
+        if bool((payload < 0).any()):
+            got = int(payload.min())
+            raise ValueError(f"payload_ids must be >= 0 (-1 pads search results with fewer than k steps), got {got}")
         with self._lock.write():
             return self._store(keys, payload, group, score, pin)
 

@@ -1,15 +1,18 @@
 """The trajectory JSONL format that seeds a step buffer: read with checks, written atomically.
 
 JSONL record (one per trajectory): {"query_id": int, "prompt": str, "steps": [str, ...], "answer": str,
-"reward": float}. What this is not: the producer of trajectories (an off-policy agent, e.g. the demo's scripted
-solver) or the step splitting (rapo_fast.retrieval.step_traces).
+"reward": float}; the rules a line must meet are check_record's (docs/formats.md, section 1). What this is not: the
+producer of trajectories (an off-policy agent, e.g. the demo's scripted solver) or the step splitting
+(rapo_fast.retrieval.step_traces).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 
 def write_jsonl(records: Iterable[dict], path: str | Path) -> Path:
@@ -24,19 +27,63 @@ def write_jsonl(records: Iterable[dict], path: str | Path) -> Path:
     return path
 
 
+# query_id's range: the off-policy group id StepTraces stores for it, OFFPOLICY_GROUP_BASE (2^40) + query_id, must fit
+# int64 (tests/retrieval/test_jsonl_errors.py checks the two constants agree).
+QUERY_ID_MAX = 2**63 - 1 - 2**40
+
+
+def _check_text(where: str, key: str, v: str) -> None:
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate: JSON's "\ud800" escape decodes to one
+        raise ValueError(f"read_jsonl: {where}: {key!r} is not valid Unicode text ({exc.reason})") from None
+
+
+def check_record(rec: Any, where: str) -> dict:
+    """One trajectory record (the module docstring) or ValueError naming `where` (file:line) and the field: an object;
+    query_id an int in [0, QUERY_ID_MAX] (bool refused); prompt a str; steps a list of str; reward a finite number
+    (bool refused); answer, when a str, and every text valid Unicode (no lone surrogates)."""
+    if not isinstance(rec, dict):
+        raise ValueError(f"read_jsonl: {where} must be a JSON object (one trajectory), got {type(rec).__name__}")
+    q = rec.get("query_id")
+    if isinstance(q, bool) or not isinstance(q, int) or not 0 <= q <= QUERY_ID_MAX:
+        raise ValueError(f"read_jsonl: {where}: 'query_id' must be an int in [0, {QUERY_ID_MAX}], got {q!r:.80}")
+    prompt = rec.get("prompt")
+    if not isinstance(prompt, str):
+        raise ValueError(f"read_jsonl: {where}: 'prompt' must be a str, got {prompt!r:.80}")
+    _check_text(where, "prompt", prompt)
+    steps = rec.get("steps")
+    if not isinstance(steps, list):
+        raise ValueError(f"read_jsonl: {where}: 'steps' must be a list of str, got {steps!r:.80}")
+    for j, st in enumerate(steps):
+        if not isinstance(st, str):
+            raise ValueError(f"read_jsonl: {where}: 'steps'[{j}] must be a str, got {type(st).__name__} {st!r:.80}")
+        _check_text(where, f"steps[{j}]", st)
+    if isinstance(rec.get("answer"), str):
+        _check_text(where, "answer", rec["answer"])
+    r = rec.get("reward")
+    if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r):
+        raise ValueError(f"read_jsonl: {where}: 'reward' must be a finite number, got {r!r:.80}")
+    return rec
+
+
 def read_jsonl(path: str | Path) -> list[dict]:
-    """Read a JSONL file of trajectories; a malformed line raises ValueError naming the file and line."""
+    """Read a JSONL file of trajectories; blank lines are skipped. Anything else that is not a record of the module
+    docstring (invalid UTF-8 or JSON, a line that is not an object, a field of the wrong type or range: check_record)
+    raises ValueError naming the file and line."""
     out = []
-    with Path(path).open() as f:
-        for i, line in enumerate(f, 1):
+    with Path(path).open("rb") as f:
+        for i, raw in enumerate(f, 1):
+            where = f"{path}:{i}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"read_jsonl: {where} is not valid UTF-8 ({e.reason} at byte {e.start})") from None
             if not line.strip():
                 continue
             try:
                 rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"read_jsonl: {path}:{i} is not valid JSON ({e})") from e
-            for key, typ in (("query_id", int), ("prompt", str), ("steps", list), ("reward", (int, float))):
-                if not isinstance(rec.get(key), typ):
-                    raise ValueError(f"read_jsonl: {path}:{i} needs {key!r} of type {typ}, got {rec.get(key)!r}")
-            out.append(rec)
+            except (json.JSONDecodeError, RecursionError) as e:
+                raise ValueError(f"read_jsonl: {where} is not valid JSON ({e})") from None
+            out.append(check_record(rec, where))
     return out

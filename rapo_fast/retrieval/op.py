@@ -47,6 +47,16 @@ def _check_op_inputs(keys, key_aux, groups, queries, exclude, centre) -> None:
         raise ValueError(f"centre has {centre.numel()} entries for D = {queries.shape[1]}")
 
 
+def _readable_rows(t: torch.Tensor) -> torch.Tensor:
+    """t [N, D] in a layout the backends read (unit inner stride, rows that do not overlap: row stride >= D when
+    N > 1), else a dense copy. Expanded (stride-0) views, overlapping as_strided views and column-strided views are
+    copied; padded rows (row stride > D) are read in place."""
+    n, d = t.shape
+    if t.stride(-1) == 1 and (n <= 1 or t.stride(0) >= d):
+        return t
+    return t.contiguous()
+
+
 def _search_impl(
     keys: torch.Tensor,
     key_aux: torch.Tensor,
@@ -62,6 +72,13 @@ def _search_impl(
     dtype, exclude [Q] int64 or None, centre [D] fp32 or None (l2 on CPU: keys and queries are centred on it, key_aux
     unread) -> (scores [Q, k] fp32, slots [Q, k] int64)."""
     _check_op_inputs(keys, key_aux, groups, queries, exclude, centre)
+    # Every layout a caller can hand in is normalised here, before either backend sees it: an expanded query view
+    # (stride 0 along Q, e.g. one history searched against several groups) used to reach the extension and be refused
+    # as "a row stride is smaller than D", an error about no argument the caller gave.
+    keys, queries = _readable_rows(keys), _readable_rows(queries)
+    key_aux, groups = key_aux.contiguous(), groups.contiguous()
+    exclude = None if exclude is None else exclude.contiguous()
+    centre = None if centre is None else centre.contiguous()
     device = queries.device
     Q, D = queries.shape
     C = keys.shape[0]
@@ -70,12 +87,6 @@ def _search_impl(
     if device.type == "cuda" and select_backend(Q, C, D, keys.dtype, k, metric) == "triton":
         return triton_search(keys, key_aux, groups, queries, exclude, k, metric, min_score, centre)
     ext = require_backend(device)
-    keys = keys if keys.stride(-1) == 1 else keys.contiguous()
-    queries = queries if queries.stride(-1) == 1 else queries.contiguous()
-    key_aux = key_aux.contiguous()
-    groups = groups.contiguous()
-    exclude = None if exclude is None else exclude.contiguous()
-    centre = None if centre is None else centre.contiguous()
     scores = torch.empty(Q, k, dtype=torch.float32, device=device)
     slots = torch.empty(Q, k, dtype=torch.int64, device=device)
     params = make_params(

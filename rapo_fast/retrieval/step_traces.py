@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from rapo_fast import _checks as C
 from rapo_fast._atomic import FormatError, VersionWriter, check_int, read_json_object, read_version
 from rapo_fast._tokens import encode_plain
 
@@ -157,25 +158,48 @@ class StepTraces:
     def _add(
         self, histories: Sequence[str], steps: Sequence[str], group_ids: Sequence[int], scores: Sequence[float]
     ) -> torch.Tensor:
-        keys = self.encoder([strip_retrieve_markers(h) for h in histories]).float()
-        start = len(self.payloads)
+        """Encode, tokenize and check everything, then store (payloads, K/V, buffer). A refusal at any point leaves the
+        object as it was: what is checked first is what `load` would refuse (non-finite keys, bad token ids), and a
+        failure while storing undoes the payloads and K/V already written."""
+        n = len(steps)
+        keys = self.encoder([strip_retrieve_markers(h) for h in histories])
+        if not isinstance(keys, torch.Tensor) or keys.dim() != 2 or keys.shape[0] != n:
+            got = tuple(keys.shape) if isinstance(keys, torch.Tensor) else type(keys).__name__
+            raise ValueError(f"add_steps: the encoder must return a [{n}, D] tensor for {n} histories, got {got}")
+        keys = keys.float()
+        if not bool(torch.isfinite(keys).all()):
+            raise ValueError("add_steps: the encoder returned NaN/inf for some histories (keys must be finite)")
         # no special tokens: a segment is spliced into the middle of a rollout (a BOS there would be a foreign token)
         segs = [
             encode_plain(self.tokenizer, f"{RETRIEVE_OPEN} {strip_retrieve_markers(s)} {RETRIEVE_CLOSE}") for s in steps
         ]
-        # Segments first, then the buffer (which locks itself): a retrieve running in another thread meanwhile never
-        # gets a payload id whose segment is missing (docs/retrieval.md, "Thread safety": one writer, many readers).
-        self.payloads.extend(segs)
-        pids = torch.arange(start, start + len(segs), dtype=torch.int64)
+        for i, seg in enumerate(segs):  # what load accepts: a non-empty list of token ids >= 0
+            if isinstance(seg, torch.Tensor):
+                seg = seg.tolist()
+            segs[i] = C.check_int_list(f"add_steps: the tokenizer's ids for steps[{i}]", seg, lo=0)
+            if not segs[i]:
+                raise ValueError(f"add_steps: the tokenizer returned no token ids for steps[{i}]")
+        start = len(self.payloads)
+        pids = torch.arange(start, start + n, dtype=torch.int64)
         dev = getattr(self.buffer, "device", "cpu")
-        self.buffer.add(
-            keys.to(dev),
-            pids.to(dev),
-            torch.tensor(list(group_ids), dtype=torch.int64, device=dev),
-            torch.tensor(list(scores), dtype=torch.float32, device=dev),
-        )
-        if self.kv_store is not None:
-            self._store_kv(pids.tolist(), segs)
+        # Segments and K/V first, then the buffer (which locks itself): a retrieve running in another thread meanwhile
+        # never gets a payload id whose segment or K/V is missing (docs/retrieval.md, "Thread safety": one writer,
+        # many readers). The new payload ids are not in the buffer until its add succeeds, so undoing them is safe.
+        self.payloads.extend(segs)
+        try:
+            if self.kv_store is not None:
+                self._store_kv(pids.tolist(), segs)
+            self.buffer.add(
+                keys.to(dev),
+                pids.to(dev),
+                torch.tensor(list(group_ids), dtype=torch.int64, device=dev),
+                torch.tensor(list(scores), dtype=torch.float32, device=dev),
+            )
+        except BaseException:
+            del self.payloads[start:]
+            if self.kv_store is not None:
+                self.kv_store.evict(pids.tolist())
+            raise
         return pids
 
     def _store_kv(self, pids: list[int], segs: list[list[int]]) -> None:
@@ -193,15 +217,39 @@ class StepTraces:
         group_ids: Sequence[int],
         scores: Sequence[float] | None = None,
     ) -> torch.Tensor:
-        """Add the policy's own steps (on-policy) under their prompts' group ids; returns their payload ids [M]."""
+        """Add the policy's own steps (on-policy) under their prompts' group ids; returns their payload ids [M].
+
+        histories, steps: str; group_ids: ints in [0, 2^63 - 1] (bool refused); scores: None (1.0 each) or finite
+        numbers. All or nothing: every argument, the encoder's keys and the tokenizer's ids are checked before anything
+        is stored, so a refused call (ValueError/TypeError naming the argument) leaves the object, and what it saves,
+        as it was."""
+        for name, xs in (("histories", histories), ("steps", steps)):
+            if isinstance(xs, str) or not isinstance(xs, Sequence):
+                raise TypeError(f"add_steps: {name} must be a list of str, got {type(xs).__name__}")
+            for i, x in enumerate(xs):
+                if not isinstance(x, str):
+                    raise TypeError(f"add_steps: {name}[{i}] must be a str, got {type(x).__name__}")
+        if isinstance(group_ids, torch.Tensor):
+            group_ids = group_ids.tolist()
         if not (len(histories) == len(steps) == len(group_ids)):
             raise ValueError(
                 f"add_steps: histories, steps and group_ids must have one entry per step, got lengths "
                 f"{len(histories)}, {len(steps)}, {len(group_ids)}"
             )
+        groups = C.check_int_list("add_steps: group_ids", group_ids, lo=0)
+        if scores is None:
+            sc = [1.0] * len(steps)
+        else:
+            if isinstance(scores, torch.Tensor):
+                scores = scores.tolist()
+            if isinstance(scores, (str, bytes)) or not isinstance(scores, Sequence) or len(scores) != len(steps):
+                raise ValueError(
+                    f"add_steps: scores must be None or a list of {len(steps)} numbers, got {scores!r:.200}"
+                )
+            sc = [C.check_float(f"add_steps: scores[{i}]", x) for i, x in enumerate(scores)]
         if not steps:
             return torch.zeros(0, dtype=torch.int64)
-        pids = self._add(histories, steps, group_ids, [1.0] * len(steps) if scores is None else scores)
+        pids = self._add(list(histories), list(steps), groups, sc)
         self.num_onpolicy += len(steps)
         return pids
 
@@ -210,13 +258,18 @@ class StepTraces:
     ) -> tuple[list[list[int] | None], torch.Tensor, torch.Tensor]:
         """Top-1 step for each history: (segments, payload ids [Q] int64 with -1 = none, scores [Q] fp32).
 
-        exclude_groups: one group id per history whose steps must not be returned (or None).
+        exclude_groups: one group id per history whose steps must not be returned (or None; ints in int64's range,
+        negative: none excluded).
         """
+        if exclude_groups is not None:  # int64's range (ValueError naming the entry), before any work is done
+            if isinstance(exclude_groups, torch.Tensor):
+                exclude_groups = exclude_groups.tolist()
+            exclude_groups = C.check_int_list("exclude_groups", exclude_groups, len(histories))
         if not histories:
             return [], torch.zeros(0, dtype=torch.int64), torch.zeros(0)
         dev = getattr(self.buffer, "device", "cpu")
         q = self.encoder([strip_retrieve_markers(h) for h in histories]).float().to(dev)
-        excl = None if exclude_groups is None else torch.tensor(list(exclude_groups), dtype=torch.int64, device=dev)
+        excl = None if exclude_groups is None else torch.tensor(exclude_groups, dtype=torch.int64, device=dev)
         scores, pids = self.buffer.search(q, 1, exclude_groups=excl, min_score=min_score)
         pids, scores = pids[:, 0].cpu(), scores[:, 0].float().cpu()
         segs = [self.payloads[p] if p >= 0 else None for p in pids.tolist()]

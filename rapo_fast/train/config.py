@@ -147,6 +147,7 @@ class TrainerConfig:
 
     @classmethod
     def from_json(cls, text: str) -> TrainerConfig:
+        """Parse JSON text (a parse error is a ValueError: json.JSONDecodeError) and validate it (from_dict)."""
         return cls.from_dict(json.loads(text))
 
     def to_yaml(self) -> str:
@@ -156,9 +157,15 @@ class TrainerConfig:
 
     @classmethod
     def from_yaml(cls, text: str) -> TrainerConfig:
+        """Parse YAML text and validate it (from_dict). Malformed YAML raises ValueError (not yaml.YAMLError, so that
+        every bad config is one kind of error), giving the parser's line and column."""
         import yaml
 
-        return cls.from_dict(yaml.safe_load(text))
+        try:
+            d = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"TrainerConfig: malformed YAML: {exc}") from exc
+        return cls.from_dict(d)
 
     def save(self, path: str | Path) -> None:
         """Write YAML (.yaml/.yml) or JSON (anything else)."""
@@ -167,9 +174,16 @@ class TrainerConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> TrainerConfig:
+        """Read YAML (.yaml/.yml) or JSON (anything else). A file that is not UTF-8, not valid YAML/JSON or not a valid
+        config raises ValueError (TypeError for a wrong-typed field) whose message starts with the file's path."""
         p = Path(path)
-        text = p.read_text()
-        return cls.from_yaml(text) if p.suffix in (".yaml", ".yml") else cls.from_json(text)
+        try:
+            text = p.read_text(encoding="utf-8")
+            return cls.from_yaml(text) if p.suffix in (".yaml", ".yml") else cls.from_json(text)
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{p}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+        except (ValueError, TypeError) as exc:  # the same kind, with the file named (a message alone names no file)
+            raise (ValueError if isinstance(exc, ValueError) else TypeError)(f"{p}: {exc}") from exc
 
 
 # -- the rule of each field -------------------------------------------------------------------------------------------

@@ -56,8 +56,14 @@ inline void check_retrieval_params(const RetrievalSearchParams& a, const char* o
   if (a.C > 0 && a.key_dim != a.D)
     throw std::invalid_argument(o + ": keys have D = " + std::to_string(a.key_dim) +
                                 ", queries D = " + std::to_string(a.D));
-  if ((a.C > 1 && a.key_row_stride < a.D) || (a.Q > 1 && a.query_row_stride < a.D))
-    throw std::invalid_argument(o + ": a row stride is smaller than D (overlapping rows)");
+  // Named per argument: the Python op copies such layouts first (rapo_fast/retrieval/op.py), so this is reached only by
+  // a direct call, whose caller must learn which tensor was refused.
+  if (a.C > 1 && a.key_row_stride < a.D)
+    throw std::invalid_argument(o + ": keys: row stride " + std::to_string(a.key_row_stride) +
+                                " is smaller than D = " + std::to_string(a.D) + " (overlapping rows)");
+  if (a.Q > 1 && a.query_row_stride < a.D)
+    throw std::invalid_argument(o + ": queries: row stride " + std::to_string(a.query_row_stride) +
+                                " is smaller than D = " + std::to_string(a.D) + " (overlapping rows)");
   if (a.Q == 0) return;
   if ((a.C > 0 && a.keys == nullptr) || a.queries == nullptr || a.out_scores == nullptr || a.out_slots == nullptr)
     throw std::invalid_argument(o + ": null pointer");

@@ -33,6 +33,13 @@ from typing import Any
 import torch
 
 from rapo_fast._atomic import FormatError, VersionWriter, check_int, read_version
+from rapo_fast.integrations.verl.buffer_requests import (
+    check_groups,
+    check_histories,
+    check_min_score,
+    check_scores,
+    settle,
+)
 from rapo_fast.retrieval.jsonl import read_jsonl, write_jsonl
 from rapo_fast.retrieval.step_traces import StepTraces
 
@@ -122,22 +129,6 @@ def _is_bare_traces(path: Path) -> bool:
         return False
 
 
-def _check_histories(histories: Any, who: str) -> list[str]:
-    if isinstance(histories, str) or not isinstance(histories, Sequence):
-        raise TypeError(f"{who}: histories must be a list of str, got {type(histories).__name__}")
-    if not all(isinstance(h, str) for h in histories):
-        raise TypeError(f"{who}: histories must be a list of str, got an element of another type")
-    return list(histories)
-
-
-def _check_groups(groups: Any, n: int, name: str, who: str) -> list[int]:
-    if isinstance(groups, (str, bytes)) or not isinstance(groups, Sequence) or len(groups) != n:
-        raise ValueError(f"{who}: {name} must be a list of {n} ints (one per history), got {groups!r}")
-    if not all(isinstance(g, int) and not isinstance(g, bool) for g in groups):
-        raise TypeError(f"{who}: {name} must hold ints, got {[type(g).__name__ for g in groups]}")
-    return list(groups)
-
-
 class StepBufferActor:
     """One shard of the step buffer (made a Ray actor by `get_or_create_step_buffer`; usable in-process too).
 
@@ -207,15 +198,19 @@ class StepBufferActor:
     async def retrieve(
         self, histories: list[str], exclude_groups: list[int] | None = None, min_score: float | None = None
     ) -> tuple[list[list[int] | None], list[int], list[float]]:
-        """Top-1 step per history (segment token ids or None, local payload id or -1, score or -inf)."""
-        histories = _check_histories(histories, "retrieve")
+        """Top-1 step per history (segment token ids or None, local payload id or -1, score or -inf).
+
+        Every argument is checked here, before the request joins a shared search: histories (str, valid Unicode),
+        exclude_groups (ints in int64's range; negative: exclude nothing), min_score (None or finite). A request that
+        still fails inside a search (e.g. the encoder refuses a history) fails alone: its batch is retried request by
+        request, so the other callers get their rows."""
+        histories = check_histories(histories, "retrieve")
         excl = (
             [-1] * len(histories)
             if exclude_groups is None
-            else _check_groups(exclude_groups, len(histories), "exclude_groups", "retrieve")
+            else check_groups(exclude_groups, len(histories), "exclude_groups", "retrieve")
         )
-        if min_score is not None and (isinstance(min_score, bool) or not isinstance(min_score, (int, float))):
-            raise TypeError(f"retrieve: min_score must be a float or None, got {type(min_score).__name__}")
+        min_score = check_min_score(min_score)
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._pending.append((histories, excl, min_score, fut))
@@ -225,10 +220,12 @@ class StepBufferActor:
         return await fut
 
     def _take_batch(self) -> list[tuple[list[str], list[int], float | None, asyncio.Future]]:
-        """The pending requests of the first one's min_score, up to max_batch queries (at least one request)."""
-        ms, batch, rest, n = self._pending[0][2], [], [], 0
-        for req in self._pending:
-            if req[2] == ms and (not batch or n + len(req[0]) <= self.max_batch):
+        """The first pending request and the others of its min_score, up to max_batch queries. The first request is
+        always taken (whatever its threshold compares as), so every call removes at least one request."""
+        first, ms = self._pending[0], self._pending[0][2]
+        batch, rest, n = [first], [], len(first[0])
+        for req in self._pending[1:]:
+            if req[2] == ms and n + len(req[0]) <= self.max_batch:
                 batch.append(req)
                 n += len(req[0])
             else:
@@ -237,21 +234,32 @@ class StepBufferActor:
         return batch
 
     async def _drain(self) -> None:
+        """Serve the queue until it is empty. Each pass takes at least one request off the queue and settles every
+        request it took (a result or an exception), so the loop ends and never spins on a request it cannot serve."""
         loop = asyncio.get_running_loop()
         while self._pending:
             if self.window_s > 0:  # let concurrent callers join this search
                 await asyncio.sleep(self.window_s)
-            batch = self._take_batch()
+            batch = [req for req in self._take_batch() if not req[3].done()]  # a cancelled caller is not searched
+            if not batch:
+                continue
             try:
                 rows = await loop.run_in_executor(self._pool, self._search, batch)
-            except Exception as exc:  # every caller of this search gets the error; the actor keeps serving
-                for *_, fut in batch:
-                    if not fut.done():
-                        fut.set_exception(exc)
+            except Exception as exc:
+                if len(batch) == 1:
+                    settle(batch[0][3], exc=exc)
+                    continue
+                # One caller's request may be what failed: search each alone, so only the failing caller gets an error.
+                for req in batch:
+                    try:
+                        (row,) = await loop.run_in_executor(self._pool, self._search, [req])
+                    except Exception as one_exc:
+                        settle(req[3], exc=one_exc)
+                    else:
+                        settle(req[3], row)
                 continue
             for req, row in zip(batch, rows):
-                if not req[3].done():  # a cancelled caller
-                    req[3].set_result(row)
+                settle(req[3], row)
 
     def _search(self, batch) -> list[tuple[list, list[int], list[float]]]:
         hist = [h for req in batch for h in req[0]]
@@ -270,12 +278,14 @@ class StepBufferActor:
     async def add_steps(
         self, histories: list[str], steps: list[str], group_ids: list[int], scores: list[float] | None = None
     ) -> int:
-        """The policy's own steps under their prompts' group ids (StepTraces.add_steps); returns how many."""
-        histories = _check_histories(histories, "add_steps")
-        steps = _check_histories(steps, "add_steps (steps)")
-        group_ids = _check_groups(group_ids, len(histories), "group_ids", "add_steps")
+        """The policy's own steps under their prompts' group ids (StepTraces.add_steps); returns how many. group_ids
+        in [0, 2^63 - 1], scores None or finite; a refused call changes nothing."""
+        histories = check_histories(histories, "add_steps")
+        steps = check_histories(steps, "add_steps", "steps")
+        group_ids = check_groups(group_ids, len(histories), "group_ids", "add_steps", lo=0)
         if len(steps) != len(histories):
             raise ValueError(f"add_steps: {len(histories)} histories but {len(steps)} steps")
+        scores = check_scores(scores, len(histories))
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._pool, self.traces.add_steps, histories, steps, group_ids, scores)
         self.counters["add_calls"] += 1
@@ -321,9 +331,10 @@ class StepBufferClient:
     ) -> list[tuple[list[int] | None, int, float]]:
         """Per history: (token ids of the retrieved segment incl. <retrieve> delimiters or None, payload id or -1,
         score or -inf). exclude_groups: per history, the group whose steps must not be returned (negative: none)."""
-        histories = _check_histories(histories, "retrieve")
+        histories = check_histories(histories, "retrieve")
         if exclude_groups is not None:
-            exclude_groups = _check_groups(exclude_groups, len(histories), "exclude_groups", "retrieve")
+            exclude_groups = check_groups(exclude_groups, len(histories), "exclude_groups", "retrieve")
+        min_score = check_min_score(min_score)
         if not histories:
             return []
         parts = await asyncio.gather(*(h.retrieve.remote(histories, exclude_groups, min_score) for h in self.handles))
@@ -340,10 +351,12 @@ class StepBufferClient:
         self, histories: list[str], steps: list[str], group_ids: list[int], scores: list[float] | None = None
     ) -> None:
         """Add the policy's own steps (one entry per step) under their prompts' group ids."""
-        histories = _check_histories(histories, "add_steps")
-        group_ids = _check_groups(group_ids, len(histories), "group_ids", "add_steps")
-        if isinstance(steps, str) or len(steps) != len(histories):
-            raise ValueError(f"add_steps: steps must be a list of {len(histories)} str, got {steps!r:.80}")
+        histories = check_histories(histories, "add_steps")
+        group_ids = check_groups(group_ids, len(histories), "group_ids", "add_steps", lo=0)
+        steps = check_histories(steps, "add_steps", "steps")
+        if len(steps) != len(histories):
+            raise ValueError(f"add_steps: steps must be a list of {len(histories)} str, got {len(steps)} entries")
+        scores = check_scores(scores, len(histories))
         n, calls = self.num_shards, []
         for s, h in enumerate(self.handles):
             idx = [i for i, g in enumerate(group_ids) if g % n == s]

@@ -1,0 +1,154 @@
+"""Issue 28 class 1: a request that passes validation but cannot be served must not hang or fail a shared server.
+
+The verl step-buffer actor (rapo_fast/integrations/verl/buffer_actor.py) is driven in-process (no ray, no verl: the
+class is a plain async class until `get_or_create_step_buffer` makes it an actor). One batch mixes good requests with
+one bad request of each kind (NaN/inf/str min_score, past-int64/bool/float exclude group, a lone surrogate, a history
+the encoder refuses inside the shared search); every call is bounded by a timeout. Only the bad callers fail, the good
+ones get exactly the rows they get alone, and the actor keeps serving. A hypothesis property does the same over
+arbitrary thresholds and group ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rapo_fast.demo.tiny_policy import WordTokenizer
+from rapo_fast.integrations.verl.buffer_actor import StepBufferActor
+from rapo_fast.retrieval.encoders import HashedNgramEncoder
+
+WORDS = [f"w{i}" for i in range(40)]
+DIM = 32
+TIMEOUT_S = 30.0  # a hang fails the test instead of stalling the suite
+
+
+class _PoisonEncoder:
+    """HashedNgramEncoder that refuses one history ("poison"): an error raised inside a shared search."""
+
+    def __init__(self):
+        self.inner = HashedNgramEncoder(DIM)
+        self.dim = DIM
+
+    def __call__(self, texts):
+        if any("poison" in t for t in texts):
+            raise RuntimeError("encoder refuses 'poison'")
+        return self.inner(texts)
+
+
+def _actor(window_s: float = 0.05) -> StepBufferActor:
+    a = StepBufferActor(None, WordTokenizer(WORDS), _PoisonEncoder(), capacity=32, window_s=window_s)
+    hist = [" ".join(WORDS[i : i + 4]) for i in range(0, 24, 3)]
+    steps = [" ".join(WORDS[i + 4 : i + 6]) for i in range(0, 24, 3)]
+
+    async def fill():
+        await a.add_steps(hist, steps, list(range(len(hist))))
+
+    asyncio.run(fill())
+    return a
+
+
+GOOD = [
+    (["w1 w2 w3", "w7 w8"], None, None),
+    (["w10 w11 w12"], [3], None),
+    (["w4 w5 w6"], [-1], None),
+    (["w13 w14", "w20 w21"], [0, 5], None),
+]
+BAD = [
+    (["w1 w2"], None, float("nan")),
+    (["w1 w2"], None, float("inf")),
+    (["w1 w2"], None, float("-inf")),
+    (["w1 w2"], None, "0.5"),
+    (["w1 w2"], None, 2**2000),
+    (["w1 w2"], [2**70], None),
+    (["w1 w2"], [-(2**63) - 1], None),
+    (["w1 w2"], [True], None),
+    (["w1 w2"], [1.0], None),
+    (["w1 w2", "w3"], [1], None),  # one group id for two histories
+    (["w1 \ud800 w2"], None, None),  # a lone surrogate
+    (["w1 poison"], None, None),  # passes every check, fails inside the search
+    ("w1 w2", None, None),
+]
+
+
+async def _call(actor, hist, excl, ms):
+    return await asyncio.wait_for(actor.retrieve(hist, excl, ms), TIMEOUT_S)
+
+
+def test_mixed_batch_only_bad_callers_fail():
+    actor = _actor()
+
+    async def alone():
+        return [await _call(actor, *g) for g in GOOD]
+
+    want = asyncio.run(alone())
+
+    async def mixed():
+        reqs = [x for pair in zip(BAD, GOOD * 4) for x in pair]  # interleaved: bad requests inside good batches
+        return reqs, await asyncio.wait_for(
+            asyncio.gather(*(_call(actor, *r) for r in reqs), return_exceptions=True), TIMEOUT_S
+        )
+
+    reqs, got = asyncio.run(mixed())
+    for req, res in zip(reqs, got):
+        if req in BAD:
+            assert isinstance(res, (ValueError, TypeError, RuntimeError)), (req, res)
+            assert not isinstance(res, asyncio.TimeoutError), req
+        else:
+            assert res == want[GOOD.index(req)], (req, res)
+    # the actor still serves, and the poisoned search did not leave anything queued
+    assert asyncio.run(alone()) == want
+    assert actor._pending == []
+
+
+def test_bad_values_name_the_argument():
+    actor = _actor(window_s=0)
+    cases = [
+        ((["w1"], None, float("nan")), "min_score"),
+        ((["w1"], [2**70], None), "exclude_groups[0]"),
+        ((["w1 \ud800"], None, None), "histories[0]"),
+    ]
+    for args, name in cases:
+        with pytest.raises(ValueError, match=name.replace("[", r"\[").replace("]", r"\]")):
+            asyncio.run(_call(actor, *args))
+    for groups, name in (([2**64], "group_ids"), ([-1], "group_ids")):
+        with pytest.raises(ValueError, match=name):
+            asyncio.run(actor.add_steps(["w1"], ["w2"], groups))
+    with pytest.raises(ValueError, match=r"scores\[0\]"):
+        asyncio.run(actor.add_steps(["w1"], ["w2"], [1], [float("nan")]))
+
+
+@pytest.fixture(scope="module")
+def shared():
+    """One actor for every hypothesis example, and what the good request gets from it alone."""
+    actor = _actor(window_s=0.001)
+    return actor, asyncio.run(actor.retrieve(["w1 w2 w3"], [0], None))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    ms=st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True), st.integers(-(2**80), 2**80)),
+    groups=st.lists(st.integers(-(2**70), 2**70), min_size=2, max_size=2),
+)
+def test_any_threshold_and_groups_settle_and_spare_the_good_caller(shared, ms, groups):
+    actor, good_alone = shared
+    good = (["w1 w2 w3"], [0], None)
+
+    async def go():
+        return await asyncio.wait_for(
+            asyncio.gather(_call(actor, ["w4 w5", "w6"], groups, ms), _call(actor, *good), return_exceptions=True),
+            TIMEOUT_S,
+        )
+
+    res, good_res = asyncio.run(go())
+    assert good_res == good_alone
+    finite = ms is None or (isinstance(ms, float) and math.isfinite(ms)) or (isinstance(ms, int) and abs(ms) < 2**1000)
+    in_range = all(-(2**63) <= g < 2**63 for g in groups)
+    if finite and in_range:
+        assert isinstance(res, tuple) and len(res[0]) == 2
+    else:
+        assert isinstance(res, ValueError), res
+    assert actor._pending == []
