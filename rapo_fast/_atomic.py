@@ -18,6 +18,10 @@ file's size and SHA-256 before the caller reads anything, and raises the format'
 
 Every write goes through os.open/os.write/os.fsync/os.replace/os.mkdir/os.unlink (no buffered Python or C++ writer),
 so that tests/reliability/test_fault_injection.py can kill a save before any one of them.
+Nothing planted in the folder is followed (tests/test_atomic_hostile_folder.py): every file a save creates is created
+with O_CREAT | O_EXCL | O_NOFOLLOW; CURRENT, PENDING, LOCK and the listed files are opened by `open_regular` (named
+pipes, devices and, for LOCK, symlinks refused, never blocking). A failed write inside torch.save is the OSError
+naming the file.
 What this is not: a format's own schema (each owner checks its fields, with `check_int` / `check_choice`), nor a
 database: two processes saving into one directory are serialised by LOCK, not merged.
 """
@@ -31,9 +35,11 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any, NamedTuple
+
+from rapo_fast._files import _CLOEXEC, _NOFOLLOW, NotRegularFileError, open_regular, read_regular, sha256_file
 
 try:
     import fcntl
@@ -45,7 +51,8 @@ _SMALL = 4096  # CURRENT and PENDING hold a few short lines; a bigger file is no
 _BUFFER = 1 << 20  # small writes are gathered into 1 MiB os.write calls
 _MAX_WRITE = 1 << 30  # one os.write at most (Linux writes at most about 2 GiB per call anyway)
 _SHA = re.compile(r"[0-9a-f]{64}")
-_WFLAGS = os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+# Every file a save creates: a new name only, never through a symlink planted at that name.
+_WFLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC
 
 
 class FormatError(ValueError):
@@ -62,34 +69,29 @@ class Version(NamedTuple):
 
 def fsync_dir(path: str | os.PathLike) -> None:
     """fsync a directory, so that the entries created or renamed in it survive a power loss."""
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def sha256_file(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 class HashingWriter:
     """A new binary file written through os.write (1 MiB at a time), its SHA-256 and size computed as written.
 
-    Usable as the file object of torch.save. close() fsyncs; the file is created exclusively (never overwritten).
+    Usable as the file object of torch.save. close() fsyncs; the file is created exclusively (_WFLAGS). A failed
+    os.write (ENOSPC) is raised as an OSError naming the file and kept in `error`: torch.save turns it into an obscure
+    RuntimeError ("unexpected pos") for large tensors, and `raise_write_error` gives the caller the original back.
     """
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        self._fd = os.open(self.path, _WFLAGS | os.O_EXCL, 0o644)
+        self._fd = os.open(self.path, _WFLAGS, 0o644)
         self._sha = hashlib.sha256()
         self._pending: list[bytes] = []
         self._pending_bytes = 0
         self.size = 0
+        self.error: OSError | None = None
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
@@ -105,8 +107,18 @@ class HashingWriter:
         return n
 
     def _write_all(self, view: memoryview) -> None:
-        while len(view):
-            view = view[os.write(self._fd, view[:_MAX_WRITE]) :]
+        try:
+            while len(view):
+                view = view[os.write(self._fd, view[:_MAX_WRITE]) :]
+        except OSError as exc:
+            if self.error is None:
+                self.error = OSError(exc.errno, f"{exc.strerror or exc} (writing)", str(self.path))
+            raise self.error from exc
+
+    def raise_write_error(self, exc: BaseException) -> None:
+        """Raise the failed write's OSError in place of `exc` (what torch.save made of it); nothing if none failed."""
+        if self.error is not None and exc is not self.error:
+            raise self.error from exc
 
     def _drain(self) -> None:
         if self._pending:
@@ -132,27 +144,54 @@ class HashingWriter:
             self._fd = -1
 
 
-def _write_small_atomic(root: Path, name: str, text: str) -> None:
-    """Replace <root>/<name> with `text` atomically (a fixed temporary name: a killed write leaves one small file,
-    which the next write of the same name reuses)."""
-    tmp = root / f".{name}.tmp"
-    fd = os.open(tmp, _WFLAGS | os.O_TRUNC, 0o644)
+def write_file_atomic(path: str | os.PathLike, write: Callable[[HashingWriter], None]) -> None:
+    """Replace the file `path` atomically with what write(f) writes into a HashingWriter f (torch.save(obj, f)): a
+    temporary of a random name beside it (_WFLAGS), fsynced, os.replace'd; on a failure (a failed write: its OSError)
+    the temporary is removed and `path` is left as it was."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    w = HashingWriter(tmp)
     try:
-        data = memoryview(text.encode("ascii"))
-        while len(data):
-            data = data[os.write(fd, data) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        try:
+            write(w)
+        except BaseException as exc:
+            w.raise_write_error(exc)
+            raise
+        finally:
+            w.close()
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
+
+
+def _write_small_atomic(root: Path, name: str, text: str) -> None:
+    """Replace <root>/<name> with `text` atomically. A fixed temporary name (a killed write leaves one small file):
+    whatever is there (a leftover, a planted symlink) is unlinked, never opened, then created exclusively (_WFLAGS)."""
+    tmp = root / f".{name}.tmp"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # a symlink is removed itself, not its target; a directory there raises (IsADirectoryError)
+    w = HashingWriter(tmp)  # its failed writes name the file
+    try:
+        try:
+            w.write(text.encode("ascii"))
+        finally:
+            w.close()
+    except OSError:  # e.g. a full disk: no temporary left behind
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     os.replace(tmp, root / name)
     fsync_dir(root)
 
 
 def _read_small(path: Path) -> bytes | None:
+    """At most _SMALL + 1 bytes of a regular file (open_regular); None when it does not exist."""
     try:
-        with open(path, "rb") as f:
-            return f.read(_SMALL + 1)
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return read_regular(path, _SMALL)
+    except (FileNotFoundError, NotADirectoryError):
         return None
 
 
@@ -161,7 +200,10 @@ def _names(prefix: str) -> re.Pattern:
 
 
 def _parse_current(root: Path, prefix: str, error: type[FormatError], what: str) -> tuple[str, str]:
-    raw = _read_small(root / CURRENT)
+    try:
+        raw = _read_small(root / CURRENT)
+    except NotRegularFileError as exc:
+        raise error(f"{root / CURRENT} is corrupt: {exc.strerror}") from None
     if raw is None:
         raise error(f"{root} is not a saved {what} (no {CURRENT} file)")
     try:
@@ -175,12 +217,18 @@ def _parse_current(root: Path, prefix: str, error: type[FormatError], what: str)
 
 
 @contextlib.contextmanager
-def _locked(root: Path, exclusive: bool) -> Iterator[None]:
+def _locked(root: Path, exclusive: bool, error: type[FormatError] | None = None) -> Iterator[None]:
+    """flock <root>/LOCK (exclusive: created if absent); not a regular file: `error` (a load) or NotRegularFileError."""
     if fcntl is None:
         yield
         return
+    # a named pipe would block the open forever, a symlink would lock (or create) a file outside the folder
     try:
-        fd = os.open(root / LOCK, (os.O_RDWR | os.O_CREAT) if exclusive else os.O_RDONLY, 0o644)
+        fd = open_regular(root / LOCK, (os.O_RDWR | os.O_CREAT) if exclusive else os.O_RDONLY, follow=False)
+    except NotRegularFileError as exc:
+        if error is None:
+            raise
+        raise error(f"{root / LOCK}: {exc.strerror}") from None
     except OSError:
         if exclusive:
             raise
@@ -273,6 +321,9 @@ class VersionWriter:
         w = HashingWriter(self._new_path(rel))
         try:
             yield w
+        except BaseException as exc:
+            w.raise_write_error(exc)  # torch.save's RuntimeError for a full disk -> the OSError naming the file
+            raise
         finally:
             w.close()
         self.files[rel] = {"sha256": w.sha256, "size": w.size}
@@ -287,7 +338,7 @@ class VersionWriter:
         rel = f"{rel_dir}/{CURRENT}"
         if not _rel_ok(rel):
             raise ValueError(f"VersionWriter: bad directory name {rel_dir!r}")
-        data = (self.path / rel).read_bytes()
+        data = read_regular(self.path / rel)
         self.files[rel] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
 
     def commit(self, meta: dict[str, Any]) -> Path:
@@ -335,9 +386,11 @@ class VersionWriter:
 def read_json_object(path: Path, error: type[FormatError]) -> dict[str, Any]:
     """A saved file holding one JSON object; anything else raises `error` naming the file."""
     try:
-        m = json.loads(path.read_bytes().decode("utf-8"))
+        m = json.loads(read_regular(path).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise error(f"{path} is corrupt: {exc}") from None
+    except NotRegularFileError as exc:
+        raise error(f"{path} is corrupt: {exc.strerror}") from None
     if not isinstance(m, dict):
         raise error(f"{path}: not a JSON object")
     return m
@@ -371,22 +424,29 @@ def read_version(
     root, what = Path(root), fmt.rsplit(".", 1)[-1]
     if not root.is_dir():
         raise error(f"{root} is not a saved {what} (no such directory)")
-    with _locked(root, exclusive=False):
+
+    def digest_of(p: Path) -> str:
+        try:
+            return sha256_file(p)
+        except NotRegularFileError as exc:  # replaced by a named pipe since the is_file check: refused, not read
+            raise error(f"{p} is corrupt: {exc.strerror}") from None
+
+    with _locked(root, exclusive=False, error=error):
         name, digest = _parse_current(root, prefix, error, what)
         vdir = root / name
         mpath = vdir / MANIFEST
         if not mpath.is_file():
             raise error(f"{root}: {CURRENT} names {name!r}, which has no {MANIFEST} (missing or incomplete)")
-        if sha256_file(mpath) != digest:
+        if digest_of(mpath) != digest:
             raise error(f"{mpath} is corrupt (its SHA-256 differs from the one in {root / CURRENT})")
         m = _parse_manifest(mpath, fmt, version, error)
         for rel, entry in m["files"].items():
             p = vdir / rel
             if not p.is_file():
-                raise error(f"{p} is missing (listed in {mpath})")
+                raise error(f"{p} is missing or not a regular file (listed in {mpath})")
             if p.stat().st_size != entry["size"]:
                 raise error(f"{p} is corrupt: {p.stat().st_size} bytes, {mpath} says {entry['size']}")
-            if sha256_file(p) != entry["sha256"]:
+            if digest_of(p) != entry["sha256"]:
                 raise error(f"{p} is corrupt (its SHA-256 differs from the one in {mpath})")
         yield Version(vdir, m["meta"], m["files"])
 

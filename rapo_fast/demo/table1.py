@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from rapo_fast._atomic import write_file_atomic
 from rapo_fast.demo.table1_report import write_outputs
 from rapo_fast.demo.table1_stats import first_reach, mean_ci
 
@@ -145,10 +146,9 @@ def prepare(family: str, seed: int, s: dict, out: Path) -> dict[str, Path]:
 
 
 def _save_atomic(obj, path: Path) -> None:
-    # A run cut off mid-save must not leave a truncated weights file that a later job would load.
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    tmp.replace(path)
+    # A run cut off mid-save must not leave a truncated weights file that a later job would load; the temporary is
+    # created exclusively under a random name (never through a symlink planted there) and a full disk is an OSError.
+    write_file_atomic(path, lambda f: torch.save(obj, f))
 
 
 def run_one(family: str, method: str, seed: int, s: dict, paths: dict[str, Path], enc: str) -> dict:
