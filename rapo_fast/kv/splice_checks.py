@@ -8,28 +8,19 @@ What this is not: the splice itself (rapo_fast/kv/splice.py) or the index checks
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import torch
 
-from rapo_fast._checks import INT32_MAX, INT32_MIN, INT64_MAX, INT64_MIN
+from rapo_fast._checks import INT32_MAX, INT32_MIN, check_int
 from rapo_fast.kv.store import StepKVStore
 
 
 def as_int(name: str, v: Any) -> int:
-    """An integer argument: a Python/NumPy int or an integer 0-d tensor, within int64 (the request table's width). A
-    float, even a whole one, or a bool is refused (int() would truncate 2.7 to 2 silently); a past-int64 int raises
-    ValueError naming the argument (torch would say only "Overflow when unpacking long long")."""
-    if isinstance(v, bool) or (isinstance(v, torch.Tensor) and (v.is_floating_point() or v.dtype == torch.bool)):
-        raise TypeError(f"{name} must be an int, got {v!r}")
-    try:
-        i = operator.index(v)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}") from None
-    if not INT64_MIN <= i <= INT64_MAX:
-        raise ValueError(f"{name} must be an int in [{INT64_MIN}, {INT64_MAX}] (int64), got {i}")
-    return i
+    """An integer argument within int64 (the request table's width): rapo_fast._checks.check_int, which refuses a
+    float (int() would truncate 2.7 to 2 silently) or a bool, and names the argument for a past-int64 int (torch would
+    say only "Overflow when unpacking long long")."""
+    return check_int(name, v)
 
 
 def check_block_table_int32(block_table: torch.Tensor, host: torch.Tensor) -> None:
