@@ -23,7 +23,7 @@ import torch
 from rapo_fast.reference.retrieval import key_aux_ref
 from rapo_fast.retrieval.io import FORMAT_VERSION, StepBufferFormatError, read_snapshot, write_snapshot
 from rapo_fast.retrieval.l2_chunks import chunked_l2_search, l2_chunk_rows
-from rapo_fast.retrieval.l2_exact import certified_l2_search
+from rapo_fast.retrieval.l2_exact import certified_l2_search, rescored_l2_search
 from rapo_fast.retrieval.op import MAX_K, METRIC_CODES, retrieval_search
 from rapo_fast.retrieval.rwlock import ReadWriteLock
 
@@ -378,6 +378,8 @@ class StepBuffer:
                     rows = l2_chunk_rows(self.dim)
                     return chunked_l2_search(keys, groups, qs, ex, kk, no_thr, c, rows, retrieval_search)
 
+            if torch.compiler.is_compiling():  # the certificate branches on data: a traced search keeps fp32's set
+                return rescored_l2_search(keys, q, k, thr, raw(q, exclude, k))
             # the fp32 answer certified per query against the float64 distances, else a float64 brute force: exact
             # also where the expanded form cancels about the mean (far-apart clusters; rapo_fast/retrieval/l2_exact.py)
             return certified_l2_search(keys, groups, q, exclude, k, thr, c, raw, MAX_K)

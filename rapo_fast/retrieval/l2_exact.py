@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["CERT_MAX_K", "certified_l2_search", "l2_error_bound", "brute_force_l2"]
+__all__ = ["CERT_MAX_K", "certified_l2_search", "rescored_l2_search", "l2_error_bound", "brute_force_l2"]
 
 CERT_MAX_K = 256  # the most candidates asked of the fp32 search before a query goes to the float64 brute force
 _U32 = 2.0**-24
@@ -134,3 +134,14 @@ def certified_l2_search(
     out_s = torch.where(drop, float("-inf"), out_s)
     out_i = torch.where(drop, -1, out_i)
     return out_s, out_i
+
+
+def rescored_l2_search(
+    keys: torch.Tensor, queries: torch.Tensor, k: int, min_score: float, found: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 search's k slots `found` re-scored and re-ordered exactly, without the certificate: no data-dependent
+    branch, for torch.compile tracing. Equal to certified_l2_search wherever the certificate holds."""
+    slots = found[1]
+    s, i = _pad(*_top_exact(_exact_d(keys, queries.to(torch.float64), slots), slots, k), k)
+    drop = s < min_score
+    return torch.where(drop, float("-inf"), s), torch.where(drop, -1, i)
