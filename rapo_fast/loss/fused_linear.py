@@ -189,8 +189,11 @@ def _fused_impl(
     tgt = targets.reshape(-1)
     for r0 in range(0, n, tiling.rows):
         r1 = min(n, r0 + tiling.rows)
-        hc = hidden[r0:r1]
+        # a row holding NaN/inf is zeroed for the GEMMs (grad_W = grad_z^T h would meet 0 * NaN) and given NaN
+        # log-prob, lse and entropy: undefined if in the loss, inert (zero grad_z row) if masked (tiles.finite_rows)
+        hc, bad = tiles.finite_rows(hidden[r0:r1])
         lp, lse, ent, z = tiling.logprob_sweep(hc, tgt[r0:r1])
+        tiles.mark_rows_undefined(bad, lp, lse, ent)
         torch.logical_and(torch.isnan(lp), code[r0:r1] != 0, out=undefined[r0:r1])
         # the per-token loss and its coefficients dL/dlogp, dL/dH (upstream gradient 1), from policy_op's launchers
         per_tok = (old[r0:r1], adv[r0:r1], w[r0:r1], scale[r0:r1], code[r0:r1], None,

@@ -32,6 +32,7 @@ def _lin_fwd_impl(
     ent = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=dev)
     if n == 0:
         return logp, lse, ent
+    hidden, bad = tiles.finite_rows(hidden)  # a NaN/inf row: zeroed for the GEMMs, its outputs NaN (tiles.py)
     nc, vc = tiles.vocab_tiles(n, v, hidden.element_size(), dev)
     buf = tiles.tile_buffer(nc, vc, hidden)
     state = torch.empty(4, n, dtype=torch.float32, device=dev)  # m, s, t, scaled target logit
@@ -53,6 +54,7 @@ def _lin_fwd_impl(
                 vocab=v,
                 inv_temp=1.0 / temperature,
             )
+    tiles.mark_rows_undefined(bad, logp, lse, ent)
     return logp, lse, ent
 
 
@@ -140,6 +142,9 @@ def _lin_bwd_impl(
             torch.zeros_like(weight) if need_weight else hidden.new_empty(0),
             torch.zeros_like(bias) if (need_bias and bias is not None) else hidden.new_empty(0),
         )
+    # the rows the forward found non-finite have NaN lse, hence a zero grad_z row: zeroed here too, so that grad_W =
+    # grad_z^T h never meets 0 * NaN (tiles.finite_rows)
+    hidden = tiles.finite_rows(hidden)[0]
     nc, vc = tiles.vocab_tiles(n, v, hidden.element_size(), hidden.device)
     buf = tiles.tile_buffer(nc, vc, hidden)
     grads = _LinearGrads(hidden, weight, bias, nc, vc, (need_hidden, need_weight, need_bias))

@@ -1,14 +1,14 @@
 """The options of the RAPO policy loss, once: `LossOptions` (every option, its default and its check), and the checks
 of rapo_loss's tensor arguments.
 
-What this is: `LossOptions`, the frozen dataclass that rapo_loss, RAPOLoss, policy_loss_from_logp, the presets, the
-TRL / verl adapters and the reference (rapo_fast/reference/policy_loss.py) all build; the option vocabularies;
+What this is: `LossOptions`, the frozen dataclass that rapo_loss, RAPOLoss, policy_loss_from_logp, the presets, the TRL
+/ verl adapters and the reference (rapo_fast/reference/policy_loss.py) all build; the option vocabularies;
 `OPTION_DEFAULTS`, a read-only view of the defaults derived from the dataclass; and `check_inputs`, the validation of
-the tensors that runs before any kernel (it may sync with the device once: target range, NaN in advantages,
-cu_seqlens), returning the facts the launcher needs; and the two checks that run after the log-prob pass instead,
-from its [N] output (check_logits_rows_defined, check_loss_logp_defined: a token in the loss whose logits row has no
-finite log-sum-exp), so that no check reads the [N, V] logits. What it is not: the loss math (docs/loss.md gives the
-formulas; rapo_fast/loss/policy_loss.py and kernels/loss/policy_loss.py compute them) or generic checks
+the tensors that runs before any kernel (it may sync with the device once: target range, NaN in advantages at the tokens
+in the loss, cu_seqlens), returning the facts the launcher needs; and the two checks that run after the log-prob pass
+instead, from its [N] output (check_logits_rows_defined, check_loss_logp_defined: a token in the loss whose logits row
+has no finite log-sum-exp), so that no check reads the [N, V] logits. What it is not: the loss math (docs/loss.md gives
+the formulas; rapo_fast/loss/policy_loss.py and kernels/loss/policy_loss.py compute them) or generic checks
 (rapo_fast/_checks.py, which this module uses).
 """
 
@@ -269,8 +269,14 @@ def _check_values(a: Mapping[str, Any], opts: LossOptions, targets: torch.Tensor
         C.check_index_range("targets", targets, vocab)
     # logits rows are not checked here: that would be one more pass over [N, V]; check_logits_rows_defined does it
     # from the forward's output instead (after the log-prob launch, before anything else)
-    C.check_finite("advantages", a["advantages"])
-    C.check_finite("old_logp", a["old_logp"], allow_inf=True)
+    # per-token values are read only where the token enters the loss: a masked token's old/behav/ref log-prob and
+    # advantage may hold anything (NaN, inf), as its logits may; the loss never reads them (docs/loss.md section 3)
+    in_loss = a["loss_mask"] != 0
+    if opts.offpolicy_train == "none" and a["retrieved_mask"] is not None:
+        in_loss = in_loss & (a["retrieved_mask"] == 0)
+    adv = a["advantages"]
+    _check_finite_in_loss("advantages", adv, in_loss if adv.shape == in_loss.shape else None)
+    _check_finite_in_loss("old_logp", a["old_logp"], in_loss, allow_inf=True)
     if opts.offpolicy_train == "truncated" and a["behav_logp"] is None:
         raise ValueError(
             "behav_logp: required when offpolicy_train='truncated' (the behaviour log-probs of the retrieved tokens)"
@@ -281,7 +287,22 @@ def _check_values(a: Mapping[str, Any], opts: LossOptions, targets: torch.Tensor
         raise ValueError(f"ref_logp: required when beta != 0 (beta={opts.beta})")
     for k in ("behav_logp", "ref_logp"):
         if a[k] is not None:
-            C.check_finite(k, a[k], allow_inf=True)
+            _check_finite_in_loss(k, a[k], in_loss, allow_inf=True)
+
+
+def _check_finite_in_loss(name: str, t: torch.Tensor, in_loss: torch.Tensor | None, *, allow_inf: bool = False):
+    """No NaN (and no inf unless allowed) in `t` where in_loss is set (everywhere when in_loss is None: per-sequence
+    advantages). One sync."""
+    if t.numel() == 0 or not t.is_floating_point():
+        return
+    bad = torch.isnan(t) if allow_inf else ~torch.isfinite(t)
+    if in_loss is not None:
+        bad = bad & in_loss.to(bad.device)
+    if bool(bad.any()):
+        first = tuple(torch.nonzero(bad)[0].tolist())
+        what = "NaN" if allow_inf else "NaN or inf"
+        where = " at tokens in the loss" if in_loss is not None else ""
+        raise ValueError(f"{name}: contains {what}{where} ({int(bad.sum())} elements, first at index {first})")
 
 
 def check_logits_rows_defined(logp: torch.Tensor, loss_mask: torch.Tensor, logits: torch.Tensor) -> None:

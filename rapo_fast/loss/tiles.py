@@ -39,6 +39,8 @@ __all__ = [
     "logits_tile",
     "tile_fwd",
     "tile_grad",
+    "finite_rows",
+    "mark_rows_undefined",
 ]
 
 # Byte budget of one logits tile (input dtype) of the hidden path, per device kind.
@@ -209,3 +211,21 @@ def tile_grad(
             rows_inner=rows, stride_outer=0, stride_inner=cols, stride_gz=cols, n_cols=cols, v_start=v0,
             inv_temp=inv_temp, HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, BLOCK_V=block, num_warps=warps,
         )  # fmt: skip
+
+
+def finite_rows(hidden: Tensor) -> tuple[Tensor, Tensor]:
+    """(hidden with every row that holds a NaN or an inf replaced by zeros, bad [rows] bool marking those rows).
+
+    grad_W = grad_z^T h sums over every row, so a masked row of NaN would put 0 * NaN = NaN into grad_W although its
+    grad_z row is zero: the GEMMs take the zeroed rows instead, and mark_rows_undefined makes those rows' log-prob,
+    lse and entropy NaN afterwards (what the row would have given; its lse NaN makes tile_grad write a zero grad_z
+    row). One elementwise pass over [rows, H], small next to the [rows, H] x [H, V] GEMM that follows."""
+    bad = ~torch.isfinite(hidden).all(-1)
+    return torch.where(bad.unsqueeze(-1), torch.zeros((), dtype=hidden.dtype, device=hidden.device), hidden), bad
+
+
+def mark_rows_undefined(bad: Tensor, *vectors: Tensor | None) -> None:
+    """Write NaN into each [rows] vector (log-prob, lse, entropy) where bad is set, in place (None skipped)."""
+    for v in vectors:
+        if v is not None and v.numel():
+            v.masked_fill_(bad, float("nan"))

@@ -62,9 +62,17 @@ def linear_token_logprobs_ref(
 
     hidden [..., H], weight [V, H], bias [V] or None, targets [...] -> logp [...] (and entropy [...]).
     Materialises the [..., V] logits: this is the spec, not the memory-bounded path.
+    A hidden row holding a NaN or an inf is a non-finite row (its logits row has no finite log-sum-exp): NaN log-prob
+    and entropy, and an exactly-zero contribution to every gradient, grad_weight and grad_bias included.
     """
     cd = _compute_dtype(hidden.dtype)
-    logits = hidden.to(cd) @ weight.to(cd).T
+    h = hidden.to(cd)
+    # grad_W = grad_z^T h sums over every row: a row of h holding NaN/inf would put 0 * NaN = NaN into it even with a
+    # zero grad_z row. Such a row is zeroed with torch.where before the matmul (its backward sends exactly 0 to it) and
+    # its logits row set to NaN after, so that it is the non-finite row it would have been (docs/loss.md section 2).
+    ok = torch.isfinite(h.detach()).all(-1, keepdim=True)
+    logits = torch.where(ok, h, torch.zeros_like(h)) @ weight.to(cd).T
     if bias is not None:
         logits = logits + bias.to(cd)
+    logits = torch.where(ok, logits, torch.full_like(logits, float("nan")))
     return token_logprobs_ref(logits, targets, temperature, return_entropy)

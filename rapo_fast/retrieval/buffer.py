@@ -23,6 +23,7 @@ import torch
 from rapo_fast.reference.retrieval import key_aux_ref
 from rapo_fast.retrieval.io import FORMAT_VERSION, StepBufferFormatError, read_snapshot, write_snapshot
 from rapo_fast.retrieval.l2_chunks import chunked_l2_search, l2_chunk_rows
+from rapo_fast.retrieval.l2_exact import certified_l2_search, rescored_l2_search
 from rapo_fast.retrieval.op import MAX_K, METRIC_CODES, retrieval_search
 from rapo_fast.retrieval.rwlock import ReadWriteLock
 
@@ -368,12 +369,23 @@ class StepBuffer:
             if self._key_sum is None:
                 self._key_sum = keys.sum(0, dtype=torch.float64)
             c = (self._key_sum / max(n, 1)).float()
-            if self.device.type == "cpu":
-                centre = c  # the CPU backend centres keys as it packs them
+            groups, no_thr = self._group[:n], float("-inf")
+            if self.device.type == "cpu":  # the CPU backend centres keys as it packs them
+
+                def raw(qs, ex, kk):
+                    return retrieval_search(keys, aux, groups, qs, ex, kk, METRIC_CODES["l2"], no_thr, c)
+
             else:  # the CUDA backend scores centred fp32 keys (FMA path): copies of one bounded chunk at a time
-                rows = l2_chunk_rows(self.dim)
-                args = (keys, self._group[:n], q, exclude, k, thr, c, rows, retrieval_search)
-                return chunked_l2_search(*args)
+
+                def raw(qs, ex, kk):
+                    rows = l2_chunk_rows(self.dim)
+                    return chunked_l2_search(keys, groups, qs, ex, kk, no_thr, c, rows, retrieval_search)
+
+            if torch.compiler.is_compiling():  # the certificate branches on data: a traced search keeps fp32's set
+                return rescored_l2_search(keys, q, k, thr, raw(q, exclude, k))
+            # the fp32 answer certified per query against the float64 distances, else a float64 brute force: exact
+            # also where the expanded form cancels about the mean (far-apart clusters; rapo_fast/retrieval/l2_exact.py)
+            return certified_l2_search(keys, groups, q, exclude, k, thr, c, raw, MAX_K)
         return retrieval_search(keys, aux, self._group[:n], q, exclude, k, METRIC_CODES[self.metric], thr, centre)
 
     def search(

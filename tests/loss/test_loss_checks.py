@@ -43,6 +43,8 @@ def _set_in_loss(d, pos, name, value):
     """Set token `pos` of tensor `name` (its whole logits row for logits) to `value` and put the token in the loss."""
     d[name][pos] = value
     d["loss_mask"][pos] = 1
+    if d.get("retrieved_mask") is not None:
+        d["retrieved_mask"][pos] = 0  # a retrieved token is out of the loss by default (offpolicy_train="none")
 
 
 BAD_CASES = [
@@ -62,10 +64,10 @@ BAD_CASES = [
     ("targets < 0", lambda d: d["targets"].__setitem__((1, 2), -1), ValueError, "targets"),
     ("old_logp shape", lambda d: d.update(old_logp=torch.zeros(2, 4)), ValueError, "old_logp"),
     ("old_logp dtype", lambda d: d.update(old_logp=d["old_logp"].long()), TypeError, "old_logp"),
-    ("old_logp nan", lambda d: d["old_logp"].__setitem__((0, 1), float("nan")), ValueError, "old_logp"),
+    ("old_logp nan", lambda d: _set_in_loss(d, (0, 1), "old_logp", float("nan")), ValueError, "old_logp"),
     ("advantages shape", lambda d: d.update(advantages=torch.zeros(3)), ValueError, "advantages"),
-    ("advantages nan", lambda d: d["advantages"].__setitem__((1, 1), float("nan")), ValueError, "advantages"),
-    ("advantages inf", lambda d: d["advantages"].__setitem__((1, 1), float("inf")), ValueError, "advantages"),
+    ("advantages nan", lambda d: _set_in_loss(d, (1, 1), "advantages", float("nan")), ValueError, "advantages"),
+    ("advantages inf", lambda d: _set_in_loss(d, (1, 1), "advantages", float("inf")), ValueError, "advantages"),
     ("loss_mask shape", lambda d: d.update(loss_mask=torch.ones(3, 2, dtype=torch.bool)), ValueError, "loss_mask"),
     ("loss_mask type", lambda d: d.update(loss_mask=[[1, 1, 1], [1, 1, 1]]), TypeError, "loss_mask"),
     ("retrieved_mask shape", lambda d: d.update(retrieved_mask=torch.ones(2, 2)), ValueError, "retrieved_mask"),
