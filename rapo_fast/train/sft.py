@@ -17,24 +17,30 @@ from rapo_fast._tokens import encode_plain
 from rapo_fast.rollouts.batch import KIND_GEN, KIND_PROMPT, KIND_RET, KIND_TOOL
 from rapo_fast.rollouts.offpolicy import split_step
 
-RETRIEVE_STYLES = ("replace", "hint")
+RETRIEVE_STYLES = ("replace", "hint", "foreign")
 
 
 def sft_examples(task, tokenizer, problems: Sequence, retrieve_frac: float, rng: random.Random, style: str = "replace"):
     """One (token ids, kinds) pair per problem: prompt, solution steps, answer; each later step is shown as
     retrieved with probability `retrieve_frac`. style "replace": the retrieved block stands for the step (the policy
     goes on with the next one); "hint": the block comes before the policy's own copy of the step (the policy takes
-    the step itself after seeing it retrieved). Kinds follow rapo_fast.rollouts.batch (only KIND_GEN is trained)."""
+    the step itself after seeing it retrieved); "foreign": as "hint", but the block is another question's step with the
+    same relation (`problem.hints[k]`, e.g. rapo_fast.demo.tasks.kb_alias), so the policy learns to take a retrieved
+    step's relation and apply it to its own entity. Kinds follow rapo_fast.rollouts.batch (only KIND_GEN is
+    trained)."""
     if style not in RETRIEVE_STYLES:
         raise ValueError(f"sft_examples: style must be one of {RETRIEVE_STYLES}, got {style!r}")
     out = []
     for p in problems:
+        if style == "foreign" and len(getattr(p, "hints", ())) < len(task.solution(p)) - 1:
+            raise ValueError(f"sft_examples: style 'foreign' needs problems with one hint per step, got {p!r}")
         ids = tokenizer.encode(p.prompt)
         kinds = [KIND_PROMPT] * len(ids)
         for k, step in enumerate(task.solution(p)):
             is_answer = step.startswith("<answer>")
             if k >= 1 and not is_answer and rng.random() < retrieve_frac:
-                seg = encode_plain(tokenizer, f"<retrieve> {step} </retrieve>")  # mid-sequence: no BOS
+                shown = p.hints[k] if style == "foreign" else step
+                seg = encode_plain(tokenizer, f"<retrieve> {shown} </retrieve>")  # mid-sequence: no BOS
                 ids += seg
                 kinds += [KIND_RET] * len(seg)
                 if style == "replace":
