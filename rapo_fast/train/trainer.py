@@ -217,7 +217,8 @@ class RAPOTrainer:
             t_step=t_end - t0,
         )
         self.logger.log(metrics)
-        self.last_batch = batch
+        # the last step's rollouts and the problems their prompt_index points into, for callbacks that read them
+        self.last_batch, self.last_problems = batch, problems
         return metrics
 
     def _score(self, batch: RolloutBatch):
