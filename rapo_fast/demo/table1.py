@@ -19,7 +19,7 @@ are whatever the run measures.
 from __future__ import annotations
 
 import argparse
-import copy
+import json
 import math
 import multiprocessing as mp
 import os
@@ -34,17 +34,25 @@ from rapo_fast.demo.table1_report import write_outputs
 from rapo_fast.demo.table1_stats import first_reach, mean_ci
 
 METHODS = ("GRPO", "ARPO", "RAPO", "OFFPOLICY_TRAJ")
-# Controls and ablations of issue 24, run on request (--methods): GRPO with RAPO's on-policy row count (RAPO keeps
-# group_size - n_hybrid on-policy rows; GRPO keeps all group_size), RAPO without the retrieval reward (ret_coef 0)
-# and RAPO without importance shaping (shaping_m 0).
-EXTRA_METHODS = ("GRPO_ONPOLICY_MATCHED", "RAPO_NO_RET_REWARD", "RAPO_NO_SHAPING")
+# Controls and ablations of issue 24: GRPO with RAPO's on-policy row count (RAPO keeps group_size - n_hybrid on-policy
+# rows; GRPO keeps all group_size), RAPO without the retrieval reward (ret_coef 0), RAPO without importance shaping
+# (shaping_m 0), and RAPO from a warm-up that never showed a retrieved step (retrieve_frac 0: does RAPO need the
+# warm-up to teach the policy to use one?).
+EXTRA_METHODS = ("GRPO_ONPOLICY_MATCHED", "RAPO_NO_RET_REWARD", "RAPO_NO_SHAPING", "RAPO_SFT_NO_RETRIEVE")
 ALL_METHODS = METHODS + EXTRA_METHODS
-# solver_traces: scripted trajectories generated per training problem, traces_top_k: kept per problem (the best by
-# reward) for RAPO's step buffer and OFFPOLICY_TRAJ's trajectories.
+SETTINGS = ("fair", "legacy")
+# The fair setting (issue 24, rapo_fast/demo/table1_families.py AliasFamily) runs every method; the legacy one the four
+# of the paper's table. solver_traces: scripted trajectories per source question, traces_top_k: kept per question
+# (the best by reward) for RAPO's step buffer and OFFPOLICY_TRAJ's trajectories. The RL hyper-parameters are the
+# legacy setting's (chosen on GRPO alone, docs/table1_tuning.md), not tuned again on the fair setting.
+FAIR_QUICK = dict(seeds=2, sft_steps=60, rl_steps=4, eval_every=2, n_eval=32, group_size=4, prompts_per_step=2,
+                  n_train=16, lr=3e-4, mini_batch_groups=1, solver_traces=16, traces_top_k=5)  # fmt: skip
+FAIR_FULL = dict(seeds=5, sft_steps=300, rl_steps=100, eval_every=20, n_eval=400, group_size=8, prompts_per_step=8,
+                 n_train=64, lr=3e-4, mini_batch_groups=4, solver_traces=16, traces_top_k=5)  # fmt: skip
 QUICK = dict(seeds=2, sft_steps=60, rl_steps=4, eval_every=2, n_eval=32, group_size=4, prompts_per_step=2,
              n_train=16, lr=3e-4, mini_batch_groups=1, solver_traces=16, traces_top_k=5)  # fmt: skip
-# The full setting was chosen on GRPO alone (docs/table1_tuning.md has every setting tried and what GRPO did): lr
-# 1e-3 or 5e-4 fell below the start, a validation-target warm-up, temperature 1.3 and 16 x 4 groups did not help;
+# The legacy full setting was chosen on GRPO alone (docs/table1_tuning.md has every setting tried and what GRPO did):
+# lr 1e-3 or 5e-4 fell below the start, a validation-target warm-up, temperature 1.3 and 16 x 4 groups did not help;
 # 1000 fresh arithmetic problems instead of 64 (the policy memorised the 64) and 100 steps did (GRPO gained more at
 # 100 than at 80 steps on both families; 100 fit in the 45-minute budget once the runs went to 1-thread workers).
 # The knowledge base keeps 64 training problems so that most of its 384 distinct questions stay held out.
@@ -53,19 +61,12 @@ FULL = dict(seeds=5, sft_steps=300, rl_steps=100, eval_every=20, n_eval=625, gro
             solver_traces={"arith": 4, "kb": 16}, traces_top_k={"arith": 1, "kb": 5})  # fmt: skip
 
 
-def families() -> dict:
-    """Task family name -> (RL task factory, solver, SFT task factory). Arithmetic warms up on its own problems. The
-    knowledge-base family warms up on 2-hop questions and trains on 3-hop ones over the same knowledge base and
-    vocabulary: measured with the tiny policy, SFT on every hop count makes KB easy (0.93-0.99 greedy after 300
-    steps), while after 2-hop SFT the 3-hop pattern is found by 1-5% of samples, so exploration is the bottleneck
-    (the issue's point) and the solver's 3-hop traces hold the missing step."""
-    from rapo_fast.demo.tasks import ChainArithmeticTask, KnowledgeBaseTask, kb_solver_trajectories, solver_trajectories
+def families(setting: str = "legacy") -> tuple[str, ...]:
+    """The task families of a setting: the fair one has the aliased knowledge base only (the arithmetic family has
+    no version without the issue-24 flaws yet); the legacy one arithmetic and the knowledge base."""
+    from rapo_fast.demo.table1_families import FAIR_FAMILIES, LEGACY_FAMILIES
 
-    return {
-        "arith": (ChainArithmeticTask, solver_trajectories, ChainArithmeticTask),
-        "kb": (lambda: KnowledgeBaseTask(min_hops=3, max_hops=3), kb_solver_trajectories,
-               lambda: KnowledgeBaseTask(min_hops=2, max_hops=2)),
-    }  # fmt: skip
+    return FAIR_FAMILIES if setting == "fair" else LEGACY_FAMILIES
 
 
 def per_family(s: dict, key: str, family: str):
@@ -94,7 +95,7 @@ def _config(method: str, s: dict, seed: int):
     common = dict(group_size=s["group_size"], prompts_per_step=s["prompts_per_step"], lr=s["lr"], seed=seed,
                   max_step_tokens=16, mini_batch_groups=s["mini_batch_groups"])  # fmt: skip
     n_hybrid = s["group_size"] // 2
-    if method == "RAPO":
+    if method in ("RAPO", "RAPO_SFT_NO_RETRIEVE"):  # the same RL; the second from the warm-up without retrieval
         return TrainerConfig.RAPO(n_hybrid=n_hybrid, **common)
     if method == "RAPO_NO_RET_REWARD":
         return TrainerConfig.RAPO(n_hybrid=n_hybrid, **(common | dict(ret_coef=0.0)))
@@ -109,40 +110,80 @@ def _config(method: str, s: dict, seed: int):
     return TrainerConfig.GRPO(**common)
 
 
-def warm_up(task, tok, s: dict, seed: int) -> dict:
-    """The SFT warm-up weights of one (family, seed): every method starts from them."""
-    from rapo_fast.demo.tiny_policy import build_tiny_policy
-    from rapo_fast.train.sft import sft_warmup
-
-    torch.manual_seed(seed)
-    model = build_tiny_policy(tok.vocab_size, seed=seed)
-    pool = task.make_problems(2000, seed=seed + 2, start_qid=200_000)
-    if s["sft_steps"] > 0:
-        sft_warmup(model, tok, task, pool, steps=s["sft_steps"], batch_size=32, lr=3e-3, seed=seed, progress=False)
-    return copy.deepcopy(model.state_dict())
-
-
 def family_data(family: str, seed: int, s: dict) -> dict:
     """The task, tokenizer, training problems and held-out evaluation problems of one (family, seed): deterministic,
     cheap, rebuilt by every job rather than shipped between processes."""
-    task = families()[family][0]()
-    train = task.make_problems(per_family(s, "n_train", family), seed=seed)
-    return {"task": task, "tok": task.tokenizer(), "train": train,
-            "evals": held_out(task, train, s["n_eval"], seed=seed + 1)}  # fmt: skip
+    from rapo_fast.demo.table1_families import get_family
+
+    return get_family(family).data(seed, s)
+
+
+def _needs_plain_warm_up(s: dict) -> bool:
+    return "RAPO_SFT_NO_RETRIEVE" in s["methods"]
 
 
 def prepare(family: str, seed: int, s: dict, out: Path) -> dict[str, Path]:
-    """The shared inputs of one (family, seed)'s method runs, written into `out`: the SFT warm-up weights and the
-    solver's trajectories. Returns their paths."""
+    """The shared inputs of one (family, seed)'s method runs, written into `out`: the SFT warm-up weights (and those
+    of a warm-up without retrieved steps when RAPO_SFT_NO_RETRIEVE runs), RAPO's and OFFPOLICY_TRAJ's solver
+    trajectories (one file when the family gives both the same source), and the warm-up's diagnostics
+    (warmup_{family}_{seed}.json: the source's kept-trace figures; for readable families the hint/conditioning probe
+    and the hybrid rollout's leak at the warm-up). Returns their paths."""
+    from rapo_fast.demo.table1_families import get_family
     from rapo_fast.demo.tasks import write_jsonl
 
-    _, solver, make_sft_task = families()[family]
-    data = family_data(family, seed, s)
-    traces = solver(data["task"], data["train"], per_family(s, "solver_traces", family), 0.2, seed=seed)
-    paths = {"warm": out / f"warm_{family}_{seed}.pt", "jsonl": out / f"traces_{family}_{seed}.jsonl"}
-    write_jsonl(traces, paths["jsonl"])
-    _save_atomic(warm_up(make_sft_task(), data["tok"], s, seed), paths["warm"])
+    fam = get_family(family)
+    data = fam.data(seed, s)
+    k = per_family(s, "traces_top_k", family)
+    paths = {"warm": out / f"warm_{family}_{seed}.pt", "jsonl": out / f"traces_{family}_{seed}.jsonl",
+             "checks": out / f"warmup_{family}_{seed}.json"}  # fmt: skip
+    rapo_src = fam.rapo_source(data, s, seed)
+    write_jsonl(rapo_src, paths["jsonl"])
+    if fam.same_source:
+        off_src, paths["off_jsonl"] = rapo_src, paths["jsonl"]
+    else:
+        off_src, paths["off_jsonl"] = fam.offpolicy_source(data, s, seed), out / f"offpolicy_{family}_{seed}.jsonl"
+        write_jsonl(off_src, paths["off_jsonl"])
+    warm = fam.warm_up(data, s, seed)
+    _save_atomic(warm, paths["warm"])
+    if _needs_plain_warm_up(s):
+        paths["warm_plain"] = out / f"warm_plain_{family}_{seed}.pt"
+        _save_atomic(fam.warm_up(data, s, seed, retrieve_frac=0.0), paths["warm_plain"])
+    checks = warmup_checks(fam, data, warm, rapo_src, off_src, paths["jsonl"], k, s, seed)
+    write_file_atomic(paths["checks"], lambda f: f.write(json.dumps(checks, indent=1).encode()))
     return paths
+
+
+def warmup_checks(
+    fam, data: dict, warm: dict, rapo_src: list, off_src: list, jsonl: Path, k: int, s: dict, seed: int
+) -> dict:
+    """What the warm-up and the sources look like before any RL step: kept-trace figures of both sources, and for
+    readable families the probe of whether the policy can use a retrieved step, and a hybrid rollout's success, leak
+    and on-policy success on the training questions (sampled, seed-fixed)."""
+    from rapo_fast.demo import table1_diagnostics as D
+    from rapo_fast.retrieval.step_traces import StepTraces
+
+    out = {"rapo_source": D.kept_trace_stats(rapo_src, k), "offpolicy_source": D.kept_trace_stats(off_src, k),
+           "chance": fam.chance(data)}  # fmt: skip
+    if not fam.readable:
+        return out
+    model = _load_policy(data["tok"], warm, seed)
+    probes = data["train"][: min(32, len(data["train"]))]
+    if fam.retrieve_style == "foreign":
+        out["probe"] = D.hint_probe(model, data["tok"], data["task"], probes)
+    else:
+        out["probe"] = D.conditioning_probe(model, data["tok"], data["task"], probes)
+    traces = StepTraces.from_jsonl(jsonl, _encoder(s["encoder"]), data["tok"], top_k=k)
+    out["warmup_rollouts"] = D.rollout_figures(model, data["tok"], data["task"], probes, traces, s["group_size"], seed)
+    return out
+
+
+def _load_policy(tok, state: dict, seed: int):
+    from rapo_fast.demo.tiny_policy import build_tiny_policy
+
+    torch.manual_seed(seed)
+    model = build_tiny_policy(tok.vocab_size, seed=seed)
+    model.load_state_dict(state)
+    return model
 
 
 def _save_atomic(obj, path: Path) -> None:
@@ -153,8 +194,11 @@ def _save_atomic(obj, path: Path) -> None:
 
 def run_one(family: str, method: str, seed: int, s: dict, paths: dict[str, Path], enc: str) -> dict:
     """One method from the family's warm-up weights for `seed` (the files `prepare` wrote); returns its CSV row plus
-    its curves."""
-    from rapo_fast.demo.tiny_policy import build_tiny_policy
+    its curves. Readable families also get: leak_frac over the run's hybrid successes (RolloutReader), the final
+    evaluation read hop by hop (successes with an answer no observation showed), and the final policy's greedy
+    success on the training questions with retrieval from RAPO's source (eval_with_retrieval_train_final)."""
+    from rapo_fast.demo import table1_diagnostics as D
+    from rapo_fast.demo.table1_families import get_family
     from rapo_fast.retrieval.step_traces import StepTraces
     from rapo_fast.rollouts.offpolicy import OffPolicyTrajectories
     from rapo_fast.train.callbacks import EvalCallback
@@ -162,29 +206,41 @@ def run_one(family: str, method: str, seed: int, s: dict, paths: dict[str, Path]
     from rapo_fast.train.trainer import RAPOTrainer
 
     t0 = time.perf_counter()
-    data = family_data(family, seed, s)
+    fam = get_family(family)
+    data = fam.data(seed, s)
     task, tok = data["task"], data["tok"]
-    torch.manual_seed(seed)
-    model = build_tiny_policy(tok.vocab_size, seed=seed)
-    model.load_state_dict(torch.load(paths["warm"], weights_only=True))
+    warm = paths["warm_plain"] if method == "RAPO_SFT_NO_RETRIEVE" else paths["warm"]
+    model = _load_policy(tok, torch.load(warm, weights_only=True), seed)
     cfg = _config(method, s, seed)
     k = per_family(s, "traces_top_k", family)
     uses_traces = method.startswith("RAPO")
     traces = StepTraces.from_jsonl(paths["jsonl"], _encoder(enc), tok, top_k=k) if uses_traces else None
-    off = OffPolicyTrajectories.from_jsonl(paths["jsonl"], top_k=k) if method == "OFFPOLICY_TRAJ" else None
+    off = OffPolicyTrajectories.from_jsonl(paths["off_jsonl"], top_k=k) if method == "OFFPOLICY_TRAJ" else None
     trainer = RAPOTrainer(model, tok, task, traces, cfg, data["train"], offpolicy=off)
     held_out = EvalCallback(lambda t: evaluate(t.model, tok, task, data["evals"], max_step_tokens=16), s["eval_every"])
-    history = trainer.train(s["rl_steps"], progress=False, callbacks=[held_out], desc=f"{family}/{method}/{seed}")
+    callbacks = [held_out] + ([D.RolloutReader()] if fam.readable else [])
+    history = trainer.train(s["rl_steps"], progress=False, callbacks=callbacks, desc=f"{family}/{method}/{seed}")
     tokens = [0]
     for h in history:
         tokens.append(tokens[-1] + int(h.get("tokens_generated", 0)))
     curve = held_out.curve
-    return {
+    row = {
         "task": family, "method": method, "seed": seed, "eval_start": curve[0][1], "eval_final": curve[-1][1],
-        "eval_best": max(v for _, v in curve), "tokens_generated": tokens[-1], "wall_s": time.perf_counter() - t0,
+        "eval_best": max(v for _, v in curve), "tokens_generated": tokens[-1], "wall_s": math.nan,
         "encoder": enc, "arpo_rule": cfg.arpo_rule if method == "ARPO" else "",
-        "_curve": curve, "_tokens": tokens,
+        "leak_frac": math.nan, "hybrid_successes": 0, "unobserved_success_final": math.nan,
+        "eval_with_retrieval_train_final": math.nan, "_curve": curve, "_tokens": tokens,
     }  # fmt: skip
+    if fam.readable:
+        reader = callbacks[1]
+        row["leak_frac"], row["hybrid_successes"] = reader.leak_frac(), reader.hybrid_successes
+        row["_signatures"] = reader.signatures()
+        reads = D.read_greedy(trainer.model, tok, task, data["evals"])
+        row["unobserved_success_final"] = D.unobserved_success(reads)
+        src = traces if traces is not None else StepTraces.from_jsonl(paths["jsonl"], _encoder(enc), tok, top_k=k)
+        row["eval_with_retrieval_train_final"] = D.greedy_with_retrieval(trainer.model, tok, task, data["train"], src)
+    row["wall_s"] = time.perf_counter() - t0
+    return row
 
 
 def held_out(task, train: list, n: int, seed: int) -> list:
@@ -220,13 +276,19 @@ def add_targets(rows: list[dict]) -> None:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rapo-fast table1", description=__doc__.splitlines()[0])
     p.add_argument("--out", default="table1_out", help="output directory (default table1_out)")
+    p.add_argument("--setting", choices=SETTINGS, default="fair",
+                   help="fair (default): the aliased knowledge base of issue 24, every method and control; legacy: "
+                        "the setting before it (arithmetic and the 3-hop knowledge base; answers leak through "
+                        "retrieval, kept for the record)")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="2 seeds, few steps, small sets: a smoke run")
     p.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 (default 5, 2 with --quick)")
     p.add_argument("--rl-steps", type=int, default=None, help="RL steps per run (the same for every method)")
     p.add_argument("--sft-steps", type=int, default=None, help="SFT warm-up steps per (family, seed)")
     p.add_argument("--n-eval", type=int, default=None, help="held-out problems (625: standard error <= 0.02)")
     p.add_argument("--families", default=None, help="comma-separated task families (default: all)")
-    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {','.join(ALL_METHODS)}")
+    p.add_argument("--methods", default=None,
+                   help=f"comma-separated, from {','.join(ALL_METHODS)} (default: all with --setting fair, "
+                        f"{','.join(METHODS)} with legacy)")  # fmt: skip
     p.add_argument("--workers", type=int, default=None,
                    help="1-thread worker processes (default: one per core, at most 8; 0: in this process); the "
                         "results do not depend on it")  # fmt: skip
@@ -235,15 +297,16 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def setting_from(a: argparse.Namespace) -> dict:
-    s = dict(QUICK if a.quick else FULL)
+    fair = a.setting == "fair"
+    s = dict((FAIR_QUICK if a.quick else FAIR_FULL) if fair else (QUICK if a.quick else FULL), setting=a.setting)
     for key in ("seeds", "rl_steps", "sft_steps", "n_eval"):
         if getattr(a, key) is not None:
             if getattr(a, key) < (1 if key != "sft_steps" else 0):
                 raise SystemExit(f"rapo-fast table1: --{key.replace('_', '-')} must be >= 1, got {getattr(a, key)}")
             s[key] = getattr(a, key)
-    fams = families()
+    fams = families(a.setting)
     s["families"] = list(fams) if a.families is None else a.families.split(",")
-    s["methods"] = a.methods.split(",")
+    s["methods"] = (list(ALL_METHODS if fair else METHODS)) if a.methods is None else a.methods.split(",")
     for name, known in (("families", fams), ("methods", ALL_METHODS)):
         bad = [x for x in s[name] if x not in known]
         if bad:
@@ -251,10 +314,11 @@ def setting_from(a: argparse.Namespace) -> dict:
     return s
 
 
-# Which ready job a free worker takes first: prepare jobs (each unlocks four runs), then the longest runs, so that
-# the last ones to finish are short (measured, one full run: RAPO 110-150 s, ARPO and OFFPOLICY_TRAJ 50-75 s, GRPO
-# 40-60 s; arithmetic longer than the knowledge base).
-_COST = {"RAPO": 3, "RAPO_NO_RET_REWARD": 3, "RAPO_NO_SHAPING": 3, "ARPO": 2, "OFFPOLICY_TRAJ": 2, "GRPO": 1}
+# Which ready job a free worker takes first: prepare jobs (each unlocks the method runs), then the longest runs, so
+# that the last ones to finish are short (measured, one legacy full run: RAPO 110-150 s, ARPO and OFFPOLICY_TRAJ 50-75
+# s, GRPO 40-60 s; arithmetic longer than the knowledge base).
+_COST = {"RAPO": 3, "RAPO_NO_RET_REWARD": 3, "RAPO_NO_SHAPING": 3, "RAPO_SFT_NO_RETRIEVE": 3, "ARPO": 2,
+         "OFFPOLICY_TRAJ": 2, "GRPO": 1}  # fmt: skip
 
 
 def default_workers() -> int:
@@ -319,13 +383,15 @@ def run(s: dict, out: Path, progress: bool = True, workers: int | None = None) -
     if s["seeds"] < 1:
         raise ValueError(f"table1.run: setting 'seeds' must be >= 1, got {s['seeds']}")
     out.mkdir(parents=True, exist_ok=True)
-    enc, rows = encoder_name(), []
+    enc, rows = s.get("encoder") or encoder_name(), []
+    s = dict(s, encoder=enc)
     t_all = time.perf_counter()
     todo = [("prepare", (f, seed, s, out)) for f in s["families"] for seed in range(s["seeds"])]
     bar = tqdm(total=len(todo) * (1 + len(s["methods"])), desc="table1 jobs (SFT + runs)", disable=not progress)
     threads = torch.get_num_threads()
     pool = _InProcess() if workers == 0 else ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"))
     running: dict[Future, tuple] = {}
+    prepared: dict[tuple[str, int], dict] = {}
     try:
         while todo or running:
             while todo and len(running) < max(workers, 1):
@@ -339,6 +405,7 @@ def run(s: dict, out: Path, progress: bool = True, workers: int | None = None) -
                 except Exception as e:
                     raise RuntimeError(f"table1: the {kind} job of {_job_name(kind, args)} failed: {e!r}") from e
                 if kind == "prepare":
+                    prepared[(args[0], args[1])] = result
                     todo += [("run", (args[0], m, args[1], s, result, enc)) for m in s["methods"]]
                     todo.sort(key=_priority)
                 else:
@@ -353,8 +420,55 @@ def run(s: dict, out: Path, progress: bool = True, workers: int | None = None) -
     pool.shutdown()
     rows.sort(key=lambda r: (s["families"].index(r["task"]), r["seed"], s["methods"].index(r["method"])))
     add_targets(rows)
-    write_outputs(out, rows, s, enc, time.perf_counter() - t_all)
+    checks = build_checks(rows, prepared, s)
+    write_file_atomic(out / "table1_checks.json", lambda f: f.write(json.dumps(checks, indent=1).encode()))
+    write_outputs(out, rows, s, enc, time.perf_counter() - t_all, checks)
     return rows
+
+
+def _mean(xs) -> float:
+    xs = [float(x) for x in xs if not math.isnan(float(x))]
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+def build_checks(rows: list[dict], prepared: dict[tuple[str, int], dict], s: dict) -> dict:
+    """table1_checks.json: issue 24's go/no-go checks (table1_diagnostics.go_no_go) from the figures of the warm-up
+    files and of the runs, per family: no shortcut (the final evaluations' successes with an answer never observed,
+    the largest method mean, against the chance of guessing the answer's type), an imperfect source (RAPO's kept
+    traces), a policy that can use a retrieved step (the warm-up probe), no answer leak (pooled over RAPO's runs). The
+    figures, the per-seed warm-up files and the successes' signatures per method are kept beside the checks."""
+    from rapo_fast.demo import table1_diagnostics as D
+
+    warm = {f"{f}/{seed}": json.loads(Path(p["checks"]).read_text()) for (f, seed), p in sorted(prepared.items())}
+    figures: dict = {k: {} for k in ("unobserved_answer_success", "kept_trace_correct_frac", "conditioning_probe",
+                                     "hint_probe", "leak_frac")}  # fmt: skip
+    sigs: dict = {}
+    for fam in s["families"]:
+        ws = [w for key, w in warm.items() if key.split("/")[0] == fam]
+        fr = [r for r in rows if r["task"] == fam]
+        if not ws:
+            continue
+        figures["kept_trace_correct_frac"][fam] = _mean(w["rapo_source"]["kept_trace_correct_frac"] for w in ws)
+        if "probe" not in ws[0]:
+            continue  # a family whose completions are not read hop by hop (arithmetic)
+        probe = "hint_probe" if "p_next_given_hint" in ws[0]["probe"] else "conditioning_probe"
+        figures[probe][fam] = {k: _mean(w["probe"][k] for w in ws) for k in ws[0]["probe"] if k != "n"}
+        per_method = {m: _mean(r["unobserved_success_final"] for r in fr if r["method"] == m) for m in s["methods"]}
+        per_method = {m: v for m, v in per_method.items() if not math.isnan(v)}
+        if per_method:
+            worst = max(per_method, key=per_method.get)
+            figures["unobserved_answer_success"][fam] = {"value": per_method[worst], "method": worst,
+                                                         "chance": _mean(w["chance"] for w in ws),
+                                                         "n": s["n_eval"] * s["seeds"]}  # fmt: skip
+        rapo = [r for r in fr if r["method"] == "RAPO" and int(r.get("hybrid_successes", 0) or 0) > 0]
+        n_hits = sum(int(r["hybrid_successes"]) for r in rapo)
+        if any(r["method"] == "RAPO" for r in fr):
+            figures["leak_frac"][fam] = (
+                sum(float(r["leak_frac"]) * int(r["hybrid_successes"]) for r in rapo) / n_hits if n_hits else math.nan
+            )
+        sigs[fam] = {r["method"] + f"/{r['seed']}": r.get("_signatures", {}) for r in fr}
+    return {"setting": s.get("setting", "legacy"), "checks": D.go_no_go(figures), "figures": figures,
+            "warmup": warm, "signatures": sigs}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,6 +26,8 @@ from collections.abc import Sequence
 
 import torch
 
+from rapo_fast.train.callbacks import TrainerCallback
+
 # One segment of a completion: a retrieved block, an answer, or an own tool step (whatever the policy wrote up to
 # `</tool>`, then the tool's observation); scanned left to right, so every segment starts where the last one ended.
 _SEGMENT = re.compile(
@@ -192,6 +194,108 @@ def conditioning_probe(model, tok, task, problems: Sequence) -> dict:
     }
 
 
+def hint_probe(model, tok, task, problems: Sequence) -> dict:
+    """The probe of the aliased setting (rapo_fast/demo/tasks/kb_alias.py): P(the policy's own hop k is right | a
+    foreign step for hop k shown retrieved) against P(... | nothing retrieved), greedy, over every problem and every
+    position k >= 1 (retrieval never fires before the first step), the correct hops 0..k-1 before. The foreign step
+    (`problem.hints[k]`) is the same relation on another entity, with another observation: a policy that can use it
+    takes its relation and applies it to its own entity."""
+    ctx_plain, ctx_hint, want = [], [], []
+    for p in problems:
+        steps = task.solution(p)[:-1]
+        for k in range(1, len(steps)):
+            prefix = " ".join([p.prompt, *steps[:k]])
+            ctx_plain.append(prefix)
+            ctx_hint.append(f"{prefix} <retrieve> {p.hints[k]} </retrieve>")
+            want.append((p.relations[k], p.path[k - 1]))
+    if not want:
+        return {"p_next_given_hint": math.nan, "p_next_without_hint": math.nan, "n": 0}
+    hint = _greedy_steps(model, tok, [" ".join(c.split()) for c in ctx_hint])
+    plain = _greedy_steps(model, tok, [" ".join(c.split()) for c in ctx_plain])
+    return {
+        "p_next_given_hint": sum(_own_hop_ok(t, r, e) for t, (r, e) in zip(hint, want)) / len(want),
+        "p_next_without_hint": sum(_own_hop_ok(t, r, e) for t, (r, e) in zip(plain, want)) / len(want),
+        "n": len(want),
+    }
+
+
+# -- reading rollouts ----------------------------------------------------------------------------------------------
+def read_batch(problems: Sequence, batch, rows=None) -> list[dict]:
+    """read_completion of the batch's rows (all, or the indices `rows`) against their questions."""
+    idx = range(len(batch.completions)) if rows is None else rows
+    return [read_completion(problems[int(batch.prompt_index[i])], batch.completions[i]) for i in idx]
+
+
+def rollout_figures(model, tok, task, problems: Sequence, traces, group_size: int, seed: int) -> dict:
+    """One sampled on-policy and one sampled hybrid rollout (every row hybrid, retrieve_prob 0.5) of `problems`,
+    read hop by hop: success rates, leak_frac, unobserved success and the successes' signatures."""
+    from rapo_fast.rollouts.loop import rollout
+
+    common = dict(group_size=group_size, temperature=1.0, max_step_tokens=16, seed=seed)
+    on = read_batch(problems, rollout(model, tok, task, problems, strategy="on_policy", n_hybrid=0, **common))
+    hy = read_batch(problems, rollout(model, tok, task, problems, strategy="hybrid", n_hybrid=group_size,
+                                      traces=traces, **common))  # fmt: skip
+    return {
+        "onpolicy_success": sum(r["success"] for r in on) / len(on),
+        "onpolicy_unobserved_success": unobserved_success(on),
+        "hybrid_success": sum(r["success"] for r in hy) / len(hy),
+        "hybrid_leak_frac": leak_frac(hy),
+        "onpolicy_signatures": signatures(on),
+        "hybrid_signatures": signatures(hy),
+        "n": len(on),
+    }
+
+
+def read_greedy(model, tok, task, problems: Sequence, max_step_tokens: int = 16) -> list[dict]:
+    """The greedy evaluation rollout (no retrieval; as rapo_fast.train.sft.evaluate) read hop by hop."""
+    from rapo_fast.rollouts.loop import rollout
+
+    b = rollout(model, tok, task, problems, group_size=1, strategy="on_policy", n_hybrid=0, temperature=0.0,
+                max_step_tokens=max_step_tokens)  # fmt: skip
+    return read_batch(problems, b)
+
+
+def greedy_with_retrieval(model, tok, task, problems: Sequence, traces, seed: int = 0) -> float:
+    """Greedy success on `problems` with retrieval from `traces` (one hybrid row per problem, retrieve_prob 0.5 drawn
+    from a fixed seed): what the policy does when it is shown the source's steps."""
+    from rapo_fast.rollouts.loop import rollout
+
+    b = rollout(model, tok, task, problems, group_size=1, strategy="hybrid", n_hybrid=1, traces=traces,
+                temperature=0.0, max_step_tokens=16, seed=seed)  # fmt: skip
+    return sum(task.verify(problems[int(i)], c) for i, c in zip(b.prompt_index, b.completions)) / len(problems)
+
+
+class RolloutReader(TrainerCallback):
+    """A trainer callback that reads every step's rollouts
+    (trainer.last_batch against trainer.last_problems): counts the hybrid successes that retrieved and those whose
+    answer was a retrieved observation (leak_frac over the run), and the successes' signatures per row kind."""
+
+    def __init__(self):
+        self.hybrid_successes = 0
+        self.leaked = 0
+        self.counts: dict[str, Counter] = {"hybrid": Counter(), "onpolicy": Counter()}
+
+    def on_step_end(self, trainer, step: int, metrics: dict):
+        batch, problems = trainer.last_batch, trainer.last_problems
+        off = getattr(batch, "offpolicy_rows", None)
+        for i, r in enumerate(read_batch(problems, batch)):
+            if off is not None and bool(off[i]):
+                continue  # a whole off-policy trajectory: not the policy's
+            kind = "hybrid" if bool(batch.hybrid[i]) else "onpolicy"
+            if r["success"]:
+                self.counts[kind][signature(r)] += 1
+                if kind == "hybrid" and r["retrieved_obs"]:
+                    self.hybrid_successes += 1
+                    self.leaked += r["answer"] in r["retrieved_obs"]
+        return None
+
+    def leak_frac(self) -> float:
+        return self.leaked / self.hybrid_successes if self.hybrid_successes else math.nan
+
+    def signatures(self, top: int = 6) -> dict:
+        return {k: dict(c.most_common(top)) for k, c in self.counts.items()}
+
+
 # -- the off-policy source ---------------------------------------------------------------------------------------
 def kept_trace_stats(records: Sequence[dict], top_k: int) -> dict:
     """The top-k-by-reward traces per query (what RAPO's buffer and OFFPOLICY_TRAJ keep): the correct fraction, the
@@ -219,13 +323,16 @@ def kept_trace_stats(records: Sequence[dict], top_k: int) -> dict:
 LEAK_MAX = 0.25  # issue 24: the default setting keeps leak_frac at or under this
 KEPT_CORRECT_MAX = 0.8  # an imperfect source: top-k keeps wrong trajectories (98.8% correct was the oracle)
 PROBE_MIN_RATIO = 0.5  # a policy that uses a retrieved step: at least half its success after its own step
+HINT_MIN = 0.5  # the aliased setting: a foreign retrieved step makes the right own hop at least this likely
 
 
 def go_no_go(figures: dict) -> dict:
     """The checks of table1_checks.json from the measured figures: for each, the figure, its bound and `pass`.
 
     figures: unobserved_answer_success {family: {"value", "chance", "n"}}, kept_trace_correct_frac {family: x},
-    conditioning_probe {family: {"p_next_given_retrieved", "p_next_given_own"}}, leak_frac {family: x} (the mean
+    conditioning_probe {family: {"p_next_given_retrieved", "p_next_given_own"}} (or, for the aliased setting,
+    hint_probe {family: {"p_next_given_hint", "p_next_without_hint"}}: passes when the hint makes the right hop at
+    least HINT_MIN likely and more likely than without it), leak_frac {family: x} (the mean
     over RAPO's runs; NaN, no success that retrieved, passes: nothing leaked)."""
     checks: dict = {}
     for fam, u in figures.get("unobserved_answer_success", {}).items():
@@ -238,6 +345,10 @@ def go_no_go(figures: dict) -> dict:
         own, ret = pr["p_next_given_own"], pr["p_next_given_retrieved"]
         ok = own > 0 and ret >= PROBE_MIN_RATIO * own
         checks[f"uses_retrieved_step/{fam}"] = {"value": ret, "own": own, "bound": PROBE_MIN_RATIO * own, "pass": ok}
+    for fam, pr in figures.get("hint_probe", {}).items():
+        hint, plain = pr["p_next_given_hint"], pr["p_next_without_hint"]
+        ok = bool(hint >= HINT_MIN and hint > plain)
+        checks[f"uses_retrieved_step/{fam}"] = {"value": hint, "without": plain, "bound": HINT_MIN, "pass": ok}
     for fam, x in figures.get("leak_frac", {}).items():
         checks[f"no_answer_leak/{fam}"] = {"value": x, "bound": LEAK_MAX,
                                            "pass": bool(math.isnan(x) or x <= LEAK_MAX)}  # fmt: skip

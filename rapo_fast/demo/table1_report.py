@@ -1,5 +1,6 @@
-"""The three files of `rapo-fast table1`: table1.csv (one row per run), table1.md (the paper-style table, paired
-differences against GRPO, efficiency) and table1.png (mean held-out curve +- band per method, one panel per family).
+"""The files of `rapo-fast table1`: table1.csv (one row per run), table1.md (the paper-style table, paired
+differences against GRPO and the matched control, efficiency, diagnostics), table1.png (mean held-out curve +- band
+per method, one panel per family) and table1_checks.json (issue 24's go/no-go checks with the figures behind them).
 
 What this is: formatting of rows that rapo_fast/demo/table1.py produced, with the statistics of
 rapo_fast/demo/table1_stats.py. What this is not: the runs, or any claim about them.
@@ -13,9 +14,16 @@ from pathlib import Path
 
 from rapo_fast.demo.table1_stats import fmt, mean_ci, paired_diff
 
-COLORS = {"GRPO": "tab:blue", "ARPO": "tab:green", "RAPO": "tab:red", "OFFPOLICY_TRAJ": "tab:purple"}
+COLORS = {"GRPO": "tab:blue", "ARPO": "tab:green", "RAPO": "tab:red", "OFFPOLICY_TRAJ": "tab:purple",
+          "GRPO_ONPOLICY_MATCHED": "tab:cyan", "RAPO_NO_RET_REWARD": "tab:orange", "RAPO_NO_SHAPING": "tab:brown",
+          "RAPO_SFT_NO_RETRIEVE": "tab:pink"}  # fmt: skip
+# leak_frac: over the run's hybrid successes that retrieved (hybrid_successes of them), the fraction whose answer was a
+# retrieved observation; unobserved_success_final: final greedy evaluation, right answers no observation of the
+# row showed; eval_with_retrieval_train_final: the final policy, greedy, on the training questions with retrieval
+# from RAPO's source (NaN where the family's completions cannot be read hop by hop).
 CSV_COLUMNS = ("task", "method", "seed", "eval_start", "eval_final", "eval_best", "steps_to_target",
-               "tokens_to_target", "tokens_generated", "wall_s", "encoder", "arpo_rule")  # fmt: skip
+               "tokens_to_target", "tokens_generated", "wall_s", "encoder", "arpo_rule", "leak_frac",
+               "hybrid_successes", "unobserved_success_final", "eval_with_retrieval_train_final")  # fmt: skip
 
 
 def _by(rows: list[dict], task: str, method: str, key: str) -> dict[int, float]:
@@ -113,11 +121,43 @@ def plot(path: Path, rows: list[dict], tasks: list[str], methods: list[str]) -> 
     plt.close(fig)
 
 
+def diagnostics_table(rows: list[dict], tasks: list[str], methods: list[str]) -> list[str]:
+    """Per task and method: generated tokens and wall time (means over seeds), leak_frac pooled over the seeds'
+    hybrid successes, the final evaluation's unobserved-answer success and the greedy success with retrieval on the
+    training questions (means +- 95% CI)."""
+    lines = ["| task | method | tokens (mean) | wall s (mean) | leak_frac (pooled, n) | unobserved success | "
+             "with retrieval (train) |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for t in tasks:
+        for m in methods:
+            rs = [r for r in rows if r["task"] == t and r["method"] == m]
+            if not rs:
+                continue
+            n_hits = sum(int(r.get("hybrid_successes", 0) or 0) for r in rs)
+            leaked = sum(float(r["leak_frac"]) * int(r["hybrid_successes"]) for r in rs
+                         if int(r.get("hybrid_successes", 0) or 0) > 0)  # fmt: skip
+            leak = f"{leaked / n_hits:.3f} ({n_hits})" if n_hits else "- (0)"
+            tokens = fmt(mean_ci([float(r["tokens_generated"]) for r in rs])[0], math.nan, 0)
+            wall = fmt(mean_ci([float(r["wall_s"]) for r in rs])[0], math.nan, 0)
+            unobs, with_ret = (fmt(*mean_ci([float(r.get(k, math.nan)) for r in rs]))
+                               for k in ("unobserved_success_final", "eval_with_retrieval_train_final"))  # fmt: skip
+            lines.append(f"| {t} | {m} | {tokens} | {wall} | {leak} | {unobs} | {with_ret} |")
+    return lines
+
+
+def checks_lines(checks: dict) -> list[str]:
+    lines = ["| check | value | bound | pass |", "|---|---|---|---|"]
+    for name, c in checks.items():
+        lines.append(f"| {name} | {c['value']:.3f} | {c['bound']:.3f} | {'yes' if c['pass'] else 'NO'} |")
+    return lines
+
+
 def _per_task(v, tasks: list[str]) -> str:
     return ", ".join(f"{t} {v[t]}" for t in tasks) if isinstance(v, dict) else str(v)
 
 
-def write_outputs(out: Path, rows: list[dict], s: dict, encoder: str, wall_s: float) -> None:
+def write_outputs(
+    out: Path, rows: list[dict], s: dict, encoder: str, wall_s: float, checks: dict | None = None
+) -> None:
     tasks = [t for t in s["families"] if any(r["task"] == t for r in rows)]
     methods = [m for m in s["methods"] if any(r["method"] == m for r in rows)]
     write_csv(out / "table1.csv", rows, CSV_COLUMNS)
@@ -147,6 +187,12 @@ def write_outputs(out: Path, rows: list[dict], s: dict, encoder: str, wall_s: fl
         "Ratios to GRPO: the method's total over GRPO's on the n seeds both reached.",
         "",
     ]
+    if "GRPO_ONPOLICY_MATCHED" in methods:
+        md += ["## Paired difference against GRPO with RAPO's on-policy row count", "",
+               *paired_table(rows, tasks, methods, base="GRPO_ONPOLICY_MATCHED"), ""]  # fmt: skip
+    md += ["## Budgets and diagnostics", "", *diagnostics_table(rows, tasks, methods), ""]
+    if checks is not None:
+        md += ["## Go/no-go checks (table1_checks.json)", "", *checks_lines(checks["checks"]), ""]
     (out / "table1.md").write_text("\n".join(md))
     plot(out / "table1.png", rows, tasks, methods)
 
@@ -160,4 +206,6 @@ __all__ = [
     "paired_table",
     "efficiency_table",
     "plot",
+    "diagnostics_table",
+    "checks_lines",
 ]

@@ -43,7 +43,8 @@ def all_chains(min_hops: int = 2, max_hops: int = 3) -> list[tuple[str, ...]]:
 
 
 def alias_table(alias_seed: int = 0) -> dict[tuple[str, ...], str]:
-    """chain -> alias word: the 18 chains of 2-3 hops shuffled by `alias_seed` onto q0..q17 (some have no question: a chain that comes back to its start is no multi-hop question)."""
+    """chain -> alias word: the 18 chains of 2-3 hops shuffled by `alias_seed` onto q0..q17 (some have no question:
+    a chain that comes back to its start is no multi-hop question)."""
     chains = all_chains()
     if len(chains) != N_ALIASES:  # the relation table changed: the vocabulary must follow
         raise AssertionError(f"kb_alias: {len(chains)} chains of 2-3 hops, ALIASES holds {N_ALIASES}")
@@ -70,9 +71,9 @@ class AliasKBTask(KnowledgeBaseTask):
 
     Args: chains (the relation chains, innermost first, that `make_problems` asks about; None: every chain of 2-3
     hops), alias_seed (which alias names which chain), by_alias (False: the questions name their relations, as in
-    kb.py, and still carry hints: the warm-up's explicit demonstrations), and KnowledgeBaseTask's entity counts, kb_seed and
-    fact_seed. Every instance has the same vocabulary (kb.py's words and all 18 aliases), so a policy warmed up on
-    one set of chains or facts can be trained and evaluated on another.
+    kb.py, and still carry hints: the warm-up's explicit demonstrations), and KnowledgeBaseTask's entity counts,
+    kb_seed and fact_seed. Every instance has the same vocabulary (kb.py's words and all 18 aliases), so a policy
+    warmed up on one set of chains or facts can be trained and evaluated on another.
     """
 
     def __init__(
@@ -95,8 +96,14 @@ class AliasKBTask(KnowledgeBaseTask):
         (drawn from its own generator: the questions are those of the explicit task with the same arguments)."""
         rng = random.Random(f"hints/{seed}")
         return [
-            AliasProblem(p.qid, p.start, p.relations, p.path, self.alias_of[p.relations] if self.by_alias else None,
-                         self._hints(p, rng))  # fmt: skip
+            AliasProblem(
+                p.qid,
+                p.start,
+                p.relations,
+                p.path,
+                self.alias_of[p.relations] if self.by_alias else None,
+                self._hints(p, rng),
+            )  # fmt: skip
             for p in super().make_problems(n, seed, start_qid, starts)
         ]
 

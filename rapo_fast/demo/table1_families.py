@@ -1,0 +1,184 @@
+"""The task families of `rapo-fast table1`: for each, where its questions, warm-up, off-policy source and held-out
+evaluation come from.
+
+What this is: one small class per kind of family, each answering the same five questions for the runner
+(rapo_fast/demo/table1.py): `data(seed, s)` (task, tokenizer, training and held-out problems), `warm_up(...)` (the SFT
+weights every method starts from), `rapo_source(...)` (the solver trajectories RAPO's step buffer is built from),
+`offpolicy_source(...)` (those OFFPOLICY_TRAJ imitates whole) and `readable` (whether
+rapo_fast.demo.table1_diagnostics can read its completions hop by hop).
+
+- `AliasFamily` ("kb_alias", the default setting since issue 24): questions name their relation chain by an alias
+  (rapo_fast/demo/tasks/kb_alias.py). The warm-up demonstrates 14 of the 18 aliases and every chain in the explicit
+  format, on 50 other draws of the facts (no fact of the RL knowledge base is ever trained on by SFT); RL and the
+  held-out evaluation ask the other 4 aliases, over disjoint start entities. The imperfect solver errs by hop
+  (sloppy on the first and last hop, reliable on the middle one), so that top-5 of 16 keeps wrong trajectories.
+  OFFPOLICY_TRAJ gets that solver's trajectories of the training questions themselves (LUFFY's setting: whole
+  demonstrations of the same prompts, in the RL knowledge base); RAPO's step buffer gets the same solver's
+  trajectories of the same 4 aliases in another draw of the facts: a retrieved step shows which relation to take,
+  never this knowledge base's answer (measured at the warm-up: with a same-draw source 2/3 of hybrid successes copied
+  their answer from a retrieved observation; docs/table1_fair_design.md). That asymmetry favours the baseline (its
+  demonstrations hold true facts of the RL knowledge base), which is the conservative side for testing RAPO's claim.
+- `LegacyFamily` ("arith", "kb": the setting before issue 24, `--setting legacy`): warm-up, RL and evaluation on one
+  knowledge base, one solver file for both methods; kept so that earlier tables can be rebuilt. It does not test
+  RAPO's claim (issue 24 lists why).
+
+What this is not: the runner, the statistics, or the diagnostics.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+# The aliases left to RL: the four 3-hop chains the warm-up never shows under their alias (three from a person,
+# one from a company). works_for -> ceo -> works_for is not among them: its answer is its first hop's observation.
+RL_CHAINS: tuple[tuple[str, ...], ...] = (
+    ("works_for", "ceo", "born_in"),
+    ("works_for", "hq_in", "located_in"),
+    ("born_in", "located_in", "capital"),
+    ("ceo", "born_in", "located_in"),
+)
+SOLVER_ERROR_BY_HOP = (0.5, 0.15, 0.6)  # P(a solver step goes wrong) at hop 1, 2, 3: about 17% of 3-hop traces right
+SFT_DRAWS, SFT_PER_DRAW = 50, 40  # warm-up pool: 50 draws of the facts x (40 alias + 40 explicit questions)
+HELD_OUT_FRAC = 0.34  # of the start entities, for the held-out questions only
+SOURCE_QUESTIONS = 64  # RAPO's source: this many questions in another draw of the facts
+
+
+def _tiny_policy(tok, seed: int):
+    from rapo_fast.demo.tiny_policy import build_tiny_policy
+
+    torch.manual_seed(seed)
+    return build_tiny_policy(tok.vocab_size, seed=seed)
+
+
+class AliasFamily:
+    """The fair setting of issue 24 (module docstring)."""
+
+    name = "kb_alias"
+    readable = True
+    same_source = False
+    retrieve_style = "foreign"
+
+    def task(self, fact_seed: int | None = None, chains=RL_CHAINS, by_alias: bool = True):
+        from rapo_fast.demo.tasks.kb_alias import AliasKBTask
+
+        return AliasKBTask(chains=chains, by_alias=by_alias, fact_seed=fact_seed)
+
+    def data(self, seed: int, s: dict) -> dict:
+        """Training questions over one part of the start entities, held-out ones over the rest (`HELD_OUT_FRAC`);
+        the same knowledge base (kb_seed 0) for every seed, the split and the questions drawn by `seed`."""
+        task = self.task()
+        train_starts, held = task.split_starts(HELD_OUT_FRAC, seed=seed)
+        train = task.make_problems(s["n_train"], seed=seed, starts=train_starts)
+        evals = task.make_problems(s["n_eval"], seed=seed + 1, starts=held, start_qid=100_000)
+        return {"task": task, "tok": task.tokenizer(), "train": train, "evals": evals}
+
+    def sft_pool(self, seed: int) -> list:
+        """Alias questions of the other 14 chains and explicit questions of all 18, each draw of the facts its own
+        (fact seeds 10_000 + 100 seed + d: never the RL knowledge base's, never another seed's)."""
+        from rapo_fast.demo.tasks.kb_alias import chain_split
+
+        sft_chains, _ = chain_split(RL_CHAINS)
+        pool: list = []
+        for d in range(SFT_DRAWS):
+            fs = 10_000 + 100 * seed + d
+            pool += self.task(fs, sft_chains).make_problems(SFT_PER_DRAW, seed=d)
+            pool += self.task(fs, None, by_alias=False).make_problems(SFT_PER_DRAW, seed=d + 777)
+        return pool
+
+    def warm_up(self, data: dict, s: dict, seed: int, retrieve_frac: float = 0.3) -> dict:
+        from rapo_fast.train.sft import sft_warmup
+
+        model = _tiny_policy(data["tok"], seed)
+        if s["sft_steps"] > 0:
+            sft_warmup(model, data["tok"], data["task"], self.sft_pool(seed), steps=s["sft_steps"], batch_size=32,
+                       lr=3e-3, seed=seed, retrieve_frac=retrieve_frac, retrieve_style=self.retrieve_style)  # fmt: skip
+        return copy.deepcopy(model.state_dict())
+
+    def rapo_source(self, data: dict, s: dict, seed: int) -> list[dict]:
+        """The solver on the RL aliases in another draw of the facts (fact seed 20_000 + seed)."""
+        from rapo_fast.demo.tasks import kb_solver_trajectories
+
+        src = self.task(20_000 + seed)
+        qs = src.make_problems(SOURCE_QUESTIONS, seed=seed + 3, start_qid=50_000)
+        return kb_solver_trajectories(src, qs, s["solver_traces"], SOLVER_ERROR_BY_HOP, seed=seed)
+
+    def offpolicy_source(self, data: dict, s: dict, seed: int) -> list[dict]:
+        """The same solver on the training questions themselves, in the RL knowledge base."""
+        from rapo_fast.demo.tasks import kb_solver_trajectories
+
+        return kb_solver_trajectories(data["task"], data["train"], s["solver_traces"], SOLVER_ERROR_BY_HOP, seed=seed)
+
+    def chance(self, data: dict) -> float:
+        """The success rate of a uniform guess among the entities of each held-out answer's type."""
+        t = data["task"]
+        return sum(1.0 / len(t.entities[t.entity_type[p.answer]]) for p in data["evals"]) / len(data["evals"])
+
+
+class LegacyFamily:
+    """The setting before issue 24: arithmetic chains, or the knowledge base with 2-hop SFT and 3-hop RL on one
+    draw of the facts. One solver file (error 0.2) is both RAPO's source and OFFPOLICY_TRAJ's."""
+
+    retrieve_style = "replace"
+    same_source = True
+
+    def __init__(self, name: str):
+        if name not in ("arith", "kb"):
+            raise ValueError(f"LegacyFamily: name must be 'arith' or 'kb', got {name!r}")
+        self.name, self.readable = name, name == "kb"
+
+    def _tasks(self):
+        from rapo_fast.demo.tasks import ChainArithmeticTask, KnowledgeBaseTask
+
+        if self.name == "arith":
+            return ChainArithmeticTask(), ChainArithmeticTask()
+        return KnowledgeBaseTask(min_hops=3, max_hops=3), KnowledgeBaseTask(min_hops=2, max_hops=2)
+
+    def data(self, seed: int, s: dict) -> dict:
+        from rapo_fast.demo.table1 import held_out, per_family
+
+        task = self._tasks()[0]
+        train = task.make_problems(per_family(s, "n_train", self.name), seed=seed)
+        return {"task": task, "tok": task.tokenizer(), "train": train,
+                "evals": held_out(task, train, s["n_eval"], seed=seed + 1)}  # fmt: skip
+
+    def warm_up(self, data: dict, s: dict, seed: int, retrieve_frac: float = 0.3) -> dict:
+        from rapo_fast.train.sft import sft_warmup
+
+        sft_task = self._tasks()[1]
+        model = _tiny_policy(data["tok"], seed)
+        pool = sft_task.make_problems(2000, seed=seed + 2, start_qid=200_000)
+        if s["sft_steps"] > 0:
+            sft_warmup(model, data["tok"], sft_task, pool, steps=s["sft_steps"], batch_size=32, lr=3e-3, seed=seed,
+                       retrieve_frac=retrieve_frac, progress=False)  # fmt: skip
+        return copy.deepcopy(model.state_dict())
+
+    def rapo_source(self, data: dict, s: dict, seed: int) -> list[dict]:
+        from rapo_fast.demo.table1 import per_family
+        from rapo_fast.demo.tasks import kb_solver_trajectories, solver_trajectories
+
+        solver = solver_trajectories if self.name == "arith" else kb_solver_trajectories
+        return solver(data["task"], data["train"], per_family(s, "solver_traces", self.name), 0.2, seed=seed)
+
+    offpolicy_source = rapo_source
+
+    def chance(self, data: dict) -> float:
+        t = data["task"]
+        if self.name == "arith":
+            return float("nan")
+        return sum(1.0 / len(t.entities[t.entity_type[p.answer]]) for p in data["evals"]) / len(data["evals"])
+
+
+def get_family(name: str):
+    """The family object of a table1 family name."""
+    if name == AliasFamily.name:
+        return AliasFamily()
+    return LegacyFamily(name)
+
+
+FAIR_FAMILIES = (AliasFamily.name,)
+LEGACY_FAMILIES = ("arith", "kb")
+
+__all__ = ["AliasFamily", "LegacyFamily", "get_family", "RL_CHAINS", "SOLVER_ERROR_BY_HOP", "FAIR_FAMILIES",
+           "LEGACY_FAMILIES"]  # fmt: skip
