@@ -157,10 +157,11 @@ class StepTraces:
 
     def _add(
         self, histories: Sequence[str], steps: Sequence[str], group_ids: Sequence[int], scores: Sequence[float]
-    ) -> torch.Tensor:
-        """Encode, tokenize and check everything, then store (payloads, K/V, buffer). A refusal at any point leaves the
-        object as it was: what is checked first is what `load` would refuse (non-finite keys, bad token ids), and a
-        failure while storing undoes the payloads and K/V already written."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Encode, tokenize and check everything, then store (payloads, K/V, buffer); returns (payload ids [M], the
+        buffer's slots [M] on the CPU, -1 for a step it did not keep). A refusal at any point leaves the object as it
+        was: what is checked first is what `load` would refuse (non-finite keys, bad token ids), and a failure while
+        storing undoes the payloads and K/V already written."""
         n = len(steps)
         keys = self.encoder([strip_retrieve_markers(h) for h in histories])
         if not isinstance(keys, torch.Tensor) or keys.dim() != 2 or keys.shape[0] != n:
@@ -189,7 +190,7 @@ class StepTraces:
         try:
             if self.kv_store is not None:
                 self._store_kv(pids.tolist(), segs)
-            self.buffer.add(
+            slots = self.buffer.add(
                 keys.to(dev),
                 pids.to(dev),
                 torch.tensor(list(group_ids), dtype=torch.int64, device=dev),
@@ -200,7 +201,7 @@ class StepTraces:
             if self.kv_store is not None:
                 self.kv_store.evict(pids.tolist())
             raise
-        return pids
+        return pids, slots.cpu()
 
     def _store_kv(self, pids: list[int], segs: list[list[int]]) -> None:
         self.kv_store.add_from_model(self.model, pids, segs, batch_size=64, replace=True)
@@ -216,13 +217,23 @@ class StepTraces:
         steps: Sequence[str],
         group_ids: Sequence[int],
         scores: Sequence[float] | None = None,
-    ) -> torch.Tensor:
+        *,
+        return_slots: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Add the policy's own steps (on-policy) under their prompts' group ids; returns their payload ids [M].
 
         histories, steps: str; group_ids: ints in [0, 2^63 - 1] (bool refused); scores: None (1.0 each) or finite
         numbers. All or nothing: every argument, the encoder's keys and the tokenizer's ids are checked before anything
         is stored, so a refused call (ValueError/TypeError naming the argument) leaves the object, and what it saves,
-        as it was."""
+        as it was.
+
+        Every step gets a payload id (and counts in num_onpolicy), but the buffer may not keep it: a full buffer whose
+        every slot holds a pinned off-policy step drops new steps, lowest_score eviction drops a step scored below
+        every evictable one, and a batch larger than the free room overwrites its own first steps (StepBuffer.add).
+        return_slots=True returns (payload ids [M], slots [M] int64 on the CPU) instead, slot -1 for a step the
+        buffer did not keep, so that a caller can count what was stored: `int((slots >= 0).sum())`."""
+        if not isinstance(return_slots, bool):
+            raise TypeError(f"add_steps: return_slots must be a bool, got {type(return_slots).__name__}")
         for name, xs in (("histories", histories), ("steps", steps)):
             if isinstance(xs, str) or not isinstance(xs, Sequence):
                 raise TypeError(f"add_steps: {name} must be a list of str, got {type(xs).__name__}")
@@ -248,10 +259,11 @@ class StepTraces:
                 )
             sc = [C.check_float(f"add_steps: scores[{i}]", x) for i, x in enumerate(scores)]
         if not steps:
-            return torch.zeros(0, dtype=torch.int64)
-        pids = self._add(list(histories), list(steps), groups, sc)
+            empty = torch.zeros(0, dtype=torch.int64)
+            return (empty, empty.clone()) if return_slots else empty
+        pids, slots = self._add(list(histories), list(steps), groups, sc)
         self.num_onpolicy += len(steps)
-        return pids
+        return (pids, slots) if return_slots else pids
 
     def retrieve(
         self, histories: Sequence[str], exclude_groups: Sequence[int] | None = None, min_score: float | None = None

@@ -156,8 +156,9 @@ class RAPOTrainer:
         (rollouts neither hybrid nor off-policy), tokens_generated (tokens the policy sampled), retrieval_rate
         (hybrid rollouts with >= 1 retrieval), retrievals_per_traj, f_ret, retrieval_reward (mean Z over trajectories
         with a scored retrieval), loss, entropy, the loss's clip/ratio/TIS metrics, tokens_per_s (response tokens per
-        rollout second) and seconds per phase (t_rollout excludes t_retrieval and t_splice; t_logprob, t_loss
-        (forward + backward), t_optimizer, t_buffer)."""
+        rollout second), onpolicy_steps_added / onpolicy_steps_dropped (with add_onpolicy_steps: the successful
+        tool steps the buffer stored / did not store, e.g. when pinned off-policy steps fill it) and seconds per phase
+        (t_rollout excludes t_retrieval and t_splice; t_logprob, t_loss (forward + backward), t_optimizer, t_buffer)."""
         cfg, t0 = self.config, time.perf_counter()
         problems = self.sample_problems()
         if cfg.mode == "splice" and self.buffer is not None and self.step_count % cfg.refresh_kv_every == 0:
@@ -193,7 +194,9 @@ class RAPOTrainer:
         rewards = self.reward_fn(self.env, problems, batch).float()
         metrics = self._update(batch, rewards)
         t_upd = time.perf_counter()
-        n_added = self._add_onpolicy(batch, rewards) if cfg.add_onpolicy_steps and self.buffer is not None else 0
+        n_added = n_dropped = 0
+        if cfg.add_onpolicy_steps and self.buffer is not None:
+            n_added, n_dropped = self._add_onpolicy(batch, rewards)
         self.step_count += 1
         t_end = time.perf_counter()
         n_tok = int(batch.response_mask.sum())
@@ -210,6 +213,7 @@ class RAPOTrainer:
             f_ret=float(batch.retrieved_fraction().mean()),
             tokens_per_s=n_tok / max(t_roll - t_kv, 1e-9),
             onpolicy_steps_added=n_added,
+            onpolicy_steps_dropped=n_dropped,
             t_rollout=t_roll - t_kv - batch.timings.get("retrieval", 0.0) - batch.timings.get("splice", 0.0),
             t_retrieval=batch.timings.get("retrieval", 0.0),
             t_splice=batch.timings.get("splice", 0.0) + (t_kv - t0),
@@ -317,8 +321,10 @@ class RAPOTrainer:
             **opts,
         )
 
-    def _add_onpolicy(self, batch: RolloutBatch, rewards: torch.Tensor) -> int:
-        """The successful trajectories' generated tool steps go into the buffer under their prompt's group id."""
+    def _add_onpolicy(self, batch: RolloutBatch, rewards: torch.Tensor) -> tuple[int, int]:
+        """The successful trajectories' generated tool steps go into the buffer under their prompt's group id; returns
+        (steps the buffer stored, steps it dropped): a buffer whose every slot holds a pinned off-policy step keeps
+        none of them (StepTraces.add_steps)."""
         hist, steps, groups = [], [], []
         spans = batch.step_spans.tolist()
         for (row, start, end), obs_end in zip(spans, batch.step_obs_end.tolist()):
@@ -328,8 +334,9 @@ class RAPOTrainer:
             hist.append(self.tokenizer.decode(ids[:start]))
             steps.append(self.tokenizer.decode(ids[start:obs_end]))
             groups.append(int(batch.group_ids[row]))
-        self.buffer.add_steps(hist, steps, groups)
-        return len(steps)
+        _, slots = self.buffer.add_steps(hist, steps, groups, return_slots=True)
+        stored = int((slots >= 0).sum())
+        return stored, len(steps) - stored
 
     # -- loop, checkpoints ------------------------------------------------------------------------------------------
     def train(

@@ -213,6 +213,31 @@ def test_onpolicy_steps_past_capacity_keep_every_offpolicy_step(data, eviction):
     assert sorted(full.buffer.payload_ids.tolist()) == list(range(n_off)) and full.num_onpolicy == 11
 
 
+@pytest.mark.parametrize("eviction", ["fifo", "lowest_score"])
+def test_add_steps_return_slots_says_which_steps_were_stored(data, eviction):
+    """return_slots=True: (payload ids, slots) with slot -1 for a step the buffer did not keep, e.g. every step once
+    pinned off-policy steps fill every slot (issue 24: the trainer counts what was stored from it)."""
+    task, tok, problems, recs, path = data
+    n_off = sum(len(r["steps"]) for r in _kept(recs, 5))
+    hs, ss, gs = _onpolicy(problems, 5)
+    full = StepTraces.from_jsonl(path, HashedNgramEncoder(), tok, capacity=n_off, eviction=eviction)
+    pids, slots = full.add_steps(hs, ss, gs, return_slots=True)
+    assert pids.tolist() == list(range(n_off, n_off + 5)) and slots.tolist() == [-1] * 5
+    assert full.num_onpolicy == 5 and len(full.payloads) == n_off + 5  # every step has its payload id all the same
+    roomy = StepTraces.from_jsonl(path, HashedNgramEncoder(), tok, capacity=n_off + 3, eviction=eviction)
+    pids, slots = roomy.add_steps(hs, ss, gs, return_slots=True)
+    assert int((slots >= 0).sum()) == 3 and slots.device.type == "cpu"
+    stored = roomy.buffer.payload_ids.tolist()
+    assert all((int(p) in stored) == (int(s) >= 0) for p, s in zip(pids, slots))
+    assert torch.equal(roomy.buffer.payload_ids[slots[slots >= 0]], pids[slots >= 0])
+    assert roomy.add_steps(hs, ss, gs).shape == (5,)  # without return_slots: the payload ids, as before
+    empty = roomy.add_steps([], [], [], return_slots=True)
+    assert [t.tolist() for t in empty] == [[], []]
+    with pytest.raises(TypeError, match="return_slots"):
+        roomy.add_steps(hs, ss, gs, return_slots=1)
+    assert roomy.num_onpolicy == 10  # the refused call stored nothing
+
+
 def test_pin_offpolicy_false_is_the_old_fifo(data):
     task, tok, problems, recs, path = data
     n_off = sum(len(r["steps"]) for r in _kept(recs, 5))

@@ -222,6 +222,42 @@ def _params(model):
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
+def _tool_steps_rollout(*args, **kwargs):
+    """The real rollout with every generated step marked as a tool step (its observation ends one token later), so
+    that every successful row has steps for the buffer whatever the random policy wrote."""
+    batch = rollout(*args, **kwargs)
+    batch.step_obs_end = torch.clamp(batch.step_spans[:, 2] + 1, max=batch.input_ids.shape[1])
+    return batch
+
+
+@pytest.mark.parametrize("pin", [True, False])
+def test_onpolicy_metrics_count_the_steps_the_buffer_stored(world, pin):
+    """Issue 24: onpolicy_steps_added counts the steps the buffer stored, not the steps offered. A buffer its
+    off-policy source fills (capacity = the source's steps) keeps every source step by default (pinned) and drops
+    the on-policy steps (onpolicy_steps_dropped); with pin_offpolicy=False the on-policy steps evict the source."""
+    task, tok, problems, path = world
+    n_off = StepTraces.from_jsonl(path, HashedNgramEncoder(), tok).num_offpolicy
+    traces = StepTraces.from_jsonl(path, HashedNgramEncoder(), tok, capacity=n_off, pin_offpolicy=pin)
+    model = build_tiny_policy(tok.vocab_size, hidden_size=32, num_heads=2, num_kv_heads=1, seed=0)
+    trainer = RAPOTrainer(
+        model, tok, task, traces, _cfg(add_onpolicy_steps=True), problems,
+        rollout_fn=_tool_steps_rollout, reward_fn=lambda env, probs, batch: torch.ones(batch.batch_size),
+    )  # fmt: skip
+    added = 0
+    for _ in range(2):
+        before = traces.num_onpolicy
+        m = trainer.step()
+        offered = traces.num_onpolicy - before
+        assert 0 < offered < n_off  # steps were offered, fewer than the buffer holds (fifo keeps a whole batch)
+        assert m["onpolicy_steps_added"] + m["onpolicy_steps_dropped"] == offered
+        assert m["onpolicy_steps_added"] == (0 if pin else offered)
+        added += m["onpolicy_steps_added"]
+    pids = traces.buffer.payload_ids.tolist()
+    assert len(pids) == n_off
+    n_source = sum(p < n_off for p in pids)
+    assert n_source == (n_off if pin else n_off - added)  # by default every source step is still there
+
+
 def test_resume_gives_the_same_next_step(world, tmp_path):
     task, tok, problems, path = world
 

@@ -7,7 +7,10 @@ IS verl's GRPO output); the retrieval reward Z per trajectory is `rapo_fast.loss
 agent loop's "rapo_h_before" / "rapo_h_after" lists, A_ret = `group_normalize(Z, group)` (groups from verl's `index`,
 the prompt uid), and A = (1 + a A_ret) A_acc per token, a = `algorithm.rapo_ret_coef` (default 0.2), the same as
 `rapo_fast.loss.advantages.rapo_advantages` (up to fp32 rounding: verl computes A_acc in fp32). A group with no
-retrieval has A_ret = 0 exactly, so its rows are GRPO's exactly.
+retrieval has A_ret = 0 exactly, so its rows are GRPO's exactly. `algorithm.rapo_ret_norm` is rapo_advantages'
+ret_norm: "group" (default: A_ret over every row of the group, a row without retrieval counting with Z = 0) or
+"retrieved" (A_ret over the rows with a scored retrieval only, i.e. a non-empty rapo_h_before list; the others get
+A_ret = 0); docs/loss.md section 8 says which the published method uses as far as is known.
 
 The route of the retrieval fields. verl's trainer calls a registered estimator with token_level_rewards,
 response_mask, config and index only (GDPO alone also gets the batch), so the fields need a route:
@@ -36,7 +39,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from rapo_fast.loss.advantages import group_normalize, retrieval_reward
+from rapo_fast import _checks as C
+from rapo_fast.loss.advantages import RET_NORMS, group_normalize, retrieval_reward
 
 __all__ = [
     "ESTIMATOR_NAME",
@@ -53,6 +57,7 @@ H_BEFORE_KEY = "rapo_h_before"
 H_AFTER_KEY = "rapo_h_after"
 EXTRA_FIELDS_KEY = "extra_fields"
 DEFAULT_RET_COEF = 0.2  # RAPO's a
+DEFAULT_RET_NORM = "group"  # rapo_advantages' default: the paper's formula as written (docs/loss.md section 8)
 TQ_TRAIN_PARTITION = "train"
 
 _NON_TENSOR: ContextVar[Mapping[str, Any] | None] = ContextVar("rapo_verl_non_tensor_batch", default=None)
@@ -89,6 +94,15 @@ def _field_rows(non_tensor_batch: Mapping[str, Any], key: str, batch_size: int) 
 def retrieval_rewards_from_fields(non_tensor_batch: Mapping[str, Any] | None, batch_size: int) -> torch.Tensor | None:
     """Z [B] fp64 (rapo_fast's retrieval_reward of each row's rapo_h_before / rapo_h_after lists; 0 for a row with
     none), or None when the batch carries no such fields. Raises ValueError when a row's two lists differ in length."""
+    out = _retrieval_fields(non_tensor_batch, batch_size)
+    return None if out is None else out[0]
+
+
+def _retrieval_fields(
+    non_tensor_batch: Mapping[str, Any] | None, batch_size: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(Z [B] fp64, scored [B] bool: the rows with at least one scored retrieval) or None: retrieval_rewards_from_fields
+    with the rows ret_norm="retrieved" normalises over."""
     if non_tensor_batch is None:
         return None
     before = _field_rows(non_tensor_batch, H_BEFORE_KEY, batch_size)
@@ -111,7 +125,10 @@ def retrieval_rewards_from_fields(non_tensor_batch: Mapping[str, Any] | None, ba
         if b:
             hb[i, : len(b)] = torch.as_tensor(b, dtype=torch.float64)
             ha[i, : len(a)] = torch.as_tensor(a, dtype=torch.float64)
-    return retrieval_reward(hb, ha)
+    # the agent loop records one pair per retrieval with a step after it: a non-empty list is a measured Z, as the
+    # trainer's retrieved = (scored retrievals > 0)
+    scored = torch.tensor([len(b) > 0 for b in before], dtype=torch.bool)
+    return retrieval_reward(hb, ha), scored
 
 
 def _group_ids(index: Any) -> torch.Tensor:
@@ -134,14 +151,17 @@ def compute_rapo_outcome_advantage(
 
     token_level_rewards, response_mask: [B, T]; index: [B] prompt uids (the groups). norm_adv_by_std_in_grpo: None
     reads config.norm_adv_by_std_in_grpo (default True), as verl's trainer passes it to GRPO. config.rapo_ret_coef
-    (default 0.2) is a. non_tensor_batch: the rows' "rapo_h_before"/"rapo_h_after" (or "extra_fields" dicts holding
-    them); None reads the context set by `rapo_non_tensor_batch` (the wrapped verl trainer sets it). Other keyword
-    arguments verl passes (e.g. batch, reward_baselines) are ignored.
+    (default 0.2) is a; config.rapo_ret_norm ("group", the default, or "retrieved") is rapo_advantages' ret_norm, the
+    rows A_ret is normalised over (checked before any work: ValueError/TypeError naming it). non_tensor_batch: the
+    rows' "rapo_h_before"/"rapo_h_after" (or "extra_fields" dicts holding them); None reads the context set by
+    `rapo_non_tensor_batch` (the wrapped verl trainer sets it). Other keyword arguments verl passes (e.g. batch,
+    reward_baselines) are ignored.
     """
     from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 
     if token_level_rewards.dim() != 2:
         raise ValueError(f"token_level_rewards: expected [B, T], got shape {tuple(token_level_rewards.shape)}")
+    ret_norm = C.check_choice("algorithm.rapo_ret_norm", _cfg(config, "rapo_ret_norm", DEFAULT_RET_NORM), RET_NORMS)
     norm = (
         bool(_cfg(config, "norm_adv_by_std_in_grpo", True))
         if norm_adv_by_std_in_grpo is None
@@ -156,11 +176,19 @@ def compute_rapo_outcome_advantage(
         config=config,
     )
     fields = non_tensor_batch if non_tensor_batch is not None else _NON_TENSOR.get()
-    z = retrieval_rewards_from_fields(fields, token_level_rewards.shape[0])
-    if z is None or not bool((z != 0).any()):
+    got = _retrieval_fields(fields, token_level_rewards.shape[0])
+    if got is None or not bool((got[0] != 0).any()):
         return adv, adv  # no retrieval reward: exactly verl's GRPO
+    z, scored = got
     a = float(_cfg(config, "rapo_ret_coef", DEFAULT_RET_COEF))
-    a_ret = group_normalize(z, _group_ids(index), epsilon)
+    groups = _group_ids(index)
+    if ret_norm == "retrieved":
+        # rapo_advantages' rule: the same group_normalize over the retrieving rows only, the others A_ret = 0
+        rows = torch.nonzero(scored).flatten()
+        a_ret = torch.zeros_like(z)
+        a_ret[rows] = group_normalize(z[rows], groups[rows], epsilon)
+    else:
+        a_ret = group_normalize(z, groups, epsilon)
     factor = (1.0 + a * a_ret).to(adv.dtype).to(adv.device)
     adv = adv * factor[:, None]
     return adv, adv

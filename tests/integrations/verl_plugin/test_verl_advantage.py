@@ -79,8 +79,9 @@ def _grpo(b, norm=True):
     return out
 
 
-def _want(b, a=0.2):
-    """rapo_fast's helpers: Z = retrieval_reward (NaN-padded [B, R]), A = rapo_advantages(outcome, groups, Z, a)."""
+def _want(b, a=0.2, ret_norm="group"):
+    """rapo_fast's helpers: Z = retrieval_reward (NaN-padded [B, R]), A = rapo_advantages(outcome, groups, Z, a) with
+    ret_norm (for "retrieved", the rows with a non-empty rapo_h_before list)."""
     B = len(b["hb"])
     R = max(1, max(len(h) for h in b["hb"]))
     hb = torch.full((B, R), float("nan"), dtype=torch.float64)
@@ -90,7 +91,9 @@ def _want(b, a=0.2):
         ha[i, : len(y)] = torch.tensor(y, dtype=torch.float64)
     groups = torch.tensor([{"a": 0, "b": 1, "c": 2}[u] for u in b["uids"]])
     z = retrieval_reward(hb, ha)
-    return rapo_advantages(b["rewards"].sum(-1).double(), groups, z, a=a).float()[:, None] * b["mask"]
+    retrieved = torch.tensor([len(h) > 0 for h in b["hb"]])
+    extra = {} if ret_norm == "group" else {"ret_norm": ret_norm, "retrieved": retrieved}
+    return rapo_advantages(b["rewards"].sum(-1).double(), groups, z, a=a, **extra).float()[:, None] * b["mask"]
 
 
 def test_registered_in_verl():
@@ -131,6 +134,32 @@ def test_retrieval_equals_rapo_fast_helpers(a):
     grpo = _grpo(b)
     assert torch.equal(got[8:], grpo[8:])  # group "c": no retrieval, A_ret = 0
     assert not torch.allclose(got[:8], grpo[:8])
+
+
+def test_ret_norm_retrieved_equals_rapo_fast_helpers():
+    """algorithm.rapo_ret_norm="retrieved" (issue 24): A_ret is normalised over the rows with a scored retrieval
+    only, as rapo_advantages(ret_norm="retrieved"); a row without one keeps GRPO's advantage exactly, also in a group
+    where others retrieved. "group" is the default and differs from it on this batch."""
+    b = _batch(seed=2)
+    no_ret = [i for i, h in enumerate(b["hb"]) if not h]
+    assert any(i < 8 for i in no_ret)  # a row without retrieval in a group with retrievals ("a" or "b")
+
+    def run(**kw):
+        return rt.compute_advantage(_dataproto(b), adv_estimator="rapo", config=_algo(**kw)).batch["advantages"]
+
+    got = run(rapo_ret_norm="retrieved")
+    want = _want(b, ret_norm="retrieved")
+    assert torch.allclose(got, want, atol=2e-6, rtol=1e-5), (got - want).abs().max()
+    assert torch.equal(got[no_ret], _grpo(b)[no_ret])
+    group = run(rapo_ret_norm="group")
+    assert torch.equal(group, run()) and not torch.allclose(got, group)
+
+
+@pytest.mark.parametrize(("value", "exc"), [("all", ValueError), ("Group", ValueError), (1, TypeError)])
+def test_bad_ret_norm_raises_before_any_work(value, exc):
+    b = _batch(seed=2, retrieval=False)  # refused even when there is nothing to normalise
+    with pytest.raises(exc, match="rapo_ret_norm"):
+        adv_mod.compute_rapo_outcome_advantage(b["rewards"], b["mask"], b["uids"], config=_algo(rapo_ret_norm=value))
 
 
 def test_v1_route_reads_extra_fields_from_transfer_queue(monkeypatch):

@@ -55,6 +55,7 @@ def test_config_composes_and_passes_verl_validation(cfg):
     assert actor.clip_ratio_low == actor.clip_ratio_high == 0.28
     assert actor.loss_agg_mode == "seq-mean-token-mean" and not actor.use_kl_loss and actor.kl_loss_coef == 0
     assert not cfg.algorithm.use_kl_in_reward and not need_reference_policy(cfg)
+    assert cfg.algorithm.rapo_ret_coef == 0.2 and cfg.algorithm.rapo_ret_norm == "group"  # the formula as written
     assert cfg.rapo.retrieve_prob == 0.5 and cfg.rapo.n_hybrid == 8
 
 
