@@ -327,8 +327,11 @@ class RAPOTrainer:
         none of them (StepTraces.add_steps)."""
         hist, steps, groups = [], [], []
         spans = batch.step_spans.tolist()
+        off = batch.offpolicy_rows.tolist()
         for (row, start, end), obs_end in zip(spans, batch.step_obs_end.tolist()):
             if rewards[row] <= 0.5 or obs_end == end:  # failed trajectory, or the answer step (not a tool step)
+                continue
+            if off[row]:  # a whole off-policy trajectory (strategy "offpolicy_traj"): the source's steps, not ours
                 continue
             ids = batch.input_ids[row]
             hist.append(self.tokenizer.decode(ids[:start]))

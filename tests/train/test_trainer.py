@@ -258,6 +258,34 @@ def test_onpolicy_metrics_count_the_steps_the_buffer_stored(world, pin):
     assert n_source == (n_off if pin else n_off - added)  # by default every source step is still there
 
 
+def test_offpolicy_trajectories_are_not_added_as_onpolicy_steps(world):
+    """strategy "offpolicy_traj" with a buffer and add_onpolicy_steps: the whole off-policy trajectories' steps are
+    the source's, so only the policy's own rows' steps go into the buffer."""
+    from rapo_fast.rollouts.offpolicy import OffPolicyTrajectories
+
+    task, tok, problems, path = world
+    traces = StepTraces.from_jsonl(path, HashedNgramEncoder(), tok)
+    model = build_tiny_policy(tok.vocab_size, hidden_size=32, num_heads=2, num_kv_heads=1, seed=0)
+    cfg = _cfg(add_onpolicy_steps=True, strategy="offpolicy_traj", n_hybrid=0, n_offpolicy=1)
+    seen = {}
+
+    def rollout_fn(*args, **kwargs):
+        batch = _tool_steps_rollout(*args, **kwargs)
+        spans = batch.step_spans.tolist()
+        seen["own"] = sum(1 for r, s, e in spans if not bool(batch.offpolicy_rows[r]))
+        seen["off"] = sum(1 for r, s, e in spans if bool(batch.offpolicy_rows[r]))
+        return batch
+
+    trainer = RAPOTrainer(model, tok, task, traces, cfg, problems, rollout_fn=rollout_fn,
+                          offpolicy=OffPolicyTrajectories.from_jsonl(path, top_k=2),
+                          reward_fn=lambda env, probs, batch: torch.ones(batch.batch_size))  # fmt: skip
+    before = traces.num_onpolicy
+    trainer.step()
+    assert seen["off"] > 0  # the batch did hold off-policy trajectories with steps
+    # every own step is a tool step here except each row's answer; the off-policy rows' steps are never offered
+    assert 0 < traces.num_onpolicy - before <= seen["own"]
+
+
 def test_resume_gives_the_same_next_step(world, tmp_path):
     task, tok, problems, path = world
 
