@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import math
 import os
 import tempfile
@@ -175,7 +176,14 @@ class StepBufferActor:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rapo-step-buffer")
         self._pending: list[tuple[list[str], list[int], float | None, asyncio.Future]] = []
         self._drainer: asyncio.Task | None = None
-        self.counters = {"requests": 0, "queries": 0, "search_calls": 0, "add_calls": 0, "steps_added": 0}
+        self.counters = {
+            "requests": 0,
+            "queries": 0,
+            "search_calls": 0,
+            "add_calls": 0,
+            "steps_added": 0,
+            "steps_dropped": 0,
+        }
 
     def _load_traces(self, path: str) -> StepTraces:
         traces = StepTraces.load(path, self.encoder, self.tokenizer)
@@ -278,8 +286,9 @@ class StepBufferActor:
     async def add_steps(
         self, histories: list[str], steps: list[str], group_ids: list[int], scores: list[float] | None = None
     ) -> int:
-        """The policy's own steps under their prompts' group ids (StepTraces.add_steps); returns how many. group_ids
-        in [0, 2^63 - 1], scores None or finite; a refused call changes nothing."""
+        """The policy's own steps under their prompts' group ids (StepTraces.add_steps); returns how many the buffer
+        stored (a buffer whose every slot holds a pinned off-policy step drops new ones: counted in steps_dropped).
+        group_ids in [0, 2^63 - 1], scores None or finite; a refused call changes nothing."""
         histories = check_histories(histories, "add_steps")
         steps = check_histories(steps, "add_steps", "steps")
         group_ids = check_groups(group_ids, len(histories), "group_ids", "add_steps", lo=0)
@@ -287,10 +296,13 @@ class StepBufferActor:
             raise ValueError(f"add_steps: {len(histories)} histories but {len(steps)} steps")
         scores = check_scores(scores, len(histories))
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._pool, self.traces.add_steps, histories, steps, group_ids, scores)
+        add = functools.partial(self.traces.add_steps, histories, steps, group_ids, scores, return_slots=True)
+        _, slots = await loop.run_in_executor(self._pool, add)
+        stored = int((slots >= 0).sum())
         self.counters["add_calls"] += 1
-        self.counters["steps_added"] += len(steps)
-        return len(steps)
+        self.counters["steps_added"] += stored
+        self.counters["steps_dropped"] += len(steps) - stored
+        return stored
 
     async def save(self, path: str) -> None:
         """StepTraces.save (atomic, versioned) on the thread that adds, so never beside an add."""
@@ -349,8 +361,9 @@ class StepBufferClient:
 
     async def add_steps(
         self, histories: list[str], steps: list[str], group_ids: list[int], scores: list[float] | None = None
-    ) -> None:
-        """Add the policy's own steps (one entry per step) under their prompts' group ids."""
+    ) -> int:
+        """Add the policy's own steps (one entry per step) under their prompts' group ids; returns how many the shards
+        stored (a shard full of pinned off-policy steps drops new ones: its stats() count them in steps_dropped)."""
         histories = check_histories(histories, "add_steps")
         group_ids = check_groups(group_ids, len(histories), "group_ids", "add_steps", lo=0)
         steps = check_histories(steps, "add_steps", "steps")
@@ -363,7 +376,7 @@ class StepBufferClient:
             if idx:
                 part = [None if xs is None else [xs[i] for i in idx] for xs in (histories, steps, group_ids, scores)]
                 calls.append(h.add_steps.remote(*part))
-        await asyncio.gather(*calls)
+        return int(sum(await asyncio.gather(*calls)))
 
     def save(self, path: str | os.PathLike) -> None:
         """Save every shard into one versioned directory (rapo_fast._atomic): shard_i/ are StepTraces saves, listed

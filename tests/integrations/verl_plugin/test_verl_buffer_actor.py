@@ -312,3 +312,13 @@ def test_onpolicy_steps_follow_the_trainers_rule():
     assert onpolicy_steps(prompt, resp, spans, obs_end, 0.5, decode) == ([], [])  # not a success
     with pytest.raises(ValueError, match="outside the response"):
         onpolicy_steps(prompt, resp, [[0, 3]], [11], 1.0, decode)
+
+
+def test_add_steps_counts_what_a_full_pinned_buffer_dropped(data):
+    """Issue 24: a buffer its off-policy source fills (36 pinned steps, capacity 36) keeps the source and drops the
+    policy's new steps: add_steps returns 0 stored and the actor's counters say steps_dropped, not steps_added."""
+    c = _make("rapo_test_full_pinned", data["jsonl"], tokenizer=data["tok"], top_k=TOP_K, capacity=36)
+    hs, steps, groups = data["adds"][0]
+    assert asyncio.run(c.add_steps(hs, steps, groups)) == 0
+    (st,) = c.stats()
+    assert st["steps_added"] == 0 and st["steps_dropped"] == len(steps) and st["size"] == 36
