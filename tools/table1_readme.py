@@ -31,6 +31,15 @@ below used it), hashed n-grams otherwise; every output names the one used.
 """
 
 
+def _shown(run_dir: str) -> str:
+    """The run directory as the README names it: relative to the repository root when it lies inside it."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    p = Path(run_dir).resolve()
+    return (str(p.relative_to(root)) if p.is_relative_to(root) else run_dir).rstrip("/") + "/"
+
+
 def _section(md: str, title: str) -> str:
     return md.split(title, 1)[1].split("\n## ", 1)[0].strip()
 
@@ -77,7 +86,7 @@ def main(argv: list[str]) -> int:
     learn, rapo = _verdicts(rows, tasks)
     print(f"""{INTRO}
 Full run (`rapo-fast table1`, {len(seeds)} seeds, commit {commit}, {machine}, history encoder {rows[0]["encoder"]},
-**{wall // 60} min {wall % 60} s** wall; files in `bench/results/table1/`). The run's setting, as `table1.md` states
+**{wall // 60} min {wall % 60} s** wall; files in `{_shown(run_dir)}`). The run's setting, as `table1.md` states
 it: {header}
 
 Final held-out greedy success, mean ± 95% CI over seeds:
