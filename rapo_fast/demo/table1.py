@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from rapo_fast._atomic import write_file_atomic
+from rapo_fast.demo.table1_families import per_family
 from rapo_fast.demo.table1_report import write_outputs
 from rapo_fast.demo.table1_stats import first_reach, mean_ci
 
@@ -67,12 +68,6 @@ def families(setting: str = "legacy") -> tuple[str, ...]:
     from rapo_fast.demo.table1_families import FAIR_FAMILIES, LEGACY_FAMILIES
 
     return FAIR_FAMILIES if setting == "fair" else LEGACY_FAMILIES
-
-
-def per_family(s: dict, key: str, family: str):
-    """Setting `key` for `family`: the value itself, or its entry when the setting gives one per family."""
-    v = s[key]
-    return v[family] if isinstance(v, dict) else v
 
 
 def encoder_name() -> str:
@@ -241,23 +236,6 @@ def run_one(family: str, method: str, seed: int, s: dict, paths: dict[str, Path]
         row["eval_with_retrieval_train_final"] = D.greedy_with_retrieval(trainer.model, tok, task, data["train"], src)
     row["wall_s"] = time.perf_counter() - t0
     return row
-
-
-def held_out(task, train: list, n: int, seed: int) -> list:
-    """`n` evaluation problems whose question (prompt) is not among the training problems'. Chain arithmetic draws
-    from ~10^8 questions, so this rarely drops one; the knowledge base has 384 distinct 3-hop questions, of which
-    random draws would otherwise repeat training ones (a quarter of them with 64 training problems). Questions may
-    repeat inside the evaluation set (draws with replacement from the held-out questions)."""
-    seen = {p.prompt for p in train}
-    out: list = []
-    start = 100_000
-    while len(out) < n:
-        batch = task.make_problems(4 * n, seed=seed + start, start_qid=start)
-        out += [p for p in batch if p.prompt not in seen][: n - len(out)]
-        start += 4 * n
-        if start > 100_000 + 400 * n:
-            raise ValueError(f"held_out: fewer than {n} problems outside the training set's questions")
-    return out
 
 
 def add_targets(rows: list[dict]) -> None:

@@ -45,6 +45,29 @@ HELD_OUT_FRAC = 0.34  # of the start entities, for the held-out questions only
 SOURCE_QUESTIONS = 64  # RAPO's source: this many questions in another draw of the facts
 
 
+def per_family(s: dict, key: str, family: str):
+    """Setting `key` for `family`: the value itself, or its entry when the setting gives one per family."""
+    v = s[key]
+    return v[family] if isinstance(v, dict) else v
+
+
+def held_out(task, train: list, n: int, seed: int) -> list:
+    """`n` evaluation problems whose question (prompt) is not among the training problems'. Chain arithmetic draws
+    from ~10^8 questions, so this rarely drops one; the knowledge base has 384 distinct 3-hop questions, of which
+    random draws would otherwise repeat training ones (a quarter of them with 64 training problems). Questions may
+    repeat inside the evaluation set (draws with replacement from the held-out questions)."""
+    seen = {p.prompt for p in train}
+    out: list = []
+    start = 100_000
+    while len(out) < n:
+        batch = task.make_problems(4 * n, seed=seed + start, start_qid=start)
+        out += [p for p in batch if p.prompt not in seen][: n - len(out)]
+        start += 4 * n
+        if start > 100_000 + 400 * n:
+            raise ValueError(f"held_out: fewer than {n} problems outside the training set's questions")
+    return out
+
+
 def _tiny_policy(tok, seed: int):
     from rapo_fast.demo.tiny_policy import build_tiny_policy
 
@@ -136,8 +159,6 @@ class LegacyFamily:
         return KnowledgeBaseTask(min_hops=3, max_hops=3), KnowledgeBaseTask(min_hops=2, max_hops=2)
 
     def data(self, seed: int, s: dict) -> dict:
-        from rapo_fast.demo.table1 import held_out, per_family
-
         task = self._tasks()[0]
         train = task.make_problems(per_family(s, "n_train", self.name), seed=seed)
         return {"task": task, "tok": task.tokenizer(), "train": train,
@@ -155,7 +176,6 @@ class LegacyFamily:
         return copy.deepcopy(model.state_dict())
 
     def rapo_source(self, data: dict, s: dict, seed: int) -> list[dict]:
-        from rapo_fast.demo.table1 import per_family
         from rapo_fast.demo.tasks import kb_solver_trajectories, solver_trajectories
 
         solver = solver_trajectories if self.name == "arith" else kb_solver_trajectories
@@ -180,5 +200,5 @@ def get_family(name: str):
 FAIR_FAMILIES = (AliasFamily.name,)
 LEGACY_FAMILIES = ("arith", "kb")
 
-__all__ = ["AliasFamily", "LegacyFamily", "get_family", "RL_CHAINS", "SOLVER_ERROR_BY_HOP", "FAIR_FAMILIES",
-           "LEGACY_FAMILIES"]  # fmt: skip
+__all__ = ["AliasFamily", "LegacyFamily", "get_family", "held_out", "per_family", "RL_CHAINS", "SOLVER_ERROR_BY_HOP",
+           "FAIR_FAMILIES", "LEGACY_FAMILIES"]  # fmt: skip

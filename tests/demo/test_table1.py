@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rapo_fast.demo import table1
-from rapo_fast.demo.table1_families import LegacyFamily
+from rapo_fast.demo.table1_families import LegacyFamily, held_out
 from rapo_fast.demo.table1_report import CSV_COLUMNS
 from rapo_fast.demo.table1_stats import first_reach, fmt, mean_ci, paired_diff, t975
 
@@ -140,10 +140,10 @@ def test_evaluation_questions_are_held_out_from_training(family):
     random draws would repeat training ones); the set has the size asked for and distinct qids."""
     task = LegacyFamily(family)._tasks()[0]
     train = task.make_problems(64, seed=3)
-    evals = table1.held_out(task, train, 625, seed=4)
+    evals = held_out(task, train, 625, seed=4)
     assert len(evals) == 625 and len({p.qid for p in evals}) == 625
     assert not {p.prompt for p in evals} & {p.prompt for p in train}
-    assert table1.held_out(task, train, 625, seed=4) == evals  # deterministic
+    assert held_out(task, train, 625, seed=4) == evals  # deterministic
     if family == "kb":  # without the filter about a quarter would be training questions
         raw = task.make_problems(625, seed=4)
         assert sum(p.prompt in {q.prompt for q in train} for p in raw) > 60
@@ -152,7 +152,7 @@ def test_evaluation_questions_are_held_out_from_training(family):
 def test_held_out_says_when_training_covers_every_question():
     task = LegacyFamily("kb")._tasks()[0]
     with pytest.raises(ValueError, match="held_out: fewer than 10 problems"):
-        table1.held_out(task, task.make_problems(5000, seed=0), 10, seed=4)
+        held_out(task, task.make_problems(5000, seed=0), 10, seed=4)
 
 
 def test_efficiency_table_by_hand():

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import functools
 import math
 import os
 import tempfile
@@ -176,14 +175,8 @@ class StepBufferActor:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rapo-step-buffer")
         self._pending: list[tuple[list[str], list[int], float | None, asyncio.Future]] = []
         self._drainer: asyncio.Task | None = None
-        self.counters = {
-            "requests": 0,
-            "queries": 0,
-            "search_calls": 0,
-            "add_calls": 0,
-            "steps_added": 0,
-            "steps_dropped": 0,
-        }
+        names = ("requests", "queries", "search_calls", "add_calls", "steps_added", "steps_dropped")
+        self.counters = dict.fromkeys(names, 0)
 
     def _load_traces(self, path: str) -> StepTraces:
         traces = StepTraces.load(path, self.encoder, self.tokenizer)
@@ -295,9 +288,8 @@ class StepBufferActor:
         if len(steps) != len(histories):
             raise ValueError(f"add_steps: {len(histories)} histories but {len(steps)} steps")
         scores = check_scores(scores, len(histories))
-        loop = asyncio.get_running_loop()
-        add = functools.partial(self.traces.add_steps, histories, steps, group_ids, scores, return_slots=True)
-        _, slots = await loop.run_in_executor(self._pool, add)
+        fut = self._pool.submit(self.traces.add_steps, histories, steps, group_ids, scores, return_slots=True)
+        _, slots = await asyncio.wrap_future(fut)
         stored = int((slots >= 0).sum())
         self.counters["add_calls"] += 1
         self.counters["steps_added"] += stored
