@@ -49,6 +49,8 @@ setup(
     + ["rapo_fast.kernels"]
     + [f"rapo_fast.kernels.{p}" for p in find_packages("kernels")],
     package_dir={"rapo_fast": "rapo_fast", "rapo_fast.kernels": "kernels"},
+    # PEP 561: the marker that tells type checkers to read rapo_fast's inline type hints (it covers the subpackages)
+    package_data={"rapo_fast": ["py.typed"]},
     ext_modules=[CMakeExtension("rapo_fast._C")],
     cmdclass={"build_ext": CMakeBuild},
     zip_safe=False,

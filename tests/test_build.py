@@ -47,3 +47,21 @@ def test_params_classes_are_filled_by_keyword_only_with_every_field(cls_name):
     int_field = next(name for name in cls.FIELDS if name not in ("interleaved", "aligned16", "min_score"))
     with pytest.raises(TypeError, match=f"{cls_name}.{int_field}"):
         make_params(cls, **{**fields, int_field: "x"})
+
+
+def test_py_typed_marker_is_in_the_package_and_its_package_data(monkeypatch):
+    """PEP 561: rapo_fast/py.typed exists (type checkers then read the inline hints of an installed rapo_fast) and
+    setup.py ships it as package data; setup() is replaced by a recorder, so nothing is built."""
+    import runpy
+    from pathlib import Path
+
+    import setuptools
+
+    pkg = Path(rapo_fast.__file__).parent
+    assert (pkg / "py.typed").is_file()
+    seen = {}
+    monkeypatch.setattr(setuptools, "setup", lambda **kw: seen.update(kw))
+    monkeypatch.chdir(pkg.parent)
+    runpy.run_path(str(pkg.parent / "setup.py"), run_name="__main__")
+    assert "py.typed" in seen["package_data"]["rapo_fast"]
+    assert seen["package_dir"]["rapo_fast"] == "rapo_fast"

@@ -6,8 +6,10 @@ RAPO (hybrid rollouts with retrieval) and GRPO (retrieval off, otherwise the sam
 the same warmed-up weights, each through RAPOTrainer.train with the held-out evaluation inside the training loop
 (rapo_fast.train.callbacks.EvalCallback), and writes to --out: curves.png (learning curves of both), summary.md and
 summary.csv (final success rate, steps to reach a target rate, retrieval rate, mean retrieval reward, wall time split
-by phase), metrics_<method>.csv (every step's metrics) and the solver's trajectories. What this is not: a benchmark
-of the method at scale (the numbers are whatever this run measures, reported as they come) or a second training loop.
+by phase), metrics_<method>.csv (every step's metrics) and the solver's trajectories. A --quick run labels its plot
+title and summary.md "smoke run (--quick): not a result" (SMOKE_LABEL): its few steps only check that everything
+runs. What this is not: a benchmark of the method at scale (the numbers are whatever this run measures, reported as
+they come) or a second training loop.
 """
 
 from __future__ import annotations
@@ -314,6 +316,29 @@ def _sft_miss_lines(setting: dict, args) -> list[str]:
     ]
 
 
+# What --quick's outputs say about themselves: its few RL steps check that the pipeline runs end to end; their
+# curves (often flat, or at zero) compare nothing, and a reader of curves.png or summary.md alone must not take them
+# for a result.
+SMOKE_LABEL = "smoke run (--quick): not a result"
+
+
+def _smoke_lines(args, setting: dict) -> list[str]:
+    """The note at the top of summary.md for a --quick run (none otherwise)."""
+    if not args.quick:
+        return []
+    return [
+        f"**{SMOKE_LABEL[0].upper() + SMOKE_LABEL[1:]}.** {setting['rl_steps']} RL steps per method only check that "
+        "the pipeline runs end to end: flat curves, or curves at zero, are expected and say nothing about RAPO vs "
+        "GRPO. Run `rapo-fast demo` without --quick for the comparison.",
+        "",
+    ]
+
+
+def _title(args) -> str:
+    """The figure's title: the seed, and the smoke label for a --quick run."""
+    return f"rapo-fast demo, seed {args.seed}" + (f" - {SMOKE_LABEL}" if args.quick else "")
+
+
 def _write(out: Path, rows, results, timers, args, setting, total_wall):
     cols = list(rows[0])
     with (out / "summary.csv").open("w", newline="") as f:
@@ -321,8 +346,10 @@ def _write(out: Path, rows, results, timers, args, setting, total_wall):
         w.writeheader()
         w.writerows(rows)
     lines = [
-        "# rapo-fast demo: RAPO vs GRPO on chain arithmetic with a calculator tool",
+        "# rapo-fast demo: RAPO vs GRPO on chain arithmetic with a calculator tool"
+        + (f" ({SMOKE_LABEL})" if args.quick else ""),
         "",
+        *_smoke_lines(args, setting),
         f"Seed {args.seed}, {'quick' if args.quick else 'default'} setting: SFT {setting['sft_done']} steps "
         f"(validation greedy success {setting['sft_valid_success']:.2f}, target {args.sft_target:g}), then "
         f"{setting['rl_steps']} RL steps per method ({setting['prompts_per_step']} prompts x G={setting['group_size']}"
@@ -367,7 +394,7 @@ def _write(out: Path, rows, results, timers, args, setting, total_wall):
         ax.set_ylim(0, 1)
         ax.legend()
         ax.grid(alpha=0.3)
-    fig.suptitle(f"rapo-fast demo, seed {args.seed}")
+    fig.suptitle(_title(args), color="tab:red" if args.quick else "black")
     fig.tight_layout()
     fig.savefig(out / "curves.png", dpi=110)
     plt.close(fig)

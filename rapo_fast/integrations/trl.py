@@ -34,6 +34,8 @@ Mapping (TRL `GRPOConfig` / trainer attribute -> `rapo_loss` keyword):
 RAPO extras: `rapo_options` (constructor argument) may set shaping_m, offpolicy_train, gamma, is_cap, tis_cap; the
 inputs dict may carry "retrieved_mask" ([B, T_completion], tokens inserted by retrieval) and, for off-policy
 training with offpolicy_train="truncated" or for tis_cap, "sampling_per_token_logps" (the behaviour log-probs).
+offpolicy_train="truncated" and tis_cap are refused with a ValueError at construction when the trainer cannot produce
+those log-probs (no use_vllm, no rollout_func, no override of `_generate_and_score_completions`).
 """
 
 from __future__ import annotations
@@ -113,7 +115,33 @@ def trl_to_rapo_options(trainer: Any, rapo_options: Mapping[str, Any] | None = N
     if extras.get("tis_cap") is not None:
         plan.use_tis = True
     plan.loss_options()  # the values, checked now (at the trainer's construction) rather than at the first step
+    _refuse_without_behaviour_logps(trainer, plan)
     return plan
+
+
+def _has_behaviour_logps(trainer: Any) -> bool:
+    """Whether the trainer's batches can carry "sampling_per_token_logps": TRL fills it from vLLM's sampling
+    log-probs (use_vllm) or from a rollout_func's "logprobs"; a subclass that overrides
+    `_generate_and_score_completions` (where a "retrieved_mask" must come from too) may add it itself. TRL's
+    transformers generation gives none."""
+    if getattr(trainer, "use_vllm", False) or getattr(trainer, "rollout_func", None) is not None:
+        return True
+    return type(trainer)._generate_and_score_completions is not GRPOTrainer._generate_and_score_completions
+
+
+def _refuse_without_behaviour_logps(trainer: Any, plan: TRLLossPlan) -> None:
+    """offpolicy_train="truncated" and tis_cap need the behaviour log-probs: a ValueError now (at construction), not
+    a KeyError-like failure at the first step, when the trainer has no way to produce them."""
+    truncated = plan.options.get("offpolicy_train") == "truncated"
+    if not (truncated or plan.use_tis) or _has_behaviour_logps(trainer):
+        return
+    what = "offpolicy_train='truncated'" if truncated else "tis_cap"
+    raise ValueError(
+        f"rapo_options: {what} needs the behaviour log-probs of the sampled tokens (inputs['sampling_per_token_logps']"
+        "), which TRL provides only with use_vllm=True or a rollout_func returning 'logprobs' (or a subclass "
+        "overriding _generate_and_score_completions that adds them); this trainer has none of these"
+        + (": use offpolicy_train='shaped', which needs no behaviour log-probs" if truncated else "")
+    )
 
 
 def _aggregation_plan(loss_type: str) -> TRLLossPlan:

@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from rapo_fast._dispatch import device_guard, register_op, use_triton
 from rapo_fast.loss import tiles
 from rapo_fast.loss.linear_logprobs import linear_token_logprobs_fwd
-from rapo_fast.loss.options import TARGET_DTYPES
+from rapo_fast.loss.options import TARGET_DTYPES, head_in_hidden_dtype
 from rapo_fast.loss.torch_linear_ce import linear_logprobs_torch
 from rapo_fast.reference.logprobs import linear_token_logprobs_ref, token_logprobs_ref
 
@@ -219,7 +219,10 @@ def _validate(logits, hidden, weight, bias, targets, temperature, return_entropy
         lead, hd, dev = tuple(hidden.shape[:-1]), hidden.shape[-1], hidden.device
         v = weight.shape[0]
         if weight.dtype != hidden.dtype:
-            raise TypeError(f"weight must have hidden's dtype {hidden.dtype}, got {weight.dtype}")
+            raise TypeError(
+                f"weight must have hidden's dtype {hidden.dtype}, got {weight.dtype}; pass weight.to(hidden.dtype), "
+                "or call under torch.autocast, where it is cast to hidden's dtype here"
+            )
         if weight.shape[1] != hd or v < 1:
             raise ValueError(f"weight must have shape [V, H] = [V, {hd}] with V >= 1, got {tuple(weight.shape)}")
         tensors = {"hidden": hidden, "weight": weight}
@@ -317,7 +320,8 @@ def token_logprobs(
     Args:
         logits: [N, V] or [B, T, V], float32/float16/bfloat16. A view whose last dim is contiguous (e.g.
             logits[:, :-1]) is read in place; otherwise it is copied once.
-        hidden: [N, H] or [B, T, H] (instead of logits), with weight [V, H] and bias [V] or None, same dtype. The
+        hidden: [N, H] or [B, T, H] (instead of logits), with weight [V, H] and bias [V] or None, same dtype
+            (under torch.autocast a weight/bias of another float dtype is cast to hidden's, differentiably). The
             [N, V] logits are never materialised (tiles of rows x vocabulary, backward recomputes them).
         targets: int64/int32 (TARGET_DTYPES, the rule rapo_loss applies too), shaped like logits.shape[:-1] (or
             hidden.shape[:-1]), values in [0, V).
@@ -342,6 +346,7 @@ def token_logprobs(
     CPU tensors under TRITON_INTERPRET=1), the chunked reference otherwise. The targets range check costs one host
     sync and is skipped under torch.compile tracing.
     """
+    weight, bias = head_in_hidden_dtype(hidden, weight, bias)  # under autocast: cast to hidden's dtype, with grad
     _validate(logits, hidden, weight, bias, targets, temperature, return_entropy)
     check_inplace_backward(inplace_backward, logits)
     temperature = float(temperature)

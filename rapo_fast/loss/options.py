@@ -39,12 +39,22 @@ __all__ = [
     "check_loss_logp_defined",
     "with_option_keywords",
     "TARGET_DTYPES",
+    "IGNORE_INDEX",
+    "OLD_LOGP_MAX",
+    "head_in_hidden_dtype",
 ]
 
 # The integer dtypes accepted for targets, by rapo_loss (check_inputs) and by token_logprobs
 # (rapo_fast/loss/logprobs.py): torch's index dtypes. Narrower integers (int8/int16/uint8) are refused rather than
 # widened: they cannot hold a real vocabulary's ids.
 TARGET_DTYPES = (torch.int64, torch.int32)
+# The ignore index of torch's cross-entropy and of Hugging Face labels: accepted as a target where loss_mask is 0 (such
+# a token never enters the loss; it is given target 0 before any kernel reads it), refused where loss_mask is set.
+IGNORE_INDEX = -100
+# Largest old_logp accepted at a token in the loss. A log-prob is <= 0; a kernel's z_y - lse can round a few ulp above
+# 0 (and bf16 storage keeps that tiny), so 1e-4 tolerates rounding, while probabilities passed by mistake (p in
+# (0, 1], above 1e-4 at nearly every sampled token) are refused.
+OLD_LOGP_MAX = 1e-4
 
 OFFPOLICY_MODES = ("none", "shaped", "truncated")
 IS_LEVELS = ("token", "sequence")
@@ -187,13 +197,48 @@ def with_option_keywords(exclude: Collection[str] = ()) -> Callable[[Callable], 
 @dataclass(frozen=True)
 class InputFacts:
     """What check_inputs learnt: the targets' (or logp's) shape, flat layout or not, rows (sequences), the longest
-    row (>= 1), and the device."""
+    row (>= 1), the device, and whether some targets are IGNORE_INDEX (at tokens outside loss_mask only)."""
 
     shape: tuple[int, ...]
     flat: bool
     rows: int
     max_len: int
     device: torch.device | None
+    ignored_targets: bool = False
+
+
+def head_in_hidden_dtype(
+    hidden: torch.Tensor | None, weight: torch.Tensor | None, bias: torch.Tensor | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(weight, bias) for the hidden-state path: cast to hidden's dtype when autocast is on for hidden's device type
+    and their float dtype differs, else returned as given (a mismatch outside autocast is refused by the checks).
+
+    Why: under `torch.autocast(dtype=bfloat16)` a model's lm_head weight stays fp32 while activations may be bf16, and
+    `lm_head(h)` itself would compute in the low precision; `rapo_loss(hidden=h, weight=model.lm_head.weight)` is
+    what users write there. The cast is a differentiable `.to`: the gradient reaches the given weight (and bias) in
+    their own dtype. The kernels themselves run outside autocast's casting rules, so this is the only cast.
+    """
+    if not (isinstance(hidden, torch.Tensor) and hidden.dtype in C.FLOAT_DTYPES):
+        return weight, bias
+    if not torch.is_autocast_enabled(hidden.device.type):
+        return weight, bias
+
+    def cast(t):
+        if isinstance(t, torch.Tensor) and t.dtype in C.FLOAT_DTYPES and t.dtype != hidden.dtype:
+            return t.to(hidden.dtype)
+        return t
+
+    return cast(weight), cast(bias)
+
+
+def _check_head_dtype(name: str, t: torch.Tensor, hidden: torch.Tensor) -> None:
+    """weight / bias in hidden's dtype; the message names the two fixes (an explicit cast, or autocast)."""
+    if t.dtype != hidden.dtype:
+        got, want = str(t.dtype).replace("torch.", ""), str(hidden.dtype).replace("torch.", "")
+        raise TypeError(
+            f"{name}: expected hidden's dtype {want}, got {got}; pass {name}.to(hidden.dtype), or call under "
+            f"torch.autocast, where rapo_loss / token_logprobs cast it to hidden's dtype themselves"
+        )
 
 
 def _check_model_inputs(a: Mapping[str, Any]) -> tuple[torch.Tensor, tuple, int]:
@@ -223,11 +268,13 @@ def _check_model_inputs(a: Mapping[str, Any]) -> tuple[torch.Tensor, tuple, int]
             )
         if weight is None:
             raise ValueError("weight: required with hidden= (the lm_head weight [V, H])")
-        C.check_tensor("weight", weight, ndim=2, dtypes=(hidden.dtype,))
+        C.check_tensor("weight", weight, ndim=2, dtypes=C.FLOAT_DTYPES)
+        _check_head_dtype("weight", weight, hidden)
         if weight.shape[1] != hidden.shape[-1]:
             raise ValueError(f"weight: expected shape (V, {hidden.shape[-1]}), got {tuple(weight.shape)}")
         vocab = weight.shape[0]
-        C.check_optional_tensor("bias", bias, shape=(vocab,), dtypes=(hidden.dtype,))
+        if C.check_optional_tensor("bias", bias, shape=(vocab,), dtypes=C.FLOAT_DTYPES) is not None:
+            _check_head_dtype("bias", bias, hidden)
     if vocab < 1:
         raise ValueError("logits/weight: vocabulary size must be >= 1")
     return targets, tshape, vocab
@@ -263,10 +310,42 @@ def _rows_and_longest(cu: torch.Tensor | None, tshape: tuple) -> tuple[int, int]
     return rows, int(cu.detach().cpu().diff().max())
 
 
-def _check_values(a: Mapping[str, Any], opts: LossOptions, targets: torch.Tensor | None, vocab: int | None) -> None:
-    """Value checks (one sync each) and the tensors some options need."""
-    if targets is not None:
-        C.check_index_range("targets", targets, vocab)
+def _check_targets(targets: torch.Tensor, loss_mask: torch.Tensor, vocab: int) -> bool:
+    """targets in [0, V), except IGNORE_INDEX (-100, Hugging Face's label padding) where loss_mask is 0; returns
+    whether any IGNORE_INDEX is present. A -100 where loss_mask is set is refused by name: the token would enter the
+    loss with no target. Two syncs at most."""
+    ignored = targets == IGNORE_INDEX
+    at_loss = ignored & (loss_mask != 0).to(ignored.device)
+    if bool(at_loss.any()):
+        first = tuple(torch.nonzero(at_loss)[0].tolist())
+        raise ValueError(
+            f"targets: {IGNORE_INDEX} (the ignore index) at {int(at_loss.sum())} token(s) with loss_mask != 0 (first "
+            f"at index {first}): a token in the loss needs its target id in [0, {vocab}); set loss_mask to 0 there"
+        )
+    any_ignored = bool(ignored.any())
+    C.check_index_range("targets", targets.masked_fill(ignored, 0) if any_ignored else targets, vocab)
+    return any_ignored
+
+
+def _check_logp_not_positive(name: str, t: torch.Tensor, in_loss: torch.Tensor) -> None:
+    """No value above OLD_LOGP_MAX where in_loss is set: a log-prob is <= 0, and positive values almost always mean
+    probabilities were passed instead of log-probabilities. One sync."""
+    if t.numel() == 0:
+        return
+    bad = (t > OLD_LOGP_MAX) & in_loss.to(t.device)
+    if bool(bad.any()):
+        first = tuple(torch.nonzero(bad)[0].tolist())
+        raise ValueError(
+            f"{name}: expected log-probabilities (<= 0; up to {OLD_LOGP_MAX} of rounding tolerated) at tokens in the "
+            f"loss, got {int(bad.sum())} value(s) above that (first at index {first}: {float(t[first])}); "
+            f"probabilities passed instead of log-probabilities? (pass torch.log(p))"
+        )
+
+
+def _check_values(a: Mapping[str, Any], opts: LossOptions, targets: torch.Tensor | None, vocab: int | None) -> bool:
+    """Value checks (one sync each) and the tensors some options need; returns whether some targets are
+    IGNORE_INDEX (all outside loss_mask)."""
+    ignored = _check_targets(targets, a["loss_mask"], vocab) if targets is not None else False
     # logits rows are not checked here: that would be one more pass over [N, V]; check_logits_rows_defined does it
     # from the forward's output instead (after the log-prob launch, before anything else)
     # per-token values are read only where the token enters the loss: a masked token's old/behav/ref log-prob and
@@ -277,6 +356,7 @@ def _check_values(a: Mapping[str, Any], opts: LossOptions, targets: torch.Tensor
     adv = a["advantages"]
     _check_finite_in_loss("advantages", adv, in_loss if adv.shape == in_loss.shape else None)
     _check_finite_in_loss("old_logp", a["old_logp"], in_loss, allow_inf=True)
+    _check_logp_not_positive("old_logp", a["old_logp"], in_loss)
     if opts.offpolicy_train == "truncated" and a["behav_logp"] is None:
         raise ValueError(
             "behav_logp: required when offpolicy_train='truncated' (the behaviour log-probs of the retrieved tokens)"
@@ -288,6 +368,7 @@ def _check_values(a: Mapping[str, Any], opts: LossOptions, targets: torch.Tensor
     for k in ("behav_logp", "ref_logp"):
         if a[k] is not None:
             _check_finite_in_loss(k, a[k], in_loss, allow_inf=True)
+    return ignored
 
 
 def _check_finite_in_loss(name: str, t: torch.Tensor, in_loss: torch.Tensor | None, *, allow_inf: bool = False):
@@ -399,6 +480,8 @@ def check_inputs(a: Mapping[str, Any], opts: LossOptions) -> InputFacts:
         "cu_seqlens",
     )
     dev = C.check_same_device(**{k: a.get(k) for k in names})
-    _check_values(a, opts, targets, vocab)
+    ignored = _check_values(a, opts, targets, vocab)
     _check_global_num_tokens(a["global_num_tokens"], dev)
-    return InputFacts(shape=tshape, flat=len(tshape) == 1, rows=rows, max_len=max(max_len, 1), device=dev)
+    return InputFacts(
+        shape=tshape, flat=len(tshape) == 1, rows=rows, max_len=max(max_len, 1), device=dev, ignored_targets=ignored
+    )

@@ -47,6 +47,7 @@ from rapo_fast.loss import presets as P
 from rapo_fast.loss.fused_linear import fused_linear_policy_loss
 from rapo_fast.loss.logprobs import check_inplace_backward, token_logprobs
 from rapo_fast.loss.options import (  # noqa: F401  (re-exported: the option vocabularies are public)
+    IGNORE_INDEX,
     IS_LEVELS,
     KL_ESTIMATORS,
     LOSS_AGG_MODES,
@@ -57,6 +58,7 @@ from rapo_fast.loss.options import (  # noqa: F401  (re-exported: the option voc
     check_inputs,
     check_logits_rows_defined,
     check_loss_logp_defined,
+    head_in_hidden_dtype,
     with_option_keywords,
 )
 from rapo_fast.loss.policy_layout import Metric, TokenCode
@@ -107,17 +109,21 @@ def rapo_loss(
 ):
     """RAPO policy loss (clipped surrogate with importance shaping, off-policy terms, TIS, KL, entropy bonus).
 
-    Shapes: padded targets [B, T] (rows are sequences) with logits [B, T, V] or hidden [B, T, H]; or flat targets [N]
-    with logits [N, V] / hidden [N, H] and cu_seqlens [S+1] (int32/int64; without it the N tokens are one sequence).
-    weight [V, H] and bias [V] (hidden's dtype) for the hidden path; logits/hidden fp32/fp16/bf16 (fp64: reference
-    path); targets integer in [0, V). old_logp, behav_logp, ref_logp: float, shaped like targets, at the same
-    temperature. advantages: float, per token (targets' shape) or per sequence ([B] or [S]; per token wins if both
-    fit). loss_mask / retrieved_mask / response_mask: bool or 0/1 numbers shaped like targets. loss_mask marks the
-    tokens eligible for the loss; retrieved tokens among them enter only with offpolicy_train "shaped"/"truncated".
-    response_mask (default: every position of the row / segment) is F's denominator. global_num_tokens: the global
-    normaliser of loss_agg (see module docstring). inplace_backward (logits= only): the backward writes the logits
-    gradient over the logits instead of a new [N, V] tensor; only when nothing reads the logits afterwards (the
-    hazard and the cases where it has no effect: rapo_fast.token_logprobs, docs/loss.md).
+    Shapes: padded targets [B, T] (rows are sequences) with logits [B, T, V] or hidden [B, T, H]; or flat targets
+    [N] with logits [N, V] / hidden [N, H] and cu_seqlens [S+1] (int32/int64; without it the N tokens are one
+    sequence). weight [V, H] and bias [V] (hidden's dtype; under torch.autocast a weight/bias of another float
+    dtype, e.g. an fp32 lm_head weight with bf16 hidden, is cast to hidden's dtype here, differentiably: its
+    gradient comes back in its own dtype) for the hidden path; logits/hidden fp32/fp16/bf16 (fp64: reference path);
+    targets integer in [0, V), or -100 (IGNORE_INDEX) at tokens where loss_mask is 0. old_logp, behav_logp,
+    ref_logp: float log-probs, shaped like targets, at the same temperature; old_logp above 1e-4 (OLD_LOGP_MAX) at a
+    token in the loss is refused (probabilities passed instead of log-probs). advantages: float, per token (targets'
+    shape) or per sequence ([B] or [S]; per token wins if both fit). loss_mask / retrieved_mask / response_mask:
+    bool or 0/1 numbers shaped like targets. loss_mask marks the tokens eligible for the loss; retrieved tokens
+    among them enter only with offpolicy_train "shaped"/"truncated". response_mask (default: every position of the
+    row / segment) is F's denominator. global_num_tokens: the global normaliser of loss_agg (see module docstring).
+    inplace_backward (logits= only): the backward writes the logits gradient over the logits instead of a new [N, V]
+    tensor; only when nothing reads the logits afterwards (the hazard and the cases where it has no effect:
+    rapo_fast.token_logprobs, docs/loss.md).
     Options: the fields of rapo_fast.loss.options.LossOptions (shaping_m, offpolicy_train, gamma, is_cap, tis_cap,
     eps_low, eps_high, dual_clip, importance_sampling_level, beta, kl_estimator, entropy_coef, temperature, loss_agg,
     return_metrics), as keywords, or as `options=LossOptions(...)` (keywords given beside it win).
@@ -132,7 +138,10 @@ def rapo_loss(
     a = dict(locals())
     opts = LossOptions.from_call(a.pop("options"), a.pop("option_kwargs"), caller="rapo_loss")
     check_inplace_backward(a.pop("inplace_backward"), logits)
+    weight, bias = a["weight"], a["bias"] = head_in_hidden_dtype(hidden, weight, bias)  # autocast: cast, with grad
     facts = check_inputs(a, opts)
+    if facts.ignored_targets:  # -100 only outside loss_mask (checked): any id in [0, V) there, the loss never reads it
+        targets = a["targets"] = targets.masked_fill(targets == IGNORE_INDEX, 0)
     if _use_fused(hidden, weight, bias, opts.importance_sampling_level):
         # log-probs, loss and gradients in one pass: rapo_fast/loss/fused_linear.py
         return _loss_from_logp(a, opts, facts, None, None, fused=True)

@@ -14,55 +14,27 @@ What this is not: an approximate index (no IVF/HNSW: exact search is the contrac
 from __future__ import annotations
 
 import contextlib
-import math
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rapo_fast.reference.retrieval import key_aux_ref
+from rapo_fast.retrieval.buffer_args import as_tensor, check_int_vector, check_k, check_min_score
+from rapo_fast.retrieval.buffer_args import shape as _shape
 from rapo_fast.retrieval.io import FORMAT_VERSION, StepBufferFormatError, read_snapshot, write_snapshot
 from rapo_fast.retrieval.l2_chunks import chunked_l2_search, l2_chunk_rows
 from rapo_fast.retrieval.l2_exact import certified_l2_search, rescored_l2_search
 from rapo_fast.retrieval.op import MAX_K, METRIC_CODES, retrieval_search
 from rapo_fast.retrieval.rwlock import ReadWriteLock
 
+if TYPE_CHECKING:
+    import numpy as np
+
 __all__ = ["StepBuffer", "StepBufferFormatError", "FORMAT_VERSION"]
 
 _KEY_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _EVICTIONS = ("fifo", "lowest_score")
-
-
-def _shape(t: torch.Tensor) -> tuple[int, ...]:
-    return tuple(t.shape)
-
-
-def _check_int_vector(name: str, t, n: int) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of shape [{n}] int64, got {type(t).__name__}")
-    if t.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
-        raise TypeError(f"{name} must be an int64 tensor of shape [{n}], got dtype {t.dtype}")
-    if t.dim() != 1 or t.shape[0] != n:
-        raise ValueError(f"{name} must have shape [{n}], got {_shape(t)}")
-    return t.to(torch.int64)
-
-
-def _check_k(k) -> int:
-    if isinstance(k, bool) or not isinstance(k, int):
-        raise TypeError(f"k must be an int in [1, {MAX_K}], got {type(k).__name__}")
-    if not 1 <= k <= MAX_K:
-        raise ValueError(f"k must be in [1, {MAX_K}], got {k}")
-    return k
-
-
-def _check_min_score(min_score) -> float:
-    if min_score is None:
-        return float("-inf")
-    if isinstance(min_score, bool) or not isinstance(min_score, (int, float)):
-        raise TypeError(f"min_score must be a float or None, got {type(min_score).__name__}")
-    if math.isnan(min_score):
-        raise ValueError("min_score must not be NaN")
-    return float(min_score)
 
 
 class StepBuffer:
@@ -73,7 +45,8 @@ class StepBuffer:
         dim: key dimension D.
         dtype: key storage dtype, float32, float16 or bfloat16; queries are rounded to it before scoring.
         device: where the keys live; searches run there (C++ CPU backend or CUDA backend).
-        metric: "ip" (inner product), "cosine", or "l2" (scores are -|q - k|^2, larger is better).
+        metric: "ip" (inner product), "cosine", or "l2" (scores are -|q - k|^2, the negative squared distance:
+            larger is better, as for the other metrics).
         eviction: when full, "fifo" overwrites the oldest step; "lowest_score" replaces the lowest-scored step (the
             oldest among equals) if the new step's score is >= it, and otherwise drops the new step (slot -1). A batch
             keeps exactly the steps that adding its steps one by one would keep; its kept steps take the freed slots
@@ -172,19 +145,29 @@ class StepBuffer:
     # ---- add ----
     def add(
         self,
-        embeddings: torch.Tensor,
-        payload_ids: torch.Tensor,
-        group_ids: torch.Tensor,
-        scores: torch.Tensor | None = None,
-        pinned: torch.Tensor | bool | None = None,
+        embeddings: torch.Tensor | np.ndarray,
+        payload_ids: torch.Tensor | np.ndarray | None = None,
+        group_ids: torch.Tensor | np.ndarray | None = None,
+        scores: torch.Tensor | np.ndarray | None = None,
+        pinned: torch.Tensor | np.ndarray | bool | None = None,
     ) -> torch.Tensor:
         """Store M steps; returns their slot ids [M] int64 on the buffer's device (-1 for a step not kept).
 
         embeddings [M, D] float (finite; rounded to the buffer dtype), payload_ids [M] int64 (>= 0: -1 is the
         padding of `search`), group_ids [M] int64 (>= 0), scores [M] float (finite; default 0), pinned [M] bool or
         one bool for all (default: none pinned; see the class docstring). A batch larger than the free space evicts
-        per the policy; steps of the same batch can evict each other (fifo keeps the last C).
+        per the policy; steps of the same batch can evict each other (fifo keeps the last C). Tensors or NumPy
+        arrays (`buf.add(x)` as with a faiss index); arrays are copied to the buffer's device.
+
+        Automatic ids (faiss's numbering): without payload_ids, a step's payload id is its insertion number, the
+        count of steps added before it since the buffer was made (or `reset`), dropped and evicted ones included, so
+        the first add of M steps gets 0..M-1 and the next add continues; without group_ids, each step is its own
+        group (group id = payload id: `exclude_groups` then skips exactly that step). Do not mix automatic and given
+        payload ids in one buffer: nothing keeps them apart.
         """
+        embeddings, payload_ids, group_ids, scores, pinned = (
+            as_tensor(x, self.device) for x in (embeddings, payload_ids, group_ids, scores, pinned)
+        )
         if not isinstance(embeddings, torch.Tensor):
             raise TypeError(f"embeddings must be a torch.Tensor [M, {self.dim}], got {type(embeddings).__name__}")
         if not embeddings.is_floating_point():
@@ -192,8 +175,8 @@ class StepBuffer:
         if embeddings.dim() != 2 or embeddings.shape[1] != self.dim:
             raise ValueError(f"embeddings must have shape [M, {self.dim}], got {_shape(embeddings)}")
         M = embeddings.shape[0]
-        payload = _check_int_vector("payload_ids", payload_ids, M).to(self.device)
-        group = _check_int_vector("group_ids", group_ids, M).to(self.device)
+        payload = None if payload_ids is None else check_int_vector("payload_ids", payload_ids, M).to(self.device)
+        group = None if group_ids is None else check_int_vector("group_ids", group_ids, M).to(self.device)
         if scores is None:
             score = torch.zeros(M, dtype=torch.float32, device=self.device)
         else:
@@ -211,9 +194,9 @@ class StepBuffer:
             raise ValueError(f"embeddings must be finite in {self.dtype} (NaN/inf found, or out of range)")
         if not bool(torch.isfinite(score).all()):
             raise ValueError("scores must be finite")
-        if bool((group < 0).any()):
+        if group is not None and bool((group < 0).any()):
             raise ValueError("group_ids must be >= 0 (negative values mean 'no exclusion' in search)")
-        if bool((payload < 0).any()):
+        if payload is not None and bool((payload < 0).any()):
             got = int(payload.min())
             raise ValueError(f"payload_ids must be >= 0 (-1 pads search results with fewer than k steps), got {got}")
         with self._lock.write():
@@ -235,12 +218,13 @@ class StepBuffer:
     def _store(
         self,
         keys: torch.Tensor,
-        payload: torch.Tensor,
-        group: torch.Tensor,
+        payload: torch.Tensor | None,
+        group: torch.Tensor | None,
         score: torch.Tensor,
         pinned: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """add's writes, under the write lock: assign slots, then fill them."""
+        """add's writes, under the write lock: assign slots, then fill them. payload None: the insertion numbers
+        (read here, under the lock, so concurrent adds never share one); group None: the payload ids."""
         M, n_before = keys.shape[0], self._size
         if pinned is not None or self._has_pins or self._by_age:
             slots = self._assign_pinned(score, pinned)
@@ -255,6 +239,8 @@ class StepBuffer:
         else:
             idx, src = slots[keep], keep
         seq = torch.arange(self._next_seq, self._next_seq + M, dtype=torch.int64, device=self.device)
+        payload = seq if payload is None else payload
+        group = payload if group is None else group
         if self._key_sum is not None:  # l2's running sum: minus the overwritten keys, plus the new ones
             old = self._keys[idx[idx < n_before]]
             self._key_sum += keys[src].sum(0, dtype=torch.float64) - old.sum(0, dtype=torch.float64)
@@ -345,11 +331,11 @@ class StepBuffer:
             raise ValueError(f"queries must have shape [Q, {self.dim}], got {_shape(queries)}")
         if queries.device != self.device:
             raise ValueError(f"queries must be on the buffer's device {self.device}, got {queries.device}")
-        k = _check_k(k)
-        thr = _check_min_score(min_score)
+        k = check_k(k)
+        thr = check_min_score(min_score)
         exclude = None
         if exclude_groups is not None:
-            exclude = _check_int_vector("exclude_groups", exclude_groups, queries.shape[0])
+            exclude = check_int_vector("exclude_groups", exclude_groups, queries.shape[0])
             if exclude.device != self.device:
                 raise ValueError(f"exclude_groups must be on the buffer's device {self.device}, got {exclude.device}")
         q = queries.detach().to(self.dtype)  # retrieval is not differentiable: no autograd graph through the op
@@ -390,23 +376,48 @@ class StepBuffer:
 
     def search(
         self,
-        queries: torch.Tensor,
+        queries: torch.Tensor | np.ndarray,
         k: int,
-        exclude_groups: torch.Tensor | None = None,
+        exclude_groups: torch.Tensor | np.ndarray | int | None = None,
         min_score: float | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Exact top-k: queries [Q, D] float on the buffer's device -> (scores [Q, k] fp32, payload_ids [Q, k] int64).
 
+        Scores, larger is better whatever the metric: "ip" <q, k>; "cosine" the cosine similarity; "l2" the NEGATIVE
+        squared distance -|q - k|^2 (faiss's IndexFlatL2 returns +|q - k|^2, smaller first: negate ours to compare).
         Best first, ties to the smaller slot; rows with fewer than k eligible steps are padded with -inf / -1.
         exclude_groups [Q] int64: per query, steps of that group are skipped (a negative value skips nothing).
         min_score: steps scoring below it are skipped. 1 <= k <= 1024. The scores carry no gradient.
+        A 1-D query [D] is one query: the results are then scores [k] and payload_ids [k], and exclude_groups may be
+        an int. NumPy arrays are accepted for queries and exclude_groups (copied to the buffer's device); the results
+        are tensors either way (`.numpy()` on a CPU buffer's).
         """
+        queries, exclude_groups = as_tensor(queries, self.device), as_tensor(exclude_groups, self.device)
+        one = isinstance(queries, torch.Tensor) and queries.dim() == 1
+        if one:  # one query, and its exclusion as a [1] vector (an int, a 0-d tensor), for the [Q, D] contract
+            queries = queries[None]
+            if isinstance(exclude_groups, int):
+                exclude_groups = torch.tensor([exclude_groups], device=self.device)
+            elif isinstance(exclude_groups, torch.Tensor) and exclude_groups.dim() == 0:
+                exclude_groups = exclude_groups[None]
         # One consistent state for the scores and the payload ids they map to. A traced search (torch.compile) cannot
         # hold a Python lock: it runs without it (docs/retrieval.md, "Thread safety").
         with contextlib.nullcontext() if torch.compiler.is_compiling() else self._lock.read():
             scores, slots = self._search_slots(queries, k, exclude_groups, min_score)
             payload = torch.where(slots >= 0, self._payload[slots.clamp_min(0)], torch.full_like(slots, -1))
-        return scores, payload
+        return (scores[0], payload[0]) if one else (scores, payload)
+
+    def reset(self) -> None:
+        """Empty the buffer (faiss's `reset`): no steps, no pins, automatic ids from 0 again; capacity, dim, dtype,
+        device, metric and eviction are kept, and so is the storage (no reallocation)."""
+        with self._lock.write():
+            for t, fill in ((self._keys, 0), (self._aux, 0), (self._score, 0), (self._pinned, False)):
+                t.fill_(fill)
+            for t in (self._payload, self._group, self._seq):
+                t.fill_(-1)
+            self._size = self._head = self._next_seq = 0
+            self._has_pins = self._by_age = False
+            self._key_sum = None
 
     # ---- persistence ----
     def save(self, directory: str | os.PathLike) -> None:

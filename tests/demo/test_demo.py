@@ -1,5 +1,6 @@
 """The demo end to end in its --quick setting through the CLI: files written, both methods from the same start,
-retrieval statistics only for RAPO, wall-time split present; bad arguments rejected."""
+retrieval statistics only for RAPO, wall-time split present; bad arguments rejected; a --quick run labelled a smoke
+run in its plot title and summary.md, a default run not."""
 
 import csv
 import re
@@ -38,6 +39,7 @@ def test_demo_quick_writes_plot_and_summary(tmp_path, monkeypatch, capsys):
         assert len(steps) == int(rows[m]["rl_steps"]) == 4
     md = (out / "summary.md").read_text()
     assert "| RAPO |" in md and "| GRPO |" in md and "Wall time" in md
+    assert "smoke run (--quick): not a result" in md.splitlines()[0]  # a quick run says what it is (issue 26)
     # a warm-up that stopped short of --sft-target (default 0.4) says so, in summary.md and on the console
     sft = float(re.search(r"validation greedy success ([0-9.]+)", md).group(1))
     assert ("SFT missed its target" in md) == (sft < 0.4)
@@ -77,3 +79,30 @@ def test_demo_with_the_minilm_encoder(tmp_path, monkeypatch):
     assert "encoder minilm" in (out / "summary.md").read_text()
     rows = {r["method"]: r for r in csv.DictReader((out / "summary.csv").open())}
     assert float(rows["RAPO"]["retrieval_rate"]) > 0  # the MiniLM keys were searched
+
+
+@pytest.mark.parametrize("quick", [True, False], ids=["quick", "default"])
+def test_quick_outputs_say_they_are_a_smoke_run(quick, tmp_path, monkeypatch):
+    """The plot title and summary.md of a --quick run say "smoke run (--quick): not a result" (its few steps give
+    curves at zero or flat, which a reader must not take for a result); a default run's do not. _write on a
+    two-step stand-in of a run's results, the figure's title read at savefig."""
+    import argparse
+
+    from matplotlib.figure import Figure
+
+    from rapo_fast.demo import main as demo
+
+    titles = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: titles.append(fig.get_suptitle()))
+    step = dict(success_rate=0.0, success_rate_onpolicy=0.0, retrieval_rate=0.0, retrieval_reward=0.0, f_ret=0.0)
+    results = {m: ([(0, 0.0), (2, 0.0)], [step, step]) for m in ("RAPO", "GRPO")}
+    timers = {f"{m}_{k}": 1.0 for m in results for k in ("total", "eval")}
+    args = argparse.Namespace(quick=quick, seed=3, target=None, sft_target=0.4, encoder="ngram", mode="kv")
+    setting = dict(demo.QUICK if quick else demo.FULL, sft_done=60, sft_valid_success=0.5)
+    rows = demo._summaries(results, timers, args, setting)
+    demo._write(tmp_path, rows, results, timers, args, setting, 3.0)
+    md = (tmp_path / "summary.md").read_text()
+    label = "smoke run (--quick): not a result"
+    assert (label in titles[0]) == quick and "seed 3" in titles[0]
+    assert (label in md.splitlines()[0]) == quick
+    assert ("curves at zero, are expected" in md) == quick

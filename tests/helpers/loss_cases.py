@@ -50,7 +50,8 @@ def make_batch(
         z = d["hidden"] @ d["weight"].T + (d["bias"] if bias else 0)
     d["targets"] = torch.randint(0, V, lead, generator=g)
     logp = torch.log_softmax(z.double(), -1).gather(-1, d["targets"][..., None])[..., 0].float()
-    d["old_logp"] = logp + spread * torch.randn(lead, generator=g)
+    # a log-prob is <= 0 (rapo_loss refuses old_logp > OLD_LOGP_MAX at tokens in the loss): the noise is clamped
+    d["old_logp"] = (logp + spread * torch.randn(lead, generator=g)).clamp(max=0.0)
     d["behav_logp"] = d["old_logp"] + 0.2 * torch.randn(lead, generator=g)
     d["ref_logp"] = logp + spread * torch.randn(lead, generator=g)
     d["advantages"] = torch.randn((rows,) if per_seq_adv else lead, generator=g)

@@ -384,3 +384,28 @@ def test_one_training_step_runs():
     logged = trainer.state.log_history[0]
     # metrics only our loss path records: the step went through RAPOGRPOTrainer._compute_loss
     assert "rapo/ratio_mean" in logged and "clip_ratio/low_mean" in logged
+
+
+@pytest.mark.parametrize("extra", [{"offpolicy_train": "truncated"}, {"tis_cap": 2.0}], ids=["truncated", "tis_cap"])
+def test_behaviour_logp_options_without_a_source_fail_at_construction(extra):
+    """offpolicy_train="truncated" (and tis_cap) need inputs["sampling_per_token_logps"], which TRL's transformers
+    generation never provides: refused when the trainer is built, naming the option, not at the first step."""
+    with pytest.raises(ValueError, match=r"rapo_options: (offpolicy_train='truncated'|tis_cap) needs the behaviour"):
+        _build(rapo_options=extra)
+
+
+def test_truncated_is_accepted_where_behaviour_logps_can_come(trainer):
+    """With a source of behaviour log-probs (vLLM, a rollout_func, or a subclass that builds the batches) the same
+    option maps as before; a batch that still lacks them fails at the step, as documented."""
+    fake = copy.copy(trainer)
+    _configure(fake, {})
+    fake.rollout_func = lambda prompts, trainer: None
+    assert trl_to_rapo_options(fake, {"offpolicy_train": "truncated"}).options["offpolicy_train"] == "truncated"
+
+    class WithOwnBatches(RAPOGRPOTrainer):
+        def _generate_and_score_completions(self, inputs):  # pragma: no cover - never called here
+            raise NotImplementedError
+
+    sub = copy.copy(trainer)
+    sub.__class__ = WithOwnBatches
+    assert trl_to_rapo_options(sub, {"offpolicy_train": "truncated"}).options["offpolicy_train"] == "truncated"

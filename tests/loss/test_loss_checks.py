@@ -62,6 +62,10 @@ BAD_CASES = [
     ("targets 3-d", lambda d: d.update(targets=d["targets"][None]), ValueError, "targets"),
     ("targets >= V", lambda d: d["targets"].__setitem__((0, 0), 5), ValueError, "targets"),
     ("targets < 0", lambda d: d["targets"].__setitem__((1, 2), -1), ValueError, "targets"),
+    # -100 (the ignore index) is accepted where loss_mask is 0 only (test_ignore_index_targets_outside_the_loss)
+    ("targets -100 in the loss", lambda d: _set_in_loss(d, (1, 2), "targets", -100), ValueError, "targets: -100"),
+    # probabilities passed as old_logp (a log-prob is <= 0): refused at tokens in the loss
+    ("old_logp probabilities", lambda d: _set_in_loss(d, (0, 2), "old_logp", 0.4), ValueError, "old_logp"),
     ("old_logp shape", lambda d: d.update(old_logp=torch.zeros(2, 4)), ValueError, "old_logp"),
     ("old_logp dtype", lambda d: d.update(old_logp=d["old_logp"].long()), TypeError, "old_logp"),
     ("old_logp nan", lambda d: _set_in_loss(d, (0, 1), "old_logp", float("nan")), ValueError, "old_logp"),
@@ -286,3 +290,53 @@ def test_targets_dtype_rule_is_one_rule(dtype):
         else:
             with pytest.raises(TypeError, match="targets"):
                 call()
+
+
+@pytest.mark.parametrize("hidden", [False, True], ids=["logits", "hidden"])
+def test_ignore_index_targets_outside_the_loss(hidden):
+    """Hugging Face's label padding (-100) where loss_mask is 0 is accepted, and the loss and its gradients are those
+    of any valid id there (the token never enters the loss); -100 where loss_mask is set is refused by name (BAD_CASES).
+    """
+    d = _valid(hidden=hidden)
+    d["loss_mask"][0, 2] = 0
+    d["loss_mask"][1, 0] = 0
+    x = "hidden" if hidden else "logits"
+    ignored = dict(d, targets=d["targets"].clone())
+    ignored["targets"][0, 2] = ignored["targets"][1, 0] = -100
+    leaves = [{**c, x: c[x].clone().requires_grad_()} for c in (d, ignored)]
+    for c in leaves:
+        c["loss"] = rapo_fast.rapo_loss(**{k: v for k, v in c.items() if k != "loss"})
+        c["loss"].backward()
+    assert torch.equal(leaves[0]["loss"], leaves[1]["loss"])
+    assert torch.equal(leaves[0][x].grad, leaves[1][x].grad)
+    # policy_loss_from_logp has no targets; token_logprobs has no mask: -100 stays out of range there
+    with pytest.raises(ValueError, match="targets"):
+        rapo_fast.token_logprobs(
+            ignored.get("logits"),
+            targets=ignored["targets"],
+            **({"hidden": ignored["hidden"], "weight": ignored["weight"]} if hidden else {}),
+        )
+
+
+def test_old_logp_above_zero(tripwire):
+    """old_logp > OLD_LOGP_MAX (1e-4) at a token in the loss is refused naming old_logp and the likely mistake;
+    rounding just above 0 is tolerated, and a masked token may hold anything."""
+    from rapo_fast.loss.options import OLD_LOGP_MAX
+
+    d = _valid()
+    d["retrieved_mask"].zero_()
+    d["loss_mask"][0, 0] = 0
+    d["old_logp"][0, 0] = 0.9  # masked: never read
+    d["old_logp"][1, 1] = 1e-6  # rounding of a log-prob near 0
+    d["loss_mask"][1, 1] = 1
+    with pytest.raises(AssertionError, match="a kernel ran"):  # validation passed, the (tripwired) kernel was next
+        rapo_fast.rapo_loss(**d)
+    d["old_logp"][1, 1] = 2 * OLD_LOGP_MAX
+    with pytest.raises(
+        ValueError, match=r"old_logp: expected log-probabilities .*\(first at index \(1, 1\).*torch\.log"
+    ):
+        rapo_fast.rapo_loss(**d)
+    logp = torch.log_softmax(d["logits"], -1).gather(-1, d["targets"][..., None])[..., 0]
+    kw = {k: d[k] for k in ("old_logp", "advantages", "loss_mask")}
+    with pytest.raises(ValueError, match="old_logp"):  # the same check on the log-prob entry point
+        loss_mod.policy_loss_from_logp(logp, **kw)

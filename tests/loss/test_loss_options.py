@@ -65,10 +65,12 @@ def test_ratio_two_clip_high_pessimistic_low_and_dual_clip():
     loss, m = _loss(logits, targets, old, adv, lm, eps_low=0.2, eps_high=0.28, dual_clip=1.5, return_metrics=True)
     assert_close_verbose(loss, torch.where(a > 0, -1.28 * a, -1.5 * a).mean(), atol=1e-5)
     assert_close_verbose(m["dual_clip_frac"], (a < 0).double().mean(), atol=1e-6)
-    # ratio 1/2: A < 0 tokens clip at 1 - eps_low
-    loss, m = _loss(logits, targets, logp + math.log(2.0), adv, lm, eps_low=0.2, return_metrics=True)
-    assert_close_verbose(loss, torch.where(a > 0, -0.5 * a, -0.8 * a).mean(), atol=1e-5)
-    assert_close_verbose(m["clip_frac_low"], (a < 0).double().mean(), atol=1e-6)
+    # ratio 1/2: A < 0 tokens clip at 1 - eps_low. old_logp = logp + log 2 is a log-prob (<= 0, as rapo_loss
+    # requires) only where p <= 1/2: those tokens form the loss
+    old, ok = logp + math.log(2.0), logp + math.log(2.0) <= 0
+    loss, m = _loss(logits, targets, old, adv, ok, eps_low=0.2, return_metrics=True)
+    assert_close_verbose(loss, torch.where(a > 0, -0.5 * a, -0.8 * a)[ok].mean(), atol=1e-5)
+    assert_close_verbose(m["clip_frac_low"], (a < 0)[ok].double().mean(), atol=1e-6)
 
 
 def test_rapo_shaping_scales_ratio_by_retrieved_fraction():
@@ -187,7 +189,8 @@ def test_kl_estimators_by_hand(est):
 def test_k3_is_clamped_and_log_ratios_are_clamped():
     logits, targets, logp, adv, lm = _setup()
     far = logp + 50.0  # exp(50) would overflow fp32 without verl's +-20 clamps
-    loss, m = _loss(logits, targets, far, adv, lm, beta=1.0, ref_logp=far.float(), return_metrics=True)
+    # old_logp 50 below logp (a log-prob must be <= 0): log-ratio +50 for the ratio, -50 for the KL's ref - logp
+    loss, m = _loss(logits, targets, logp - 50.0, adv, lm, beta=1.0, ref_logp=far.float(), return_metrics=True)
     assert torch.isfinite(loss) and all(torch.isfinite(v) for v in m.values())
     assert_close_verbose(m["kl"], torch.tensor(10.0), atol=0)  # k3 clamped at 10
     (g,) = torch.autograd.grad(loss, logits)

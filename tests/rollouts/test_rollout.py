@@ -303,3 +303,40 @@ def test_bad_arguments(setup):
         rollout(model, tok, task, problems, n_hybrid=1, group_size=2, retrieve_prob=1.5, traces=object())
     with pytest.raises(ValueError, match="problems"):
         rollout(model, tok, task, [], strategy="on_policy", n_hybrid=0)
+
+
+@pytest.mark.parametrize("mode", ["exact", "splice", "arpo"])
+def test_rollout_uses_the_cache_api_without_deprecation_warnings(setup, mode):
+    """Issue 26 item 11: the decode engine and the splice hand transformers a DynamicCache (the Cache API of
+    transformers 5.x), never a legacy tuple cache, so a rollout raises no DeprecationWarning / FutureWarning and logs
+    no transformers warning. The filters are scoped to the rollout call; transformers' warning_once memo is cleared
+    first so that a warning already given earlier in the process would be given again here."""
+    import logging
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    task, tok, model, problems, path = setup
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    hf_logging.warning_once.cache_clear()
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DeprecationWarning)
+            warnings.simplefilter("error", FutureWarning)
+            if mode == "arpo":
+                kw = dict(strategy="arpo", n_hybrid=0, arpo_initial=2, arpo_beam=2, arpo_k=4, arpo_alpha=1.0)
+            else:  # splice: the StepKVStore's K/V are computed here too (kv/store.py builds a DynamicCache)
+                traces = _traces(tok, path, model, kv=mode == "splice")
+                kw = dict(n_hybrid=2, retrieve_prob=1.0, traces=traces, mode=mode)
+            b = rollout(
+                model, tok, task, problems[:2], group_size=4, generator=torch.Generator().manual_seed(0),
+                max_step_tokens=8, **kw,
+            )  # fmt: skip
+    finally:
+        logger.removeHandler(handler)
+    assert b.batch_size == 8
+    assert not records, [r.getMessage()[:200] for r in records]
