@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Thin wrapper: runs the two GPU validation calls (bench/gpu/call1_build_test_loss.py, then
 # bench/gpu/call2_retrieval_kv_train.py) in order into OUTDIR/call1/ and OUTDIR/call2/, on a GPU machine reached
-# without the device tool. Through the device tool each call is its own command (README.md "GPU validation";
+# without the device tool. Through the device tool each call is its own command (docs/gpu_validation.md;
 # `python bench/gpu/validate.py --dry-run` prints both, with their budgets and rows).
 #   bash bench/gpu_suite.sh OUTDIR            (under 18 minutes; --dry-run as OUTDIR lists the plan instead)
 # Wheels: put the ones from tools/fetch_gpu_wheels.sh in .carry/wheels; call 1 installs them (--no-index --no-deps).

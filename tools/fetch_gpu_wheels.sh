@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Download, on a machine with PyPI access, every Python wheel the GPU tests and benches need that the GPU image lacks
 # (the image has torch, triton, transformers, accelerate, pandas, pyarrow, xxhash, huggingface-hub ...; see
-# README.md "GPU validation"), into .carry/wheels (git-ignored; name it in the device tool's `carry`). The stages
+# docs/gpu_validation.md), into .carry/wheels (git-ignored; name it in the device tool's `carry`). The stages
 # (bench/gpu/) install them there with `pip install --no-index --no-deps`.
 # What is fetched and why: trl (tests/integrations/test_integration_trl.py) imports datasets at `import trl`, and
 # datasets imports dill and multiprocess; liger-kernel is the loss bench's Liger provider and cut-cross-entropy

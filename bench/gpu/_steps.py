@@ -15,7 +15,7 @@ def env(imports: str = "", smoke: bool = False) -> Step:
     return Step("env", f"{{py}} {{here}}/check_env.py --imports '{imports}'", 60 if smoke else 30)
 
 
-# --no-deps --no-index: the machine has no network and its image's packages stay as they are (README.md).
+# --no-deps --no-index: the machine has no network and its image's packages stay as they are (docs/gpu_validation.md).
 WHEELS_GPU = Step(
     "wheels",
     f"if ls {WHEELS}/*.whl >/dev/null 2>&1; then {{py}} -m pip install -q --no-index --no-deps --no-compile "

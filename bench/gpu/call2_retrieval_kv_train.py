@@ -3,7 +3,7 @@ compute-sanitizer memcheck and racecheck over small cases of every kernel, and a
 split of step time). It uses the extension call 1 built, carried in .carry/ext.
 
 Usage: `python bench/gpu/call2_retrieval_kv_train.py --out DIR | --dry-run | --cpu-smoke DIR | --record DIR`
-(README.md, "GPU validation"). What this is not: the benches themselves, nor the demo's learning result (the trainer
+(docs/gpu_validation.md). What this is not: the benches themselves, nor the demo's learning result (the trainer
 runs too few steps for that; `rapo-fast demo` gives it).
 """
 

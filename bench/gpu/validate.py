@@ -3,7 +3,7 @@ takes them), each call's total budget (under 9 minutes), its files, and every CS
 `--cpu-smoke DIR` runs both calls end to end on the CPU at tiny shapes (into DIR/call1, DIR/call2).
 
 Usage: `python bench/gpu/validate.py --dry-run | --cpu-smoke DIR`. The GPU commands themselves are the calls
-(README.md, "GPU validation"). What this is not: a runner of its own (each call is bench/gpu/call*.py).
+(docs/gpu_validation.md). What this is not: a runner of its own (each call is bench/gpu/call*.py).
 """
 
 from __future__ import annotations
