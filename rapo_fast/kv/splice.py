@@ -410,9 +410,9 @@ def insert_segment(
     out = model(
         input_ids=tokens[:, n_splice:],
         position_ids=pos_ids,
-        past_key_values=cache,
         use_cache=True,
         attention_mask=attention_mask,
+        **{hfc.cache_kwarg(model): cache},
     )
     return InsertResult(
         logits=out.logits[:, -1].float(),
