@@ -9,6 +9,7 @@ rules implemented here.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Callable, Iterable, Sequence
 
@@ -75,10 +76,15 @@ def register_op(
     backward: Callable | None = None,
     setup_context: Callable | None = None,
     device_types: Sequence[str] | str | None = None,
+    eager_direct: bool = False,
 ) -> Callable:
     """Register `fn` as the torch.library custom op `rapo_fast::<name>` with its fake and autograd formulas.
 
-    Returns the callable to use (the op, or `fn` itself when registration is switched off).
+    Returns the callable to use (the op, or `fn` itself when registration is switched off). eager_direct (ops without
+    an autograd formula only): outside torch.compile the callable runs `fn` itself and the op only while tracing.
+    Why: the first call of any torch.library custom op imports torch._dynamo (torch's backend_impl is wrapped in
+    `_disable_dynamo`), 1.5-3 s on a CPU; a search or a splice in eager mode need not pay it. The op stays
+    registered (torch.ops.rapo_fast.<name>, opcheck, torch.compile) and runs the same `fn`.
     """
     if not _REGISTER:
         return fn
@@ -87,4 +93,14 @@ def register_op(
         op.register_fake(fake)
     if backward is not None:
         op.register_autograd(backward, setup_context=setup_context)
-    return op
+    if not eager_direct:
+        return op
+    if backward is not None:
+        raise ValueError(f"register_op({name!r}): eager_direct needs an op without an autograd formula")
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        return op(*args, **kwargs) if torch.compiler.is_compiling() else fn(*args, **kwargs)
+
+    call.op = op  # type: ignore[attr-defined]
+    return call

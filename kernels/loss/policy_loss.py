@@ -32,6 +32,7 @@ _KL_NONE = tl.constexpr(int(KLMode.NONE))
 _KL_K1 = tl.constexpr(int(KLMode.K1))
 _KL_K2 = tl.constexpr(int(KLMode.K2))
 _KL_K3 = tl.constexpr(int(KLMode.K3))
+_KL_K3U = tl.constexpr(int(KLMode.K3_UNCLAMPED))
 # every log-ratio is clamped to [-CL, CL] before exp (the reference's LOG_RATIO_CLAMP, verl's clamp)
 CL = tl.constexpr(20.0)
 # metric partial sums, one row of NUM_METRICS per program: the launcher sums rows and turns sums into means
@@ -165,6 +166,13 @@ def _kl_token(logp, ref, KL: tl.constexpr):
         gk = ((kraw >= -10.0) & (kraw <= 10.0)).to(tl.float32)
         kl = tl.minimum(tl.maximum(kraw, -10.0), 10.0)
         dkl = -(ex - 1.0) * gx * gk
+    if KL == _KL_K3U:  # TRL's k3: no clamp of the estimate (x keeps its overflow clamp)
+        x = ref - logp
+        gx = ((x >= -CL) & (x <= CL)).to(tl.float32)
+        xc = tl.minimum(tl.maximum(x, -CL), CL)
+        ex = tl.exp(xc)
+        kl = ex - xc - 1.0
+        dkl = -(ex - 1.0) * gx
     return kl, dkl
 
 

@@ -23,7 +23,8 @@ Mapping (TRL `GRPOConfig` / trainer attribute -> `rapo_loss` keyword):
 | epsilon (epsilon_low), epsilon_high    | eps_low, eps_high                                                      |
 | delta (two-sided clipping)             | dual_clip=delta (identical when delta > 1 + epsilon_high, else error)  |
 | importance_sampling_level              | importance_sampling_level ("token" / "sequence" = GSPO)                |
-| beta, ref_per_token_logps              | beta, ref_logp, kl_estimator="k3" (use_bias_correction_kl=False only)  |
+| beta, ref_per_token_logps              | beta, ref_logp, kl_estimator="k3", kl_clamp=False (TRL's k3 is unclamped)  |
+|   (use_bias_correction_kl=False only)  |                                                                        |
 | temperature (/ model logit_scale)      | temperature / logit_scale (logit soft-capping: ValueError)             |
 | entropy_coef (static)                  | entropy_coef, only for loss_type="bnpo" (else ValueError)              |
 | vLLM IS, mode "token_truncate"         | behav_logp=sampling_per_token_logps, tis_cap=clip_max (clip_min unset) |
@@ -194,7 +195,8 @@ def _kl_and_entropy_options(trainer: Any, loss_type: str) -> dict[str, Any]:
                 "use_bias_correction_kl=True multiplies TRL's KL by the importance ratio; rapo_loss's k3 KL has no "
                 "such factor. Set use_bias_correction_kl=False to use RAPOGRPOTrainer with beta != 0."
             )
-        options.update(beta=beta, kl_estimator="k3")
+        # TRL's k3 has no [-10, 10] clamp (verl's has): the adapter reproduces its host.
+        options.update(beta=beta, kl_estimator="k3", kl_clamp=False)
     entropy_coef = float(getattr(trainer, "entropy_coef", 0.0) or 0.0)
     if entropy_coef != 0.0:
         if loss_type != "bnpo":

@@ -11,15 +11,31 @@ layers (refused with a TypeError: their storage is not a plain [B, H_kv, S, D] t
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
+
+_CACHE_KWARG: dict[type, str] = {}
 
 
 def _cu():
     from transformers import cache_utils
 
     return cache_utils
+
+
+def cache_kwarg(model: Any) -> str:
+    """The forward keyword that takes the cache: `cache` where the model's forward declares it (transformers >= 5.24,
+    where `past_key_values` is deprecated), else `past_key_values` (older 5.x, e.g. verl's pinned range)."""
+    cls = type(model)
+    if cls not in _CACHE_KWARG:
+        try:
+            params = inspect.signature(cls.forward).parameters
+        except (TypeError, ValueError):  # a forward without a signature: the long-standing name
+            params = {}
+        _CACHE_KWARG[cls] = "cache" if "cache" in params else "past_key_values"
+    return _CACHE_KWARG[cls]
 
 
 def is_hf_cache(obj: Any) -> bool:

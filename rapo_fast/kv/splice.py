@@ -148,7 +148,9 @@ def _kv_splice_fake(keys, values, k_pool, v_pool, requests, inv_freq, block_tabl
 
 # A registered op (docs/testing.md rule 3) so that torch.compile sees the in-place write to the caches; the Python cache
 # bookkeeping (HF lengths, growth, validation) stays in splice_kv, outside the op.
-kv_splice_ = register_op("kv_splice_", _kv_splice_impl, mutates_args=("keys", "values"), fake=_kv_splice_fake)
+kv_splice_ = register_op(
+    "kv_splice_", _kv_splice_impl, mutates_args=("keys", "values"), fake=_kv_splice_fake, eager_direct=True
+)
 
 
 def _launch_extension(ks, vs, store: StepKVStore, table, rope: RopeSpec, block_table) -> None:
@@ -410,9 +412,9 @@ def insert_segment(
     out = model(
         input_ids=tokens[:, n_splice:],
         position_ids=pos_ids,
-        past_key_values=cache,
         use_cache=True,
         attention_mask=attention_mask,
+        **{hfc.cache_kwarg(model): cache},
     )
     return InsertResult(
         logits=out.logits[:, -1].float(),

@@ -320,7 +320,7 @@ class StepKVStore:
             ids = torch.tensor([t + [0] * (n - len(t)) for t in chunk], dtype=torch.long, device=dev)
             cache = DynamicCache(config=model.config)
             pos = torch.arange(n, device=dev)[None].expand(len(chunk), n)
-            model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+            model(input_ids=ids, position_ids=pos, use_cache=True, **{hfc.cache_kwarg(model): cache})
             ks, vs = hfc.layer_tensors(cache)
             keys = [torch.stack([k[j, :, : len(t)].transpose(0, 1) for k in ks]) for j, t in enumerate(chunk)]
             values = [torch.stack([v[j, :, : len(t)].transpose(0, 1) for v in vs]) for j, t in enumerate(chunk)]

@@ -107,6 +107,9 @@ class LossOptions:
     # + beta * KL_k(logp, ref_logp) (needs ref_logp when beta != 0) - entropy_coef * H
     beta: float = _option(0.0, _real())
     kl_estimator: str = _option("k3", _choice(KL_ESTIMATORS))
+    # k3 clamped to [-10, 10] as verl's kl_penalty does (zero gradient past it); TRL does not clamp, and its adapter
+    # sets False. k1 and k2 are never clamped (as in verl).
+    kl_clamp: bool = _option(True, _flag)
     entropy_coef: float = _option(0.0, _real())
     # logits / temperature (rapo_loss only: the log-probs given to policy_loss_from_logp have theirs already)
     temperature: float = _option(1.0, _real(min_value=0.0, min_inclusive=False))

@@ -37,6 +37,7 @@ class KLMode(IntEnum):
     K1 = 1
     K2 = 2
     K3 = 3
+    K3_UNCLAMPED = 4  # k3 with kl_clamp=False (TRL's k3)
 
 
 class Metric(IntEnum):

@@ -25,6 +25,8 @@ from rapo_fast.reference.policy_loss import policy_token_loss_ref
 __all__ = ["KernelScalars", "policy_loss_op", "policy_loss_fwd", "policy_loss_bwd", "torch_policy_loss"]
 
 _BLOCK = 1024  # tokens per program of the elementwise kernels
+# kl_estimator of each KL mode (NONE: any estimator, its KL is not computed)
+_KL_NAMES = {KLMode.NONE: "k1", KLMode.K1: "k1", KLMode.K2: "k2", KLMode.K3: "k3", KLMode.K3_UNCLAMPED: "k3"}
 
 
 class KernelScalars(NamedTuple):
@@ -46,6 +48,8 @@ class KernelScalars(NamedTuple):
     def of(cls, opts: LossOptions, with_ref: bool) -> KernelScalars:
         """The kernels' scalars of `opts`; with_ref: ref_logp is given (and used: its KL term or metric)."""
         kl_mode = KLMode[opts.kl_estimator.upper()] if with_ref else KLMode.NONE
+        if kl_mode == KLMode.K3 and not opts.kl_clamp:
+            kl_mode = KLMode.K3_UNCLAMPED
         return cls(
             eps_low=float(opts.eps_low), eps_high=float(opts.eps_high), dual_c=float(opts.dual_clip or 0.0),
             gamma=float(opts.gamma), is_cap=float(opts.is_cap), tis_cap=float(opts.tis_cap or 0.0),
@@ -67,7 +71,8 @@ class KernelScalars(NamedTuple):
             offpolicy_train=OffMode(self.off_mode).name.lower(), gamma=self.gamma, is_cap=self.is_cap,
             tis_cap=self.tis_cap if self.tis_cap > 0 else None, eps_low=self.eps_low, eps_high=self.eps_high,
             dual_clip=self.dual_c if self.dual_c > 0 else None, beta=self.beta,
-            kl_estimator=KLMode(max(self.kl_mode, KLMode.K1)).name.lower(), entropy_coef=self.ent_coef,
+            kl_estimator=_KL_NAMES[KLMode(self.kl_mode)], kl_clamp=self.kl_mode != KLMode.K3_UNCLAMPED,
+            entropy_coef=self.ent_coef,
         )  # fmt: skip
 
 

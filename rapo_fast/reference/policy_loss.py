@@ -37,16 +37,18 @@ __all__ = ["policy_token_loss_ref", "rapo_loss_ref", "kl_penalty_ref", "LOG_RATI
 LOG_RATIO_CLAMP = 20.0  # verl's clamp before exp (docs/pitfalls.md #11)
 
 
-def kl_penalty_ref(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
+def kl_penalty_ref(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str, clamp: bool = True) -> torch.Tensor:
     """verl's kl_penalty: k1 = logp - ref; k2 = (logp - ref)^2 / 2; k3 = clamp(e^x - x - 1, -10, 10), x = clamp(ref -
-    logp, -20, 20). Same shape as logp."""
+    logp, -20, 20); with clamp=False, k3 = e^x - x - 1 (TRL's; x keeps its [-20, 20] clamp against overflow). Same
+    shape as logp."""
     if estimator == "k1":
         return logp - ref_logp
     if estimator == "k2":
         return 0.5 * (logp - ref_logp).square()
     if estimator == "k3":
         x = torch.clamp(ref_logp - logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        return torch.clamp(torch.exp(x) - x - 1, -10.0, 10.0)
+        k3 = torch.exp(x) - x - 1
+        return torch.clamp(k3, -10.0, 10.0) if clamp else k3
     raise ValueError(f"kl_estimator: expected one of ['k1', 'k2', 'k3'], got {estimator!r}")
 
 
@@ -74,9 +76,9 @@ def policy_token_loss_ref(
     logp: float tensor (fp32/fp64) with grad; on_mask/off_mask: bool, the on-policy tokens in the loss and the
     retrieved tokens trained off-policy; seq_log_ratio: per token, the (already detached) sequence mean log-ratio for
     importance_sampling_level="sequence", else None. options: the per-token fields of LossOptions (offpolicy_train,
-    gamma, is_cap, tis_cap, eps_low, eps_high, dual_clip, beta, kl_estimator, entropy_coef). Returns (loss [...],
-    terms) where loss is 0 outside on|off and terms holds detached per-token values: clipped_high, clipped_low,
-    dual_clipped (bool), ratio, approx_kl, kl, tis_weight, offpolicy_weight.
+    gamma, is_cap, tis_cap, eps_low, eps_high, dual_clip, beta, kl_estimator, kl_clamp, entropy_coef). Returns
+    (loss [...], terms) where loss is 0 outside on|off and terms holds detached per-token values: clipped_high,
+    clipped_low, dual_clipped (bool), ratio, approx_kl, kl, tis_weight, offpolicy_weight.
     """
     o = LossOptions.from_call(None, options, caller="policy_token_loss_ref", exclude=_ROW_OPTIONS)
     off_mask = torch.zeros_like(on_mask) if off_mask is None else off_mask
@@ -101,7 +103,7 @@ def policy_token_loss_ref(
         loss = loss + torch.where(off_mask, off_loss, zero)
     kl = None
     if ref_logp is not None:
-        kl = kl_penalty_ref(logp, ref_logp.detach().to(logp.dtype), o.kl_estimator)
+        kl = kl_penalty_ref(logp, ref_logp.detach().to(logp.dtype), o.kl_estimator, o.kl_clamp)
         if o.beta != 0.0:
             loss = loss + torch.where(active, o.beta * kl, zero)
     if entropy is not None and o.entropy_coef != 0.0:

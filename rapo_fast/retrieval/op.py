@@ -140,4 +140,4 @@ def _search_fake(keys, key_aux, groups, queries, exclude, k, metric, min_score, 
     )
 
 
-retrieval_search = register_op("retrieval_search", _search_impl, fake=_search_fake)
+retrieval_search = register_op("retrieval_search", _search_impl, fake=_search_fake, eager_direct=True)

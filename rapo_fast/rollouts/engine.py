@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from rapo_fast.kv import hf_cache as hfc
+
 
 def cache_layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(keys, values) [B, H_kv, S, D] of every layer of a transformers 5.x DynamicCache."""
@@ -53,8 +55,8 @@ class DecodeEngine:
             input_ids=tokens.to(self.device),
             attention_mask=self.mask,
             position_ids=pos,
-            past_key_values=self.cache,
             use_cache=True,
+            **{hfc.cache_kwarg(self.model): self.cache},
         )
         logits = out.logits.float()
         rows = torch.nonzero(n > 0).squeeze(1)

@@ -34,6 +34,7 @@ OPTION_VALUES = {
     "importance_sampling_level": st.sampled_from(["token", "sequence"]),
     "beta": st.sampled_from([0.0, 0.04]),
     "kl_estimator": st.sampled_from(["k1", "k2", "k3"]),
+    "kl_clamp": st.booleans(),
     "entropy_coef": st.sampled_from([0.0, 0.01]),
     "temperature": st.sampled_from([1.0, 0.7, 1.5]),
     "loss_agg": st.sampled_from(AGG_MODES),

@@ -104,7 +104,9 @@ def trainer():
     return _build()
 
 
-def _inputs(trainer, *, batch=5, prompt_len=4, width=7, with_old=True, empty_row=False, seed=1, noise=0.3):
+def _inputs(
+    trainer, *, batch=5, prompt_len=4, width=7, with_old=True, empty_row=False, seed=1, noise=0.3, ref_shift=0.0
+):
     """A batch shaped like GRPOTrainer._generate_and_score_completions' output (left-padded prompts)."""
     g = torch.Generator().manual_seed(seed)
     prompt_ids = torch.randint(0, V - 3, (batch, prompt_len), generator=g)
@@ -138,6 +140,8 @@ def _inputs(trainer, *, batch=5, prompt_len=4, width=7, with_old=True, empty_row
     if with_old:
         inputs["old_per_token_logps"] = logps + noise * torch.randn(logps.shape, generator=g)
     inputs["ref_per_token_logps"] = logps + 0.2 * torch.randn(logps.shape, generator=g)
+    # ref_shift > 0 puts ref - logp near it on every other token: k3 past verl's clamp of 10 once ref - logp > ~2.6
+    inputs["ref_per_token_logps"][:, ::2] += ref_shift
     inputs["sampling_per_token_logps"] = logps + 0.25 * torch.randn(logps.shape, generator=g)
     return inputs
 
@@ -174,6 +178,8 @@ CASES = {
     ),
     "grpo-gspo": dict(loss_type="grpo", importance_sampling_level="sequence"),
     "bnpo-kl": dict(loss_type="bnpo", beta=0.04),
+    # k3 = e^3 - 4 = 16.09 on half the tokens: TRL does not clamp it, verl would (10.0, zero gradient)
+    "bnpo-kl-past-verl-clamp": dict(loss_type="bnpo", beta=0.5, _ref_shift=3.0),
     "bnpo-entropy": dict(loss_type="bnpo", entropy_coef=0.05),
     "dr_grpo": dict(loss_type="dr_grpo", epsilon_high=0.28),
     "dapo": dict(loss_type="dapo", epsilon_high=0.28),
@@ -214,6 +220,7 @@ def test_matches_trl_loss_and_grads(trainer, name):
         with_old=case.get("_with_old", True),
         empty_row=case.get("_empty_row", False),
         noise=case.get("_noise", 0.3),
+        ref_shift=case.get("_ref_shift", 0.0),
     )
     if case.get("_vllm_tis") is not None:
         # Restated from GRPOTrainer._generate_and_score_completions (trl 1.16, mode "token_truncate"): the ratio TRL

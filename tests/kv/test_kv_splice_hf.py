@@ -28,6 +28,7 @@ from transformers import (
 )
 
 from rapo_fast import _ext
+from rapo_fast.kv.hf_cache import cache_kwarg
 from rapo_fast.kv.splice import RopeSpec, StepKVStore, insert_segment, splice_kv
 
 V = 97
@@ -90,7 +91,7 @@ def _model(kind: str, dtype=torch.float32):
 def _prefill(model, ids, cache=None):
     cache = DynamicCache(config=model.config) if cache is None else cache
     with torch.no_grad():
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+        out = model(input_ids=ids, use_cache=True, **{cache_kwarg(model): cache})
     return cache, out.logits[:, -1].float()
 
 
@@ -148,7 +149,9 @@ def _generate(model, cache, logits, next_pos, steps, *, sample_seed=None):
         toks.append(tok)
         logps.append(lp.gather(1, tok[:, None])[:, 0])
         with torch.no_grad():
-            out = model(input_ids=tok[:, None], position_ids=pos[:, None], past_key_values=cache, use_cache=True)
+            out = model(
+                input_ids=tok[:, None], position_ids=pos[:, None], use_cache=True, **{cache_kwarg(model): cache}
+            )
         logits, pos = out.logits[:, -1].float(), pos + 1
     return torch.stack(toks, 1), torch.stack(logps, 1)
 
@@ -250,7 +253,7 @@ def test_ragged_left_padded_batch_uses_per_row_rope_positions():
     pos = (mask.cumsum(1) - 1).clamp_min(0)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{cache_kwarg(model): cache})
     full_mask = torch.cat([mask, torch.ones(2, len(seg), dtype=torch.long)], 1)
     r = insert_segment(
         model,
@@ -270,7 +273,7 @@ def test_ragged_left_padded_batch_uses_per_row_rope_positions():
     assert_close_verbose(cache.layers[0].keys[0, :, 8:], alone.layers[0].keys[0, :, 5:], atol=1e-4, name="row 0 K")
     exact = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=exact, use_cache=True)
+        model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{cache_kwarg(model): exact})
     e = insert_segment(
         model, exact, [seg, seg], [0, 1], [8, 8], mode="exact", rope_positions=[5, 8], attention_mask=full_mask
     )
@@ -300,3 +303,24 @@ def test_insert_segment_contract_errors():
     with pytest.raises(ValueError, match="mode"):
         insert_segment(model, cache, seg, [0, 1], [4, 4], mode="approx")
     assert cache.get_seq_length() == 4, "a refused call must leave the cache alone"
+
+
+def test_our_model_calls_use_the_supported_cache_keyword():
+    """The engine, the store's prefill and insert_segment pass the cache under the name the installed transformers
+    declares (`cache` from 5.24, `past_key_values` before): no deprecation warning comes from our calls."""
+    import warnings
+
+    from rapo_fast.rollouts.engine import DecodeEngine
+
+    model = _model("llama")
+    assert cache_kwarg(model) in ("cache", "past_key_values")
+    store = StepKVStore.for_model(model)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*past_key_values.*")
+        warnings.filterwarnings("error", category=FutureWarning)
+        store.add_from_model(model, [3], [[5, 6, 7]])
+        eng = DecodeEngine(model, 2, torch.device("cpu"))
+        eng.feed(torch.tensor([[1, 2], [1, 0]]), torch.tensor([[True, True], [True, False]]))
+        cache, _ = _prefill(model, torch.tensor([[1, 2, 3], [1, 4, 5]]))
+        r = insert_segment(model, cache, [[5, 6, 7]] * 2, [0, 1], [3, 3], mode="exact")
+    assert r.logits.shape == (2, V) and eng.num_columns == 2

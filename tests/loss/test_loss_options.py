@@ -198,6 +198,24 @@ def test_k3_is_clamped_and_log_ratios_are_clamped():
     check_case(make_batch(2, 4, 5, spread=40.0), dict(beta=0.2, kl_estimator="k3", tis_cap=3.0))
 
 
+def test_k3_unclamped_is_trls_k3():
+    """kl_clamp=False: k3 = e^x - x - 1 past 10 (TRL's), with its gradient; kernels and torch path agree."""
+    logits, targets, logp, _, lm = _setup()
+    ref = logp + 3.0 + 0.1 * torch.randn(B, T, dtype=torch.float64)  # k3 ~ e^3 - 4 = 16.1 > verl's clamp
+    x = ref - logp
+    zero = torch.zeros(B, T)
+    for clamp, kl in ((False, torch.exp(x) - x - 1), (True, torch.full_like(x, 10.0))):
+        lg = logits.clone().requires_grad_(True)
+        loss, m = _loss(
+            lg, targets, logp, zero, lm, beta=0.3, ref_logp=ref.float(), kl_clamp=clamp, return_metrics=True
+        )
+        assert_close_verbose(m["kl"], kl.mean(), atol=1e-4, rtol=1e-5, name=f"kl clamp={clamp}")
+        (g,) = torch.autograd.grad(loss, lg)
+        assert (g.abs().max() > 0) != clamp  # clamped: no gradient through the KL past 10
+    for est in ("k3", "k1"):  # k1 / k2 ignore kl_clamp
+        check_case(make_batch(2, 4, 5, spread=6.0), dict(beta=0.2, kl_estimator=est, kl_clamp=False))
+
+
 def test_entropy_bonus_by_hand():
     logits, targets, logp, _, lm = _setup()
     lm[1, 2:] = False
