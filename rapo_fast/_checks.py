@@ -3,7 +3,9 @@
 Each helper raises TypeError (wrong kind or dtype) or ValueError (wrong shape, value or option string) with a message
 that names the argument and says what was expected and what was given, so that bad input fails before any kernel is
 launched. Some checks read tensor values (targets range, NaN, cu_seqlens): they sync with the device once, on the
-validation side, never in the hot path. What this is not: a place for op math.
+validation side, never in the hot path. `check_model_inputs` is the one check of the model-side arguments (logits, or
+hidden + lm_head weight + bias, and targets) of token_logprobs and rapo_loss, in each one's wording.
+What this is not: a place for op math, nor the choice of the path that runs (rapo_fast/loss/path_plan.py).
 """
 
 from __future__ import annotations
@@ -165,3 +167,137 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, total: int) -> int:
     if int(c[-1]) != total:
         raise ValueError(f"{name}: expected cu_seqlens[-1] == number of tokens {total}, got {int(c[-1])}")
     return cu.numel() - 1
+
+
+# --------------------------------------------------------------------------------- model inputs (logits or hidden)
+# The integer dtypes accepted for targets, by rapo_loss and by token_logprobs: torch's index dtypes. Narrower integers
+# (int8/int16/uint8) are refused rather than widened: they cannot hold a real vocabulary's ids.
+TARGET_DTYPES = (torch.int64, torch.int32)
+_LOW_FLOATS = (torch.float32, torch.float16, torch.bfloat16)  # token_logprobs: no fp64 (rapo_loss sends it elsewhere)
+
+# The wording of each refusal, per entry point: token_logprobs says "<arg> must ...", rapo_loss "<arg>: expected ...";
+# the checks themselves are one (check_model_inputs).
+_MODEL_MESSAGES = {
+    "token_logprobs": {
+        "one_of": "pass exactly one of logits or hidden (with weight), got {got}",
+        "head_with_logits": "weight and bias go with hidden, not with logits",
+        "vocab_logits": "logits must have a vocabulary dimension V >= 1, got shape {shape}",
+        "no_weight": "weight (the lm_head weight, [V, H]) is required with hidden",
+        "weight_shape": "weight must have shape [V, H] = [V, {h}] with V >= 1, got {shape}",
+        "x_shape": "targets must have shape {src}.shape[:-1] = {lead}, got {got}",
+    },
+    "rapo_loss": {
+        "one_of": "logits/hidden: pass exactly one of logits [..., V] or hidden [..., H] (+ weight [V, H]), got {got}",
+        "head_with_logits": "weight/bias: only with hidden=, not with logits",
+        "vocab_logits": "logits/weight: vocabulary size must be >= 1",
+        "no_weight": "weight: required with hidden= (the lm_head weight [V, H])",
+        "weight_shape": "weight: expected shape (V, {h}), got {shape}",
+        "x_shape": "{src}: expected shape {want} (targets' shape + {what}), got {got}",
+    },
+}
+
+
+def _float_arg(name: str, x, ndims: tuple[int, ...] | None, style: str) -> None:
+    """A float tensor (fp32/fp16/bf16 for token_logprobs, also fp64 for rapo_loss) with one of `ndims` dims."""
+    if style == "rapo_loss":
+        check_tensor(name, x, ndim=ndims, dtypes=FLOAT_DTYPES)
+        return
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _LOW_FLOATS:
+        raise TypeError(f"{name} must have dtype float32, float16 or bfloat16, got {x.dtype}")
+    if ndims is not None and x.dim() not in ndims:
+        want = " or ".join(f"{d}-D" for d in ndims)
+        raise ValueError(f"{name} must be {want}, got shape {tuple(x.shape)}")
+
+
+def _head_dtype(name: str, t: torch.Tensor, hidden: torch.Tensor, style: str) -> None:
+    """weight / bias in hidden's dtype; the message names the fixes (an explicit cast, or autocast)."""
+    if t.dtype == hidden.dtype:
+        return
+    if style == "rapo_loss":
+        got, want = str(t.dtype).replace("torch.", ""), str(hidden.dtype).replace("torch.", "")
+        raise TypeError(
+            f"{name}: expected hidden's dtype {want}, got {got}; pass {name}.to(hidden.dtype), or call under "
+            f"torch.autocast, where rapo_loss / token_logprobs cast it to hidden's dtype themselves"
+        )
+    if name == "bias":
+        raise TypeError(f"bias must have hidden's dtype {hidden.dtype}, got {t.dtype}")
+    raise TypeError(
+        f"weight must have hidden's dtype {hidden.dtype}, got {t.dtype}; pass weight.to(hidden.dtype), "
+        "or call under torch.autocast, where it is cast to hidden's dtype here"
+    )
+
+
+def _check_head(hidden, weight, bias, style: str) -> int:
+    """weight [V, H] (and bias [V]) of the hidden-state path, in hidden's dtype; returns V."""
+    m = _MODEL_MESSAGES[style]
+    if weight is None:
+        raise ValueError(m["no_weight"])
+    _float_arg("weight", weight, (2,), style)
+    hd, v = hidden.shape[-1], weight.shape[0]
+    _head_dtype("weight", weight, hidden, style)
+    if weight.shape[1] != hd or (v < 1 and style == "token_logprobs"):
+        raise ValueError(m["weight_shape"].format(h=hd, shape=tuple(weight.shape)))
+    if bias is None:
+        return v
+    if style == "rapo_loss":
+        check_tensor("bias", bias, shape=(v,), dtypes=FLOAT_DTYPES)
+        _head_dtype("bias", bias, hidden, style)
+        return v
+    _float_arg("bias", bias, (1,), style)
+    _head_dtype("bias", bias, hidden, style)
+    if tuple(bias.shape) != (v,):
+        raise ValueError(f"bias must have shape [V] = [{v}], got {tuple(bias.shape)}")
+    return v
+
+
+def _check_targets_arg(targets, style: str) -> None:
+    if style == "rapo_loss":
+        check_tensor("targets", targets, ndim=(1, 2), dtypes=TARGET_DTYPES)
+        return
+    if not isinstance(targets, torch.Tensor):
+        raise TypeError(f"targets must be a torch.Tensor, got {type(targets).__name__}")
+    if targets.dtype not in TARGET_DTYPES:
+        raise TypeError(f"targets must have dtype int64 or int32, got {targets.dtype}")
+
+
+def check_model_inputs(logits, hidden, weight, bias, targets, *, style: str) -> int:
+    """The model-side arguments of token_logprobs and rapo_loss: exactly one of logits [..., V] or hidden [..., H]
+    with weight [V, H] (+ bias [V]) in hidden's dtype, integer targets shaped like the leading dims; returns V.
+    `style` ("token_logprobs" or "rapo_loss") picks the entry point's wording and its float dtypes (rapo_loss also
+    takes fp64); token_logprobs also checks here that the tensors share one device (rapo_loss checks all of its
+    tensors at once). Values (the targets' range) are the callers' (rapo_loss allows the ignore index)."""
+    m = _MODEL_MESSAGES[style]
+    if (logits is None) == (hidden is None):
+        raise ValueError(m["one_of"].format(got="both" if logits is not None else "neither"))
+    rapo = style == "rapo_loss"
+    if logits is not None and (weight is not None or bias is not None) and not rapo:
+        raise ValueError(m["head_with_logits"])
+    x, src = (logits, "logits") if logits is not None else (hidden, "hidden")
+    if rapo:
+        _check_targets_arg(targets, style)  # rapo_loss's shapes are stated from the targets'
+    _float_arg(src, x, None if rapo else (2, 3), style)
+    if logits is not None and not rapo and logits.shape[-1] < 1:
+        raise ValueError(m["vocab_logits"].format(shape=tuple(logits.shape)))
+    if rapo and (x.dim() != targets.dim() + 1 or tuple(x.shape[:-1]) != tuple(targets.shape)):
+        want = tuple(targets.shape) + ("V" if logits is not None else "H",)
+        what = "vocab" if logits is not None else "hidden"
+        raise ValueError(m["x_shape"].format(src=src, want=want, what=what, got=tuple(x.shape)))
+    if logits is not None and rapo and (weight is not None or bias is not None):
+        raise ValueError(m["head_with_logits"])
+    vocab = logits.shape[-1] if logits is not None else _check_head(hidden, weight, bias, style)
+    if rapo:
+        if vocab < 1:
+            raise ValueError(m["vocab_logits"])
+        return vocab
+    _check_targets_arg(targets, style)
+    lead = list(x.shape[:-1])
+    if list(targets.shape) != lead:
+        raise ValueError(m["x_shape"].format(src=src, lead=lead, got=list(targets.shape)))
+    tensors = {src: x, "weight": weight, "bias": bias, "targets": targets}
+    tensors = {k: t for k, t in tensors.items() if t is not None}
+    for name, t in tensors.items():
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but {src} is on {x.device}: all tensors must share one device")
+    return vocab

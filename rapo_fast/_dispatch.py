@@ -37,9 +37,25 @@ def triton_available() -> bool:
     return _TRITON_OK
 
 
+def triton_disabled() -> bool:
+    """RAPO_FAST_DISABLE_TRITON=1: the process-wide off switch of the Triton kernels (read at call time)."""
+    return os.environ.get("RAPO_FAST_DISABLE_TRITON", "0") == "1"
+
+
+def triton_missing_reason(device: torch.device) -> str | None:
+    """Why Triton kernels cannot run on tensors of `device` (None when they can), the off switch aside."""
+    if not triton_available():
+        return "triton is not importable"
+    if device.type == "cuda":
+        return None
+    if device.type == "cpu":
+        return None if interpret_mode() else "CPU tensors run Triton only under TRITON_INTERPRET=1"
+    return f"Triton has no backend for {device.type} tensors"
+
+
 def use_triton(device: torch.device) -> bool:
     """Whether an op on tensors of `device` runs its Triton kernels (else the reference path)."""
-    if os.environ.get("RAPO_FAST_DISABLE_TRITON", "0") == "1":
+    if triton_disabled():
         return False
     if device.type == "cuda":
         return triton_available()

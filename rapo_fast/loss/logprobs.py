@@ -1,6 +1,6 @@
 """token_logprobs: the public fused per-token log-prob (+ full-vocabulary entropy), its launchers and autograd wiring.
 
-What this is: argument checks, backend choice (rapo_fast._dispatch.use_triton), the Triton launchers of
+What this is: argument checks, running the path that rapo_fast/loss/path_plan.py picks, the Triton launchers of
 kernels/loss/token_logprobs.py registered as torch.library ops `rapo_fast::token_logprobs_{fwd,bwd}` (logits path;
 the hidden-state path's `rapo_fast::linear_token_logprobs_{fwd,bwd}` are in rapo_fast/loss/linear_logprobs.py), and
 the chunked reference fallback.
@@ -24,16 +24,16 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from rapo_fast import _checks as C
 from rapo_fast._dispatch import device_guard, register_op, use_triton
 from rapo_fast.loss import tiles
 from rapo_fast.loss.linear_logprobs import linear_token_logprobs_fwd
 from rapo_fast.loss.options import TARGET_DTYPES, head_in_hidden_dtype
+from rapo_fast.loss.path_plan import Path, PathPlan, log_path, plan_path
 from rapo_fast.loss.torch_linear_ce import linear_logprobs_torch
 from rapo_fast.reference.logprobs import linear_token_logprobs_ref, token_logprobs_ref
 
 __all__ = ["token_logprobs", "TARGET_DTYPES", "check_inplace_backward"]
-
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _row_strides(x: torch.Tensor) -> tuple[int, int, int]:
@@ -181,70 +181,18 @@ _token_logprobs_fwd = register_op(
 _FALLBACK_BYTES = 64 << 20
 
 
-def _check_float(name: str, x, ndims: tuple[int, ...]) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"{name} must have dtype float32, float16 or bfloat16, got {x.dtype}")
-    if x.dim() not in ndims:
-        want = " or ".join(f"{d}-D" for d in ndims)
-        raise ValueError(f"{name} must be {want}, got shape {tuple(x.shape)}")
-
-
 def _validate(logits, hidden, weight, bias, targets, temperature, return_entropy) -> int:
-    """Checks every argument before any kernel runs; returns V."""
-    if (logits is None) == (hidden is None):
-        raise ValueError(
-            "pass exactly one of logits or hidden (with weight), got " + ("both" if logits is not None else "neither")
-        )
+    """Checks every argument before any kernel runs (the tensors: rapo_fast/_checks.py, shared with rapo_loss);
+    returns V."""
+    if (logits is None) == (hidden is None):  # first, as the tensor checks would say it
+        C.check_model_inputs(logits, hidden, weight, bias, targets, style="token_logprobs")
     if not isinstance(return_entropy, bool):
         raise TypeError(f"return_entropy must be a bool, got {type(return_entropy).__name__}")
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
         raise TypeError(f"temperature must be a real number, got {type(temperature).__name__}")
     if not (math.isfinite(float(temperature)) and float(temperature) > 0):
         raise ValueError(f"temperature must be a finite positive number, got {temperature}")
-    if logits is not None:
-        if weight is not None or bias is not None:
-            raise ValueError("weight and bias go with hidden, not with logits")
-        _check_float("logits", logits, (2, 3))
-        lead, v, dev = tuple(logits.shape[:-1]), logits.shape[-1], logits.device
-        if v < 1:
-            raise ValueError(f"logits must have a vocabulary dimension V >= 1, got shape {tuple(logits.shape)}")
-        tensors = {"logits": logits}
-    else:
-        _check_float("hidden", hidden, (2, 3))
-        if weight is None:
-            raise ValueError("weight (the lm_head weight, [V, H]) is required with hidden")
-        _check_float("weight", weight, (2,))
-        lead, hd, dev = tuple(hidden.shape[:-1]), hidden.shape[-1], hidden.device
-        v = weight.shape[0]
-        if weight.dtype != hidden.dtype:
-            raise TypeError(
-                f"weight must have hidden's dtype {hidden.dtype}, got {weight.dtype}; pass weight.to(hidden.dtype), "
-                "or call under torch.autocast, where it is cast to hidden's dtype here"
-            )
-        if weight.shape[1] != hd or v < 1:
-            raise ValueError(f"weight must have shape [V, H] = [V, {hd}] with V >= 1, got {tuple(weight.shape)}")
-        tensors = {"hidden": hidden, "weight": weight}
-        if bias is not None:
-            _check_float("bias", bias, (1,))
-            if bias.dtype != hidden.dtype:
-                raise TypeError(f"bias must have hidden's dtype {hidden.dtype}, got {bias.dtype}")
-            if tuple(bias.shape) != (v,):
-                raise ValueError(f"bias must have shape [V] = [{v}], got {tuple(bias.shape)}")
-            tensors["bias"] = bias
-    if not isinstance(targets, torch.Tensor):
-        raise TypeError(f"targets must be a torch.Tensor, got {type(targets).__name__}")
-    if targets.dtype not in TARGET_DTYPES:
-        raise TypeError(f"targets must have dtype int64 or int32, got {targets.dtype}")
-    if tuple(targets.shape) != lead:
-        src = "logits" if logits is not None else "hidden"
-        raise ValueError(f"targets must have shape {src}.shape[:-1] = {list(lead)}, got {list(targets.shape)}")
-    tensors["targets"] = targets
-    for name, t in tensors.items():
-        if t.device != dev:
-            first = next(iter(tensors))
-            raise ValueError(f"{name} is on {t.device} but {first} is on {dev}: all tensors must share one device")
+    v = C.check_model_inputs(logits, hidden, weight, bias, targets, style="token_logprobs")
     # One host sync for the range check; skipped while tracing under torch.compile, where it would break the graph.
     if targets.numel() > 0 and not torch.compiler.is_compiling():
         lo, hi = (int(x) for x in torch.aminmax(targets))
@@ -312,7 +260,9 @@ def token_logprobs(
     temperature: float = 1.0,
     return_entropy: bool = False,
     inplace_backward: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    backend: str = "auto",
+    return_path: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Per-token log-prob of `targets` under softmax(z / temperature), and optionally the full-vocabulary entropy.
 
     logp_t = log softmax(z_t / T)[y_t],  H_t = -sum_v p_tv log p_tv,  z_t = logits[t] or hidden[t] @ weight.T + bias.
@@ -335,36 +285,65 @@ def token_logprobs(
             outside autograd (logging logits after backward) sees the gradient. No effect (a fresh gradient, as
             by default) for a leaf logits tensor, for a view whose rows are not evenly spaced (e.g.
             logits[:, :-1]: its slicing backward allocates the full gradient anyway), or without Triton.
+        backend: "auto" (default), "triton", "torch" or "reference": which path runs (docs/architecture.md, "Log-prob
+            and loss paths"). "auto" takes Triton on CUDA tensors (CPU tensors: under TRITON_INTERPRET=1), else
+            "torch"; RAPO_FAST_DISABLE_TRITON=1 steers "auto" to "torch". "torch": torch's chunked
+            F.linear_cross_entropy for hidden= without entropy, the chunked reference otherwise; "reference": the
+            chunked reference always. An explicit backend that cannot run here raises ValueError saying why.
+        return_path: also return the name of the path that ran (a str: "triton_logits", "triton_linear",
+            "torch_linear_ce" or "reference_chunked"), as the last element. The "rapo_fast" logger names it too
+            (debug level).
 
     Returns:
-        logp, or (logp, entropy): float32, shaped like targets. Differentiable w.r.t. logits / hidden / weight /
-        bias through both outputs; gradients come back in the inputs' dtype.
+        logp, or (logp, entropy): float32, shaped like targets; then the path's name with return_path=True.
+        Differentiable w.r.t. logits / hidden / weight / bias through both outputs; gradients come back in the
+        inputs' dtype.
         A row whose log-sum-exp is not finite (only -inf, e.g. padding; any NaN or +inf) gives NaN logp and
         entropy and an exactly-zero gradient (docs/loss.md section 2); there is no mask here.
 
-    Raises ValueError / TypeError naming the argument before any kernel runs. Runs Triton on CUDA tensors (and on
-    CPU tensors under TRITON_INTERPRET=1), the chunked reference otherwise. The targets range check costs one host
-    sync and is skipped under torch.compile tracing.
+    Raises ValueError / TypeError naming the argument before any kernel runs. The targets range check costs one
+    host sync and is skipped under torch.compile tracing.
     """
     weight, bias = head_in_hidden_dtype(hidden, weight, bias)  # under autocast: cast to hidden's dtype, with grad
     _validate(logits, hidden, weight, bias, targets, temperature, return_entropy)
     check_inplace_backward(inplace_backward, logits)
-    temperature = float(temperature)
+    if not isinstance(return_path, bool):
+        raise TypeError(f"return_path must be a bool, got {type(return_path).__name__}")
     x = logits if logits is not None else hidden
-    if not use_triton(x.device):
-        if hidden is not None and not return_entropy:  # torch's chunked linear CE where it does the job
-            logp = linear_logprobs_torch(hidden, weight, bias, targets, temperature)
-            if logp is not None:
-                return logp
-        return _reference_chunked(logits, hidden, weight, bias, targets, temperature, return_entropy)
-    if logits is not None:
+    plan = plan_path(
+        "token_logprobs", backend, device=x.device, dtype=x.dtype, hidden=hidden is not None,
+        entropy=return_entropy, auto_triton=use_triton(x.device) if backend == "auto" else None,
+    )  # fmt: skip
+    out, path, reason = _run_plan(
+        plan, logits, hidden, weight, bias, targets, float(temperature), return_entropy, inplace_backward
+    )
+    log_path("token_logprobs", path, reason)
+    if not return_path:
+        return out
+    return (*out, path.value) if return_entropy else (out, path.value)
+
+
+def _run_plan(plan: PathPlan, logits, hidden, weight, bias, targets, temperature: float, return_entropy: bool,
+              inplace_backward: bool):  # fmt: skip
+    """token_logprobs' output on the planned path; returns (output, the path that ran, why). torch's linear CE
+    hands over to the chunked reference when some row's loss is not finite (decided from its output)."""
+    path, reason = plan.path, plan.reason
+    if path is Path.TRITON_LOGITS:
         if logits.stride(-1) != 1:
             logits = logits.contiguous()
         logp, _, ent = _token_logprobs_fwd(logits, targets, temperature, return_entropy, inplace_backward)
-    else:
+        return ((logp, ent) if return_entropy else logp), path, reason
+    if path is Path.TRITON_LINEAR:
         h2 = hidden.reshape(-1, hidden.shape[-1])
         bias = None if bias is None else bias.contiguous()  # the kernel indexes bias[v] densely
         logp, _, ent = linear_token_logprobs_fwd(h2, weight, bias, targets.reshape(-1), temperature, return_entropy)
         logp = logp.view(targets.shape)
-        ent = ent.view(targets.shape) if return_entropy else ent
-    return (logp, ent) if return_entropy else logp
+        return ((logp, ent.view(targets.shape)) if return_entropy else logp), path, reason
+    if path is Path.TORCH_LINEAR_CE:
+        logp = linear_logprobs_torch(hidden, weight, bias, targets, temperature)
+        if bool(torch.isfinite(logp).all()):
+            return logp, path, reason
+        # a row whose loss is not finite: torch's backward would not give its exactly-zero gradient
+        path, reason = Path.REFERENCE_CHUNKED, f"{reason}; a row's loss was not finite, so the exact reference"
+    out = _reference_chunked(logits, hidden, weight, bias, targets, temperature, return_entropy)
+    return out, path, reason

@@ -44,10 +44,8 @@ __all__ = [
     "head_in_hidden_dtype",
 ]
 
-# The integer dtypes accepted for targets, by rapo_loss (check_inputs) and by token_logprobs
-# (rapo_fast/loss/logprobs.py): torch's index dtypes. Narrower integers (int8/int16/uint8) are refused rather than
-# widened: they cannot hold a real vocabulary's ids.
-TARGET_DTYPES = (torch.int64, torch.int32)
+# The integer dtypes accepted for targets, by rapo_loss and token_logprobs (one rule: rapo_fast/_checks.py).
+TARGET_DTYPES = C.TARGET_DTYPES
 # The ignore index of torch's cross-entropy and of Hugging Face labels: accepted as a target where loss_mask is 0 (such
 # a token never enters the loss; it is given target 0 before any kernel reads it), refused where loss_mask is set.
 IGNORE_INDEX = -100
@@ -234,53 +232,11 @@ def head_in_hidden_dtype(
     return cast(weight), cast(bias)
 
 
-def _check_head_dtype(name: str, t: torch.Tensor, hidden: torch.Tensor) -> None:
-    """weight / bias in hidden's dtype; the message names the two fixes (an explicit cast, or autocast)."""
-    if t.dtype != hidden.dtype:
-        got, want = str(t.dtype).replace("torch.", ""), str(hidden.dtype).replace("torch.", "")
-        raise TypeError(
-            f"{name}: expected hidden's dtype {want}, got {got}; pass {name}.to(hidden.dtype), or call under "
-            f"torch.autocast, where rapo_loss / token_logprobs cast it to hidden's dtype themselves"
-        )
-
-
 def _check_model_inputs(a: Mapping[str, Any]) -> tuple[torch.Tensor, tuple, int]:
-    """rapo_loss's logits / hidden + weight + bias / targets checks; returns (targets, targets' shape, V)."""
-    logits, hidden, weight, bias = a["logits"], a["hidden"], a["weight"], a["bias"]
-    if (logits is None) == (hidden is None):
-        raise ValueError(
-            "logits/hidden: pass exactly one of logits [..., V] or hidden [..., H] (+ weight [V, H]), "
-            f"got {'both' if logits is not None else 'neither'}"
-        )
-    targets = C.check_tensor("targets", a["targets"], ndim=(1, 2), dtypes=TARGET_DTYPES)
-    tshape = tuple(targets.shape)
-    if logits is not None:
-        C.check_tensor("logits", logits, dtypes=C.FLOAT_DTYPES)
-        if logits.dim() != targets.dim() + 1 or tuple(logits.shape[:-1]) != tshape:
-            raise ValueError(
-                f"logits: expected shape {tshape + ('V',)} (targets' shape + vocab), got {tuple(logits.shape)}"
-            )
-        vocab = logits.shape[-1]
-        if weight is not None or bias is not None:
-            raise ValueError("weight/bias: only with hidden=, not with logits")
-    else:
-        C.check_tensor("hidden", hidden, dtypes=C.FLOAT_DTYPES)
-        if hidden.dim() != targets.dim() + 1 or tuple(hidden.shape[:-1]) != tshape:
-            raise ValueError(
-                f"hidden: expected shape {tshape + ('H',)} (targets' shape + hidden), got {tuple(hidden.shape)}"
-            )
-        if weight is None:
-            raise ValueError("weight: required with hidden= (the lm_head weight [V, H])")
-        C.check_tensor("weight", weight, ndim=2, dtypes=C.FLOAT_DTYPES)
-        _check_head_dtype("weight", weight, hidden)
-        if weight.shape[1] != hidden.shape[-1]:
-            raise ValueError(f"weight: expected shape (V, {hidden.shape[-1]}), got {tuple(weight.shape)}")
-        vocab = weight.shape[0]
-        if C.check_optional_tensor("bias", bias, shape=(vocab,), dtypes=C.FLOAT_DTYPES) is not None:
-            _check_head_dtype("bias", bias, hidden)
-    if vocab < 1:
-        raise ValueError("logits/weight: vocabulary size must be >= 1")
-    return targets, tshape, vocab
+    """rapo_loss's logits / hidden + weight + bias / targets checks (rapo_fast/_checks.py, shared with
+    token_logprobs); returns (targets, targets' shape, V)."""
+    vocab = C.check_model_inputs(a["logits"], a["hidden"], a["weight"], a["bias"], a["targets"], style="rapo_loss")
+    return a["targets"], tuple(a["targets"].shape), vocab
 
 
 def _check_logp_inputs(a: Mapping[str, Any], opts: LossOptions) -> tuple:

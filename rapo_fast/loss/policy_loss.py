@@ -34,7 +34,6 @@ What this is not: log-probs (rapo_fast/loss/logprobs.py) or advantage estimation
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -61,6 +60,7 @@ from rapo_fast.loss.options import (  # noqa: F401  (re-exported: the option voc
     head_in_hidden_dtype,
     with_option_keywords,
 )
+from rapo_fast.loss.path_plan import LossMetrics, Path, PathPlan, log_path, plan_path
 from rapo_fast.loss.policy_layout import Metric, TokenCode
 from rapo_fast.loss.policy_op import KernelScalars, policy_loss_op, torch_policy_loss
 from rapo_fast.reference.logprobs import linear_token_logprobs_ref, token_logprobs_ref
@@ -69,21 +69,24 @@ __all__ = ["rapo_loss", "policy_loss_from_logp", "RAPOLoss", "LossOptions", "OPT
 
 
 # ----------------------------------------------------------------------------------------------------- public entry
-def _use_fused(hidden, weight, bias, importance_sampling_level: str) -> bool:
-    """Whether rapo_loss takes the one-pass fused hidden-state path (rapo_fast/loss/fused_linear.py).
+def _use_fused(plan: PathPlan) -> bool:
+    """Whether rapo_loss takes the one-pass fused hidden-state path (rapo_fast/loss/fused_linear.py): the plan's
+    choice (rapo_fast/loss/path_plan.py: hidden= at token level, a gradient needed, Triton, and for backend="auto"
+    RAPO_FAST_FUSED_LINEAR_LOSS not 0). One call per rapo_loss call: tests spy on it."""
+    return plan.path is Path.TRITON_FUSED_LINEAR
 
-    Only for hidden= at token level (GSPO's ratio needs the whole sequence's logp first), when a gradient is needed
-    (without one, the fused forward would do the two-pass forward's work plus gradient GEMMs), on a Triton device,
-    not fp64 (the reference's checking precision). RAPO_FAST_FUSED_LINEAR_LOSS=0, read at call time, forces the
-    two-pass path (benchmarks and tests compare the two).
-    """
-    if hidden is None or importance_sampling_level != "token" or hidden.dtype == torch.float64:
-        return False
-    if os.environ.get("RAPO_FAST_FUSED_LINEAR_LOSS", "1") == "0":
-        return False
-    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))):
-        return False
-    return use_triton(hidden.device)
+
+def _plan(a: dict, opts: LossOptions, backend: str, want_ent: bool) -> PathPlan:
+    """rapo_loss's path for the (checked) tensors in `a` (rapo_fast/loss/path_plan.py)."""
+    hidden = a["hidden"]
+    x = a["logits"] if a["logits"] is not None else hidden
+    grad_in = (hidden, a["weight"], a["bias"]) if hidden is not None else (x,)
+    return plan_path(
+        "rapo_loss", backend, device=x.device, dtype=x.dtype, hidden=hidden is not None, entropy=want_ent,
+        needs_grad=torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in grad_in),
+        sequence_level=opts.importance_sampling_level == "sequence",
+        auto_triton=use_triton(x.device) if backend == "auto" else None,
+    )  # fmt: skip
 
 
 @with_option_keywords()
@@ -105,6 +108,7 @@ def rapo_loss(
     global_num_tokens: int | float | torch.Tensor | None = None,
     options: LossOptions | None = None,
     inplace_backward: bool = False,
+    backend: str = "auto",
     **option_kwargs: Any,
 ):
     """RAPO policy loss (clipped surrogate with importance shaping, off-policy terms, TIS, KL, entropy bonus).
@@ -127,34 +131,40 @@ def rapo_loss(
     Options: the fields of rapo_fast.loss.options.LossOptions (shaping_m, offpolicy_train, gamma, is_cap, tis_cap,
     eps_low, eps_high, dual_clip, importance_sampling_level, beta, kl_estimator, entropy_coef, temperature, loss_agg,
     return_metrics), as keywords, or as `options=LossOptions(...)` (keywords given beside it win).
+    backend: "auto" (default), "triton", "torch" or "reference" (token_logprobs' meanings; "triton" also takes the
+    fused one-pass path for hidden= at token level with a gradient); an explicit backend that cannot run on the inputs
+    raises ValueError. docs/architecture.md ("Log-prob and loss paths") lists the paths.
     Returns a 0-dim fp32 loss (fp64 for fp64 input), or (loss, metrics) with 0-dim detached metrics: clip_frac_low,
     clip_frac_high, dual_clip_frac, ratio_mean, approx_kl (mean old - logp), kl, entropy (on tokens in the loss),
     retrieved_frac (retrieved / response tokens), tis_weight_mean, offpolicy_weight_mean, num_tokens,
-    num_offpolicy_tokens.
+    num_offpolicy_tokens; and metrics["path"] (also metrics.path, not among the keys): the name of the path that ran
+    (rapo_fast.loss.path_plan.Path). The "rapo_fast" logger names it at debug level.
     Raises ValueError / TypeError naming the argument before any kernel runs, except for a token in the loss whose
     logits row has no finite log-sum-exp (NaN, +inf, only -inf): refused from the log-prob pass's output, before the
     policy op and any backward (docs/loss.md section 3).
     """
     a = dict(locals())
+    backend = a.pop("backend")
     opts = LossOptions.from_call(a.pop("options"), a.pop("option_kwargs"), caller="rapo_loss")
     check_inplace_backward(a.pop("inplace_backward"), logits)
     weight, bias = a["weight"], a["bias"] = head_in_hidden_dtype(hidden, weight, bias)  # autocast: cast, with grad
     facts = check_inputs(a, opts)
     if facts.ignored_targets:  # -100 only outside loss_mask (checked): any id in [0, V) there, the loss never reads it
         targets = a["targets"] = targets.masked_fill(targets == IGNORE_INDEX, 0)
-    if _use_fused(hidden, weight, bias, opts.importance_sampling_level):
-        # log-probs, loss and gradients in one pass: rapo_fast/loss/fused_linear.py
-        return _loss_from_logp(a, opts, facts, None, None, fused=True)
     want_ent = opts.entropy_coef != 0.0 or opts.return_metrics
-    x = logits if logits is not None else hidden
-    if x.dtype == torch.float64:  # a checking precision (gradcheck, tests): the reference, which keeps fp64
+    plan = _plan(a, opts, backend, want_ent)
+    if _use_fused(plan):
+        # log-probs, loss and gradients in one pass: rapo_fast/loss/fused_linear.py
+        return _loss_from_logp(a, opts, facts, None, None, plan, plan.path, fused=True)
+    if plan.path is Path.REFERENCE_FP64:  # a checking precision (gradcheck, tests): the reference, which keeps fp64
+        path = plan.path
         out = (
             token_logprobs_ref(logits, targets, opts.temperature, want_ent)
             if logits is not None
             else linear_token_logprobs_ref(hidden, weight, targets, bias, opts.temperature, want_ent)
         )
     else:
-        out = token_logprobs(
+        *out, path = token_logprobs(
             logits,
             hidden=hidden,
             weight=weight,
@@ -163,9 +173,12 @@ def rapo_loss(
             temperature=opts.temperature,
             return_entropy=want_ent,
             inplace_backward=inplace_backward,
+            backend=backend,
+            return_path=True,
         )
+        out, path = (tuple(out) if want_ent else out[0]), Path(path)
     logp, ent = out if want_ent else (out, None)
-    return _loss_from_logp(a, opts, facts, logp, ent)
+    return _loss_from_logp(a, opts, facts, logp, ent, plan, path)
 
 
 @with_option_keywords(exclude=("temperature",))
@@ -183,6 +196,7 @@ def policy_loss_from_logp(
     cu_seqlens: torch.Tensor | None = None,
     global_num_tokens: int | float | torch.Tensor | None = None,
     options: LossOptions | None = None,
+    backend: str = "auto",
     **option_kwargs: Any,
 ):
     """rapo_loss from log-probs that are already computed (e.g. verl's policy-loss registry hands them over).
@@ -191,9 +205,11 @@ def policy_loss_from_logp(
     (else only the entropy metric uses it; 0 without it). Every other argument, the validation and the return value
     are rapo_loss's; no temperature (it is in logp already: an `options` with temperature != 1 is refused). The
     per-token policy op runs on [N] vectors (Triton on CUDA / under TRITON_INTERPRET=1, the reference's per-token
-    function otherwise).
+    function otherwise; backend: "auto", "triton" (path "triton_policy"), "torch" or "reference" (both
+    "torch_policy")).
     """
     a = dict(locals())
+    backend = a.pop("backend")
     opts = LossOptions.from_call(
         a.pop("options"), a.pop("option_kwargs"), caller="policy_loss_from_logp", exclude=("temperature",)
     )
@@ -203,7 +219,11 @@ def policy_loss_from_logp(
             "taken at its temperature already); leave it at 1.0"
         )
     facts = check_inputs(a, opts)
-    return _loss_from_logp(a, opts, facts, logp, entropy)
+    plan = plan_path(
+        "policy_loss_from_logp", backend, device=logp.device, dtype=logp.dtype,
+        auto_triton=use_triton(logp.device) if backend == "auto" else None,
+    )  # fmt: skip
+    return _loss_from_logp(a, opts, facts, logp, entropy, plan, plan.path)
 
 
 # ---------------------------------------------------------------------------------- the steps after the log-probs
@@ -314,9 +334,10 @@ def _agg_weights(t: _Tokens, loss_agg: str, global_num_tokens) -> torch.Tensor:
 
 
 def _loss_from_logp(a: dict, opts: LossOptions, facts: InputFacts, logp: torch.Tensor | None,
-                    ent: torch.Tensor | None, fused: bool = False):  # fmt: skip
-    """Everything of rapo_loss after the log-probs: per-sequence quantities, aggregation weights, the policy op (or,
-    with fused=True and logp None, the fused hidden-state op) and the metrics. `a` holds rapo_loss's tensors."""
+                    ent: torch.Tensor | None, plan: PathPlan, path: Path, fused: bool = False):  # fmt: skip
+    """Everything of rapo_loss after the log-probs: per-sequence quantities, aggregation weights, the policy op (Triton
+    when `plan` is a Triton path, else torch; or, with fused=True and logp None, the fused hidden-state op) and the
+    metrics, which name `path`, the path that ran. `a` holds rapo_loss's tensors."""
     t = _tokens(a, opts, facts, logp, ent, fused)
     scale, seqlr, adv = _sequence_terms(t, opts, a["advantages"])
     w = _agg_weights(t, opts.loss_agg, a["global_num_tokens"])
@@ -337,20 +358,22 @@ def _loss_from_logp(a: dict, opts: LossOptions, facts: InputFacts, logp: torch.T
             check_logits_rows_defined(t.lp, a["loss_mask"], a["logits"])
         tensors = (t.lp.contiguous(), t.old, adv, w, scale, code, seqlr, behav, t.ref, t.ent)
         # fp64 (a checking precision) and devices without Triton: the same math in torch, differentiated by autograd
-        if use_triton(t.device) and t.cd == torch.float32:
+        if plan.path.triton and t.cd == torch.float32:
             tok, sums = policy_loss_op(*tensors, *scalars)
         else:
             tok, sums = torch_policy_loss(*tensors, scalars)
         loss = tok.sum()
-    return (loss, _metrics(sums, t, opts)) if opts.return_metrics else loss
+    log_path("policy_loss_from_logp" if "logp" in a else "rapo_loss", path, plan.reason)
+    return (loss, _metrics(sums, t, opts, path)) if opts.return_metrics else loss
 
 
-def _metrics(sums: torch.Tensor, t: _Tokens, opts: LossOptions) -> dict[str, torch.Tensor]:
-    """The public metrics (docs/loss.md section 5) from the op's partial sums (rapo_fast/loss/policy_layout.py)."""
+def _metrics(sums: torch.Tensor, t: _Tokens, opts: LossOptions, path: Path) -> LossMetrics:
+    """The public metrics (docs/loss.md section 5) from the op's partial sums (rapo_fast/loss/policy_layout.py), and
+    the path that ran."""
     cd = t.cd
     s = sums.detach().to(cd)
     n_on, n_off, n_act = (s[m].clamp_min(1) for m in (Metric.N_ON, Metric.N_OFF, Metric.N_ACTIVE))
-    return {
+    metrics = LossMetrics({
         "clip_frac_high": s[Metric.CLIP_HIGH] / n_on,
         "clip_frac_low": s[Metric.CLIP_LOW] / n_on,
         "dual_clip_frac": s[Metric.DUAL_CLIP] / n_on,
@@ -365,7 +388,9 @@ def _metrics(sums: torch.Tensor, t: _Tokens, opts: LossOptions) -> dict[str, tor
         "offpolicy_weight_mean": s[Metric.OFFPOLICY_WEIGHT] / n_off,
         "num_tokens": s[Metric.N_ACTIVE],
         "num_offpolicy_tokens": s[Metric.N_OFF],
-    }
+    })  # fmt: skip
+    metrics.path = path.value
+    return metrics
 
 
 class RAPOLoss(nn.Module):

@@ -9,9 +9,9 @@ log-softmax and the gradient sums over rows are fp32).
 What this is not: the path for entropy, for a row whose log-sum-exp is not finite, or under torch.compile tracing.
 Entropy is not an output of torch's op; a non-finite row must give NaN log-prob and an exactly-zero gradient
 (docs/loss.md section 2), which torch's backward does not (a NaN row's softmax poisons grad_W); the finiteness check
-is a data-dependent branch that would break a full graph. Those cases return None and the caller takes the chunked
-reference (rapo_fast/loss/logprobs.py), which has the exact semantics. The Triton kernels are elsewhere
-(rapo_fast/loss/linear_logprobs.py).
+is a data-dependent branch that would break a full graph. rapo_fast/loss/path_plan.py picks this path only where it
+applies; token_logprobs (rapo_fast/loss/logprobs.py) hands a call whose output has a non-finite row to the chunked
+reference, which has the exact semantics. The Triton kernels are elsewhere (rapo_fast/loss/linear_logprobs.py).
 """
 
 from __future__ import annotations
@@ -41,12 +41,10 @@ def chunk_rows(n: int, v: int) -> int:
 
 def linear_logprobs_torch(
     hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float
-) -> Tensor | None:
-    """logp [targets.shape] fp32 of softmax((hidden @ weight.T + bias) / T) at targets, by torch's chunked op; None
-    where this path does not apply (no such op, tracing, or a row whose loss is not finite: see the module docstring).
+) -> Tensor:
+    """logp [targets.shape] fp32 of softmax((hidden @ weight.T + bias) / T) at targets, by torch's chunked op (needs
+    torch_linear_ce_available()). Non-finite where a row's loss is not finite: the caller checks (module docstring).
     Arguments are already validated by token_logprobs."""
-    if not torch_linear_ce_available() or torch.compiler.is_compiling():
-        return None
     h = hidden.reshape(-1, hidden.shape[-1])
     w, b = weight, bias
     if h.dtype != torch.float32:  # fp32 log-softmax and gradient sums; grads rounded once by these casts' backward
@@ -58,6 +56,4 @@ def linear_logprobs_torch(
     y = targets.reshape(-1).long()
     opts = _OPTIONS(batch_chunk_size=chunk_rows(h.shape[0], w.shape[0]), chunking_method=None)
     loss = _LCE(h, w, y, linear_bias=b, reduction="none", options=opts)
-    if not bool(torch.isfinite(loss).all()):
-        return None
     return (-loss).view(targets.shape)
