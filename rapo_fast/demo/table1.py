@@ -445,8 +445,14 @@ def build_checks(rows: list[dict], prepared: dict[tuple[str, int], dict], s: dic
                 sum(float(r["leak_frac"]) * int(r["hybrid_successes"]) for r in rapo) / n_hits if n_hits else math.nan
             )
         sigs[fam] = {r["method"] + f"/{r['seed']}": r.get("_signatures", {}) for r in fr}
-    return {"setting": s.get("setting", "legacy"), "checks": D.go_no_go(figures), "figures": figures,
-            "warmup": warm, "signatures": sigs}  # fmt: skip
+    checks = D.go_no_go(figures)
+    for fam, pr in figures["hint_probe"].items():
+        # The aliased setting's conditioning probe is the hint probe: its two probabilities under the common name too
+        # (the check reads them from hint_probe).
+        figures["conditioning_probe"][fam] = {"probe": "hint", "p_next_given_retrieved": pr["p_next_given_hint"],
+                                              "p_next_without_retrieved": pr["p_next_without_hint"]}  # fmt: skip
+    return {"setting": s.get("setting", "legacy"), "checks": checks, "figures": figures, "warmup": warm,
+            "signatures": sigs}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

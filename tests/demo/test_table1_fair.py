@@ -180,6 +180,9 @@ def test_quick_fair_run_writes_every_file(tmp_path, monkeypatch):
     assert set(checks["checks"]) == {f"{c}/kb_alias" for c in ("no_shortcut", "imperfect_source",
                                                              "uses_retrieved_step", "no_answer_leak")}  # fmt: skip
     assert checks["setting"] == "fair" and "kb_alias/0" in checks["warmup"]
+    cond = checks["figures"]["conditioning_probe"]["kb_alias"]  # the hint probe's two probabilities, common name
+    assert {"p_next_given_retrieved", "p_next_without_retrieved"} <= set(cond)
+    assert cond["p_next_given_retrieved"] == checks["figures"]["hint_probe"]["kb_alias"]["p_next_given_hint"]
     w = checks["warmup"]["kb_alias/0"]
     assert {"rapo_source", "offpolicy_source", "probe", "warmup_rollouts", "chance"} <= set(w)
     md = (tmp_path / "table1.md").read_text()
