@@ -107,10 +107,11 @@ def peak_memory_mb(fn: Callable[[], object], device: torch.device) -> float:
         fn()
         torch.cuda.synchronize(device)
         return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+    from _quiet import native_output_captured
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
+    with native_output_captured(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()  # the profiler's own lines (kineto's start/stop, c10's "unknown size" warning) are dropped
     steps = []  # (time, 0 for an allocation / 1 for a release at the same time, bytes)
     for e in prof.events():
         b = e.self_cpu_memory_usage

@@ -35,6 +35,12 @@ ALL = [*DEFAULT[:5], "rapo_fast_hidden_2pass", *DEFAULT[5:]]
 EAGER_LOGITS = ("torch_eager", "torch_compile")  # hold [N, V] fp32 logits and their gradient
 
 
+def compiled(name: str, device: torch.device) -> bool:
+    """Whether provider `name` runs through torch.compile here (`torch_compile`; Liger on CUDA): a --quick smoke run
+    skips those, whose compile alone takes longer than the rest of the run."""
+    return name == "torch_compile" or (name == "liger" and device.type == "cuda")
+
+
 def default_providers(gpu: bool) -> list[str]:
     """The default list: `rapo_fast_hidden_2pass` only on the GPU, the two variants differ only where Triton runs
     (it can still be asked for on the CPU by --providers, where it measures the same path again)."""

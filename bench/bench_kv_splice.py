@@ -7,10 +7,12 @@ Providers, side by side in one run at one shape (segments x tokens into a batch 
 - `reprefill`: running the segments' tokens through a model of the same shape (what mode="exact" costs).
 - `copy_floor`: the bytes the splice must move (pool read + cache write, K and V) over the measured copy bandwidth.
 GPU shape: 32 layers, 8 KV heads, head dim 128, bf16, 256 segments x 128 tokens into 64 caches, 7B-shaped prefill
-model. CPU: the same structure scaled down (printed in the CSV). Usage: `rapo-fast bench kv [--gpu] [--quick] [--plot]
+model. CPU: the same structure scaled down (printed in the CSV). Usage: `rapo-fast bench kv [--gpu] [--quick]
 [--providers A,B] [--rep-ms MS] [--plan] [--out DIR | --record]` (or `python bench/bench_kv_splice.py ...`); rows
 (with device, date and commit) are appended to <DIR>/kv_splice.csv, to bench/results/kv_splice.csv with --record, or
-to a new temporary folder. Readings in bench/NOTES_kv.md.
+to a new temporary folder, and the plot (bench/plot_kv.py) is drawn as kv_splice.png next to it at the end of every
+run. `time_over_rapo_fast` = this row's median_ms / rapo_fast's median_ms in the same run (how many times rapo_fast's
+time the provider takes; blank in rows before rapo_fast's). Readings in bench/NOTES_kv.md.
 Each row is appended as soon as it is measured. The two splices are each checked, untimed, against the library's
 reference rotation (rapo_fast.reference.kv_splice) of layer 0 (status DISAGREES when off), whatever their order. A
 provider that raises gets its own "error: ..." row and the others still run; SIGINT or SIGTERM ends the run with an
@@ -28,7 +30,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _plot_style import add_plot_args, draw_after_run  # noqa: E402
+from _quiet import python_warnings_ignored  # noqa: E402
+from plot_kv import plot  # noqa: E402
+
 from _common import (  # noqa: E402
+    INTERRUPTED_RC,
     RowWriter,
     add_output_args,
     add_plan_arg,
@@ -47,7 +54,7 @@ from _common import (  # noqa: E402
 PROVIDERS = ["rapo_fast", "torch_plain", "reprefill", "copy_floor"]
 DIMS = ("layers", "kv_heads", "head_dim", "segs", "seg_len", "batch")  # the shape's fields in each row and plan line
 COLUMNS = ["shape_desc", "dtype", "bytes", "copy_bw_gbs", "median_ms", "p20_ms", "p80_ms", "gbs", "pct_copy_bw"]
-COLUMNS += ["samples", "ours_speedup", "max_abs_diff"]
+COLUMNS += ["samples", "time_over_rapo_fast", "max_abs_diff"]
 SHAPES = {
     "gpu": dict(
         layers=32,
@@ -202,7 +209,7 @@ def _prefill_row(shape: dict, row: dict, dtype, device, rep_ms: int | None) -> d
 
 
 def _finish_row(row: dict, nbytes: int, floor_ms: float | None, ours_ms: float | None) -> dict:
-    """Rounded times, GB/s, % of the copy floor and how many times slower than rapo_fast (blank where unknown)."""
+    """Rounded times, GB/s, % of the copy floor and time over rapo_fast's (blank where unknown)."""
     if "median_ms" not in row:
         return row
     ms = row["median_ms"]
@@ -211,7 +218,7 @@ def _finish_row(row: dict, nbytes: int, floor_ms: float | None, ours_ms: float |
     if floor_ms:
         row["pct_copy_bw"] = round(100 * floor_ms / ms, 1)
     if ours_ms:
-        row["ours_speedup"] = round(ms / ours_ms, 2)
+        row["time_over_rapo_fast"] = round(ms / ours_ms, 2)
     return row
 
 
@@ -261,25 +268,10 @@ def _print(row: dict) -> None:
         return
     print(
         f"{row['provider']:>12}: {row['median_ms']:10.3f} ms  {row['gbs']:8.2f} GB/s  "
-        f"{row['pct_copy_bw']:5.1f}% of copy bw  (rapo_fast is {row['ours_speedup'] or '?'}x faster)  {row['status']}",
+        f"{row['pct_copy_bw']:5.1f}% of copy bw  ({row['time_over_rapo_fast'] or '?'}x rapo_fast's time)  "
+        f"{row['status']}",
         flush=True,
     )
-
-
-def _plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3))
-    ax.barh([r["provider"] for r in rows], [r["median_ms"] for r in rows])
-    ax.set_xscale("log")
-    ax.set_xlabel("median ms (log)")
-    ax.set_title(f"KV splice, {rows[0]['shape_desc']}\n{rows[0]['device'][:60]}", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"plot written to {path}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -293,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--quick", action="store_true", help="a smoke run at a smaller CPU shape (seconds; the times mean nothing)"
     )
-    ap.add_argument("--plot", action="store_true", help="also draw the times as kv_splice.png next to the CSV")
+    add_plot_args(ap, "kv_splice.png")
     ap.add_argument(
         "--rep-ms",
         type=positive_int,
@@ -309,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         help=f"run only these providers, in this order (default: {','.join(PROVIDERS)})",
     )
     add_plan_arg(ap)
-    add_output_args(ap, "kv_splice.csv (and kv_splice.png with --plot)")
+    add_output_args(ap, "kv_splice.csv and kv_splice.png")
     args = ap.parse_args(argv)
     check_providers(ap, args.providers, PROVIDERS)
     shape_name = "gpu" if args.gpu else ("cpu_quick" if args.quick else "cpu")
@@ -322,11 +314,11 @@ def main(argv: list[str] | None = None) -> int:
     out = output_dir(args, "kv")
     device = torch.device("cuda" if args.gpu else "cpu")
     writer = RowWriter("kv_splice", out, device, keys, COLUMNS)
-    rc = run_rows(writer, lambda: run(writer, device, shape_name, names, args.rep_ms))
+    with python_warnings_ignored(args.quick):  # a smoke run's output is its rows
+        rc = run_rows(writer, lambda: run(writer, device, shape_name, names, args.rep_ms))
     print(f"rows appended to {writer.out_dir / 'kv_splice.csv'}")
-    timed = [r for r in writer.rows if r.get("median_ms") not in ("", None)]
-    if args.plot and rc != 130 and timed:
-        _plot(timed, (writer.out_dir / "kv_splice.csv").with_suffix(".png"))
+    if rc != INTERRUPTED_RC and not args.no_plot:
+        draw_after_run(plot, writer.out_dir / "kv_splice.csv", writer.out_dir / "kv_splice.png", args.quick)
     return rc
 
 

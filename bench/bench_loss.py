@@ -29,7 +29,10 @@ run would take, in order, as `loss,PROVIDER,N=..,H=..,V=..`, and exits (no GPU n
 Usage: `rapo-fast bench loss [--quick] [--gpu] [--dtype D] [--providers A,B] [--shape N,H,V] [--plan]
 [--out DIR | --record]`. Rows (with device, date and commit) are appended to <DIR>/loss.csv, to bench/results/loss.csv
 with --record, or to a new temporary folder.
-Plot with bench/plot_loss.py; predictions and readings in bench/NOTES_loss.md.
+The plot (bench/plot_loss.py) is drawn as loss.png next to the CSV at the end of every run. `--quick` (a smoke run,
+seconds) skips the providers that go through torch.compile (`torch_compile`; Liger on CUDA) unless --providers names
+them: their row says "skipped: ...". It also drops the profiler's and Python's warnings from the output.
+Predictions and readings in bench/NOTES_loss.md.
 What this is not: a correctness test (tests/loss/ does that); it only checks that providers agree to a loose
 tolerance so that a broken provider cannot post a fast time.
 """
@@ -41,8 +44,12 @@ import math
 
 import _loss_providers as lp
 import torch
+from _plot_style import add_plot_args, draw_after_run
+from _quiet import python_warnings_ignored
+from plot_loss import plot
 
 from _common import (
+    INTERRUPTED_RC,
     RowWriter,
     Unavailable,
     add_grid_args,
@@ -68,6 +75,8 @@ EPS = lp.EPS
 COLUMNS = ["dtype", "median_ms", "p20_ms", "p80_ms", "peak_mem_mb", "loss", "ref_loss"]
 COLUMNS += ["achieved_gbs", "copy_bw_gbs", "pct_of_copy_bw"]
 ECHO = ("provider", "N", "H", "V", "median_ms", "peak_mem_mb", "status")
+QUICK_MIN_RUNS = 3  # --quick: timed blocks per provider (5 otherwise)
+SKIP_COMPILED = "skipped: torch.compile is not run in a --quick smoke run (name it in --providers to run it)"
 
 
 def _inputs(n: int, h: int, v: int, dtype: torch.dtype, device: torch.device, seed: int = 0):
@@ -104,7 +113,7 @@ def _too_big(name: str, n: int, v: int, device: torch.device) -> bool:
     return n * v * 4 * 3 > 0.8 * torch.cuda.get_device_properties(device).total_memory
 
 
-def _measure(name: str, fn, inputs, ref: float | None, row: dict, device, reps_ms: int, bw: dict) -> dict:
+def _measure(name: str, fn, inputs, ref: float | None, row: dict, device, opts: dict, bw: dict) -> dict:
     """Check one provider against the reference, time it, read its peak memory: the row, with what was measured
     before an error kept beside the error's status."""
     hidden, weight, *rest = inputs
@@ -130,7 +139,7 @@ def _measure(name: str, fn, inputs, ref: float | None, row: dict, device, reps_m
         else:
             status = f"DISAGREES: loss {loss:.5g} vs reference {ref:.5g}"
         phase = "timing"
-        t = time_fn(step, device, rep_ms=reps_ms)
+        t = time_fn(step, device, rep_ms=opts["reps_ms"], min_runs=opts.get("min_runs", 5))
         row.update({k: round(t[k], 4) for k in ("median_ms", "p20_ms", "p80_ms")})
         phase = "peak memory"
         row["peak_mem_mb"] = round(peak_memory_mb(step, device), 1)
@@ -148,8 +157,9 @@ def _measure(name: str, fn, inputs, ref: float | None, row: dict, device, reps_m
     return row
 
 
-def _shape(writer: RowWriter, names: list[str], n, h, v, dtype, device, reps_ms: int, bw: dict) -> None:
-    """Every provider at one shape, each row written as soon as it is measured."""
+def _shape(writer: RowWriter, names: list[str], n, h, v, dtype, device, opts: dict, bw: dict) -> None:
+    """Every provider at one shape, each row written as soon as it is measured; those in opts["skip"] (compiled ones
+    in a --quick run) get their "skipped: ..." row."""
     dt = str(dtype).replace("torch.", "")
     keys = [dict(provider=name, N=n, H=h, V=v) for name in names]
     try:
@@ -166,8 +176,9 @@ def _shape(writer: RowWriter, names: list[str], n, h, v, dtype, device, reps_ms:
         ref = None
     for key in keys:
         name, row = key["provider"], {**key, "dtype": dt, "ref_loss": "" if ref is None else ref}
-        if _too_big(name, n, v, device):
-            writer.write({**row, "status": "skipped: OOM by design"}, ECHO)
+        if _too_big(name, n, v, device) or name in opts.get("skip", ()):
+            why = SKIP_COMPILED if name in opts.get("skip", ()) else "skipped: OOM by design"
+            writer.write({**row, "status": why}, ECHO)
             continue
         try:
             fn = lp.make_provider(name, device)
@@ -177,17 +188,20 @@ def _shape(writer: RowWriter, names: list[str], n, h, v, dtype, device, reps_ms:
         except Exception as exc:
             writer.write({**row, "status": error_status(exc, "setup")}, ECHO)
             continue
-        writer.write(_measure(name, fn, inputs, ref, row, device, reps_ms, bw), ECHO)
+        writer.write(_measure(name, fn, inputs, ref, row, device, opts, bw), ECHO)
         del fn
         free_device_memory(device)
     del inputs
     free_device_memory(device)
 
 
-def run(writer: RowWriter, shapes, names: list[str], dtype, device, reps_ms: int) -> None:
+def run(writer: RowWriter, shapes, names: list[str], dtype, device, opts: dict) -> None:
+    """Every shape in turn. opts: reps_ms (time budget of a measurement), min_runs (timed blocks at least), skip
+    (providers not run, with a "skipped" row), quick (Python warnings ignored)."""
     bw: dict = {}  # the copy bandwidth, measured once when a row needs it
-    for n, h, v in shapes:
-        _shape(writer, names, n, h, v, dtype, device, reps_ms, bw)
+    with python_warnings_ignored(opts.get("quick", False)):
+        for n, h, v in shapes:
+            _shape(writer, names, n, h, v, dtype, device, opts, bw)
 
 
 def _parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
@@ -195,7 +209,8 @@ def _parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Na
     p.add_argument(
         "--quick",
         action="store_true",
-        help="a smoke run: every provider once at two tiny CPU shapes (seconds; the times mean nothing)",
+        help="a smoke run: every provider at two tiny CPU shapes, without the torch.compile ones unless "
+        "--providers names them (seconds; the times mean nothing)",
     )
     p.add_argument(
         "--gpu",
@@ -211,7 +226,8 @@ def _parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Na
     )
     add_grid_args(p, "N,H,V")
     add_plan_arg(p)
-    add_output_args(p, "loss.csv")
+    add_plot_args(p, "loss.png")
+    add_output_args(p, "loss.csv and loss.png")
     args = p.parse_args(argv)
     check_providers(p, args.providers, lp.ALL)
     return p, args
@@ -237,7 +253,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--gpu: no CUDA device is visible")
     writer = RowWriter("loss", output_dir(args, "loss"), device, keys, COLUMNS)
     dt = str(dtype).replace("torch.", "")
-    rc = run_rows(writer, lambda: run(writer, shapes, names, dtype, device, reps), dtype=dt)
+    skip = {n for n in names if args.quick and lp.compiled(n, device) and n not in (args.providers or ())}
+    opts = dict(reps_ms=reps, min_runs=QUICK_MIN_RUNS if args.quick else 5, skip=skip, quick=args.quick)
+    rc = run_rows(writer, lambda: run(writer, shapes, names, dtype, device, opts), dtype=dt)
+    if rc != INTERRUPTED_RC and not args.no_plot:
+        draw_after_run(plot, writer.out_dir / "loss.csv", writer.out_dir / "loss.png", args.quick)
     bad = writer.bad()
     dev = writer.meta["device"]
     print(f"bench loss: {len(writer.rows)} rows, {len(bad)} disagreeing/erroring/interrupted, device {dev}")

@@ -11,16 +11,20 @@ Order: the paper's scale first (C=170k steps, D=384 MiniLM, Q=256 = 32 prompts x
 then (CPU) the few-query shapes SMALL_Q, then the grid C in {100k, 1M, 4M} x D in {256, 768} x Q in
 {64, 1024, 4096} x k in {8, 64} (on the CPU a subset, see
 GRID_CPU; --quick is a smoke subset for CI). Rows (with device, date, commit and the load average) are appended to
-<DIR>/retrieval_{cpu,gpu}.csv, to bench/results/ with --record, or to a new temporary folder; every provider's ids
-are compared with `ours` (agree = fraction of equal ids) so a broken provider cannot post a fast time.
-Rows: on the GPU each is appended as soon as it is measured (`torch` first by default, so that every later row carries
-its ratio_vs_torch); on the CPU a shape's rows are appended together when its round-robin timing ends. A provider that
-raises (at setup, first call or timing) gets its own "error: ..." row and the others still run; one that cannot run
-here (faiss not installed) gets "unavailable: ...". SIGINT or SIGTERM ends the run with an "interrupted: step budget"
-row for what was being measured and exit code 130. `--providers` picks and orders providers; `--plan` prints the rows
-in order (`retrieval,PROVIDER,C=..,D=..,Q=..,k=..`) and exits without a GPU.
+<DIR>/retrieval_{cpu,gpu}.csv, to bench/results/ with --record, or to a new temporary folder, and the plot
+(bench/plot_retrieval.py) is drawn next to it as retrieval_{cpu,gpu}.png at the end of every run. Every provider's ids
+are compared with `ours`'s: `frac_ids_equal_to_ours` = the fraction of the Q x k returned ids equal to ours's, position
+by position (exact equality, no tolerance; blank for ours_excl, whose filter changes the answer), so a broken provider
+cannot post a fast time. `time_over_faiss` / `time_over_torch` = this row's median_ms / the faiss_flat (torch) row's
+median_ms at the same shape (below 1: faster than that anchor); on the CPU the faiss one when faiss ran, else the torch
+one. Rows: on the GPU each is appended as soon as it is measured (`torch` first by default, so that every later row
+carries its time_over_torch); on the CPU a shape's rows are appended together when its round-robin timing ends. A
+provider that raises (at setup, first call or timing) gets its own "error: ..." row and the others still run; one
+that cannot run here (faiss not installed) gets "unavailable: ...". SIGINT or SIGTERM ends the run with an
+"interrupted: step budget" row for what was being measured and exit code 130. `--providers` picks and orders
+providers; `--plan` prints the rows in order (`retrieval,PROVIDER,C=..,D=..,Q=..,k=..`) and exits without a GPU.
 Usage: `rapo-fast bench retrieval [--quick] [--gpu] [--repeats N] [--providers A,B] [--shape C,D,Q,k] [--plan]
-[--out DIR | --record]`; plot with bench/plot_retrieval.py; readings in bench/NOTES_retrieval.md.
+[--no-plot] [--out DIR | --record]`; readings in bench/NOTES_retrieval.md.
 What this is not: a correctness test (tests/retrieval/).
 """
 
@@ -32,8 +36,12 @@ import statistics
 import time
 
 import torch
+from _plot_style import add_plot_args, draw_after_run
+from _quiet import python_warnings_ignored
+from plot_retrieval import plot
 
 from _common import (
+    INTERRUPTED_RC,
     RowWriter,
     Unavailable,
     add_grid_args,
@@ -65,13 +73,14 @@ SMALL_Q = [(170_000, 384, q, 3) for q in (1, 2, 4, 6, 8, 16, 32)]
 QUICK = [(20_000, 64, 32, 8), (5_000, 48, 7, 3)]
 N_GROUPS = 1000
 # The providers of each device in their default order. GPU: `torch` first, so that every row after it carries its
-# ratio_vs_torch (rows are written as they are measured); `ours` is the headline and comes next.
+# time_over_torch (rows are written as they are measured); `ours` is the headline and comes next.
 CPU_PROVIDERS = ["ours", "ours_excl", "torch", "ours_fp16", "faiss_flat", "ours_faiss_mem"]
 GPU_PROVIDERS = ["torch", "ours", "ours_excl", "ours_triton", "ours_cuda", "floor"]
 FP16_MAX = 100_000_000  # CPU: the fp16 copy of the keys doubles memory; built only up to C * D of this
-COLUMNS = ["metric", "dtype", "median_ms", "p20_ms", "p80_ms", "qps", "agree"]
-CPU_COLUMNS = [*COLUMNS, "repeats", "ratio_vs_faiss", "ratio_vs_torch", "isa", "threads", "load_avg_1m"]
-GPU_COLUMNS = [*COLUMNS, "ratio_vs_torch", "pct_of_copy_bw", "copy_bw_gbs"]
+AGREE = "frac_ids_equal_to_ours"  # fraction of returned ids equal to ours's, position by position
+COLUMNS = ["metric", "dtype", "median_ms", "p20_ms", "p80_ms", "qps", AGREE]
+CPU_COLUMNS = [*COLUMNS, "repeats", "time_over_faiss", "time_over_torch", "isa", "threads", "load_avg_1m"]
+GPU_COLUMNS = [*COLUMNS, "time_over_torch", "pct_of_copy_bw", "copy_bw_gbs"]
 
 
 class _Skip(Exception):
@@ -214,7 +223,7 @@ def _cpu_case(writer: RowWriter, names, C, D, Q, k, metric, repeats, faiss_mod, 
         try:
             fn = _cpu_fn(name, st, k, metric, faiss_mod)
             phase = "first call"
-            rows[name]["agree"] = float("nan") if name == "ours_excl" else round(_agree(_ids(fn()), ref), 4)
+            rows[name][AGREE] = float("nan") if name == "ours_excl" else round(_agree(_ids(fn()), ref), 4)
             fns[name] = fn
         except Unavailable as exc:
             errors[name] = f"unavailable: {exc}"
@@ -230,7 +239,7 @@ def _cpu_case(writer: RowWriter, names, C, D, Q, k, metric, repeats, faiss_mod, 
             r = res[name]
             row.update(qps=Q / (r["median_ms"] * 1e-3), **r, status="ok")
             if base is not None:
-                row["ratio_vs_faiss" if "faiss_flat" in res else "ratio_vs_torch"] = round(r["median_ms"] / base, 3)
+                row["time_over_faiss" if "faiss_flat" in res else "time_over_torch"] = round(r["median_ms"] / base, 3)
         else:
             row["status"] = errors.get(name, "error: not timed")
         writer.write(row)
@@ -303,12 +312,12 @@ def _gpu_row(name, row: dict, st: dict, ref: dict, k, metric, device, floor_ms: 
         phase = "first call"
         ids = _ids(fn())
         if name == "ours_excl":
-            row["agree"] = float("nan")
+            row[AGREE] = float("nan")
         else:
             if "ids" not in ref:
                 phase = "reference (ours)"
                 ref["ids"] = _ids(st["buf"].search(st["q"], k))
-            row["agree"] = round(_agree(ids, ref["ids"]), 4)
+            row[AGREE] = round(_agree(ids, ref["ids"]), 4)
         phase = "timing"
         r = time_fn(fn, device, rep_ms=rep_ms)
         row.update(qps=row["Q"] / (r["median_ms"] * 1e-3), pct_of_copy_bw=round(100 * floor_ms / r["median_ms"], 1))
@@ -340,7 +349,7 @@ def _gpu_case(writer: RowWriter, names, C, D, Q, k, metric, device, bw_gbs, rep_
         if name == "torch" and row["status"] == "ok":
             torch_ms = row["median_ms"]
         if torch_ms and "median_ms" in row:
-            row["ratio_vs_torch"] = round(row["median_ms"] / torch_ms, 3)
+            row["time_over_torch"] = round(row["median_ms"] / torch_ms, 3)
         writer.write(row)
         _print(row)
     torch.cuda.empty_cache()
@@ -390,7 +399,8 @@ def _parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Na
     )
     add_grid_args(p, "C,D,Q,k")
     add_plan_arg(p)
-    add_output_args(p, "retrieval_cpu.csv (retrieval_gpu.csv with --gpu)")
+    add_plot_args(p, "retrieval_cpu.png (retrieval_gpu.png with --gpu)")
+    add_output_args(p, "retrieval_cpu.csv and .png (retrieval_gpu.* with --gpu)")
     args = p.parse_args(argv)
     check_providers(p, args.providers, GPU_PROVIDERS if args.gpu else CPU_PROVIDERS)
     return p, args
@@ -424,8 +434,12 @@ def main(argv: list[str] | None = None) -> int:
     name, columns = ("retrieval_gpu", GPU_COLUMNS) if args.gpu else ("retrieval_cpu", CPU_COLUMNS)
     writer = RowWriter(name, out, device, keys, columns)
     body = _run_gpu if args.gpu else _run_cpu
-    rc = run_rows(writer, lambda: body(writer, args, shapes, names), metric=args.metric)
+    with python_warnings_ignored(args.quick):  # a smoke run's output is its rows
+        rc = run_rows(writer, lambda: body(writer, args, shapes, names), metric=args.metric)
     print(f"wrote {len(writer.rows)} rows to {writer.out_dir / writer.csv_name}.csv")
+    if rc != INTERRUPTED_RC and not args.no_plot:
+        csv_path = writer.out_dir / f"{writer.csv_name}.csv"
+        draw_after_run(plot, csv_path, csv_path.with_suffix(".png"), args.quick)
     return rc
 
 
@@ -461,10 +475,11 @@ def _print(r: dict) -> None:
     if r.get("status") != "ok":
         print(f"C={r['C']:>8} D={r['D']:>4} Q={r['Q']:>5} k={r['k']:>3} {r['provider']:>11}: {r['status']}")
         return
-    ratio = r.get("ratio_vs_faiss", r.get("ratio_vs_torch"))
+    anchor, ratio = next(((a, r[f"time_over_{a}"]) for a in ("faiss", "torch") if r.get(f"time_over_{a}")), ("", ""))
     print(
         f"C={r['C']:>8} D={r['D']:>4} Q={r['Q']:>5} k={r['k']:>3} {r['provider']:>11}: "
-        f"{r['median_ms']:10.2f} ms  {r['qps']:12.0f} q/s  ratio {ratio}  agree {r.get('agree', '')}",
+        f"{r['median_ms']:10.2f} ms  {r['qps']:12.0f} q/s  {ratio}x {anchor or '?'}'s time  "
+        f"ids equal to ours {r.get(AGREE, '')}",
         flush=True,
     )
 

@@ -29,9 +29,11 @@ marked DISAGREES and the run exits 1, so a broken provider cannot post a fast ti
 in the order given. Each row is appended as soon as it is measured; a provider that raises gets its own "error: ..."
 row, one that cannot run here "unavailable: ..."; SIGINT or SIGTERM ends the run with an "interrupted: step budget"
 row and exit code 130. `--plan` prints the rows in order (`token_logprobs,PROVIDER,N=..,H=..,V=..,mode=..`) and exits.
-Usage: `rapo-fast bench logprobs [--quick] [--gpu] [--dtype D] [--providers A,B] [--shape N,H,V] [--plan] [--plot]
+Usage: `rapo-fast bench logprobs [--quick] [--gpu] [--dtype D] [--providers A,B] [--shape N,H,V] [--plan]
 [--out DIR | --record]`. Rows (with device, date and commit) are appended to <DIR>/token_logprobs.csv, to
-bench/results/token_logprobs.csv with --record, or to a new temporary folder. Predictions and readings:
+bench/results/token_logprobs.csv with --record, or to a new temporary folder; the plot (bench/plot_logprobs.py) is
+drawn as token_logprobs.png next to it at the end of every run. `--quick` also drops Python's warnings from the output
+(a provider's own warnings are still caught into its row's `warnings` column). Predictions and readings:
 bench/NOTES_token_logprobs.md.
 What this is not: a correctness test (tests/loss/test_logprobs*.py), nor the policy loss (bench/bench_loss.py).
 """
@@ -43,13 +45,16 @@ import math
 import os
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 
 import _reference as ref
 import torch
 from _loss_providers import cce_check
+from _plot_style import add_plot_args, draw_after_run
+from _quiet import python_warnings_ignored
+from plot_logprobs import plot
 
 from _common import (
+    INTERRUPTED_RC,
     RowWriter,
     Unavailable,
     add_grid_args,
@@ -308,43 +313,6 @@ def run(writer: RowWriter, shapes, names: list[str], dtype, device, reps_ms: int
         _shape(writer, names, n, h, v, dtype, device, reps_ms, bw)
 
 
-def plot(csv_path: Path, png_path: Path) -> Path:
-    """Median time and peak memory per provider and mode, for the latest row of each (device, shape, provider)."""
-    import csv
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    latest: dict[tuple, dict] = {}
-    for r in csv.DictReader(csv_path.open()):
-        if r.get("status") == "ok":
-            latest[(r["device"], r["dtype"], r["mode"], r["provider"], int(r["N"]), int(r["H"]), int(r["V"]))] = r
-    panels = sorted({(k[0], k[1], k[2]) for k in latest})
-    fig, axes = plt.subplots(len(panels), 2, figsize=(12, 3.4 * len(panels)), squeeze=False)
-    for (dev, dt, mode), row_axes in zip(panels, axes):
-        keys = [k for k in latest if k[:3] == (dev, dt, mode)]
-        shapes, provs = sorted({k[4:] for k in keys}), sorted({k[3] for k in keys})
-        width = 0.8 / max(len(provs), 1)
-        for metric, ax in zip(("median_ms", "peak_mem_mb"), row_axes):
-            for i, p in enumerate(provs):
-                vals = [
-                    float(latest[(dev, dt, mode, p, *s)][metric]) if (dev, dt, mode, p, *s) in latest else math.nan
-                    for s in shapes
-                ]
-                ax.bar([j + i * width for j in range(len(shapes))], vals, width, label=p)
-            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))])
-            ax.set_xticklabels([f"N{n} H{h} V{v}" for n, h, v in shapes], fontsize=8)
-            ax.set_ylabel(metric)
-            ax.set_title(f"token_logprobs {mode}, {dt}: {metric}\n{dev[:60]}", fontsize=8)
-            ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=110)
-    plt.close(fig)
-    return png_path
-
-
 def _parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p = argparse.ArgumentParser(prog="rapo-fast bench logprobs", description=__doc__.splitlines()[0])
     p.add_argument(
@@ -364,12 +332,10 @@ def _parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Na
         choices=["bfloat16", "float16", "float32"],
         help="dtype of logits, hidden states and lm_head weight (default bfloat16 with --gpu, float32 on the CPU)",
     )
-    p.add_argument(
-        "--plot", action="store_true", help="also draw time and memory per provider as token_logprobs.png by the CSV"
-    )
+    add_plot_args(p, "token_logprobs.png")
     add_grid_args(p, "N,H,V")
     add_plan_arg(p)
-    add_output_args(p, "token_logprobs.csv (and token_logprobs.png with --plot)")
+    add_output_args(p, "token_logprobs.csv and token_logprobs.png")
     args = p.parse_args(argv)
     check_providers(p, args.providers, list(INPUT))
     return p, args
@@ -399,14 +365,15 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cpu":
         os.environ["RAPO_FAST_DISABLE_TRITON"] = "1"  # time the CPU fallback, not Triton's interpreter
     try:
-        rc = run_rows(writer, lambda: run(writer, shapes, names, dtype, device, reps), dtype=base_dtype)
+        with python_warnings_ignored(args.quick):
+            rc = run_rows(writer, lambda: run(writer, shapes, names, dtype, device, reps), dtype=base_dtype)
     finally:
         if saved is None:
             os.environ.pop("RAPO_FAST_DISABLE_TRITON", None)
         else:
             os.environ["RAPO_FAST_DISABLE_TRITON"] = saved
-    if args.plot and rc != 130:
-        print(f"plot written to {plot(out / 'token_logprobs.csv', out / 'token_logprobs.png')}")
+    if rc != INTERRUPTED_RC and not args.no_plot:
+        draw_after_run(plot, out / "token_logprobs.csv", out / "token_logprobs.png", args.quick)
     dev = writer.meta["device"]
     bad = len(writer.bad())
     print(f"bench logprobs: {len(writer.rows)} rows, {bad} disagreeing/erroring/interrupted, device {dev}")

@@ -1,53 +1,43 @@
-"""Plot bench/results/loss.csv (written by bench_loss.py): forward+backward median time and peak memory per provider.
+"""Plot a loss bench CSV (bench/bench_loss.py, `rapo-fast bench loss`): forward+backward median time (bars, with the
+20-80% quantiles as error bars) and peak memory per provider, both lower is better.
 
-One panel per (device, dtype) and metric; x = shape "N x H x V". Usage: `python bench/plot_loss.py [CSV] [PNG]`.
-Not a benchmark: it only reads the CSV (the latest row per provider, shape and device wins).
+One row of panels per run (device, dtype, commit and day: rows of different runs are never mixed in one panel), x =
+shape "N x H x V"; the latest row of a provider at a shape within a run wins. Colours are those of every bench plot
+(bench/_plot_style.py). Usage: `python bench/plot_loss.py [CSV] [PNG]` (default bench/results/loss.csv, PNG next to
+it). What this is not: a benchmark; it only reads the CSV.
 """
 
 from __future__ import annotations
 
-import csv
-import math
-import sys
+import argparse
 from pathlib import Path
 
-import matplotlib
+import _plot_style as ps
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def plot(src: Path, dst: Path, note: str = "") -> Path:
+    """Draw `src` (a loss CSV) into `dst`; `note` is added to the title (a smoke run says so)."""
+    return ps.time_and_memory(
+        src,
+        dst,
+        lambda r: (r.get("device", "")[:48], r.get("dtype", ""), ps.run_of(r)),
+        "rapo_loss forward+backward, per provider" + (f" — {note}" if note else ""),
+        "median ms, forward+backward",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    src = Path(argv[0]) if argv else Path(__file__).parent / "results" / "loss.csv"
-    dst = Path(argv[1]) if len(argv) > 1 else src.with_suffix(".png")
-    latest: dict[tuple, dict] = {}
-    for r in csv.DictReader(src.open()):
-        if r.get("status") != "ok":
-            continue
-        latest[(r["device"], r["dtype"], r["provider"], int(r["N"]), int(r["H"]), int(r["V"]))] = r
-    groups = sorted({(k[0], k[1]) for k in latest})
-    fig, axes = plt.subplots(len(groups), 2, figsize=(12, 3.6 * len(groups)), squeeze=False)
-    for (device, dtype), row_axes in zip(groups, axes):
-        keys = [k for k in latest if k[:2] == (device, dtype)]
-        shapes = sorted({k[3:] for k in keys})
-        providers = sorted({k[2] for k in keys})
-        width = 0.8 / max(len(providers), 1)
-        for metric, ax in zip(("median_ms", "peak_mem_mb"), row_axes):
-            for i, p in enumerate(providers):
-                vals = []
-                for s in shapes:
-                    r = latest.get((device, dtype, p, *s))
-                    vals.append(float(r[metric]) if r and r.get(metric) not in (None, "") else math.nan)
-                ax.bar([j + i * width for j in range(len(shapes))], vals, width, label=p)
-            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))])
-            ax.set_xticklabels([f"{n}x{h}x{v}" for n, h, v in shapes], fontsize=8)
-            ax.set_ylabel(metric)
-            ax.set_title(f"{device[:40]} {dtype}: {metric} (fwd+bwd)", fontsize=9)
-            ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(dst, dpi=110)
-    print(f"wrote {dst}")
+    ap = argparse.ArgumentParser(
+        prog="python bench/plot_loss.py",
+        description="Draw the loss bench's CSV (rapo-fast bench loss) as a PNG: forward+backward time and peak memory "
+        "per provider and shape, one row of panels per run; lower is better on both.",
+    )
+    ap.add_argument("csv", nargs="?", type=Path, default=RESULTS / "loss.csv", help="the CSV (default: %(default)s)")
+    ap.add_argument("png", nargs="?", type=Path, default=None, help="the PNG to write (default: the CSV's, as .png)")
+    args = ap.parse_args(argv)
+    print(f"wrote {plot(args.csv, args.png or args.csv.with_suffix('.png'))}")
     return 0
 
 

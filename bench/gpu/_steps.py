@@ -39,8 +39,12 @@ EXT_SMOKE = Step("extension", "{py} {here}/ensure_ext.py --cpu", 90, required=Tr
 
 
 def bench(name: str, script: str, args: str, budget_s: int, csv_name: str) -> Step:
-    """A step running bench/<script> with `args` into the output folder; its rows are the bench's `--plan` of the
-    same arguments."""
+    """A step running bench/<script> with `args` into the output folder, without its plot (the device tool brings few
+    files back; plot the CSVs here with bench/plot_*.py); its rows are the bench's `--plan` of the same arguments."""
     return Step(
-        name, f"{{py}} bench/{script} --out {{out}} {args}", budget_s, (csv_name,), plan=(f"bench:{script} {args}",)
+        name,
+        f"{{py}} bench/{script} --out {{out}} --no-plot {args}",
+        budget_s,
+        (csv_name,),
+        plan=(f"bench:{script} {args}",),
     )

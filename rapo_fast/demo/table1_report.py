@@ -110,10 +110,12 @@ def plot(path: Path, rows: list[dict], tasks: list[str], methods: list[str]) -> 
             mean = [s[0] for s in stats]
             half = [0.0 if math.isnan(s[1]) else s[1] for s in stats]
             ax.plot(steps, mean, color=COLORS.get(m), label=m)
-            ax.fill_between(steps, [a - b for a, b in zip(mean, half)], [a + b for a, b in zip(mean, half)],
-                            color=COLORS.get(m), alpha=0.15)  # fmt: skip
+            # a success rate lies in [0, 1]: so does its band (a t interval over few seeds can reach past either end)
+            lo, hi = [max(0.0, a - b) for a, b in zip(mean, half)], [min(1.0, a + b) for a, b in zip(mean, half)]
+            ax.fill_between(steps, lo, hi, color=COLORS.get(m), alpha=0.15)
         ax.set_title(f"{t}: held-out greedy success (mean ± 95% CI)")
         ax.set_xlabel("RL step")
+        ax.set_ylabel("held-out greedy success rate (higher is better)")
         ax.set_ylim(0, 1)
         ax.legend(fontsize=8)
     fig.tight_layout()

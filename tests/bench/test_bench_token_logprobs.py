@@ -1,7 +1,7 @@
 """Smoke run of `rapo-fast bench logprobs --quick`: every provider runs in both modes and agrees with the chunked
 reference of its input kind (Cut Cross-Entropy, CUDA only, says "unavailable"), and its rows (with device, date,
-commit) land in the folder asked for, not in bench/results/. Not a performance test (numbers on a shared CI core mean
-nothing)."""
+commit) and its plot land in the folder asked for, not in bench/results/. Not a performance test (numbers on a shared
+CI core mean nothing)."""
 
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ def test_bench_logprobs_quick_writes_agreeing_rows_to_out(tmp_path, monkeypatch)
     before = _digest(RECORDED)
     assert mod.main(["--quick", "--out", str(tmp_path)]) == 0
     assert _digest(RECORDED) == before, "a --quick run changed bench/results/token_logprobs.csv"
+    assert (tmp_path / "token_logprobs.png").stat().st_size > 10_000  # the plot, beside the CSV
     rows = list(csv.DictReader((tmp_path / "token_logprobs.csv").open()))
     providers = {r["provider"] for r in rows}
     assert {"torch_eager_logits", "rapo_fast_logits", "torch_eager_hidden", "rapo_fast_hidden"} <= providers

@@ -1,5 +1,6 @@
 """Smoke run of the retrieval benchmark (`rapo-fast bench retrieval --quick`): every CPU provider runs at the tiny
-shapes, agrees with ours, and rows with device, date and commit land in the CSV. Not a performance test.
+shapes, agrees with ours, rows with device, date and commit land in the CSV, and its plot in a PNG beside it, in the
+folder --out names. Not a performance test.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ def test_bench_retrieval_quick(tmp_path, monkeypatch):
     monkeypatch.setattr(mod, "QUICK", [(3000, 40, 33, 5)])
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")  # main() would otherwise set it for the rest of the session
     assert mod.main(["--quick", "--out", str(tmp_path), "--repeats", "1"]) == 0
+    assert (tmp_path / "retrieval_cpu.png").stat().st_size > 10_000
     rows = list(csv.DictReader((tmp_path / "retrieval_cpu.csv").open()))
+    assert {"frac_ids_equal_to_ours", "time_over_faiss", "time_over_torch"} <= set(rows[0])
     providers = {r["provider"] for r in rows}
     assert {"ours", "ours_excl", "torch", "ours_fp16"} <= providers
     if "faiss_flat" in providers:
@@ -27,4 +30,4 @@ def test_bench_retrieval_quick(tmp_path, monkeypatch):
     for r in rows:
         assert r["device"] and r["date"] and r["commit"] and float(r["median_ms"]) > 0
         if r["provider"] in ("torch", "faiss_flat", "ours_faiss_mem"):
-            assert float(r["agree"]) > 0.99, r
+            assert float(r["frac_ids_equal_to_ours"]) > 0.99, r
