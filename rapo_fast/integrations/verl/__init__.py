@@ -2,8 +2,8 @@
 the adapter functions a verl actor calls.
 
 Modules: policy_loss (the registry-signature RAPO loss), logprobs (verl's fused log-prob contract on rapo_fast's
-kernels), plugin (the `verl.plugins` entry point that registers everything into verl). Importing this package imports
-neither verl nor ray; the plugin does, when verl loads it.
+kernels), plugin (the `verl.plugins` entry point that registers everything into verl), verl_compat (every verl internal
+the plugin touches, and the version gate). Importing this package imports neither verl nor ray; the plugin does.
 Deliberate difference from the other subpackages (which re-export nothing): this __init__ re-exports the adapter's
 public names, so that `rapo_fast.integrations.verl.rapo_policy_loss` (the module path before this became a package)
 keeps working.

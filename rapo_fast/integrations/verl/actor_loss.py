@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from rapo_fast.integrations.verl import verl_compat
 from rapo_fast.integrations.verl.logprobs import register as register_fused_logprobs
 from rapo_fast.integrations.verl.policy_loss import (
     F_RET_KEY,
@@ -60,7 +61,7 @@ __all__ = [
     "rapo_token_fields",
 ]
 
-EXTRA_FIELDS_KEY = "extra_fields"  # the v1 trainer keeps an agent loop's extra_fields as one dict per sample
+EXTRA_FIELDS_KEY = verl_compat.EXTRA_FIELDS_KEY  # the v1 trainer keeps an agent loop's extra_fields per sample
 
 
 def _rows(data: Any, key: str) -> list[Any] | None:
@@ -113,7 +114,7 @@ def rapo_ppo_loss(
     """verl's actor loss (`base_loss`, default verl.workers.utils.losses.ppo_loss) with the micro-batch's RAPO fields
     visible to the policy loss registered as "rapo". Same signature and return value as verl's ppo_loss."""
     if base_loss is None:
-        from verl.workers.utils.losses import ppo_loss as base_loss
+        base_loss = verl_compat.get("verl.workers.utils.losses:ppo_loss")
     with rapo_token_fields(rapo_fields_from_tensordict(data)):
         return base_loss(config=config, model_output=model_output, data=data, dp_group=dp_group)
 
@@ -141,11 +142,7 @@ _WORKER_LOSS_NAMES: Sequence[str] = ("ppo_loss", "distillation_ppo_loss")
 def register() -> None:
     """Register the RAPO policy losses (policy_loss.POLICY_LOSSES) in verl's registry and wrap verl's worker losses
     (idempotent). Imports verl."""
-    import verl.workers.engine_workers as ew
-
     register_policy_losses()
     register_fused_logprobs()  # opt-in: RAPO_FAST_VERL_FUSED_LOGPROBS=1
     for name in _WORKER_LOSS_NAMES:
-        fn = getattr(ew, name, None)
-        if fn is not None:
-            setattr(ew, name, wrap_loss_fn(fn))
+        verl_compat.patch(f"verl.workers.engine_workers:{name}", wrap_loss_fn)

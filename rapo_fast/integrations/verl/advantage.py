@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from rapo_fast import _checks as C
+from rapo_fast.integrations.verl import verl_compat
 from rapo_fast.loss.advantages import RET_NORMS, group_normalize, retrieval_reward
 
 __all__ = [
@@ -55,10 +56,10 @@ __all__ = [
 ESTIMATOR_NAME = "rapo"
 H_BEFORE_KEY = "rapo_h_before"
 H_AFTER_KEY = "rapo_h_after"
-EXTRA_FIELDS_KEY = "extra_fields"
+EXTRA_FIELDS_KEY = verl_compat.EXTRA_FIELDS_KEY
 DEFAULT_RET_COEF = 0.2  # RAPO's a
 DEFAULT_RET_NORM = "group"  # rapo_advantages' default: the paper's formula as written (docs/loss.md section 8)
-TQ_TRAIN_PARTITION = "train"
+TQ_TRAIN_PARTITION = verl_compat.TQ_TRAIN_PARTITION
 
 _NON_TENSOR: ContextVar[Mapping[str, Any] | None] = ContextVar("rapo_verl_non_tensor_batch", default=None)
 
@@ -157,7 +158,7 @@ def compute_rapo_outcome_advantage(
     `rapo_non_tensor_batch` (the wrapped verl trainer sets it). Other keyword arguments verl passes (e.g. batch,
     reward_baselines) are ignored.
     """
-    from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
+    compute_grpo_outcome_advantage = verl_compat.get("verl.trainer.ppo.core_algos:compute_grpo_outcome_advantage")
 
     if token_level_rewards.dim() != 2:
         raise ValueError(f"token_level_rewards: expected [B, T], got shape {tuple(token_level_rewards.shape)}")
@@ -226,9 +227,8 @@ def _wrap_compute_advantage(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def _extra_fields_from_tq(batch_keys: list[str]) -> dict[str, Any] | None:
     """{"extra_fields": object array, one dict per key} read from TransferQueue, or None without that field."""
-    import transfer_queue as tq
-
-    td = tq.kv_batch_get(keys=batch_keys, partition_id=TQ_TRAIN_PARTITION, select_fields=[EXTRA_FIELDS_KEY])
+    kv_batch_get = verl_compat.get("transfer_queue:kv_batch_get")
+    td = kv_batch_get(keys=batch_keys, partition_id=TQ_TRAIN_PARTITION, select_fields=[EXTRA_FIELDS_KEY])
     if EXTRA_FIELDS_KEY not in td.keys():
         return None
     rows = np.empty(len(batch_keys), dtype=object)
@@ -255,21 +255,14 @@ def _wrap_multi_trajectories(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def register() -> None:
     """Register "rapo" in verl's estimator registry and wrap verl's trainer entry points (idempotent). Imports verl."""
-    import importlib
-
-    from verl.trainer.ppo import core_algos
-
-    if core_algos.ADV_ESTIMATOR_REGISTRY.get(ESTIMATOR_NAME) is not compute_rapo_outcome_advantage:
-        core_algos.ADV_ESTIMATOR_REGISTRY.pop(ESTIMATOR_NAME, None)
-        core_algos.register_adv_est(ESTIMATOR_NAME)(compute_rapo_outcome_advantage)
-    for module, name, wrap in (
-        ("verl.trainer.ppo.ray_trainer", "compute_advantage", _wrap_compute_advantage),
-        ("verl.trainer.ppo.v1.utils", "compute_advantage", _wrap_compute_advantage),
-        ("verl.trainer.ppo.v1.trainer_base", "compute_advantage_for_multi_trajectories", _wrap_multi_trajectories),
+    registry = verl_compat.get("verl.trainer.ppo.core_algos:ADV_ESTIMATOR_REGISTRY")
+    if registry.get(ESTIMATOR_NAME) is not compute_rapo_outcome_advantage:
+        registry.pop(ESTIMATOR_NAME, None)
+        verl_compat.get("verl.trainer.ppo.core_algos:register_adv_est")(ESTIMATOR_NAME)(compute_rapo_outcome_advantage)
+    # a verl without one of these trainers (e.g. no transfer_queue for v1): nothing to wrap there (optional rows)
+    for target, wrap in (
+        ("verl.trainer.ppo.ray_trainer:compute_advantage", _wrap_compute_advantage),
+        ("verl.trainer.ppo.v1.utils:compute_advantage", _wrap_compute_advantage),
+        ("verl.trainer.ppo.v1.trainer_base:compute_advantage_for_multi_trajectories", _wrap_multi_trajectories),
     ):
-        try:
-            mod = importlib.import_module(module)
-        except ImportError:  # a verl without that trainer (e.g. no transfer_queue for v1): nothing to wrap there
-            continue
-        if hasattr(mod, name):
-            setattr(mod, name, wrap(getattr(mod, name)))
+        verl_compat.patch(target, wrap)

@@ -54,13 +54,15 @@ plugin.py and the tests import it.
 from __future__ import annotations
 
 import random
-import sys
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from verl.experimental.agent_loop.tool_agent_loop import AgentState, ToolAgentLoop
+from rapo_fast.integrations.verl import verl_compat
+
+AgentState = verl_compat.get("verl.experimental.agent_loop.tool_agent_loop:AgentState")
+ToolAgentLoop = verl_compat.get("verl.experimental.agent_loop.tool_agent_loop:ToolAgentLoop")
 
 __all__ = [
     "AGENT_LOOP_NAME",
@@ -185,19 +187,6 @@ def _claim_member(key: str) -> int:
     return n
 
 
-def _verl_validate_flag() -> bool | None:
-    """Whether verl's AgentLoopWorker._run_agent_loop that called us runs a validation batch (its `trajectory`
-    argument holds the batch's meta_info["validate"]; verl 0.9.1 passes it to no agent loop), or None outside it."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "_run_agent_loop":
-            traj = frame.f_locals.get("trajectory")
-            if isinstance(traj, Mapping) and "validate" in traj:
-                return bool(traj["validate"])
-        frame = frame.f_back
-    return None
-
-
 def retrieved_fraction(retrieved_mask: list[int]) -> float:
     """F = retrieved tokens / response tokens (every response token counts; 0 for an empty response)."""
     return float(sum(retrieved_mask)) / max(1, len(retrieved_mask))
@@ -245,8 +234,8 @@ class RAPOToolAgentLoop(ToolAgentLoop):
     def _start_state(self, kwargs: Mapping[str, Any]) -> _RunState:
         cfg = self.rapo
         validate = kwargs.get("validate")
-        validate = _verl_validate_flag() if validate is None else bool(validate)
-        uid = kwargs.get("uid")
+        validate = verl_compat.validate_flag() if validate is None else bool(validate)
+        uid = kwargs.get(verl_compat.UID_KEY)
         key = str(uid if uid is not None else kwargs.get(cfg.group_key))
         member = _claim_member(key)
         seed = None if cfg.seed is None else f"{cfg.seed}:{key}:{member}"
@@ -361,6 +350,4 @@ def _obs_ends(st: _RunState, n: int) -> list[int]:
 def register() -> None:
     """Register RAPOToolAgentLoop as verl's agent loop "rapo_tool_agent" (idempotent). An agent_loop_config_path
     entry with the same name, loaded later by verl's AgentLoopWorker, replaces it (with its YAML kwargs)."""
-    from verl.experimental.agent_loop.agent_loop import register as verl_register
-
-    verl_register(AGENT_LOOP_NAME)(RAPOToolAgentLoop)
+    verl_compat.get("verl.experimental.agent_loop.agent_loop:register")(AGENT_LOOP_NAME)(RAPOToolAgentLoop)

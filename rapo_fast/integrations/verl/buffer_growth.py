@@ -41,8 +41,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
-
+from rapo_fast.integrations.verl import verl_compat
 from rapo_fast.integrations.verl.agent_loop import _client, resolve_loop_config
 from rapo_fast.integrations.verl.buffer_setup import onpolicy_steps
 
@@ -54,6 +53,7 @@ __all__ = [
     "register",
 ]
 
+RewardManagerBase = verl_compat.get("verl.experimental.reward_loop.reward_manager.base:RewardManagerBase")
 REWARD_MANAGER_NAME = "rapo"
 _log = logging.getLogger(__name__)
 _WARNED: set[str] = set()
@@ -146,8 +146,7 @@ class RapoRewardManager(RewardManagerBase):
     rapo_grows_step_buffer = True  # marker for buffer_setup.check_growth_config (which must not import this module)
 
     def __init__(self, config: Any, tokenizer: Any, compute_score: Any, **kwargs: Any):
-        from verl.experimental.reward_loop.reward_manager import get_reward_manager_cls
-
+        get_reward_manager_cls = verl_compat.get("verl.experimental.reward_loop.reward_manager:get_reward_manager_cls")
         super().__init__(config, tokenizer, compute_score)
         self.growth = growth_config(config)
         inner_cls = get_reward_manager_cls(self.growth.inner_reward_manager)
@@ -159,14 +158,14 @@ class RapoRewardManager(RewardManagerBase):
     async def run_single(self, data: Any) -> dict:
         result = await self.inner.run_single(data)
         if self.growth.add_onpolicy_steps:
-            await self.grow(data, float(result["reward_score"]))
+            await self.grow(data, float(result[verl_compat.REWARD_SCORE_KEY]))
         return result
 
     async def grow(self, data: Any, reward: float) -> int:
         """Add the steps of `data`'s last trajectory (the one verl scores) when it is a successful training rollout
         of the RAPO agent loop; returns how many steps were added."""
         nt, i = data.non_tensor_batch, len(data) - 1
-        extra = nt.get("tool_extra_fields")
+        extra = nt.get(verl_compat.TOOL_EXTRA_FIELDS_KEY)
         if extra is None:
             _warn_once(
                 "extra", "rapo reward manager: no tool_extra_fields in the batch (scored outside the agent loop)"
@@ -185,8 +184,9 @@ class RapoRewardManager(RewardManagerBase):
                 "rapo reward manager: the trajectory has no group id (rapo_group is None: the sample lacks an int "
                 "field named by the agent loop's group_key, default 'index'); on-policy steps need one"
             )
-        p_len = int(nt["prompt_len"][i]) if "prompt_len" in nt else data.batch["prompts"].shape[-1]
-        r_len = int(nt["response_len"][i]) if "response_len" in nt else data.batch["responses"].shape[-1]
+        p_key, r_key = verl_compat.PROMPT_LEN_KEY, verl_compat.RESPONSE_LEN_KEY
+        p_len = int(nt[p_key][i]) if p_key in nt else data.batch["prompts"].shape[-1]
+        r_len = int(nt[r_key][i]) if r_key in nt else data.batch["responses"].shape[-1]
         prompt, response = data.batch["prompts"][i, :p_len].tolist(), data.batch["responses"][i, :r_len].tolist()
         skip = self.growth.history_skip_special_tokens
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=skip)  # noqa: E731
@@ -211,7 +211,8 @@ class RapoRewardManager(RewardManagerBase):
 
 def register() -> None:
     """Register RapoRewardManager as verl's reward manager "rapo" (idempotent)."""
-    from verl.experimental.reward_loop.reward_manager import registry
-
-    if registry.REWARD_MANAGER.get(REWARD_MANAGER_NAME) is not RapoRewardManager:
-        registry.register(REWARD_MANAGER_NAME)(RapoRewardManager)
+    registry = verl_compat.get("verl.experimental.reward_loop.reward_manager.registry:REWARD_MANAGER")
+    if registry.get(REWARD_MANAGER_NAME) is not RapoRewardManager:
+        verl_compat.get("verl.experimental.reward_loop.reward_manager.registry:register")(REWARD_MANAGER_NAME)(
+            RapoRewardManager
+        )

@@ -26,6 +26,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from rapo_fast.integrations.verl import verl_compat
 from rapo_fast.integrations.verl.buffer_actor import (
     CHECKPOINT_SUBDIR,
     DEFAULT_NAME,
@@ -136,8 +137,7 @@ def resume_checkpoint_dir(config: Any) -> str | None:
     if mode == "resume_path":
         path = str(config.trainer.resume_from_path)
         return path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
-    from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
-
+    find_latest_ckpt_path = verl_compat.get("verl.utils.checkpoint.checkpoint_manager:find_latest_ckpt_path")
     folder = config.trainer.default_local_dir
     return find_latest_ckpt_path(folder if os.path.isabs(folder) else os.path.join(os.getcwd(), folder))
 
@@ -176,8 +176,7 @@ def check_growth_config(config: Any) -> None:
         return
     if add is not True:
         raise ValueError(f"rapo.add_onpolicy_steps must be a bool, got {add!r}")
-    from verl.trainer.ppo.reward import resolve_reward_manager_cls
-
+    resolve_reward_manager_cls = verl_compat.get("verl.trainer.ppo.reward:resolve_reward_manager_cls")
     cls = resolve_reward_manager_cls(config)
     if not getattr(cls, "rapo_grows_step_buffer", False):
         raise ValueError(

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from rapo_fast.integrations.verl import verl_compat
+
 __all__ = ["fused_logprobs_from_hidden", "logprobs_from_logits", "RAPOFusedLinearForPPO", "register", "unregister"]
 
 
@@ -99,6 +101,7 @@ class RAPOFusedLinearForPPO(torch.nn.Module):
 # verl's fused-kernel model forward (verl/models/transformers/dense_common.py and the VL variants) imports this name
 # from this module at call time, so replacing the module attribute reroutes the actor's log-probs and entropy.
 VERL_FUSED_MODULE = "verl.utils.experimental.torch_functional"
+VERL_FUSED_CLASS = f"{VERL_FUSED_MODULE}:FusedLinearForPPO"  # a "patch" row of verl_compat.INTERNALS
 FUSED_ENV = "RAPO_FAST_VERL_FUSED_LOGPROBS"
 
 
@@ -109,23 +112,15 @@ def register(enable: bool | None = None) -> bool:
     by default the environment variable RAPO_FAST_VERL_FUSED_LOGPROBS=1 (set it in the Ray runtime env so every worker
     sees it). Idempotent; returns whether the replacement is in place. Imports verl.
     """
-    import importlib
     import os
 
     if enable is None:
         enable = os.environ.get(FUSED_ENV, "0") == "1"
-    mod = importlib.import_module(VERL_FUSED_MODULE)
-    if enable and mod.FusedLinearForPPO is not RAPOFusedLinearForPPO:
-        mod._verl_FusedLinearForPPO = mod.FusedLinearForPPO  # kept, so that unregister can put it back
-        mod.FusedLinearForPPO = RAPOFusedLinearForPPO
-    return mod.FusedLinearForPPO is RAPOFusedLinearForPPO
+    if enable:
+        verl_compat.replace(VERL_FUSED_CLASS, RAPOFusedLinearForPPO)  # verl's class kept for unregister
+    return verl_compat.get(VERL_FUSED_CLASS) is RAPOFusedLinearForPPO
 
 
 def unregister() -> None:
     """Put verl's own FusedLinearForPPO back (no-op when register() did not replace it). Imports verl."""
-    import importlib
-
-    mod = importlib.import_module(VERL_FUSED_MODULE)
-    original = getattr(mod, "_verl_FusedLinearForPPO", None)
-    if original is not None:
-        mod.FusedLinearForPPO = original
+    verl_compat.restore(VERL_FUSED_CLASS)

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from rapo_fast.integrations.verl import verl_compat
 from rapo_fast.loss.options import LossOptions
 from rapo_fast.loss.policy_loss import policy_loss_from_logp
 
@@ -379,8 +380,7 @@ def register_rapo_policy_loss(name: str = "rapo", **options: Any) -> Callable[..
     registered function. Registering a name again replaces it (verl's registry allows that). Raises ImportError
     when verl is not installed.
     """
-    from verl.trainer.ppo.core_algos import register_policy_loss
-
+    register_policy_loss = verl_compat.get("verl.trainer.ppo.core_algos:register_policy_loss")
     _check_rapo_options(options, "register_rapo_policy_loss", _ADAPTER_KEYWORDS)
     return register_policy_loss(name)(make_rapo_registry_loss(name, **options))
 
