@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rapo_fast._constants import MAX_KEYS
 from rapo_fast.reference.retrieval import key_aux_ref
 from rapo_fast.retrieval.buffer_args import as_tensor, check_int_vector, check_k, check_min_score
 from rapo_fast.retrieval.buffer_args import shape as _shape
@@ -68,7 +69,7 @@ class StepBuffer:
         metric: str = "ip",
         eviction: str = "fifo",
     ) -> None:
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or not 1 <= capacity < 2**31:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or not 1 <= capacity <= MAX_KEYS:
             raise ValueError(f"capacity must be an int in [1, 2^31), got {capacity!r}")
         if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
             raise ValueError(f"dim must be a positive int, got {dim!r}")
@@ -387,7 +388,7 @@ class StepBuffer:
         squared distance -|q - k|^2 (faiss's IndexFlatL2 returns +|q - k|^2, smaller first: negate ours to compare).
         Best first, ties to the smaller slot; rows with fewer than k eligible steps are padded with -inf / -1.
         exclude_groups [Q] int64: per query, steps of that group are skipped (a negative value skips nothing).
-        min_score: steps scoring below it are skipped. 1 <= k <= 1024. The scores carry no gradient.
+        min_score: steps scoring below it are skipped. 1 <= k <= MAX_K (1024). The scores carry no gradient.
         A 1-D query [D] is one query: the results are then scores [k] and payload_ids [k], and exclude_groups may be
         an int. NumPy arrays are accepted for queries and exclude_groups (copied to the buffer's device); the results
         are tensors either way (`.numpy()` on a CPU buffer's).

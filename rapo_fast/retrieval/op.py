@@ -11,12 +11,12 @@ from typing import Optional
 
 import torch
 
+from rapo_fast._constants import CPU_ISA_AUTO, MAX_K, METRIC_CODES
 from rapo_fast._dispatch import register_op
 from rapo_fast._ext import DTYPE_CODES, make_params, require_backend, stream_of
 from rapo_fast.retrieval.triton_search import select_backend, triton_search
 
-METRIC_CODES = {"ip": 0, "cosine": 1, "l2": 2}
-MAX_K = 1024
+__all__ = ["MAX_K", "METRIC_CODES", "retrieval_search"]  # MAX_K, METRIC_CODES: from rapo_fast/_constants.py
 
 
 def _ptr(t: Optional[torch.Tensor]) -> int:
@@ -115,7 +115,7 @@ def _search_impl(
         out_slots=_ptr(slots),
     )
     if device.type == "cpu":
-        ext.retrieval_search_cpu(params, num_threads=torch.get_num_threads(), isa=-1)
+        ext.retrieval_search_cpu(params, num_threads=torch.get_num_threads(), isa=CPU_ISA_AUTO)
     else:
         dev = device.index if device.index is not None else torch.cuda.current_device()
         n_splits = int(ext.retrieval_cuda_splits(Q=Q, C=C, k=k, device=dev, D=D, dtype=DTYPE_CODES[keys.dtype]))

@@ -17,6 +17,7 @@ import os
 
 import torch
 
+from rapo_fast._ext import DTYPE_CODES
 from rapo_fast.retrieval.buffer import StepBuffer
 from rapo_fast.retrieval.op import METRIC_CODES
 
@@ -26,7 +27,6 @@ __all__ = ["ShardedStepBuffer"]
 _STATUS, _Q, _K, _MIN_SCORE, _DIM, _DTYPE, _METRIC, _CAPACITY = range(8)
 _HEADER, _MSG_WORDS = 8, 64
 _ERRORS = {0: None, 1: ValueError, 2: TypeError, 3: RuntimeError}  # status code -> the class every rank raises
-_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _AGREED = {_K: "k", _MIN_SCORE: "min_score", _DIM: "dim", _DTYPE: "dtype", _METRIC: "metric", _CAPACITY: "capacity"}
 
 
@@ -143,7 +143,7 @@ class ShardedStepBuffer:
         head[_Q] = Q
         head[_K] = k if error is None else -1
         head[_MIN_SCORE] = _float_bits(thr)
-        head[_DIM], head[_DTYPE] = buf.dim, _DTYPE_CODES[buf.dtype]
+        head[_DIM], head[_DTYPE] = buf.dim, DTYPE_CODES[buf.dtype]
         head[_METRIC], head[_CAPACITY] = METRIC_CODES[buf.metric], buf.capacity
         msg = "" if error is None else str(error.args[0] if len(error.args) == 1 else error)
         return torch.cat([head, _encode_message(msg)])

@@ -19,15 +19,15 @@ from dataclasses import dataclass
 
 import torch
 
+from rapo_fast._constants import COSINE_EPS, MAX_K, METRIC_COSINE, METRIC_IP, METRIC_L2, TRITON_EMPTY_KEY
 from rapo_fast._dispatch import device_guard, interpret_mode
 
 __all__ = ["CROSSOVERS", "Crossover", "BACKEND_ENV", "TILES_ENV", "select_backend", "triton_search", "plan"]
 
 BACKEND_ENV = "RAPO_FAST_RETRIEVAL_BACKEND"
-_MAX_K = 1024  # = rapo_fast.retrieval.op.MAX_K (not imported: op.py imports this module)
 _MAX_C = 2**31 - 2**20  # the kernel's int32 key indices (a split's end: C + splits x BLOCK_C) stay below 2^31
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-SENTINEL = -0x7FFFFFFFFFFFFFFF  # = kernels/retrieval/search.py SENTINEL: an empty candidate
+SENTINEL = TRITON_EMPTY_KEY  # an empty candidate (kernels/retrieval/search.py reads the same constant)
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ def select_backend(Q: int, C: int, D: int, dtype: torch.dtype, k: int, metric: i
         raise ValueError(f"{BACKEND_ENV} (or backend) must be 'cuda', 'triton' or 'auto', got {choice!r}")
     if choice != "auto":
         return choice
-    if metric == 2 or dtype == torch.float32 or C > _MAX_C:
+    if metric == METRIC_L2 or dtype == torch.float32 or C > _MAX_C:
         return "cuda"
     for row in CROSSOVERS:
         if dtype == row.dtype and Q >= row.min_q and C >= row.min_c and k <= row.max_k:
@@ -167,9 +167,9 @@ def _check(keys, key_aux, groups, queries, exclude, k, metric, min_score, centre
             raise ValueError(f"{name} is on {t.device}, queries on {queries.device}")
     if queries.device.type == "cpu" and not interpret_mode():
         raise ValueError("triton_search runs on CUDA tensors, or on CPU tensors only under TRITON_INTERPRET=1")
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= _MAX_K:
-        raise ValueError(f"k must be an int in [1, {_MAX_K}], got {k!r}")
-    if metric not in (0, 1, 2):
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_K:
+        raise ValueError(f"k must be an int in [1, {MAX_K}], got {k!r}")
+    if metric not in (METRIC_IP, METRIC_COSINE, METRIC_L2):
         raise ValueError(f"metric must be 0 (ip), 1 (cosine) or 2 (l2), got {metric!r}")
     if min_score != min_score:
         raise ValueError("min_score must not be NaN")
@@ -178,16 +178,16 @@ def _check(keys, key_aux, groups, queries, exclude, k, metric, min_score, centre
 def _prepare(keys, key_aux, queries, metric, centre):
     """(keys, key_aux, queries, query aux) as the kernel reads them. l2 with a centre scores centred fp32 copies,
     as StepBuffer does for the CUDA backend (docs/retrieval.md, "l2 about the keys' mean")."""
-    if metric == 2 and centre is not None:
+    if metric == METRIC_L2 and centre is not None:
         keys = keys.float() - centre
         key_aux = keys.double().square().sum(1).float()
         queries = queries.float() - centre
     keys = keys if keys.stride(-1) == 1 else keys.contiguous()
     queries = queries if queries.stride(-1) == 1 else queries.contiguous()
     sumsq = queries.float().square().sum(1)
-    if metric == 1:
-        qaux = 1.0 / sumsq.sqrt().clamp_min(1e-12)
-    elif metric == 2:
+    if metric == METRIC_COSINE:
+        qaux = 1.0 / sumsq.sqrt().clamp_min(COSINE_EPS)
+    elif metric == METRIC_L2:
         qaux = sumsq
     else:
         qaux = torch.zeros_like(sumsq)
