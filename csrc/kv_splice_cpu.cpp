@@ -94,7 +94,7 @@ std::vector<float> rope_tables(const KVSpliceParams& p) {
   for (int64_t r = 0; r < p.num_requests; ++r)
     for (int i = 0; i < half; ++i) {
       float* o = &cs[static_cast<size_t>(r) * half * 2];
-      rope_cos_sin(p.requests[r * 5 + 4], p.inv_freq[i], o + i, o + half + i);
+      rope_cos_sin(p.requests[r * kKVRequestFields + 4], p.inv_freq[i], o + i, o + half + i);
     }
   return cs;
 }
@@ -155,7 +155,7 @@ void splice_impl(const KVSpliceParams& p) {
 #endif
     for (int64_t w = 0; w < total; ++w) {
       const int64_t r = w / (L * T), l = (w / T) % L, j = w % T;
-      const int64_t* q = p.requests + r * 5;
+      const int64_t* q = p.requests + r * kKVRequestFields;
       if (j >= q[1]) continue;
       const float* c = &cs[static_cast<size_t>(r) * half * 2];
       splice_token<DT>(p, q, l, j, c, c + half, xbuf.data(), ybuf.data());

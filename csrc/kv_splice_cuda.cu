@@ -68,7 +68,7 @@ __global__ void __launch_bounds__(kThreads) kv_splice_kernel(KVSpliceParams p, i
   const int64_t r = blockIdx.x / tiles;
   const int64_t j0 = static_cast<int64_t>(blockIdx.x % tiles) * kTokTile;
   const int l = blockIdx.y;
-  const int64_t* q = p.requests + r * 5;
+  const int64_t* q = p.requests + r * kKVRequestFields;
   const int64_t n = q[1];
   if (j0 >= n) return;  // uniform for the whole block, before the barrier
   const int half = p.rotary_dim / 2;

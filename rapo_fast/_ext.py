@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from rapo_fast import _constants
+
 _C: Any = None
 _IMPORT_ERROR: BaseException | None = None
 try:  # pragma: no branch
@@ -28,16 +30,9 @@ REBUILD_HINT = (
     "(nvcc must be on PATH for the CUDA backend; RAPO_FAST_CUDA=1 makes a missing nvcc an error)."
 )
 
-# Dtype codes shared with csrc/include/rapo/dtype.h; keep the two in step.
-DTYPE_CODES: dict[torch.dtype, int] = {
-    torch.float32: 0,
-    torch.float16: 1,
-    torch.bfloat16: 2,
-    torch.int64: 3,
-    torch.int32: 4,
-    torch.uint8: 5,
-    torch.bool: 6,
-}
+# Dtype codes of the extension (enum class DType): defined once in rapo_fast/_constants.py, generated into
+# csrc/include/rapo/constants.h.
+DTYPE_CODES: dict[torch.dtype, int] = {getattr(torch, name): code for name, code in _constants.DTYPE_NAMES.items()}
 
 
 def extension() -> Any:

@@ -30,10 +30,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from rapo_fast import _constants
 from rapo_fast.kernels.triton_helpers import dot_operand
 
-# Below every eligible key (-FLT_MAX encodes to about -9.187e18; this is -9.223e18). A constexpr: jit code reads it.
-SENTINEL = tl.constexpr(-0x7FFFFFFFFFFFFFFF)
+# Shared constants (defined once in rapo_fast/_constants.py) as constexprs, the form jit code reads a global in.
+# SENTINEL: below every eligible key. METRIC_*: the values of the METRIC argument.
+SENTINEL = tl.constexpr(_constants.TRITON_EMPTY_KEY)
+METRIC_COSINE = tl.constexpr(_constants.METRIC_COSINE)
+METRIC_L2 = tl.constexpr(_constants.METRIC_L2)
 
 
 @triton.jit
@@ -90,10 +94,10 @@ def score_tile(
 
 @triton.jit
 def finish_scores(dot, qaux, kaux, METRIC: tl.constexpr):
-    """retrieval_finish of csrc/include/rapo/retrieval_metric.h, same operation order: 0 ip, 1 cosine, 2 l2."""
-    if METRIC == 1:
+    """retrieval_finish of csrc/include/rapo/retrieval_metric.h, same operation order: ip, cosine, l2."""
+    if METRIC == METRIC_COSINE:
         return (dot * qaux[:, None]) * kaux[None, :]
-    elif METRIC == 2:
+    elif METRIC == METRIC_L2:
         t = (2.0 * dot - kaux[None, :]) - qaux[:, None]
         return tl.where(t > 0.0, 0.0, t)  # NaN stays NaN (never eligible)
     else:

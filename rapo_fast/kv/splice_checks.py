@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from rapo_fast._checks import INT32_MAX, INT32_MIN, check_int
+from rapo_fast._constants import KV_REQUEST_FIELDS
 from rapo_fast.kv.store import StepKVStore
 
 
@@ -92,8 +93,10 @@ def check_physical_overlap(table: list, bt_cpu: torch.Tensor, bs: int) -> None:
 def check_op_tensors(keys, values, k_pool, v_pool, requests, inv_freq, block_table, max_tokens) -> None:
     """What the op reads its pointers as: dtypes, ranks, one shape for every cache layer of keys and values, devices.
     The extension checks every index (requests, rows, slots, blocks) itself."""
-    if requests.dtype != torch.int64 or requests.dim() != 2 or requests.shape[1] != 5:
-        raise ValueError(f"requests must be int64 [R, 5], got {requests.dtype} {tuple(requests.shape)}")
+    if requests.dtype != torch.int64 or requests.dim() != 2 or requests.shape[1] != KV_REQUEST_FIELDS:
+        raise ValueError(
+            f"requests must be int64 [R, {KV_REQUEST_FIELDS}], got {requests.dtype} {tuple(requests.shape)}"
+        )
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
         raise TypeError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
     if k_pool.dim() != 4 or v_pool.shape != k_pool.shape or v_pool.dtype != k_pool.dtype:

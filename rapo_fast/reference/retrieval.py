@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import torch
 
+from rapo_fast._constants import COSINE_EPS
+
 __all__ = ["RETRIEVAL_METRICS", "search_ref", "scores_ref", "key_aux_ref"]
 
 RETRIEVAL_METRICS = ("ip", "cosine", "l2")
-COSINE_EPS = 1e-12
 
 
 def key_aux_ref(keys: torch.Tensor, metric: str) -> torch.Tensor:

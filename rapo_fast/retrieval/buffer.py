@@ -14,12 +14,15 @@ What this is not: an approximate index (no IVF/HNSW: exact search is the contrac
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rapo_fast._constants import MAX_KEYS
 from rapo_fast.reference.retrieval import key_aux_ref
+from rapo_fast.retrieval.backends import check_backend
 from rapo_fast.retrieval.buffer_args import as_tensor, check_int_vector, check_k, check_min_score
 from rapo_fast.retrieval.buffer_args import shape as _shape
 from rapo_fast.retrieval.io import FORMAT_VERSION, StepBufferFormatError, read_snapshot, write_snapshot
@@ -68,7 +71,7 @@ class StepBuffer:
         metric: str = "ip",
         eviction: str = "fifo",
     ) -> None:
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or not 1 <= capacity < 2**31:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or not 1 <= capacity <= MAX_KEYS:
             raise ValueError(f"capacity must be an int in [1, 2^31), got {capacity!r}")
         if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
             raise ValueError(f"dim must be a positive int, got {dim!r}")
@@ -319,10 +322,11 @@ class StepBuffer:
 
     # ---- search ----
     def _check_search_args(
-        self, queries: Any, k: Any, exclude_groups: Any, min_score: Any
+        self, queries: Any, k: Any, exclude_groups: Any, min_score: Any, backend: Any = "auto"
     ) -> tuple[torch.Tensor, int, torch.Tensor | None, float]:
         """search's argument checks, shared with ShardedStepBuffer: (queries rounded to the buffer's dtype, k,
-        exclude as int64 or None, the score threshold)."""
+        exclude as int64 or None, the score threshold). `backend` is checked to run on the buffer's device."""
+        check_backend(backend, self.device)
         if not isinstance(queries, torch.Tensor):
             raise TypeError(f"queries must be a torch.Tensor [Q, {self.dim}], got {type(queries).__name__}")
         if not queries.is_floating_point():
@@ -346,9 +350,15 @@ class StepBuffer:
         return q, k, exclude, thr
 
     def _search_slots(
-        self, queries: torch.Tensor, k: int, exclude_groups: torch.Tensor | None, min_score: float | None
+        self,
+        queries: torch.Tensor,
+        k: int,
+        exclude_groups: torch.Tensor | None,
+        min_score: float | None,
+        backend="auto",
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        q, k, exclude, thr = self._check_search_args(queries, k, exclude_groups, min_score)
+        q, k, exclude, thr = self._check_search_args(queries, k, exclude_groups, min_score, backend)
+        search = functools.partial(retrieval_search, backend=backend)
         n = self._size
         keys, aux, centre = self._keys[:n], self._aux[:n], None
         if self.metric == "l2":
@@ -359,20 +369,20 @@ class StepBuffer:
             if self.device.type == "cpu":  # the CPU backend centres keys as it packs them
 
                 def raw(qs, ex, kk):
-                    return retrieval_search(keys, aux, groups, qs, ex, kk, METRIC_CODES["l2"], no_thr, c)
+                    return search(keys, aux, groups, qs, ex, kk, METRIC_CODES["l2"], no_thr, c)
 
             else:  # the CUDA backend scores centred fp32 keys (FMA path): copies of one bounded chunk at a time
 
                 def raw(qs, ex, kk):
                     rows = l2_chunk_rows(self.dim)
-                    return chunked_l2_search(keys, groups, qs, ex, kk, no_thr, c, rows, retrieval_search)
+                    return chunked_l2_search(keys, groups, qs, ex, kk, no_thr, c, rows, search)
 
             if torch.compiler.is_compiling():  # the certificate branches on data: a traced search keeps fp32's set
                 return rescored_l2_search(keys, q, k, thr, raw(q, exclude, k))
             # the fp32 answer certified per query against the float64 distances, else a float64 brute force: exact
             # also where the expanded form cancels about the mean (far-apart clusters; rapo_fast/retrieval/l2_exact.py)
             return certified_l2_search(keys, groups, q, exclude, k, thr, c, raw, MAX_K)
-        return retrieval_search(keys, aux, self._group[:n], q, exclude, k, METRIC_CODES[self.metric], thr, centre)
+        return search(keys, aux, self._group[:n], q, exclude, k, METRIC_CODES[self.metric], thr, centre)
 
     def search(
         self,
@@ -380,6 +390,7 @@ class StepBuffer:
         k: int,
         exclude_groups: torch.Tensor | np.ndarray | int | None = None,
         min_score: float | None = None,
+        backend: str = "auto",
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Exact top-k: queries [Q, D] float on the buffer's device -> (scores [Q, k] fp32, payload_ids [Q, k] int64).
 
@@ -387,10 +398,13 @@ class StepBuffer:
         squared distance -|q - k|^2 (faiss's IndexFlatL2 returns +|q - k|^2, smaller first: negate ours to compare).
         Best first, ties to the smaller slot; rows with fewer than k eligible steps are padded with -inf / -1.
         exclude_groups [Q] int64: per query, steps of that group are skipped (a negative value skips nothing).
-        min_score: steps scoring below it are skipped. 1 <= k <= 1024. The scores carry no gradient.
+        min_score: steps scoring below it are skipped. 1 <= k <= MAX_K (1024). The scores carry no gradient.
         A 1-D query [D] is one query: the results are then scores [k] and payload_ids [k], and exclude_groups may be
         an int. NumPy arrays are accepted for queries and exclude_groups (copied to the buffer's device); the results
         are tensors either way (`.numpy()` on a CPU buffer's).
+        backend: "auto" (default: the C++ backend of the buffer's device, or on CUDA the Triton kernel where the
+        crossover table says so), "cpu", "cuda" or "triton" (CUDA, or CPU under TRITON_INTERPRET=1); all return the
+        same results. An explicit backend that cannot run here raises ValueError (rapo_fast/retrieval/backends.py).
         """
         queries, exclude_groups = as_tensor(queries, self.device), as_tensor(exclude_groups, self.device)
         one = isinstance(queries, torch.Tensor) and queries.dim() == 1
@@ -403,7 +417,7 @@ class StepBuffer:
         # One consistent state for the scores and the payload ids they map to. A traced search (torch.compile) cannot
         # hold a Python lock: it runs without it (docs/retrieval.md, "Thread safety").
         with contextlib.nullcontext() if torch.compiler.is_compiling() else self._lock.read():
-            scores, slots = self._search_slots(queries, k, exclude_groups, min_score)
+            scores, slots = self._search_slots(queries, k, exclude_groups, min_score, backend)
             payload = torch.where(slots >= 0, self._payload[slots.clamp_min(0)], torch.full_like(slots, -1))
         return (scores[0], payload[0]) if one else (scores, payload)
 

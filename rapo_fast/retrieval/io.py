@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from rapo_fast._atomic import FormatError, HashingWriter, VersionWriter, check_choice, check_int, read_version
+from rapo_fast._constants import MAX_KEYS
 from rapo_fast.retrieval.op import METRIC_CODES
 
 FORMAT_NAME = "rapo_fast.StepBuffer"
@@ -30,7 +31,7 @@ _TENSORS = "tensors.safetensors"
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _EVICTIONS = ("fifo", "lowest_score")
 _ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64"}
-MAX_CAPACITY = 2**31 - 1
+MAX_CAPACITY = MAX_KEYS
 
 
 class StepBufferFormatError(FormatError):

@@ -18,13 +18,14 @@ from collections.abc import Callable
 
 import torch
 
+from rapo_fast._constants import METRIC_L2
+
 __all__ = ["L2_CHUNK_BYTES", "chunked_l2_search", "l2_chunk_rows", "sq_norms"]
 
 # Bytes of centred fp32 keys per chunk. The norm's fp64 block is at most as large, so a search holds at most
 # 2 x L2_CHUNK_BYTES of transient key copies (plus its [Q, k] results). Large enough that a chunk is still a full
 # GPU's worth of work (87k keys at D = 768), small enough to be noise next to the stored keys.
 L2_CHUNK_BYTES = 256 << 20
-_L2 = 2  # = rapo_fast.retrieval.op.METRIC_CODES["l2"] (not imported: the search function is a parameter)
 
 SearchFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -84,7 +85,7 @@ def chunked_l2_search(
         kc = keys[s : s + rows]
         if centre is not None:
             kc = kc - centre  # fp16/bf16 - fp32 is computed in fp32, as keys.float() - centre, in one allocation
-        scores, slots = search_fn(kc, norms(kc), groups[s : s + rows], q, exclude, k, _L2, min_score, None)
+        scores, slots = search_fn(kc, norms(kc), groups[s : s + rows], q, exclude, k, METRIC_L2, min_score, None)
         del kc  # free the chunk before the next one is made
         if s > 0:
             slots = torch.where(slots >= 0, slots + s, slots)

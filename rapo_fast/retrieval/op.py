@@ -3,7 +3,9 @@ already-validated tensors, with a fake implementation so that a search traces un
 
 What this is not: argument validation (rapo_fast/retrieval/buffer.py validates before calling; called directly, the op
 checks only the dtypes it reads pointers as, and the extension every extent it indexes with) or the buffer itself.
-On CUDA tensors the op may instead run the Triton kernel (rapo_fast/retrieval/triton_search.py picks; same contract).
+`backend` ("auto" | "cpu" | "cuda" | "triton", rapo_fast/retrieval/backends.py) picks the implementation: "auto" runs
+the C++ backend of the tensors' device, or on CUDA tensors the Triton kernel where rapo_fast/retrieval/triton_search.py
+says so (same contract); an explicit backend that cannot run on the tensors raises ValueError.
 Written without `from __future__ import annotations` because torch.library infers the op schema from the annotations.
 """
 
@@ -11,12 +13,13 @@ from typing import Optional
 
 import torch
 
+from rapo_fast._constants import CPU_ISA_AUTO, MAX_K, METRIC_CODES
 from rapo_fast._dispatch import register_op
 from rapo_fast._ext import DTYPE_CODES, make_params, require_backend, stream_of
-from rapo_fast.retrieval.triton_search import select_backend, triton_search
+from rapo_fast.retrieval.backends import resolve_backend
+from rapo_fast.retrieval.triton_search import triton_search
 
-METRIC_CODES = {"ip": 0, "cosine": 1, "l2": 2}
-MAX_K = 1024
+__all__ = ["MAX_K", "METRIC_CODES", "retrieval_search"]  # MAX_K, METRIC_CODES: from rapo_fast/_constants.py
 
 
 def _ptr(t: Optional[torch.Tensor]) -> int:
@@ -67,10 +70,11 @@ def _search_impl(
     metric: int,
     min_score: float,
     centre: Optional[torch.Tensor] = None,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """keys [C, D] (fp32/fp16/bf16, rows contiguous), key_aux [C] fp32, groups [C] int64, queries [Q, D] in the keys'
     dtype, exclude [Q] int64 or None, centre [D] fp32 or None (l2 on CPU: keys and queries are centred on it, key_aux
-    unread) -> (scores [Q, k] fp32, slots [Q, k] int64)."""
+    unread), backend "auto" | "cpu" | "cuda" | "triton" -> (scores [Q, k] fp32, slots [Q, k] int64)."""
     _check_op_inputs(keys, key_aux, groups, queries, exclude, centre)
     # Every layout a caller can hand in is normalised here, before either backend sees it: an expanded query view
     # (stride 0 along Q, e.g. one history searched against several groups) used to reach the extension and be refused
@@ -82,9 +86,10 @@ def _search_impl(
     device = queries.device
     Q, D = queries.shape
     C = keys.shape[0]
-    # CUDA tensors: the Triton kernel or the CUDA backend, per the crossover table or RAPO_FAST_RETRIEVAL_BACKEND
-    # (rapo_fast/retrieval/triton_search.py; docs/retrieval.md, "Triton path"). CPU tensors: the C++ backend.
-    if device.type == "cuda" and select_backend(Q, C, D, keys.dtype, k, metric) == "triton":
+    # backend "auto": CUDA tensors take the Triton kernel or the CUDA backend, per the crossover table or
+    # RAPO_FAST_RETRIEVAL_BACKEND (rapo_fast/retrieval/triton_search.py; docs/retrieval.md, "Triton path"), CPU tensors
+    # the C++ backend. An explicit backend is checked to run on these tensors (rapo_fast/retrieval/backends.py).
+    if resolve_backend(backend, device, Q, C, D, keys.dtype, k, metric) == "triton":
         return triton_search(keys, key_aux, groups, queries, exclude, k, metric, min_score, centre)
     ext = require_backend(device)
     scores = torch.empty(Q, k, dtype=torch.float32, device=device)
@@ -115,7 +120,7 @@ def _search_impl(
         out_slots=_ptr(slots),
     )
     if device.type == "cpu":
-        ext.retrieval_search_cpu(params, num_threads=torch.get_num_threads(), isa=-1)
+        ext.retrieval_search_cpu(params, num_threads=torch.get_num_threads(), isa=CPU_ISA_AUTO)
     else:
         dev = device.index if device.index is not None else torch.cuda.current_device()
         n_splits = int(ext.retrieval_cuda_splits(Q=Q, C=C, k=k, device=dev, D=D, dtype=DTYPE_CODES[keys.dtype]))
@@ -132,7 +137,7 @@ def _search_impl(
     return scores, slots
 
 
-def _search_fake(keys, key_aux, groups, queries, exclude, k, metric, min_score, centre=None):
+def _search_fake(keys, key_aux, groups, queries, exclude, k, metric, min_score, centre=None, backend="auto"):
     Q = queries.shape[0]
     return (
         queries.new_empty((Q, k), dtype=torch.float32),

@@ -17,6 +17,7 @@ import os
 
 import torch
 
+from rapo_fast._ext import DTYPE_CODES
 from rapo_fast.retrieval.buffer import StepBuffer
 from rapo_fast.retrieval.op import METRIC_CODES
 
@@ -26,7 +27,6 @@ __all__ = ["ShardedStepBuffer"]
 _STATUS, _Q, _K, _MIN_SCORE, _DIM, _DTYPE, _METRIC, _CAPACITY = range(8)
 _HEADER, _MSG_WORDS = 8, 64
 _ERRORS = {0: None, 1: ValueError, 2: TypeError, 3: RuntimeError}  # status code -> the class every rank raises
-_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _AGREED = {_K: "k", _MIN_SCORE: "min_score", _DIM: "dim", _DTYPE: "dtype", _METRIC: "metric", _CAPACITY: "capacity"}
 
 
@@ -129,11 +129,13 @@ class ShardedStepBuffer:
         return out
 
     # ---- collective validation ----
-    def _check_local(self, queries, k, exclude_groups, min_score) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+    def _check_local(
+        self, queries, k, exclude_groups, min_score, backend="auto"
+    ) -> tuple[torch.Tensor, torch.Tensor | None, float]:
         """This rank's own checks (no communication): the queries rounded to the shard's dtype (as fp32), exclude."""
         # StepBuffer.search's own checks; the queries come back rounded to the shard's dtype, exact in the fp32 that
         # travels between ranks.
-        q, _k, exclude, thr = self.local._check_search_args(queries, k, exclude_groups, min_score)
+        q, _k, exclude, thr = self.local._check_search_args(queries, k, exclude_groups, min_score, backend)
         return q.to(torch.float32), exclude, thr
 
     def _descriptor(self, Q: int, k, thr: float, error: BaseException | None) -> torch.Tensor:
@@ -143,17 +145,19 @@ class ShardedStepBuffer:
         head[_Q] = Q
         head[_K] = k if error is None else -1
         head[_MIN_SCORE] = _float_bits(thr)
-        head[_DIM], head[_DTYPE] = buf.dim, _DTYPE_CODES[buf.dtype]
+        head[_DIM], head[_DTYPE] = buf.dim, DTYPE_CODES[buf.dtype]
         head[_METRIC], head[_CAPACITY] = METRIC_CODES[buf.metric], buf.capacity
         msg = "" if error is None else str(error.args[0] if len(error.args) == 1 else error)
         return torch.cat([head, _encode_message(msg)])
 
-    def _agree(self, queries, k, exclude_groups, min_score) -> tuple[torch.Tensor, torch.Tensor | None, float, list]:
+    def _agree(
+        self, queries, k, exclude_groups, min_score, backend="auto"
+    ) -> tuple[torch.Tensor, torch.Tensor | None, float, list]:
         """Local checks, then one all_gather of the descriptors; raises the same error on every rank, or returns the
         checked (queries, exclude, min_score) and every rank's Q."""
         error, q, exclude, thr = None, None, None, float("-inf")
         try:
-            q, exclude, thr = self._check_local(queries, k, exclude_groups, min_score)
+            q, exclude, thr = self._check_local(queries, k, exclude_groups, min_score, backend)
         except Exception as exc:  # any local failure must reach the other ranks before they gather
             error = exc
         Q = q.shape[0] if q is not None else -1
@@ -172,14 +176,20 @@ class ShardedStepBuffer:
 
     # ---- search ----
     def search(
-        self, queries: torch.Tensor, k: int, exclude_groups: torch.Tensor | None = None, min_score: float | None = None
+        self,
+        queries: torch.Tensor,
+        k: int,
+        exclude_groups: torch.Tensor | None = None,
+        min_score: float | None = None,
+        backend: str = "auto",
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Collective exact top-k over every shard: queries [Q, D] -> (scores [Q, k] fp32, payload_ids [Q, k]).
 
         Bad arguments on any rank, or a k/min_score/shard layout that differs between ranks, raise the same
-        ValueError/TypeError on every rank before any data moves.
+        ValueError/TypeError on every rank before any data moves. backend: as StepBuffer.search, for this rank's shard
+        (checked with the other arguments: one that cannot run on a rank's device fails every rank).
         """
-        q, exclude, thr, sizes = self._agree(queries, k, exclude_groups, min_score)
+        q, exclude, thr, sizes = self._agree(queries, k, exclude_groups, min_score, backend)
         dev, r, Q, qmax = self.local.device, self.rank, q.shape[0], max(sizes)
         qpad = torch.zeros(qmax, self.local.dim, dtype=torch.float32, device=dev)
         qpad[:Q] = q
@@ -190,7 +200,7 @@ class ShardedStepBuffer:
         all_e = torch.cat(self._all_gather(epad)).to(dev)
         # Every rank searches the same gathered queries with the same options: it succeeds or fails on all ranks alike.
         with self.local._lock.read():  # as StepBuffer.search: scores and payload ids from one state of the shard
-            s, slot = self.local._search_slots(all_q, k, all_e, None if thr == float("-inf") else thr)
+            s, slot = self.local._search_slots(all_q, k, all_e, None if thr == float("-inf") else thr, backend)
             payload = torch.where(slot >= 0, self.local._payload[slot.clamp_min(0)], torch.full_like(slot, -1))
         gslot = torch.where(slot >= 0, slot + r * self.local.capacity, torch.full_like(slot, -1))
         mine = slice(r * qmax, r * qmax + Q)

@@ -266,12 +266,17 @@ class StepTraces:
         return (pids, slots) if return_slots else pids
 
     def retrieve(
-        self, histories: Sequence[str], exclude_groups: Sequence[int] | None = None, min_score: float | None = None
+        self,
+        histories: Sequence[str],
+        exclude_groups: Sequence[int] | None = None,
+        min_score: float | None = None,
+        backend: str = "auto",
     ) -> tuple[list[list[int] | None], torch.Tensor, torch.Tensor]:
         """Top-1 step for each history: (segments, payload ids [Q] int64 with -1 = none, scores [Q] fp32).
 
         exclude_groups: one group id per history whose steps must not be returned (or None; ints in int64's range,
-        negative: none excluded).
+        negative: none excluded). backend: the search backend, as StepBuffer.search ("auto" | "cpu" | "cuda" |
+        "triton"); under "auto" the buffer's search is called without it, as before, so any buffer-like object works.
         """
         if exclude_groups is not None:  # int64's range (ValueError naming the entry), before any work is done
             if isinstance(exclude_groups, torch.Tensor):
@@ -282,7 +287,8 @@ class StepTraces:
         dev = getattr(self.buffer, "device", "cpu")
         q = self.encoder([strip_retrieve_markers(h) for h in histories]).float().to(dev)
         excl = None if exclude_groups is None else torch.tensor(exclude_groups, dtype=torch.int64, device=dev)
-        scores, pids = self.buffer.search(q, 1, exclude_groups=excl, min_score=min_score)
+        extra = {} if backend == "auto" else {"backend": backend}
+        scores, pids = self.buffer.search(q, 1, exclude_groups=excl, min_score=min_score, **extra)
         pids, scores = pids[:, 0].cpu(), scores[:, 0].float().cpu()
         segs = [self.payloads[p] if p >= 0 else None for p in pids.tolist()]
         return segs, pids, scores

@@ -6,7 +6,9 @@ candidates, and the dispatch table that picks the Triton path or the CUDA backen
 contract of `rapo_fast::retrieval_search` (rapo_fast/retrieval/op.py): scores [Q, k] fp32 and slots [Q, k] int64,
 best first, ties to the smaller slot, -inf / -1 padding. It runs on CUDA tensors, and on CPU tensors under
 TRITON_INTERPRET=1 (how the tests check it without a GPU). `select_backend` reads RAPO_FAST_RETRIEVAL_BACKEND
-(cuda | triton | auto) and, for auto, CROSSOVERS.
+(cuda | triton | auto) and, for auto, CROSSOVERS, whose rows are PREDICTED, not measured: replaced by the GPU run's
+figures. It is the "auto" choice of the `backend` argument (rapo_fast/retrieval/backends.py), which an explicit
+backend overrides.
 
 What this is not: the kernel (kernels/retrieval/search.py), StepBuffer's argument checks (rapo_fast/retrieval/
 buffer.py), or the CUDA backend (csrc/retrieval_cuda.cu).
@@ -19,21 +21,31 @@ from dataclasses import dataclass
 
 import torch
 
+from rapo_fast._constants import COSINE_EPS, MAX_K, METRIC_COSINE, METRIC_IP, METRIC_L2, TRITON_EMPTY_KEY
 from rapo_fast._dispatch import device_guard, interpret_mode
 
-__all__ = ["CROSSOVERS", "Crossover", "BACKEND_ENV", "TILES_ENV", "select_backend", "triton_search", "plan"]
+__all__ = [
+    "CROSSOVERS",
+    "CROSSOVERS_STATUS",
+    "Crossover",
+    "BACKEND_ENV",
+    "TILES_ENV",
+    "select_backend",
+    "triton_search",
+    "plan",
+]
 
 BACKEND_ENV = "RAPO_FAST_RETRIEVAL_BACKEND"
-_MAX_K = 1024  # = rapo_fast.retrieval.op.MAX_K (not imported: op.py imports this module)
 _MAX_C = 2**31 - 2**20  # the kernel's int32 key indices (a split's end: C + splits x BLOCK_C) stay below 2^31
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-SENTINEL = -0x7FFFFFFFFFFFFFFF  # = kernels/retrieval/search.py SENTINEL: an empty candidate
+SENTINEL = TRITON_EMPTY_KEY  # an empty candidate (kernels/retrieval/search.py reads the same constant)
 
 
 @dataclass(frozen=True)
 class Crossover:
     """One row of the dispatch table: calls with this key dtype, Q >= min_q, C >= min_c and k <= max_k go to
-    `backend`. The first matching row wins; no match means 'cuda'."""
+    `backend`. The first matching row wins; no match means 'cuda'. The rows of CROSSOVERS are PREDICTED, not
+    measured: replaced by the GPU run's figures (CROSSOVERS_STATUS)."""
 
     dtype: torch.dtype
     min_q: int
@@ -42,7 +54,8 @@ class Crossover:
     backend: str
 
 
-# PREDICTED crossovers, not measured: no GPU has run the Triton path yet (docs/perf.md, "Retrieval, many queries").
+# PREDICTED, not measured: replaced by the GPU run's figures. No GPU has run the Triton path yet (docs/perf.md,
+# "Retrieval, many queries"); every row below is a prediction from the kernels' design, none a timing.
 # The Triton kernel is a pipelined tensor-core GEMM with a filtered top-k: predicted ~2x faster than the CUDA backend's
 # WMMA kernel once the search is compute bound (64 against 32 flop per byte streamed from L2), but each program pays
 # a few merges (~10 tiles' worth each) and needs ~132 programs of >= 64 key tiles to fill an H100, hence Q >= 512 and
@@ -50,6 +63,7 @@ class Crossover:
 # so do fp32 keys and l2 (both score in fp32 FMA on either path) and large k (the workspace and merges grow with k).
 # bench/gpu/call2_retrieval_kv_train.py times `ours_cuda` and `ours_triton` side by side; its numbers replace
 # these rows.
+CROSSOVERS_STATUS = "PREDICTED, not measured: replaced by the GPU run's figures"
 CROSSOVERS: tuple[Crossover, ...] = (
     Crossover(torch.float16, min_q=512, min_c=1_000_000, max_k=256, backend="triton"),
     Crossover(torch.bfloat16, min_q=512, min_c=1_000_000, max_k=256, backend="triton"),
@@ -64,7 +78,7 @@ def select_backend(Q: int, C: int, D: int, dtype: torch.dtype, k: int, metric: i
         raise ValueError(f"{BACKEND_ENV} (or backend) must be 'cuda', 'triton' or 'auto', got {choice!r}")
     if choice != "auto":
         return choice
-    if metric == 2 or dtype == torch.float32 or C > _MAX_C:
+    if metric == METRIC_L2 or dtype == torch.float32 or C > _MAX_C:
         return "cuda"
     for row in CROSSOVERS:
         if dtype == row.dtype and Q >= row.min_q and C >= row.min_c and k <= row.max_k:
@@ -167,9 +181,9 @@ def _check(keys, key_aux, groups, queries, exclude, k, metric, min_score, centre
             raise ValueError(f"{name} is on {t.device}, queries on {queries.device}")
     if queries.device.type == "cpu" and not interpret_mode():
         raise ValueError("triton_search runs on CUDA tensors, or on CPU tensors only under TRITON_INTERPRET=1")
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= _MAX_K:
-        raise ValueError(f"k must be an int in [1, {_MAX_K}], got {k!r}")
-    if metric not in (0, 1, 2):
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_K:
+        raise ValueError(f"k must be an int in [1, {MAX_K}], got {k!r}")
+    if metric not in (METRIC_IP, METRIC_COSINE, METRIC_L2):
         raise ValueError(f"metric must be 0 (ip), 1 (cosine) or 2 (l2), got {metric!r}")
     if min_score != min_score:
         raise ValueError("min_score must not be NaN")
@@ -178,16 +192,16 @@ def _check(keys, key_aux, groups, queries, exclude, k, metric, min_score, centre
 def _prepare(keys, key_aux, queries, metric, centre):
     """(keys, key_aux, queries, query aux) as the kernel reads them. l2 with a centre scores centred fp32 copies,
     as StepBuffer does for the CUDA backend (docs/retrieval.md, "l2 about the keys' mean")."""
-    if metric == 2 and centre is not None:
+    if metric == METRIC_L2 and centre is not None:
         keys = keys.float() - centre
         key_aux = keys.double().square().sum(1).float()
         queries = queries.float() - centre
     keys = keys if keys.stride(-1) == 1 else keys.contiguous()
     queries = queries if queries.stride(-1) == 1 else queries.contiguous()
     sumsq = queries.float().square().sum(1)
-    if metric == 1:
-        qaux = 1.0 / sumsq.sqrt().clamp_min(1e-12)
-    elif metric == 2:
+    if metric == METRIC_COSINE:
+        qaux = 1.0 / sumsq.sqrt().clamp_min(COSINE_EPS)
+    elif metric == METRIC_L2:
         qaux = sumsq
     else:
         qaux = torch.zeros_like(sumsq)

@@ -1,5 +1,6 @@
-// Dtype codes shared with rapo_fast/_ext.py (DTYPE_CODES), and the one definition of the fp16/bf16 <-> fp32
-// conversions: on the host over uint16_t bit patterns (FloatTraits, half_bits_to_float, ...), in CUDA device code over
+// The dtype codes (enum class DType, generated into rapo/constants.h from rapo_fast/_constants.py), and the one
+// definition of the fp16/bf16 <-> fp32 conversions: on the host over uint16_t bit patterns (FloatTraits,
+// half_bits_to_float, ...), in CUDA device code over
 // __half / __nv_bfloat16 (to_float, from_float). Every backend converts through these; SIMD row kernels (F16C, AVX2)
 // may widen 8 lanes at a time in their own files, with the same IEEE rounding.
 // Not a place for op math (retrieval_metric.h, rope.h) or for memory layout.
@@ -8,6 +9,8 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+
+#include "rapo/constants.h"  // enum class DType
 
 #ifdef __CUDACC__
 #include <cuda_bf16.h>
@@ -18,8 +21,6 @@
 #endif
 
 namespace rapo {
-
-enum class DType : int { F32 = 0, F16 = 1, BF16 = 2, I64 = 3, I32 = 4, U8 = 5, Bool = 6 };
 
 inline int dtype_size(DType d) {
   switch (d) {

@@ -63,7 +63,7 @@ inline std::string kv_request_where(int64_t r) { return "kv_splice: request " + 
 // Every index one request dereferences: pool tokens [off, off + n), destination row and slots, and (paged) the block
 // table entries of those slots. std::out_of_range reaches Python as IndexError.
 inline void check_kv_splice_request(const KVSpliceParams& p, int64_t r) {
-  const int64_t* q = p.requests_host + r * 5;
+  const int64_t* q = p.requests_host + r * kKVRequestFields;
   const int64_t off = q[0], n = q[1], row = q[2], slot = q[3];
   if (n < 0 || n > p.max_tokens)
     throw std::out_of_range(kv_request_where(r) + "token count " + std::to_string(n) + " outside [0, max_tokens " +

@@ -8,6 +8,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "rapo/constants.h"  // metric and dtype codes, kRetrievalMaxK, kRetrievalMaxKeys
+
 namespace rapo {
 
 // One exact top-k search of Q queries against the first C stored keys.
@@ -44,15 +46,18 @@ struct RetrievalSearchParams {
 // std::invalid_argument reaches Python as ValueError, std::out_of_range as IndexError.
 inline void check_retrieval_params(const RetrievalSearchParams& a, const char* op) {
   const std::string o(op);
-  if (a.k < 1 || a.k > 1024) throw std::invalid_argument(o + ": k must be in [1, 1024], got " + std::to_string(a.k));
+  if (a.k < 1 || a.k > kRetrievalMaxK)
+    throw std::invalid_argument(o + ": k must be in [1, " + std::to_string(kRetrievalMaxK) + "], got " +
+                                std::to_string(a.k));
   if (a.D < 1 || a.C < 0 || a.Q < 0)
     throw std::invalid_argument(o + ": bad sizes (C " + std::to_string(a.C) + ", D " + std::to_string(a.D) + ", Q " +
                                 std::to_string(a.Q) + ")");
-  if (a.C >= (int64_t(1) << 31)) throw std::invalid_argument(o + ": more than 2^31 - 1 keys");
-  if (a.key_dtype < 0 || a.key_dtype > 2)
+  if (a.C > kRetrievalMaxKeys) throw std::invalid_argument(o + ": more than 2^31 - 1 keys");
+  if (a.key_dtype < static_cast<int>(DType::F32) || a.key_dtype > static_cast<int>(DType::BF16))
     throw std::invalid_argument(o + ": keys must be float32, float16 or bfloat16");
   if (a.query_dtype != a.key_dtype) throw std::invalid_argument(o + ": queries must have the keys' dtype");
-  if (a.metric < 0 || a.metric > 2) throw std::invalid_argument(o + ": unknown metric " + std::to_string(a.metric));
+  if (a.metric < kMetricIP || a.metric > kMetricL2)
+    throw std::invalid_argument(o + ": unknown metric " + std::to_string(a.metric));
   if (a.C > 0 && a.key_dim != a.D)
     throw std::invalid_argument(o + ": keys have D = " + std::to_string(a.key_dim) +
                                 ", queries D = " + std::to_string(a.D));
@@ -67,11 +72,12 @@ inline void check_retrieval_params(const RetrievalSearchParams& a, const char* o
   if (a.Q == 0) return;
   if ((a.C > 0 && a.keys == nullptr) || a.queries == nullptr || a.out_scores == nullptr || a.out_slots == nullptr)
     throw std::invalid_argument(o + ": null pointer");
-  const bool needs_aux = a.metric != 0 && !(a.metric == 2 && a.centre != nullptr);
+  const bool needs_aux = a.metric != kMetricIP && !(a.metric == kMetricL2 && a.centre != nullptr);
   if (needs_aux && a.C > 0 && (a.key_aux == nullptr || a.aux_len < a.C))
     throw std::out_of_range(o + ": key_aux has " + std::to_string(a.aux_len) + " entries for " + std::to_string(a.C) +
                             " keys");
-  if (a.centre != nullptr && a.metric != 2) throw std::invalid_argument(o + ": a centre is for the l2 metric only");
+  if (a.centre != nullptr && a.metric != kMetricL2)
+    throw std::invalid_argument(o + ": a centre is for the l2 metric only");
   if (a.exclude != nullptr) {
     if (a.exclude_len != a.Q)
       throw std::out_of_range(o + ": exclude has " + std::to_string(a.exclude_len) + " entries for " +

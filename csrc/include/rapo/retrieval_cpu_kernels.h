@@ -23,10 +23,6 @@
 namespace rapo {
 namespace retrieval_cpu {
 
-constexpr int kIsaScalar = 0;
-constexpr int kIsaAvx2 = 1;
-constexpr int kIsaAvx512 = 2;
-
 // Per-thread admission state of one query pass, shared by the micro-kernel epilogues through TileCtx.
 struct ThreadHeaps {
   int64_t nq = 0;

@@ -10,13 +10,10 @@
 #pragma once
 #include <cmath>
 
-#include "rapo/dtype.h"  // RAPO_HD
+#include "rapo/constants.h"  // kMetric*, kCosineEps (generated from rapo_fast/_constants.py)
+#include "rapo/dtype.h"      // RAPO_HD
 
 namespace rapo {
-
-enum RetrievalMetric : int { kMetricIP = 0, kMetricCosine = 1, kMetricL2 = 2 };
-
-constexpr float kCosineEps = 1e-12f;
 
 // Per-query auxiliary value from the sum of squares of the (dtype-rounded) query.
 RAPO_HD float retrieval_query_aux(int metric, float sumsq) {

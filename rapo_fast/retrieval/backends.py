@@ -1,0 +1,69 @@
+"""The `backend` argument of exact search (StepBuffer.search, ShardedStepBuffer.search, StepTraces.retrieve and the op
+`rapo_fast::retrieval_search`): which implementation runs one search, and the refusal of an explicit choice that
+cannot run on the given tensors (docs/retrieval.md, "Choosing the backend").
+
+- "auto" (the default): today's choice, unchanged. CPU tensors: the C++ CPU backend. CUDA tensors: the CUDA backend
+  or the Triton kernel, per `select_backend` (the env var RAPO_FAST_RETRIEVAL_BACKEND, else the PREDICTED crossover
+  table of rapo_fast/retrieval/triton_search.py).
+- "cpu": the C++ CPU backend; CPU tensors and a built extension only.
+- "cuda": the CUDA backend of the extension; CUDA tensors and an extension built with CUDA only.
+- "triton": the Triton kernel; CUDA tensors with Triton installed, or CPU tensors under TRITON_INTERPRET=1.
+An explicit backend wins over the env var. One that cannot run raises ValueError naming `backend`, the value and why.
+Every backend returns the same results (the contract of rapo_fast/reference/retrieval.py).
+
+What this is not: the backends themselves, or the crossover table (triton_search.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rapo_fast import _ext
+from rapo_fast._dispatch import interpret_mode, triton_available
+from rapo_fast.retrieval.triton_search import select_backend
+
+__all__ = ["BACKENDS", "check_backend", "resolve_backend"]
+
+BACKENDS = ("auto", "cpu", "cuda", "triton")
+
+
+def _refuse(backend: str, why: str) -> ValueError:
+    return ValueError(f"backend={backend!r} cannot run: {why} (backend='auto' picks one that can)")
+
+
+def check_backend(backend: object, device: torch.device) -> str:
+    """`backend` checked to be one of BACKENDS and, when explicit, able to run on tensors of `device`; returns it.
+    ValueError naming `backend`, the value and the reason otherwise."""
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return backend
+    if backend in ("cpu", "cuda") and device.type != backend:
+        raise _refuse(backend, f"the {backend.upper()} backend needs {backend} tensors, these are on {device}")
+    if backend == "cpu" and not _ext.has_extension():
+        err = _ext.build_info()["extension_error"]
+        raise _refuse(backend, f"rapo_fast._C is not available ({err}). {_ext.REBUILD_HINT}")
+    if backend == "cuda" and not _ext.build_info()["cuda"]:
+        why = "rapo_fast._C is not available" if not _ext.has_extension() else "rapo_fast._C was built without CUDA"
+        raise _refuse(backend, f"{why}. {_ext.REBUILD_HINT}")
+    if backend == "triton":
+        if not triton_available():
+            raise _refuse(backend, "triton is not installed")
+        if device.type == "cpu" and not interpret_mode():
+            raise _refuse(backend, "on CPU tensors the Triton kernel runs only under TRITON_INTERPRET=1")
+        if device.type not in ("cpu", "cuda"):
+            raise _refuse(backend, f"the Triton kernel runs on cuda (or, interpreted, cpu) tensors, not {device}")
+    return backend
+
+
+def resolve_backend(
+    backend: str, device: torch.device, Q: int, C: int, D: int, dtype: torch.dtype, k: int, metric: int
+) -> str:
+    """'extension' (the C++ backend of `device`: CPU or CUDA) or 'triton' for one search; `backend` as
+    `check_backend`. 'auto' is exactly the choice made before `backend` existed."""
+    backend = check_backend(backend, device)
+    if backend == "auto":
+        if device.type == "cuda" and select_backend(Q, C, D, dtype, k, metric) == "triton":
+            return "triton"
+        return "extension"
+    return "triton" if backend == "triton" else "extension"

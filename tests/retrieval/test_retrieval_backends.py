@@ -1,0 +1,120 @@
+"""The `backend` argument of exact search ("auto" | "cpu" | "cuda" | "triton", rapo_fast/retrieval/backends.py): the
+backends that run on CPU tensors ("auto", "cpu", and "triton" under TRITON_INTERPRET=1) return exactly the same
+scores and payload ids, and the spec's; an explicit backend that cannot run raises ValueError naming `backend`, the
+value and why; "auto" is the choice made before the argument existed; the crossover table says it is predicted.
+
+What this is not: the GPU comparison of "cuda" and "triton" (tests/retrieval/test_retrieval_triton.py, marked gpu).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+
+from rapo_fast import StepBuffer
+from rapo_fast.retrieval import op
+from rapo_fast.retrieval import triton_search as ts
+from rapo_fast.retrieval.backends import BACKENDS, resolve_backend
+from tests.helpers.retrieval_cases import check_search
+
+pytest.importorskip("rapo_fast._C")
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
+CPU_BACKENDS = ["auto", "cpu"] + (["triton"] if INTERPRETED else [])
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _buffer(dtype, metric, C=150, D=24):
+    # Small integers: every dot product, norm and difference is exact in fp32 whatever the summation order, so the
+    # backends must agree bit for bit (ties included: many equal scores, each to the smaller slot).
+    g = torch.Generator().manual_seed(7)
+    buf = StepBuffer(C, D, dtype=dtype, metric=metric)
+    keys = torch.randint(-3, 4, (C, D), generator=g).float()
+    buf.add(keys, torch.arange(C) + 1000, torch.randint(0, 5, (C,), generator=g))
+    q = torch.randint(-3, 4, (7, D), generator=g).float()
+    return buf, q, torch.randint(-1, 5, (7,), generator=g)
+
+
+@pytest.mark.parametrize("metric", ["ip", "cosine", "l2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cpu_backends_agree_exactly(dtype, metric):
+    buf, q, excl = _buffer(dtype, metric)
+    results = {}
+    for backend in CPU_BACKENDS:
+        s, p = buf.search(q, 6, exclude_groups=excl, backend=backend)
+        check_search(buf, q, 6, s, p, exclude=excl)
+        results[backend] = (s, p)
+    s0, p0 = results["auto"]
+    for backend, (s, p) in results.items():
+        assert torch.equal(s, s0) and torch.equal(p, p0), backend
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="CPU tensors run the Triton kernel only under TRITON_INTERPRET=1")
+def test_explicit_triton_runs_the_triton_kernel_and_auto_does_not(monkeypatch):
+    monkeypatch.setenv(ts.BACKEND_ENV, "triton")  # "auto" on CPU tensors still ignores it: the C++ backend, as before
+    buf, q, _ = _buffer(torch.float16, "ip")
+    with mock.patch("rapo_fast.retrieval.op.triton_search", wraps=ts.triton_search) as spy:
+        buf.search(q, 3)
+        assert spy.call_count == 0
+        buf.search(q, 3, backend="triton")
+        assert spy.call_count == 1
+        buf.search(q, 3, backend="cpu")
+        assert spy.call_count == 1
+
+
+def test_cuda_is_refused_on_cpu_tensors():
+    buf, q, _ = _buffer(torch.float32, "ip")
+    with pytest.raises(ValueError, match=r"backend='cuda' cannot run: the CUDA backend needs cuda tensors.*cpu"):
+        buf.search(q, 3, backend="cuda")
+    with pytest.raises(ValueError, match=r"backend='cuda' cannot run"):  # the op called directly checks as well
+        op.retrieval_search(buf.embeddings, buf._aux[:150], buf.group_ids, q, None, 3, 0, float("-inf"), None, "cuda")
+    empty = StepBuffer(4, 24, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"backend='cuda'"):  # refused before looking at the (empty) buffer
+        empty.search(q, 3, backend="cuda")
+
+
+def test_triton_is_refused_on_cpu_without_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    buf, q, _ = _buffer(torch.float16, "cosine")
+    with pytest.raises(
+        ValueError, match=r"backend='triton' cannot run: (triton is not installed|.*TRITON_INTERPRET=1)"
+    ):
+        buf.search(q, 3, backend="triton")
+
+
+def test_unknown_backend_is_refused():
+    buf, q, _ = _buffer(torch.float32, "l2")
+    for bad in ("gpu", "CPU", None, 1):
+        with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'cpu', 'cuda', 'triton'\)"):
+            buf.search(q, 3, backend=bad)
+    assert BACKENDS == ("auto", "cpu", "cuda", "triton")
+
+
+def test_auto_is_the_previous_choice(monkeypatch):
+    monkeypatch.delenv(ts.BACKEND_ENV, raising=False)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    shapes = [(4096, 4_000_000, 768, torch.float16, 64, 0), (64, 4_000_000, 768, torch.float16, 64, 0)]
+    shapes += [(4096, 4_000_000, 768, torch.float16, 64, 2), (1024, 1_000_000, 768, torch.bfloat16, 3, 1)]
+    for shape in shapes:
+        want = "triton" if ts.select_backend(*shape) == "triton" else "extension"
+        assert resolve_backend("auto", cuda, *shape) == want
+        assert resolve_backend("auto", cpu, *shape) == "extension"  # CPU tensors: the C++ backend, always
+    monkeypatch.setenv(ts.BACKEND_ENV, "triton")
+    assert resolve_backend("auto", cuda, *shapes[1]) == "triton"  # the env var still decides "auto" on CUDA
+    if not torch.cuda.is_available():
+        from rapo_fast._ext import build_info
+
+        if not build_info()["cuda"]:
+            with pytest.raises(ValueError, match=r"backend='cuda' cannot run: rapo_fast._C was built without CUDA"):
+                resolve_backend("cuda", cuda, *shapes[0])
+
+
+def test_crossover_table_says_it_is_predicted():
+    phrase = "PREDICTED, not measured: replaced by the GPU run's figures"
+    assert ts.CROSSOVERS_STATUS == phrase
+    assert phrase in (ROOT / "rapo_fast" / "retrieval" / "triton_search.py").read_text()
+    assert phrase in " ".join((ROOT / "docs" / "retrieval.md").read_text().replace("**", "").split())
