@@ -180,3 +180,13 @@ def time_and_memory(src: Path, dst: Path, group_of: Callable[[dict], tuple], tit
     fig.savefig(dst, dpi=110)
     plt.close(fig)
     return Path(dst)
+
+
+def plot_main(argv: list[str] | None, prog: str, description: str, default_csv: Path, plot) -> int:
+    """The command line of a one-CSV plotting script: `python bench/plot_X.py [CSV [PNG]]` (PNG: the CSV's, .png)."""
+    ap = argparse.ArgumentParser(prog=prog, description=description)
+    ap.add_argument("csv", nargs="?", type=Path, default=default_csv, help="the CSV (default: %(default)s)")
+    ap.add_argument("png", nargs="?", type=Path, default=None, help="the PNG to write (default: the CSV's, as .png)")
+    args = ap.parse_args(argv)
+    print(f"wrote {plot(args.csv, args.png or args.csv.with_suffix('.png'))}")
+    return 0

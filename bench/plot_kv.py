@@ -10,7 +10,6 @@ benchmark; it only reads the CSV.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import _plot_style as ps
@@ -51,17 +50,14 @@ def plot(src: Path, dst: Path, note: str = "") -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python bench/plot_kv.py",
-        description="Draw the KV splice bench's CSV (rapo-fast bench kv) as a PNG: median time per provider, one "
+    return ps.plot_main(
+        argv,
+        "python bench/plot_kv.py",
+        "Draw the KV splice bench's CSV (rapo-fast bench kv) as a PNG: median time per provider, one "
         "panel per run, log scale; lower is better.",
+        RESULTS / "kv_splice.csv",
+        plot,
     )
-    default = RESULTS / "kv_splice.csv"
-    ap.add_argument("csv", nargs="?", type=Path, default=default, help="the CSV (default: %(default)s)")
-    ap.add_argument("png", nargs="?", type=Path, default=None, help="the PNG to write (default: the CSV's, as .png)")
-    args = ap.parse_args(argv)
-    print(f"wrote {plot(args.csv, args.png or args.csv.with_suffix('.png'))}")
-    return 0
 
 
 if __name__ == "__main__":

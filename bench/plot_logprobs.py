@@ -9,7 +9,6 @@ bench/results/token_logprobs.csv, PNG next to it). What this is not: a benchmark
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import _plot_style as ps
@@ -29,17 +28,14 @@ def plot(src: Path, dst: Path, note: str = "") -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python bench/plot_logprobs.py",
-        description="Draw the log-probs bench's CSV (rapo-fast bench logprobs) as a PNG: time and peak memory per "
+    return ps.plot_main(
+        argv,
+        "python bench/plot_logprobs.py",
+        "Draw the log-probs bench's CSV (rapo-fast bench logprobs) as a PNG: time and peak memory per "
         "provider and shape, one row of panels per run and mode (fwd, fwd+bwd); lower is better on both.",
+        RESULTS / "token_logprobs.csv",
+        plot,
     )
-    default = RESULTS / "token_logprobs.csv"
-    ap.add_argument("csv", nargs="?", type=Path, default=default, help="the CSV (default: %(default)s)")
-    ap.add_argument("png", nargs="?", type=Path, default=None, help="the PNG to write (default: the CSV's, as .png)")
-    args = ap.parse_args(argv)
-    print(f"wrote {plot(args.csv, args.png or args.csv.with_suffix('.png'))}")
-    return 0
 
 
 if __name__ == "__main__":

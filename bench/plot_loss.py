@@ -9,7 +9,6 @@ it). What this is not: a benchmark; it only reads the CSV.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import _plot_style as ps
@@ -29,16 +28,14 @@ def plot(src: Path, dst: Path, note: str = "") -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python bench/plot_loss.py",
-        description="Draw the loss bench's CSV (rapo-fast bench loss) as a PNG: forward+backward time and peak memory "
+    return ps.plot_main(
+        argv,
+        "python bench/plot_loss.py",
+        "Draw the loss bench's CSV (rapo-fast bench loss) as a PNG: forward+backward time and peak memory "
         "per provider and shape, one row of panels per run; lower is better on both.",
+        RESULTS / "loss.csv",
+        plot,
     )
-    ap.add_argument("csv", nargs="?", type=Path, default=RESULTS / "loss.csv", help="the CSV (default: %(default)s)")
-    ap.add_argument("png", nargs="?", type=Path, default=None, help="the PNG to write (default: the CSV's, as .png)")
-    args = ap.parse_args(argv)
-    print(f"wrote {plot(args.csv, args.png or args.csv.with_suffix('.png'))}")
-    return 0
 
 
 if __name__ == "__main__":
