@@ -3,13 +3,8 @@ its finalisation, the per-element gradient of (log-prob, entropy) w.r.t. the log
 `tl.dot` operands.
 
 What this is: device functions other kernels inline (token_logprobs, the fused policy loss). What this is not: a
-kernel, a launcher, or anything that touches torch tensors.
-
-State of the online pass over one row, kept in fp32 (z are the temperature-scaled logits seen so far):
-    m = max z,   s = sum exp(z - m),   t = sum exp(z - m) * (z - m)
-so that lse = m + log s and H = lse - E_p[z] = log s - t / s. Keeping t relative to m (rather than sum p z) avoids the
-cancellation lse - E[z] when logits are large. -inf logits (masked vocabulary) contribute nothing: every term that
-would be exp(-inf - -inf) or 0 * -inf is guarded (docs/pitfalls.md #2 and #3).
+kernel, a launcher, or anything that touches torch tensors. The online state (m, s, t), its finalisation and the
+gradient formula are in docs/loss.md section 2; the -inf guards in docs/pitfalls.md #2 and #3.
 """
 
 from __future__ import annotations

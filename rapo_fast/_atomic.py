@@ -1,27 +1,10 @@
 """Crash-safe saving shared by rapo_fast's save formats: versioned directories, SHA-256 manifests, one atomic switch.
 
-A *versioned directory* ``<root>`` (docs/formats.md, "Guarantees on a crash") holds::
-
-    <root>/CURRENT              one line "<name> <SHA-256 of <name>/meta.json>": the live version
-    <root>/<name>/meta.json     the manifest: format, format_version, files {relative path: {sha256, size}}, meta {...}
-    <root>/<name>/...           the files the manifest lists (a nested versioned directory is listed by its CURRENT)
-    <root>/PENDING              while a save runs, or after one was killed: the names that save may leave behind
-    <root>/LOCK                 empty; a save holds an exclusive flock on it, a load a shared one
-
-`VersionWriter` writes a new version beside the live one (each file through a raw fd, its SHA-256 computed as it is
-written, fsynced), writes the manifest last, fsyncs the version directory, replaces CURRENT atomically (temporary
-file, fsync, os.replace, fsync of <root>), and only then removes the version CURRENT named before. A kill at any
-moment leaves CURRENT naming a complete version: the old one before the switch, the new one after. What a killed save
-may leave behind is listed in PENDING beforehand; the next save removes exactly those names (never anything else, and
-never the live version). `read_version` checks CURRENT's syntax, the manifest's checksum and schema, and every listed
-file's size and SHA-256 before the caller reads anything, and raises the format's own error class naming the file.
-
-Every write goes through os.open/os.write/os.fsync/os.replace/os.mkdir/os.unlink (no buffered Python or C++ writer),
-so that tests/reliability/test_fault_injection.py can kill a save before any one of them.
-Nothing planted in the folder is followed (tests/test_atomic_hostile_folder.py): every file a save creates is created
-with O_CREAT | O_EXCL | O_NOFOLLOW; CURRENT, PENDING, LOCK and the listed files are opened by `open_regular` (named
-pipes, devices and, for LOCK, symlinks refused, never blocking). A failed write inside torch.save is the OSError
-naming the file.
+What this is: `VersionWriter` (writes a new version beside the live one, manifest last, then replaces CURRENT
+atomically and removes the old version) and `read_version` (checks CURRENT, the manifest and every listed file before
+the caller reads anything). Every write goes through raw os calls, and nothing planted in the folder is followed.
+The layout, the crash guarantees and the hostile-folder guarantees are in docs/formats.md ("Versioned directories",
+"Guarantees on a crash", "Guarantees against what else is in the folder").
 What this is not: a format's own schema (each owner checks its fields, with `check_int` / `check_choice`), nor a
 database: two processes saving into one directory are serialised by LOCK, not merged.
 """

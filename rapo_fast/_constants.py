@@ -2,18 +2,11 @@
 codes, the dtype codes, the search limits (MAX_K, MAX_KEYS), the cosine epsilon, the CPU micro-kernel codes, the width
 of a KV-splice request row, and the Triton search kernel's empty candidate.
 
-How the copies are made (docs/extension.md, "Shared constants"):
-- C++/CUDA: csrc/include/rapo/constants.h is GENERATED from this file by `python tools/gen_constants.py` (never edit
-  it by hand); the extension reports what it was compiled with as `rapo_fast._C.CONSTANTS` and one module attribute
-  per name (`_C.METRIC_IP`, ...).
-- Python: every module imports its values from here (rapo_fast._ext builds DTYPE_CODES from the DTYPE_* codes).
-- Triton: kernels/retrieval/search.py wraps these values in module-level tl.constexpr globals.
-tests/test_shared_constants.py fails when the header, the built extension, the Triton globals or a literal copy in
-the sources differs from this file.
-
 What this is: plain ints and floats, with no torch and no extension import, so that rapo_fast imports (and the
-generator runs) without a compiled extension. What this is not: tuning parameters (tile sizes, the Triton/CUDA
-crossovers) or limits private to one backend (those stay next to their code).
+generator runs) without a compiled extension. csrc/include/rapo/constants.h is GENERATED from this file by
+`python tools/gen_constants.py`; how each copy is made and tested is in docs/extension.md, "Shared constants".
+What this is not: tuning parameters (tile sizes, the Triton/CUDA crossovers) or limits private to one backend (those
+stay next to their code).
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """Makes `rapo_fast.kernels` importable from a source checkout that was never installed (PYTHONPATH only).
 
-The Triton kernels live in the repository's top-level `kernels/` folder and setup.py installs them as the subpackage
-`rapo_fast.kernels` (`package_dir`). Without an install, as on the GPU machine of the validation run, which copies the
-repository, builds `_C` with CMake and puts the root on PYTHONPATH, nothing maps that name: every Triton path failed
-with ModuleNotFoundError. When rapo_fast is imported from a checkout (`kernels/__init__.py` beside the package and no
-`rapo_fast/kernels/` inside it), `install()` puts a finder for exactly `rapo_fast.kernels` first on sys.meta_path.
-It maps the name to that same `kernels/` folder, which is also what an editable install maps it to, so both agree; its
-submodules then resolve through the package's `__path__` as usual. An installed (non-editable) rapo_fast has its
-kernels inside the package and never gets the finder.
-
+What this is: `install()`, which puts a finder for exactly `rapo_fast.kernels` first on sys.meta_path when rapo_fast is
+imported from a checkout, mapping the name to the top-level `kernels/` folder (as setup.py and an editable install
+do). Why and when it applies: docs/extension.md, "Loading".
 What this is not: a general import hook (it answers for one name), nor an installer (`_C` is built by CMake or pip).
 """
 

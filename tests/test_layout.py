@@ -1,7 +1,8 @@
 """The repository's layout rules (tools/check_layout.py): no import cycle, no module over 500 lines, no function over
-80 lines, the library never imports the demo, no `_private` name used across packages, and no tracked file changed
-by a `--quick` benchmark run. The first tests check that the checker itself catches each rule on a small made-up
-tree, so that a passing layout test means the rules hold, not that the checker is blind.
+80 lines, no module docstring over 12 lines in rapo_fast/ or kernels/, the library never imports the demo, no
+`_private` name used across packages, and no tracked file changed by a `--quick` benchmark run. The first tests
+check that the checker itself catches each rule on a small made-up tree, so that a passing layout test means the
+rules hold, not that the checker is blind.
 What this is not: a behaviour test of any op.
 """
 
@@ -106,6 +107,24 @@ def test_checker_finds_demo_imports_private_names_and_sizes(tmp_path):
     assert "module-too-long: rapo_fast/demo/long.py: 501 lines" in text
     assert "function-too-long: tools/long_fn.py:1: big() has 82 lines without its docstring" in text
     assert len(found) == 6, found
+
+
+def test_checker_finds_long_module_docstrings_in_the_library_only(tmp_path):
+    doc = '"""' + "line\n" * 12 + '"""\n'  # 13 lines: the closing quotes sit on a line of their own
+    root = _tree(
+        tmp_path,
+        {
+            "rapo_fast/__init__.py": "",
+            "rapo_fast/long_doc.py": doc,
+            "rapo_fast/ok_doc.py": '"""' + "line\n" * 11 + '"""\n',
+            "kernels/__init__.py": doc,
+            "tools/long_doc.py": doc,  # outside the library: not checked
+        },
+    )
+    found = [f for f in CL.static_findings(root) if f.startswith("module-docstring-too-long")]
+    assert len(found) == 2, found
+    assert any(f.startswith("module-docstring-too-long: rapo_fast/long_doc.py:1: 13 lines") for f in found), found
+    assert any(f.startswith("module-docstring-too-long: kernels/__init__.py:1: 13 lines") for f in found), found
 
 
 def test_layout_holds():

@@ -8,6 +8,8 @@ Static checks, over the sources (`python tools/check_layout.py`):
 - a module over MAX_MODULE_LINES lines (every .py of the repository outside build outputs);
 - a function over MAX_FUNCTION_LINES lines (same files; counted from `def` to its last line, docstring excluded),
   unless listed with a reason in LONG_FUNCTION_EXEMPT;
+- a module docstring over MAX_MODULE_DOCSTRING_LINES lines in rapo_fast/ or kernels/ (what it is, what it is not,
+  where the spec lives: the detail belongs in docs/);
 - a library module (rapo_fast/ outside rapo_fast/demo/) importing rapo_fast.demo, except the entry points in
   DEMO_ROUTERS, which no library module may import in turn;
 - a module using a `_private` name of a module in another (sub)package: `from m import _x`, or `m._x` on a module
@@ -40,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE_ROOTS = {"rapo_fast": "rapo_fast", "kernels": "rapo_fast.kernels"}
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 80
+MAX_MODULE_DOCSTRING_LINES = 12
 # "path/to/file.py::qualified.name" -> why this function may stay longer than MAX_FUNCTION_LINES (keep it empty)
 LONG_FUNCTION_EXEMPT: dict[str, str] = {}
 DEMO = "rapo_fast.demo"
@@ -329,10 +332,15 @@ def check_sizes(files: list[Path], root: Path = ROOT) -> list[str]:
     for path in files:
         rel = path.relative_to(root).as_posix()
         text = path.read_text(encoding="utf-8")
+        tree = ast.parse(text, filename=str(path))
         lines = len(text.splitlines())
         if lines > MAX_MODULE_LINES:
             out.append(f"module-too-long: {rel}: {lines} lines (at most {MAX_MODULE_LINES})")
-        for node, func in _walk(ast.parse(text, filename=str(path))):
+        doc = (ast.get_docstring(tree, clean=False) or "").count("\n") + 1  # the docstring's lines as written
+        if rel.split("/")[0] in PACKAGE_ROOTS and doc > MAX_MODULE_DOCSTRING_LINES:
+            what = f"at most {MAX_MODULE_DOCSTRING_LINES}: what it is and is not, where its spec lives; detail in docs/"
+            out.append(f"module-docstring-too-long: {rel}:1: {doc} lines ({what})")
+        for node, func in _walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and func:
                 n = _code_lines(node)
                 if n > MAX_FUNCTION_LINES and f"{rel}::{func}" not in LONG_FUNCTION_EXEMPT:

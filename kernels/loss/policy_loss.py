@@ -1,20 +1,12 @@
 """Triton kernels of the per-token RAPO policy loss: forward (weighted token loss + metric partial sums) and backward
-(dL/dlogp, dL/dH times the upstream gradient).
+(dL/dlogp, dL/dH times the upstream gradient), elementwise over N tokens.
 
-Elementwise over N tokens; the log-probs are computed before (token_logprobs), and the launcher
-(rapo_fast/loss/policy_loss.py) gathers the per-sequence quantities (shaping factor, GSPO sequence log-ratio,
-aggregation weight) per token.
-Per token t with code c_t (0 = not in the loss, 1 = on-policy, 2 = retrieved and trained off-policy), aggregation
-weight w_t, advantage A, shaping scale s_t = 1 + m F:
-  log r = clamp(logp - old, -20, 20)  (or clamp(seq_lr + logp - sg(logp)) for GSPO: its value is seq_lr)
-  r_hat = s_t exp(log r);  pg = max(-A r_hat, -A clip(r_hat, 1-el, 1+eh));  A < 0 and dual clip c: min(pg, -A c)
-  pg *= min(exp(clamp(old - behav)), tis_cap)                   (TIS)
-  off-policy: -A p/(p+gamma) (shaped)  or  -A sg(min(exp(clamp(logp - behav)), is_cap)) logp (truncated)
-  + beta KL_k(logp, ref) - entropy_coef H          on every token in the loss
-  out_t = w_t * loss_t
-The formulas are those of rapo_fast/reference/policy_loss.py (the spec). Only @triton.jit code lives here; the token
-codes, mode codes and metric layout it shares with its launchers (rapo_fast/loss/policy_op.py) are named once, in
-rapo_fast/loss/policy_layout.py, and read here as constexprs.
+What this is: `@triton.jit` code only. The log-probs come from token_logprobs; the launchers
+(rapo_fast/loss/policy_op.py, called by rapo_fast/loss/policy_loss.py) gather the per-sequence quantities (shaping
+factor, GSPO sequence log-ratio, aggregation weight) per token; the token codes, mode codes and metric layout are
+named once in rapo_fast/loss/policy_layout.py and read here as constexprs.
+What this is not: the spec. The formulas are those of rapo_fast/reference/policy_loss.py, written out in docs/loss.md
+section 3 (per token) and section 4 (aggregation).
 """
 
 import triton

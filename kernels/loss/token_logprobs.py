@@ -1,19 +1,11 @@
 """Triton kernels of token_logprobs: per-row log-prob of the target and full-vocabulary entropy, forward and backward.
 
 What this is: `@triton.jit` code only (launchers, autograd and validation are in rapo_fast/loss/logprobs.py). One
-program per row walks the row's vocabulary in BLOCK_V blocks with the online log-sum-exp / entropy state of
-kernels/triton_helpers.py, so a row is read once forward and once backward whatever V is (V need not be a multiple
-of BLOCK_V: docs/pitfalls.md #1).
-
-The same two kernels serve both paths:
-- logits path: the whole row in one launch (INIT and FINAL set), logits read through a 2-level row stride so a
-  [B, T, V] view such as logits[:, :-1] is used without a copy;
-- hidden path: a [rows, V_chunk] block of logits computed by a matmul, with the running state (m, s, t, target logit)
-  carried in fp32 tensors between vocabulary chunks (INIT on the first chunk, FINAL on the last), and the backward
-  writing grad_z over the chunk in place.
-What this is not: the matmul (torch.matmul / cuBLAS does it, see rapo_fast/loss/logprobs.py for why).
-
-All offsets are int64 (docs/pitfalls.md #5: row * stride passes 2^31 at 8 x 4k x 150k).
+program per row walks the row's vocabulary in BLOCK_V blocks with the online state of kernels/triton_helpers.py; the
+same two kernels serve the logits path (whole row in one launch) and the hidden path (one [rows, V_chunk] tile at a
+time, state carried between chunks). All offsets are int64.
+What this is not: the matmul (torch.matmul / cuBLAS does it). The math, both paths and the row layouts are in
+docs/loss.md section 2; docs/pitfalls.md #1 (V not a multiple of BLOCK_V) and #5 (int64 offsets).
 """
 
 from __future__ import annotations

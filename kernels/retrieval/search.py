@@ -1,28 +1,12 @@
 """Triton kernel of exact top-k retrieval: a tensor-core score tile per (query tile, key tile) with a fused, filtered
-top-k, so that no [Q, C] score matrix is ever written (docs/retrieval.md, "Triton path").
+top-k, so that no [Q, C] score matrix is ever written.
 
 What this is: `@triton.jit` code only; the launcher, argument checks and the merge of the splits are in
-rapo_fast/retrieval/triton_search.py, the contract in rapo_fast/reference/retrieval.py.
-
-One program owns BLOCK_Q queries and one split of the keys. It walks the split in BLOCK_C-key tiles; each tile is a
-`tl.dot` K-loop over D (pipelined with num_stages by the launcher), then the metric of csrc/include/rapo/
-retrieval_metric.h (same operation order), the eligibility rules (exclusion group, min_score, NaN / -inf), and a
-running-threshold filter: only keys that beat the row's current k-th best are kept. Survivors are appended, compacted
-by a prefix sum, to the row's pending area in the program's workspace row; when a row's pending area could overflow
-on the next tile (and once at the end) the row's running top-k and its pending survivors are merged: an exact
-selection of the k-th best (a bisection on the int64 key, `select_kth`), the k best compacted to the front of the row,
-and the k-th best as the new threshold. The threshold rises quickly, so after the first tiles most tiles append
-little and the merge runs a few times per split. No sort runs in the kernel: the merge of the splits
-(triton_search.py) is a torch.topk over [Q, splits * KP], which also orders the result.
-
-Candidates are int64 sort keys: the order-preserving integer image of the fp32 score in the high 32 bits and
-0x7fffffff - slot in the low 32 bits, so the descending integer order is the contract's order (higher score first,
-equal scores to the smaller slot) and carries the slot with it. -0.0 is mapped to +0.0 first (they compare equal).
-SENTINEL, below every eligible key, marks an empty place.
-
-Workspace row of query q in split s (int64, W wide): [0, KP) the running top-KP (KP = next power of two >= k),
-[KP, W) the pending survivors. thr / cnt scratch ([splits, Q]) carry a row's threshold and pending count through the
-row-chunked merge. All offsets are int64 (docs/pitfalls.md #5).
+rapo_fast/retrieval/triton_search.py, the contract in rapo_fast/reference/retrieval.py. The algorithm (tiles, the
+running-threshold filter, the int64 sort keys and SENTINEL, the workspace layout, the merges) is described in
+docs/retrieval.md, "Triton path"; all offsets are int64 (docs/pitfalls.md #5).
+What this is not: a sort (the merge of the splits, a torch.topk in triton_search.py, orders the result) or a
+launcher.
 """
 
 from __future__ import annotations

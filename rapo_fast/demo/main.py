@@ -1,15 +1,11 @@
 """`rapo-fast demo`: RAPO against GRPO on the chain-arithmetic tool task, on the CPU in minutes.
 
-What this is: the README's main command. It builds a tiny policy from a config, warms it up with a short supervised
-phase on generated traces, seeds a step buffer from a scripted off-policy solver (JSONL -> StepTraces), then trains
-RAPO (hybrid rollouts with retrieval) and GRPO (retrieval off, otherwise the same options) from the same seeds and
-the same warmed-up weights, each through RAPOTrainer.train with the held-out evaluation inside the training loop
-(rapo_fast.train.callbacks.EvalCallback), and writes to --out: curves.png (learning curves of both), summary.md and
-summary.csv (final success rate, steps to reach a target rate, retrieval rate, mean retrieval reward, wall time split
-by phase), metrics_<method>.csv (every step's metrics) and the solver's trajectories. A --quick run labels its plot
-title and summary.md "smoke run (--quick): not a result" (SMOKE_LABEL): its few steps only check that everything
-runs. What this is not: a benchmark of the method at scale (the numbers are whatever this run measures, reported as
-they come) or a second training loop.
+What this is: the README's main command: a tiny policy, a short SFT warm-up, a step buffer seeded from a scripted
+off-policy solver, then RAPO and GRPO trained from the same seeds and warmed-up weights through RAPOTrainer.train
+(held-out evaluation inside the loop, rapo_fast.train.callbacks.EvalCallback); what it writes to --out is in
+docs/training.md section 6. A --quick run is labelled "smoke run (--quick): not a result" (SMOKE_LABEL).
+What this is not: a benchmark of the method at scale (the numbers are whatever this run measures, reported as they
+come) or a second training loop.
 """
 
 from __future__ import annotations

@@ -2,18 +2,11 @@
 (LUFFY-style) from the same supervised warm-up weights, with the same seeds and rollout budget, on each synthetic
 task family, several seeds; greedy held-out evaluation without retrieval.
 
-What this is: the runner. Per task family and seed, one "prepare" job: the SFT warm-up (the weights every method
-starts from, saved as warm_{family}_{seed}.pt) and one set of solver trajectories (the step buffer of RAPO, the
-off-policy trajectories of OFFPOLICY_TRAJ, saved as traces_{family}_{seed}.jsonl); then one job per method through
-RAPOTrainer.train from those files, with the held-out evaluation inside the loop (EvalCallback). Every job runs with
-one torch thread, in `--workers` worker processes: for a policy this small two 1-thread processes do about 1.7x the
-work of one 2-thread process, and since every job's arithmetic is the same whatever the number of workers, so are
-the results (tested: workers 0 and 2 give the same CSV apart from wall_s). Writes to --out:
-table1.csv (one row per run), table1.md (mean +- 95% CI over seeds per method and family, paired differences against
-GRPO, efficiency: steps and generated tokens to reach GRPO's final mean eval, as ratios to GRPO) and table1.png (mean
-curve +- band per method, one panel per family). Hyper-parameters are one setting for every method (none is tuned
-for one method alone). What this is not: the statistics (rapo_fast/demo/table1_stats.py) or a claim: the numbers
-are whatever the run measures.
+What this is: the runner: per family and seed one "prepare" job (SFT warm-up, solver trajectories), then one job per
+method through RAPOTrainer.train, in `--workers` one-thread worker processes; it writes table1.csv, table1.md and
+table1.png. The jobs, the workers and the output files are described in docs/training.md section 7.
+What this is not: the statistics (rapo_fast/demo/table1_stats.py) or a claim: the numbers are whatever the run
+measures. Hyper-parameters are one setting for every method (none is tuned for one method alone).
 """
 
 from __future__ import annotations

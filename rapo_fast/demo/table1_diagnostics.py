@@ -1,19 +1,10 @@
 """What `rapo-fast table1`'s fair setting measures beside the score: where a success came from, and whether the
 setting can test RAPO's claim at all.
 
-What this is: readers of knowledge-base completions and the go/no-go checks of issue 24.
-- `read_completion`: a completion's segments (own searches, retrieved steps, the answer) against the question's
-  correct hops: which hops the policy did itself, which came from retrieval, and the answer.
-- `signature`: the compact string of one completion ("S" own correct hop, "s" own wrong search, "R" retrieved step
-  that was the next hop, "r" retrieved step that was not, "A"/"a" right/wrong answer, "-" none), counted per method.
-- `leak_frac`: among successes of rows that retrieved, the fraction whose answer is the observation of a retrieved
-  step (copied, not found); `unobserved_success`: successes whose answer no observation of the row showed
-  (guessed or memorised), with its chance level.
-- `conditioning_probe`: at the warm-up, P(own next hop correct | the previous hop retrieved) against P(own next
-  hop correct | the previous hop the policy's own), both greedy, on the same questions and positions.
-- `kept_trace_stats`: how good the off-policy source is after top-k (correct fraction, distinct trajectories per
-  query, queries without a correct trajectory).
-- `go_no_go`: the figures of table1_checks.json and whether each passes.
+What this is: readers of knowledge-base completions (`read_completion`, `signature`), the leak and shortcut figures
+(`leak_frac`, `unobserved_success`), the warm-up's `conditioning_probe`, the off-policy source's `kept_trace_stats`,
+and `go_no_go` (the figures of table1_checks.json and whether each passes); each function's docstring says what it
+measures, docs/training.md section 7 and docs/table1_fair_design.md how they are used.
 What this is not: the runner (rapo_fast/demo/table1.py) or the statistics over seeds (table1_stats.py).
 """
 

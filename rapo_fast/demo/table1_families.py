@@ -2,26 +2,10 @@
 evaluation come from.
 
 What this is: one small class per kind of family, each answering the same five questions for the runner
-(rapo_fast/demo/table1.py): `data(seed, s)` (task, tokenizer, training and held-out problems), `warm_up(...)` (the SFT
-weights every method starts from), `rapo_source(...)` (the solver trajectories RAPO's step buffer is built from),
-`offpolicy_source(...)` (those OFFPOLICY_TRAJ imitates whole) and `readable` (whether
-rapo_fast.demo.table1_diagnostics can read its completions hop by hop).
-
-- `AliasFamily` ("kb_alias", the default setting since issue 24): questions name their relation chain by an alias
-  (rapo_fast/demo/tasks/kb_alias.py). The warm-up demonstrates 14 of the 18 aliases and every chain in the explicit
-  format, on 50 other draws of the facts (no fact of the RL knowledge base is ever trained on by SFT); RL and the
-  held-out evaluation ask the other 4 aliases, over disjoint start entities. The imperfect solver errs by hop
-  (sloppy on the first and last hop, reliable on the middle one), so that top-5 of 16 keeps wrong trajectories.
-  OFFPOLICY_TRAJ gets that solver's trajectories of the training questions themselves (LUFFY's setting: whole
-  demonstrations of the same prompts, in the RL knowledge base); RAPO's step buffer gets the same solver's
-  trajectories of the same 4 aliases in another draw of the facts: a retrieved step shows which relation to take,
-  never this knowledge base's answer (measured at the warm-up: with a same-draw source 2/3 of hybrid successes copied
-  their answer from a retrieved observation; docs/table1_fair_design.md). That asymmetry favours the baseline (its
-  demonstrations hold true facts of the RL knowledge base), which is the conservative side for testing RAPO's claim.
-- `LegacyFamily` ("arith", "kb": the setting before issue 24, `--setting legacy`): warm-up, RL and evaluation on one
-  knowledge base, one solver file for both methods; kept so that earlier tables can be rebuilt. It does not test
-  RAPO's claim (issue 24 lists why).
-
+(rapo_fast/demo/table1.py): `data`, `warm_up`, `rapo_source`, `offpolicy_source` and `readable`. `AliasFamily`
+("kb_alias") is the fair setting (the default), `LegacyFamily` ("arith", "kb", `--setting legacy`) the earlier one,
+kept so that earlier tables can be rebuilt. Both settings are described in docs/training.md section 7, the choice of
+the fair one in docs/table1_fair_design.md.
 What this is not: the runner, the statistics, or the diagnostics.
 """
 

@@ -1,42 +1,11 @@
 """TRL adapter: `RAPOGRPOTrainer`, a `trl.GRPOTrainer` whose policy loss goes through `rapo_fast.rapo_loss`.
 
-What it is: a subclass that replaces GRPOTrainer's `_compute_loss` (TRL >= 1.x layout) with one call of the fused
-hidden-state loss (`rapo_loss(hidden=..., weight=lm_head.weight, ...)`), so the [B, T, V] logits are never
-materialised (a second, no-grad log-prob pass runs only when TRL skipped the old log-probs), plus `trl_to_rapo_options`,
-the documented mapping from TRL's configuration to our options. With retrieval off and the same options it reproduces
-TRL's own loss value and gradients (tests/integrations/test_integration_trl.py checks this against the installed trl).
-The RAPO extras (importance shaping, off-policy retrieved tokens) are read from extra keys of the inputs dict.
-
+What it is: a subclass that replaces GRPOTrainer's `_compute_loss` with one call of the fused hidden-state loss (the
+[B, T, V] logits are never materialised), plus `trl_to_rapo_options`, the mapping from TRL's configuration to our
+options; with retrieval off and the same options it reproduces TRL's loss and gradients. The RAPO extras are read
+from `rapo_options` and extra keys of the inputs dict. The mapping table and the extras are in docs/trl.md.
 What it is not: a re-implementation of TRL's generation, rewards or advantages (inherited unchanged), nor an
 approximation of TRL options that have no exact counterpart here: those raise `ValueError` naming the option.
-
-Mapping (TRL `GRPOConfig` / trainer attribute -> `rapo_loss` keyword):
-
-| TRL                                    | rapo_fast                                                              |
-|----------------------------------------|------------------------------------------------------------------------|
-| loss_type="grpo"                       | loss_agg="seq-mean-token-mean", global_num_tokens=B (all rows), /GA   |
-| loss_type="bnpo"                       | loss_agg="token-mean" (local token count), / grad-accum                |
-| loss_type="dr_grpo"                    | loss_agg="token-mean", global_num_tokens=B*max_completion_length, /GA  |
-| loss_type="dapo"                       | loss_agg="token-mean", global_num_tokens=TRL's num_items normaliser    |
-| loss_type="luspo"                      | loss_agg="token-mean", global_num_tokens=B (= seq-mean-token-sum), /GA |
-| loss_type="cispo" / "sapo" / "vespo"   | no equivalent surrogate: ValueError                                    |
-| epsilon (epsilon_low), epsilon_high    | eps_low, eps_high                                                      |
-| delta (two-sided clipping)             | dual_clip=delta (identical when delta > 1 + epsilon_high, else error)  |
-| importance_sampling_level              | importance_sampling_level ("token" / "sequence" = GSPO)                |
-| beta, ref_per_token_logps              | beta, ref_logp, kl_estimator="k3", kl_clamp=False (TRL's k3 is unclamped)  |
-|   (use_bias_correction_kl=False only)  |                                                                        |
-| temperature (/ model logit_scale)      | temperature / logit_scale (logit soft-capping: ValueError)             |
-| entropy_coef (static)                  | entropy_coef, only for loss_type="bnpo" (else ValueError)              |
-| vLLM IS, mode "token_truncate"         | behav_logp=sampling_per_token_logps, tis_cap=clip_max (clip_min unset) |
-| completion_mask * tool_mask            | loss_mask; completion_mask is response_mask (RAPO's trajectory length) |
-| top_entropy_quantile < 1, off_policy_mask_threshold, adaptive entropy, MoE aux loss, other vLLM IS modes,        |
-| multimodal inputs, DeepSpeed ZeRO-3                                      -> ValueError                          |
-
-RAPO extras: `rapo_options` (constructor argument) may set shaping_m, offpolicy_train, gamma, is_cap, tis_cap; the
-inputs dict may carry "retrieved_mask" ([B, T_completion], tokens inserted by retrieval) and, for off-policy
-training with offpolicy_train="truncated" or for tis_cap, "sampling_per_token_logps" (the behaviour log-probs).
-offpolicy_train="truncated" and tis_cap are refused with a ValueError at construction when the trainer cannot produce
-those log-probs (no use_vllm, no rollout_func, no override of `_generate_and_score_completions`).
 """
 
 from __future__ import annotations

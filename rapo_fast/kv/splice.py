@@ -1,13 +1,10 @@
-"""Splicing cached K/V of retrieved steps into live KV caches, keys re-rotated by RoPE (docs/kv_splice.md).
+"""Splicing cached K/V of retrieved steps into live KV caches, keys re-rotated by RoPE.
 
-What this is: `splice_kv` (many (payload_id, batch_row, position) requests in one backend call across all
-layers: C++ on CPU tensors, CUDA on CUDA tensors, through the registered tensor-level op `rapo_fast::kv_splice_`
-(`kv_splice_`, usable under torch.compile); the plain-torch reference on request), `PagedKVCache` (the
+What this is: `splice_kv` (many (payload_id, batch_row, position) requests in one backend call across all layers,
+through the registered op `rapo_fast::kv_splice_`; the plain-torch reference on request), `PagedKVCache` (the
 flash-attn/vLLM paged layout) and `insert_segment` (the rollout's entry point: splice, exact re-prefill or blend).
-Accuracy caveat: spliced K/V are exact in layer 0 only. A segment computed without its preceding context lacks
-attention to that context, so from layer 1 on its K/V differ from a full forward (CacheBlend measured this and
-recomputes ~15% of tokens); `mode="exact"` re-prefills, `mode="blend"` recomputes the segment's last tokens. Sampling
-from a spliced cache is therefore a behaviour policy; record each token's behaviour log-prob and correct in the loss.
+Spliced K/V are exact in layer 0 only, so sampling from a spliced cache is a behaviour policy (docs/kv_splice.md
+section 6). The spec is docs/kv_splice.md.
 What this is not: the rotation math (csrc/include/rapo/rope.h, reference in rapo_fast/reference/kv_splice.py) or
 HF cache internals (rapo_fast/kv/hf_cache.py).
 """

@@ -3,35 +3,10 @@ forward; the backward only scales the stored gradients by the upstream scalar.
 
 What this is: the registered op `rapo_fast::fused_linear_policy_loss` that rapo_fast.rapo_loss uses for hidden= inputs
 with token-level importance sampling when a gradient is needed and the device runs Triton. It reuses the kernels of
-token_logprobs (kernels/loss/token_logprobs.py: the online log-sum-exp forward and the in-place grad_z backward, which
-takes any per-row g_logp, g_H) through the tile helpers of rapo_fast/loss/tiles.py (whose TILE_BYTES and
-MAX_VOCAB_TILE and tile_budget, read at call time, bound the tiles), and the per-token policy-loss launchers of
-rapo_fast/loss/policy_op.py (kernels/loss/policy_loss.py), applied tile by tile.
+token_logprobs through the tile helpers of rapo_fast/loss/tiles.py and the per-token policy-loss launchers of
+rapo_fast/loss/policy_op.py, tile by tile. Why it works, the tiling, grad_W and memory: docs/loss.md section 6.
 What this is not: new math (there is none here), the sequence-level (GSPO) path (its ratio needs the whole sequence's
 log-prob before any token's loss gradient is known: it keeps the two-pass path), or the logits= path.
-
-Why it works: the loss is a scalar and, at token level, dL/dlogp_t and dL/dH_t depend only on token t's logp_t, H_t and
-on inputs fixed before the pass (old/behav/ref logp, advantage, aggregation weight, shaping scale, token code). So the
-gradient of a logits tile can be formed while the tile is in memory, and grad_hidden, grad_weight, grad_bias
-accumulated then (as Liger-Kernel's fused linear GRPO loss does). GEMM families: forward h W^T, grad_h = gz W,
-grad_W = gz^T h -> 3, against 4 for the two-pass path (its backward recomputes h W^T).
-
-Tiling: a token tile holds the full vocabulary row when V * elem <= TILE_BYTES (rows = budget // (V * elem)); the
-logits gradient needs the row's final LSE, so the tile stays in memory from its GEMM to its gradient GEMMs. When a
-single row does not fit the budget (V * elem > TILE_BYTES), the token tile is swept twice over vocabulary tiles: once
-for the online LSE / entropy, once recomputing each tile's GEMM to form its gradient; that is 4 GEMM families again
-(no saving over two-pass, but still one pass over the data in the forward and a free backward).
-Tile size: the budget comes from the free device memory on CUDA (rapo_fast/loss/tiles.py tile_budget: a fraction
-of it, capped), so that where memory allows the whole [N, V] logits form one token tile.
-grad_W: with one token tile, each vocabulary tile's rows of grad_W = grad_z^T h depend on that tile alone and are
-written by one GEMM in the weight's dtype (fp32 accumulation inside the GEMM, one rounding). With several token tiles
-(bf16/fp16) grad_W sums over them in an fp32 [V, H] accumulator, updated by the GEMM itself (addmm with
-out_dtype=float32, where torch has it for the device; otherwise the product in the input dtype summed in fp32 in
-chunks of MAX_VOCAB_TILE rows) and rounded to the input dtype once; fp32 weights accumulate in grad_W with addmm_.
-Memory: one logits tile, [N] fp32 vectors, the gradients, the fp32 grad_W accumulator when there are several token
-tiles and the inputs are bf16/fp16, plus an fp32 [rows, H] grad_h accumulator when vocabulary tiles are swept.
-A custom op rather than a torch.autograd.Function, like every other op (docs/testing.md rule 3); the
-gradients are extra outputs of the op so that torch.compile and opcheck see them.
 """
 
 from __future__ import annotations

@@ -3,16 +3,9 @@
 What this is: argument checks, running the path that rapo_fast/loss/path_plan.py picks, the Triton launchers of
 kernels/loss/token_logprobs.py registered as torch.library ops `rapo_fast::token_logprobs_{fwd,bwd}` (logits path;
 the hidden-state path's `rapo_fast::linear_token_logprobs_{fwd,bwd}` are in rapo_fast/loss/linear_logprobs.py), and
-the chunked reference fallback.
+the chunked reference fallback. Both paths, their tiles and the non-finite rows are described in docs/loss.md
+section 2; the path table in docs/architecture.md, "Log-prob and loss paths".
 What this is not: the math (kernels/triton_helpers.py, and the spec in rapo_fast/reference/logprobs.py).
-
-Hidden-state path. Logits are produced tile by tile, [rows, V_chunk] at a time, by torch.matmul in the input dtype.
-This deliberately differs from Cut-Cross-Entropy's fused tl.dot: cuBLAS is already at peak for these GEMM shapes, and
-the softmax pass over a tile is bandwidth-bound, so fusing buys little and costs a hand-tuned GEMM per GPU. A Triton
-pass folds each tile into a per-row online state (m, s, t, target logit); the backward recomputes each tile, turns it
-into grad_z in place and feeds three GEMMs (grad_h, grad_W, grad_b). Nothing of size [N, V] exists at any time and
-nothing but [N] fp32 vectors is saved for backward. The tile budget and the launches on one tile are those of
-rapo_fast/loss/tiles.py (shared with the fused policy loss, rapo_fast/loss/fused_linear.py).
 """
 
 from __future__ import annotations

@@ -1,15 +1,13 @@
 """The options of the RAPO policy loss, once: `LossOptions` (every option, its default and its check), and the checks
 of rapo_loss's tensor arguments.
 
-What this is: `LossOptions`, the frozen dataclass that rapo_loss, RAPOLoss, policy_loss_from_logp, the presets, the TRL
-/ verl adapters and the reference (rapo_fast/reference/policy_loss.py) all build; the option vocabularies;
-`OPTION_DEFAULTS`, a read-only view of the defaults derived from the dataclass; and `check_inputs`, the validation of
-the tensors that runs before any kernel (it may sync with the device once: target range, NaN in advantages at the tokens
-in the loss, cu_seqlens), returning the facts the launcher needs; and the two checks that run after the log-prob pass
-instead, from its [N] output (check_logits_rows_defined, check_loss_logp_defined: a token in the loss whose logits row
-has no finite log-sum-exp), so that no check reads the [N, V] logits. What it is not: the loss math (docs/loss.md gives
-the formulas; rapo_fast/loss/policy_loss.py and kernels/loss/policy_loss.py compute them) or generic checks
-(rapo_fast/_checks.py, which this module uses).
+What this is: `LossOptions`, the frozen dataclass that rapo_loss, RAPOLoss, policy_loss_from_logp, the presets, the
+TRL / verl adapters and the reference all build; the option vocabularies; `OPTION_DEFAULTS`; `check_inputs`, the
+validation of the tensors before any kernel (it may sync with the device once); and the two checks run after the
+log-prob pass from its [N] output (check_logits_rows_defined, check_loss_logp_defined), so that no check reads the
+[N, V] logits. The options table is docs/loss.md section 7.
+What it is not: the loss math (docs/loss.md; rapo_fast/loss/policy_loss.py and kernels/loss/policy_loss.py compute
+it) or generic checks (rapo_fast/_checks.py, which this module uses).
 """
 
 from __future__ import annotations

@@ -1,33 +1,11 @@
 """rapo_fast.rapo_loss and rapo_fast.RAPOLoss: the drop-in RAPO / GRPO / DAPO / GSPO / PPO policy loss.
 
-Flow: validate (may sync with the device, before anything runs) -> logp (and entropy H when entropy_coef != 0 or
-metrics are asked for) = rapo_fast.token_logprobs(...) -> the check that every token in the loss has a logits row with
-a finite log-sum-exp, from logp (NaN exactly there: one [N] pass and one sync, no read of the logits) -> per-sequence
-quantities (shaping factor F, GSPO sequence log-ratio, aggregation weights) as small torch ops on [N]/[S] vectors ->
-one elementwise Triton kernel (kernels/loss/policy_loss.py, launched by rapo_fast/loss/policy_op.py, registered as
-rapo_fast::policy_loss with a fake and an autograd formula) giving the weighted per-token loss and the metric partial
-sums; its backward gives dL/dlogp and dL/dH times the upstream gradient. The loss itself only touches [N] vectors.
-CPU tensors without TRITON_INTERPRET=1, and float64 inputs, take the same math through the reference's per-token
-function (rapo_fast/reference/policy_loss.py, the spec). The options are one rapo_fast.loss.options.LossOptions.
-
-Passes over the logits and GEMMs of the hidden path (logits= always takes the two-pass path: its logits exist already):
-- two-pass (GSPO, no gradient needed, RAPO_FAST_FUSED_LINEAR_LOSS=0, or no Triton): token_logprobs' forward (GEMM
-  h W^T per tile, one pass), the policy op on [N] vectors, then token_logprobs' backward (recompute h W^T, grad_z in
-  place, grad_h = gz W, grad_W = gz^T h): 2 passes, 4 GEMM families.
-- fused (hidden=, token level, gradient needed, Triton device; the default): rapo_fast/loss/fused_linear.py forms
-  each tile's logits, log-prob, entropy, token loss and logits gradient while the tile is in memory and accumulates
-  grad_h / grad_W / grad_b in the forward; the backward multiplies them by the upstream scalar: 1 pass, 3 GEMM
-  families (4 again, in the forward, when one row of V exceeds the tile byte budget; see that module).
-No host sync after that check: metrics are 0-dim tensors computed from on-device sums.
-
-Aggregation (verl's agg_loss) and `global_num_tokens` (the normaliser of the whole global batch, so that the losses of
-data-parallel shards or gradient-accumulation micro-batches, and their gradients, sum to the one-big-batch loss):
-  token-mean               sum_t l_t / D,  D = tokens in the loss (global: all shards' count)
-  seq-mean-token-mean      sum_s (sum_{t in s} l_t / n_s) / G,  G = sequences with >= 1 token in the loss (global count)
-  seq-mean-token-sum       sum_s sum_{t in s} l_t / G
-  seq-mean-token-sum-norm  sum_t l_t / K,  K = T (padded) or the longest cu_seqlens segment (flat); global: a constant K
-Counts are clamped to >= 1 (an all-masked batch gives loss 0, no NaN). With DDP, which averages gradients over W ranks,
-multiply the loss by W as verl does (dp_size).
+What this is: the flow validate -> log-probs (rapo_fast.token_logprobs) -> the check that every token in the loss has
+a finite log-sum-exp -> per-sequence quantities (shaping factor F, GSPO sequence log-ratio, aggregation weights) on
+[N]/[S] vectors -> the elementwise policy op `rapo_fast::policy_loss` (or, on the hidden path, the one-pass
+rapo_fast/loss/fused_linear.py). No host sync after that check. The per-token formulas are docs/loss.md section 3,
+aggregation and `global_num_tokens` section 4, the execution paths section 6; the spec is
+rapo_fast/reference/policy_loss.py and the options one rapo_fast.loss.options.LossOptions.
 What this is not: log-probs (rapo_fast/loss/logprobs.py) or advantage estimation (rapo_fast/loss/advantages.py).
 """
 

@@ -3,13 +3,9 @@ kernels on one tile; shared by rapo_fast/loss/linear_logprobs.py (token_logprobs
 rapo_fast/loss/fused_linear.py (the one-pass policy loss). rapo_fast/loss/logprobs.py (the logits= path) uses its
 launch configuration and kernel loader.
 
-What this is: a [rows, V_chunk] block of logits is formed by torch.matmul in the input dtype into a reused buffer,
-then one Triton launch folds it into the per-row online state (m, s, t, target logit) or overwrites it with its
-gradient grad_z. The budget bounds the tile's bytes (tile_budget: on CUDA a fraction of the free device memory, capped
-by TILE_BYTES["gpu"]; on the CPU the fixed TILE_BYTES["cpu"]) and its vocabulary width (MAX_VOCAB_TILE, so that an
-fp32 grad_W accumulator of one vocabulary tile stays small too); tests shrink both through these module dicts.
-accumulate_fp32 sums a GEMM into an fp32 accumulator with the GEMM itself (torch.addmm with out_dtype=float32 where
-torch has it for the device and dtype, probed once) instead of a low-precision temporary.
+What this is: the tile budget (`tile_budget`, TILE_BYTES, MAX_VOCAB_TILE: module dicts that tests shrink), the
+launches that fold a [rows, V_chunk] logits tile into the per-row online state or overwrite it with grad_z, and
+`accumulate_fp32`. How the budget is set and how fp32 sums are made: docs/loss.md section 2, "Hidden path".
 What this is not: the kernels (kernels/loss/token_logprobs.py), the logits= path's launches
 (rapo_fast/loss/logprobs.py), or a place for autograd.
 """

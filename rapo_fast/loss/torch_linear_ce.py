@@ -1,17 +1,11 @@
 """The CPU fallback of token_logprobs(hidden=...) through PyTorch's own chunked linear cross-entropy.
 
 What this is: where Triton does not run (CPU tensors outside the interpreter), log-probs from hidden states without
-entropy are -F.linear_cross_entropy(h / T, W, y, linear_bias=b / T, reduction="none", options=...) — torch's chunked
-op (torch >= 2.13), which never holds [N, V]; measured on a 2-core AVX2 CPU it ran about 2x faster than our own
-chunked reference with less extra peak memory (bench/NOTES_token_logprobs.md). Gradients flow through
-torch's own backward, in fp32 (low-precision inputs are upcast once, as the reference fallback does, so that the
-log-softmax and the gradient sums over rows are fp32).
+entropy as -F.linear_cross_entropy(h / T, W, y, linear_bias=b / T, reduction="none", ...) (torch >= 2.13), which never
+holds [N, V]; gradients through torch's own backward, in fp32. Why this path and where it does not apply:
+docs/loss.md section 2, "Without Triton"; rapo_fast/loss/path_plan.py picks it.
 What this is not: the path for entropy, for a row whose log-sum-exp is not finite, or under torch.compile tracing.
-Entropy is not an output of torch's op; a non-finite row must give NaN log-prob and an exactly-zero gradient
-(docs/loss.md section 2), which torch's backward does not (a NaN row's softmax poisons grad_W); the finiteness check
-is a data-dependent branch that would break a full graph. rapo_fast/loss/path_plan.py picks this path only where it
-applies; token_logprobs (rapo_fast/loss/logprobs.py) hands a call whose output has a non-finite row to the chunked
-reference, which has the exact semantics. The Triton kernels are elsewhere (rapo_fast/loss/linear_logprobs.py).
+The Triton kernels are elsewhere (rapo_fast/loss/linear_logprobs.py).
 """
 
 from __future__ import annotations

@@ -1,25 +1,12 @@
 """Reference (spec) of the RAPO policy loss: plain torch autograd over the formulas of docs/loss.md.
 
-Two functions:
-- `policy_token_loss_ref`: the per-token loss and its metric terms, elementwise (broadcasting) over tokens. The Triton
-  kernel (kernels/loss/policy_loss.py) computes the same formulas; rapo_fast.rapo_loss's CPU fallback calls this one.
-- `rapo_loss_ref`: the whole loss the way verl writes it: sequences as rows of a padded [S, T] matrix (flat inputs with
-  cu_seqlens are padded row by row with a Python loop), per-row shaping factor and GSPO ratio, then verl's agg_loss
-  with an optional global normaliser. It computes the log-probs itself from logits/hidden when not given them.
-
-Per token t of row s (A the advantage, lr = logp - old_logp; every log-ratio clamped to [-20, 20] before exp):
-  r      = exp(lr)                                   ("token")
-         = exp(sg(mean_{on-policy t' of s} lr_t') + logp - sg(logp))   ("sequence", GSPO-token as in verl)
-  r_hat  = (1 + shaping_m * F_s) r,   F_s = retrieved_s / response_s
-  pg     = max(-A r_hat, -A clip(r_hat, 1 - eps_low, 1 + eps_high)); with dual_clip c and A < 0: min(pg, -A c)
-  pg    *= min(exp(old_logp - behav_logp), tis_cap)            (detached, when tis_cap is set)
-  retrieved tokens: excluded ("none"), -A p / (p + gamma) with p = exp(logp) ("shaped"),
-                    -A w logp with w = sg(min(exp(logp - behav_logp), is_cap)) ("truncated")
-  every token in the loss: + beta * KL_k(logp, ref_logp) - entropy_coef * H_t
-old_logp, behav_logp, ref_logp and advantages are data: they are detached. Tokens out of the loss contribute exactly
-zero to the loss, the metrics and the gradients whatever they hold (NaN, inf): their inputs are replaced by 0 with
-torch.where before any arithmetic (docs/loss.md section 3). The options are the fields of
-rapo_fast.loss.options.LossOptions (its checks are the only validation here). Not a fast path.
+What this is: `policy_token_loss_ref`, the per-token loss and its metric terms, elementwise over tokens (the Triton
+kernel computes the same formulas; rapo_loss's CPU fallback calls this one), and `rapo_loss_ref`, the whole loss the
+way verl writes it (padded [S, T] rows, per-row shaping factor and GSPO ratio, verl's agg_loss with an optional global
+normaliser). The formulas are docs/loss.md section 3 (per token, and tokens out of the loss) and section 4
+(aggregation). The options are the fields of rapo_fast.loss.options.LossOptions (its checks are the only validation
+here).
+What this is not: a fast path.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """Reference (spec) of exact step retrieval: a float64 brute-force top-k search, the contract both backends are tested
-against (docs/retrieval.md).
+against.
 
-Conventions (shared with csrc/include/rapo/retrieval_metric.h and csrc/include/rapo/topk.h):
-- every metric is reported larger-is-better: ``ip`` = <q, k>; ``cosine`` = <q, k> / (max(|q|, 1e-12) max(|k|, 1e-12))
-  (a zero vector scores 0 against everything); ``l2`` = -|q - k|^2, the negative squared distance;
-- results are sorted best first; equal scores go to the smaller slot;
-- a slot is eligible when its score is >= min_score, is not -inf or NaN, and its group differs from the query's
-  excluded group (a negative excluded group excludes nothing);
-- rows with fewer than k eligible slots are padded with score -inf and slot -1.
-Queries are rounded to the buffer's dtype before scoring (both backends score in that dtype); pass them that way.
-The backends score l2 about the stored keys' mean (docs/retrieval.md), the same distance; this spec takes the direct
-differences in float64, which need no centring.
-
+What this is: the contract's executable form: metrics reported larger-is-better, results best first with ties to the
+smaller slot, the eligibility rules and the -inf / -1 padding, all written out in docs/retrieval.md section 2 (shared
+with csrc/include/rapo/retrieval_metric.h and topk.h). It takes l2's direct differences in float64, which need no
+centring; queries should come rounded to the buffer's dtype, as the backends score them.
 What this is not: a fast path (it materialises the full [Q, C] score matrix in float64) nor the StepBuffer's storage.
 """
 

@@ -1,16 +1,11 @@
 """The `backend` argument of exact search (StepBuffer.search, ShardedStepBuffer.search, StepTraces.retrieve and the op
 `rapo_fast::retrieval_search`): which implementation runs one search, and the refusal of an explicit choice that
-cannot run on the given tensors (docs/retrieval.md, "Choosing the backend").
+cannot run on the given tensors.
 
-- "auto" (the default): today's choice, unchanged. CPU tensors: the C++ CPU backend. CUDA tensors: the CUDA backend
-  or the Triton kernel, per `select_backend` (the env var RAPO_FAST_RETRIEVAL_BACKEND, else the PREDICTED crossover
-  table of rapo_fast/retrieval/triton_search.py).
-- "cpu": the C++ CPU backend; CPU tensors and a built extension only.
-- "cuda": the CUDA backend of the extension; CUDA tensors and an extension built with CUDA only.
-- "triton": the Triton kernel; CUDA tensors with Triton installed, or CPU tensors under TRITON_INTERPRET=1.
-An explicit backend wins over the env var. One that cannot run raises ValueError naming `backend`, the value and why.
-Every backend returns the same results (the contract of rapo_fast/reference/retrieval.py).
-
+What this is: the resolution of "auto" | "cpu" | "cuda" | "triton"; "auto" keeps the choice made before the argument
+existed (CPU: the C++ backend; CUDA: `select_backend` of triton_search.py). An explicit backend wins over the env var;
+one that cannot run raises ValueError naming `backend`, the value and why. The rules are in docs/retrieval.md,
+"Choosing the backend"; every backend returns the same results (rapo_fast/reference/retrieval.py).
 What this is not: the backends themselves, or the crossover table (triton_search.py).
 """
 

@@ -1,13 +1,9 @@
 """The l2 search over centred keys, chunk by chunk: how StepBuffer.search scores metric "l2" on CUDA without a full
 centred copy of the stored keys (docs/retrieval.md, "l2 about the keys' mean").
 
-The CUDA backend scores l2 on fp32 keys centred on the keys' mean, with their squared norms taken in float64. Made for
-all C keys at once, those copies are a [C, D] fp32 and a [C, D] fp64 buffer per search (~37 GB at C = 4M, D = 768).
-`chunked_l2_search` instead centres at most `chunk_rows` keys at a time, searches each chunk with the given search
-function (the registered op `rapo_fast::retrieval_search` in the library, any function of its signature in tests),
-and merges the per-chunk top-k lists exactly: the result equals one search over all keys, ties to the smaller slot
-and -inf / -1 padding included. It is device-agnostic, so the CPU tests run it with the CPU backend.
-
+What this is: `chunked_l2_search`, which centres at most `chunk_rows` keys at a time, searches each chunk with the
+given search function and merges the per-chunk top-k lists exactly (ties to the smaller slot and -inf / -1 padding
+included). It is device-agnostic, so the CPU tests run it with the CPU backend.
 What this is not: a search kernel, argument validation (StepBuffer does it first), or the CPU path (the CPU backend
 centres keys as it packs them and needs no copy).
 """

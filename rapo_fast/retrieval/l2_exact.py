@@ -1,18 +1,9 @@
 """Exact l2 top-k whatever the keys' layout: the fp32 search's answer, certified per query, else a float64 search.
 
-Why: the backends score l2 as |q'|^2 + |k'|^2 - 2 q'.k' in fp32 about the keys' mean m (q' = q - m, k' = k - m;
-docs/retrieval.md). Its error grows with |q'|^2 + |k'|^2, not with the distance: for two clusters at +-1e4 the mean is
-near the origin again, every score cancels to about 0 and 24 of 25 neighbours came out wrong (issue 28, class 7).
-What this does: it asks the fp32 search for k + 1 candidates (more when needed), re-scores them exactly (float64
-direct differences, the spec's formula), and accepts the answer for a query only when no key left out can be as
-close as the k-th: a key j left out has an fp32 score <= s_min, the worst candidate's; if its true distance d_j were
-<= d_k (the exact k-th), then |k'_j| <= |q'| + sqrt(d_k) = R and its fp32 score >= -d_k - B with
-B = (4 D + 32) u (|q'|^2 + R^2), u = 2^-24 the fp32 unit roundoff (the expanded form's error: 2 gamma_D for the dot,
-gamma_D per norm, the centring and the final operations, gamma_D ~ D u). So s_min < -d_k (1 + 2^-20) - B proves the
-top-k (the 2^-20 keeps fp32-equal scores, ties to the smaller slot, on the brute force's side). A query that cannot
-be certified with CERT_MAX_K candidates is answered by the float64 brute force over all keys (direct differences,
-chunked): exact, and slower (D flops per key, memory-bound), which only data near the fp32 bound pays.
-Scores are the exact ones rounded to fp32 (not the fp32 expanded form's), min_score applies to them.
+What this is: the fp32 search is asked for k + 1 candidates (more when needed), they are re-scored exactly (float64
+direct differences), and a query's answer is accepted only when the fp32 error bound proves that no key left out can
+be as close as the k-th; a query not certified with CERT_MAX_K candidates gets the float64 brute force over all keys.
+Why the fp32 expanded form fails, the bound and the scores returned: docs/retrieval.md section 2 (l2 precision).
 What this is not: a kernel (the fp32 search is the backends'), or argument validation (StepBuffer does it first).
 """
 

@@ -1,24 +1,12 @@
 """StepTraces: the step-trace buffer of RAPO (history embedding -> the step taken next), built from JSONL trajectories.
 
-What this is: the glue between an off-policy source and `rapo_fast.StepBuffer`. `StepTraces.from_jsonl` reads
-trajectories (the JSONL record of docs/formats.md, read by rapo_fast.retrieval.jsonl), keeps the top K per query by
-reward (K=5, as in the paper), splits them into steps, encodes each step's preceding history with any encoder
-(rapo_fast.retrieval.encoders) as the key, and stores the step's tokens (wrapped in `<retrieve> ... </retrieve>`, the
-segment a rollout inserts) as the payload; with a model and a `StepKVStore`, also each segment's K/V (computed at
-positions 0..L-1) for splice mode. During training the policy's own successful steps can be added (`add_steps`),
-under the prompt's group id so that a rollout can exclude its own group. What it is not: the nearest-neighbour search
-(StepBuffer) or the splicing (rapo_fast.kv.splice); the retrieval contract is in docs/retrieval.md.
-
-Group ids: on-policy steps carry the prompt's query id; off-policy steps carry OFFPOLICY_GROUP_BASE + query id, so
-excluding a prompt's own group removes the policy's own earlier steps on that prompt but keeps the off-policy
-agent's steps, which are what the paper retrieves.
-
-Eviction (pin_offpolicy, default True): the off-policy steps are pinned in the StepBuffer, so once it is full the
-on-policy steps added later evict only each other (fifo: the oldest on-policy step; lowest_score: the lowest-scored),
-and a new one is dropped when off-policy steps fill every slot. Otherwise a fifo buffer would evict the off-policy
-source first, as it was added first. pin_offpolicy=False keeps the old rule (one eviction order for every step).
-Off-policy steps are the payload ids below num_offpolicy (from_jsonl stores them first), which is how `load` pins
-them again: StepBuffer snapshots do not store pin flags.
+What this is: the glue between an off-policy source and `rapo_fast.StepBuffer`: `StepTraces.from_jsonl` (top K per
+query by reward, split into steps, each history encoded as the key, the step's `<retrieve> ... </retrieve>` tokens as
+the payload, optionally each segment's K/V for splice mode), `add_steps` for the policy's own successful steps, and
+`retrieve`. Group ids, pinned off-policy steps and eviction are in docs/retrieval.md ("Pinned steps", section 6),
+the saved layout in docs/formats.md section 3.
+What it is not: the nearest-neighbour search (StepBuffer) or the splicing (rapo_fast.kv.splice); the retrieval
+contract is in docs/retrieval.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """The Triton search path of StepBuffer.search on CUDA: its launcher, argument checks, the merge of the per-split
-candidates, and the dispatch table that picks the Triton path or the CUDA backend per call (docs/retrieval.md,
-"Triton path").
+candidates, and the dispatch table that picks the Triton path or the CUDA backend per call.
 
-`triton_search(keys, key_aux, groups, queries, exclude, k, metric, min_score, centre)` has the signature and the
-contract of `rapo_fast::retrieval_search` (rapo_fast/retrieval/op.py): scores [Q, k] fp32 and slots [Q, k] int64,
-best first, ties to the smaller slot, -inf / -1 padding. It runs on CUDA tensors, and on CPU tensors under
-TRITON_INTERPRET=1 (how the tests check it without a GPU). `select_backend` reads RAPO_FAST_RETRIEVAL_BACKEND
-(cuda | triton | auto) and, for auto, CROSSOVERS, whose rows are PREDICTED, not measured: replaced by the GPU run's
-figures. It is the "auto" choice of the `backend` argument (rapo_fast/retrieval/backends.py), which an explicit
-backend overrides.
-
+What this is: `triton_search(...)`, with the signature and contract of `rapo_fast::retrieval_search`
+(rapo_fast/retrieval/op.py), on CUDA tensors and on CPU tensors under TRITON_INTERPRET=1; and `select_backend`
+(RAPO_FAST_RETRIEVAL_BACKEND, else CROSSOVERS, whose rows are PREDICTED, not measured: replaced by the GPU run's
+figures), the "auto" choice of rapo_fast/retrieval/backends.py. Both are described in docs/retrieval.md, "Triton path".
 What this is not: the kernel (kernels/retrieval/search.py), StepBuffer's argument checks (rapo_fast/retrieval/
 buffer.py), or the CUDA backend (csrc/retrieval_cuda.cu).
 """

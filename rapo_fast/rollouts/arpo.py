@@ -1,24 +1,10 @@
 """ARPO's entropy-adaptive branching (arXiv 2507.19849) inside the lockstep rollout, by two rules.
 
-What this is: the branching policy. Each prompt has `group_size` row slots; `initial` of them start. Two rules decide
-when a row branches (up to beam - 1 free slots of its group become copies of the row as it was right after a tool
-result: same tokens, same cache columns, and sample the next step afresh):
-- "paper" (the paper's description): a row's initial entropy H_init is the mean full-vocabulary entropy of the first k
-  generated tokens of its step 0. After each tool result, once the next step has k tokens (or ends), its mean entropy
-  H_t gives the normalised rise dH = (H_t - H_init) / H_init, bounded to [-1, 1] (PAPER_RISE_BOUND: the paper's
-  "Normalize" is not defined, and the raw ratio is unbounded: seen from -1.0 to 12.7 on a tiny tool-using policy, so
-  that p saturates at 1 whenever H_init is small and the budget goes to the first tool calls), and the row branches
-  with probability alpha + beta * dH (clamped to [0, 1]); all copies on one coin. A branch inherits H_init and does not
-  branch again on the step it was created at. When every started row of a prompt has ended and slots remain, `initial`
-  fresh rollouts start.
-- "released" (dongguanting/ARPO at e257337, vllm_rollout_with_tools.py, whose runs produced the published numbers): a
-  segment's entropy is, over its first k (20) tokens, the sum over positions of -sum p log p over the top `topk` (10)
-  tokens' probabilities under the sampling distribution (what vLLM's logprobs=10 return), divided by log |V|. The
-  decision is taken at the tool result, on the segment that ended in the tool call (one step behind the paper's),
-  with the absolute rise dH = H_segment - H_init (H_init: the row's first segment; for a copy, its own first segment
-  after the branch). One coin per copy: copy j is made when clamp(u_j - beta * dH, 0, 1) <= alpha (alpha is the
-  released code's branch_probability, beta its entropy_weight). A prompt whose started rows have all ended gets one
-  fresh rollout at a time while slots remain.
+What this is: the branching policy. Each prompt has `group_size` row slots; `initial` of them start; a branch makes up
+to beam - 1 free slots of its group copies of the row as it was right after a tool result. Two rules decide when a
+row branches: "paper" (the paper's description, with the normalised entropy rise bounded by PAPER_RISE_BOUND) and
+"released" (the code behind the published numbers, dongguanting/ARPO at e257337). Both rules, exactly, are in
+docs/rollout.md section 2 ("arpo").
 What this is not: advantage attribution (rapo_fast.train.trainer.hard_attribution).
 """
 

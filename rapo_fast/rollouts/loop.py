@@ -1,21 +1,11 @@
 """Hybrid-policy, multi-turn, tool-integrated rollouts of a HF causal LM, batched over G per prompt: `rollout()`.
 
-What this is: the generation loop of RAPO (docs/rollout.md). Each prompt gets `group_size` rows; a step ends at a
-tool call (`</tool>`: the environment's output is appended as non-trainable tool tokens) or at <eos> (the answer).
-Strategies:
-- "hybrid" (RAPO): the first `n_hybrid` rows of each group are hybrid. Step 0 is always on-policy; before each later
-  step of a hybrid row, with probability `retrieve_prob` (a float or a callable of the step index) the history is
-  encoded, the step buffer is searched (top-1; excluding the prompt's own group when the buffer holds on-policy steps),
-  and the retrieved step is inserted between <retrieve> and </retrieve>; the policy then generates the next step.
-  mode="exact" runs the model over the inserted tokens; mode="splice" appends their cached K/V rotated to the row's
-  positions (rapo_fast.rollouts.splice) and runs the model over the closing </retrieve> only.
-- "on_policy": plain GRPO sampling (no retrieval).
-- "arpo": ARPO's entropy-adaptive branching (rapo_fast.rollouts.arpo).
-Recorded per token: kind (generated / retrieved / tool / prompt), behaviour log-prob and entropy of each generated
-token, step boundaries, retrievals. The code reads top to bottom: `rollout` checks its arguments, builds the rows
-and the decode engine, and runs `_Lockstep` (retrieve at step boundaries -> sample -> feed, until every row is done);
-`_collate` packs the rows into a RolloutBatch. What this is not: the reward (the environment's verifier, called by the
-trainer), the loss, or the decoding engine (rapo_fast.rollouts.engine).
+What this is: the generation loop of RAPO. Each prompt gets `group_size` rows; a step ends at a tool call or at <eos>.
+Strategies "hybrid" (RAPO: retrieval at step boundaries, mode "exact" or "splice"), "on_policy" (GRPO), "arpo"
+(rapo_fast.rollouts.arpo) and "offpolicy_traj"; recorded per token: kind, behaviour log-prob and entropy, step
+boundaries, retrievals. The spec is docs/rollout.md (strategies section 2, token kinds section 3, the result section 6).
+What this is not: the reward (the environment's verifier, called by the trainer), the loss, or the decoding engine
+(rapo_fast.rollouts.engine).
 """
 
 from __future__ import annotations

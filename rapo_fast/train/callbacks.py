@@ -1,17 +1,11 @@
 """Hooks into RAPOTrainer.train: per-step callbacks that can add metrics, feed the progress bar and stop training.
 
 What this is: `TrainerCallback`, the base class whose methods `RAPOTrainer.train` calls (all no-ops here), and
-`EvalCallback`, which runs an evaluation inside the training loop (before the first step, every `every` steps and
-after the last), records the curve, shows the latest score in the progress bar and can stop training once a target
-is reached. The demo drives training through it, and so can a benchmark runner. What this is not: the training
-loop (rapo_fast/train/trainer.py) or an evaluation (pass your own, e.g. rapo_fast.train.sft.evaluate).
-
-Order within `train(num_steps)`: on_train_begin(trainer, num_steps) of every callback; then for each step:
-trainer.step() (which logs the step's metrics to the CSV/TensorBoard), the legacy `callback(metrics)` if given, then
-every callback's on_step_end(trainer, step, metrics) in list order (all of them, even after one asked to stop), then
-the progress bar; training stops after the step at which any on_step_end returned True (before the first step if an
-on_train_begin did); finally on_train_end(trainer, history). Keys a callback adds to `metrics` end up in the
-returned history (not in the CSV, which was written already).
+`EvalCallback`, which runs an evaluation inside the training loop, records the curve, shows the latest score in the
+progress bar and can stop training once a target is reached. The order of the calls within `train` is in
+docs/training.md section 1.
+What this is not: the training loop (rapo_fast/train/trainer.py) or an evaluation (pass your own, e.g.
+rapo_fast.train.sft.evaluate).
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """RAPOTrainer: the thin RL trainer. One step = rollout -> outcome rewards -> old log-probs and step entropies (one
 fused token_logprobs pass) -> retrieval rewards -> advantages -> rapo_loss -> optimiser step -> optional buffer update.
 
-What this is: the training step of docs/training.md as a loop of replaceable callables (`rollout_fn`, `reward_fn`,
-`advantage_fn`, `loss_fn`), a CSV metrics log (optionally TensorBoard), and checkpoint/resume of model, optimiser,
-buffer and every RNG. `train` is the one training loop: callers (the demo, benchmark runners) hook into it with
-TrainerCallback objects (rapo_fast/train/callbacks.py: evaluation inside the loop, its score in the tqdm bar, early
-stop) rather than writing their own loop around `step`. Retrieved tokens and tool outputs never enter the loss
-(loss_mask = generated tokens only); the RAPO shaping's F is retrieved / response tokens; in splice mode the
-behaviour log-probs recorded by the rollout feed the loss's truncated importance sampling (tis_cap). What this is
-not: a distributed trainer or a serving engine; the configuration lives in rapo_fast/train/config.py, I/O helpers in
-rapo_fast/train/io.py. Importing it never imports rapo_fast.demo.
+What this is: the training step of docs/training.md section 1 as a loop of replaceable callables (`rollout_fn`,
+`reward_fn`, `advantage_fn`, `loss_fn`), a CSV metrics log (optionally TensorBoard), checkpoint/resume of model,
+optimiser, buffer and every RNG, and `train`, the one training loop, which callers hook into with TrainerCallback
+objects (rapo_fast/train/callbacks.py) rather than writing their own loop around `step`.
+What this is not: a distributed trainer or a serving engine; the configuration lives in rapo_fast/train/config.py,
+I/O helpers in rapo_fast/train/io.py. Importing it never imports rapo_fast.demo.
 """
 
 from __future__ import annotations

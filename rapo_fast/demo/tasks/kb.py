@@ -1,31 +1,12 @@
 """Multi-hop questions over a synthetic knowledge base with a search tool: the demo's second task family.
 
-What this is: a Search-R1-style family where exploration is the bottleneck. A seed generates a small knowledge base
-of typed entities (people, cities, countries, companies; each a single token `e0`, `e1`, ...) and functional
-relations between them (`born_in`, `works_for`, `located_in`, `capital`, `ceo`, `hq_in`). A question composes 2-3
-relations, written as a function composition read right to left, e.g. `<bos> ask capital located_in born_in e17`
-("the capital of the country of the city where e17 was born"). The agent answers it one search per relation,
-innermost first, each step a (thought, tool call, observation) triple:
-
-    <think> born_in <tool> search born_in e17 </tool> <obs> e5 </obs>
-
-and ends with `<answer> e9 <eos>` (exact match). The intermediate entities are not in the prompt: the policy must
-copy each observed entity into the next call, take the relations in the reverse of their written order, and copy the
-answer from the last observation; no single search of the prompt's entity gives the answer (the generator rejects
-such questions). `kb_solver_trajectories` is the scripted off-policy solver (with errors: a wrong relation, two
-relations swapped, a stale entity) whose JSONL records seed the step buffer, as `solver.solver_trajectories` does
-for chain arithmetic. The task has the interface of `ChainArithmeticTask` (words, tokenizer, make_problems,
-step_text, answer_text, solution, execute, verify, tool_end, answer_start), so the rollout, the SFT warm-up and the
-trainer run on it unchanged.
-
-Tasks with the same entity counts and `kb_seed` share the knowledge base and the vocabulary whatever their hops, so
-a policy warmed up on `KnowledgeBaseTask(max_hops=2)` can be trained with RL on `KnowledgeBaseTask(min_hops=3)`: the
-third hop is then never demonstrated, and the tiny policy rarely finds it by sampling (the solver's 3-hop steps show
-it). With the default 2-3 hops, a few hundred SFT steps solve the family outright.
-
+What this is: a Search-R1-style family where exploration is the bottleneck: `KnowledgeBaseTask` (a seeded knowledge
+base of typed entities and functional relations; questions compose 2-3 relations, answered one search per relation)
+and `kb_solver_trajectories`, the scripted off-policy solver with errors. It has the interface of
+`ChainArithmeticTask`, so the rollout, the SFT warm-up and the trainer run on it unchanged. Format, solver and the
+hop split are described in docs/training.md section 6.
 What this is not: a model of real knowledge or of retrieval over text (the search is an exact lookup of one fact),
-nor a benchmark; the knowledge base is fixed per `kb_seed`, so a policy could in principle memorise the answers of the
-~730 distinct questions instead of searching. It is small enough (~170 words) for the demo's tiny policy on a CPU.
+nor a benchmark; the knowledge base is fixed per `kb_seed`.
 """
 
 from __future__ import annotations

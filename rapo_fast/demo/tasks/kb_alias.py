@@ -1,21 +1,10 @@
 """Knowledge-base questions whose relation chain is named by an alias: the family of `rapo-fast table1`'s fair setting.
 
-What this is: `AliasKBTask`, the knowledge base of kb.py asked through alias words. Each of the 18 relation chains of
-2-3 hops whose types compose has an alias (`q0` ... `q17`, assigned by a shuffle, so the name says nothing), and a
-question is `<bos> ask q7 e17`: the chain is not in the prompt. A policy that knows what `q7` means answers with
-the same searches as kb.py's explicit questions; one that does not must find the chain by trying relations (at each
-hop the entity's type leaves one or two of them). That is the exploration bottleneck of issue 24: every search of
-an unknown alias's chain is a step the policy can already write (it is demonstrated under other aliases and in the
-explicit format), but which it rarely chooses for that alias. A step retrieved from *another* question with the
-same alias shows the relation to take, while its entity and observation are that other question's, so retrieval
-hands over the way, not the answer.
-
-`AliasProblem.hints[k]` is such a foreign step for hop k (the same relation on another entity of the same type, with
-its observation in this draw of the facts): the SFT warm-up's "foreign" retrieve style shows it as a retrieved block
-before the policy's own step, which teaches taking the relation of a retrieved step and applying it to one's own
-entity. What this is not: a model of retrieval over text, or a task a policy can solve without searching: the
-answer is an entity two or three facts away, and held-out questions start from entities no training question
-starts from.
+What this is: `AliasKBTask`, the knowledge base of kb.py asked through alias words (`<bos> ask q7 e17`: the chain is
+not in the prompt), and `AliasProblem.hints`, the foreign steps the SFT warm-up shows as retrieved blocks. Why the
+setting is built this way: docs/training.md section 7 and docs/table1_fair_design.md.
+What this is not: a model of retrieval over text, or a task a policy can solve without searching: the answer is an
+entity two or three facts away, and held-out questions start from entities no training question starts from.
 """
 
 from __future__ import annotations

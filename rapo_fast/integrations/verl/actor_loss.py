@@ -1,31 +1,9 @@
 """The RAPO loss inside verl's actor update: how the per-token retrieved flags and the per-sequence F reach it.
 
-The route. verl 0.9.1's actor (verl/workers/engine_workers.py, ActorRolloutRefWorker.init_model) installs
-`partial(ppo_loss, config=actor_config)` (verl/workers/utils/losses.py) with `set_loss_fn`; the engine calls it per
-micro-batch as `loss_fn(model_output=..., data=micro_batch, dp_group=...)`, where `data` is the TensorDict of the
-whole sample, non-tensor fields included: in the legacy trainer (trainer.use_v1=False) the agent loop's
-extra_fields are `non_tensor_batch` keys ("rapo_retrieved_mask", "rapo_f_ret", ...) that `DataProto.to_tensordict`
-turns into NonTensorStack entries; in the v1 trainer (TransferQueue) they stay one dict per sample under the
-"extra_fields" key. verl's micro-batching (`index_select_tensor_dict`, `chunk_tensordict`) carries both along with
-the tensors. verl's `ppo_loss` then keeps only response_mask / old_log_probs / advantages and calls the registered
-policy loss with the registry arguments, so:
-
-- `rapo_ppo_loss(config, model_output, data, dp_group)` reads the RAPO fields from `data` into a context variable and
-  calls verl's own `ppo_loss` (entropy bonus, KL loss, metrics and global-batch normalisers stay verl's code);
-- the policy loss registered as "rapo" (policy_loss.make_rapo_registry_loss) reads the context and calls
-  `rapo_policy_loss` with `retrieved_mask` and `trajectory_mask` (every response token: model, tool, retrieved),
-  so F = retrieved / trajectory tokens per row as rapo_fast's trainer computes it, and the per-token loss runs in
-  rapo_fast's policy-loss kernel (rapo_fast.loss.policy_loss_from_logp).
-
-Why not rollout_is_weights: verl multiplies the clipped per-token loss by them, while RAPO's shaping scales the ratio
-inside the clip (clip((1 + m F) r) != (1 + m F) clip(r)), so the math does not allow it.
-`register()` installs the route without user code: it replaces the `ppo_loss` (and `distillation_ppo_loss`) names in
-verl.workers.engine_workers by wrappers that set the context and call verl's functions unchanged; the plugin runs it
-in every worker when `import verl` loads the `verl.plugins` entry points, before the workers build their loss. A
-caller that builds its own worker may instead `set_loss_fn(partial(rapo_ppo_loss, config=actor_config))`.
-
-`register()` also calls logprobs.register(): with RAPO_FAST_VERL_FUSED_LOGPROBS=1 (opt-in) verl's fused-kernel actor
-forward (use_fused_kernels=True) computes the log-probs and entropy with rapo_fast's hidden-state kernel.
+What it is: `rapo_ppo_loss(config, model_output, data, dp_group)`, which reads the RAPO fields of the micro-batch into
+a context variable and calls verl's own `ppo_loss` (whose registered "rapo" policy loss reads them), and `register()`,
+which installs that route in verl's workers without user code (and calls logprobs.register()). The route through
+verl 0.9.1, why not rollout_is_weights, and the opt-in fused log-probs are in docs/verl.md section 3, "The loss".
 What it is not: the policy-loss math (policy_loss.py) or the log-probs (verl's model forward gives them).
 Importable without verl (verl is imported inside `rapo_ppo_loss` without `base_loss`, and in `register()`).
 """

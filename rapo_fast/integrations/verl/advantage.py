@@ -1,29 +1,10 @@
 """The "rapo" advantage estimator for verl: GRPO group advantages times RAPO's retrieval factor (1 + a A_ret).
 
-What it is: `compute_rapo_outcome_advantage(token_level_rewards, response_mask, index, ..., config, non_tensor_batch)`
-with verl's estimator signature, registered by `register()` as "rapo" (`algorithm.adv_estimator=rapo`).
-A_acc is verl's own `compute_grpo_outcome_advantage` (called, not restated: with no retrieval in the batch the output
-IS verl's GRPO output); the retrieval reward Z per trajectory is `rapo_fast.loss.advantages.retrieval_reward` of the
-agent loop's "rapo_h_before" / "rapo_h_after" lists, A_ret = `group_normalize(Z, group)` (groups from verl's `index`,
-the prompt uid), and A = (1 + a A_ret) A_acc per token, a = `algorithm.rapo_ret_coef` (default 0.2), the same as
-`rapo_fast.loss.advantages.rapo_advantages` (up to fp32 rounding: verl computes A_acc in fp32). A group with no
-retrieval has A_ret = 0 exactly, so its rows are GRPO's exactly. `algorithm.rapo_ret_norm` is rapo_advantages'
-ret_norm: "group" (default: A_ret over every row of the group, a row without retrieval counting with Z = 0) or
-"retrieved" (A_ret over the rows with a scored retrieval only, i.e. a non-empty rapo_h_before list; the others get
-A_ret = 0); docs/loss.md section 8 says which the published method uses as far as is known.
-
-The route of the retrieval fields. verl's trainer calls a registered estimator with token_level_rewards,
-response_mask, config and index only (GDPO alone also gets the batch), so the fields need a route:
-- legacy trainer (trainer.use_v1=False, verl/trainer/ppo/ray_trainer.py `compute_advantage`): the agent loop's
-  extra_fields are `data.non_tensor_batch` keys. `register()` wraps `compute_advantage` (in ray_trainer and in
-  v1/utils, which imports it by name) so that for "rapo" it puts `data.non_tensor_batch` in a context variable that
-  the estimator reads (as if it were passed like GDPO's), then runs verl's function unchanged.
-- v1 trainer (the default, verl/trainer/ppo/v1/trainer_base.py `_compute_advantage`): the DataProto it builds holds
-  only uid / response_mask / rm_scores / log-probs; the extra_fields stay in TransferQueue. `register()` wraps the
-  `compute_advantage_for_multi_trajectories` name there: for "rapo" it reads "extra_fields" of the batch's keys from
-  TransferQueue (partition "train": advantages are computed for training batches only) into the context.
-An estimator called with neither (e.g. by hand) gets `non_tensor_batch=` as a keyword, or computes GRPO.
-
+What it is: `compute_rapo_outcome_advantage`, with verl's estimator signature, registered by `register()` as "rapo"
+(`algorithm.adv_estimator=rapo`): A_acc is verl's own GRPO advantage (called, not restated), A_ret the group-normalised
+retrieval reward of the agent loop's entropy lists, A = (1 + a A_ret) A_acc; `register()` also wraps verl's
+advantage call sites so the retrieval fields reach it in both trainers. The formula and options are in docs/loss.md
+section 8, the route in docs/verl.md section 3, "The advantage estimator "rapo"".
 What it is not: the per-token loss (actor_loss.py, policy_loss.py) or the entropies (the agent loop records them).
 Importable without verl; verl is imported inside the functions and `register()`.
 """

@@ -1,53 +1,12 @@
 """The RAPO agent loop for verl: verl's multi-turn tool loop (`ToolAgentLoop`) with RAPO's hybrid-policy step.
 
-What it is: `RAPOToolAgentLoop`, registered as the agent loop "rapo_tool_agent" by `register()` (called by
-rapo_fast/integrations/verl/plugin.py). It runs verl's `ToolAgentLoop` unchanged and adds one thing at each step
-boundary after step 0 (a step = one assistant turn and its tool response; the boundary is right after the tool
-response and the next generation prompt were merged): a hybrid member of a group, with probability `retrieve_prob`,
-decodes its history, asks the step buffer for the nearest step (excluding the prompt's own group unless
-`exclude_own_group` is false) and appends the returned `<retrieve> ... </retrieve>` token ids to its running tokens
-with response mask 0 and log-prob 0, so the model generates the next step after them (docs/rollout.md, "hybrid";
-this is its exact mode). Validation rollouts never retrieve (verl 0.9.1 passes the batch's validate flag to no agent
-loop: it is read from AgentLoopWorker._run_agent_loop's `trajectory` argument up the call stack, or from a
-`validate` sample field when there is one). With retrieve_prob = 0 (or a non-hybrid member, or
-validation) the trajectory is exactly ToolAgentLoop's; only the `rapo_*` extra fields are added.
-
-Recorded per trajectory in `AgentLoopOutput.extra_fields` (verl makes them object arrays of `non_tensor_batch`):
-- rapo_retrieved_mask: list[int] per response token, 1 on inserted tokens (delimiters included);
-- rapo_f_ret: float, retrieved tokens / response tokens (model, tool, template and retrieved tokens all count, as
-  rapo_fast's RolloutBatch.retrieved_fraction counts generated + retrieved + tool tokens);
-- rapo_h_before / rapo_h_after: list[float], one pair per retrieval that has a generated step after it (a retrieval
-  whose next step never came is not scored, as in rapo_fast.train.trainer.retrieval_rewards); the step entropy is
-  estimated from the engine's sampled-token log-probs as the mean of -log p over the step's generated tokens (an
-  unbiased estimate of the mean per-token entropy of the sampling distribution; rapo_fast's own trainer uses the
-  exact full-vocabulary entropy); empty when rollout.calculate_log_probs is off;
-- rapo_hybrid: bool; rapo_num_retrievals: int (all insertions); rapo_step_spans: list of [start, end) response
-  positions of each assistant turn; rapo_step_obs_end: per step, the end of its tool response (where the next
-  retrieved segment or step starts; the response's end for the last step), the span StepTraces.add_steps stores as a
-  step; rapo_retrieval_steps: [before, after] step indices of each scored retrieval
-  (so a consumer can recompute the entropies with the actor's exact entropy instead of the estimator);
-- rapo_validate: bool, the rollout is a validation one; rapo_group: int or None, the sample's group id (`group_key`
-  field, None when absent or not an int): the buffer-growth reward manager (buffer_growth.py) reads both.
-
-Groups and members: the group id of a sample is `int(kwargs[group_key])` (default "index", the dataset's
-extra_info.index: a stable query id, as StepTraces' on-policy group ids are; off-policy steps carry
-OFFPOLICY_GROUP_BASE + query id and are never excluded). verl does not tell a loop which of the G = rollout.n copies
-it is, so the member number is claimed from a per-process counter keyed by the sample's `uid` (verl gives the G
-copies of a prompt one uid) at the start of `run()`: the first `n_hybrid` claims of a uid are hybrid. This is exact
-when a prompt's G copies run in one agent-loop worker (verl chunks the batch evenly over workers: true when the
-number of prompts per step is a multiple of rollout.agent.num_workers); `hybrid_selection: coin` instead makes each
-copy hybrid with probability n_hybrid / G.
-
-Configuration (each key read from the agent-loop YAML entry's kwargs, else from the trainer config's top-level
-`rapo` section, else the default): retrieve_prob (0.5), n_hybrid (G // 2), group_size (rollout.n),
-exclude_own_group (true), buffer_name ("rapo_step_buffer"), max_retrieve_tokens (none: a longer segment is skipped),
-hybrid_selection ("count" | "coin"), group_key ("index"), seed (none: the retrieval coin is unseeded),
-history_skip_special_tokens (true). A retrieval that would not leave room for one generated token in
-rollout.response_length is skipped.
-
-What it is not: the step buffer (rapo_fast/integrations/verl/buffer_actor.py serves it; any object with the async
-`retrieve(histories, exclude_groups)` of the StepBufferClient interface works, see `set_step_buffer_client`), the
-reward or advantage (rapo_fast/integrations/verl/advantage.py) or the loss. Not importable without verl: only
+What it is: `RAPOToolAgentLoop`, registered as the agent loop "rapo_tool_agent" by `register()` (called by plugin.py).
+It runs verl's `ToolAgentLoop` unchanged and, at each step boundary after step 0 of a hybrid group member, with
+probability `retrieve_prob`, inserts the nearest step from the step buffer (`<retrieve> ... </retrieve>`, response mask
+0), then records the `rapo_*` extra fields. With retrieve_prob = 0, a non-hybrid member or validation the trajectory
+is exactly ToolAgentLoop's. Data contract, groups and members, validation and configuration: docs/verl.md section 2.
+What it is not: the step buffer (buffer_actor.py serves it; any object with the StepBufferClient interface works, see
+`set_step_buffer_client`), the reward or advantage (advantage.py) or the loss. Not importable without verl: only
 plugin.py and the tests import it.
 """
 

@@ -1,21 +1,13 @@
 """The RAPO step buffer served by Ray actors to verl's agent-loop workers, saved and restored with verl's checkpoints.
 
-What this is:
-- `StepBufferActor`: an async Ray actor holding one `rapo_fast.retrieval.step_traces.StepTraces` (encoder +
-  StepBuffer + payload token segments). Concurrent `retrieve` calls are gathered (those arriving within `window_s`,
-  or while a search runs) into one `StepTraces.retrieve` (one encoder call and one `StepBuffer.search`), and each
-  caller gets its own rows back. Searches, adds, saves and loads run one at a time on one worker thread, so every
-  search sees the buffer between two adds. The buffer lives on CUDA when the actor was given GPUs, else on the CPU.
-- `StepBufferClient`: what an agent loop holds (picklable; `retrieve`/`add_steps` are async). With several shards
-  (actors `name`, `name.1`, ...) adds go to shard `group_id % num_shards` and a retrieve asks every shard and keeps the
-  best score (ties: the lower shard); payload ids are `local_id * num_shards + shard`.
-- `get_or_create_step_buffer` / `get_step_buffer`: a client for the named actor(s) of this job.
-- `build_step_buffer_from_jsonl`: the one-time build of a saved buffer from off-policy JSONL traces (its command
-  line, the config keys and verl's checkpoint hook are in buffer_setup.py).
-
+What this is: `StepBufferActor` (an async Ray actor holding one StepTraces; concurrent retrieves are gathered into one
+search), `StepBufferClient` (what an agent loop holds; picklable, async, sharded over several actors),
+`get_or_create_step_buffer` / `get_step_buffer`, and `build_step_buffer_from_jsonl` (the one-time build; its command
+line, the config keys and verl's checkpoint hook are in buffer_setup.py). Batching, sharding and the save layout are
+in docs/verl.md section 4.
 What it is not: the nearest-neighbour search (rapo_fast.retrieval.buffer), the agent loop that inserts the steps
 (agent_loop.py), or an approximate index. Importing it imports neither ray nor verl (they are imported when an actor
-or client is made), so it is importable anywhere; docs/verl.md describes the save layout and the config keys.
+or client is made), so it is importable anywhere.
 """
 
 from __future__ import annotations

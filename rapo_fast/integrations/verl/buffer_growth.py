@@ -1,33 +1,10 @@
 """Growing RAPO's step buffer from a verl job's own rollouts: the "rapo" reward manager.
 
-What it is: `RapoRewardManager`, registered in verl 0.9.1's reward-manager registry as "rapo" by `register()` (called
-by plugin.py) and selected with `reward.reward_manager.name=rapo`. It wraps the reward manager the job would use
-otherwise (`rapo.inner_reward_manager`, default "naive"): the score is the inner manager's, unchanged. With
-`rapo.add_onpolicy_steps: true` (default false, as rapo_fast's TrainConfig) it then adds the trajectory's generated
-tool steps to the step buffer under its prompt's group id when the trajectory succeeded (reward >
-`rapo.onpolicy_reward_threshold`, default 0.5), by rapo_fast's own trainer's rule (`buffer_setup.onpolicy_steps`:
-history = prompt + response before the step, step = the step through its tool response, the answer step excluded).
-
-Why a reward manager: it is the one place in verl's code path where a trajectory's tokens, the agent loop's
-extra_fields and its reward meet, in both trainers. verl's AgentLoopWorker._compute_score (the legacy trainer's
-AgentLoopWorker and the v1 trainer's AgentLoopWorkerTQ alike) sends each finished trajectory to a RewardLoopWorker,
-whose manager's `run_single(data)` gets `prompts`, `responses`, `prompt_len`/`response_len`, the sample's fields and
-`tool_extra_fields` (the loop's extra_fields). The driver sees rewards only as batched tensors after the fact (and in
-the v1 trainer only as TransferQueue keys), and verl's driver-side hooks (the checkpoint callback) never see a batch.
-Training vs validation: verl tells no reward manager, so the agent loop records `rapo_validate` (and the group id
-`rapo_group`) in extra_fields; validation rollouts never grow the buffer, nor do trajectories of other agent loops.
-
-Adds from concurrent trajectories of one reward worker that arrive within `rapo.onpolicy_add_window_s` (default
-0.05 s) go to the buffer as one `add_steps` call (one encoder call in the actor); `run_single` returns after its
-steps were added, so an add that fails fails the reward computation loudly. Difference from rapo_fast's trainer: it
-adds after the step's update; here a step is added as soon as its trajectory is scored, so rollouts of the same
-batch that start later (other prompts: the own group is excluded) can already retrieve it.
-
-Not covered (buffer_setup.check_growth_config, run by the checkpoint callback on the driver, raises for them when
-the option is on, as it does when the job's reward manager is not this one): a reward model computed in the trainer
-(`reward.reward_model.enable` without `enable_resource_pool`: the trainer scores a batch without extra_fields), and
-a discriminative reward model without a custom reward function (verl bypasses the reward manager).
-
+What it is: `RapoRewardManager`, registered in verl 0.9.1's reward-manager registry as "rapo" by `register()`
+(`reward.reward_manager.name=rapo`). It wraps the job's own reward manager (the score is unchanged) and, with
+`rapo.add_onpolicy_steps: true`, adds a successful trajectory's tool steps to the step buffer under its prompt's group
+id by rapo_fast's trainer's rule (`buffer_setup.onpolicy_steps`). Why a reward manager, the differences from
+rapo_fast's trainer, what is not covered and the config keys: docs/verl.md section 5.
 What it is not: the buffer (buffer_actor.py), the rule itself (buffer_setup.onpolicy_steps) or the agent loop
 (agent_loop.py). Not importable without verl (it subclasses verl's RewardManagerBase): only plugin.py, verl's
 reward-manager loader and the tests import it.

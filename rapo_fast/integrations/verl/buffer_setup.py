@@ -1,21 +1,12 @@
 """Setting up RAPO's step buffer for a verl job: the one-time build CLI, the config keys, the checkpoint hook.
 
-What this is:
-- `main(argv)`: `python -m rapo_fast.integrations.verl.buffer_setup --jsonl T --out DIR --tokenizer MODEL` builds
-  the buffer once from off-policy JSONL traces (`buffer_actor.build_step_buffer_from_jsonl`); the `rapo-fast
-  verl-build-buffer` subcommand can route here.
-- `step_buffer_options` / `step_buffer_from_config`: the buffer of a job from its trainer config (`rapo.step_buffer.*`),
-  restored from the checkpoint verl resumes from when there is one.
-- `onpolicy_steps`: which (history, step) texts of a finished trajectory grow the buffer (rapo_fast's trainer's rule);
-  `check_growth_config`: with `rapo.add_onpolicy_steps` on, the job's reward manager must be buffer_growth.py's "rapo".
-- `StepBufferCheckpointCallback`: verl 0.9.1's `trainer.checkpoint_callback_class` hook (the v1 trainer,
-  verl/trainer/ppo/v1/trainer_base.py calls `on_save` after every checkpoint): it creates the job's buffer when the
-  trainer is built and saves it into `global_step_N/rapo_step_buffer` (save layout: buffer_actor.StepBufferClient.save).
-
-What it is not: the actor or the client (rapo_fast/integrations/verl/buffer_actor.py). Importing it imports neither
-ray nor verl (verl only inside `resume_checkpoint_dir`, ray when a client is made); the legacy v0 RayPPOTrainer has no
-checkpoint callback: call `step_buffer_from_config(config)` after its `_load_checkpoint` and `client.save(...)` after
-its `_save_checkpoint` (a subclass of it), as docs/verl.md shows.
+What this is: `main(argv)` (`python -m rapo_fast.integrations.verl.buffer_setup --jsonl T --out DIR --tokenizer
+MODEL`), `step_buffer_options` / `step_buffer_from_config` (the job's buffer from `rapo.step_buffer.*`, restored from
+the checkpoint verl resumes from), `onpolicy_steps` and `check_growth_config` (the buffer-growth rule and its check),
+and `StepBufferCheckpointCallback` (verl 0.9.1's `trainer.checkpoint_callback_class` hook). docs/verl.md section 4
+describes the build, the checkpoints (and the legacy v0 RayPPOTrainer, which has no such hook) and the config keys.
+What it is not: the actor or the client (buffer_actor.py). Importing it imports neither ray nor verl (verl only inside
+`resume_checkpoint_dir`, ray when a client is made).
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """The `verl.plugins` entry point: importing this module checks verl's version, then registers rapo_fast's parts.
 
 What it is: the target of `[project.entry-points."verl.plugins"] rapo_fast` (pyproject.toml), loaded by `import verl`
-in every process (the driver and every Ray worker). First verl_compat's version gate: a verl outside its supported
-range fails the load (RAPO_FAST_VERL_UNCHECKED=1 overrides). Then it registers the agent loop "rapo_tool_agent"
-(agent_loop.py), the policy losses "rapo" / "rapo_no_dual_clip" with verl's worker loss wrapped so the retrieval
-fields reach them (actor_loss.py), the advantage estimator "rapo" (advantage.py) and the reward manager "rapo" that
-grows the buffer (buffer_growth.py); the step buffer (buffer_actor.py) needs no registration.
-`VERL_USE_EXTERNAL_PLUGINS=none` turns verl's discovery off; `VERL_USE_EXTERNAL_MODULES=` this module loads it.
+in every process. It runs verl_compat's version gate (RAPO_FAST_VERL_UNCHECKED=1 overrides), then registers the agent
+loop, the policy losses with verl's worker loss wrapped, the advantage estimator and the reward manager (docs/verl.md
+section 1 and the table at its top). Why the warning below: verl logs a plugin's failure at DEBUG level only, so a
+failed registration would otherwise surface as "unknown agent loop rapo_tool_agent" much later, on a remote worker.
 What it is not: the parts themselves; not importable without verl. The one module of rapo_fast that registers at
-import time. Why the warning below: verl logs a plugin's failure at DEBUG level only, so a failed registration would
-otherwise surface as "unknown agent loop rapo_tool_agent" much later, on a remote worker.
+import time.
 """
 
 from __future__ import annotations

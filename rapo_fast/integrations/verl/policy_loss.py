@@ -1,32 +1,13 @@
 """verl adapter: a RAPO policy loss with verl's policy-loss registry signature.
 
-What it is:
-- `rapo_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)`,
-  the signature of verl's `PolicyLossFn` (verl/trainer/ppo/core_algos.py: `register_policy_loss`, `agg_loss`,
-  `compute_policy_loss_vanilla`), returning `(pg_loss, pg_metrics)` like verl's vanilla loss. With retrieval off it
-  equals verl's vanilla loss (PPO clip with clip_ratio_low/high, dual clip with clip_ratio_c, log-ratio clamped to
-  +-20, `agg_loss` with `config.global_batch_info`: dp_size, batch_num_tokens, global_batch_size, loss_scale_factor).
-  Keyword-only extras (retrieved_mask, trajectory_mask, shaping_m, offpolicy_train, ...) add RAPO's importance
-  shaping and off-policy tokens for callers that have them (verl's own `ppo_loss` passes only the registry
-  arguments: the registered loss then reads them from the micro-batch context that
-  rapo_fast/integrations/verl/actor_loss.py sets around verl's ppo_loss).
-  F (the shaping's retrieved fraction) = retrieved tokens / `trajectory_mask` tokens per row. In verl,
-  `response_mask` is 1 on model tokens only (tool and retrieved tokens are 0), so it is NOT F's denominator in a
-  multi-turn run: pass `trajectory_mask` = every response token (model, tool, retrieved), as rapo_fast's trainer
-  (RolloutBatch.response_mask) counts them. Without it, F's denominator is `response_mask` (the old behaviour).
-  Dual clip: option `dual_clip` = "config" (default: verl's vanilla loss, c = config.clip_ratio_c, 3.0 by default),
-  None (off: rapo_fast's RAPO preset and the paper) or a float c > 1.
-  `register_rapo_policy_loss(name, **options)` registers it (with fixed RAPO options) in verl's registry;
-  `register()` registers POLICY_LOSSES: "rapo" (m = 0.05, verl's dual clip: equals verl's vanilla loss with
-  retrieval off) and "rapo_no_dual_clip" (m = 0.05, no dual clip: rapo_fast's RAPO preset).
-- `RapoTokenFields`, `rapo_token_fields(...)` (a context manager) and `current_rapo_fields()`: the micro-batch's
-  retrieved flags and response lengths, which the registered loss reads when its caller passes no retrieved_mask
-  (actor_loss.py sets them around verl's ppo_loss). A registered loss called outside that route warns once.
-
-What it is not: a verl actor or trainer, and not the fused logits->loss kernel: verl's registry hands the loss
-log-probs that are already computed, so the loss here is `rapo_fast.loss.policy_loss_from_logp` on those log-probs
-(rapo_loss after its log-prob step: the per-token policy-loss kernel over [B, T], with rapo_loss's validation); the
-fused log-prob helpers are in rapo_fast/integrations/verl/logprobs.py. Importing this module imports no verl.
+What it is: `rapo_policy_loss`, with the signature of verl's `PolicyLossFn`, returning `(pg_loss, pg_metrics)`; with
+retrieval off it equals verl's vanilla loss, and keyword-only extras (retrieved_mask, trajectory_mask, shaping_m, ...)
+add RAPO's shaping and off-policy tokens. `register_rapo_policy_loss` / `register()` register it ("rapo",
+"rapo_no_dual_clip"); `rapo_token_fields` / `current_rapo_fields` carry the micro-batch's fields that actor_loss.py
+sets. F's denominator (`trajectory_mask`), the dual-clip option and the registered losses: docs/verl.md section 3.
+What it is not: a verl actor or trainer, and not the fused logits->loss kernel: verl hands the loss log-probs already
+computed, so the loss is `rapo_fast.loss.policy_loss_from_logp` on them (the fused log-prob helpers are in
+logprobs.py). Importing this module imports no verl.
 """
 
 from __future__ import annotations
