@@ -127,7 +127,8 @@ def _has_behaviour_logps(trainer: Any) -> bool:
     transformers generation gives none."""
     if getattr(trainer, "use_vllm", False) or getattr(trainer, "rollout_func", None) is not None:
         return True
-    return type(trainer)._generate_and_score_completions is not GRPOTrainer._generate_and_score_completions
+    own = (GRPOTrainer._generate_and_score_completions, RAPOGRPOTrainer._generate_and_score_completions)
+    return type(trainer)._generate_and_score_completions not in own
 
 
 def _refuse_without_behaviour_logps(trainer: Any, plan: TRLLossPlan) -> None:
@@ -312,11 +313,20 @@ class RAPOGRPOTrainer(GRPOTrainer):
         *args, **kwargs: passed to `trl.GRPOTrainer` unchanged.
         rapo_options: RAPO extras (keys of `RAPO_EXTRA_OPTIONS`), e.g. {"shaping_m": 0.05} for the paper's shaping.
             Per-token extras come from the inputs dict: "retrieved_mask" and "sampling_per_token_logps".
+        retrieval_coef: `a` of RAPO's advantage (1 + a * A_ret) * A, applied when the rollout_func
+            (rapo_fast.integrations.trl_rollout) returns retrieval rewards; 0 keeps TRL's advantages.
     """
 
-    def __init__(self, *args: Any, rapo_options: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        rapo_options: Mapping[str, Any] | None = None,
+        retrieval_coef: float = 0.2,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.rapo_options = dict(rapo_options or {})
+        self.retrieval_coef = float(retrieval_coef)
         from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
         if is_deepspeed_zero3_enabled():
@@ -367,6 +377,17 @@ class RAPOGRPOTrainer(GRPOTrainer):
             kwargs["global_num_tokens"] = normaliser
         return kwargs
 
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        """TRL's batch, plus the per-token "retrieved_mask" and RAPO's advantage when the rollout_func gave them.
+
+        TRL forwards a rollout_func's extra fields to the reward functions only (merged into the input rows), not
+        into this batch; rapo_fast.integrations.trl_rollout.attach_rollout_extras moves them here. Without them
+        (TRL's own generation, any other rollout_func) the batch is TRL's, unchanged."""
+        from rapo_fast.integrations.trl_rollout import attach_rollout_extras
+
+        output = super()._generate_and_score_completions(inputs)
+        return attach_rollout_extras(self, inputs, output, self.retrieval_coef)
+
     def _compute_loss(self, model: torch.nn.Module, inputs: Mapping[str, Any]) -> torch.Tensor:
         """TRL's loss hook, computed by `rapo_fast.rapo_loss` on the backbone's hidden states."""
         present = [k for k in _MULTIMODAL_KEYS if inputs.get(k) is not None]
@@ -400,6 +421,10 @@ class RAPOGRPOTrainer(GRPOTrainer):
                 continue
             name = names.get(key, f"rapo/{key}")
             self._metrics[mode][name].append(self.accelerator.gather(value.detach().float().reshape(1)).mean().item())
+        if "clip_frac_low" in metrics and "clip_frac_high" in metrics:
+            # TRL's region: low- or high-clipped, disjoint (opposite advantage signs) over the same token count
+            region = (metrics["clip_frac_low"] + metrics["clip_frac_high"]).detach().float().reshape(1)
+            self._metrics[mode]["clip_ratio/region_mean"].append(self.accelerator.gather(region).mean().item())
 
 
 def _is_peft(model: Any) -> bool:
