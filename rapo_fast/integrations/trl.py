@@ -5,10 +5,13 @@ hidden-state loss (`rapo_loss(hidden=..., weight=lm_head.weight, ...)`), so the 
 materialised (a second, no-grad log-prob pass runs only when TRL skipped the old log-probs), plus `trl_to_rapo_options`,
 the documented mapping from TRL's configuration to our options. With retrieval off and the same options it reproduces
 TRL's own loss value and gradients (tests/integrations/test_integration_trl.py checks this against the installed trl).
-The RAPO extras (importance shaping, off-policy retrieved tokens) are read from extra keys of the inputs dict.
+The RAPO extras (importance shaping, off-policy retrieved tokens) are read from extra keys of the inputs dict; with
+rapo_fast.integrations.trl_rollout's rollout_func (hybrid rollouts with retrieval) the `_generate_and_score_completions`
+override puts them there. TRL's clip_ratio/* metric names are kept (low_min / high_max per sequence, as TRL's).
 
-What it is not: a re-implementation of TRL's generation, rewards or advantages (inherited unchanged), nor an
-approximation of TRL options that have no exact counterpart here: those raise `ValueError` naming the option.
+What it is not: a re-implementation of TRL's generation, rewards or advantages (inherited; the advantages are only
+scaled by RAPO's retrieval term when the rollout_func gives retrieval rewards), nor an approximation of TRL options
+that have no exact counterpart here: those raise `ValueError` naming the option.
 
 Mapping (TRL `GRPOConfig` / trainer attribute -> `rapo_loss` keyword):
 
@@ -289,7 +292,8 @@ def _install_rapo_forward(model: torch.nn.Module, cast_lm_head_to_fp32: bool) ->
         # TRL runs an fp32-cast head outside autocast; so does this path.
         autocast_off = torch.autocast(hidden.device.type, enabled=False) if cast_lm_head_to_fp32 else nullcontext()
         with autocast_off:
-            if loss_kwargs.get("old_logp") is None:
+            given_old = loss_kwargs.get("old_logp") is not None
+            if not given_old:
                 # TRL skips the old log-probs when they equal the current ones (one iteration per generation) and
                 # uses logp.detach(); a no-grad chunked pass gives the same values without holding [N, V].
                 with torch.no_grad():
@@ -300,10 +304,49 @@ def _install_rapo_forward(model: torch.nn.Module, cast_lm_head_to_fp32: bool) ->
                         targets=loss_kwargs["targets"],
                         temperature=loss_kwargs["options"].temperature,
                     )
-            return rapo_fast.rapo_loss(hidden=hidden, weight=weight, bias=bias, return_metrics=True, **loss_kwargs)
+            loss, metrics = rapo_fast.rapo_loss(
+                hidden=hidden, weight=weight, bias=bias, return_metrics=True, **loss_kwargs
+            )
+            metrics["seq_clip"] = _sequence_clip_fractions(hidden, weight, bias, loss_kwargs, given_old)
+            return loss, metrics
 
     model.forward = types.MethodType(_forward, model)
     model._rapo_fast_forward_installed = True
+
+
+@torch.no_grad()
+def _sequence_clip_fractions(hidden, weight, bias, loss_kwargs: dict, given_old: bool) -> torch.Tensor:
+    """[2, B]: each row's fraction of low- / high-clipped tokens as TRL defines them (ratio below 1 - eps_low with
+    A < 0 / above 1 + eps_high with A > 0, the unshaped ratio, per token or per sequence), NaN for a row without
+    tokens in the loss: what TRL's clip_ratio/low_min and high_max reduce. Without given old log-probs the ratio is 1
+    and nothing is clipped, so no log-prob pass runs; with them, one no-grad pass of rapo_fast.token_logprobs."""
+    import rapo_fast
+
+    opts = loss_kwargs["options"]
+    mask = loss_kwargs["loss_mask"].bool()
+    if loss_kwargs.get("retrieved_mask") is not None:
+        mask = mask & ~loss_kwargs["retrieved_mask"]
+    mask = mask.float()
+    old = loss_kwargs["old_logp"]
+    if given_old:
+        logp = rapo_fast.token_logprobs(
+            hidden=hidden, weight=weight, bias=bias, targets=loss_kwargs["targets"], temperature=opts.temperature
+        ).float()
+        log_ratio = torch.where(mask > 0, logp - old.float(), torch.zeros_like(logp))
+    else:
+        log_ratio = torch.zeros_like(mask)
+    adv = loss_kwargs["advantages"].float()
+    adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
+    if opts.importance_sampling_level == "sequence":
+        ratio = torch.exp(log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0))
+        low = ((ratio < 1 - opts.eps_low) & (adv < 0)).float().mean(-1)  # one value per sequence, as TRL's
+        high = ((ratio > 1 + opts.eps_high) & (adv > 0)).float().mean(-1)
+        return torch.stack([low, high])
+    ratio = torch.exp(log_ratio)
+    count = mask.sum(-1)
+    low = (((ratio < 1 - opts.eps_low) & (adv < 0)).float() * mask).sum(-1) / count
+    high = (((ratio > 1 + opts.eps_high) & (adv > 0)).float() * mask).sum(-1) / count
+    return torch.stack([low, high])  # 0 / 0 = NaN for an empty row, excluded by TRL's nanmin / nanmax
 
 
 class RAPOGRPOTrainer(GRPOTrainer):
@@ -416,6 +459,16 @@ class RAPOGRPOTrainer(GRPOTrainer):
             "ratio_mean": "rapo/ratio_mean",
             "retrieved_frac": "rapo/retrieved_frac",
         }
+        seq_clip = metrics.pop("seq_clip", None)
+        if seq_clip is not None:
+            from trl.trainer.utils import nanmax, nanmin
+
+            gathered = self.accelerator.gather(seq_clip.float().T.contiguous())  # [B_all, 2]
+            self._metrics[mode]["clip_ratio/low_min"].append(nanmin(gathered[:, 0]).item())
+            self._metrics[mode]["clip_ratio/high_max"].append(nanmax(gathered[:, 1]).item())
+            if self.importance_sampling_level == "sequence":
+                # TRL averages one clip flag per sequence there; rapo_loss's fractions count tokens
+                metrics["clip_frac_low"], metrics["clip_frac_high"] = gathered.mean(0).unbind()
         for key, value in metrics.items():
             if not torch.is_tensor(value):
                 continue

@@ -135,3 +135,40 @@ def test_without_retrieval_equals_trl_grpo_trainer(tmp_path, warm_state):
             params_rapo[name], want, name=f"param {name}", atol=GRAD_TOL["atol"] * max(scale, 1e-12), rtol=1e-6
         )
     assert changed, "no parameter moved: the comparison would prove nothing"
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_clip_metrics_under_trl_names_match_trl(tmp_path, warm_state, level):
+    """clip_ratio/{low_mean, high_mean, region_mean, low_min, high_max}: our loss logs TRL's values on one batch."""
+    from rapo_fast.integrations.trl import RAPOGRPOTrainer
+
+    args = EX.parse_args(["--no-retrieval", "--shaping", "0"])
+    trainer, _, _ = EX.build_trainer(args, tmp_path, warm_state)
+    trainer.importance_sampling_level = level
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    prompts = [trainer.train_dataset[i]["prompt"] for i in range(2) for _ in range(args.group_size)]
+    batch = trainer._generate_and_score_completions([{"prompt": p} for p in prompts])
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model,
+            torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
+            torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1),
+            batch["completion_ids"].shape[1],
+        )
+    # per token noise, plus a per row shift that moves the sequence-level ratios past the clip bounds
+    noise = 0.4 * torch.randn(logps.shape, generator=g) + 0.5 * torch.randn(logps.shape[0], 1, generator=g)
+    batch["old_per_token_logps"] = (logps + noise).clamp(max=0.0)
+    batch["advantages"] = torch.randn(len(prompts), generator=g)
+    names = [f"clip_ratio/{k}" for k in ("low_mean", "high_mean", "region_mean", "low_min", "high_max")]
+    got = {}
+    for fn in (GRPOTrainer._compute_loss, RAPOGRPOTrainer._compute_loss):
+        trainer._metrics["train"].clear()
+        with torch.no_grad():
+            fn(trainer, trainer.model, dict(batch))
+        got[fn] = {k: trainer._metrics["train"][k][-1] for k in names}
+    want, ours = got[GRPOTrainer._compute_loss], got[RAPOGRPOTrainer._compute_loss]
+    assert any(v > 0 for v in want.values()), f"nothing clipped: the comparison would prove nothing ({want})"
+    for k in names:
+        assert ours[k] == pytest.approx(want[k], abs=1e-6), (k, ours, want)
