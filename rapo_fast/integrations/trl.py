@@ -2,10 +2,13 @@
 
 What it is: a subclass that replaces GRPOTrainer's `_compute_loss` with one call of the fused hidden-state loss (the
 [B, T, V] logits are never materialised), plus `trl_to_rapo_options`, the mapping from TRL's configuration to our
-options; with retrieval off and the same options it reproduces TRL's loss and gradients. The RAPO extras are read
-from `rapo_options` and extra keys of the inputs dict. The mapping table and the extras are in docs/trl.md.
-What it is not: a re-implementation of TRL's generation, rewards or advantages (inherited unchanged), nor an
-approximation of TRL options that have no exact counterpart here: those raise `ValueError` naming the option.
+options; with retrieval off and the same options it reproduces TRL's loss and gradients. The RAPO extras come from
+`rapo_options` and extra keys of the inputs dict, which rapo_fast.integrations.trl_rollout's rollout_func fills
+(through the `_generate_and_score_completions` override). TRL's clip_ratio/* metric names are kept. The mapping
+table, the extras and the rollout hook are in docs/trl.md.
+What it is not: a re-implementation of TRL's generation or rewards; the advantages are TRL's, scaled only by RAPO's
+retrieval term when the rollout_func gives retrieval rewards. TRL options without an exact counterpart raise
+`ValueError` naming the option.
 """
 
 from __future__ import annotations
@@ -96,7 +99,8 @@ def _has_behaviour_logps(trainer: Any) -> bool:
     transformers generation gives none."""
     if getattr(trainer, "use_vllm", False) or getattr(trainer, "rollout_func", None) is not None:
         return True
-    return type(trainer)._generate_and_score_completions is not GRPOTrainer._generate_and_score_completions
+    own = (GRPOTrainer._generate_and_score_completions, RAPOGRPOTrainer._generate_and_score_completions)
+    return type(trainer)._generate_and_score_completions not in own
 
 
 def _refuse_without_behaviour_logps(trainer: Any, plan: TRLLossPlan) -> None:
@@ -257,7 +261,8 @@ def _install_rapo_forward(model: torch.nn.Module, cast_lm_head_to_fp32: bool) ->
         # TRL runs an fp32-cast head outside autocast; so does this path.
         autocast_off = torch.autocast(hidden.device.type, enabled=False) if cast_lm_head_to_fp32 else nullcontext()
         with autocast_off:
-            if loss_kwargs.get("old_logp") is None:
+            given_old = loss_kwargs.get("old_logp") is not None
+            if not given_old:
                 # TRL skips the old log-probs when they equal the current ones (one iteration per generation) and
                 # uses logp.detach(); a no-grad chunked pass gives the same values without holding [N, V].
                 with torch.no_grad():
@@ -268,10 +273,49 @@ def _install_rapo_forward(model: torch.nn.Module, cast_lm_head_to_fp32: bool) ->
                         targets=loss_kwargs["targets"],
                         temperature=loss_kwargs["options"].temperature,
                     )
-            return rapo_fast.rapo_loss(hidden=hidden, weight=weight, bias=bias, return_metrics=True, **loss_kwargs)
+            loss, metrics = rapo_fast.rapo_loss(
+                hidden=hidden, weight=weight, bias=bias, return_metrics=True, **loss_kwargs
+            )
+            metrics["seq_clip"] = _sequence_clip_fractions(hidden, weight, bias, loss_kwargs, given_old)
+            return loss, metrics
 
     model.forward = types.MethodType(_forward, model)
     model._rapo_fast_forward_installed = True
+
+
+@torch.no_grad()
+def _sequence_clip_fractions(hidden, weight, bias, loss_kwargs: dict, given_old: bool) -> torch.Tensor:
+    """[2, B]: each row's fraction of low- / high-clipped tokens as TRL defines them (ratio below 1 - eps_low with
+    A < 0 / above 1 + eps_high with A > 0, the unshaped ratio, per token or per sequence), NaN for a row without
+    tokens in the loss: what TRL's clip_ratio/low_min and high_max reduce. Without given old log-probs the ratio is 1
+    and nothing is clipped, so no log-prob pass runs; with them, one no-grad pass of rapo_fast.token_logprobs."""
+    import rapo_fast
+
+    opts = loss_kwargs["options"]
+    mask = loss_kwargs["loss_mask"].bool()
+    if loss_kwargs.get("retrieved_mask") is not None:
+        mask = mask & ~loss_kwargs["retrieved_mask"]
+    mask = mask.float()
+    old = loss_kwargs["old_logp"]
+    if given_old:
+        logp = rapo_fast.token_logprobs(
+            hidden=hidden, weight=weight, bias=bias, targets=loss_kwargs["targets"], temperature=opts.temperature
+        ).float()
+        log_ratio = torch.where(mask > 0, logp - old.float(), torch.zeros_like(logp))
+    else:
+        log_ratio = torch.zeros_like(mask)
+    adv = loss_kwargs["advantages"].float()
+    adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
+    if opts.importance_sampling_level == "sequence":
+        ratio = torch.exp(log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0))
+        low = ((ratio < 1 - opts.eps_low) & (adv < 0)).float().mean(-1)  # one value per sequence, as TRL's
+        high = ((ratio > 1 + opts.eps_high) & (adv > 0)).float().mean(-1)
+        return torch.stack([low, high])
+    ratio = torch.exp(log_ratio)
+    count = mask.sum(-1)
+    low = (((ratio < 1 - opts.eps_low) & (adv < 0)).float() * mask).sum(-1) / count
+    high = (((ratio > 1 + opts.eps_high) & (adv > 0)).float() * mask).sum(-1) / count
+    return torch.stack([low, high])  # 0 / 0 = NaN for an empty row, excluded by TRL's nanmin / nanmax
 
 
 class RAPOGRPOTrainer(GRPOTrainer):
@@ -281,11 +325,20 @@ class RAPOGRPOTrainer(GRPOTrainer):
         *args, **kwargs: passed to `trl.GRPOTrainer` unchanged.
         rapo_options: RAPO extras (keys of `RAPO_EXTRA_OPTIONS`), e.g. {"shaping_m": 0.05} for the paper's shaping.
             Per-token extras come from the inputs dict: "retrieved_mask" and "sampling_per_token_logps".
+        retrieval_coef: `a` of RAPO's advantage (1 + a * A_ret) * A, applied when the rollout_func
+            (rapo_fast.integrations.trl_rollout) returns retrieval rewards; 0 keeps TRL's advantages.
     """
 
-    def __init__(self, *args: Any, rapo_options: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        rapo_options: Mapping[str, Any] | None = None,
+        retrieval_coef: float = 0.2,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.rapo_options = dict(rapo_options or {})
+        self.retrieval_coef = float(retrieval_coef)
         from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
         if is_deepspeed_zero3_enabled():
@@ -336,6 +389,17 @@ class RAPOGRPOTrainer(GRPOTrainer):
             kwargs["global_num_tokens"] = normaliser
         return kwargs
 
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        """TRL's batch, plus the per-token "retrieved_mask" and RAPO's advantage when the rollout_func gave them.
+
+        TRL forwards a rollout_func's extra fields to the reward functions only (merged into the input rows), not
+        into this batch; rapo_fast.integrations.trl_rollout.attach_rollout_extras moves them here. Without them
+        (TRL's own generation, any other rollout_func) the batch is TRL's, unchanged."""
+        from rapo_fast.integrations.trl_rollout import attach_rollout_extras
+
+        output = super()._generate_and_score_completions(inputs)
+        return attach_rollout_extras(self, inputs, output, self.retrieval_coef)
+
     def _compute_loss(self, model: torch.nn.Module, inputs: Mapping[str, Any]) -> torch.Tensor:
         """TRL's loss hook, computed by `rapo_fast.rapo_loss` on the backbone's hidden states."""
         present = [k for k in _MULTIMODAL_KEYS if inputs.get(k) is not None]
@@ -364,11 +428,25 @@ class RAPOGRPOTrainer(GRPOTrainer):
             "ratio_mean": "rapo/ratio_mean",
             "retrieved_frac": "rapo/retrieved_frac",
         }
+        seq_clip = metrics.pop("seq_clip", None)
+        if seq_clip is not None:
+            from trl.trainer.utils import nanmax, nanmin
+
+            gathered = self.accelerator.gather(seq_clip.float().T.contiguous())  # [B_all, 2]
+            self._metrics[mode]["clip_ratio/low_min"].append(nanmin(gathered[:, 0]).item())
+            self._metrics[mode]["clip_ratio/high_max"].append(nanmax(gathered[:, 1]).item())
+            if self.importance_sampling_level == "sequence":
+                # TRL averages one clip flag per sequence there; rapo_loss's fractions count tokens
+                metrics["clip_frac_low"], metrics["clip_frac_high"] = gathered.mean(0).unbind()
         for key, value in metrics.items():
             if not torch.is_tensor(value):
                 continue
             name = names.get(key, f"rapo/{key}")
             self._metrics[mode][name].append(self.accelerator.gather(value.detach().float().reshape(1)).mean().item())
+        if "clip_frac_low" in metrics and "clip_frac_high" in metrics:
+            # TRL's region: low- or high-clipped, disjoint (opposite advantage signs) over the same token count
+            region = (metrics["clip_frac_low"] + metrics["clip_frac_high"]).detach().float().reshape(1)
+            self._metrics[mode]["clip_ratio/region_mean"].append(self.accelerator.gather(region).mean().item())
 
 
 def _is_peft(model: Any) -> bool:

@@ -32,6 +32,7 @@ __all__ = [
     "EvalCallback",
     "default_rewards",
     "retrieval_rewards",
+    "onpolicy_steps",
     "hard_attribution",
 ]
 
@@ -60,6 +61,23 @@ def retrieval_rewards(batch: RolloutBatch, step_ent: torch.Tensor) -> tuple[torc
         ha[row, fill[row]] = step_ent[after]
         fill[row] += 1
     return retrieval_reward(hb, ha), counts
+
+
+def onpolicy_steps(batch: RolloutBatch, rewards: torch.Tensor, tokenizer) -> tuple[list[str], list[str], list[int]]:
+    """(histories, steps, group ids) of the generated tool steps of the successful trajectories (reward > 0.5), the
+    answer step and whole off-policy trajectories left out: what StepTraces.add_steps takes."""
+    hist, steps, groups = [], [], []
+    off = batch.offpolicy_rows.tolist()
+    for (row, start, end), obs_end in zip(batch.step_spans.tolist(), batch.step_obs_end.tolist()):
+        if rewards[row] <= 0.5 or obs_end == end:  # failed trajectory, or the answer step (not a tool step)
+            continue
+        if off[row]:  # a whole off-policy trajectory (strategy "offpolicy_traj"): the source's steps, not ours
+            continue
+        ids = batch.input_ids[row]
+        hist.append(tokenizer.decode(ids[:start]))
+        steps.append(tokenizer.decode(ids[start:obs_end]))
+        groups.append(int(batch.group_ids[row]))
+    return hist, steps, groups
 
 
 def mini_batch_rows(group_ids: torch.Tensor, groups_per_mini_batch: int | None) -> list[torch.Tensor]:
@@ -322,18 +340,7 @@ class RAPOTrainer:
         """The successful trajectories' generated tool steps go into the buffer under their prompt's group id; returns
         (steps the buffer stored, steps it dropped): a buffer whose every slot holds a pinned off-policy step keeps
         none of them (StepTraces.add_steps)."""
-        hist, steps, groups = [], [], []
-        spans = batch.step_spans.tolist()
-        off = batch.offpolicy_rows.tolist()
-        for (row, start, end), obs_end in zip(spans, batch.step_obs_end.tolist()):
-            if rewards[row] <= 0.5 or obs_end == end:  # failed trajectory, or the answer step (not a tool step)
-                continue
-            if off[row]:  # a whole off-policy trajectory (strategy "offpolicy_traj"): the source's steps, not ours
-                continue
-            ids = batch.input_ids[row]
-            hist.append(self.tokenizer.decode(ids[:start]))
-            steps.append(self.tokenizer.decode(ids[start:obs_end]))
-            groups.append(int(batch.group_ids[row]))
+        hist, steps, groups = onpolicy_steps(batch, rewards, self.tokenizer)
         _, slots = self.buffer.add_steps(hist, steps, groups, return_slots=True)
         stored = int((slots >= 0).sum())
         return stored, len(steps) - stored
