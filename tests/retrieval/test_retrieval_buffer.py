@@ -265,7 +265,7 @@ def test_opcheck_and_compile():
     q = torch.randn(11, 24)
     ex = torch.randint(-1, 4, (11,))
     args = (buf._keys, buf._aux, buf._group, q.half(), ex, 5, 2, -100.0)
-    torch.library.opcheck(retrieval_search, args)
+    torch.library.opcheck(retrieval_search.op, args)  # the registered op (eager calls skip the dispatcher)
 
     def fn(queries, exclude):
         s, p = buf.search(queries * 1.0, 5, exclude_groups=exclude, min_score=-100.0)

@@ -44,8 +44,8 @@ def widen_windows(monkeypatch):
     run, even on a loaded 2-core machine where threads otherwise rarely meet inside these windows."""
     search, aux = buffer_module.retrieval_search, buffer_module.key_aux_ref
 
-    def slow_search(*args):
-        out = search(*args)
+    def slow_search(*args, **kwargs):
+        out = search(*args, **kwargs)
         with ADDED:  # a wait that holds no GIL while it waits, so the writer runs at full speed
             start = ADDS["done"]
             ADDED.wait_for(lambda: ADDS["done"] >= start + 2, timeout=0.04)
