@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from rapo_fast.rollouts.loop import MODES
+
 # The default takes ~2-3 minutes on 2 idle CPU cores (more when shared). SFT runs in chunks until the greedy success
 # on a validation set (not the eval set) reaches --sft-target or sft_steps pass: how fast the tiny policy learns to
 # count operations varies a lot with the seed (0.45 to 0.87 after 300 steps in our runs), and RL needs room above
@@ -115,7 +117,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--mode",
-        choices=("exact", "splice"),
+        choices=MODES,
         default="exact",
         help="how a retrieved step enters the policy's KV cache: exact runs the policy over its tokens, "
         "splice inserts its cached keys/values (default exact)",

@@ -20,8 +20,7 @@ from rapo_fast import _checks as C
 from rapo_fast.loss import presets
 from rapo_fast.loss.advantages import RET_NORMS
 from rapo_fast.loss.options import LossOptions
-
-_STRATEGIES = ("hybrid", "on_policy", "arpo", "offpolicy_traj")
+from rapo_fast.rollouts.loop import MODES, STRATEGIES
 
 
 @dataclass
@@ -221,11 +220,11 @@ def _of_type(kinds: tuple[type, ...], what: str) -> Callable[[str, Any], None]:
 
 
 _FIELD_RULES: dict[str, Callable[[str, Any], None]] = {
-    "strategy": _choice(*_STRATEGIES),
+    "strategy": _choice(*STRATEGIES),
     "group_size": _int(1),
     "n_hybrid": _int(0),  # and <= group_size (validate)
     "retrieve_prob": _real(0.0, 1.0),
-    "mode": _choice("exact", "splice"),
+    "mode": _choice(*MODES),
     "prompts_per_step": _int(1),
     "temperature": _real(0.0, lo_open=True),
     "max_steps": _int(1),
