@@ -45,7 +45,7 @@ def triton_disabled() -> bool:
 def triton_missing_reason(device: torch.device) -> str | None:
     """Why Triton kernels cannot run on tensors of `device` (None when they can), the off switch aside."""
     if not triton_available():
-        return "triton is not importable"
+        return "triton is not installed (not importable)"
     if device.type == "cuda":
         return None
     if device.type == "cpu":

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from rapo_fast import _ext
-from rapo_fast._dispatch import interpret_mode, triton_available
+from rapo_fast._dispatch import triton_missing_reason
 from rapo_fast.retrieval.triton_search import select_backend
 
 __all__ = ["BACKENDS", "check_backend", "resolve_backend"]
@@ -42,12 +42,9 @@ def check_backend(backend: object, device: torch.device) -> str:
         why = "rapo_fast._C is not available" if not _ext.has_extension() else "rapo_fast._C was built without CUDA"
         raise _refuse(backend, f"{why}. {_ext.REBUILD_HINT}")
     if backend == "triton":
-        if not triton_available():
-            raise _refuse(backend, "triton is not installed")
-        if device.type == "cpu" and not interpret_mode():
-            raise _refuse(backend, "on CPU tensors the Triton kernel runs only under TRITON_INTERPRET=1")
-        if device.type not in ("cpu", "cuda"):
-            raise _refuse(backend, f"the Triton kernel runs on cuda (or, interpreted, cpu) tensors, not {device}")
+        missing = triton_missing_reason(device)  # the one rule of where Triton kernels run
+        if missing is not None:
+            raise _refuse(backend, missing)
     return backend
 
 
