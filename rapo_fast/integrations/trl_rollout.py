@@ -195,12 +195,13 @@ def _log(trainer: Any, mode: str, batch: RolloutBatch, z: torch.Tensor, scored: 
 def attach_rollout_extras(trainer: Any, inputs: list[dict], output: dict, retrieval_coef: float) -> dict:
     """Put the rollout_func's per-row extras into the batch GRPOTrainer built (`output`): "retrieved_mask" as a bool
     [B, T_completion] tensor, and the RAPO advantage (1 + retrieval_coef * A_ret) * A, where A is TRL's advantage and
-    A_ret the retrieval reward group-normalised over all processes' rows (rapo_fast.loss.advantages.group_normalize;
-    a group without retrievals gets A_ret = 0, so A is unchanged bit for bit). `inputs` are the input rows TRL merged
-    the rollout_func's extra fields into. A batch without those fields is returned unchanged."""
+    A_ret the retrieval reward group-normalised over all processes' rows (rapo_fast.loss.advantages.
+    retrieval_advantage, as rapo_advantages; a group without retrievals gets A_ret = 0, so A is unchanged bit for
+    bit). `inputs` are the input rows TRL merged the rollout_func's extra fields into. A batch without those fields
+    is returned unchanged."""
     if not inputs or "retrieved_mask" not in inputs[0]:
         return output
-    from rapo_fast.loss.advantages import group_normalize
+    from rapo_fast.loss.advantages import retrieval_advantage
 
     ids = output["completion_ids"]
     mask = torch.zeros(ids.shape, dtype=torch.bool, device=ids.device)
@@ -215,7 +216,7 @@ def attach_rollout_extras(trainer: Any, inputs: list[dict], output: dict, retrie
     z_all = trainer.accelerator.gather(z)
     group_size = trainer.num_generations if trainer.model.training else trainer.num_generations_eval
     groups = torch.arange(z_all.numel(), device=z_all.device) // group_size
-    a_ret = group_normalize(z_all, groups)
+    a_ret = retrieval_advantage(z_all, groups)
     start = trainer.accelerator.process_index * len(inputs)
     local = a_ret[start : start + len(inputs)].to(adv.dtype)
     output["advantages"] = (1.0 + retrieval_coef * local) * adv

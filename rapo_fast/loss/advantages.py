@@ -13,7 +13,7 @@ import torch
 
 from rapo_fast import _checks as C
 
-__all__ = ["step_entropy", "retrieval_reward", "rapo_advantages", "group_normalize", "RET_NORMS"]
+__all__ = ["step_entropy", "retrieval_reward", "rapo_advantages", "retrieval_advantage", "group_normalize", "RET_NORMS"]
 
 # the rows A_ret is normalised over (rapo_advantages' ret_norm)
 RET_NORMS = ("group", "retrieved")
@@ -141,11 +141,19 @@ def rapo_advantages(
     C.check_finite("rewards", rewards)
     C.check_finite("z_ret", z_ret)
     a_acc = group_normalize(rewards, group_ids, eps).to(torch.float64)
-    if retrieved is None:
-        a_ret = group_normalize(z_ret, group_ids, eps).to(torch.float64)
-    else:
-        # the same group_normalize on the retrieving rows only, so that "every row retrieved" equals "group" exactly
-        rows = torch.nonzero(retrieved).flatten()
-        a_ret = torch.zeros(rewards.shape, dtype=torch.float64, device=rewards.device)
-        a_ret[rows] = group_normalize(z_ret[rows], group_ids[rows], eps).to(torch.float64)
+    a_ret = retrieval_advantage(z_ret, group_ids, eps, retrieved)
     return ((1.0 + a * a_ret) * a_acc).to(rewards.dtype)
+
+
+def retrieval_advantage(
+    z_ret: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6, retrieved: torch.Tensor | None = None
+) -> torch.Tensor:
+    """A_ret [B] float64 of rapo_advantages (arguments already checked there): group_normalize(z_ret) over every row
+    of the group (retrieved None: ret_norm="group"), or over the retrieving rows only, the others 0 exactly."""
+    if retrieved is None:
+        return group_normalize(z_ret, group_ids, eps).to(torch.float64)
+    # the same group_normalize on the retrieving rows only, so that "every row retrieved" equals "group" exactly
+    rows = torch.nonzero(retrieved).flatten()
+    a_ret = torch.zeros(z_ret.shape, dtype=torch.float64, device=z_ret.device)
+    a_ret[rows] = group_normalize(z_ret[rows], group_ids[rows], eps).to(torch.float64)
+    return a_ret
