@@ -1,10 +1,9 @@
 """Triton kernels of the per-token RAPO policy loss: forward (weighted token loss + metric partial sums) and backward
 (dL/dlogp, dL/dH times the upstream gradient), elementwise over N tokens.
 
-What this is: `@triton.jit` code only. The log-probs come from token_logprobs; the launchers
-(rapo_fast/loss/policy_op.py, called by rapo_fast/loss/policy_loss.py) gather the per-sequence quantities (shaping
-factor, GSPO sequence log-ratio, aggregation weight) per token; the token codes, mode codes and metric layout are
-named once in rapo_fast/loss/policy_layout.py and read here as constexprs.
+What this is: `@triton.jit` code only. The options arrive as keyword arguments named as LossOptions' fields
+(LossOptions.to_kernel(): runtime floats, constexpr codes); the per-token inputs as one stacked tensor whose rows and
+presence bits are rapo_fast/loss/policy_layout.py's TokenInput (launchers: rapo_fast/loss/policy_op.py).
 What this is not: the spec. The formulas are those of rapo_fast/reference/policy_loss.py, written out in docs/loss.md
 section 3 (per token) and section 4 (aggregation).
 """
@@ -12,19 +11,30 @@ section 3 (per token) and section 4 (aggregation).
 import triton
 import triton.language as tl
 
-from rapo_fast.loss.policy_layout import NUM_METRICS, KLMode, Metric, OffMode, TokenCode
+from rapo_fast.loss.options import KL_ESTIMATORS, OFFPOLICY_MODES
+from rapo_fast.loss.policy_layout import NUM_METRICS, Metric, TokenCode, TokenInput
 
-# jit code reads only constexpr globals: the layout's names as constexprs
+# jit code reads only constexpr globals: the layout's names and the option codes (LossOptions' KernelArg) as constexprs
 _CODE_ON = tl.constexpr(int(TokenCode.ON))
 _CODE_OFF = tl.constexpr(int(TokenCode.OFF))
-_OFF_SHAPED = tl.constexpr(int(OffMode.SHAPED))
-_OFF_TRUNCATED = tl.constexpr(int(OffMode.TRUNCATED))
-_OFF_NONE = tl.constexpr(int(OffMode.NONE))
-_KL_NONE = tl.constexpr(int(KLMode.NONE))
-_KL_K1 = tl.constexpr(int(KLMode.K1))
-_KL_K2 = tl.constexpr(int(KLMode.K2))
-_KL_K3 = tl.constexpr(int(KLMode.K3))
-_KL_K3U = tl.constexpr(int(KLMode.K3_UNCLAMPED))
+_OFF_NONE = tl.constexpr(OFFPOLICY_MODES.index("none"))
+_OFF_SHAPED = tl.constexpr(OFFPOLICY_MODES.index("shaped"))
+_OFF_TRUNCATED = tl.constexpr(OFFPOLICY_MODES.index("truncated"))
+_KL_K1 = tl.constexpr(KL_ESTIMATORS.index("k1"))
+_KL_K2 = tl.constexpr(KL_ESTIMATORS.index("k2"))
+_KL_K3 = tl.constexpr(KL_ESTIMATORS.index("k3"))
+_ROW_OLD = tl.constexpr(int(TokenInput.OLD))
+_ROW_ADV = tl.constexpr(int(TokenInput.ADV))
+_ROW_W = tl.constexpr(int(TokenInput.W))
+_ROW_SCALE = tl.constexpr(int(TokenInput.SCALE))
+_ROW_CODE = tl.constexpr(int(TokenInput.CODE))
+_ROW_SEQLR = tl.constexpr(int(TokenInput.SEQLR))
+_ROW_BEHAV = tl.constexpr(int(TokenInput.BEHAV))
+_ROW_REF = tl.constexpr(int(TokenInput.REF))
+# presence bits of the optional rows (constexpr on the left: the interpreter's int >> constexpr is not defined)
+_HAS_SEQLR = tl.constexpr(1 << int(TokenInput.SEQLR))
+_HAS_BEHAV = tl.constexpr(1 << int(TokenInput.BEHAV))
+_HAS_REF = tl.constexpr(1 << int(TokenInput.REF))
 # every log-ratio is clamped to [-CL, CL] before exp (the reference's LOG_RATIO_CLAMP, verl's clamp)
 CL = tl.constexpr(20.0)
 # metric partial sums, one row of NUM_METRICS per program: the launcher sums rows and turns sums into means
@@ -45,32 +55,13 @@ _M_OFFPOLICY_WEIGHT = tl.constexpr(int(Metric.OFFPOLICY_WEIGHT))
 
 @triton.jit
 def _policy_token(
-    logp,
-    old,
-    adv,
-    scale,
-    seqlr,
-    behav,
-    ref,
-    ent,
-    is_on,
-    is_off,
-    eps_low,
-    eps_high,
-    dual_c,
-    gamma,
-    is_cap,
-    tis_cap,
-    beta,
-    ent_coef,
-    SEQ: tl.constexpr,
-    DUAL: tl.constexpr,
-    TIS: tl.constexpr,
-    OFF: tl.constexpr,
-    KL: tl.constexpr,
-    HAS_ENT: tl.constexpr,
-):
-    """Loss of one token block and its derivative w.r.t. logp (and the metric terms). All fp32."""
+    logp, old, adv, scale, seqlr, behav, ref, ent, is_on, is_off,
+    offpolicy_train: tl.constexpr, gamma, is_cap, tis_cap, eps_low, eps_high, dual_clip, beta,
+    kl_estimator: tl.constexpr, kl_clamp: tl.constexpr, entropy_coef,
+    SEQ: tl.constexpr, HAS_REF: tl.constexpr, HAS_ENT: tl.constexpr,
+):  # fmt: skip
+    """Loss of one token block and its derivative w.r.t. logp (and the metric terms). All fp32. dual_clip and tis_cap
+    are 0 when off (LossOptions' encoding); the branches they select are where()s, not constexprs."""
     is_act = is_on | is_off
     if SEQ:
         raw = seqlr  # value of sg(seq_lr) + logp - sg(logp); its derivative w.r.t. logp is 1
@@ -86,50 +77,47 @@ def _policy_token(
     clipped = pg2 > pg1
     pg = tl.where(clipped, pg2, pg1)
     dpg = tl.where(clipped, 0.0, -adv * rh * g_lr)
-    dual = is_on & (is_on == 0)  # all False, typed like the masks
-    if DUAL:
-        pg3 = -adv * dual_c
-        dual = (adv < 0) & (pg > pg3)
-        pg = tl.where(dual, pg3, pg)
-        dpg = tl.where(dual, 0.0, dpg)
-    tis_w = tl.full(logp.shape, 1.0, tl.float32)
-    if TIS:
-        lw = tl.minimum(tl.maximum(old - behav, -CL), CL)
-        tis_w = tl.minimum(tl.exp(lw), tis_cap)
-        pg = pg * tis_w
-        dpg = dpg * tis_w
+    pg3 = -adv * dual_clip
+    dual = (adv < 0) & (pg > pg3) & (dual_clip > 0.0)
+    pg = tl.where(dual, pg3, pg)
+    dpg = tl.where(dual, 0.0, dpg)
+    lw = tl.minimum(tl.maximum(old - behav, -CL), CL)
+    tis_w = tl.where(tis_cap > 0.0, tl.minimum(tl.exp(lw), tis_cap), 1.0)
+    pg = pg * tis_w
+    dpg = dpg * tis_w
     loss = tl.where(is_on, pg, 0.0)
     dlogp = tl.where(is_on, dpg, 0.0)
 
-    l_off, d_off, off_w = _offpolicy_token(logp, adv, behav, gamma, is_cap, OFF)
-    if OFF != _OFF_NONE:
+    l_off, d_off, off_w = _offpolicy_token(logp, adv, behav, gamma, is_cap, offpolicy_train)
+    if offpolicy_train != _OFF_NONE:
         loss += tl.where(is_off, l_off, 0.0)
         dlogp += tl.where(is_off, d_off, 0.0)
-    kl, dkl = _kl_token(logp, ref, KL)
-    if KL != _KL_NONE:
+    kl = tl.zeros(logp.shape, tl.float32)
+    if HAS_REF:
+        kl, dkl = _kl_token(logp, ref, kl_estimator, kl_clamp)
         loss += tl.where(is_act, beta * kl, 0.0)
         dlogp += tl.where(is_act, beta * dkl, 0.0)
     if HAS_ENT:
-        loss += tl.where(is_act, -ent_coef * ent, 0.0)
+        loss += tl.where(is_act, -entropy_coef * ent, 0.0)
     clip_hi = is_on & clipped & (rh > 1.0 + eps_high)
     clip_lo = is_on & clipped & (rh < 1.0 - eps_low)
     return loss, dlogp, r, clip_hi, clip_lo, is_on & dual, kl, tis_w, off_w
 
 
 @triton.jit
-def _offpolicy_token(logp, adv, behav, gamma, is_cap, OFF: tl.constexpr):
+def _offpolicy_token(logp, adv, behav, gamma, is_cap, offpolicy_train: tl.constexpr):
     """Loss, its derivative w.r.t. logp, and the weight of a retrieved token trained off-policy: -A p / (p + gamma)
-    ("shaped") or -A sg(min(exp(logp - behav), is_cap)) logp ("truncated"); zeros when OFF is none."""
+    ("shaped") or -A sg(min(exp(logp - behav), is_cap)) logp ("truncated"); zeros when offpolicy_train is none."""
     loss = tl.zeros(logp.shape, tl.float32)
     dlogp = tl.zeros(logp.shape, tl.float32)
     off_w = tl.zeros(logp.shape, tl.float32)
-    if OFF == _OFF_SHAPED:
+    if offpolicy_train == _OFF_SHAPED:
         p = tl.exp(logp)
         denom = p + gamma
         off_w = p / denom
         loss = -adv * off_w
         dlogp = -adv * gamma * p / (denom * denom)
-    if OFF == _OFF_TRUNCATED:
+    if offpolicy_train == _OFF_TRUNCATED:
         lw2 = tl.minimum(tl.maximum(logp - behav, -CL), CL)
         off_w = tl.minimum(tl.exp(lw2), is_cap)
         loss = -adv * off_w * logp
@@ -138,33 +126,29 @@ def _offpolicy_token(logp, adv, behav, gamma, is_cap, OFF: tl.constexpr):
 
 
 @triton.jit
-def _kl_token(logp, ref, KL: tl.constexpr):
-    """verl's KL estimator k1 / k2 / k3 of (logp, ref) and its derivative w.r.t. logp; zeros when KL is none."""
+def _kl_token(logp, ref, kl_estimator: tl.constexpr, kl_clamp: tl.constexpr):
+    """verl's KL estimator k1 / k2 / k3 of (logp, ref) and its derivative w.r.t. logp; k3 clamped to [-10, 10] when
+    kl_clamp (verl), unclamped otherwise (TRL; x keeps its overflow clamp)."""
     kl = tl.zeros(logp.shape, tl.float32)
     dkl = tl.zeros(logp.shape, tl.float32)
-    if KL == _KL_K1:
+    if kl_estimator == _KL_K1:
         kl = logp - ref
         dkl = tl.full(logp.shape, 1.0, tl.float32)
-    if KL == _KL_K2:
+    if kl_estimator == _KL_K2:
         d = logp - ref
         kl = 0.5 * d * d
         dkl = d
-    if KL == _KL_K3:
-        x = ref - logp
-        gx = ((x >= -CL) & (x <= CL)).to(tl.float32)
-        xc = tl.minimum(tl.maximum(x, -CL), CL)
-        ex = tl.exp(xc)
-        kraw = ex - xc - 1.0
-        gk = ((kraw >= -10.0) & (kraw <= 10.0)).to(tl.float32)
-        kl = tl.minimum(tl.maximum(kraw, -10.0), 10.0)
-        dkl = -(ex - 1.0) * gx * gk
-    if KL == _KL_K3U:  # TRL's k3: no clamp of the estimate (x keeps its overflow clamp)
+    if kl_estimator == _KL_K3:
         x = ref - logp
         gx = ((x >= -CL) & (x <= CL)).to(tl.float32)
         xc = tl.minimum(tl.maximum(x, -CL), CL)
         ex = tl.exp(xc)
         kl = ex - xc - 1.0
         dkl = -(ex - 1.0) * gx
+        if kl_clamp:
+            gk = ((kl >= -10.0) & (kl <= 10.0)).to(tl.float32)
+            kl = tl.minimum(tl.maximum(kl, -10.0), 10.0)
+            dkl = dkl * gk
     return kl, dkl
 
 
@@ -188,182 +172,73 @@ def _store_metric_sums(part_ptr, pid, is_on, is_off, clip_hi, clip_lo, dual, r, 
 
 
 @triton.jit
-def _load_token_inputs(
-    offs,
-    m,
-    logp_ptr,
-    old_ptr,
-    adv_ptr,
-    scale_ptr,
-    seqlr_ptr,
-    behav_ptr,
-    ref_ptr,
-    SEQ: tl.constexpr,
-    TIS: tl.constexpr,
-    OFF: tl.constexpr,
-    KL: tl.constexpr,
-):
-    """The per-token inputs both kernels read; optional ones alias logp when absent (never used then)."""
-    logp = tl.load(logp_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    old = tl.load(old_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    adv = tl.load(adv_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    scale = tl.load(scale_ptr + offs, mask=m, other=1.0).to(tl.float32)
+def _load_token_inputs(tok_ptr, tok_stride, offs, m, logp, PRESENT: tl.constexpr):
+    """The stacked per-token inputs both kernels read (rows: TokenInput); an optional row not present in PRESENT is
+    never loaded (logp stands in: its value is then unused)."""
+    code = tl.load(tok_ptr + _ROW_CODE * tok_stride + offs, mask=m, other=0).to(tl.float32)
+    old = tl.load(tok_ptr + _ROW_OLD * tok_stride + offs, mask=m, other=0.0).to(tl.float32)
+    adv = tl.load(tok_ptr + _ROW_ADV * tok_stride + offs, mask=m, other=0.0).to(tl.float32)
+    w = tl.load(tok_ptr + _ROW_W * tok_stride + offs, mask=m, other=0.0).to(tl.float32)
+    scale = tl.load(tok_ptr + _ROW_SCALE * tok_stride + offs, mask=m, other=1.0).to(tl.float32)
     seqlr = logp
     behav = logp
     ref = logp
-    if SEQ:
-        seqlr = tl.load(seqlr_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    if TIS or OFF == _OFF_TRUNCATED:
-        behav = tl.load(behav_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    if KL != _KL_NONE:
-        ref = tl.load(ref_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    return logp, old, adv, scale, seqlr, behav, ref
+    if (_HAS_SEQLR & PRESENT) != 0:
+        seqlr = tl.load(tok_ptr + _ROW_SEQLR * tok_stride + offs, mask=m, other=0.0).to(tl.float32)
+    if (_HAS_BEHAV & PRESENT) != 0:
+        behav = tl.load(tok_ptr + _ROW_BEHAV * tok_stride + offs, mask=m, other=0.0).to(tl.float32)
+    if (_HAS_REF & PRESENT) != 0:
+        ref = tl.load(tok_ptr + _ROW_REF * tok_stride + offs, mask=m, other=0.0).to(tl.float32)
+    return code == _CODE_ON, code == _CODE_OFF, old, adv, w, scale, seqlr, behav, ref
 
 
 @triton.jit
 def policy_loss_fwd_kernel(
-    logp_ptr,
-    old_ptr,
-    adv_ptr,
-    w_ptr,
-    scale_ptr,
-    code_ptr,
-    seqlr_ptr,
-    behav_ptr,
-    ref_ptr,
-    ent_ptr,
-    out_ptr,
-    part_ptr,
-    N,
-    eps_low,
-    eps_high,
-    dual_c,
-    gamma,
-    is_cap,
-    tis_cap,
-    beta,
-    ent_coef,
-    SEQ: tl.constexpr,
-    DUAL: tl.constexpr,
-    TIS: tl.constexpr,
-    OFF: tl.constexpr,
-    KL: tl.constexpr,
-    HAS_ENT: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
+    logp_ptr, ent_ptr, tok_ptr, out_ptr, part_ptr, N, tok_stride,
+    offpolicy_train: tl.constexpr, gamma, is_cap, tis_cap, eps_low, eps_high, dual_clip, beta,
+    kl_estimator: tl.constexpr, kl_clamp: tl.constexpr, entropy_coef,
+    PRESENT: tl.constexpr, HAS_ENT: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # int64: docs/pitfalls.md #5
     m = offs < N
-    code = tl.load(code_ptr + offs, mask=m, other=0).to(tl.int32)
-    is_on = code == _CODE_ON
-    is_off = code == _CODE_OFF
-    logp, old, adv, scale, seqlr, behav, ref = _load_token_inputs(
-        offs, m, logp_ptr, old_ptr, adv_ptr, scale_ptr, seqlr_ptr, behav_ptr, ref_ptr, SEQ, TIS, OFF, KL
+    logp = tl.load(logp_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    is_on, is_off, old, adv, w, scale, seqlr, behav, ref = _load_token_inputs(
+        tok_ptr, tok_stride, offs, m, logp, PRESENT
     )
-    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
     ent = logp
     if HAS_ENT:
         ent = tl.load(ent_ptr + offs, mask=m, other=0.0).to(tl.float32)
     loss, dlogp, r, clip_hi, clip_lo, dual, kl, tis_w, off_w = _policy_token(
-        logp,
-        old,
-        adv,
-        scale,
-        seqlr,
-        behav,
-        ref,
-        ent,
-        is_on,
-        is_off,
-        eps_low,
-        eps_high,
-        dual_c,
-        gamma,
-        is_cap,
-        tis_cap,
-        beta,
-        ent_coef,
-        SEQ,
-        DUAL,
-        TIS,
-        OFF,
-        KL,
-        HAS_ENT,
-    )
+        logp, old, adv, scale, seqlr, behav, ref, ent, is_on, is_off,
+        offpolicy_train, gamma, is_cap, tis_cap, eps_low, eps_high, dual_clip, beta, kl_estimator, kl_clamp,
+        entropy_coef, (_HAS_SEQLR & PRESENT) != 0, (_HAS_REF & PRESENT) != 0, HAS_ENT,
+    )  # fmt: skip
     tl.store(out_ptr + offs, w * loss, mask=m)
     _store_metric_sums(part_ptr, pid, is_on, is_off, clip_hi, clip_lo, dual, r, old - logp, kl, ent, tis_w, off_w)
 
 
 @triton.jit
 def policy_loss_bwd_kernel(
-    grad_ptr,
-    logp_ptr,
-    old_ptr,
-    adv_ptr,
-    w_ptr,
-    scale_ptr,
-    code_ptr,
-    seqlr_ptr,
-    behav_ptr,
-    ref_ptr,
-    ent_ptr,
-    dlogp_ptr,
-    dent_ptr,
-    N,
-    eps_low,
-    eps_high,
-    dual_c,
-    gamma,
-    is_cap,
-    tis_cap,
-    beta,
-    ent_coef,
-    SEQ: tl.constexpr,
-    DUAL: tl.constexpr,
-    TIS: tl.constexpr,
-    OFF: tl.constexpr,
-    KL: tl.constexpr,
-    HAS_ENT: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
+    grad_ptr, logp_ptr, tok_ptr, dlogp_ptr, dent_ptr, N, tok_stride,
+    offpolicy_train: tl.constexpr, gamma, is_cap, tis_cap, eps_low, eps_high, dual_clip, beta,
+    kl_estimator: tl.constexpr, kl_clamp: tl.constexpr, entropy_coef,
+    PRESENT: tl.constexpr, HAS_ENT: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < N
-    code = tl.load(code_ptr + offs, mask=m, other=0).to(tl.int32)
-    is_on = code == _CODE_ON
-    is_off = code == _CODE_OFF
-    logp, old, adv, scale, seqlr, behav, ref = _load_token_inputs(
-        offs, m, logp_ptr, old_ptr, adv_ptr, scale_ptr, seqlr_ptr, behav_ptr, ref_ptr, SEQ, TIS, OFF, KL
+    logp = tl.load(logp_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    is_on, is_off, old, adv, w, scale, seqlr, behav, ref = _load_token_inputs(
+        tok_ptr, tok_stride, offs, m, logp, PRESENT
     )
     # the upstream gradient is per token (docs/pitfalls.md #7): never assume a scalar 1
-    gw = tl.load(grad_ptr + offs, mask=m, other=0.0).to(tl.float32) * tl.load(w_ptr + offs, mask=m, other=0.0)
-    ent = logp
+    gw = tl.load(grad_ptr + offs, mask=m, other=0.0).to(tl.float32) * w
     loss, dlogp, r, clip_hi, clip_lo, dual, kl, tis_w, off_w = _policy_token(
-        logp,
-        old,
-        adv,
-        scale,
-        seqlr,
-        behav,
-        ref,
-        ent,
-        is_on,
-        is_off,
-        eps_low,
-        eps_high,
-        dual_c,
-        gamma,
-        is_cap,
-        tis_cap,
-        beta,
-        ent_coef,
-        SEQ,
-        DUAL,
-        TIS,
-        OFF,
-        KL,
-        False,
-    )
+        logp, old, adv, scale, seqlr, behav, ref, logp, is_on, is_off,
+        offpolicy_train, gamma, is_cap, tis_cap, eps_low, eps_high, dual_clip, beta, kl_estimator, kl_clamp,
+        entropy_coef, (_HAS_SEQLR & PRESENT) != 0, (_HAS_REF & PRESENT) != 0, False,
+    )  # fmt: skip
     tl.store(dlogp_ptr + offs, gw * dlogp, mask=m)
     if HAS_ENT:
-        tl.store(dent_ptr + offs, tl.where(is_on | is_off, -ent_coef * gw, 0.0), mask=m)
+        tl.store(dent_ptr + offs, tl.where(is_on | is_off, -entropy_coef * gw, 0.0), mask=m)

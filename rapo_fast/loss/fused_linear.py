@@ -11,14 +11,16 @@ log-prob before any token's loss gradient is known: it keeps the two-pass path),
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import Tensor
 
 from rapo_fast._dispatch import register_op
 from rapo_fast.loss import tiles
 from rapo_fast.loss.options import check_loss_logp_defined
-from rapo_fast.loss.policy_layout import NUM_METRICS
-from rapo_fast.loss.policy_op import KernelScalars, policy_loss_bwd, policy_loss_fwd
+from rapo_fast.loss.policy_layout import NUM_METRICS, TokenInput
+from rapo_fast.loss.policy_op import policy_loss_bwd, policy_loss_fwd
 
 __all__ = ["fused_linear_policy_loss", "tile_shape"]
 
@@ -136,17 +138,15 @@ class _Grads:
 
 
 def _fused_impl(
-    hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, old: Tensor, adv: Tensor, w: Tensor,
-    scale: Tensor, code: Tensor, behav: Tensor | None, ref: Tensor | None, eps_low: float, eps_high: float,
-    dual_c: float, gamma: float, is_cap: float, tis_cap: float, beta: float, ent_coef: float, off_mode: int,
-    kl_mode: int, temperature: float, with_ent: bool, need_h: bool, need_w: bool, need_b: bool,
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, tok: Tensor, present: int, scalars: Tensor,
+    temperature: float, with_ent: bool, grad_ent: bool, need_h: bool, need_w: bool, need_b: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    """hidden [N, H], weight [V, H], bias [V] or None, targets [N], per-token fp32 [N] inputs of the policy loss ->
-    (loss 0-dim fp32, metric sums [NUM_METRICS] fp32, grad_hidden, grad_weight, grad_bias, undefined [N] bool) with the
-    gradients of the loss (upstream gradient 1) in the inputs' dtypes, a [0] tensor for each not needed. undefined
-    marks the tokens in the loss whose log-prob is NaN (their logits row's log-sum-exp is not finite, e.g. h W^T
-    overflowed): the caller refuses the call when any is set (the logits never exist as a whole to be checked first)."""
-    s = KernelScalars(eps_low, eps_high, dual_c, gamma, is_cap, tis_cap, beta, ent_coef, off_mode, kl_mode)
+    """hidden [N, H], weight [V, H], bias [V] or None, targets [N], the stacked per-token fp32 inputs of the policy op
+    (tok [NUM_INPUTS, N], present) and its options (scalars) -> (loss 0-dim fp32, metric sums [NUM_METRICS] fp32,
+    grad_hidden, grad_weight, grad_bias, undefined [N] bool) with the gradients of the loss (upstream gradient 1) in
+    the inputs' dtypes, a [0] tensor for each not needed. grad_ent: the entropy enters the loss (entropy_coef != 0).
+    undefined marks the tokens in the loss whose log-prob is NaN (their logits row's log-sum-exp is not finite, e.g. h
+    W^T overflowed): the caller refuses the call when any is set (the logits never exist as a whole to be checked)."""
     n, dev = hidden.shape[0], hidden.device
     loss = torch.zeros((), dtype=_F32, device=dev)
     sums = torch.zeros(NUM_METRICS, dtype=_F32, device=dev)
@@ -160,8 +160,9 @@ def _fused_impl(
         return (loss, sums, *grads.results(hidden, weight, bias), undefined)
     tiling = _Tiles(hidden, weight, bias, temperature, with_ent)
     grads = _Grads(hidden, weight, need, tiling.rows, tiling.n_vtiles)
-    g_ent_on = with_ent and ent_coef != 0.0  # H enters the loss only through -ent_coef * H
+    g_ent_on = with_ent and grad_ent
     tgt = targets.reshape(-1)
+    in_loss = tok[TokenInput.CODE] != 0
     for r0 in range(0, n, tiling.rows):
         r1 = min(n, r0 + tiling.rows)
         # a row holding NaN/inf is zeroed for the GEMMs (grad_W = grad_z^T h would meet 0 * NaN) and given NaN
@@ -169,15 +170,14 @@ def _fused_impl(
         hc, bad = tiles.finite_rows(hidden[r0:r1])
         lp, lse, ent, z = tiling.logprob_sweep(hc, tgt[r0:r1])
         tiles.mark_rows_undefined(bad, lp, lse, ent)
-        torch.logical_and(torch.isnan(lp), code[r0:r1] != 0, out=undefined[r0:r1])
+        torch.logical_and(torch.isnan(lp), in_loss[r0:r1], out=undefined[r0:r1])
         # the per-token loss and its coefficients dL/dlogp, dL/dH (upstream gradient 1), from policy_op's launchers
-        per_tok = (old[r0:r1], adv[r0:r1], w[r0:r1], scale[r0:r1], code[r0:r1], None,
-                   None if behav is None else behav[r0:r1], None if ref is None else ref[r0:r1])  # fmt: skip
-        tok, part = policy_loss_fwd(lp, *per_tok, ent, *s)
-        loss += tok.sum()
+        tile = tok[:, r0:r1]
+        t_loss, part = policy_loss_fwd(lp, ent, tile, present, scalars)
+        loss += t_loss.sum()
         sums += part
         if any(need):
-            g_lp, g_ent = policy_loss_bwd(tiling.ones[: r1 - r0], lp, *per_tok, g_ent_on, *s)
+            g_lp, g_ent = policy_loss_bwd(tiling.ones[: r1 - r0], lp, tile, present, scalars, g_ent_on)
             tiling.gradient_sweep(
                 hc, tgt[r0:r1], z, lse, ent if g_ent_on else None, g_lp, g_ent if g_ent_on else None, grads, r0
             )
@@ -196,9 +196,8 @@ def _fused_fake(hidden, weight, bias, *args):
     )
 
 
-# inputs of the op after bias, none of which gets a gradient: targets .. ref, the KernelScalars, temperature, with_ent,
-# need_h, need_w, need_b
-_N_INPUTS_AFTER_BIAS = 8 + len(KernelScalars._fields) + 5
+# inputs of the op after bias (targets .. need_b), none of which gets a gradient: counted from the signature
+_N_INPUTS_AFTER_BIAS = len(inspect.signature(_fused_impl).parameters) - 3
 
 
 def _setup_context(ctx, inputs, output):
@@ -230,20 +229,18 @@ _fused_op = register_op(
 
 
 def fused_linear_policy_loss(
-    hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, old: Tensor, adv: Tensor, w: Tensor,
-    scale: Tensor, code: Tensor, behav: Tensor | None, ref: Tensor | None, scalars: KernelScalars,
-    temperature: float, with_ent: bool,
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, tok: Tensor, present: int,
+    scalars: Tensor, temperature: float, with_ent: bool, grad_ent: bool,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """(loss, metric sums) of rapo_fast.rapo_loss's token-level policy loss from hidden [..., H] @ weight [V, H]^T
-    (+ bias), differentiable w.r.t. hidden / weight / bias; the per-token fp32 [N] inputs are rapo_loss's. Raises
-    ValueError (after the pass, before any backward) when a token in the loss has an undefined log-prob."""
+    (+ bias), differentiable w.r.t. hidden / weight / bias; tok / present / scalars are the policy op's (policy_op.py).
+    Raises ValueError (after the pass, before any backward) when a token in the loss has an undefined log-prob."""
     grad_on = torch.is_grad_enabled()
     need = tuple(grad_on and t is not None and t.requires_grad for t in (hidden, weight, bias))
     h2 = hidden.reshape(-1, hidden.shape[-1])
     bias = None if bias is None else bias.contiguous()  # the kernels index bias[v] densely
     loss, sums, _, _, _, undefined = _fused_op(
-        h2, weight, bias, targets.reshape(-1), old, adv, w, scale, code, behav, ref, *scalars, temperature, with_ent,
-        *need,
-    )  # fmt: skip
+        h2, weight, bias, targets.reshape(-1), tok, present, scalars, temperature, with_ent, grad_ent, *need
+    )
     check_loss_logp_defined(undefined)
     return loss, sums

@@ -26,6 +26,7 @@ from rapo_fast import _checks as C
 
 __all__ = [
     "LossOptions",
+    "KernelArg",
     "OPTION_DEFAULTS",
     "OFFPOLICY_MODES",
     "IS_LEVELS",
@@ -72,9 +73,32 @@ def _flag(name: str, value: Any) -> None:
         raise TypeError(f"{name}: expected bool, got {type(value).__name__}")
 
 
-def _option(default: Any, check: Callable[[str, Any], None]) -> Any:
-    """A field of LossOptions: its default and its check (called with the option's name and value)."""
-    return field(default=default, metadata={"check": check})
+@dataclass(frozen=True)
+class KernelArg:
+    """How an option reaches the policy-loss kernels (kernels/loss/policy_loss.py), which take it as a keyword
+    argument of the same name: `encode` (option value -> number), `decode` (its inverse), and `kind`, the argument's
+    Python type (float: a runtime scalar; int / bool: a constexpr of the kernel)."""
+
+    encode: Callable[[Any], float | int | bool]
+    decode: Callable[[float], Any]
+    kind: type
+
+
+_K_REAL = KernelArg(float, float, float)
+# an option that is off when None: 0 stands for None (every such option is > 0 when set, as its check says)
+_K_REAL_OR_NONE = KernelArg(lambda v: 0.0 if v is None else float(v), lambda x: None if x == 0 else float(x), float)
+_K_FLAG = KernelArg(bool, bool, bool)
+
+
+def _k_choice(choices: tuple[str, ...]) -> KernelArg:
+    """A string option as its index in `choices` (the kernel compares it with the same indices)."""
+    return KernelArg(choices.index, lambda x: choices[int(x)], int)
+
+
+def _option(default: Any, check: Callable[[str, Any], None], kernel: KernelArg | None = None) -> Any:
+    """A field of LossOptions: its default, its check (called with the option's name and value) and, for an option of
+    the per-token policy loss, how the kernels take it (None: the option acts on rows, logits or the call)."""
+    return field(default=default, metadata={"check": check, "kernel": kernel})
 
 
 @dataclass(frozen=True)
@@ -89,24 +113,24 @@ class LossOptions:
     # importance shaping: r_hat = (1 + shaping_m * F_s) r, F_s the row's retrieved / response tokens
     shaping_m: float = _option(0.0, _real(min_value=-1.0, min_inclusive=False))
     # retrieved tokens in the loss: "none" (excluded), "shaped" (-A p / (p + gamma)), "truncated" (capped IS weight)
-    offpolicy_train: str = _option("none", _choice(OFFPOLICY_MODES))
-    gamma: float = _option(0.1, _real(min_value=0.0, min_inclusive=False))
-    is_cap: float = _option(2.0, _real(min_value=0.0, min_inclusive=False))
+    offpolicy_train: str = _option("none", _choice(OFFPOLICY_MODES), _k_choice(OFFPOLICY_MODES))
+    gamma: float = _option(0.1, _real(min_value=0.0, min_inclusive=False), _K_REAL)
+    is_cap: float = _option(2.0, _real(min_value=0.0, min_inclusive=False), _K_REAL)
     # truncated importance sampling of the on-policy tokens: pg *= min(exp(old - behav), tis_cap); needs behav_logp
-    tis_cap: float | None = _option(None, _real(min_value=0.0, min_inclusive=False, allow_none=True))
+    tis_cap: float | None = _option(None, _real(min_value=0.0, min_inclusive=False, allow_none=True), _K_REAL_OR_NONE)
     # PPO clip of r_hat to [1 - eps_low, 1 + eps_high]; dual clip c (A < 0): min(pg, -A c)
-    eps_low: float = _option(0.2, _real(min_value=0.0, max_value=1.0))
-    eps_high: float = _option(0.2, _real(min_value=0.0))
-    dual_clip: float | None = _option(None, _real(min_value=1.0, min_inclusive=False, allow_none=True))
+    eps_low: float = _option(0.2, _real(min_value=0.0, max_value=1.0), _K_REAL)
+    eps_high: float = _option(0.2, _real(min_value=0.0), _K_REAL)
+    dual_clip: float | None = _option(None, _real(min_value=1.0, min_inclusive=False, allow_none=True), _K_REAL_OR_NONE)
     # "token" ratio, or GSPO's "sequence" ratio
     importance_sampling_level: str = _option("token", _choice(IS_LEVELS))
     # + beta * KL_k(logp, ref_logp) (needs ref_logp when beta != 0) - entropy_coef * H
-    beta: float = _option(0.0, _real())
-    kl_estimator: str = _option("k3", _choice(KL_ESTIMATORS))
+    beta: float = _option(0.0, _real(), _K_REAL)
+    kl_estimator: str = _option("k3", _choice(KL_ESTIMATORS), _k_choice(KL_ESTIMATORS))
     # k3 clamped to [-10, 10] as verl's kl_penalty does (zero gradient past it); TRL does not clamp, and its adapter
     # sets False. k1 and k2 are never clamped (as in verl).
-    kl_clamp: bool = _option(True, _flag)
-    entropy_coef: float = _option(0.0, _real())
+    kl_clamp: bool = _option(True, _flag, _K_FLAG)
+    entropy_coef: float = _option(0.0, _real(), _K_REAL)
     # logits / temperature (rapo_loss only: the log-probs given to policy_loss_from_logp have theirs already)
     temperature: float = _option(1.0, _real(min_value=0.0, min_inclusive=False))
     # aggregation over tokens and sequences (docs/loss.md section 4)
@@ -126,6 +150,31 @@ class LossOptions:
     @classmethod
     def names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))
+
+    # ---- the per-token policy-loss kernels' view: docs/architecture.md ("How an option reaches the kernel")
+    @classmethod
+    def kernel_names(cls) -> tuple[str, ...]:
+        """The options the per-token policy-loss kernels take (the others act on rows, logits or the call)."""
+        return tuple(f.name for f in fields(cls) if f.metadata["kernel"] is not None)
+
+    def to_kernel(self) -> dict[str, float | int | bool]:
+        """The kernels' keyword arguments: each kernel option under its own name, encoded (KernelArg)."""
+        return {n: k.kind(k.encode(getattr(self, n))) for n, k in _kernel_args().items()}
+
+    def kernel_scalars(self) -> torch.Tensor:
+        """to_kernel()'s values as one float64 CPU tensor [len(kernel_names())], the form the registered ops take
+        (exact: the floats are Python floats, the codes small integers)."""
+        return torch.tensor([float(v) for v in self.to_kernel().values()], dtype=torch.float64)
+
+    @classmethod
+    def kernel_kwargs(cls, scalars: torch.Tensor) -> dict[str, float | int | bool]:
+        """The kernels' keyword arguments back from kernel_scalars() (equal to the options' to_kernel())."""
+        return {n: k.kind(x) for (n, k), x in zip(_kernel_args().items(), scalars.tolist(), strict=True)}
+
+    @classmethod
+    def kernel_options(cls, scalars: torch.Tensor) -> dict[str, Any]:
+        """The option values back from kernel_scalars(), as the reference (policy_token_loss_ref) takes them."""
+        return {n: k.decode(x) for (n, k), x in zip(_kernel_args().items(), scalars.tolist(), strict=True)}
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -160,6 +209,10 @@ class LossOptions:
         if not isinstance(options, LossOptions):
             raise TypeError(f"options: expected a LossOptions or a mapping of options, got {type(options).__name__}")
         return dataclasses.replace(options, **keywords) if keywords else options
+
+
+def _kernel_args() -> dict[str, KernelArg]:
+    return {f.name: f.metadata["kernel"] for f in fields(LossOptions) if f.metadata["kernel"] is not None}
 
 
 def _refuse_unknown(keywords: Mapping[str, Any], caller: str, exclude: Collection[str] = ()) -> None:

@@ -1,5 +1,5 @@
-"""The contract between the policy-loss kernels and their launchers, named once: the per-token code, the mode codes
-passed as constexprs, and the layout of the metric partial sums.
+"""The contract between the policy-loss kernels and their launchers, named once: the per-token code, the rows of the
+stacked per-token inputs, and the layout of the metric partial sums (the options' encoding is LossOptions').
 
 What this is: integer enums that kernels/loss/policy_loss.py (as constexprs) and the launchers
 (rapo_fast/loss/policy_op.py, fused_linear.py, policy_loss.py) both read; importable without Triton, because
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from enum import IntEnum
 
-__all__ = ["TokenCode", "OffMode", "KLMode", "Metric", "NUM_METRICS"]
+__all__ = ["TokenCode", "TokenInput", "REQUIRED_INPUTS", "NUM_INPUTS", "Metric", "NUM_METRICS"]
 
 
 class TokenCode(IntEnum):
@@ -22,22 +22,22 @@ class TokenCode(IntEnum):
     OFF = 2  # retrieved token trained off-policy (offpolicy_train != "none")
 
 
-class OffMode(IntEnum):
-    """offpolicy_train as the kernels' OFF constexpr (the member name is the option value, upper-cased)."""
+class TokenInput(IntEnum):
+    """Rows of the op's stacked per-token inputs [len(TokenInput), N] (policy_op.stack_token_inputs), in the compute
+    dtype. The presence mask has bit `1 << row` set for each row given; the optional rows are read only then."""
 
-    NONE = 0
-    SHAPED = 1
-    TRUNCATED = 2
+    OLD = 0  # old_logp
+    ADV = 1  # advantage
+    W = 2  # aggregation weight
+    SCALE = 3  # importance-shaping scale 1 + m F_s
+    CODE = 4  # TokenCode, as a number
+    SEQLR = 5  # GSPO sequence log-ratio (optional: importance_sampling_level="sequence")
+    BEHAV = 6  # behaviour log-prob (optional: tis_cap, offpolicy_train="truncated")
+    REF = 7  # reference log-prob (optional: its KL term and metric)
 
 
-class KLMode(IntEnum):
-    """The kernels' KL constexpr: no KL term (no ref_logp), or kl_estimator (the member name, upper-cased)."""
-
-    NONE = 0
-    K1 = 1
-    K2 = 2
-    K3 = 3
-    K3_UNCLAMPED = 4  # k3 with kl_clamp=False (TRL's k3)
+REQUIRED_INPUTS = (TokenInput.OLD, TokenInput.ADV, TokenInput.W, TokenInput.SCALE, TokenInput.CODE)
+NUM_INPUTS = len(TokenInput)
 
 
 class Metric(IntEnum):

@@ -40,7 +40,7 @@ from rapo_fast.loss.options import (  # noqa: F401  (re-exported: the option voc
 )
 from rapo_fast.loss.path_plan import LossMetrics, Path, PathPlan, log_path, plan_path
 from rapo_fast.loss.policy_layout import Metric, TokenCode
-from rapo_fast.loss.policy_op import KernelScalars, policy_loss_op, torch_policy_loss
+from rapo_fast.loss.policy_op import policy_loss_op, stack_token_inputs, torch_policy_loss
 from rapo_fast.reference.logprobs import linear_token_logprobs_ref, token_logprobs_ref
 
 __all__ = ["rapo_loss", "policy_loss_from_logp", "RAPOLoss", "LossOptions", "OPTION_DEFAULTS"]
@@ -319,13 +319,16 @@ def _loss_from_logp(a: dict, opts: LossOptions, facts: InputFacts, logp: torch.T
     t = _tokens(a, opts, facts, logp, ent, fused)
     scale, seqlr, adv = _sequence_terms(t, opts, a["advantages"])
     w = _agg_weights(t, opts.loss_agg, a["global_num_tokens"])
-    code = (t.on.to(torch.int8) * int(TokenCode.ON) + t.off.to(torch.int8) * int(TokenCode.OFF)).contiguous()
-    scalars = KernelScalars.of(opts, with_ref=t.ref is not None)
+    code = t.on.to(t.cd) * int(TokenCode.ON) + t.off.to(t.cd) * int(TokenCode.OFF)
     behav = t.behav if (opts.tis_cap is not None or opts.offpolicy_train == "truncated") else None
+    tok, present = stack_token_inputs(
+        old=t.old, adv=adv, w=w, scale=scale, code=code, seqlr=seqlr, behav=behav, ref=t.ref
+    )
+    scalars = opts.kernel_scalars()
     if fused:
         loss, sums = fused_linear_policy_loss(
-            a["hidden"], a["weight"], a["bias"], a["targets"], t.old, adv, w, scale, code, behav, t.ref, scalars,
-            float(opts.temperature), opts.entropy_coef != 0.0 or opts.return_metrics,
+            a["hidden"], a["weight"], a["bias"], a["targets"], tok, present, scalars, float(opts.temperature),
+            opts.entropy_coef != 0.0 or opts.return_metrics, opts.entropy_coef != 0.0,
         )  # fmt: skip
     else:
         # a token in the loss whose logits row has no finite log-sum-exp: refused here, from the log-probs (NaN
@@ -334,13 +337,10 @@ def _loss_from_logp(a: dict, opts: LossOptions, facts: InputFacts, logp: torch.T
             check_loss_logp_defined(torch.isnan(t.lp) & (code != 0))
         elif a.get("logits") is not None:
             check_logits_rows_defined(t.lp, a["loss_mask"], a["logits"])
-        tensors = (t.lp.contiguous(), t.old, adv, w, scale, code, seqlr, behav, t.ref, t.ent)
         # fp64 (a checking precision) and devices without Triton: the same math in torch, differentiated by autograd
-        if plan.path.triton and t.cd == torch.float32:
-            tok, sums = policy_loss_op(*tensors, *scalars)
-        else:
-            tok, sums = torch_policy_loss(*tensors, scalars)
-        loss = tok.sum()
+        op = policy_loss_op if plan.path.triton and t.cd == torch.float32 else torch_policy_loss
+        tok_loss, sums = op(t.lp.contiguous(), t.ent, tok, present, scalars)
+        loss = tok_loss.sum()
     log_path("policy_loss_from_logp" if "logp" in a else "rapo_loss", path, plan.reason)
     return (loss, _metrics(sums, t, opts, path)) if opts.return_metrics else loss
 

@@ -39,9 +39,9 @@ def kl_penalty_ref(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str, c
     raise ValueError(f"kl_estimator: expected one of ['k1', 'k2', 'k3'], got {estimator!r}")
 
 
-# Options that act on rows or on the logits, not per token: policy_token_loss_ref takes their effect as tensors
-# (ratio_scale, seq_log_ratio) or not at all.
-_ROW_OPTIONS = ("shaping_m", "importance_sampling_level", "temperature", "loss_agg", "return_metrics")
+# Options that act on rows, on the logits or on the call, not per token (those without a KernelArg in LossOptions):
+# policy_token_loss_ref takes their effect as tensors (ratio_scale, seq_log_ratio) or not at all.
+_ROW_OPTIONS = tuple(n for n in LossOptions.names() if n not in LossOptions.kernel_names())
 
 
 def policy_token_loss_ref(
@@ -65,7 +65,8 @@ def policy_token_loss_ref(
     importance_sampling_level="sequence", else None. options: the per-token fields of LossOptions (offpolicy_train,
     gamma, is_cap, tis_cap, eps_low, eps_high, dual_clip, beta, kl_estimator, kl_clamp, entropy_coef). Returns
     (loss [...], terms) where loss is 0 outside on|off and terms holds detached per-token values: clipped_high,
-    clipped_low, dual_clipped (bool), ratio, approx_kl, kl, tis_weight, offpolicy_weight.
+    clipped_low, dual_clipped (bool), ratio, approx_kl, and where computed kl (ref_logp given), tis_weight (tis_cap
+    set), offpolicy_weight (offpolicy_train not "none").
     """
     o = LossOptions.from_call(None, options, caller="policy_token_loss_ref", exclude=_ROW_OPTIONS)
     off_mask = torch.zeros_like(on_mask) if off_mask is None else off_mask
@@ -96,8 +97,6 @@ def policy_token_loss_ref(
     if entropy is not None and o.entropy_coef != 0.0:
         loss = loss + torch.where(active, -o.entropy_coef * entropy.to(logp.dtype), zero)
 
-    shape = torch.broadcast_shapes(logp.shape, on_mask.shape)
-    nan = torch.full(shape, float("nan"), dtype=logp.dtype, device=logp.device)
     hi = torch.as_tensor(1.0 + o.eps_high, dtype=logp.dtype)
     lo = torch.as_tensor(1.0 - o.eps_low, dtype=logp.dtype)
     terms = {
@@ -106,10 +105,11 @@ def policy_token_loss_ref(
         "dual_clipped": dual.detach(),
         "ratio": ratio.detach(),
         "approx_kl": (old_logp - logp).detach(),
-        "kl": nan if kl is None else kl.detach(),
-        "tis_weight": nan if tis_w is None else tis_w.detach(),
-        "offpolicy_weight": nan if off_w is None else off_w.detach(),
     }
+    # the terms of parts that did not run are absent (no ref_logp: no KL; no tis_cap; offpolicy_train "none")
+    for name, x in (("kl", kl), ("tis_weight", tis_w), ("offpolicy_weight", off_w)):
+        if x is not None:
+            terms[name] = x.detach()
     return loss, terms
 
 
@@ -314,13 +314,13 @@ def _metrics_ref(terms: dict, r: _Rows, on, off, active, o: LossOptions) -> dict
         "dual_clip_frac": mean(terms["dual_clipped"], on),
         "ratio_mean": mean(terms["ratio"].expand_as(r.logp), on),
         "approx_kl": mean(terms["approx_kl"], on),
-        "kl": mean(terms["kl"], active) if r.ref is not None else torch.zeros((), dtype=cd),
+        "kl": mean(terms["kl"], active) if "kl" in terms else torch.zeros((), dtype=cd),
         "entropy": mean(r.entropy, active) if r.entropy is not None else torch.full((), float("nan"), dtype=cd),
         "retrieved_frac": (r.ret.sum().to(cd) / r.resp.sum().clamp_min(1).to(cd)),
-        "tis_weight_mean": mean(terms["tis_weight"], on) if o.tis_cap is not None else torch.ones((), dtype=cd),
-        "offpolicy_weight_mean": mean(terms["offpolicy_weight"], off)
-        if o.offpolicy_train != "none"
-        else torch.zeros((), dtype=cd),
+        "tis_weight_mean": mean(terms["tis_weight"], on) if "tis_weight" in terms else torch.ones((), dtype=cd),
+        "offpolicy_weight_mean": (
+            mean(terms["offpolicy_weight"], off) if "offpolicy_weight" in terms else torch.zeros((), dtype=cd)
+        ),
         "num_tokens": active.sum().to(cd),
         "num_offpolicy_tokens": off.sum().to(cd),
     }

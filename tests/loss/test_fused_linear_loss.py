@@ -18,6 +18,8 @@ import rapo_fast
 from rapo_fast.loss import fused_linear as fl
 from rapo_fast.loss import policy_loss as loss_mod
 from rapo_fast.loss import tiles as tiles_mod
+from rapo_fast.loss.options import LossOptions
+from rapo_fast.loss.policy_op import stack_token_inputs
 
 AGG_MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 OPTS = {
@@ -195,12 +197,16 @@ def test_opcheck_fused_op():
     d = make_batch(2, 3, 10, H=6)
     n = 6
     f = torch.float32
-    code = (d["loss_mask"].reshape(n)).to(torch.int8)
+    code = (d["loss_mask"].reshape(n)).to(f)
+    tok, present = stack_token_inputs(
+        old=d["old_logp"].reshape(n), adv=d["advantages"].reshape(n), w=torch.full((n,), 1.0 / n, dtype=f),
+        scale=torch.ones(n, dtype=f), code=code, behav=d["behav_logp"].reshape(n), ref=d["ref_logp"].reshape(n),
+    )  # fmt: skip
+    opts = LossOptions(eps_low=0.2, eps_high=0.2, dual_clip=3.0, gamma=0.1, is_cap=2.0, tis_cap=1.5, beta=0.1,
+                       entropy_coef=0.01, offpolicy_train="none", kl_estimator="k3")  # fmt: skip
     args = (d["hidden"].reshape(n, 6).requires_grad_(True), d["weight"].requires_grad_(True),
-            d["bias"].requires_grad_(True), d["targets"].reshape(n), d["old_logp"].reshape(n),
-            d["advantages"].reshape(n), torch.full((n,), 1.0 / n, dtype=f), torch.ones(n, dtype=f), code,
-            d["behav_logp"].reshape(n), d["ref_logp"].reshape(n), 0.2, 0.2, 3.0, 0.1, 2.0, 1.5, 0.1, 0.01, 0, 3,
-            0.9, True, True, True, True)  # fmt: skip
+            d["bias"].requires_grad_(True), d["targets"].reshape(n), tok, present, opts.kernel_scalars(),
+            0.9, True, True, True, True, True)  # fmt: skip
     torch.library.opcheck(torch.ops.rapo_fast.fused_linear_policy_loss.default, args)
 
 

@@ -19,6 +19,8 @@ from helpers.loss_cases import AGG_MODES, FULL, check_case, inputs_for, make_bat
 import rapo_fast
 from rapo_fast.loss import policy_loss as loss_mod
 from rapo_fast.loss import policy_op as op_mod
+from rapo_fast.loss.options import LossOptions
+from rapo_fast.loss.policy_op import stack_token_inputs
 from rapo_fast.reference import rapo_loss_ref, token_logprobs_ref
 
 
@@ -127,16 +129,27 @@ def test_gradcheck_float64():
 OP_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+# the options of the op tests (as LossOptions; the op takes them as LossOptions.kernel_scalars())
+_OP_OPTIONS = LossOptions(
+    eps_low=0.2, eps_high=0.28, dual_clip=3.0, gamma=0.1, is_cap=2.0, tis_cap=1.5, beta=0.1, entropy_coef=0.01,
+    offpolicy_train="truncated", kl_estimator="k3",
+)  # fmt: skip
+
+
 def _op_args(n=37, seq=True, with_ent=True, seed=0, device=OP_DEVICE):
-    args = _op_args_cpu(n, seq, with_ent, seed)
-    out = [a.detach().to(device) if isinstance(a, torch.Tensor) else a for a in args]
-    out[0].requires_grad_(True)
+    """(args of rapo_fast::policy_loss, the per-token inputs by name) on `device`; logp and entropy need grad."""
+    parts = {
+        k: (v.detach().to(device) if v is not None else None) for k, v in _op_parts_cpu(n, seq, with_ent, seed).items()
+    }
+    parts["logp"].requires_grad_(True)
     if with_ent:
-        out[9].requires_grad_(True)
-    return tuple(out)
+        parts["ent"].requires_grad_(True)
+    rows = {k: parts[k] for k in ("old", "adv", "w", "scale", "seqlr", "behav", "ref")}
+    tok, present = stack_token_inputs(code=parts["code"].to(parts["old"].dtype), **rows)
+    return (parts["logp"], parts["ent"], tok, present, _OP_OPTIONS.kernel_scalars()), parts
 
 
-def _op_args_cpu(n, seq, with_ent, seed):
+def _op_parts_cpu(n, seq, with_ent, seed):
     g = torch.Generator().manual_seed(seed)
     lp = (-torch.rand(n, generator=g) * 3).requires_grad_(True)
     old = lp.detach() + 0.3 * torch.randn(n, generator=g)
@@ -148,19 +161,20 @@ def _op_args_cpu(n, seq, with_ent, seed):
     behav = old + 0.1 * torch.randn(n, generator=g)
     ref = lp.detach() + 0.2 * torch.randn(n, generator=g)
     ent = (torch.rand(n, generator=g) * 2).requires_grad_(True) if with_ent else None
-    return (lp, old, adv, w, scale, code, seqlr, behav, ref, ent, 0.2, 0.28, 3.0, 0.1, 2.0, 1.5, 0.1, 0.01, 2, 3)
+    return dict(logp=lp, old=old, adv=adv, w=w, scale=scale, code=code, seqlr=seqlr, behav=behav, ref=ref, ent=ent)
 
 
 @pytest.mark.parametrize("seq,with_ent,triton", [(True, True, True), (False, False, True), (True, True, False)])
 def test_opcheck_policy_loss_op(seq, with_ent, triton, monkeypatch):
     if not triton:  # the op's torch implementation, used on devices without Triton
         monkeypatch.setattr(op_mod, "use_triton", lambda device: False)
-    args = _op_args(seq=seq, with_ent=with_ent)
+    args, _ = _op_args(seq=seq, with_ent=with_ent)
     torch.library.opcheck(torch.ops.rapo_fast.policy_loss.default, args)
 
 
-def _check_op_against_reference(args):
-    lp, ent, code = args[0], args[9], args[5]
+def _check_op_against_reference(op_args):
+    args, p = op_args
+    lp, ent, code = p["logp"], p["ent"], p["code"]
     tok, sums = loss_mod.policy_loss_op(*args)
     up = torch.randn_like(tok)
     g_lp, g_ent = torch.autograd.grad(tok, (lp, ent), up)
@@ -171,14 +185,14 @@ def _check_op_against_reference(args):
     ent2 = ent.detach().requires_grad_(True)
     ref_tok, _ = policy_token_loss_ref(
         lp2,
-        args[1],
-        args[2],
+        p["old"],
+        p["adv"],
         on_mask=code == 1,
         off_mask=code == 2,
-        ratio_scale=args[4],
-        seq_log_ratio=args[6],
-        behav_logp=args[7],
-        ref_logp=args[8],
+        ratio_scale=p["scale"],
+        seq_log_ratio=p["seqlr"],
+        behav_logp=p["behav"],
+        ref_logp=p["ref"],
         entropy=ent2,
         offpolicy_train="truncated",
         gamma=0.1,
@@ -191,8 +205,8 @@ def _check_op_against_reference(args):
         kl_estimator="k3",
         entropy_coef=0.01,
     )
-    assert_close_verbose(tok, ref_tok * args[3], atol=1e-6, name="token loss")
-    r_lp, r_ent = torch.autograd.grad(ref_tok * args[3], (lp2, ent2), up)
+    assert_close_verbose(tok, ref_tok * p["w"], atol=1e-6, name="token loss")
+    r_lp, r_ent = torch.autograd.grad(ref_tok * p["w"], (lp2, ent2), up)
     assert_close_verbose(g_lp, r_lp, atol=1e-6, name="dlogp")
     assert_close_verbose(g_ent, r_ent, atol=1e-6, name="dH")
     # metric partial sums over all blocks: counts of each token class
@@ -292,14 +306,16 @@ import itertools, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from rapo_fast.kernels.loss import policy_loss as K
-variants = [(0, 0, 0, 0, 0, 0), (1, 1, 1, 1, 3, 1), (0, 1, 0, 2, 1, 1), (1, 0, 1, 2, 2, 0)]
-for (seq, dual, tis, off, kl, ent), kern in itertools.product(variants, (K.policy_loss_fwd_kernel,
-                                                                      K.policy_loss_bwd_kernel)):
-    const = dict(SEQ=bool(seq), DUAL=bool(dual), TIS=bool(tis), OFF=off, KL=kl, HAS_ENT=bool(ent), BLOCK=1024)
-    if "NM" in kern.arg_names:
-        const["NM"] = K.NUM_METRICS
-    sig = {n: "constexpr" if n in const else ("*i8" if n == "code_ptr" else "*fp32") if n.endswith("_ptr")
-           else "i32" if n == "N" else "fp32" for n in kern.arg_names}
+from rapo_fast.loss.policy_layout import TokenInput
+full = sum(1 << int(m) for m in TokenInput)
+# (PRESENT, offpolicy_train, kl_estimator, kl_clamp, HAS_ENT): every optional row absent / present, each mode
+variants = [(31, 0, 0, True, 0), (full, 2, 2, True, 1), (full & ~(1 << int(TokenInput.REF)), 1, 0, True, 1),
+            (full, 2, 2, False, 0), (full, 0, 1, True, 1)]
+for (present, off, kl, clamp, ent), kern in itertools.product(variants, (K.policy_loss_fwd_kernel,
+                                                               K.policy_loss_bwd_kernel)):
+    const = dict(PRESENT=present, offpolicy_train=off, kl_estimator=kl, kl_clamp=clamp, HAS_ENT=bool(ent), BLOCK=1024)
+    sig = {n: "constexpr" if n in const else "*fp32" if n.endswith("_ptr") else "i32" if n in ("N", "tok_stride")
+           else "fp32" for n in kern.arg_names}
     triton.compile(ASTSource(fn=kern, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32))
 print("ok")
 """
