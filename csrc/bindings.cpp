@@ -1,9 +1,9 @@
-// The one PYBIND11_MODULE of rapo_fast._C. Each op registers its parameter class and backend functions from its own
+// The one PYBIND11_MODULE of rapo_fast._C. Each op registers its backend functions from its own
 // <op>_bindings.cpp, in the binding convention of rapo/registry.h (docs/extension.md), so that ops can be added
 // without touching this file's logic; build facts are reported in BUILD_INFO (rapo_fast._ext.build_info()), and the
 // shared constants this build was compiled with (rapo/constants.h, generated from rapo_fast/_constants.py) in CONSTANTS
 // and as one module attribute each (_C.METRIC_IP, ...), so tests/test_shared_constants.py can compare them.
-// Not the place for op logic or argument checks beyond what keeps memory safe (Python validates first).
+// Not the place for op logic or argument checks (each op's bindings check its tensors, rapo/tensor_arg.h).
 #include <pybind11/pybind11.h>
 
 #include "rapo/constants.h"

@@ -2,9 +2,9 @@
 // destination cache, rotating keys by R(delta) (fp32 math, rapo/rope.h) and copying values unchanged.
 // Parallel over (request, layer, token) with OpenMP when built with it; per head, a whole row is widened to fp32,
 // rotated and narrowed in three contiguous loops the compiler vectorises (see load_row and rotate_row_* below).
-// Not a place for validation: the Python side (rapo_fast/kv/splice.py) checks ids, ranges, dtypes and shapes before
-// calling, so this code trusts its inputs beyond the memory-safety checks of rapo/kv_splice.h.
-// Contract: docs/kv_splice.md.
+// Not a place for validation: the Python side (rapo_fast/kv/splice.py) checks ids and ranges,
+// csrc/kv_splice_bindings.cpp the tensors' dtypes, shapes and strides, before calling, so this code trusts its inputs
+// beyond the memory-safety checks of rapo/kv_splice.h. Contract: docs/kv_splice.md.
 #include <cstring>
 #if defined(__x86_64__)
 #include <immintrin.h>

@@ -3,8 +3,8 @@
 // R(delta) with fp32 math (rapo/rope.h; angles formed in double once per block into shared memory) and copying values.
 // Memory traffic uses 16-byte vectors when every base pointer, stride and the head/rotary dims allow it, scalar
 // accesses otherwise. Contract: docs/kv_splice.md.
-// Not a place for validation: rapo_fast/kv/splice.py checks everything before the launch (rapo/kv_splice.h keeps
-// memory safe).
+// Not a place for validation: csrc/kv_splice_bindings.cpp checks the tensors, rapo_fast/kv/splice.py the values, before
+// the launch (rapo/kv_splice.h keeps memory safe).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -147,12 +147,20 @@ void launch_dtype(const KVSpliceParams& p, cudaStream_t stream) {
 
 }  // namespace
 
-void kv_splice_cuda(const KVSpliceParams& p, int device, std::uintptr_t stream_handle) {
+void kv_splice_cuda(KVSpliceParams p, const int64_t* host_ptrs, int64_t* dev_ptrs, int device,
+                    std::uintptr_t stream_handle) {
+  p.dst_k_ptrs = dev_ptrs;
+  p.dst_v_ptrs = dev_ptrs == nullptr ? nullptr : dev_ptrs + p.num_layers;
   check_kv_splice_params(p);
   if (p.rotary_dim / 2 > kMaxHalf) throw std::invalid_argument("kv_splice: rotary_dim / 2 must be <= 512 on CUDA");
   if (p.num_requests == 0 || p.max_tokens == 0) return;
+  if (host_ptrs == nullptr) throw std::invalid_argument("kv_splice: null pointer");
   CudaDeviceGuard guard(device, "kv_splice CUDA");
   cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  // From pageable host memory: the call returns once host_ptrs has been staged, so the caller may free it at once.
+  cuda_check(
+      cudaMemcpyAsync(dev_ptrs, host_ptrs, sizeof(int64_t) * 2 * size_t(p.num_layers), cudaMemcpyHostToDevice, stream),
+      "kv_splice CUDA", "copying the layers' addresses");
   switch (p.dtype) {
     case DType::F32: launch_dtype<float>(p, stream); break;
     case DType::F16: launch_dtype<__half>(p, stream); break;

@@ -1,18 +1,18 @@
 """Safe loading of the compiled extension rapo_fast._C and the helpers that pass tensors to it.
 
 What this is: the one place that imports `rapo_fast._C`, remembers why an import failed (torchao's pattern), reports
-`build_info()`, and holds the Python half of the extension's one binding convention (docs/extension.md): each op's
-parameter struct is a class of `_C` filled by keyword with `make_params`; tensors cross as data pointers, dtype codes
-(DTYPE_CODES) and raw stream handles (stream_of), since the extension does not link libtorch.
+`build_info()`, and holds the Python half of the extension's one binding convention (docs/extension.md): tensors cross
+as DLPack capsules (`dlpack`; the extension reads and checks them, csrc/include/rapo/tensor_arg.h), scalars by
+keyword, CUDA streams as raw handles (`stream_of`), since the extension does not link libtorch.
 What this is not: argument validation of any op (each op's Python module validates its own inputs first).
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
+from torch.utils.dlpack import to_dlpack
 
 from rapo_fast import _constants
 
@@ -98,23 +98,9 @@ def stream_of(device: torch.device) -> int:
     return 0
 
 
-@functools.cache
-def _field_names(cls: Any) -> frozenset[str]:
-    return frozenset(cls.FIELDS)
-
-
-def make_params(cls: Any, **fields: Any) -> Any:
-    """An instance of one of the extension's parameter classes (e.g. `_C.KVSpliceParams`) with every field set by
-    keyword. A TypeError names every unknown or missing field (the class lists its fields in `FIELDS`), so the Python
-    packing and the C++ struct cannot drift apart silently; a wrong-typed value gives a TypeError naming its field."""
-    if fields.keys() != _field_names(cls):
-        unknown = sorted(fields.keys() - _field_names(cls))
-        missing = [n for n in cls.FIELDS if n not in fields]
-        raise TypeError(f"{cls.__name__}: unknown field(s) {unknown}, missing field(s) {missing}")
-    params = cls()
-    for name, value in fields.items():
-        try:
-            setattr(params, name, value)
-        except TypeError as exc:
-            raise TypeError(f"{cls.__name__}.{name} cannot be set to {value!r}: {exc}") from None
-    return params
+def dlpack(t: torch.Tensor | None) -> Any:
+    """`t` as the extension takes a tensor argument: a fresh DLPack capsule (unversioned "dltensor", which the
+    extension consumes: one capsule per call), or None for an absent optional tensor. torch.utils.dlpack.to_dlpack
+    rather than t.__dlpack__(): it also exports a tensor that requires grad (the extension never differentiates) and
+    costs a fraction of a microsecond. The caller keeps `t` alive while a CUDA kernel reads it."""
+    return None if t is None else to_dlpack(t)

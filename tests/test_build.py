@@ -1,14 +1,15 @@
 """The build itself: the extension loads, reports its backends, and, wherever nvcc is on PATH (every machine of this
 project, CI included), its CUDA backend was compiled for the default architectures, so CI proves every .cu file builds;
-and each op's parameter class follows the binding convention (docs/extension.md). Not a test of any op."""
+and the entry points follow the binding convention (docs/extension.md). Not a test of any op."""
 
 import os
 import shutil
 
 import pytest
+import torch
 
 import rapo_fast
-from rapo_fast._ext import build_info, extension, has_extension, make_params
+from rapo_fast._ext import build_info, dlpack, extension, has_extension
 
 
 def test_extension_loads_with_cpu_backend():
@@ -33,20 +34,25 @@ def test_public_api_resolves():
 
 
 @pytest.mark.skipif(not has_extension(), reason="rapo_fast._C not built")
-@pytest.mark.parametrize("cls_name", ["RetrievalSearchParams", "KVSpliceParams"])
-def test_params_classes_are_filled_by_keyword_only_with_every_field(cls_name):
-    cls = getattr(extension(), cls_name)
-    fields = {name: 0 for name in cls.FIELDS}
-    params = make_params(cls, **fields)
-    assert all(not getattr(params, name) for name in cls.FIELDS)
-    with pytest.raises(TypeError, match="unknown field.*'bogus'"):
-        make_params(cls, **fields, bogus=1)
-    first = cls.FIELDS[0]
-    with pytest.raises(TypeError, match=f"missing field.*'{first}'"):
-        make_params(cls, **{k: v for k, v in fields.items() if k != first})
-    int_field = next(name for name in cls.FIELDS if name not in ("interleaved", "aligned16", "min_score"))
-    with pytest.raises(TypeError, match=f"{cls_name}.{int_field}"):
-        make_params(cls, **{**fields, int_field: "x"})
+def test_entry_points_take_tensors_by_dlpack_and_scalars_by_keyword():
+    """The binding convention (docs/extension.md): no parameter classes with integer addresses; each backend takes its
+    tensors as DLPack (capsule or __dlpack__ object) and its scalars by keyword only; a capsule is consumed once."""
+    C = extension()
+    assert not hasattr(C, "RetrievalSearchParams") and not hasattr(C, "KVSpliceParams")
+    keys, aux, groups = torch.randn(4, 8), torch.zeros(4), torch.arange(4)
+    queries, out_s, out_i = torch.randn(2, 8), torch.empty(2, 3), torch.empty(2, 3, dtype=torch.int64)
+    tensors = [keys, aux, groups, queries, None, None, out_s, out_i]
+    scalars = dict(k=3, metric=0, min_score=float("-inf"), num_threads=1, isa=-1)
+    C.retrieval_search_cpu(*tensors, **scalars)  # torch tensors themselves: their __dlpack__ is called
+    assert out_i[0].tolist() == (queries[0] @ keys.T).topk(3).indices.tolist()
+    with pytest.raises(TypeError):  # scalars are keyword-only
+        C.retrieval_search_cpu(*tensors, 3, 0, float("-inf"), 1, -1)
+    capsules = [dlpack(t) for t in tensors]
+    C.retrieval_search_cpu(*capsules, **scalars)
+    with pytest.raises(ValueError, match="retrieval_search_cpu: keys: this DLPack capsule was consumed already"):
+        C.retrieval_search_cpu(*capsules, **scalars)
+    with pytest.raises(TypeError, match=r"retrieval_search_cpu: keys must be a tensor .*got int"):
+        C.retrieval_search_cpu(keys.data_ptr(), *tensors[1:], **scalars)
 
 
 def test_py_typed_marker_is_in_the_package_and_its_package_data(monkeypatch):

@@ -7,8 +7,7 @@ ValueError naming it; ids that collide with a sentinel are refused.
   `rope_positions` (splice_kv, insert_segment) raise ValueError naming the argument (not torch's "Overflow when
   unpacking long long"); hypothesis checks the boundary on both sides.
 - `StepBuffer.add` refuses negative payload ids: -1 is the padding of search results.
-- The extension's parameter structs (csrc, filled by rapo_fast._ext.make_params) name the field a past-int64 value
-  was given for.
+- The extension's entry points (csrc/*_bindings.cpp) name the scalar argument a past-int64 value was given for.
 """
 
 from __future__ import annotations
@@ -156,12 +155,13 @@ def test_step_buffer_refuses_negative_payload_ids(pid):
 @pytest.mark.skipif(not _ext.has_extension(), reason="rapo_fast._C not built")
 def test_extension_params_name_the_field():
     C = _ext.extension()
-    fields = dict.fromkeys(C.RetrievalSearchParams.FIELDS, 0)
-    fields.update(min_score=0.0, k=2**70)
-    with pytest.raises(TypeError, match=r"RetrievalSearchParams\.k"):
-        _ext.make_params(C.RetrievalSearchParams, **fields)
-    if hasattr(C, "KVSpliceParams"):
-        fields = dict.fromkeys(C.KVSpliceParams.FIELDS, 0)
-        fields.update(interleaved=False, aligned16=False, max_tokens=2**64)
-        with pytest.raises(TypeError, match=r"KVSpliceParams\.max_tokens"):
-            _ext.make_params(C.KVSpliceParams, **fields)
+    t = torch.zeros(1, 2)
+    i64 = torch.zeros(1, dtype=torch.int64)
+    scalars = dict(metric=0, min_score=0.0, num_threads=1, isa=-1)
+    with pytest.raises(TypeError, match=r"retrieval_search_cpu: k must fit"):
+        C.retrieval_search_cpu(t, t[0], i64, t, None, None, t, t, k=2**70, **scalars)
+    if hasattr(C, "kv_splice_cpu"):
+        pool = torch.zeros(1, 1, 1, 2)
+        req = torch.zeros(0, 5, dtype=torch.int64)
+        with pytest.raises(TypeError, match=r"kv_splice_cpu: max_tokens must fit"):
+            C.kv_splice_cpu([pool], [pool], pool, pool, req, torch.zeros(1), None, interleaved=False, max_tokens=2**64)

@@ -71,72 +71,44 @@ def _kv_splice_impl(
     if num_requests == 0 or max_tokens == 0:
         return
     # The extension checks every index it dereferences on host copies of the requests and the block table (a device
-    # copy of a CUDA block table costs a sync; splice_kv passes requests on the CPU, so they cost none).
+    # copy of a CUDA block table costs a sync; splice_kv passes requests on the CPU, so they cost none), and each tensor
+    # where it takes its pointer (csrc/kv_splice_bindings.cpp).
     req_host = requests.contiguous() if requests.device.type == "cpu" else requests.cpu()
     req = req_host.to(device)
     inv = inv_freq.to(device).contiguous()
-    kptr = torch.tensor([t.data_ptr() for t in keys], dtype=torch.int64).to(device)
-    vptr = torch.tensor([t.data_ptr() for t in values], dtype=torch.int64).to(device)
-    paged = block_table is not None
-    layout, bt, bt_host = _cache_layout_fields(keys[0], values[0], block_table)  # both kept alive until the call ends
-    aligned = all(t.data_ptr() % 16 == 0 for t in (*keys, *values, k_pool, v_pool))
-    params = _ext.make_params(
-        C.KVSpliceParams,
-        dtype=_ext.DTYPE_CODES[k_pool.dtype],
-        interleaved=bool(interleaved),
-        k_pool=k_pool.data_ptr(),
-        v_pool=v_pool.data_ptr(),
-        pool_layer_stride=k_pool.stride(0),
-        pool_token_stride=k_pool.stride(1),
-        pool_head_stride=k_pool.stride(2),
-        dst_k_ptrs=kptr.data_ptr(),
-        dst_v_ptrs=vptr.data_ptr(),
-        num_layers=k_pool.shape[0],
-        num_heads=k_pool.shape[2],
-        head_dim=k_pool.shape[3],
-        rotary_dim=2 * inv.numel(),
-        inv_freq=inv.data_ptr(),
-        requests=req.data_ptr(),
-        num_requests=num_requests,
-        max_tokens=int(max_tokens),
-        aligned16=aligned,
-        pool_tokens=k_pool.shape[1],
-        requests_host=req_host.data_ptr(),
-        **layout,
-    )
+    bt, bt_host = _int32_block_table(block_table)
+    dl = _ext.dlpack
+    args = dict(keys=[dl(t) for t in keys], values=[dl(t) for t in values], k_pool=dl(k_pool), v_pool=dl(v_pool))
+    args.update(requests=dl(req), inv_freq=dl(inv), block_table=dl(bt))
     if device.type == "cpu":
-        C.kv_splice_cpu(params)
-    else:
-        C.kv_splice_cuda(params, device=int(device.index or 0), stream=_ext.stream_of(device))
-    if device.type == "cuda":
-        # req/kptr/vptr/inv/bt must live until the kernel has read them: tie them to the stream instead of syncing.
-        for t in (req, kptr, vptr, inv) + ((bt,) if paged else ()):
-            t.record_stream(torch.cuda.current_stream(device))
+        C.kv_splice_cpu(**args, interleaved=bool(interleaved), max_tokens=int(max_tokens))
+        return
+    dst_ptrs = torch.empty(2, len(keys), dtype=torch.int64, device=device)  # the extension copies the addresses in
+    C.kv_splice_cuda(
+        **args,
+        requests_host=dl(req_host),
+        block_table_host=dl(bt_host),
+        dst_ptrs=dl(dst_ptrs),
+        interleaved=bool(interleaved),
+        max_tokens=int(max_tokens),
+        device=int(device.index or 0),
+        stream=_ext.stream_of(device),
+    )
+    # req/dst_ptrs/inv/bt must live until the kernel has read them: tie them to the stream instead of syncing.
+    for t in (req, dst_ptrs, inv) + ((bt,) if bt is not None else ()):
+        t.record_stream(torch.cuda.current_stream(device))
 
 
-def _cache_layout_fields(
-    k0: torch.Tensor, v0: torch.Tensor, block_table: torch.Tensor | None
-) -> tuple[dict, torch.Tensor | None, torch.Tensor | None]:
-    """KVSpliceParams' destination fields (strides, extents, block table and its host copy) for caches shaped like
-    k0/v0, the int32 block table the kernel reads and its host copy (both must outlive the call: the caller keeps them).
-    A CUDA block table is copied to the host for the extension's index checks (one sync)."""
-    if block_table is None:  # HF layout [B, H, S, D]: (row, slot, head) strides
-        fields = dict(k_row_stride=k0.stride(0), k_slot_stride=k0.stride(2), k_head_stride=k0.stride(1))
-        fields.update(v_row_stride=v0.stride(0), v_slot_stride=v0.stride(2), v_head_stride=v0.stride(1))
-        fields.update(dst_rows=k0.shape[0], dst_slots=k0.shape[2], dst_heads=k0.shape[1], dst_head_dim=k0.shape[3])
-        fields.update(block_table=0, block_table_stride=0, block_size=0, block_table_host=0)
-        return dict(fields, block_table_rows=0, block_table_cols=0), None, None
-    # paged [blocks, block_size, H, D]: (block, in-block, head) strides
+def _int32_block_table(block_table: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The int32 block table the kernels read and its host copy (both must outlive the call: the caller keeps them),
+    or (None, None) for the HF layout. An int64 table is narrowed only after a range check; a CUDA block table is
+    copied to the host for the extension's index checks (one sync)."""
+    if block_table is None:
+        return None, None
     if block_table.dtype != torch.int32:  # narrowed to the kernels' int32 only after a range check
         sc.check_block_table_int32(block_table, block_table if block_table.device.type == "cpu" else block_table.cpu())
     bt = (block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)).contiguous()
-    bt_host = bt if bt.device.type == "cpu" else bt.cpu()
-    fields = dict(k_row_stride=k0.stride(0), k_slot_stride=k0.stride(1), k_head_stride=k0.stride(2))
-    fields.update(v_row_stride=v0.stride(0), v_slot_stride=v0.stride(1), v_head_stride=v0.stride(2))
-    fields.update(dst_rows=k0.shape[0], dst_slots=k0.shape[1], dst_heads=k0.shape[2], dst_head_dim=k0.shape[3])
-    fields.update(block_table=bt.data_ptr(), block_table_stride=bt.stride(0), block_size=k0.shape[1])
-    fields.update(block_table_host=bt_host.data_ptr(), block_table_rows=bt.shape[0], block_table_cols=bt.shape[1])
-    return fields, bt, bt_host
+    return bt, (bt if bt.device.type == "cpu" else bt.cpu())
 
 
 def _kv_splice_fake(keys, values, k_pool, v_pool, requests, inv_freq, block_table, interleaved, max_tokens) -> None:

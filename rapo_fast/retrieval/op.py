@@ -2,7 +2,8 @@
 already-validated tensors, with a fake implementation so that a search traces under torch.compile.
 
 What this is not: argument validation (rapo_fast/retrieval/buffer.py validates before calling; called directly, the op
-checks only the dtypes it reads pointers as, and the extension every extent it indexes with) or the buffer itself.
+checks ranks, dtypes and devices, and the extension each tensor it is given and every extent it indexes with) or the
+buffer itself.
 `backend` ("auto" | "cpu" | "cuda" | "triton", rapo_fast/retrieval/backends.py) picks the implementation: "auto" runs
 the C++ backend of the tensors' device, or on CUDA tensors the Triton kernel where rapo_fast/retrieval/triton_search.py
 says so (same contract); an explicit backend that cannot run on the tensors raises ValueError.
@@ -15,20 +16,16 @@ import torch
 
 from rapo_fast._constants import CPU_ISA_AUTO, MAX_K, METRIC_CODES
 from rapo_fast._dispatch import register_op
-from rapo_fast._ext import DTYPE_CODES, make_params, require_backend, stream_of
+from rapo_fast._ext import DTYPE_CODES, dlpack, require_backend, stream_of
 from rapo_fast.retrieval.backends import resolve_backend
 from rapo_fast.retrieval.triton_search import triton_search
 
 __all__ = ["MAX_K", "METRIC_CODES", "retrieval_search"]  # MAX_K, METRIC_CODES: from rapo_fast/_constants.py
 
 
-def _ptr(t: Optional[torch.Tensor]) -> int:
-    return 0 if t is None or t.numel() == 0 else int(t.data_ptr())
-
-
 def _check_op_inputs(keys, key_aux, groups, queries, exclude, centre) -> None:
-    """The dtypes and devices the op reads its pointers as (the extension checks every extent itself): the op can be
-    called directly, without StepBuffer's validation."""
+    """Ranks, dtypes and devices, with the op's own messages (the extension checks every tensor again where it takes
+    its pointer, and every extent): the op can be called directly, without StepBuffer's validation."""
     if keys.dim() != 2 or queries.dim() != 2:
         raise ValueError(f"keys [C, D] and queries [Q, D] expected, got {tuple(keys.shape)}, {tuple(queries.shape)}")
     if keys.dtype not in (torch.float32, torch.float16, torch.bfloat16) or queries.dtype != keys.dtype:
@@ -94,43 +91,23 @@ def _search_impl(
     ext = require_backend(device)
     scores = torch.empty(Q, k, dtype=torch.float32, device=device)
     slots = torch.empty(Q, k, dtype=torch.int64, device=device)
-    params = make_params(
-        ext.RetrievalSearchParams,
-        keys=_ptr(keys),
-        key_row_stride=keys.stride(0) if C else D,
-        key_dtype=DTYPE_CODES[keys.dtype],
-        key_aux=_ptr(key_aux),
-        groups=_ptr(groups),
-        C=C,
-        D=D,
-        key_dim=keys.shape[1],
-        aux_len=key_aux.numel(),
-        groups_len=groups.numel(),
-        queries=_ptr(queries),
-        query_dtype=DTYPE_CODES[queries.dtype],
-        query_row_stride=queries.stride(0) if Q else D,
-        Q=Q,
-        exclude=_ptr(exclude),
-        exclude_len=0 if exclude is None else exclude.numel(),
-        centre=_ptr(centre),
-        k=k,
-        metric=metric,
-        min_score=float(min_score),
-        out_scores=_ptr(scores),
-        out_slots=_ptr(slots),
-    )
+    # Tensors cross as DLPack; the extension checks each where it takes its pointer (csrc/retrieval_bindings.cpp).
+    tensors = dict(keys=keys, key_aux=key_aux, groups=groups, queries=queries, exclude=exclude, centre=centre)
+    tensors.update(out_scores=scores, out_slots=slots)
+    args = {name: dlpack(t) for name, t in tensors.items()}
+    scalars = dict(k=k, metric=metric, min_score=float(min_score))
     if device.type == "cpu":
-        ext.retrieval_search_cpu(params, num_threads=torch.get_num_threads(), isa=CPU_ISA_AUTO)
+        ext.retrieval_search_cpu(**args, **scalars, num_threads=torch.get_num_threads(), isa=CPU_ISA_AUTO)
     else:
         dev = device.index if device.index is not None else torch.cuda.current_device()
         n_splits = int(ext.retrieval_cuda_splits(Q=Q, C=C, k=k, device=dev, D=D, dtype=DTYPE_CODES[keys.dtype]))
         ws_scores = torch.empty(n_splits, Q, k, dtype=torch.float32, device=device)
         ws_slots = torch.empty(n_splits, Q, k, dtype=torch.int32, device=device)
         ext.retrieval_search_cuda(
-            params,
-            ws_scores=_ptr(ws_scores),
-            ws_slots=_ptr(ws_slots),
-            n_splits=n_splits,
+            **args,
+            ws_scores=dlpack(ws_scores),
+            ws_slots=dlpack(ws_slots),
+            **scalars,
             device=dev,
             stream=stream_of(device),
         )

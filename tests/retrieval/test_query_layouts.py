@@ -94,39 +94,19 @@ def test_expanded_queries_the_issue_instance(buffers):
 @pytest.mark.skipif(not _ext.has_extension(), reason="rapo_fast._C not built")
 def test_extension_names_the_argument_with_overlapping_rows():
     """Called directly (below the Python op), the extension names which tensor has overlapping rows."""
-    from rapo_fast._ext import DTYPE_CODES, make_params
-
     C = _ext.extension()
     torch.manual_seed(0)
     keys, queries = torch.randn(5, D), torch.randn(1, D).expand(3, D)
     aux, groups = torch.zeros(5), torch.zeros(5, dtype=torch.int64)
     scores, slots = torch.empty(3, 2), torch.empty(3, 2, dtype=torch.int64)
-    fields = dict(
-        keys=keys.data_ptr(),
-        key_row_stride=D,
-        key_dtype=DTYPE_CODES[torch.float32],
-        key_aux=aux.data_ptr(),
-        groups=groups.data_ptr(),
-        C=5,
-        D=D,
-        key_dim=D,
-        aux_len=5,
-        groups_len=5,
-        queries=queries.data_ptr(),
-        query_dtype=DTYPE_CODES[torch.float32],
-        query_row_stride=queries.stride(0),
-        Q=3,
-        exclude=0,
-        exclude_len=0,
-        centre=0,
-        k=2,
-        metric=0,
-        min_score=float("-inf"),
-        out_scores=scores.data_ptr(),
-        out_slots=slots.data_ptr(),
-    )
+
+    def search(keys, queries):
+        tensors = dict(keys=keys, key_aux=aux, groups=groups, queries=queries, out_scores=scores, out_slots=slots)
+        args = {name: _ext.dlpack(t) for name, t in tensors.items()}
+        scalars = dict(k=2, metric=0, min_score=float("-inf"), num_threads=1, isa=-1)
+        C.retrieval_search_cpu(**args, exclude=None, centre=None, **scalars)
+
     with pytest.raises(ValueError, match="queries"):
-        C.retrieval_search_cpu(make_params(C.RetrievalSearchParams, **fields), num_threads=1, isa=-1)
-    fields.update(key_row_stride=0, query_row_stride=D)
+        search(keys, queries)
     with pytest.raises(ValueError, match="keys"):
-        C.retrieval_search_cpu(make_params(C.RetrievalSearchParams, **fields), num_threads=1, isa=-1)
+        search(torch.randn(1, D).expand(5, D), queries.contiguous())

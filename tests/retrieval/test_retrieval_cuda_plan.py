@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rapo_fast._ext import extension
+from rapo_fast._ext import dlpack, extension
 from rapo_fast.reference.retrieval import RETRIEVAL_METRICS, scores_ref
 
 H100_SMS = 132
@@ -157,7 +157,7 @@ def _run_merge(ext, scores, eligible, n, k):
         want_s[q], want_i[q] = _top(scores[q, eligible[q]], ids[eligible[q]], k)
     out_s = torch.full((Q, k), 7.0)
     out_i = torch.full((Q, k), 7, dtype=torch.int64)
-    ext.retrieval_merge_splits_host(ws_s.data_ptr(), ws_i.data_ptr(), n, Q, k, out_s.data_ptr(), out_i.data_ptr())
+    ext.retrieval_merge_splits_host(dlpack(ws_s), dlpack(ws_i), dlpack(out_s), dlpack(out_i))
     return out_s, out_i, want_s, want_i
 
 
@@ -219,10 +219,18 @@ def test_merge_independent_of_split_count(ext):
         assert torch.equal(s, results[0][0]) and torch.equal(i, results[0][1])
 
 
+def _merge_sized(ext, n, Q, k, out_k=None):
+    """The host merge on fresh tensors of [n, Q, k] lists into [Q, out_k (default k)] outputs."""
+    out_k = k if out_k is None else out_k
+    ws = (torch.zeros(n, Q, k), torch.zeros(n, Q, k, dtype=torch.int32))
+    out = (torch.zeros(Q, out_k), torch.zeros(Q, out_k, dtype=torch.int64))
+    ext.retrieval_merge_splits_host(*(dlpack(t) for t in ws + out))
+
+
 def test_merge_rejects_bad_sizes(ext):
     with pytest.raises(ValueError):
-        ext.retrieval_merge_splits_host(0, 0, 0, 1, 3, 0, 0)
+        _merge_sized(ext, 0, 1, 3)
     with pytest.raises(ValueError):
-        ext.retrieval_merge_splits_host(0, 0, 1, 1, 1025, 0, 0)
+        _merge_sized(ext, 1, 1, 1025)
     with pytest.raises(ValueError):
-        ext.retrieval_merge_splits_host(0, 0, 1, 1, 3, 0, 0)  # null pointers
+        _merge_sized(ext, 1, 1, 3, out_k=2)  # outputs that do not match the lists (was: null pointers)

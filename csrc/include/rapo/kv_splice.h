@@ -1,6 +1,7 @@
 // Host-side interface of the KV-splice backends (csrc/kv_splice_cpu.cpp, csrc/kv_splice_cuda.cu), called from
 // csrc/kv_splice_bindings.cpp: the parameter block, the destination addressing both backends share, and the checks
-// that keep memory safe. Python (rapo_fast/kv/splice.py) has validated ids, ranges, dtypes and shapes before these run;
+// that keep memory safe. The bindings fill the block from the tensors they were given and check those (rank, dtype,
+// device, strides: rapo/tensor_arg.h); Python (rapo_fast/kv/splice.py) has validated ids and ranges before;
 // check_kv_splice_params still checks every index the backends dereference (once per request, on a host copy of the
 // requests and block table), so the op called directly raises instead of writing out of bounds.
 // The splice's contract is written in docs/kv_splice.md. Not a place for the rotation math (rope.h).
@@ -116,8 +117,11 @@ inline void check_kv_splice_params(const KVSpliceParams& p) {
 
 void kv_splice_cpu(const KVSpliceParams& p);
 #ifdef RAPO_WITH_CUDA
-// Runs on `device`, on the CUDA stream whose raw handle is `stream` (torch's current stream).
-void kv_splice_cuda(const KVSpliceParams& p, int device, std::uintptr_t stream);
+// Runs on `device`, on the CUDA stream whose raw handle is `stream` (torch's current stream). The layers' addresses
+// are host_ptrs [2, num_layers] (each key cache's, then each value cache's); they are copied on the stream into
+// dev_ptrs (as many int64 in device memory, which must outlive the kernel), which the kernel reads as p.dst_k_ptrs /
+// p.dst_v_ptrs (their values in p are ignored).
+void kv_splice_cuda(KVSpliceParams p, const int64_t* host_ptrs, int64_t* dev_ptrs, int device, std::uintptr_t stream);
 #endif
 
 }  // namespace rapo

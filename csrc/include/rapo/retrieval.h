@@ -1,7 +1,8 @@
 // Host-side interface of the step-retrieval backends (csrc/retrieval_cpu.cpp, csrc/retrieval_cuda.cu), called from
-// csrc/retrieval_bindings.cpp. Python (rapo_fast/retrieval/buffer.py) has validated every shape, dtype and device
-// before these run; the backends still check every extent they index with (check_retrieval_params), so that the op
-// called directly raises instead of reading out of bounds. The search's contract is written in docs/retrieval.md.
+// csrc/retrieval_bindings.cpp, which fills the parameter block from the tensors it was given after checking them
+// (rank, dtype, device, strides, output shapes: rapo/tensor_arg.h). Python (rapo_fast/retrieval/buffer.py) has
+// validated the values before; the backends still check every extent they index with (check_retrieval_params), so
+// that the op called directly raises instead of reading out of bounds. The search's contract: docs/retrieval.md.
 // Not a place for math (retrieval_metric.h, topk.h).
 #pragma once
 #include <cstdint>

@@ -1,0 +1,202 @@
+"""The KV-splice entry points of rapo_fast._C called directly (below the registered op) with a wrong tensor: each
+argument of kv_splice_cpu and (in CUDA builds; no GPU needed) kv_splice_cuda, given the wrong dtype, rank, shape,
+device or strides, raises TypeError (dtype, not a tensor) or ValueError (the rest) naming the entry point and the
+argument (a cache layer by its index), before any write: the caches are left as they were. The checks live in
+csrc/kv_splice_bindings.cpp and csrc/include/rapo/tensor_arg.h (docs/extension.md). Not here: the splice's results
+(test_kv_splice.py, test_kv_splice_op.py) or the index checks of the requests (test_kv_splice_checks.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.dlpack_capsules import KDL_CUDA, FakeTensor, on_cuda
+
+from rapo_fast import _ext
+
+pytestmark = pytest.mark.skipif(
+    not (_ext.has_extension() and hasattr(_ext.extension(), "kv_splice_cpu")), reason="rapo_fast._C without kv_splice"
+)
+L, H, D, CAP, B, S = 2, 2, 8, 10, 2, 6
+TENSORS = ["k_pool", "v_pool", "requests", "inv_freq", "block_table"]
+
+
+def _case(paged: bool) -> dict:
+    g = torch.Generator().manual_seed(0)
+    shape = (4, 3, H, D) if paged else (B, H, S, D)  # paged: 4 blocks of 3 slots
+    return dict(
+        keys=[torch.zeros(shape) for _ in range(L)],
+        values=[torch.zeros(shape) for _ in range(L)],
+        k_pool=torch.randn(L, CAP, H, D, generator=g),
+        v_pool=torch.randn(L, CAP, H, D, generator=g),
+        requests=torch.tensor([[0, 3, 1, 2, 5]]),  # pool offset, tokens, row, slot, rope delta
+        inv_freq=torch.tensor([1.0, 0.01]),
+        block_table=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32) if paged else None,
+    )
+
+
+def _splice_cpu(case: dict, **over) -> None:
+    args = {n: _ext.dlpack(case[n]) for n in TENSORS}
+    args.update(keys=[_ext.dlpack(t) for t in case["keys"]], values=[_ext.dlpack(t) for t in case["values"]])
+    args.update(over)
+    _ext.extension().kv_splice_cpu(**args, interleaved=False, max_tokens=3)
+
+
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """t's values with a last-dim stride of 2."""
+    return torch.stack([t, t], -1).reshape(*t.shape[:-1], -1)[..., ::2]
+
+
+def _layers(case, kind, i, make):
+    ts = [_ext.dlpack(t) for t in case[kind]]
+    ts[i] = make(case[kind][i])
+    return {kind: ts}
+
+
+# (paged, argument as named in the message, override maker (case -> kwargs), error, message after the name)
+BAD = [
+    (
+        False,
+        "k_pool",
+        lambda c: dict(k_pool=_ext.dlpack(c["k_pool"].long())),
+        TypeError,
+        " must be float32, float16 or",
+    ),
+    (False, "k_pool", lambda c: dict(k_pool=_ext.dlpack(c["k_pool"][0])), ValueError, " must be 4-d"),
+    (False, "k_pool", lambda c: dict(k_pool=_ext.dlpack(_strided(c["k_pool"]))), ValueError, " must have a contiguous"),
+    (
+        False,
+        "v_pool",
+        lambda c: dict(v_pool=_ext.dlpack(c["v_pool"].half())),
+        TypeError,
+        r" must have the dtype of k_p",
+    ),
+    (
+        False,
+        "v_pool",
+        lambda c: dict(v_pool=_ext.dlpack(c["v_pool"][:, :5])),
+        ValueError,
+        " must have the shape of k_p",
+    ),
+    (
+        False,
+        "v_pool",
+        lambda c: dict(v_pool=_ext.dlpack(c["v_pool"].transpose(1, 2).contiguous().transpose(1, 2))),
+        ValueError,
+        r" must have the strides of k_pool \(\[160, 16, 8, 1\]\), got \[160, 8, 80, 1\]",
+    ),
+    (False, "keys[1]", lambda c: _layers(c, "keys", 1, lambda t: _ext.dlpack(t.half())), TypeError, " must have the d"),
+    (False, "keys[1]", lambda c: _layers(c, "keys", 1, lambda t: _ext.dlpack(t[:1])), ValueError, " must have the sha"),
+    (False, "keys[0]", lambda c: _layers(c, "keys", 0, lambda t: _ext.dlpack(_strided(t))), ValueError, " must have a"),
+    (
+        False,
+        "keys[1]",
+        lambda c: _layers(c, "keys", 1, lambda t: _ext.dlpack(t.transpose(1, 2).contiguous().transpose(1, 2))),
+        ValueError,
+        r" must have the strides of keys\[0\]",
+    ),
+    (False, "values[0]", lambda c: _layers(c, "values", 0, lambda t: _ext.dlpack(t[0])), ValueError, " must be 4-d"),
+    (False, "values[1]", lambda c: _layers(c, "values", 1, lambda t: [1.0]), TypeError, " must be a tensor"),
+    (False, "keys", lambda c: dict(keys=_ext.dlpack(c["keys"][0])), TypeError, " must be a list of tensors"),
+    (False, "keys", lambda c: dict(keys=[_ext.dlpack(c["keys"][0])]), ValueError, " and values must hold one tensor"),
+    (
+        False,
+        "requests",
+        lambda c: dict(requests=_ext.dlpack(c["requests"].int())),
+        TypeError,
+        " must be int64, got int32",
+    ),
+    (
+        False,
+        "requests",
+        lambda c: dict(requests=_ext.dlpack(torch.cat([c["requests"]] * 2).T.contiguous().T)),
+        ValueError,
+        " must be contiguous",
+    ),
+    (
+        False,
+        "requests",
+        lambda c: dict(requests=_ext.dlpack(c["requests"][:, :4].contiguous())),
+        ValueError,
+        " must have fields per request = 5 in dim 1",
+    ),
+    (False, "inv_freq", lambda c: dict(inv_freq=_ext.dlpack(c["inv_freq"].double())), TypeError, " must be float32"),
+    (False, "inv_freq", lambda c: dict(inv_freq=_ext.dlpack(c["inv_freq"][None])), ValueError, " must be 1-d"),
+    (
+        True,
+        "block_table",
+        lambda c: dict(block_table=_ext.dlpack(c["block_table"].long())),
+        TypeError,
+        " must be int32",
+    ),
+    (True, "block_table", lambda c: dict(block_table=_ext.dlpack(c["block_table"][0])), ValueError, " must be 2-d"),
+    (True, "block_table", lambda c: dict(block_table=_ext.dlpack(c["block_table"].T)), ValueError, " must have a cont"),
+]
+
+
+@pytest.mark.parametrize(
+    ("paged", "name", "over", "error", "message"), BAD, ids=[f"{b[1]}-{i}" for i, b in enumerate(BAD)]
+)
+def test_splice_cpu_refuses_each_wrong_tensor_naming_it(paged, name, over, error, message):
+    case = _case(paged)
+    _splice_cpu(case)  # the good call writes
+    assert any(bool(t.abs().sum()) for t in case["keys"])
+    for t in case["keys"] + case["values"]:
+        t.fill_(3.0)
+    with pytest.raises(error, match="^kv_splice_cpu: " + name.replace("[", r"\[").replace("]", r"\]") + message):
+        _splice_cpu(case, **over(case))
+    assert all(bool((t == 3.0).all()) for t in case["keys"] + case["values"]), "written before the check"
+
+
+def _device_cases():
+    for name in TENSORS:
+        yield name, name, lambda c, n=name: {n: on_cuda(c[n]).capsule()}
+    for kind in ("keys", "values"):
+        yield kind, f"{kind}[1]", lambda c, k=kind: _layers(c, k, 1, lambda t: on_cuda(t).capsule())
+
+
+@pytest.mark.parametrize(("arg", "name", "over"), list(_device_cases()), ids=[c[1] for c in _device_cases()])
+def test_splice_cpu_refuses_a_tensor_on_another_device(arg, name, over):
+    case = _case(paged=True)
+    pattern = "^kv_splice_cpu: " + name.replace("[", r"\[").replace("]", r"\]") + " must be on cpu, got cuda:0"
+    with pytest.raises(ValueError, match=pattern):
+        _splice_cpu(case, **over(case))
+    assert all(bool((t == 0).all()) for t in case["keys"] + case["values"])
+
+
+needs_cuda_build = pytest.mark.skipif(
+    not (_ext.has_extension() and hasattr(_ext.extension(), "kv_splice_cuda")), reason="no CUDA backend"
+)
+
+
+def _cuda_args(case: dict) -> dict:
+    """Capsules of the case's tensors on cuda:0 with null data (refused before any kernel), real host copies."""
+    fakes = {n: on_cuda(case[n]) for n in TENSORS}
+    args = {n: f.capsule() for n, f in fakes.items()}
+    args.update(
+        keys=[on_cuda(t).capsule() for t in case["keys"]], values=[on_cuda(t).capsule() for t in case["values"]]
+    )
+    args.update(requests_host=_ext.dlpack(case["requests"]), block_table_host=_ext.dlpack(case["block_table"]))
+    args.update(dst_ptrs=FakeTensor((2, L), torch.int64, (KDL_CUDA, 0)).capsule())
+    return args
+
+
+@needs_cuda_build
+@pytest.mark.parametrize(
+    ("name", "bad", "error", "message"),
+    [
+        ("k_pool", lambda c: _ext.dlpack(c["k_pool"]), ValueError, " must be on cuda:0, got cpu"),
+        ("inv_freq", lambda c: on_cuda(c["inv_freq"], 1).capsule(), ValueError, " must be on cuda:0, got cuda:1"),
+        ("requests_host", lambda c: on_cuda(c["requests"]).capsule(), ValueError, r" must be in host memory \(cpu\)"),
+        ("requests_host", lambda c: _ext.dlpack(c["requests"].int()), TypeError, " must be int64, got int32"),
+        ("block_table_host", lambda c: _ext.dlpack(c["block_table"][:1]), ValueError, " must have the shape of"),
+        ("block_table_host", lambda c: None, ValueError, " must be given exactly when block_table is"),
+        ("dst_ptrs", lambda c: FakeTensor((2, L + 1), torch.int64).capsule(), ValueError, " must have num_layers = 2"),
+        ("dst_ptrs", lambda c: FakeTensor((2, L), torch.int32).capsule(), TypeError, " must be int64, got int32"),
+    ],
+)
+def test_splice_cuda_refuses_each_wrong_tensor_naming_it(name, bad, error, message):
+    case = _case(paged=True)
+    args = _cuda_args(case)
+    args[name] = bad(case)
+    with pytest.raises(error, match=f"^kv_splice_cuda: {name}{message}"):
+        _ext.extension().kv_splice_cuda(**args, interleaved=False, max_tokens=3, device=0, stream=0)
