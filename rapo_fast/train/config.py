@@ -20,7 +20,7 @@ from rapo_fast import _checks as C
 from rapo_fast.loss import presets
 from rapo_fast.loss.advantages import RET_NORMS
 from rapo_fast.loss.options import LossOptions
-from rapo_fast.rollouts.loop import MODES, STRATEGIES
+from rapo_fast.rollouts.config import MODES, STRATEGIES
 
 
 @dataclass
