@@ -43,7 +43,7 @@ class HybridConfig(Section):
     or a callable of the step index) at each step boundary after step 0."""
 
     PATH = "rollout.hybrid"
-    n_hybrid: int = option(8, rule_int(0))  # and <= group_size (RolloutConfig)
+    n_hybrid: int = option(8, rule_int(0))  # and <= group_size (RolloutConfig, with this strategy)
     retrieve_prob: float | Callable[[int], float] = option(0.5, _retrieve_prob)
 
 
@@ -90,7 +90,7 @@ class RolloutConfig(Section):
 
     def check_together(self) -> None:
         G, n_hybrid, initial = self.group_size, self.hybrid.n_hybrid, self.arpo.initial
-        if n_hybrid > G:
+        if self.strategy == "hybrid" and n_hybrid > G:  # another strategy ignores its hybrid sub-config
             raise ValueError(f"rollout.hybrid.n_hybrid: expected an int in [0, group_size={G}], got {n_hybrid}")
         if initial is not None and initial > G:
             raise ValueError(f"rollout.arpo.initial: expected None or an int in [1, group_size={G}], got {initial}")

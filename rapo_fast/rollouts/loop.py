@@ -21,7 +21,7 @@ import torch
 
 from rapo_fast._tokens import encode_plain
 from rapo_fast.rollouts.batch import KIND_PAD, KIND_TOOL, RolloutBatch
-from rapo_fast.rollouts.config import MODES, STRATEGIES, RolloutConfig
+from rapo_fast.rollouts.config import LEGACY_KEYWORDS, MODES, STRATEGIES, RolloutConfig
 from rapo_fast.rollouts.engine import DecodeEngine, sample
 from rapo_fast.rollouts.rows import Row, RowState, prompt_ids
 from rapo_fast.rollouts.strategies import RolloutStrategy, strategy_for
@@ -83,6 +83,9 @@ def rollout(
 
 def _legacy_config(cfg: RolloutConfig | None, legacy: dict[str, Any]) -> RolloutConfig:
     """The RolloutConfig of rollout()'s former flat keywords (ValueError for a bad value, as rollout() raised)."""
+    unknown = sorted(set(legacy) - set(LEGACY_KEYWORDS))
+    if unknown:
+        raise TypeError(f"rollout() got unexpected keyword arguments {unknown}")
     if cfg is not None:
         raise TypeError(f"rollout: pass either cfg or the former keywords {sorted(legacy)}, not both")
     warnings.warn(
@@ -93,11 +96,7 @@ def _legacy_config(cfg: RolloutConfig | None, legacy: dict[str, Any]) -> Rollout
     )
     try:
         return RolloutConfig.from_legacy(legacy)
-    except ValueError:
-        raise
-    except TypeError as e:
-        if "unexpected keyword" in str(e):
-            raise
+    except TypeError as e:  # a wrong-typed value: rollout() raised ValueError for every bad argument
         raise ValueError(str(e)) from None
 
 
