@@ -223,10 +223,10 @@ def rollout_figures(model, tok, task, problems: Sequence, traces, group_size: in
     from rapo_fast.rollouts.config import RolloutConfig
     from rapo_fast.rollouts.loop import rollout
 
-    cfg = RolloutConfig(group_size=group_size, temperature=1.0, max_step_tokens=16)
-    on_cfg = cfg.replace(strategy="on_policy", hybrid={"n_hybrid": 0})
+    common = dict(group_size=group_size, temperature=1.0, max_step_tokens=16)
+    on_cfg = RolloutConfig(strategy="on_policy", hybrid={"n_hybrid": 0}, **common)
     on = read_batch(problems, rollout(model, tok, task, problems, on_cfg, seed=seed))
-    hy_cfg = cfg.replace(strategy="hybrid", hybrid={"n_hybrid": group_size})
+    hy_cfg = RolloutConfig(strategy="hybrid", hybrid={"n_hybrid": group_size}, **common)
     hy = read_batch(problems, rollout(model, tok, task, problems, hy_cfg, traces=traces, seed=seed))
     return {
         "onpolicy_success": sum(r["success"] for r in on) / len(on),
