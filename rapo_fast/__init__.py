@@ -38,6 +38,7 @@ _PUBLIC: dict[str, str] = {
     # rollout, trainer (trainer issue)
     "StepTraces": "rapo_fast.retrieval.step_traces",
     "rollout": "rapo_fast.rollouts.loop",
+    "RolloutConfig": "rapo_fast.rollouts.config",
     "RAPOTrainer": "rapo_fast.train.trainer",
     "TrainerConfig": "rapo_fast.train.config",
     # build facts

@@ -214,17 +214,19 @@ def _trainer(name: str, warm_state: dict, setting: dict, args, task, tok, train,
     torch.manual_seed(args.seed)
     model = build_tiny_policy(tok.vocab_size, seed=args.seed).to(args.device)
     model.load_state_dict(warm_state)
-    common = dict(
-        group_size=setting["group_size"],
-        prompts_per_step=setting["prompts_per_step"],
-        lr=setting["lr"],
-        max_step_tokens=16,
-        seed=args.seed,
-        log_csv=str(out / f"metrics_{name}.csv"),
-    )
+    common = {
+        "rollout.group_size": setting["group_size"],
+        "rollout.max_step_tokens": 16,
+        "prompts_per_step": setting["prompts_per_step"],
+        "optim.lr": setting["lr"],
+        "seed": args.seed,
+        "logging.log_csv": str(out / f"metrics_{name}.csv"),
+    }
     traces = None
     if name == "RAPO":
-        cfg = TrainerConfig.RAPO(n_hybrid=setting["group_size"] // 2, mode=args.mode, **common)
+        cfg = TrainerConfig.RAPO(
+            common | {"rollout.hybrid.n_hybrid": setting["group_size"] // 2, "rollout.mode": args.mode}
+        )
         t0 = time.perf_counter()
         store = StepKVStore.for_model(model) if args.mode == "splice" else None
         traces = StepTraces.from_jsonl(
@@ -237,7 +239,7 @@ def _trainer(name: str, warm_state: dict, setting: dict, args, task, tok, train,
         )
         timers["buffer_build"] = time.perf_counter() - t0
     else:
-        cfg = TrainerConfig.GRPO(**common)
+        cfg = TrainerConfig.GRPO(common)
     return RAPOTrainer(model, tok, task, traces, cfg, train)
 
 

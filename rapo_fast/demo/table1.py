@@ -77,25 +77,25 @@ def _encoder(name: str):
 
 
 def _config(method: str, s: dict, seed: int):
-    from rapo_fast.loss import presets
     from rapo_fast.train.trainer import TrainerConfig
 
-    common = dict(group_size=s["group_size"], prompts_per_step=s["prompts_per_step"], lr=s["lr"], seed=seed,
-                  max_step_tokens=16, mini_batch_groups=s["mini_batch_groups"])  # fmt: skip
-    n_hybrid = s["group_size"] // 2
+    common = {"rollout.group_size": s["group_size"], "rollout.max_step_tokens": 16, "seed": seed,
+              "prompts_per_step": s["prompts_per_step"], "optim.lr": s["lr"],
+              "optim.mini_batch_groups": s["mini_batch_groups"]}  # fmt: skip
+    hybrid = {"rollout.hybrid.n_hybrid": s["group_size"] // 2}
     if method in ("RAPO", "RAPO_SFT_NO_RETRIEVE"):  # the same RL; the second from the warm-up without retrieval
-        return TrainerConfig.RAPO(n_hybrid=n_hybrid, **common)
+        return TrainerConfig.RAPO(common | hybrid)
     if method == "RAPO_NO_RET_REWARD":
-        return TrainerConfig.RAPO(n_hybrid=n_hybrid, **(common | dict(ret_coef=0.0)))
+        return TrainerConfig.RAPO(common | hybrid | {"advantages.ret_coef": 0.0})
     if method == "RAPO_NO_SHAPING":
-        return TrainerConfig.RAPO(n_hybrid=n_hybrid, **(common | dict(loss=dict(presets.RAPO, shaping_m=0.0))))
+        return TrainerConfig.RAPO(common | hybrid | {"loss.shaping_m": 0.0})
     if method == "GRPO_ONPOLICY_MATCHED":
-        return TrainerConfig.GRPO(**(common | dict(group_size=s["group_size"] - n_hybrid)))
+        return TrainerConfig.GRPO(common | {"rollout.group_size": s["group_size"] - s["group_size"] // 2})
     if method == "ARPO":  # the released rule: the one behind the published ARPO numbers
-        return TrainerConfig.ARPO(arpo_rule="released", **common)
+        return TrainerConfig.ARPO(common | {"rollout.arpo.rule": "released"})
     if method == "OFFPOLICY_TRAJ":
-        return TrainerConfig.OFFPOLICY_TRAJ(n_offpolicy=1, **common)
-    return TrainerConfig.GRPO(**common)
+        return TrainerConfig.OFFPOLICY_TRAJ(common | {"rollout.offpolicy_traj.n_offpolicy": 1})
+    return TrainerConfig.GRPO(common)
 
 
 def family_data(family: str, seed: int, s: dict) -> dict:
@@ -215,7 +215,7 @@ def run_one(family: str, method: str, seed: int, s: dict, paths: dict[str, Path]
     row = {
         "task": family, "method": method, "seed": seed, "eval_start": curve[0][1], "eval_final": curve[-1][1],
         "eval_best": max(v for _, v in curve), "tokens_generated": tokens[-1], "wall_s": math.nan,
-        "encoder": enc, "arpo_rule": cfg.arpo_rule if method == "ARPO" else "",
+        "encoder": enc, "arpo_rule": cfg.rollout.arpo.rule if method == "ARPO" else "",
         "leak_frac": math.nan, "hybrid_successes": 0, "unobserved_success_final": math.nan,
         "eval_with_retrieval_train_final": math.nan, "_curve": curve, "_tokens": tokens,
     }  # fmt: skip

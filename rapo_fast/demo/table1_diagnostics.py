@@ -220,12 +220,14 @@ def read_batch(problems: Sequence, batch, rows=None) -> list[dict]:
 def rollout_figures(model, tok, task, problems: Sequence, traces, group_size: int, seed: int) -> dict:
     """One sampled on-policy and one sampled hybrid rollout (every row hybrid, retrieve_prob 0.5) of `problems`,
     read hop by hop: success rates, leak_frac, unobserved success and the successes' signatures."""
+    from rapo_fast.rollouts.config import RolloutConfig
     from rapo_fast.rollouts.loop import rollout
 
-    common = dict(group_size=group_size, temperature=1.0, max_step_tokens=16, seed=seed)
-    on = read_batch(problems, rollout(model, tok, task, problems, strategy="on_policy", n_hybrid=0, **common))
-    hy = read_batch(problems, rollout(model, tok, task, problems, strategy="hybrid", n_hybrid=group_size,
-                                      traces=traces, **common))  # fmt: skip
+    common = dict(group_size=group_size, temperature=1.0, max_step_tokens=16)
+    on_cfg = RolloutConfig(strategy="on_policy", hybrid={"n_hybrid": 0}, **common)
+    on = read_batch(problems, rollout(model, tok, task, problems, on_cfg, seed=seed))
+    hy_cfg = RolloutConfig(strategy="hybrid", hybrid={"n_hybrid": group_size}, **common)
+    hy = read_batch(problems, rollout(model, tok, task, problems, hy_cfg, traces=traces, seed=seed))
     return {
         "onpolicy_success": sum(r["success"] for r in on) / len(on),
         "onpolicy_unobserved_success": unobserved_success(on),
@@ -239,20 +241,23 @@ def rollout_figures(model, tok, task, problems: Sequence, traces, group_size: in
 
 def read_greedy(model, tok, task, problems: Sequence, max_step_tokens: int = 16) -> list[dict]:
     """The greedy evaluation rollout (no retrieval; as rapo_fast.train.sft.evaluate) read hop by hop."""
+    from rapo_fast.rollouts.config import RolloutConfig
     from rapo_fast.rollouts.loop import rollout
 
-    b = rollout(model, tok, task, problems, group_size=1, strategy="on_policy", n_hybrid=0, temperature=0.0,
-                max_step_tokens=max_step_tokens)  # fmt: skip
+    cfg = RolloutConfig(group_size=1, strategy="on_policy", hybrid={"n_hybrid": 0}, temperature=0.0,
+                        max_step_tokens=max_step_tokens)  # fmt: skip
+    b = rollout(model, tok, task, problems, cfg)
     return read_batch(problems, b)
 
 
 def greedy_with_retrieval(model, tok, task, problems: Sequence, traces, seed: int = 0) -> float:
     """Greedy success on `problems` with retrieval from `traces` (one hybrid row per problem, retrieve_prob 0.5 drawn
     from a fixed seed): what the policy does when it is shown the source's steps."""
+    from rapo_fast.rollouts.config import RolloutConfig
     from rapo_fast.rollouts.loop import rollout
 
-    b = rollout(model, tok, task, problems, group_size=1, strategy="hybrid", n_hybrid=1, traces=traces,
-                temperature=0.0, max_step_tokens=16, seed=seed)  # fmt: skip
+    cfg = RolloutConfig(group_size=1, strategy="hybrid", hybrid={"n_hybrid": 1}, temperature=0.0, max_step_tokens=16)
+    b = rollout(model, tok, task, problems, cfg, traces=traces, seed=seed)
     return sum(task.verify(problems[int(i)], c) for i, c in zip(b.prompt_index, b.completions)) / len(problems)
 
 

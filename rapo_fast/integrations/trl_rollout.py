@@ -89,6 +89,7 @@ class RAPORolloutFunc:
 
     def __call__(self, prompts: list, trainer: Any) -> dict[str, list]:
         from rapo_fast.loss.advantages import step_entropy
+        from rapo_fast.rollouts.config import RolloutConfig
         from rapo_fast.rollouts.loop import rollout
         from rapo_fast.train.trainer import retrieval_rewards
 
@@ -97,22 +98,18 @@ class RAPORolloutFunc:
         problems = _groups(prompts, group_size)
         tok = self.tokenizer if self.tokenizer is not None else trainer.processing_class
         n_hybrid = self._hybrid_rows(group_size)
-        batch = rollout(
-            trainer.accelerator.unwrap_model(trainer.model),
-            tok,
-            self.env,
-            problems,
+        cfg = RolloutConfig(
             group_size=group_size,
             strategy="hybrid" if n_hybrid else "on_policy",
-            n_hybrid=n_hybrid,
-            retrieve_prob=self.retrieve_prob,
-            traces=self.traces if n_hybrid else None,
+            hybrid={"n_hybrid": n_hybrid, "retrieve_prob": self.retrieve_prob},
             exclude_own_group=self.exclude_own_group,
             mode=self.mode,
             temperature=float(trainer.temperature),
             max_steps=self.max_steps,
             max_step_tokens=self.max_step_tokens,
         )
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        batch = rollout(model, tok, self.env, problems, cfg, traces=self.traces if n_hybrid else None)
         self.last_batch = batch
         spans = batch.step_spans
         step_ent = step_entropy(batch.entropy, spans) if spans.numel() else torch.zeros(0)

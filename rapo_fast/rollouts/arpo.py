@@ -65,11 +65,11 @@ class ArpoBrancher:
         temperature: float = 1.0,
     ):
         if not 1 <= initial <= group_size:
-            raise ValueError(f"rollout: arpo_initial must be in [1, group_size={group_size}], got {initial!r}")
+            raise ValueError(f"rollout.arpo.initial: expected an int in [1, group_size={group_size}], got {initial!r}")
         if beam < 1 or k < 1 or topk < 1:
-            raise ValueError(f"rollout: arpo_beam, arpo_k and arpo_topk must be >= 1, got {beam!r}, {k!r}, {topk!r}")
+            raise ValueError(f"rollout.arpo: beam, k and topk must be >= 1, got {beam!r}, {k!r}, {topk!r}")
         if rule not in RULES:
-            raise ValueError(f"rollout: arpo_rule must be one of {RULES}, got {rule!r}")
+            raise ValueError(f"rollout.arpo.rule: expected one of {RULES}, got {rule!r}")
         self.rows, self.engine, self.G, self.initial = rows, engine, group_size, initial
         self.beam, self.k, self.alpha, self.beta, self.coin = beam, k, alpha, beta, coin
         self.rule, self.topk, self.temperature = rule, topk, temperature
@@ -152,7 +152,8 @@ class ArpoBrancher:
         s, d = self.rows[src], self.rows[dst]
         snap = s.arpo["snap"]
         d.restore(snap)
-        d.active, d.done, d.hybrid, d.to_feed, d.at_boundary = True, False, False, [], False
+        d.start()
+        d.hybrid, d.to_feed = False, []
         d.parent, d.branch_at = src, len(snap["tokens"])
         # paper: the copy inherits H_init; released: a copy's H_init is its own first segment's
         d.arpo = self._fresh_state(s.arpo["h_init"] if self.rule == "paper" else None, checked=True, skip_check=True)
@@ -171,6 +172,6 @@ class ArpoBrancher:
                 continue
             free = [j for j in idx if not self.rows[j].active]
             for j in free[: self.initial if self.rule == "paper" else 1]:
-                self.rows[j].active = True
+                self.rows[j].start()
                 started = True
         return started

@@ -1,110 +1,32 @@
 """Hybrid-policy, multi-turn, tool-integrated rollouts of a HF causal LM, batched over G per prompt: `rollout()`.
 
 What this is: the generation loop of RAPO. Each prompt gets `group_size` rows; a step ends at a tool call or at <eos>.
-Strategies "hybrid" (RAPO: retrieval at step boundaries, mode "exact" or "splice"), "on_policy" (GRPO), "arpo"
-(rapo_fast.rollouts.arpo) and "offpolicy_traj"; recorded per token: kind, behaviour log-prob and entropy, step
+`rollout(model, tokenizer, env, problems, cfg)` takes one RolloutConfig (rapo_fast/rollouts/config.py); the strategy
+("hybrid", "on_policy", "arpo", "offpolicy_traj") is a class of rapo_fast/rollouts/strategies.py whose hooks the loop
+calls; rows live in rapo_fast/rollouts/rows.py. Recorded per token: kind, behaviour log-prob and entropy, step
 boundaries, retrievals. The spec is docs/rollout.md (strategies section 2, token kinds section 3, the result section 6).
-What this is not: the reward (the environment's verifier, called by the trainer), the loss, or the decoding engine
-(rapo_fast.rollouts.engine).
+What this is not: the reward, the loss, or the decoding engine (rapo_fast.rollouts.engine).
 """
 
 from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from rapo_fast._tokens import encode_plain
-from rapo_fast.rollouts.batch import KIND_GEN, KIND_PAD, KIND_PROMPT, KIND_RET, KIND_TOOL, RolloutBatch
+from rapo_fast.rollouts.batch import KIND_PAD, KIND_TOOL, RolloutBatch
+from rapo_fast.rollouts.config import LEGACY_KEYWORDS, MODES, STRATEGIES, RolloutConfig
 from rapo_fast.rollouts.engine import DecodeEngine, sample
+from rapo_fast.rollouts.rows import Row, RowState, prompt_ids
+from rapo_fast.rollouts.strategies import RolloutStrategy, strategy_for
 
-STRATEGIES = ("hybrid", "on_policy", "arpo", "offpolicy_traj")
-MODES = ("exact", "splice")
-
-
-class _Row:
-    """Python-side state of one trajectory."""
-
-    def __init__(self, prompt_ids: list[int], group: int, pidx: int, hybrid: bool, active: bool):
-        n = len(prompt_ids)
-        self.tokens, self.kinds = list(prompt_ids), [KIND_PROMPT] * n
-        self.logp, self.ent, self.origin = [0.0] * n, [0.0] * n, [-1] * n
-        self.cols: list[int] = []
-        self.to_feed: list[int] = []
-        self.group, self.pidx, self.hybrid, self.active = group, pidx, hybrid, active
-        self.done = False
-        self.steps: list[list[int]] = []  # [start, end_generated, end_with_observation]
-        self.cur_start: int | None = None
-        self.n_tool = 0
-        self.at_boundary = False
-        self.retrievals: list[list[int]] = []  # [index of the step after, payload id, token count]
-        self.parent, self.branch_at = -1, -1
-        self.prompt_len = n
-        self.arpo: dict = {}
-
-    def append(self, ids: list[int], kind: int) -> None:
-        """Append tokens the policy did not sample (tool output, a retrieved step): no log-prob, entropy or origin."""
-        n = len(ids)
-        self.tokens.extend(ids)
-        self.kinds.extend([kind] * n)
-        self.logp.extend([0.0] * n)
-        self.ent.extend([0.0] * n)
-        self.origin.extend([-1] * n)
-
-    def append_sampled(self, token: int, logp: float, ent: float, origin: int) -> None:
-        """Append a token the policy sampled (in the loss) and queue it for the next model call."""
-        self.tokens.append(token)
-        self.kinds.append(KIND_GEN)
-        self.logp.append(logp)
-        self.ent.append(ent)
-        self.origin.append(origin)
-        self.to_feed.append(token)
-
-    def snapshot(self) -> dict:
-        return {k: (list(v) if isinstance(v, list) else v) for k, v in self.__dict__.items() if k != "arpo"} | {
-            "steps": [list(s) for s in self.steps],
-            "retrievals": [list(r) for r in self.retrievals],
-        }
-
-    def restore(self, snap: dict) -> None:
-        for k, v in snap.items():
-            setattr(self, k, list(v) if isinstance(v, list) else v)
-        self.steps = [list(s) for s in snap["steps"]]
-        self.retrievals = [list(r) for r in snap["retrievals"]]
-
-
-def _check_offpolicy(group_size: int, n_offpolicy, offpolicy) -> None:
-    if offpolicy is None:
-        raise ValueError("rollout: strategy='offpolicy_traj' needs offpolicy (an OffPolicyTrajectories), got None")
-    if not isinstance(n_offpolicy, int) or isinstance(n_offpolicy, bool) or not 1 <= n_offpolicy < group_size:
-        raise ValueError(
-            f"rollout: n_offpolicy must be an int in [1, group_size={group_size}) for strategy='offpolicy_traj' "
-            f"(at least one on-policy member per group), got {n_offpolicy!r}"
-        )
-
-
-def _check_args(group_size, strategy, n_hybrid, retrieve_prob, mode, temperature, max_steps, max_step_tokens, traces):
-    if not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"rollout: group_size must be a positive int, got {group_size!r}")
-    if strategy not in STRATEGIES:
-        raise ValueError(f"rollout: strategy must be one of {STRATEGIES}, got {strategy!r}")
-    if mode not in MODES:
-        raise ValueError(f"rollout: mode must be one of {MODES}, got {mode!r}")
-    if not isinstance(n_hybrid, int) or not 0 <= n_hybrid <= group_size:
-        raise ValueError(f"rollout: n_hybrid must be an int in [0, group_size={group_size}], got {n_hybrid!r}")
-    if not callable(retrieve_prob) and not 0.0 <= float(retrieve_prob) <= 1.0:
-        raise ValueError(f"rollout: retrieve_prob must be in [0, 1] or a callable of the step, got {retrieve_prob!r}")
-    if strategy == "hybrid" and n_hybrid > 0 and traces is None:
-        raise ValueError("rollout: strategy='hybrid' with n_hybrid > 0 needs traces (a StepTraces), got None")
-    if temperature < 0:
-        raise ValueError(f"rollout: temperature must be >= 0 (0 = greedy), got {temperature!r}")
-    for name, v in (("max_steps", max_steps), ("max_step_tokens", max_step_tokens)):
-        if not isinstance(v, int) or v < 1:
-            raise ValueError(f"rollout: {name} must be a positive int, got {v!r}")
+__all__ = ["rollout", "RolloutConfig", "STRATEGIES", "MODES"]
 
 
 @torch.no_grad()
@@ -113,86 +35,69 @@ def rollout(
     tokenizer,
     env,
     problems: Sequence,
+    cfg: RolloutConfig | None = None,
     *,
-    group_size: int = 16,
-    strategy: str = "hybrid",
-    n_hybrid: int = 8,
-    retrieve_prob: float | Callable[[int], float] = 0.5,
     traces=None,
-    exclude_own_group: bool | None = None,
-    mode: str = "exact",
-    temperature: float = 1.0,
-    max_steps: int = 6,
-    max_step_tokens: int = 24,
+    offpolicy=None,
     generator: torch.Generator | None = None,
     seed: int | None = None,
-    arpo_initial: int | None = None,
-    arpo_beam: int = 2,
-    arpo_k: int = 20,
-    arpo_alpha: float = 0.5,
-    arpo_beta: float = 0.2,
-    arpo_rule: str = "paper",
-    arpo_topk: int = 10,
-    n_offpolicy: int = 0,
-    offpolicy=None,
+    **legacy: Any,
 ) -> RolloutBatch:
-    """Roll out `group_size` trajectories for each problem; see the module docstring.
+    """Roll out `cfg.group_size` trajectories for each problem; see the module docstring.
 
-    Args: model (HF causal LM), tokenizer (encode/decode, pad/bos/eos ids, the special tokens of tiny_policy), env
-    (`execute(call_text) -> observation text`, `prompt` attribute of each problem, `qid` its group id), traces (a
-    StepTraces for hybrid rollouts), exclude_own_group (None: exclude exactly when the buffer holds on-policy steps),
-    generator (torch.Generator for token sampling; `seed` seeds the retrieval/branching coin flips, default drawn
-    from the generator). ARPO (strategy="arpo"): arpo_rule "paper" or "released" (rapo_fast/rollouts/arpo.py), with
-    arpo_alpha / arpo_beta the released code's branch_probability / entropy_weight under "released", arpo_k its
-    first-k tokens (20) and arpo_topk its top-k log-probs (10). Trajectory-level off-policy
-    (strategy="offpolicy_traj"): `n_offpolicy` members of each group are whole trajectories of `offpolicy` (an
-    OffPolicyTrajectories: the top-K of the step buffer's JSONL source for that prompt, drawn by the coin; a prompt
-    without any keeps all its members on-policy), appended after the on-policy rows. Returns a RolloutBatch on the
-    CPU.
+    model (HF causal LM), tokenizer (encode/decode, pad/bos/eos ids, the special tokens of tiny_policy), env
+    (`execute(call_text) -> observation text`, `prompt` attribute of each problem, `qid` its group id), cfg (a
+    RolloutConfig: strategy, mode, budgets and each strategy's sub-config; None: the defaults). The run's resources
+    and random sources: traces (a StepTraces, for hybrid rows), offpolicy (an OffPolicyTrajectories, for strategy
+    "offpolicy_traj": its top-K trajectories of each prompt, drawn by the coin), generator (torch.Generator for token
+    sampling), seed (seeds the retrieval/branching coin; default: a draw from the generator). Returns a RolloutBatch
+    on the CPU. The former flat keywords (group_size=..., n_hybrid=..., arpo_beam=...: RolloutConfig's
+    LEGACY_KEYWORDS) still work without cfg, with a DeprecationWarning; a bad one raises ValueError as before.
     """
-    _check_args(group_size, strategy, n_hybrid, retrieve_prob, mode, temperature, max_steps, max_step_tokens, traces)
-    if strategy == "offpolicy_traj":
-        _check_offpolicy(group_size, n_offpolicy, offpolicy)
+    if legacy:
+        cfg = _legacy_config(cfg, legacy)
+    elif cfg is None:
+        cfg = RolloutConfig()
+    elif not isinstance(cfg, RolloutConfig):
+        raise TypeError(f"rollout: cfg must be a RolloutConfig, got {type(cfg).__name__}")
+    strategy = strategy_for(cfg, traces=traces, offpolicy=offpolicy)
     t_start = time.perf_counter()
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     try:
         generator, coin = _random_sources(generator, seed)
-        n_init = group_size if strategy != "arpo" else (arpo_initial or max(1, group_size // 2))
-        picks = [offpolicy.pick(p.qid, n_offpolicy, coin) if strategy == "offpolicy_traj" else [] for p in problems]
-        sizes = [group_size - len(pk) for pk in picks]
-        rows = _make_rows(tokenizer, problems, sizes, n_hybrid if strategy == "hybrid" else 0, n_init)
+        sizes = strategy.plan(problems, coin)
+        rows = _make_rows(tokenizer, problems, sizes, strategy.n_hybrid, cfg.n_initial)
         engine = DecodeEngine(model, len(rows), device)
-        loop = _Lockstep(
-            engine,
-            rows,
-            tokenizer,
-            env,
-            traces=traces,
-            mode=mode,
-            retrieve_prob=retrieve_prob,
-            exclude=traces is not None and (traces.has_on_policy if exclude_own_group is None else exclude_own_group),
-            temperature=temperature,
-            max_steps=max_steps,
-            max_step_tokens=max_step_tokens,
-            generator=generator,
-            coin=coin,
-        )
+        loop = _Lockstep(engine, rows, tokenizer, env, strategy, cfg, generator=generator, coin=coin)
         loop.prefill()
-        if strategy == "arpo":
-            from rapo_fast.rollouts.arpo import ArpoBrancher
-
-            loop.arpo = ArpoBrancher(
-                rows, engine, group_size, n_init, arpo_beam, arpo_k, arpo_alpha, arpo_beta, coin,
-                rule=arpo_rule, topk=arpo_topk, temperature=temperature,
-            )  # fmt: skip
+        strategy.start(loop)
         loop.run()
-        rows += _offpolicy_rows(tokenizer, problems, picks)
+        rows += strategy.extra_rows(tokenizer, problems)
     finally:
         if was_training:
             model.train()
-    return _finish(rows, tokenizer, mode, loop.timings | {"total": time.perf_counter() - t_start})
+    return _finish(rows, tokenizer, cfg.mode, loop.timings | {"total": time.perf_counter() - t_start})
+
+
+def _legacy_config(cfg: RolloutConfig | None, legacy: dict[str, Any]) -> RolloutConfig:
+    """The RolloutConfig of rollout()'s former flat keywords (ValueError for a bad value, as rollout() raised)."""
+    unknown = sorted(set(legacy) - set(LEGACY_KEYWORDS))
+    if unknown:
+        raise TypeError(f"rollout() got unexpected keyword arguments {unknown}")
+    if cfg is not None:
+        raise TypeError(f"rollout: pass either cfg or the former keywords {sorted(legacy)}, not both")
+    warnings.warn(
+        f"rollout({', '.join(f'{k}=' for k in legacy)}...): flat keywords are deprecated; pass "
+        "cfg=RolloutConfig(...) (rapo_fast.rollouts.config; e.g. arpo_beam -> RolloutConfig(arpo={'beam': ...}))",
+        DeprecationWarning,
+        stacklevel=4,
+    )
+    try:
+        return RolloutConfig.from_legacy(legacy)
+    except TypeError as e:  # a wrong-typed value: rollout() raised ValueError for every bad argument
+        raise ValueError(str(e)) from None
 
 
 def _random_sources(generator: torch.Generator | None, seed: int | None) -> tuple[torch.Generator, random.Random]:
@@ -204,67 +109,34 @@ def _random_sources(generator: torch.Generator | None, seed: int | None) -> tupl
     return generator, coin
 
 
-def _prompt_ids(tokenizer, prob) -> list[int]:
-    ids = tokenizer.encode(prob.prompt)
-    if not ids or ids[0] != tokenizer.bos_token_id:
-        ids = [tokenizer.bos_token_id] + ids  # column 0 must be <bos> for every row (engine invariant)
-    return ids
-
-
-def _make_rows(tokenizer, problems: Sequence, sizes: list[int], n_hybrid: int, n_init: int) -> list[_Row]:
+def _make_rows(tokenizer, problems: Sequence, sizes: list[int], n_hybrid: int, n_init: int) -> list[Row]:
     """sizes[i] generated rows for problem i: the first `n_hybrid` of a group hybrid, the first `n_init` started."""
-    rows: list[_Row] = []
+    rows: list[Row] = []
     for pi, (prob, size) in enumerate(zip(problems, sizes)):
-        ids = _prompt_ids(tokenizer, prob)
+        ids = prompt_ids(tokenizer, prob)
         for g in range(size):
-            rows.append(_Row(ids, int(prob.qid), pi, g < n_hybrid, g < n_init))
+            state = RowState.RUNNING if g < n_init else RowState.IDLE
+            rows.append(Row(ids, int(prob.qid), pi, g < n_hybrid, state))
     if not rows:
         raise ValueError("rollout: problems is empty")
     return rows
 
 
-def _offpolicy_rows(tokenizer, problems: Sequence, picks: list[list[dict]]) -> list[_Row]:
-    """The whole off-policy trajectories of each problem as finished rows (never fed to the model: the trainer scores
-    them with the current policy like every row)."""
-    from rapo_fast.rollouts.offpolicy import trajectory_tokens
-
-    out = []
-    for pi, (prob, records) in enumerate(zip(problems, picks)):
-        for rec in records:
-            r = _Row(_prompt_ids(tokenizer, prob), int(prob.qid), pi, False, True)
-            ids, kinds, steps = trajectory_tokens(rec, tokenizer)
-            base = len(r.tokens)
-            r.tokens += ids
-            r.kinds += kinds
-            r.logp += [0.0] * len(ids)
-            r.ent += [0.0] * len(ids)
-            r.origin += [-1] * len(ids)
-            r.steps = [[a + base, b + base, c + base] for a, b, c in steps]
-            r.done = True
-            out.append(r)
-    return out
-
-
 @dataclass
 class _Lockstep:
-    """The lockstep loop of one rollout. Each iteration: (1) retrieval for hybrid rows at a step boundary, (2) one
-    sampled token for every live row with nothing queued (running the tool when a call closes), (3) one model call
-    over everything queued. `arpo` (an ArpoBrancher) is consulted around sampling and restarts rows when all ended."""
+    """The lockstep loop of one rollout. Each iteration: (1) the strategy acts on the rows at a tool-result boundary
+    (hybrid: retrieval), (2) one sampled token for every live row with nothing queued (running the tool when a call
+    closes), the strategy called before and after (ARPO: branching), (3) one model call over everything queued. When
+    no row is live the strategy may start more (ARPO's fresh rollouts). Row life is a RowState."""
 
     engine: DecodeEngine
-    rows: list[_Row]
+    rows: list[Row]
     tokenizer: Any
     env: Any
-    traces: Any
-    mode: str
-    retrieve_prob: float | Callable[[int], float]
-    exclude: bool
-    temperature: float
-    max_steps: int
-    max_step_tokens: int
+    strategy: RolloutStrategy
+    cfg: RolloutConfig
     generator: torch.Generator
     coin: random.Random
-    arpo: Any = None
     timings: dict[str, float] = field(default_factory=lambda: {"retrieval": 0.0, "splice": 0.0, "tool": 0.0})
     next_origin: int = 0  # ARPO's shared token ids: one per sampled token, copied with a branch's prefix
 
@@ -281,69 +153,38 @@ class _Lockstep:
 
     def run(self) -> None:
         while live := self._live_rows():
-            self._retrieve_at_boundaries(live)
+            self._at_boundaries(live)
             self._sample(live)
             self._feed_queued()
 
     def _live_rows(self) -> list[int]:
-        """Indices of the started rows not yet done; when none are left, ARPO may start fresh ones first."""
-        live = [i for i, r in enumerate(self.rows) if r.active and not r.done]
-        if not live and self.arpo is not None and self.arpo.refresh():
-            live = [i for i, r in enumerate(self.rows) if r.active and not r.done]
+        """Indices of the live rows; when none are left, the strategy may start fresh ones first."""
+        live = [i for i, r in enumerate(self.rows) if r.live]
+        if not live and self.strategy.refresh():
+            live = [i for i, r in enumerate(self.rows) if r.live]
         return live
 
-    def _retrieve_at_boundaries(self, live: list[int]) -> None:
-        """A hybrid row just past a tool result retrieves with probability retrieve_prob(step). Never before step 0:
-        at_boundary is only set by a tool result."""
-        cand = []
-        for i in live:
-            r = self.rows[i]
-            if r.at_boundary and r.hybrid:
-                p = self.retrieve_prob(len(r.steps)) if callable(self.retrieve_prob) else self.retrieve_prob
-                if self.coin.random() < p:
-                    cand.append(i)
-            r.at_boundary = False
-        if cand:
-            self._retrieve(cand)
-
-    def _retrieve(self, cand: list[int]) -> None:
-        """Top-1 step for each candidate row's history, queued (exact mode) or spliced into the cache (splice)."""
-        t0 = time.perf_counter()
-        hist = [self.tokenizer.decode(self.rows[i].tokens) for i in cand]
-        segs, pids, _ = self.traces.retrieve(hist, [self.rows[i].group for i in cand] if self.exclude else None)
-        self.timings["retrieval"] += time.perf_counter() - t0
-        spliced = []
-        for i, seg, pid in zip(cand, segs, pids.tolist()):
-            if seg is None:
-                continue
-            r = self.rows[i]
-            r.retrievals.append([len(r.steps), pid, len(seg)])
-            if self.mode == "splice":
-                spliced.append((i, seg, pid))
-            else:
-                r.append(seg, KIND_RET)
-                r.to_feed.extend(seg)
-        if spliced:
-            from rapo_fast.rollouts.splice import splice_segments
-
-            t0 = time.perf_counter()
-            splice_segments(self.engine, self.rows, spliced, self.traces)
-            self.timings["splice"] += time.perf_counter() - t0
+    def _at_boundaries(self, live: list[int]) -> None:
+        """The strategy sees the rows just past a tool result (never before step 0: only a tool result makes a
+        BOUNDARY), which then run on."""
+        at = [i for i in live if self.rows[i].state is RowState.BOUNDARY]
+        if at:
+            self.strategy.at_boundaries(self, at)
+            for i in at:
+                self.rows[i].state = RowState.RUNNING
 
     def _sample(self, live: list[int]) -> None:
         """One token for each live row with nothing queued, from its last next-token logits."""
         samp = [i for i in live if not self.rows[i].to_feed]
         if not samp:
             return
-        if self.arpo is not None:
-            self.arpo.before_sample(samp)
-        tok, lp, ent = sample(self.engine.last_logits[samp], self.temperature, self.generator)
+        self.strategy.before_sample(samp)
+        tok, lp, ent = sample(self.engine.last_logits[samp], self.cfg.temperature, self.generator)
         for i, t, l_, e in zip(samp, tok.tolist(), lp.tolist(), ent.tolist()):
             self._take_token(self.rows[i], t, l_, e)
-        if self.arpo is not None:
-            self.arpo.after_sample(samp)
+        self.strategy.after_sample(samp)
 
-    def _take_token(self, r: _Row, t: int, logp: float, ent: float) -> None:
+    def _take_token(self, r: Row, t: int, logp: float, ent: float) -> None:
         """Record a sampled token; `</tool>` ends a tool step, <eos> or the step's token budget ends the answer."""
         if r.cur_start is None:
             r.cur_start = len(r.tokens)
@@ -351,18 +192,18 @@ class _Lockstep:
         self.next_origin += 1
         if t == self.tool_end:
             self._end_tool_step(r)
-        elif t == self.eos or len(r.tokens) - r.cur_start >= self.max_step_tokens:
+        elif t == self.eos or len(r.tokens) - r.cur_start >= self.cfg.max_step_tokens:
             r.steps.append([r.cur_start, len(r.tokens), len(r.tokens)])
             r.cur_start = None
-            r.done = True
+            r.state = RowState.DONE
 
-    def _end_tool_step(self, r: _Row) -> None:
+    def _end_tool_step(self, r: Row) -> None:
         """Run the step's tool call and queue its output; past `max_steps` tool calls the trajectory ends instead."""
         end = len(r.tokens)
         r.n_tool += 1
-        if r.n_tool > self.max_steps:
+        if r.n_tool > self.cfg.max_steps:
             r.steps.append([r.cur_start, end, end])
-            r.done = True
+            r.state = RowState.DONE
             return
         call = _last_call(r.tokens, self.tool_open, r.cur_start)
         t0 = time.perf_counter()
@@ -372,7 +213,7 @@ class _Lockstep:
         r.to_feed.extend(obs)
         r.steps.append([r.cur_start, end, len(r.tokens)])
         r.cur_start = None
-        r.at_boundary = True
+        r.state = RowState.BOUNDARY
 
     def _feed_queued(self) -> None:
         """One model call over every row's queued tokens (done rows need no further model calls)."""
@@ -385,7 +226,7 @@ class _Lockstep:
                 r.to_feed = []
 
 
-def _finish(rows: list[_Row], tokenizer, mode: str, timings: dict[str, float]) -> RolloutBatch:
+def _finish(rows: list[Row], tokenizer, mode: str, timings: dict[str, float]) -> RolloutBatch:
     """The batch of the rows that ran (ARPO slots never used are not trajectories), parents renumbered."""
     keep = [i for i, r in enumerate(rows) if r.active]
     new_index = {old: new for new, old in enumerate(keep)}
@@ -406,7 +247,7 @@ def _last_call(tokens: list[int], tool_open: int, step_start: int) -> list[int]:
     return []
 
 
-def _feed(engine: DecodeEngine, rows: list[_Row], seqs: list[list[int]], pad: int) -> None:
+def _feed(engine: DecodeEngine, rows: list[Row], seqs: list[list[int]], pad: int) -> None:
     L = max(len(s) for s in seqs)
     tok = torch.full((len(rows), L), pad, dtype=torch.long)
     valid = torch.zeros(len(rows), L, dtype=torch.bool)
@@ -419,7 +260,7 @@ def _feed(engine: DecodeEngine, rows: list[_Row], seqs: list[list[int]], pad: in
         r.cols.extend(range(col0, col0 + len(s)))
 
 
-def _collate(rows: list[_Row], pad: int, mode: str) -> RolloutBatch:
+def _collate(rows: list[Row], pad: int, mode: str) -> RolloutBatch:
     B, T = len(rows), max(len(r.tokens) for r in rows)
     ids = torch.full((B, T), pad, dtype=torch.long)
     kinds = torch.full((B, T), KIND_PAD, dtype=torch.int8)

@@ -1,145 +1,199 @@
-"""TrainerConfig: every knob of RAPOTrainer as a dataclass that round-trips to YAML/JSON, with presets RAPO/GRPO/ARPO.
+"""TrainerConfig: every knob of RAPOTrainer as nested sections that round-trip to YAML/JSON, with presets.
 
-What this is: configuration and its validation (bad values raise ValueError/TypeError naming the field, what was
-expected and what was given). Presets: RAPO (the paper's defaults: G=16, 8 hybrid, p=0.5, a=0.2, m=0.05, eps 0.28,
-seq-mean-token-mean, no KL), GRPO (RAPO with retrieval off: no hybrid rollouts, no retrieval reward; the same loss
-options, so a comparison isolates retrieval), ARPO (entropy-adaptive branching, soft attribution, ARPO's loss
-preset). What this is not: the trainer (rapo_fast/train/trainer.py).
+What this is: TrainerConfig = rollout (rapo_fast.rollouts.config.RolloutConfig, one sub-config per strategy),
+advantages, loss (a rapo_fast.loss.options.LossOptions), optim, buffer, logging, prompts_per_step and seed; each bad
+value raises ValueError/TypeError naming its dotted field ("rollout.arpo.beam"). A dict given for a section updates
+it (dotted keys allowed); a section object replaces it. Presets: RAPO (the paper's defaults: G=16, 8 hybrid, p=0.5,
+a=0.2, m=0.05, eps 0.28, seq-mean-token-mean, no KL), GRPO (retrieval off, the same loss), ARPO, OFFPOLICY_TRAJ. The
+former flat format (arpo_beam, n_hybrid, tis_cap, ...) is converted on load with a FutureWarning
+(rapo_fast/train/config_compat.py). What this is not: the trainer (rapo_fast/train/trainer.py). Spec: docs/training.md.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-from collections.abc import Callable
+import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rapo_fast import _checks as C
+from rapo_fast._sections import Section, option, rule_choice, rule_int, rule_real, rule_type, section
 from rapo_fast.loss import presets
 from rapo_fast.loss.advantages import RET_NORMS
 from rapo_fast.loss.options import LossOptions
-from rapo_fast.rollouts.loop import MODES, STRATEGIES
+from rapo_fast.rollouts.config import RolloutConfig
+from rapo_fast.train.config_compat import convert_flat_config, is_flat_config, new_name_of
+
+__all__ = ["TrainerConfig", "AdvantageConfig", "OptimConfig", "BufferConfig", "LoggingConfig", "RolloutConfig",
+           "LossOptions", "TRAINER_LOSS", "convert_flat_config"]  # fmt: skip
+
+# set by the trainer, not by the config: the sampling temperature is rollout.temperature, metrics are always returned
+_TRAINER_SET = ("temperature", "return_metrics")
+# the default loss of TrainerConfig: the RAPO preset, with tis_cap 2.0 (used in splice mode only: docs/training.md)
+TRAINER_LOSS = LossOptions(**presets.RAPO, tis_cap=2.0)
+
+
+@dataclass(frozen=True)
+class AdvantageConfig(Section):
+    """ret_coef (a), ret_norm (the rows A_ret is z-scored over: "group" or "retrieved"; rapo_fast.loss.advantages.
+    rapo_advantages) and advantage_attribution ("soft", or ARPO's "hard": a token shared by branches gets their mean
+    advantage)."""
+
+    PATH = "advantages"
+    ret_coef: float = option(0.2, rule_real())
+    ret_norm: str = option("group", rule_choice(*RET_NORMS))
+    advantage_attribution: str = option("soft", rule_choice("soft", "hard"))
+
+
+@dataclass(frozen=True)
+class OptimConfig(Section):
+    """AdamW's lr and weight_decay, gradient clipping, passes over a rollout batch (verl's ppo_epochs) and prompt
+    groups per optimiser step (verl's ppo_mini_batch_size; None: all)."""
+
+    PATH = "optim"
+    lr: float = option(1e-3, rule_real(0.0))
+    weight_decay: float = option(0.0, rule_real(0.0))
+    max_grad_norm: float | None = option(1.0, rule_real(0.0, lo_open=True, allow_none=True))
+    updates_per_step: int = option(1, rule_int(1))
+    mini_batch_groups: int | None = option(None, rule_int(1, allow_none=True))
+
+
+@dataclass(frozen=True)
+class BufferConfig(Section):
+    """add_onpolicy_steps: successful tool steps go into the step buffer; refresh_kv_every: steps between K/V
+    refreshes of the buffer in splice mode."""
+
+    PATH = "buffer"
+    add_onpolicy_steps: bool = option(False, rule_type((bool,), "a bool"))
+    refresh_kv_every: int = option(1, rule_int(1))
+
+
+@dataclass(frozen=True)
+class LoggingConfig(Section):
+    PATH = "logging"
+    log_csv: str | None = option(None, rule_type((str, type(None)), "a path string or None"))
+    tensorboard_dir: str | None = option(None, rule_type((str, type(None)), "a path string or None"))
+
+
+def _loss_from(current: LossOptions, d: Mapping) -> LossOptions:
+    """A dict given for `loss`: the current options with its keys replaced (names and values checked)."""
+    bad_keys = [k for k in d if not isinstance(k, str)]
+    if bad_keys:
+        raise TypeError(f"loss: option names must be strings, got {bad_keys!r}")
+    allowed = set(LossOptions.names()) - set(_TRAINER_SET)
+    unknown = sorted(set(d) - allowed)
+    if unknown:
+        raise ValueError(f"loss: unknown rapo_loss options {unknown}; expected a subset of {sorted(allowed)}")
+    try:
+        return current.replace(**d)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"loss.{e}") from None
+
+
+def _check_loss(name: str, loss: Any) -> None:
+    if not isinstance(loss, LossOptions):
+        raise TypeError(f"{name}: expected a LossOptions or a dict of rapo_loss options, got {type(loss).__name__}")
+    for k in _TRAINER_SET:
+        if getattr(loss, k) != LossOptions.__dataclass_fields__[k].default:
+            raise ValueError(
+                f"{name}.{k}: set by the trainer (rollout.temperature; metrics always), got {getattr(loss, k)!r}"
+            )
+    if loss.beta != 0.0:
+        raise ValueError(f"{name}.beta: the thin trainer keeps no reference model, so the KL coefficient must be 0, "
+                         f"got {loss.beta!r}")  # fmt: skip
+
+
+def _loss_dict(loss: LossOptions) -> dict[str, Any]:
+    return {k: v for k, v in loss.to_dict().items() if k not in _TRAINER_SET}
 
 
 @dataclass
-class TrainerConfig:
-    """Rollout, advantage, loss, optimiser and logging options of one RL run (see the module docstring)."""
+class TrainerConfig(Section):
+    """Rollout, advantage, loss, optimiser, buffer and logging options of one RL run (see the module docstring)."""
 
-    # rollout
-    strategy: str = "hybrid"
-    group_size: int = 16
-    n_hybrid: int = 8
-    retrieve_prob: float = 0.5
-    mode: str = "exact"
-    prompts_per_step: int = 4
-    temperature: float = 1.0
-    max_steps: int = 6
-    max_step_tokens: int = 24
-    exclude_own_group: bool | None = None
-    # trajectory-level off-policy (strategy "offpolicy_traj"): whole off-policy trajectories per group
-    n_offpolicy: int = 1
-    # ARPO
-    arpo_initial: int | None = None
-    arpo_beam: int = 2
-    arpo_k: int = 20
-    arpo_alpha: float = 0.5
-    arpo_beta: float = 0.2
-    arpo_rule: str = "paper"  # "released": the released ARPO code's rule (rapo_fast/rollouts/arpo.py)
-    arpo_topk: int = 10
-    advantage_attribution: str = "soft"
-    # advantages
-    ret_coef: float = 0.2
-    # rows A_ret is z-scored over: "group" (all, as written in the paper) or "retrieved" (the rows with a scored
-    # retrieval; the others get A_ret = 0): rapo_fast.loss.advantages.rapo_advantages
-    ret_norm: str = "group"
-    # loss: keyword options of rapo_fast.rapo_loss (tensors excluded)
-    loss: dict[str, Any] = field(default_factory=lambda: dict(presets.RAPO))
-    tis_cap: float | None = 2.0
-    # optimisation
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    max_grad_norm: float | None = 1.0
-    updates_per_step: int = 1  # passes over the rollout batch (verl's ppo_epochs)
-    mini_batch_groups: int | None = None  # prompt groups per optimiser step (verl's ppo_mini_batch_size); None: all
-    # buffer
-    add_onpolicy_steps: bool = False
-    refresh_kv_every: int = 1
-    # run
-    seed: int = 0
-    log_csv: str | None = None
-    tensorboard_dir: str | None = None
+    rollout: RolloutConfig = section(RolloutConfig)
+    advantages: AdvantageConfig = section(AdvantageConfig)
+    # rapo_loss's options; loss.tis_cap applies to splice-mode batches with retrieved tokens (behav_logp)
+    loss: LossOptions = field(
+        default_factory=lambda: TRAINER_LOSS,
+        metadata={"coerce": _loss_from, "check": _check_loss, "to_dict": _loss_dict},
+    )
+    optim: OptimConfig = section(OptimConfig)
+    buffer: BufferConfig = section(BufferConfig)
+    logging: LoggingConfig = section(LoggingConfig)
+    prompts_per_step: int = option(4, rule_int(1))
+    seed: int = option(0, rule_int(0, 2**63 - 1))
+
+    def check_together(self) -> None:
+        r = self.rollout
+        if r.strategy != "hybrid" and r.hybrid.n_hybrid:
+            raise ValueError(
+                f"rollout.hybrid.n_hybrid: must be 0 with strategy={r.strategy!r}, got {r.hybrid.n_hybrid}"
+            )
+        if callable(r.hybrid.retrieve_prob):
+            raise TypeError("rollout.hybrid.retrieve_prob: expected a number in [0, 1] (a callable cannot be saved)")
+        rule_real(0.0, lo_open=True)("rollout.temperature", r.temperature)  # the trainer samples: no greedy
 
     # -- presets ----------------------------------------------------------------------------------------------------
     @classmethod
-    def RAPO(cls, **overrides: Any) -> TrainerConfig:
-        return cls(**overrides).validate()
+    def RAPO(cls, overrides: Mapping[str, Any] | None = None, /, **sections: Any) -> TrainerConfig:
+        """RAPO's defaults updated by `overrides` (dotted keys allowed: {"rollout.group_size": 8}) and `sections`
+        (rollout={"group_size": 8}, loss=LossOptions(...), seed=1)."""
+        return cls._preset({}, overrides, sections)
 
     @classmethod
-    def GRPO(cls, **overrides: Any) -> TrainerConfig:
-        kw = dict(strategy="on_policy", n_hybrid=0, ret_coef=0.0, loss=dict(presets.RAPO, shaping_m=0.0))
-        return cls(**(kw | overrides)).validate()
+    def GRPO(cls, overrides: Mapping[str, Any] | None = None, /, **sections: Any) -> TrainerConfig:
+        """RAPO with retrieval off (no hybrid rows, no retrieval reward, no shaping): the same loss otherwise."""
+        base = {"rollout": {"strategy": "on_policy", "hybrid": {"n_hybrid": 0}}, "advantages": {"ret_coef": 0.0},
+                "loss": TRAINER_LOSS.replace(shaping_m=0.0)}  # fmt: skip
+        return cls._preset(base, overrides, sections)
 
     @classmethod
-    def ARPO(cls, **overrides: Any) -> TrainerConfig:
-        kw = dict(strategy="arpo", n_hybrid=0, ret_coef=0.0, loss=dict(presets.ARPO))
-        return cls(**(kw | overrides)).validate()
+    def ARPO(cls, overrides: Mapping[str, Any] | None = None, /, **sections: Any) -> TrainerConfig:
+        """Entropy-adaptive branching, soft attribution, ARPO's loss preset."""
+        base = {"rollout": {"strategy": "arpo", "hybrid": {"n_hybrid": 0}}, "advantages": {"ret_coef": 0.0},
+                "loss": LossOptions(**presets.ARPO, tis_cap=2.0)}  # fmt: skip
+        return cls._preset(base, overrides, sections)
 
     @classmethod
-    def OFFPOLICY_TRAJ(cls, **overrides: Any) -> TrainerConfig:
-        """Trajectory-level off-policy (LUFFY-style): n_offpolicy members of each group are whole off-policy
-        trajectories, their tokens trained with the shaped weight p / (p + gamma); no step retrieval, no shaping."""
-        kw = dict(strategy="offpolicy_traj", n_hybrid=0, ret_coef=0.0,
-                  loss=dict(presets.RAPO, shaping_m=0.0, offpolicy_train="shaped"))  # fmt: skip
-        return cls(**(kw | overrides)).validate()
+    def OFFPOLICY_TRAJ(cls, overrides: Mapping[str, Any] | None = None, /, **sections: Any) -> TrainerConfig:
+        """Trajectory-level off-policy (LUFFY-style): rollout.offpolicy_traj.n_offpolicy members of each group are
+        whole off-policy trajectories, their tokens trained with the shaped weight p / (p + gamma); no step
+        retrieval, no shaping."""
+        base = {"rollout": {"strategy": "offpolicy_traj", "hybrid": {"n_hybrid": 0}}, "advantages": {"ret_coef": 0.0},
+                "loss": TRAINER_LOSS.replace(shaping_m=0.0, offpolicy_train="shaped")}  # fmt: skip
+        return cls._preset(base, overrides, sections)
 
     @classmethod
-    def preset(cls, name: str, **overrides: Any) -> TrainerConfig:
+    def preset(cls, name: str, overrides: Mapping[str, Any] | None = None, /, **sections: Any) -> TrainerConfig:
         makers = {"RAPO": cls.RAPO, "GRPO": cls.GRPO, "ARPO": cls.ARPO, "OFFPOLICY_TRAJ": cls.OFFPOLICY_TRAJ}
         if not isinstance(name, str) or name.upper() not in makers:
             raise ValueError(f"TrainerConfig.preset: name must be one of {sorted(makers)}, got {name!r}")
-        return makers[name.upper()](**overrides)
-
-    # -- validation -------------------------------------------------------------------------------------------------
-    def validate(self) -> TrainerConfig:
-        """Check every field (type and range; the table of rules is _FIELD_RULES below); return self.
-
-        A wrong type raises TypeError, a wrong value (NaN, inf, out of range, an unknown choice) ValueError, both
-        naming the field. Every field of the dataclass has a rule (tests/train/test_config.py checks that)."""
-        for name, rule in _FIELD_RULES.items():
-            rule(f"TrainerConfig.{name}", getattr(self, name))
-        if not self.n_hybrid <= self.group_size:
-            raise ValueError(
-                f"TrainerConfig.n_hybrid: expected an int in [0, group_size={self.group_size}], got {self.n_hybrid!r}"
-            )
-        if self.strategy != "hybrid" and self.n_hybrid:
-            raise ValueError(f"TrainerConfig.n_hybrid: must be 0 with strategy={self.strategy!r}, got {self.n_hybrid}")
-        if self.strategy == "offpolicy_traj" and not self.n_offpolicy < self.group_size:
-            raise ValueError(
-                f"TrainerConfig.n_offpolicy: expected an int in [1, group_size={self.group_size}) with "
-                f"strategy='offpolicy_traj', got {self.n_offpolicy!r}"
-            )
-        if self.arpo_initial is not None and self.arpo_initial > self.group_size:
-            raise ValueError(
-                f"TrainerConfig.arpo_initial: expected None or an int in [1, group_size={self.group_size}], got "
-                f"{self.arpo_initial!r}"
-            )
-        return self
-
-    # -- serialisation ----------------------------------------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return makers[name.upper()](overrides, **sections)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TrainerConfig:
-        if not isinstance(d, dict):
+    def _preset(cls, base: dict, overrides: Mapping[str, Any] | None, sections: dict[str, Any]) -> TrainerConfig:
+        _refuse_flat_keys({**(overrides or {}), **sections})
+        return cls().replace(base).replace(overrides).replace(sections)
+
+    # -- serialisation ----------------------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> TrainerConfig:
+        """The defaults updated by `d`, nested ({"rollout": {"arpo": {"beam": 3}}}) or dotted. A config in the
+        former flat format is converted (convert_flat_config) with a FutureWarning."""
+        if not isinstance(d, Mapping):
             raise TypeError(f"TrainerConfig.from_dict: expected a dict, got {type(d).__name__}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"TrainerConfig: unknown fields {unknown}; expected a subset of {sorted(names)}")
-        return cls(**d).validate()
+        if is_flat_config(d):
+            warnings.warn(
+                "TrainerConfig: a config in the former flat format (keys such as n_hybrid, arpo_beam, tis_cap, lr) "
+                "was converted to the nested one; save it again (TrainerConfig.save) or convert it with "
+                "rapo_fast.train.config.convert_flat_config",
+                FutureWarning,
+                stacklevel=3,
+            )
+            d = convert_flat_config(d)
+        return cls().replace(d)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
@@ -185,96 +239,12 @@ class TrainerConfig:
             raise (ValueError if isinstance(exc, ValueError) else TypeError)(f"{p}: {exc}") from exc
 
 
-# -- the rule of each field -------------------------------------------------------------------------------------------
-def _int(lo: int, hi: int | None = None, allow_none: bool = False) -> Callable[[str, Any], None]:
-    """An int (bool refused) in [lo, hi]."""
-
-    def check(name: str, v: Any) -> None:
-        if v is None and allow_none:
-            return
-        if not isinstance(v, int) or isinstance(v, bool):
-            raise TypeError(f"{name}: expected an int, got {type(v).__name__} {v!r}")
-        if v < lo or (hi is not None and v > hi):
-            raise ValueError(f"{name}: expected an int in [{lo}, {hi if hi is not None else 'inf'}], got {v!r}")
-
-    return check
-
-
-def _real(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False,
-          allow_none: bool = False) -> Callable[[str, Any], None]:  # fmt: skip
-    """A finite real number (bool refused) in [lo, hi], or (lo, hi] with lo_open: rapo_fast._checks.check_float."""
-    bounds = dict(min_value=lo, max_value=hi, min_inclusive=not lo_open, allow_none=allow_none)
-    return lambda name, v: C.check_float(name, v, **bounds)
-
-
-def _choice(*choices: str) -> Callable[[str, Any], None]:
-    return lambda name, v: C.check_choice(name, v, choices)
-
-
-def _of_type(kinds: tuple[type, ...], what: str) -> Callable[[str, Any], None]:
-    def check(name: str, v: Any) -> None:
-        if not isinstance(v, kinds):
-            raise TypeError(f"{name}: expected {what}, got {type(v).__name__} {v!r}")
-
-    return check
-
-
-_FIELD_RULES: dict[str, Callable[[str, Any], None]] = {
-    "strategy": _choice(*STRATEGIES),
-    "group_size": _int(1),
-    "n_hybrid": _int(0),  # and <= group_size (validate)
-    "retrieve_prob": _real(0.0, 1.0),
-    "mode": _choice(*MODES),
-    "prompts_per_step": _int(1),
-    "temperature": _real(0.0, lo_open=True),
-    "max_steps": _int(1),
-    "max_step_tokens": _int(1),
-    "exclude_own_group": _of_type((bool, type(None)), "a bool or None"),
-    "n_offpolicy": _int(1),
-    "arpo_initial": _int(1, allow_none=True),  # and <= group_size (validate)
-    "arpo_beam": _int(1),
-    "arpo_k": _int(1),
-    "arpo_alpha": _real(0.0, 1.0),
-    "arpo_beta": _real(),
-    "arpo_rule": _choice("paper", "released"),
-    "arpo_topk": _int(1),
-    "advantage_attribution": _choice("soft", "hard"),
-    "ret_coef": _real(),
-    "ret_norm": _choice(*RET_NORMS),
-    "loss": lambda name, v: _check_loss(v),
-    "tis_cap": _real(0.0, lo_open=True, allow_none=True),
-    "lr": _real(0.0),
-    "weight_decay": _real(0.0),
-    "max_grad_norm": _real(0.0, lo_open=True, allow_none=True),
-    "updates_per_step": _int(1),
-    "mini_batch_groups": _int(1, allow_none=True),
-    "add_onpolicy_steps": _of_type((bool,), "a bool"),
-    "refresh_kv_every": _int(1),
-    "seed": _int(0, 2**63 - 1),
-    "log_csv": _of_type((str, type(None)), "a path string or None"),
-    "tensorboard_dir": _of_type((str, type(None)), "a path string or None"),
-}
-
-
-def _check_loss(loss: Any) -> None:
-    """TrainerConfig.loss: a dict of rapo_loss options (string keys, known names, beta 0), valid as LossOptions."""
-    if not isinstance(loss, dict):
-        raise TypeError(f"TrainerConfig.loss: expected a dict of rapo_loss options, got {type(loss).__name__}")
-    bad_keys = [k for k in loss if not isinstance(k, str)]
-    if bad_keys:
-        raise TypeError(f"TrainerConfig.loss: option names must be strings, got {bad_keys!r}")
-    allowed = set(LossOptions.names()) - {"return_metrics", "tis_cap", "temperature"}
-    unknown = sorted(set(loss) - allowed)
-    if unknown:
-        raise ValueError(
-            f"TrainerConfig.loss: unknown rapo_loss options {unknown}; expected a subset of {sorted(allowed)}"
+def _refuse_flat_keys(kw: Mapping[str, Any]) -> None:
+    """A former flat field name passed to a preset: TypeError saying its nested place."""
+    old = {k: new_name_of(k) for k in kw if new_name_of(k) not in (None, k)}
+    if old:
+        where = ", ".join(f"{k} -> {v!r}" for k, v in old.items())
+        raise TypeError(
+            f"TrainerConfig: {sorted(old)} are former flat fields; pass them nested ({where}), e.g. "
+            f"TrainerConfig.RAPO({{{next(iter(old.values()))!r}: ...}}); flat dicts: convert_flat_config"
         )
-    if loss.get("beta", 0.0) not in (0, 0.0):
-        raise ValueError(
-            f"TrainerConfig.loss['beta']: the thin trainer keeps no reference model, so the KL "
-            f"coefficient must be 0, got {loss['beta']!r}"
-        )
-    try:  # the values, checked now as rapo_loss would check them at the first step
-        LossOptions(**loss)
-    except (TypeError, ValueError) as e:
-        raise type(e)(f"TrainerConfig.loss: {e}") from None

@@ -156,6 +156,14 @@ def _check_optimizer(saved, current: dict, path: Path) -> None:
         raise CheckpointFormatError(f"{path}: parameter group sizes {sizes}, this optimizer's are {want}")
 
 
+def _flat(d: dict, prefix: str = "") -> dict:
+    """A nested config dict as {dotted field: value}."""
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
 def load_checkpoint(trainer, directory: str | Path) -> None:
     """Restore a checkpoint written by save_checkpoint into `trainer` (built with the same model architecture, env
     and encoder). The config must match the checkpoint's (a mismatch raises ValueError naming the fields). Every file
@@ -173,10 +181,9 @@ def load_checkpoint(trainer, directory: str | Path) -> None:
             saved = TrainerConfig.from_json((d / "config.json").read_bytes().decode("utf-8"))
         except (ValueError, TypeError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
             raise CheckpointFormatError(f"{d / 'config.json'}: {exc}") from exc
+        mine, theirs = _flat(trainer.config.to_dict()), _flat(saved.to_dict())
         diff = sorted(
-            k
-            for k, val in saved.to_dict().items()
-            if trainer.config.to_dict().get(k) != val and k not in ("log_csv", "tensorboard_dir")
+            k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k) and k.split(".")[0] != "logging"
         )
         if diff:
             raise ValueError(f"load_checkpoint: the trainer's config differs from the checkpoint's in {diff}")

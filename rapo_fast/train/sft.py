@@ -118,20 +118,12 @@ def sft_warmup(
 @torch.no_grad()
 def evaluate(model, tokenizer, task, problems: Sequence, *, max_steps: int = 6, max_step_tokens: int = 24) -> float:
     """Greedy success rate (no retrieval) on `problems`."""
+    from rapo_fast.rollouts.config import RolloutConfig
     from rapo_fast.rollouts.loop import rollout
 
-    batch = rollout(
-        model,
-        tokenizer,
-        task,
-        problems,
-        group_size=1,
-        strategy="on_policy",
-        n_hybrid=0,
-        temperature=0.0,
-        max_steps=max_steps,
-        max_step_tokens=max_step_tokens,
-    )
+    cfg = RolloutConfig(group_size=1, strategy="on_policy", hybrid={"n_hybrid": 0}, temperature=0.0,
+                        max_steps=max_steps, max_step_tokens=max_step_tokens)  # fmt: skip
+    batch = rollout(model, tokenizer, task, problems, cfg)
     rewards = [task.verify(p, c) for p, c in zip(problems, batch.completions)]
     return sum(rewards) / max(1, len(rewards))
 

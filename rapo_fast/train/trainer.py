@@ -130,14 +130,15 @@ class RAPOTrainer:
         if not isinstance(config, TrainerConfig):
             raise TypeError(f"RAPOTrainer: config must be a TrainerConfig, got {type(config).__name__}")
         config.validate()
-        if config.strategy == "hybrid" and config.n_hybrid > 0 and buffer is None:
+        ro = config.rollout
+        retrieves = ro.strategy == "hybrid" and ro.hybrid.n_hybrid > 0
+        if retrieves and buffer is None:
             raise ValueError("RAPOTrainer: strategy='hybrid' with n_hybrid > 0 needs a buffer (StepTraces), got None")
-        if config.mode == "splice" and (buffer is None or getattr(buffer, "kv_store", None) is None):
-            if config.strategy == "hybrid" and config.n_hybrid > 0:
-                raise ValueError("RAPOTrainer: mode='splice' needs a buffer with a kv_store (StepTraces(kv_store=...))")
+        if ro.mode == "splice" and (buffer is None or getattr(buffer, "kv_store", None) is None) and retrieves:
+            raise ValueError("RAPOTrainer: mode='splice' needs a buffer with a kv_store (StepTraces(kv_store=...))")
         if not problems:
             raise ValueError("RAPOTrainer: problems (training prompts) is empty")
-        if config.strategy == "offpolicy_traj" and offpolicy is None:
+        if ro.strategy == "offpolicy_traj" and offpolicy is None:
             raise ValueError(
                 "RAPOTrainer: strategy='offpolicy_traj' needs offpolicy (rapo_fast.rollouts.offpolicy."
                 "OffPolicyTrajectories, from the JSONL the step buffer is built from), got None"
@@ -150,7 +151,7 @@ class RAPOTrainer:
         self.offpolicy = offpolicy
         self.problems = list(problems)
         self.optimizer = optimizer or torch.optim.AdamW(
-            model.parameters(), lr=config.lr, weight_decay=config.weight_decay
+            model.parameters(), lr=config.optim.lr, weight_decay=config.optim.weight_decay
         )
         self.rollout_fn = rollout_fn or rollout
         self.reward_fn = reward_fn or default_rewards
@@ -159,7 +160,7 @@ class RAPOTrainer:
         self.step_count = 0
         self.py_rng = random.Random(config.seed)
         self.gen = torch.Generator().manual_seed(config.seed)
-        self.logger = MetricsLogger(config.log_csv, config.tensorboard_dir)
+        self.logger = MetricsLogger(config.logging.log_csv, config.logging.tensorboard_dir)
 
     # -- one RL step ------------------------------------------------------------------------------------------------
     def sample_problems(self) -> list:
@@ -176,7 +177,11 @@ class RAPOTrainer:
         (t_rollout excludes t_retrieval and t_splice; t_logprob, t_loss (forward + backward), t_optimizer, t_buffer)."""
         cfg, t0 = self.config, time.perf_counter()
         problems = self.sample_problems()
-        if cfg.mode == "splice" and self.buffer is not None and self.step_count % cfg.refresh_kv_every == 0:
+        if (
+            cfg.rollout.mode == "splice"
+            and self.buffer is not None
+            and self.step_count % cfg.buffer.refresh_kv_every == 0
+        ):
             self.buffer.refresh_kv()
         t_kv = time.perf_counter()
         batch: RolloutBatch = self.rollout_fn(
@@ -184,33 +189,17 @@ class RAPOTrainer:
             self.tokenizer,
             self.env,
             problems,
-            group_size=cfg.group_size,
-            strategy=cfg.strategy,
-            n_hybrid=cfg.n_hybrid,
-            retrieve_prob=cfg.retrieve_prob,
+            cfg.rollout,
             traces=self.buffer,
-            exclude_own_group=cfg.exclude_own_group,
-            mode=cfg.mode,
-            temperature=cfg.temperature,
-            max_steps=cfg.max_steps,
-            max_step_tokens=cfg.max_step_tokens,
-            generator=self.gen,
-            arpo_initial=cfg.arpo_initial,
-            arpo_beam=cfg.arpo_beam,
-            arpo_k=cfg.arpo_k,
-            arpo_alpha=cfg.arpo_alpha,
-            arpo_beta=cfg.arpo_beta,
-            arpo_rule=cfg.arpo_rule,
-            arpo_topk=cfg.arpo_topk,
-            n_offpolicy=cfg.n_offpolicy,
             offpolicy=self.offpolicy,
+            generator=self.gen,
         )
         t_roll = time.perf_counter()
         rewards = self.reward_fn(self.env, problems, batch).float()
         metrics = self._update(batch, rewards)
         t_upd = time.perf_counter()
         n_added = n_dropped = 0
-        if cfg.add_onpolicy_steps and self.buffer is not None:
+        if cfg.buffer.add_onpolicy_steps and self.buffer is not None:
             n_added, n_dropped = self._add_onpolicy(batch, rewards)
         self.step_count += 1
         t_end = time.perf_counter()
@@ -260,39 +249,42 @@ class RAPOTrainer:
                 hidden=h,
                 weight=W,
                 targets=s["targets"].to(dev),
-                temperature=cfg.temperature or 1.0,
+                temperature=cfg.rollout.temperature or 1.0,
                 return_entropy=True,
             )
         old_logp, ent = old_logp.float().cpu(), ent.float().cpu()
         step_ent = step_entropy(ent, batch.step_spans_shifted()) if batch.step_spans.numel() else torch.zeros(0)
         z, n_scored = retrieval_rewards(batch, step_ent)
         # ret_norm only when asked: a replaced advantage_fn keeps the 4-argument call it was written for
-        extra = {} if cfg.ret_norm == "group" else {"ret_norm": cfg.ret_norm, "retrieved": n_scored > 0}
-        adv = self.advantage_fn(rewards, batch.group_ids, z, cfg.ret_coef, **extra).float()
-        if cfg.strategy == "arpo" and cfg.advantage_attribution == "hard":
+        av = cfg.advantages
+        extra = {} if av.ret_norm == "group" else {"ret_norm": av.ret_norm, "retrieved": n_scored > 0}
+        adv = self.advantage_fn(rewards, batch.group_ids, z, av.ret_coef, **extra).float()
+        if cfg.rollout.strategy == "arpo" and av.advantage_attribution == "hard":
             adv = hard_attribution(batch, adv)
         t1 = time.perf_counter()
-        opts = dict(cfg.loss)
+        # the options as keywords (those that differ from rapo_loss's defaults); tis_cap only where it applies
+        opts = {k: v for k, v in cfg.loss.overrides().items() if k != "tis_cap"}
         # per-row tensors of the loss, sliced per mini-batch
         tensors = {k: s[k] for k in ("input_ids", "attention_mask", "targets", "loss_mask", "retrieved_mask",
                                      "response_mask")}  # fmt: skip
         tensors.update(old_logp=old_logp, advantages=adv)
-        if cfg.mode == "splice" and cfg.tis_cap is not None and (batch.kinds == KIND_RET).any():
-            opts["tis_cap"] = cfg.tis_cap
+        if cfg.rollout.mode == "splice" and cfg.loss.tis_cap is not None and (batch.kinds == KIND_RET).any():
+            opts["tis_cap"] = cfg.loss.tis_cap
             tensors["behav_logp"] = s["behav_logp"]
         self.model.train()
         loss_val, sums, n_updates, t_opt = 0.0, {}, 0, 0.0
         # one mini-batch of every row (the default) uses the tensors as they are: no gather of [B, T] copies
-        parts = mini_batch_rows(batch.group_ids, cfg.mini_batch_groups) if cfg.mini_batch_groups else [None]
-        for _ in range(cfg.updates_per_step):
+        op = cfg.optim
+        parts = mini_batch_rows(batch.group_ids, op.mini_batch_groups) if op.mini_batch_groups else [None]
+        for _ in range(op.updates_per_step):
             for rows in parts:
                 mb = tensors if rows is None else {k: v[rows] for k, v in tensors.items()}
                 loss, lm = self._mini_batch_loss(mb, W, opts)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 t_o = time.perf_counter()
-                if cfg.max_grad_norm is not None:
-                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+                if op.max_grad_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), op.max_grad_norm)
                 self.optimizer.step()
                 t_opt += time.perf_counter() - t_o
                 loss_val, n_updates = float(loss.detach()), n_updates + 1
@@ -330,7 +322,7 @@ class RAPOTrainer:
             loss_mask=t["loss_mask"].to(dev),
             retrieved_mask=t["retrieved_mask"].to(dev),
             response_mask=t["response_mask"].to(dev),
-            temperature=cfg.temperature or 1.0,
+            temperature=cfg.rollout.temperature or 1.0,
             return_metrics=True,
             **extra,
             **opts,

@@ -180,17 +180,24 @@ def test_controls_and_ablations_configs():
     s = dict(table1.QUICK, group_size=8)
     rapo, grpo = table1._config("RAPO", s, 0), table1._config("GRPO", s, 0)
     matched = table1._config("GRPO_ONPOLICY_MATCHED", s, 0)
-    assert matched.group_size == rapo.group_size - rapo.n_hybrid == 4 and matched.n_hybrid == 0
-    assert {k: v for k, v in matched.to_dict().items() if k != "group_size"} == {
-        k: v for k, v in grpo.to_dict().items() if k != "group_size"
-    }
+    assert matched.rollout.group_size == rapo.rollout.group_size - rapo.rollout.hybrid.n_hybrid == 4
+    assert matched.rollout.hybrid.n_hybrid == 0
+    assert _without(matched, "rollout.group_size") == _without(grpo, "rollout.group_size")
     no_ret, no_shape = table1._config("RAPO_NO_RET_REWARD", s, 0), table1._config("RAPO_NO_SHAPING", s, 0)
-    assert no_ret.ret_coef == 0.0 and rapo.ret_coef > 0 and no_shape.loss["shaping_m"] == 0.0
-    assert rapo.loss["shaping_m"] > 0
-    for cfg, field in ((no_ret, "ret_coef"), (no_shape, "loss")):
-        assert {k: v for k, v in cfg.to_dict().items() if k != field} == {
-            k: v for k, v in rapo.to_dict().items() if k != field
-        }
+    assert no_ret.advantages.ret_coef == 0.0 and rapo.advantages.ret_coef > 0 and no_shape.loss.shaping_m == 0.0
+    assert rapo.loss.shaping_m > 0
+    for cfg, field in ((no_ret, "advantages.ret_coef"), (no_shape, "loss")):
+        assert _without(cfg, field) == _without(rapo, field)
+
+
+def _without(cfg, field: str) -> dict:
+    """The config's options as {dotted name: value}, the field (or section) `field` left out."""
+
+    def flat(d, prefix=""):
+        for k, v in d.items():
+            yield from flat(v, f"{prefix}{k}.") if isinstance(v, dict) else [(f"{prefix}{k}", v)]
+
+    return {k: v for k, v in flat(cfg.to_dict()) if k != field and not k.startswith(field + ".")}
 
 
 def test_extra_methods_run(tmp_path, monkeypatch):

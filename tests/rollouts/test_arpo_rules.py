@@ -67,6 +67,9 @@ class _Row:
         self.cur_start, self.steps, self.tokens, self.ent = None, [], [], []
         self.hybrid, self.to_feed, self.at_boundary, self.parent, self.branch_at = False, [], False, -1, -1
 
+    def start(self):  # as rapo_fast.rollouts.rows.Row.start: live again
+        self.active, self.done, self.at_boundary = True, False, False
+
     def snapshot(self):
         return {
             "tokens": list(self.tokens),

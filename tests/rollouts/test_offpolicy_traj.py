@@ -79,9 +79,9 @@ def test_bad_offpolicy_arguments(world):
     with pytest.raises(ValueError, match="top_k"):
         OffPolicyTrajectories([], top_k=0)
     with pytest.raises(ValueError, match="n_offpolicy"):
-        TrainerConfig.OFFPOLICY_TRAJ(group_size=2, n_offpolicy=2)
+        TrainerConfig.OFFPOLICY_TRAJ({"rollout.group_size": 2, "rollout.offpolicy_traj.n_offpolicy": 2})
     with pytest.raises(ValueError, match="offpolicy"):
-        RAPOTrainer(model, tok, task, None, TrainerConfig.OFFPOLICY_TRAJ(group_size=4), problems)
+        RAPOTrainer(model, tok, task, None, TrainerConfig.OFFPOLICY_TRAJ({"rollout.group_size": 4}), problems)
 
 
 def test_trainer_loss_equals_the_shaped_objective_by_hand(world, monkeypatch):
@@ -89,8 +89,9 @@ def test_trainer_loss_equals_the_shaped_objective_by_hand(world, monkeypatch):
     task, tok, problems, path = world
     off = OffPolicyTrajectories.from_jsonl(path, top_k=3)
     model = build_tiny_policy(tok.vocab_size, hidden_size=32, seed=1)
-    cfg = TrainerConfig.OFFPOLICY_TRAJ(group_size=4, n_offpolicy=1, prompts_per_step=2, max_step_tokens=6,
-                                       max_steps=2, lr=1e-3, seed=0)  # fmt: skip
+    cfg = TrainerConfig.OFFPOLICY_TRAJ({"rollout.group_size": 4, "rollout.offpolicy_traj.n_offpolicy": 1,
+                                        "prompts_per_step": 2, "rollout.max_step_tokens": 6, "rollout.max_steps": 2,
+                                        "optim.lr": 1e-3, "seed": 0})  # fmt: skip
     fixed = rollout(model, tok, task, problems[:2], group_size=4, strategy="offpolicy_traj", n_hybrid=0,
                     n_offpolicy=1, offpolicy=off, max_step_tokens=6, max_steps=2,
                     generator=torch.Generator().manual_seed(1), seed=1)  # fmt: skip
@@ -107,7 +108,7 @@ def test_trainer_loss_equals_the_shaped_objective_by_hand(world, monkeypatch):
         m = fixed.group_ids == g
         r = rewards[m].double()
         adv[m] = (r - r.mean()) / (r.std() + 1e-6)
-    gamma = cfg.loss.get("gamma", 0.1)
+    gamma = cfg.loss.gamma
     p = logp.exp()
     term = torch.where(kinds == KIND_OFF, -adv[:, None] * p / (p + gamma), -adv[:, None] * torch.ones_like(p))
     active = (kinds == KIND_GEN) | (kinds == KIND_OFF)

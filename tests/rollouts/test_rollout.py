@@ -9,6 +9,7 @@ from rapo_fast.demo.tiny_policy import build_tiny_policy, final_hidden
 from rapo_fast.retrieval.encoders import HashedNgramEncoder
 from rapo_fast.retrieval.step_traces import StepTraces
 from rapo_fast.rollouts.batch import KIND_GEN, KIND_PROMPT, KIND_RET, KIND_TOOL
+from rapo_fast.rollouts.config import RolloutConfig
 from rapo_fast.rollouts.engine import DecodeEngine, sample
 from rapo_fast.rollouts.loop import rollout
 from rapo_fast.train.sft import sft_warmup
@@ -328,13 +329,15 @@ def test_rollout_uses_the_cache_api_without_deprecation_warnings(setup, mode):
             warnings.simplefilter("error", DeprecationWarning)
             warnings.simplefilter("error", FutureWarning)
             if mode == "arpo":
-                kw = dict(strategy="arpo", n_hybrid=0, arpo_initial=2, arpo_beam=2, arpo_k=4, arpo_alpha=1.0)
+                cfg = dict(strategy="arpo", hybrid=dict(n_hybrid=0), arpo=dict(initial=2, beam=2, k=4, alpha=1.0))
+                kw = {}
             else:  # splice: the StepKVStore's K/V are computed here too (kv/store.py builds a DynamicCache)
                 traces = _traces(tok, path, model, kv=mode == "splice")
-                kw = dict(n_hybrid=2, retrieve_prob=1.0, traces=traces, mode=mode)
+                cfg = dict(hybrid=dict(n_hybrid=2, retrieve_prob=1.0), mode=mode)
+                kw = dict(traces=traces)
             b = rollout(
-                model, tok, task, problems[:2], group_size=4, generator=torch.Generator().manual_seed(0),
-                max_step_tokens=8, **kw,
+                model, tok, task, problems[:2], RolloutConfig(group_size=4, max_step_tokens=8, **cfg),
+                generator=torch.Generator().manual_seed(0), **kw,
             )  # fmt: skip
     finally:
         logger.removeHandler(handler)

@@ -119,17 +119,17 @@ def _rewards_from_tokens(env, problems, batch):
     return ((batch.input_ids * batch.loss_mask).sum(1) % 2).float()
 
 
-def _cfg(tmp_path=None, **kw):
-    base = dict(
-        group_size=4,
-        n_hybrid=2,
-        prompts_per_step=2,
-        max_step_tokens=6,
-        max_steps=2,
-        lr=5e-3,
-        log_csv=None if tmp_path is None else str(tmp_path / "m.csv"),
-    )
-    return TrainerConfig.RAPO(**(base | kw))
+def _cfg(tmp_path=None, overrides=None):
+    base = {
+        "rollout.group_size": 4,
+        "rollout.hybrid.n_hybrid": 2,
+        "prompts_per_step": 2,
+        "rollout.max_step_tokens": 6,
+        "rollout.max_steps": 2,
+        "optim.lr": 5e-3,
+        "logging.log_csv": None if tmp_path is None else str(tmp_path / "m.csv"),
+    }
+    return TrainerConfig.RAPO(base | (overrides or {}))
 
 
 def test_one_step_lowers_the_loss_on_a_fixed_batch(world):
@@ -137,16 +137,7 @@ def test_one_step_lowers_the_loss_on_a_fixed_batch(world):
     model = build_tiny_policy(tok.vocab_size, hidden_size=32, num_heads=2, num_kv_heads=1, seed=0)
     traces = StepTraces.from_jsonl(path, HashedNgramEncoder(), tok)
     fixed = rollout(
-        model,
-        tok,
-        task,
-        problems[:2],
-        group_size=4,
-        n_hybrid=2,
-        traces=traces,
-        max_step_tokens=6,
-        max_steps=2,
-        generator=torch.Generator().manual_seed(0),
+        model, tok, task, problems[:2], _cfg().rollout, traces=traces, generator=torch.Generator().manual_seed(0)
     )
     seen = {}
 
@@ -190,8 +181,8 @@ def test_mini_batches_make_the_clip_bind_and_each_loss_equals_the_reference(worl
     task, tok, problems, path = world
     model = build_tiny_policy(tok.vocab_size, hidden_size=32, num_heads=2, num_kv_heads=1, seed=0)
     traces = StepTraces.from_jsonl(path, HashedNgramEncoder(), tok)
-    fixed = rollout(model, tok, task, problems[:2], group_size=4, n_hybrid=2, traces=traces, max_step_tokens=6,
-                    max_steps=2, generator=torch.Generator().manual_seed(0))  # fmt: skip
+    fixed = rollout(model, tok, task, problems[:2], _cfg().rollout, traces=traces,
+                    generator=torch.Generator().manual_seed(0))  # fmt: skip
     calls = []
 
     def loss_fn(**kw):
@@ -199,7 +190,8 @@ def test_mini_batches_make_the_clip_bind_and_each_loss_equals_the_reference(worl
         calls.append(({k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in kw.items()}, loss, m))
         return loss, m
 
-    cfg = _cfg(mini_batch_groups=1, updates_per_step=2, lr=0.05, loss=dict(_cfg().loss, eps_low=0.02, eps_high=0.02))
+    cfg = _cfg(overrides={"optim.mini_batch_groups": 1, "optim.updates_per_step": 2, "optim.lr": 0.05,
+                          "loss.eps_low": 0.02, "loss.eps_high": 0.02})  # fmt: skip
     trainer = RAPOTrainer(model, tok, task, traces, cfg, problems, rollout_fn=lambda *a, **k: fixed,
                           reward_fn=_rewards_from_tokens, loss_fn=loss_fn)  # fmt: skip
     m = trainer.step()
@@ -228,7 +220,7 @@ def test_resume_gives_the_same_next_step(world, tmp_path):
     def make(seed_model):
         model = build_tiny_policy(tok.vocab_size, hidden_size=32, num_heads=2, num_kv_heads=1, seed=seed_model)
         traces = StepTraces.from_jsonl(path, HashedNgramEncoder(), tok)
-        cfg = _cfg(tmp_path, add_onpolicy_steps=True)
+        cfg = _cfg(tmp_path, {"buffer.add_onpolicy_steps": True})
         return RAPOTrainer(model, tok, task, traces, cfg, problems, reward_fn=_rewards_from_tokens)
 
     a = make(0)
@@ -261,7 +253,7 @@ def test_resume_in_splice_mode_between_kv_refreshes(world, tmp_path):
         traces = StepTraces.from_jsonl(
             path, HashedNgramEncoder(), tok, kv_store=StepKVStore.for_model(model), model=model
         )
-        cfg = _cfg(tmp_path, mode="splice", refresh_kv_every=3, tis_cap=2.0)
+        cfg = _cfg(tmp_path, {"rollout.mode": "splice", "buffer.refresh_kv_every": 3, "loss.tis_cap": 2.0})
         return RAPOTrainer(model, tok, task, traces, cfg, problems, reward_fn=_rewards_from_tokens)
 
     a = make(0)
@@ -283,10 +275,19 @@ def test_resume_in_splice_mode_between_kv_refreshes(world, tmp_path):
 def test_grpo_and_arpo_presets_train(world):
     task, tok, problems, _ = world
     for cfg in (
-        TrainerConfig.GRPO(group_size=4, prompts_per_step=2, max_step_tokens=6, max_steps=2),
+        TrainerConfig.GRPO(
+            {"rollout.group_size": 4, "prompts_per_step": 2, "rollout.max_step_tokens": 6, "rollout.max_steps": 2}
+        ),  # fmt: skip
         TrainerConfig.ARPO(
-            group_size=4, prompts_per_step=2, max_step_tokens=6, max_steps=2, arpo_k=2, advantage_attribution="hard"
-        ),
+            {
+                "rollout.group_size": 4,
+                "prompts_per_step": 2,
+                "rollout.max_step_tokens": 6,
+                "rollout.max_steps": 2,
+                "rollout.arpo.k": 2,
+                "advantages.advantage_attribution": "hard",
+            }
+        ),  # fmt: skip
     ):
         model = build_tiny_policy(tok.vocab_size, hidden_size=32, num_heads=2, num_kv_heads=1, seed=0)
         trainer = RAPOTrainer(model, tok, task, None, cfg, problems, reward_fn=_rewards_from_tokens)
@@ -296,35 +297,38 @@ def test_grpo_and_arpo_presets_train(world):
 
 def test_config_round_trip_and_presets(tmp_path):
     for name in ("RAPO", "GRPO", "ARPO"):
-        cfg = TrainerConfig.preset(name, group_size=8)
+        cfg = TrainerConfig.preset(name, {"rollout.group_size": 8})
         for suffix in (".yaml", ".json"):
             cfg.save(tmp_path / f"c{suffix}")
             assert TrainerConfig.load(tmp_path / f"c{suffix}") == cfg
     rapo = TrainerConfig.RAPO()
-    assert (rapo.group_size, rapo.n_hybrid, rapo.retrieve_prob, rapo.ret_coef) == (16, 8, 0.5, 0.2)
-    assert rapo.loss["shaping_m"] == 0.05 and rapo.loss["eps_low"] == rapo.loss["eps_high"] == 0.28
-    assert rapo.loss["loss_agg"] == "seq-mean-token-mean" and rapo.loss["beta"] == 0.0
+    ro = rapo.rollout
+    assert (ro.group_size, ro.hybrid.n_hybrid, ro.hybrid.retrieve_prob, rapo.advantages.ret_coef) == (16, 8, 0.5, 0.2)
+    assert rapo.loss.shaping_m == 0.05 and rapo.loss.eps_low == rapo.loss.eps_high == 0.28
+    assert rapo.loss.loss_agg == "seq-mean-token-mean" and rapo.loss.beta == 0.0
     grpo = TrainerConfig.GRPO()
-    assert grpo.n_hybrid == 0 and grpo.strategy == "on_policy" and grpo.ret_coef == 0.0
+    assert (
+        grpo.rollout.hybrid.n_hybrid == 0 and grpo.rollout.strategy == "on_policy" and grpo.advantages.ret_coef == 0.0
+    )
 
 
 @pytest.mark.parametrize(
     "kw, err, match",
     [
-        (dict(strategy="beam"), ValueError, "strategy"),
-        (dict(group_size=0), ValueError, "group_size"),
-        (dict(n_hybrid=20), ValueError, "n_hybrid"),
-        (dict(retrieve_prob=1.5), ValueError, "retrieve_prob"),
-        (dict(mode="fast"), ValueError, "mode"),
-        (dict(lr="big"), TypeError, "lr"),
-        (dict(loss={"eps_low": 0.2, "warp": 1}), ValueError, "warp"),
-        (dict(loss={"beta": 0.04}), ValueError, "beta"),
-        (dict(advantage_attribution="medium"), ValueError, "advantage_attribution"),
+        ({"rollout.strategy": "beam"}, ValueError, "strategy"),
+        ({"rollout.group_size": 0}, ValueError, "group_size"),
+        ({"rollout.hybrid.n_hybrid": 20}, ValueError, "n_hybrid"),
+        ({"rollout.hybrid.retrieve_prob": 1.5}, ValueError, "retrieve_prob"),
+        ({"rollout.mode": "fast"}, ValueError, "mode"),
+        ({"optim.lr": "big"}, TypeError, "lr"),
+        ({"loss": {"eps_low": 0.2, "warp": 1}}, ValueError, "warp"),
+        ({"loss": {"beta": 0.04}}, ValueError, "beta"),
+        ({"advantages.advantage_attribution": "medium"}, ValueError, "advantage_attribution"),
     ],
 )
 def test_bad_configs_raise(kw, err, match):
     with pytest.raises(err, match=match):
-        TrainerConfig.RAPO(**kw)
+        TrainerConfig.RAPO(kw)
 
 
 def test_bad_trainer_arguments(world):
@@ -372,7 +376,7 @@ def test_splice_mode_step_uses_behaviour_correction(world):
         seen.update(kw)
         return rapo_loss(**kw)
 
-    cfg = _cfg(mode="splice", tis_cap=2.0)
+    cfg = _cfg(overrides={"rollout.mode": "splice", "loss.tis_cap": 2.0})
     trainer = RAPOTrainer(
         model,
         tok,
@@ -398,7 +402,8 @@ def test_train_callbacks_run_every_step_can_stop_and_evaluate_inside_the_loop(wo
 
     task, tok, problems, _ = world
     model = build_tiny_policy(tok.vocab_size, hidden_size=32, num_heads=2, num_kv_heads=1, seed=0)
-    cfg = TrainerConfig.GRPO(group_size=2, prompts_per_step=1, max_step_tokens=4, max_steps=1)
+    cfg = TrainerConfig.GRPO({"rollout.group_size": 2, "prompts_per_step": 1, "rollout.max_step_tokens": 4,
+                              "rollout.max_steps": 1})  # fmt: skip
     trainer = RAPOTrainer(model, tok, task, None, cfg, problems, reward_fn=_rewards_from_tokens)
     events = []
 

@@ -24,9 +24,10 @@ def world(tmp_path):
     return task, tok, problems, path
 
 
-def _cfg(**kw):
-    base = dict(group_size=4, n_hybrid=2, prompts_per_step=2, max_step_tokens=6, max_steps=2, lr=5e-3, log_csv=None)
-    return TrainerConfig.RAPO(**(base | kw))
+def _cfg(overrides=None):
+    base = {"rollout.group_size": 4, "rollout.hybrid.n_hybrid": 2, "prompts_per_step": 2, "rollout.max_step_tokens": 6,
+            "rollout.max_steps": 2, "optim.lr": 5e-3, "logging.log_csv": None}  # fmt: skip
+    return TrainerConfig.RAPO(base | (overrides or {}))
 
 
 def _tool_steps_rollout(*args, **kwargs):
@@ -47,7 +48,7 @@ def test_onpolicy_metrics_count_the_steps_the_buffer_stored(world, pin):
     traces = StepTraces.from_jsonl(path, HashedNgramEncoder(), tok, capacity=n_off, pin_offpolicy=pin)
     model = build_tiny_policy(tok.vocab_size, hidden_size=32, num_heads=2, num_kv_heads=1, seed=0)
     trainer = RAPOTrainer(
-        model, tok, task, traces, _cfg(add_onpolicy_steps=True), problems,
+        model, tok, task, traces, _cfg({"buffer.add_onpolicy_steps": True}), problems,
         rollout_fn=_tool_steps_rollout, reward_fn=lambda env, probs, batch: torch.ones(batch.batch_size),
     )  # fmt: skip
     added = 0
@@ -73,7 +74,8 @@ def test_offpolicy_trajectories_are_not_added_as_onpolicy_steps(world):
     task, tok, problems, path = world
     traces = StepTraces.from_jsonl(path, HashedNgramEncoder(), tok)
     model = build_tiny_policy(tok.vocab_size, hidden_size=32, num_heads=2, num_kv_heads=1, seed=0)
-    cfg = _cfg(add_onpolicy_steps=True, strategy="offpolicy_traj", n_hybrid=0, n_offpolicy=1)
+    cfg = _cfg({"buffer.add_onpolicy_steps": True, "rollout.strategy": "offpolicy_traj", "rollout.hybrid.n_hybrid": 0,
+                "rollout.offpolicy_traj.n_offpolicy": 1})  # fmt: skip
     seen = {}
 
     def rollout_fn(*args, **kwargs):

@@ -1,0 +1,97 @@
+"""The Python-side state of one trajectory of a rollout: `Row`, and `RowState`, the one place its life is recorded.
+
+What this is: a row's tokens, kinds, behaviour log-probs, entropies, origins, cache columns, steps and retrievals, the
+methods that append to them, snapshot / restore (ARPO's branches) and its state, an explicit `RowState` (IDLE: an
+ARPO slot not started; RUNNING; BOUNDARY: just past a tool result, where a hybrid row may retrieve; DONE), in place of
+separate active / done / at-boundary flags. What this is not: the loop that advances rows
+(rapo_fast/rollouts/loop.py) or a strategy's decisions (rapo_fast/rollouts/strategies.py).
+"""
+
+from __future__ import annotations
+
+import enum
+
+from rapo_fast.rollouts.batch import KIND_GEN, KIND_PROMPT
+
+__all__ = ["Row", "RowState", "prompt_ids"]
+
+
+class RowState(enum.Enum):
+    IDLE = "idle"  # a slot not started yet (ARPO starts rows as branches or fresh rollouts)
+    RUNNING = "running"  # live: samples its next token or feeds queued ones
+    BOUNDARY = "boundary"  # live, just past a tool result: a hybrid row may retrieve before its next token
+    DONE = "done"  # answered, out of budget, or a whole off-policy trajectory: no further model calls
+
+
+class Row:
+    """Python-side state of one trajectory (see the module docstring)."""
+
+    def __init__(self, prompt_ids: list[int], group: int, pidx: int, hybrid: bool, state: RowState):
+        n = len(prompt_ids)
+        self.tokens, self.kinds = list(prompt_ids), [KIND_PROMPT] * n
+        self.logp, self.ent, self.origin = [0.0] * n, [0.0] * n, [-1] * n
+        self.cols: list[int] = []
+        self.to_feed: list[int] = []
+        self.group, self.pidx, self.hybrid, self.state = group, pidx, hybrid, state
+        self.steps: list[list[int]] = []  # [start, end_generated, end_with_observation]
+        self.cur_start: int | None = None
+        self.n_tool = 0
+        self.retrievals: list[list[int]] = []  # [index of the step after, payload id, token count]
+        self.parent, self.branch_at = -1, -1
+        self.prompt_len = n
+        self.arpo: dict = {}
+
+    @property
+    def active(self) -> bool:
+        """Started (live or done): the row is a trajectory of the batch."""
+        return self.state is not RowState.IDLE
+
+    @property
+    def done(self) -> bool:
+        return self.state is RowState.DONE
+
+    @property
+    def live(self) -> bool:
+        return self.state is RowState.RUNNING or self.state is RowState.BOUNDARY
+
+    def start(self) -> None:
+        """Make the row live (a fresh ARPO rollout, or a branch just restored from its parent's snapshot)."""
+        self.state = RowState.RUNNING
+
+    def append(self, ids: list[int], kind: int) -> None:
+        """Append tokens the policy did not sample (tool output, a retrieved step): no log-prob, entropy or origin."""
+        n = len(ids)
+        self.tokens.extend(ids)
+        self.kinds.extend([kind] * n)
+        self.logp.extend([0.0] * n)
+        self.ent.extend([0.0] * n)
+        self.origin.extend([-1] * n)
+
+    def append_sampled(self, token: int, logp: float, ent: float, origin: int) -> None:
+        """Append a token the policy sampled (in the loss) and queue it for the next model call."""
+        self.tokens.append(token)
+        self.kinds.append(KIND_GEN)
+        self.logp.append(logp)
+        self.ent.append(ent)
+        self.origin.append(origin)
+        self.to_feed.append(token)
+
+    def snapshot(self) -> dict:
+        return {k: (list(v) if isinstance(v, list) else v) for k, v in self.__dict__.items() if k != "arpo"} | {
+            "steps": [list(s) for s in self.steps],
+            "retrievals": [list(r) for r in self.retrievals],
+        }
+
+    def restore(self, snap: dict) -> None:
+        for k, v in snap.items():
+            setattr(self, k, list(v) if isinstance(v, list) else v)
+        self.steps = [list(s) for s in snap["steps"]]
+        self.retrievals = [list(r) for r in snap["retrievals"]]
+
+
+def prompt_ids(tokenizer, prob) -> list[int]:
+    """The prompt's token ids, starting with <bos> (column 0 must be <bos> for every row: an engine invariant)."""
+    ids = tokenizer.encode(prob.prompt)
+    if not ids or ids[0] != tokenizer.bos_token_id:
+        ids = [tokenizer.bos_token_id] + ids
+    return ids
