@@ -119,6 +119,9 @@ class RolloutConfig(Section):
         unknown = sorted(set(kw) - set(LEGACY_KEYWORDS))
         if unknown:
             raise TypeError(f"rollout() got unexpected keyword arguments {unknown}")
+        kw = dict(kw)
+        if kw.get("n_offpolicy") == 0 and kw.get("strategy", "hybrid") != "offpolicy_traj":
+            del kw["n_offpolicy"]  # the former default (no off-policy members), meaningless to other strategies
         return cls().replace({LEGACY_KEYWORDS[k]: v for k, v in kw.items()})
 
 

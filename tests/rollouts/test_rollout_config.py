@@ -80,3 +80,11 @@ def test_row_states():
     assert r.live and not r.done
     r.state = RowState.DONE
     assert r.done and r.active and not r.live
+
+
+def test_legacy_default_n_offpolicy_is_accepted_by_other_strategies():
+    """rollout()'s former default n_offpolicy=0, passed explicitly, still works where the strategy ignores it; the
+    off-policy strategy itself refuses it (at least one off-policy member)."""
+    assert RolloutConfig.from_legacy(dict(strategy="hybrid", n_offpolicy=0)) == RolloutConfig()
+    with pytest.raises(ValueError, match="rollout.offpolicy_traj.n_offpolicy"):
+        RolloutConfig.from_legacy(dict(strategy="offpolicy_traj", n_offpolicy=0))
