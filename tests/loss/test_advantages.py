@@ -1,6 +1,6 @@
 """rapo_fast.step_entropy, retrieval_reward, rapo_advantages (and group_normalize) against numbers worked out by hand
 in the comments, against straightforward loops, and their argument checks; rapo_advantages' ret_norm="retrieved"
-(A_ret over the retrieving rows only) and the trainer's call that passes it (TrainerConfig.ret_norm).
+(A_ret over the retrieving rows only) and the trainer's call that passes it (TrainerConfig.advantages.ret_norm).
 Not here: the entropy computation itself (token_logprobs tests) or the loss (test_loss*.py).
 """
 
@@ -238,8 +238,8 @@ def test_ret_norm_checks(kw, exc, text):
 
 
 def test_trainer_passes_ret_norm_and_the_scored_retrieval_mask(tmp_path, monkeypatch):
-    """TrainerConfig.ret_norm reaches rapo_advantages; the mask is "a retrieval with a step after it" (the rows whose Z
-    was measured); the default calls the advantage function with its four positional arguments only."""
+    """TrainerConfig.advantages.ret_norm reaches rapo_advantages; the mask is "a retrieval with a step after it" (the
+    rows whose Z was measured); the default calls the advantage function with its four positional arguments only."""
     from rapo_fast.demo.tasks import ChainArithmeticTask, solver_trajectories, write_jsonl
     from rapo_fast.demo.tiny_policy import build_tiny_policy
     from rapo_fast.retrieval.encoders import HashedNgramEncoder
@@ -259,8 +259,10 @@ def test_trainer_passes_ret_norm_and_the_scored_retrieval_mask(tmp_path, monkeyp
 
     for norm in ("group", "retrieved"):
         model = build_tiny_policy(tok.vocab_size, hidden_size=32, num_heads=2, num_kv_heads=1, seed=0)
-        cfg = TrainerConfig.RAPO(group_size=4, n_hybrid=4, retrieve_prob=1.0, prompts_per_step=2, max_steps=4,
-                                 max_step_tokens=12, ret_norm=norm)  # fmt: skip
+        cfg = TrainerConfig.RAPO({
+            "rollout.group_size": 4, "rollout.hybrid.n_hybrid": 4, "rollout.hybrid.retrieve_prob": 1.0,
+            "prompts_per_step": 2, "rollout.max_steps": 4, "rollout.max_step_tokens": 12, "advantages.ret_norm": norm,
+        })  # fmt: skip
         trainer = RAPOTrainer(model, tok, task, traces, cfg, problems, advantage_fn=adv_fn)
         trainer.step()
     assert calls[0] == {} and calls[1]["ret_norm"] == "retrieved"
@@ -270,4 +272,4 @@ def test_trainer_passes_ret_norm_and_the_scored_retrieval_mask(tmp_path, monkeyp
     assert scored.any() and not scored.all()  # this seed's rollout has rows of both kinds
     assert torch.equal(calls[1]["retrieved"], scored)
     with pytest.raises(ValueError, match="ret_norm"):
-        TrainerConfig.RAPO(ret_norm="rows")
+        TrainerConfig.RAPO({"advantages.ret_norm": "rows"})
