@@ -3,6 +3,7 @@ a full-attention re-score (exact mode), splice == exact at position 0 under gree
 
 import pytest
 import torch
+from helpers.rollout_calls import rollout_flat
 
 from rapo_fast.demo.tasks import ChainArithmeticTask, solver_trajectories, write_jsonl
 from rapo_fast.demo.tiny_policy import build_tiny_policy, final_hidden
@@ -54,7 +55,7 @@ def test_token_kinds_and_f_ret(setup):
     task, tok, model, problems, path = setup
     traces = _traces(tok, path)
     g = torch.Generator().manual_seed(1)
-    b = rollout(
+    b = rollout_flat(
         model,
         tok,
         task,
@@ -100,7 +101,7 @@ def test_step0_never_retrieves(setup):
     task, tok, model, problems, path = setup
     traces = _traces(tok, path)
     for seed in range(3):
-        b = rollout(
+        b = rollout_flat(
             model,
             tok,
             task,
@@ -141,7 +142,7 @@ def test_excludes_own_group_when_buffer_has_onpolicy_steps(setup):
     pids = traces.add_steps([h for h, _, _ in onp], [s for _, s, _ in onp], [q for *_, q in onp])
     group_of = {int(pid): q for pid, (_, _, q) in zip(pids, onp)}
     assert traces.has_on_policy
-    b = rollout(
+    b = rollout_flat(
         model,
         tok,
         task,
@@ -171,7 +172,7 @@ def test_excludes_own_group_when_buffer_has_onpolicy_steps(setup):
 def test_behaviour_logp_matches_full_attention_in_exact_mode(setup):
     task, tok, model, problems, path = setup
     traces = _traces(tok, path)
-    b = rollout(
+    b = rollout_flat(
         model,
         tok,
         task,
@@ -229,7 +230,7 @@ def test_splice_equals_exact_at_position_zero_greedy(setup):
 def test_splice_mode_rollout_runs_and_records_mismatch(setup):
     task, tok, model, problems, path = setup
     traces = _traces(tok, path, model=model, kv=True)
-    b = rollout(
+    b = rollout_flat(
         model,
         tok,
         task,
@@ -261,7 +262,7 @@ def test_splice_mode_rollout_runs_and_records_mismatch(setup):
 def test_arpo_branching_within_budget(setup):
     task, tok, model, problems, _ = setup
     G = 6
-    b = rollout(
+    b = rollout_flat(
         model,
         tok,
         task,
@@ -293,17 +294,17 @@ def test_arpo_branching_within_budget(setup):
 def test_bad_arguments(setup):
     task, tok, model, problems, _ = setup
     with pytest.raises(ValueError, match="strategy"):
-        rollout(model, tok, task, problems, strategy="beam")
+        rollout_flat(model, tok, task, problems, strategy="beam")
     with pytest.raises(ValueError, match="n_hybrid"):
-        rollout(model, tok, task, problems, group_size=4, n_hybrid=5, traces=object())
+        rollout_flat(model, tok, task, problems, group_size=4, n_hybrid=5, traces=object())
     with pytest.raises(ValueError, match="traces"):
-        rollout(model, tok, task, problems, group_size=4, n_hybrid=2)
+        rollout_flat(model, tok, task, problems, group_size=4, n_hybrid=2)
     with pytest.raises(ValueError, match="mode"):
-        rollout(model, tok, task, problems, strategy="on_policy", n_hybrid=0, mode="fast")
+        rollout_flat(model, tok, task, problems, strategy="on_policy", n_hybrid=0, mode="fast")
     with pytest.raises(ValueError, match="retrieve_prob"):
-        rollout(model, tok, task, problems, n_hybrid=1, group_size=2, retrieve_prob=1.5, traces=object())
+        rollout_flat(model, tok, task, problems, n_hybrid=1, group_size=2, retrieve_prob=1.5, traces=object())
     with pytest.raises(ValueError, match="problems"):
-        rollout(model, tok, task, [], strategy="on_policy", n_hybrid=0)
+        rollout_flat(model, tok, task, [], strategy="on_policy", n_hybrid=0)
 
 
 @pytest.mark.parametrize("mode", ["exact", "splice", "arpo"])
