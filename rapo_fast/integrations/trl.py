@@ -276,7 +276,7 @@ def _install_rapo_forward(model: torch.nn.Module, cast_lm_head_to_fp32: bool) ->
             loss, metrics = rapo_fast.rapo_loss(
                 hidden=hidden, weight=weight, bias=bias, return_metrics=True, **loss_kwargs
             )
-            metrics["seq_clip"] = _sequence_clip_fractions(hidden, weight, bias, loss_kwargs, given_old)
+            metrics["seq_clip"] = _sequence_clip_fractions(metrics.token_logp, loss_kwargs, given_old)
             return loss, metrics
 
     model.forward = types.MethodType(_forward, model)
@@ -284,13 +284,11 @@ def _install_rapo_forward(model: torch.nn.Module, cast_lm_head_to_fp32: bool) ->
 
 
 @torch.no_grad()
-def _sequence_clip_fractions(hidden, weight, bias, loss_kwargs: dict, given_old: bool) -> torch.Tensor:
+def _sequence_clip_fractions(logp: torch.Tensor, loss_kwargs: dict, given_old: bool) -> torch.Tensor:
     """[2, B]: each row's fraction of low- / high-clipped tokens as TRL defines them (ratio below 1 - eps_low with
     A < 0 / above 1 + eps_high with A > 0, the unshaped ratio, per token or per sequence), NaN for a row without
-    tokens in the loss: what TRL's clip_ratio/low_min and high_max reduce. Without given old log-probs the ratio is 1
-    and nothing is clipped, so no log-prob pass runs; with them, one no-grad pass of rapo_fast.token_logprobs."""
-    import rapo_fast
-
+    tokens in the loss: what TRL's clip_ratio/low_min and high_max reduce. `logp`: the log-probs the loss used
+    (rapo_loss's metrics.token_logp), so no log-prob pass of its own; without given old log-probs the ratio is 1."""
     opts = loss_kwargs["options"]
     mask = loss_kwargs["loss_mask"].bool()
     if loss_kwargs.get("retrieved_mask") is not None:
@@ -298,9 +296,7 @@ def _sequence_clip_fractions(hidden, weight, bias, loss_kwargs: dict, given_old:
     mask = mask.float()
     old = loss_kwargs["old_logp"]
     if given_old:
-        logp = rapo_fast.token_logprobs(
-            hidden=hidden, weight=weight, bias=bias, targets=loss_kwargs["targets"], temperature=opts.temperature
-        ).float()
+        logp = logp.float()
         log_ratio = torch.where(mask > 0, logp - old.float(), torch.zeros_like(logp))
     else:
         log_ratio = torch.zeros_like(mask)

@@ -140,24 +140,26 @@ class _Grads:
 def _fused_impl(
     hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, tok: Tensor, present: int, scalars: Tensor,
     temperature: float, with_ent: bool, grad_ent: bool, need_h: bool, need_w: bool, need_b: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """hidden [N, H], weight [V, H], bias [V] or None, targets [N], the stacked per-token fp32 inputs of the policy op
     (tok [NUM_INPUTS, N], present) and its options (scalars) -> (loss 0-dim fp32, metric sums [NUM_METRICS] fp32,
     grad_hidden, grad_weight, grad_bias, undefined [N] bool) with the gradients of the loss (upstream gradient 1) in
     the inputs' dtypes, a [0] tensor for each not needed. grad_ent: the entropy enters the loss (entropy_coef != 0).
     undefined marks the tokens in the loss whose log-prob is NaN (their logits row's log-sum-exp is not finite, e.g. h
-    W^T overflowed): the caller refuses the call when any is set (the logits never exist as a whole to be checked)."""
+    W^T overflowed): the caller refuses the call when any is set (the logits never exist as a whole to be checked).
+    Also returns logp [N] fp32, the log-probs the loss used (NaN where undefined; no gradient), for the metrics."""
     n, dev = hidden.shape[0], hidden.device
     loss = torch.zeros((), dtype=_F32, device=dev)
     sums = torch.zeros(NUM_METRICS, dtype=_F32, device=dev)
     need = (need_h, need_w, need_b and bias is not None)
     undefined = torch.zeros(n, dtype=torch.bool, device=dev)
+    logp_all = torch.empty(n, dtype=_F32, device=dev)
     if n == 0:
         grads = _Grads(hidden, weight, need, 1, 1)
         for g in (grads.grad_h, grads.grad_w, grads.acc_w):
             if g is not None:
                 g.zero_()
-        return (loss, sums, *grads.results(hidden, weight, bias), undefined)
+        return (loss, sums, *grads.results(hidden, weight, bias), undefined, logp_all)
     tiling = _Tiles(hidden, weight, bias, temperature, with_ent)
     grads = _Grads(hidden, weight, need, tiling.rows, tiling.n_vtiles)
     g_ent_on = with_ent and grad_ent
@@ -171,6 +173,7 @@ def _fused_impl(
         lp, lse, ent, z = tiling.logprob_sweep(hc, tgt[r0:r1])
         tiles.mark_rows_undefined(bad, lp, lse, ent)
         torch.logical_and(torch.isnan(lp), in_loss[r0:r1], out=undefined[r0:r1])
+        logp_all[r0:r1].copy_(lp)
         # the per-token loss and its coefficients dL/dlogp, dL/dH (upstream gradient 1), from policy_op's launchers
         tile = tok[:, r0:r1]
         t_loss, part = policy_loss_fwd(lp, ent, tile, present, scalars)
@@ -181,7 +184,7 @@ def _fused_impl(
             tiling.gradient_sweep(
                 hc, tgt[r0:r1], z, lse, ent if g_ent_on else None, g_lp, g_ent if g_ent_on else None, grads, r0
             )
-    return (loss, sums, *grads.results(hidden, weight, bias), undefined)
+    return (loss, sums, *grads.results(hidden, weight, bias), undefined, logp_all)
 
 
 def _fused_fake(hidden, weight, bias, *args):
@@ -193,6 +196,7 @@ def _fused_fake(hidden, weight, bias, *args):
         weight.new_empty(weight.shape) if need_w else hidden.new_empty(0),
         bias.new_empty(bias.shape) if (need_b and bias is not None) else hidden.new_empty(0),
         hidden.new_empty((hidden.shape[0],), dtype=torch.bool),
+        hidden.new_empty((hidden.shape[0],), dtype=_F32),
     )
 
 
@@ -201,15 +205,16 @@ _N_INPUTS_AFTER_BIAS = len(inspect.signature(_fused_impl).parameters) - 3
 
 
 def _setup_context(ctx, inputs, output):
-    _, _, gh, gw, gb, _ = output
+    _, _, gh, gw, gb, _, _ = output
     ctx.save_for_backward(gh, gw, gb)
     ctx.need = tuple(inputs[-3:])
     ctx.has_bias = inputs[2] is not None
 
 
-def _backward(ctx, g_loss, g_sums, g_gh, g_gw, g_gb, g_undefined):
+def _backward(ctx, g_loss, g_sums, g_gh, g_gw, g_gb, g_undefined, g_logp):
     # The loss is 0-dim: the stored gradients (upstream 1) times the upstream scalar are the gradients. The sums, the
-    # stored gradients and the undefined flags are not differentiated through (their upstream gradients are ignored).
+    # stored gradients, the undefined flags and the log-probs are not differentiated through (their upstream
+    # gradients are ignored).
     gh, gw, gb = ctx.saved_tensors
     need_h, need_w, need_b = ctx.need
 
@@ -231,16 +236,17 @@ _fused_op = register_op(
 def fused_linear_policy_loss(
     hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, tok: Tensor, present: int,
     scalars: Tensor, temperature: float, with_ent: bool, grad_ent: bool,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """(loss, metric sums) of rapo_fast.rapo_loss's token-level policy loss from hidden [..., H] @ weight [V, H]^T
-    (+ bias), differentiable w.r.t. hidden / weight / bias; tok / present / scalars are the policy op's (policy_op.py).
-    Raises ValueError (after the pass, before any backward) when a token in the loss has an undefined log-prob."""
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """(loss, metric sums, log-probs [N] fp32 without gradient) of rapo_fast.rapo_loss's token-level policy loss from
+    hidden [..., H] @ weight [V, H]^T (+ bias), differentiable w.r.t. hidden / weight / bias; tok / present / scalars
+    are the policy op's (policy_op.py). Raises ValueError (after the pass, before any backward) when a token in the
+    loss has an undefined log-prob."""
     grad_on = torch.is_grad_enabled()
     need = tuple(grad_on and t is not None and t.requires_grad for t in (hidden, weight, bias))
     h2 = hidden.reshape(-1, hidden.shape[-1])
     bias = None if bias is None else bias.contiguous()  # the kernels index bias[v] densely
-    loss, sums, _, _, _, undefined = _fused_op(
+    loss, sums, _, _, _, undefined, logp = _fused_op(
         h2, weight, bias, targets.reshape(-1), tok, present, scalars, temperature, with_ent, grad_ent, *need
     )
     check_loss_logp_defined(undefined)
-    return loss, sums
+    return loss, sums, logp

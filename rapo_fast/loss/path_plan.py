@@ -58,10 +58,12 @@ class PathPlan(NamedTuple):
 
 class LossMetrics(dict):
     """rapo_loss's metrics: a dict of 0-dim tensors (its keys: docs/loss.md section 5) plus `path`, the name of the
-    path that ran, readable as `metrics.path` or `metrics["path"]`. The path is not among the keys, so that code
-    looping over the metrics (logging, .item()) sees tensors only."""
+    path that ran, readable as `metrics.path` or `metrics["path"]`, and `token_logp`, the per-token log-probs the loss
+    used (detached; the targets' shape; fp32, fp64 for fp64 input). Neither is among the keys, so that code looping
+    over the metrics (logging, .item()) sees 0-dim tensors only."""
 
     path: str = ""
+    token_logp: torch.Tensor | None = None
 
     def __missing__(self, key):
         if key == "path":

@@ -326,7 +326,7 @@ def _loss_from_logp(a: dict, opts: LossOptions, facts: InputFacts, logp: torch.T
     )
     scalars = opts.kernel_scalars()
     if fused:
-        loss, sums = fused_linear_policy_loss(
+        loss, sums, lp = fused_linear_policy_loss(
             a["hidden"], a["weight"], a["bias"], a["targets"], tok, present, scalars, float(opts.temperature),
             opts.entropy_coef != 0.0 or opts.return_metrics, opts.entropy_coef != 0.0,
         )  # fmt: skip
@@ -341,11 +341,12 @@ def _loss_from_logp(a: dict, opts: LossOptions, facts: InputFacts, logp: torch.T
         op = policy_loss_op if plan.path.triton and t.cd == torch.float32 else torch_policy_loss
         tok_loss, sums = op(t.lp.contiguous(), t.ent, tok, present, scalars)
         loss = tok_loss.sum()
+        lp = t.lp
     log_path("policy_loss_from_logp" if "logp" in a else "rapo_loss", path, plan.reason)
-    return (loss, _metrics(sums, t, opts, path)) if opts.return_metrics else loss
+    return (loss, _metrics(sums, t, opts, path, lp)) if opts.return_metrics else loss
 
 
-def _metrics(sums: torch.Tensor, t: _Tokens, opts: LossOptions, path: Path) -> LossMetrics:
+def _metrics(sums: torch.Tensor, t: _Tokens, opts: LossOptions, path: Path, lp: torch.Tensor) -> LossMetrics:
     """The public metrics (docs/loss.md section 5) from the op's partial sums (rapo_fast/loss/policy_layout.py), and
     the path that ran."""
     cd = t.cd
@@ -368,6 +369,7 @@ def _metrics(sums: torch.Tensor, t: _Tokens, opts: LossOptions, path: Path) -> L
         "num_offpolicy_tokens": s[Metric.N_OFF],
     })  # fmt: skip
     metrics.path = path.value
+    metrics.token_logp = lp.detach().reshape(t.facts.shape)
     return metrics
 
 

@@ -416,3 +416,19 @@ def test_truncated_is_accepted_where_behaviour_logps_can_come(trainer):
     sub = copy.copy(trainer)
     sub.__class__ = WithOwnBatches
     assert trl_to_rapo_options(sub, {"offpolicy_train": "truncated"}).options["offpolicy_train"] == "truncated"
+
+
+@pytest.mark.parametrize("with_old", [True, False])
+def test_log_prob_passes_of_one_loss_call(trainer, monkeypatch, with_old):
+    """One loss call runs rapo_loss once and a separate log-prob pass only when TRL skipped the old log-probs (the
+    per-sequence clip metrics read the log-probs the loss used: metrics.token_logp)."""
+    import rapo_fast
+
+    calls = []
+    real = rapo_fast.token_logprobs
+    monkeypatch.setattr(rapo_fast, "token_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    _configure(trainer, {})
+    inputs = _inputs(trainer, with_old=with_old)
+    loss = RAPOGRPOTrainer._compute_loss(trainer, trainer.model, copy.copy(inputs))
+    assert torch.isfinite(loss)
+    assert len(calls) == (0 if with_old else 1)
