@@ -13,6 +13,7 @@ it) or generic checks (rapo_fast/_checks.py, which this module uses).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 from collections.abc import Callable, Collection, Mapping
@@ -155,7 +156,7 @@ class LossOptions:
     @classmethod
     def kernel_names(cls) -> tuple[str, ...]:
         """The options the per-token policy-loss kernels take (the others act on rows, logits or the call)."""
-        return tuple(f.name for f in fields(cls) if f.metadata["kernel"] is not None)
+        return tuple(_kernel_args())
 
     def to_kernel(self) -> dict[str, float | int | bool]:
         """The kernels' keyword arguments: each kernel option under its own name, encoded (KernelArg)."""
@@ -211,8 +212,10 @@ class LossOptions:
         return dataclasses.replace(options, **keywords) if keywords else options
 
 
-def _kernel_args() -> dict[str, KernelArg]:
-    return {f.name: f.metadata["kernel"] for f in fields(LossOptions) if f.metadata["kernel"] is not None}
+@functools.cache
+def _kernel_args() -> Mapping[str, KernelArg]:
+    """The kernel options in field order with their KernelArg (read once: every launch decodes through it)."""
+    return MappingProxyType({f.name: f.metadata["kernel"] for f in fields(LossOptions) if f.metadata["kernel"]})
 
 
 def _refuse_unknown(keywords: Mapping[str, Any], caller: str, exclude: Collection[str] = ()) -> None:

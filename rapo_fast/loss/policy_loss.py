@@ -116,7 +116,8 @@ def rapo_loss(
     clip_frac_high, dual_clip_frac, ratio_mean, approx_kl (mean old - logp), kl, entropy (on tokens in the loss),
     retrieved_frac (retrieved / response tokens), tis_weight_mean, offpolicy_weight_mean, num_tokens,
     num_offpolicy_tokens; and metrics["path"] (also metrics.path, not among the keys): the name of the path that ran
-    (rapo_fast.loss.path_plan.Path). The "rapo_fast" logger names it at debug level.
+    (rapo_fast.loss.path_plan.Path). The "rapo_fast" logger names it at debug level. metrics.token_logp (not a key
+    either): the per-token log-probs the loss used, detached, in the targets' shape.
     Raises ValueError / TypeError naming the argument before any kernel runs, except for a token in the loss whose
     logits row has no finite log-sum-exp (NaN, +inf, only -inf): refused from the log-prob pass's output, before the
     policy op and any backward (docs/loss.md section 3).

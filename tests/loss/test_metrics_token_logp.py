@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import assert_close_verbose
-from helpers.loss_cases import make_batch
+from helpers.loss_cases import inputs_for, make_batch
 
 import rapo_fast
 from rapo_fast import _dispatch
@@ -21,12 +21,7 @@ DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 def _batch(hidden: bool, dtype=torch.float32):
     torch.manual_seed(0)
     d = {k: v.to(DEV) for k, v in make_batch(3, 5, 11, H=7 if hidden else None, response=True).items()}
-    for k in ("logits", "hidden", "weight", "bias"):
-        if k in d:
-            d[k] = d[k].to(dtype).requires_grad_(True)
-    if dtype == torch.float64:
-        d = {k: (v.double() if v.is_floating_point() else v) for k, v in d.items()}
-    return d
+    return inputs_for(d, dtype)[0]
 
 
 def _want(d, temperature):
