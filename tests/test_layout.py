@@ -133,6 +133,23 @@ def test_layout_holds():
     assert not findings, "tools/check_layout.py found:\n" + "\n".join(findings)
 
 
+def test_tests_import_helpers_not_tests_package():
+    """Test modules import their helpers as `helpers...` (tests/ is on sys.path through the rootdir conftest), never
+    as `tests.helpers...`: verl 0.9.1 and transferqueue install a top-level `tests` package in site-packages, so once
+    the verl extra is installed (.ci/run's verl stage; CI reuses that environment) `tests` is theirs, not ours."""
+    import ast
+
+    found = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            bad = [n for n in names if n == "tests" or n.startswith("tests.")]
+            found += [f"{path.relative_to(ROOT)}:{node.lineno}: imports {n}" for n in bad]
+    assert not found, "import the helpers as `helpers...`:\n" + "\n".join(found)
+
+
 def test_quick_benchmarks_leave_tracked_files_alone():
     """Every `rapo-fast bench NAME --quick` runs and changes no tracked file (runs each quick benchmark: minutes)."""
     if shutil.which("git") is None or CL.tracked_snapshot() is None:

@@ -15,12 +15,12 @@ from unittest import mock
 
 import pytest
 import torch
+from helpers.retrieval_cases import check_search
 
 from rapo_fast import StepBuffer
 from rapo_fast.retrieval import op
 from rapo_fast.retrieval import triton_search as ts
 from rapo_fast.retrieval.backends import BACKENDS, resolve_backend
-from tests.helpers.retrieval_cases import check_search
 
 pytest.importorskip("rapo_fast._C")
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
