@@ -82,7 +82,8 @@ def _config(method: str, s: dict, seed: int):
     common = {"rollout.group_size": s["group_size"], "rollout.max_step_tokens": 16, "seed": seed,
               "prompts_per_step": s["prompts_per_step"], "optim.lr": s["lr"],
               "optim.mini_batch_groups": s["mini_batch_groups"]}  # fmt: skip
-    hybrid = {"rollout.hybrid.n_hybrid": s["group_size"] // 2}
+    n_hybrid = s["group_size"] // 2
+    hybrid = {"rollout.hybrid.n_hybrid": n_hybrid}
     if method in ("RAPO", "RAPO_SFT_NO_RETRIEVE"):  # the same RL; the second from the warm-up without retrieval
         return TrainerConfig.RAPO(common | hybrid)
     if method == "RAPO_NO_RET_REWARD":
@@ -90,7 +91,7 @@ def _config(method: str, s: dict, seed: int):
     if method == "RAPO_NO_SHAPING":
         return TrainerConfig.RAPO(common | hybrid | {"loss.shaping_m": 0.0})
     if method == "GRPO_ONPOLICY_MATCHED":
-        return TrainerConfig.GRPO(common | {"rollout.group_size": s["group_size"] - s["group_size"] // 2})
+        return TrainerConfig.GRPO(common | {"rollout.group_size": s["group_size"] - n_hybrid})
     if method == "ARPO":  # the released rule: the one behind the published ARPO numbers
         return TrainerConfig.ARPO(common | {"rollout.arpo.rule": "released"})
     if method == "OFFPOLICY_TRAJ":

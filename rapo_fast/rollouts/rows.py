@@ -58,11 +58,15 @@ class Row:
         """Make the row live (a fresh ARPO rollout, or a branch just restored from its parent's snapshot)."""
         self.state = RowState.RUNNING
 
-    def append(self, ids: list[int], kind: int) -> None:
-        """Append tokens the policy did not sample (tool output, a retrieved step): no log-prob, entropy or origin."""
+    def append(self, ids: list[int], kind: int | list[int]) -> None:
+        """Append tokens the policy did not sample (tool output, a retrieved step, an off-policy trajectory): no
+        log-prob, entropy or origin. `kind`: one kind for every token, or a list of one per token."""
         n = len(ids)
+        kinds = [kind] * n if isinstance(kind, int) else list(kind)
+        if len(kinds) != n:
+            raise ValueError(f"Row.append: {len(kinds)} kinds for {n} tokens")
         self.tokens.extend(ids)
-        self.kinds.extend([kind] * n)
+        self.kinds.extend(kinds)
         self.logp.extend([0.0] * n)
         self.ent.extend([0.0] * n)
         self.origin.extend([-1] * n)

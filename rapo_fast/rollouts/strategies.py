@@ -197,11 +197,7 @@ class OffPolicyTrajStrategy(RolloutStrategy):
                 r = Row(prompt_ids(tokenizer, prob), int(prob.qid), pi, False, RowState.DONE)
                 ids, kinds, steps = trajectory_tokens(rec, tokenizer)
                 base = len(r.tokens)
-                r.tokens += ids
-                r.kinds += kinds
-                r.logp += [0.0] * len(ids)
-                r.ent += [0.0] * len(ids)
-                r.origin += [-1] * len(ids)
+                r.append(ids, kinds)
                 r.steps = [[a + base, b + base, c + base] for a, b, c in steps]
                 out.append(r)
         return out

@@ -23,13 +23,11 @@ from rapo_fast.loss import presets
 from rapo_fast.loss.advantages import RET_NORMS
 from rapo_fast.loss.options import LossOptions
 from rapo_fast.rollouts.config import RolloutConfig
-from rapo_fast.train.config_compat import convert_flat_config, is_flat_config, new_name_of
+from rapo_fast.train.config_compat import _TRAINER_SET, convert_flat_config, is_flat_config, new_name_of
 
 __all__ = ["TrainerConfig", "AdvantageConfig", "OptimConfig", "BufferConfig", "LoggingConfig", "RolloutConfig",
            "LossOptions", "TRAINER_LOSS", "convert_flat_config"]  # fmt: skip
 
-# set by the trainer, not by the config: the sampling temperature is rollout.temperature, metrics are always returned
-_TRAINER_SET = ("temperature", "return_metrics")
 # the default loss of TrainerConfig: the RAPO preset, with tis_cap 2.0 (used in splice mode only: docs/training.md)
 TRAINER_LOSS = LossOptions(**presets.RAPO, tis_cap=2.0)
 

@@ -10,13 +10,12 @@ itself (rapo_fast/train/config.py).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 from rapo_fast._sections import expand_dotted
 from rapo_fast.loss import presets
-from rapo_fast.loss.options import LossOptions
+from rapo_fast.loss.options import OPTION_DEFAULTS
 from rapo_fast.rollouts.config import LEGACY_KEYWORDS
 
 __all__ = ["FLAT_FIELDS", "convert_flat_config", "is_flat_config", "new_name_of"]
@@ -35,6 +34,8 @@ FLAT_FIELDS: dict[str, str] = {
 }  # fmt: skip
 _FLAT_ONLY = frozenset(k for k, v in FLAT_FIELDS.items() if k != v)
 _FLAT_TIS_CAP = 2.0  # the former top-level default
+# rapo_loss options the trainer sets, not the config (the sampling temperature is rollout.temperature, metrics are
+# always returned): TrainerConfig's `loss` refuses them (rapo_fast/train/config.py reads this too)
 _TRAINER_SET = ("temperature", "return_metrics")
 
 
@@ -57,6 +58,6 @@ def convert_flat_config(d: Mapping[str, Any]) -> dict[str, Any]:
     dotted = {FLAT_FIELDS.get(k, k): v for k, v in d.items() if k not in ("loss", "tis_cap")}
     loss = d.get("loss", presets.RAPO)
     if isinstance(loss, Mapping):  # the whole loss, as the flat format meant it; a bad value is left to from_dict
-        defaults = {f.name: f.default for f in dataclasses.fields(LossOptions) if f.name not in _TRAINER_SET}
+        defaults = {k: v for k, v in OPTION_DEFAULTS.items() if k not in _TRAINER_SET}
         loss = {**defaults, **loss, "tis_cap": d.get("tis_cap", _FLAT_TIS_CAP)}
     return expand_dotted(dotted) | {"loss": loss}  # a loss that is no dict: refused by from_dict, naming it

@@ -2,7 +2,8 @@
 of any dtype and strides, legacy ("dltensor") or versioned ("dltensor_versioned", with flags and a major version),
 whose deleter counts its calls. The data pointer is null unless given: every test that uses one expects the extension
 to refuse an argument before it reads memory (and a null pointer is refused by the backends' own checks anyway).
-Built with ctypes on the layout of csrc/third_party/dlpack/dlpack.h (v1.3). Not a producer for real data."""
+Built with ctypes on the layout of csrc/third_party/dlpack/dlpack.h (v1.3). Not a producer for real data.
+Also `inner_strided`: a real tensor in a layout the extension refuses (last dimension not contiguous)."""
 
 from __future__ import annotations
 
@@ -103,3 +104,9 @@ class FakeTensor:
 def on_cuda(t: torch.Tensor, device: int = 0) -> FakeTensor:
     """A capsule description of `t`'s shape, strides and dtype on cuda:device, with a null data pointer."""
     return FakeTensor(tuple(t.shape), t.dtype, (KDL_CUDA, device), tuple(t.stride()))
+
+
+def inner_strided(t: torch.Tensor) -> torch.Tensor:
+    """t's values in a layout the kernels cannot read: every other element of a buffer twice as long in the last
+    dimension (stride 2 there)."""
+    return torch.stack([t, t], -1).reshape(*t.shape[:-1], -1)[..., ::2]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.dlpack_capsules import KDL_CUDA, FakeTensor, on_cuda
+from helpers.dlpack_capsules import KDL_CUDA, FakeTensor, inner_strided, on_cuda
 
 from rapo_fast import _ext
 
@@ -41,30 +41,23 @@ def _search_cpu(ts, **over):
     C.retrieval_search_cpu(**args, **SCALARS, **CPU_OPTS)
 
 
-def _strided(t: torch.Tensor) -> torch.Tensor:
-    """t's values in a layout the kernels cannot read: every other element of a twice-wider (or longer) buffer."""
-    if t.dim() == 1:
-        return torch.stack([t, t], 1).reshape(-1)[::2]
-    return torch.stack([t, t], -1).reshape(*t.shape[:-1], -1)[..., ::2]
-
-
 # (argument, replacement, error, message after "retrieval_search_cpu: <argument>")
 BAD = [
     ("keys", lambda t: t.long(), TypeError, " must be float32, float16 or bfloat16, got int64"),
     ("keys", lambda t: t[0], ValueError, r" must be 2-d \[C, D\], got shape \[8\]"),
-    ("keys", _strided, ValueError, " must have a contiguous last dimension"),
+    ("keys", inner_strided, ValueError, " must have a contiguous last dimension"),
     ("queries", lambda t: t.half(), TypeError, r" must have the dtype of keys \(float32\), got float16"),
     ("queries", lambda t: t[None], ValueError, r" must be 2-d \[Q, D\], got shape \[1, 3, 8\]"),
-    ("queries", _strided, ValueError, " must have a contiguous last dimension"),
+    ("queries", inner_strided, ValueError, " must have a contiguous last dimension"),
     ("key_aux", lambda t: t.double(), TypeError, " must be float32, got float64"),
     ("key_aux", lambda t: t[None], ValueError, r" must be 1-d \[C\]"),
-    ("key_aux", _strided, ValueError, r" must be contiguous \(row-major\)"),
+    ("key_aux", inner_strided, ValueError, r" must be contiguous \(row-major\)"),
     ("groups", lambda t: t.int(), TypeError, " must be int64, got int32"),
     ("groups", lambda t: t[:, None], ValueError, r" must be 1-d \[C\]"),
-    ("groups", _strided, ValueError, " must be contiguous"),
+    ("groups", inner_strided, ValueError, " must be contiguous"),
     ("exclude", lambda t: t.float(), TypeError, " must be int64, got float32"),
     ("exclude", lambda t: t[None], ValueError, r" must be 1-d \[Q\]"),
-    ("exclude", _strided, ValueError, " must be contiguous"),
+    ("exclude", inner_strided, ValueError, " must be contiguous"),
     ("centre", lambda t: torch.zeros(D_, dtype=torch.float16), TypeError, " must be float32, got float16"),
     ("centre", lambda t: torch.zeros(D_ + 1), ValueError, r" must have D = 8 in dim 0, got shape \[9\]"),
     ("out_scores", lambda t: t.double(), TypeError, " must be float32, got float64"),
