@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Thin wrapper: runs the two GPU validation calls (bench/gpu/call1_build_test_loss.py, then
-# bench/gpu/call2_retrieval_kv_train.py) in order into OUTDIR/call1/ and OUTDIR/call2/, on a GPU machine reached
+# Thin wrapper: runs the two GPU validation calls (bench/gpu/call1_headline.py, then
+# bench/gpu/call2_anchors.py) in order into OUTDIR/call1/ and OUTDIR/call2/, on a GPU machine reached
 # without the device tool. Through the device tool each call is its own command (docs/gpu_validation.md;
 # `python bench/gpu/validate.py --dry-run` prints both, with their budgets and rows).
 #   bash bench/gpu_suite.sh OUTDIR            (under 18 minutes; --dry-run as OUTDIR lists the plan instead)
@@ -13,7 +13,7 @@ if [ "$OUT" = "--dry-run" ]; then
   exec "$PY" bench/gpu/validate.py --dry-run
 fi
 rc=0
-"$PY" bench/gpu/call1_build_test_loss.py --out "$OUT/call1" || rc=1
+"$PY" bench/gpu/call1_headline.py --out "$OUT/call1" || rc=1
 mkdir -p .carry/ext && cp "$OUT"/call1/_C*.so .carry/ext/ 2>/dev/null
-"$PY" bench/gpu/call2_retrieval_kv_train.py --out "$OUT/call2" || rc=1
+"$PY" bench/gpu/call2_anchors.py --out "$OUT/call2" || rc=1
 exit $rc

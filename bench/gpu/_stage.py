@@ -1,5 +1,5 @@
 """The runner both GPU validation calls (bench/gpu/call*.py) share: steps under `timeout`, one log, a summary with a
-compact table printed last, and the `--dry-run`, `--cpu-smoke` and `--record` modes.
+compact table printed last, a deadline for the whole call, and the `--dry-run`, `--cpu-smoke` and `--record` modes.
 
 A call is a list of Steps (a bash command with its time budget and the files it writes into the output folder). The
 budgets of a call add up to less than CALL_BUDGET_S (9 minutes, so that one device-tool command of at most 10 minutes
@@ -8,7 +8,12 @@ brings back 8). Every step runs under coreutils `timeout`: at its budget the ste
 writes its junit XML and summary and a bench writes its "interrupted" row, then SIGKILL GRACE_S later. The benches
 append each row as soon as it is measured, so a step stopped at any moment keeps every finished row. A step that fails
 or times out is reported and the next step still runs (only the extension check ends the call: nothing after it could
-measure anything). The summary is rewritten after every step, so even a call killed from outside keeps what it did.
+measure anything).
+`--deadline-s` bounds the whole call (seconds from its start): a step whose budget (plus the grace) would end after
+the deadline is not started but recorded as skipped, and later, shorter steps still run if they fit, so the call's
+files are written before the device tool's own limit takes the machine. The summary is rewritten before and after
+every step (the step in flight is marked running), so even a call killed from outside keeps what it did and says
+which step it was in and which never ran.
 What this is not: a benchmark or a test runner itself (the steps call bench/bench_*.py and pytest), the record logic
 (bench/gpu/_record.py) nor the plan of the rows (bench/gpu/_plan.py).
 """
@@ -68,14 +73,15 @@ class Stage:
 
 
 def check_bounds(stage: Stage) -> None:
-    """Fail at import (so in CI) when a call's steps reach the time budget or exceed the file limit."""
-    for steps in (stage.gpu_steps, stage.smoke_steps):
-        total = sum(s.budget_s for s in steps)
-        if total >= CALL_BUDGET_S or len(stage.files(steps)) > MAX_FILES:
-            raise ValueError(
-                f"{stage.name}: {total} s of budget (must stay under {CALL_BUDGET_S}) and "
-                f"{len(stage.files(steps))} files (limit {MAX_FILES})"
-            )
+    """Fail at import (so in CI) when a call's GPU steps reach the time budget, or either list of steps exceeds the
+    file limit. The CPU smoke steps have no device-tool command to fit (their run's time is CI's), only its files."""
+    total = sum(s.budget_s for s in stage.gpu_steps)
+    n_files = max(len(stage.files(stage.gpu_steps)), len(stage.files(stage.smoke_steps)))
+    if total >= CALL_BUDGET_S or n_files > MAX_FILES:
+        raise ValueError(
+            f"{stage.name}: {total} s of GPU budget (must stay under {CALL_BUDGET_S}) and up to {n_files} files "
+            f"(limit {MAX_FILES})"
+        )
 
 
 def _budget_override(text: str) -> tuple[str, int]:
@@ -83,6 +89,12 @@ def _budget_override(text: str) -> tuple[str, int]:
     if not sep or not secs.isdigit() or int(secs) < 1:
         raise argparse.ArgumentTypeError(f"--budget expects STEP=SECONDS (SECONDS >= 1), got {text!r}")
     return name, int(secs)
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of seconds >= 1, got {text!r}")
+    return int(text)
 
 
 def _parser(stage: Stage) -> argparse.ArgumentParser:
@@ -115,6 +127,14 @@ def _parser(stage: Stage) -> argparse.ArgumentParser:
         default=[],
         metavar="STEP=SECONDS",
         help="replace one step's budget (repeatable; the tests use it to stop a step mid-way)",
+    )
+    p.add_argument(
+        "--deadline-s",
+        type=_positive_int,
+        default=None,
+        metavar="SECONDS",
+        help="end the call within SECONDS of its start: steps that cannot finish before it are skipped and recorded "
+        "as such (docs/gpu_validation.md: set it from the device's remaining budget)",
     )
     p.add_argument("--results", type=Path, default=ROOT / "bench" / "results", help=argparse.SUPPRESS)
     p.add_argument(
@@ -149,7 +169,7 @@ def main(stage: Stage, argv: list[str] | None = None) -> int:
         for s in steps
         if wanted is None or s.name in wanted or s.required
     ]
-    return run(stage, steps, args.cpu_smoke if smoke else args.out, smoke)
+    return run(stage, steps, args.cpu_smoke if smoke else args.out, smoke, deadline_s=args.deadline_s)
 
 
 def _env(smoke: bool) -> dict:
@@ -204,15 +224,24 @@ def _run_step(step: Step, fmt: dict, env: dict, log) -> tuple[str, float]:
     return status, dt
 
 
-def _summary(stage: Stage, out: Path, head: list[str], results: list, steps: list[Step]) -> list[str]:
+def _summary(
+    stage: Stage, out: Path, head: list[str], results: list, steps: list[Step], running: Step | None
+) -> list[str]:
     lines = head + [f"step {s.name:<16} {st:<12} {dt:7.1f} s / {s.budget_s} s" for s, st, dt in results]
-    lines += [f"step {s.name:<16} {'not run':<12}" for s in steps[len(results) :]]
+    rest = steps[len(results) :]
+    if running is not None:  # rewritten when it ends: a call killed meanwhile shows where it was
+        lines.append(f"step {running.name:<16} {'running':<12} (killed from outside if this line remains)")
+        rest = rest[1:]
+    lines += [f"step {s.name:<16} {'not run':<12}" for s in rest]
     lines += table(out, stage.table)
     (out / f"{stage.name}_summary.txt").write_text("\n".join(lines) + "\n")
     return lines
 
 
-def run(stage: Stage, steps: list[Step], out: Path, smoke: bool) -> int:
+def run(stage: Stage, steps: list[Step], out: Path, smoke: bool, deadline_s: int | None = None) -> int:
+    """Run `steps` in order into `out`; with `deadline_s`, start only the steps whose budget (and grace) ends before
+    it, recording the others as skipped. Returns 0 when every step ran and passed, 1 otherwise."""
+    t_start = time.monotonic()
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"rapo_fast_{stage.name}_"))
@@ -224,17 +253,26 @@ def run(stage: Stage, steps: list[Step], out: Path, smoke: bool) -> int:
         f"date: {_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%dT%H:%M:%SZ')}",
         f"commit: {os.environ.get('RAPO_FAST_COMMIT', 'unknown')}",
         f"device: {'cpu (smoke run)' if smoke else _gpu_name()}",
+        f"deadline: {f'{deadline_s} s from the start' if deadline_s else 'none'}",
     ]
     results: list = []
     with (out / f"{stage.name}.log").open("a") as log:
         for step in steps:
-            status, dt = _run_step(step, fmt, env, log)
+            left = None if deadline_s is None else deadline_s - (time.monotonic() - t_start)
+            if left is not None and step.budget_s + GRACE_S > left:
+                status, dt = f"SKIPPED (deadline: {max(0, int(left))} s left)", 0.0
+                log.write(f"\n===== {step.name}: {status}; needs {step.budget_s} s + {GRACE_S} s grace\n")
+                log.flush()
+            else:
+                _summary(stage, out, head, results, steps, running=step)
+                status, dt = _run_step(step, fmt, env, log)
             results.append((step, status, dt))
             print(f"[{stage.name}] {step.name}: {status} in {dt:.1f} s (budget {step.budget_s} s)", flush=True)
-            _summary(stage, out, head, results, steps)  # after every step: a call killed later keeps this much
+            _summary(stage, out, head, results, steps, running=None)
             if step.required and status != "ok":
                 break
-    lines = _summary(stage, out, head, results, steps)
+    lines = _summary(stage, out, head, results, steps, running=None)
+    lines.append(f"call: {time.monotonic() - t_start:.0f} s" + (f" of a {deadline_s} s deadline" if deadline_s else ""))
     print("\n".join(lines))
     bad = [s.name for s, st, _ in results if st != "ok"] + [s.name for s in steps[len(results) :]]
     return 1 if bad else 0

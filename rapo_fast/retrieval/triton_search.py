@@ -56,7 +56,7 @@ class Crossover:
 # a few merges (~10 tiles' worth each) and needs ~132 programs of >= 64 key tiles to fill an H100, hence Q >= 512 and
 # C >= 1M. Few queries (paper scale, Q <= 64) stay on the CUDA backend (bandwidth bound there; issue 13 item 2), and
 # so do fp32 keys and l2 (both score in fp32 FMA on either path) and large k (the workspace and merges grow with k).
-# bench/gpu/call2_retrieval_kv_train.py times `ours_cuda` and `ours_triton` side by side; its numbers replace
+# bench/gpu/call1_headline.py times `ours_cuda` and `ours_triton` side by side; its numbers replace
 # these rows.
 CROSSOVERS_STATUS = "PREDICTED, not measured: replaced by the GPU run's figures"
 CROSSOVERS: tuple[Crossover, ...] = (

@@ -283,6 +283,7 @@ def test_kernel_compiles_for_sm80_and_sm90(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_spread  # 27 cases, a Triton compile each (5-8 s): spread over the GPU call's processes
 @pytest.mark.parametrize("metric", METRICS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("C", "D", "Q", "k"), [(5000, 384, 300, 64), (3001, 37, 33, 1024), (1, 16, 1, 3)])

@@ -1,0 +1,127 @@
+"""GPU call 1 of 2: build rapo_fast._C for sm_90a, then the graded headline rows of every path (the loss at N=16k,
+H=4096, V=152k; token log-probs at the same shape; retrieval at the paper's scale; the KV splice at a 7B model's
+shape; retrieval over 4M keys), then `pytest -m gpu`. Alone it grades every path; call 2 adds the anchors that compile
+for long, the sanitizers and the trainer. The built .so comes back in the output so that call 2 carries it.
+
+Order (docs/perf.md, "The GPU run: two calls"): by value, so that a deadline or a timeout loses the least. Each step
+is its own process, so a timeout there loses that step's unfinished rows only.
+Usage: `python bench/gpu/call1_headline.py --out DIR [--deadline-s S] | --dry-run | --cpu-smoke DIR | --record
+DIR`. What this is not: the CPU test suite (CI runs that) nor the benches themselves (bench/bench_*.py).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _steps  # noqa: E402
+from _stage import Stage, Step, check_bounds, main  # noqa: E402
+
+
+# pytest-xdist (in the GPU image) on 8 of the 16 cores: most of the step is Triton compiling, on the CPU. With
+# --dist loadgroup each gpu test file stays on one process (tests/conftest.py groups them: a file's large-memory tests
+# never overlap each other), except the tests marked gpu_spread (many compiles, little memory), spread over all.
+# The junit XML and the progress file stay in {tmp}: the table (pytest_gpu.csv) is what comes back.
+def _pytest(workers: int, paths: str) -> str:
+    return (
+        f'XD=$({{py}} -c "import xdist" 2>/dev/null && echo "-n {workers} --dist loadgroup"); '
+        "PYTHONPATH={here}:$PYTHONPATH RAPO_FAST_PYTEST_PROGRESS={tmp}/pytest_progress.jsonl "
+        "{py} -m pytest -m gpu -q -p no:cacheprovider -p pytest_progress -rfEs --junitxml={tmp}/pytest_gpu.xml $XD "
+        + paths
+    )
+
+
+JUNIT = Step(
+    "outcomes",
+    "{py} {here}/junit_table.py {tmp}/pytest_gpu.xml {out}/pytest_gpu.csv {tmp}/pytest_progress.jsonl",
+    5,
+    ("pytest_gpu.csv",),
+)
+PYTEST_ROWS = ("pytest_gpu.csv: one row per outcome with its count, then one per gpu test that did not pass",)
+V152K = "--shape 16384,4096,152064"
+HEADLINE = "rapo_fast_hidden,rapo_fast_logits,torch_eager,torch_linear_ce"
+LOGP_HEADLINE = "rapo_fast_logits,rapo_fast_hidden,torch_chunked_hidden"  # ours and torch's chunked anchor
+RET = "--gpu --rep-ms 100"
+SMOKE_LOSS = f"{HEADLINE},rapo_fast_hidden_2pass,rapo_fast_logits_lmhead,rapo_fast_logits_lmhead_inplace,liger,cce"
+
+STAGE = Stage(
+    name="call1_headline",
+    title="build for sm_90a; the headline rows of loss, log-probs, retrieval and splice; pytest -m gpu",
+    gpu_steps=[
+        _steps.WHEELS_GPU,
+        _steps.env("trl,liger,cce,datasets"),
+        _steps.extension(copy_back=True),
+        _steps.bench(
+            "loss_v152k", "bench_loss.py", f"--gpu {V152K} --rep-ms 100 --providers {HEADLINE}", 50, "loss.csv"
+        ),
+        _steps.bench(
+            "logprobs_v152k",
+            "bench_token_logprobs.py",
+            f"--gpu {V152K} --rep-ms 100 --providers {LOGP_HEADLINE}",
+            30,
+            "token_logprobs.csv",
+        ),
+        _steps.bench(
+            "paper_170k",
+            "bench_retrieval.py",
+            f"{RET} --shape 170000,384,256,1 --shape 170000,384,256,3",
+            40,
+            "retrieval_gpu.csv",
+        ),
+        _steps.bench("kv_splice", "bench_kv_splice.py", "--gpu", 45, "kv_splice.csv"),
+        _steps.bench(
+            "c4m",
+            "bench_retrieval.py",
+            f"{RET} --shape 4000000,768,64,64 --shape 4000000,768,4096,64",
+            70,
+            "retrieval_gpu.csv",
+        ),
+        Step("pytest_gpu", _pytest(8, "tests"), 105, (), plan=PYTEST_ROWS),
+        JUNIT,
+    ],
+    # Smoke budgets are generous (a loaded 2-core CI machine, no lease to fit). On the CPU every gpu test skips; one
+    # light module keeps the run short while the junit -> CSV path is exercised.
+    # The CPU run of bench_retrieval writes retrieval_cpu.csv; renamed so the table is the GPU run's. Its rows name
+    # the CPU as their device, and --record refuses a smoke run's folder.
+    smoke_steps=[
+        _steps.WHEELS_SMOKE,
+        _steps.env("liger,cce", smoke=True),
+        _steps.EXT_SMOKE,
+        _steps.bench(
+            "loss", "bench_loss.py", f"--shape 64,32,100 --rep-ms 5 --providers {SMOKE_LOSS}", 180, "loss.csv"
+        ),
+        _steps.bench(
+            "logprobs", "bench_token_logprobs.py", "--quick --shape 64,32,500 --rep-ms 5", 150, "token_logprobs.csv"
+        ),
+        Step(
+            "tiny_retrieval",
+            "{py} bench/bench_retrieval.py --out {out} --no-plot --repeats 1 --shape 5000,48,7,3 "
+            "&& mv {out}/retrieval_cpu.csv {out}/retrieval_gpu.csv",
+            90,
+            ("retrieval_gpu.csv",),
+            plan=("bench:bench_retrieval.py --repeats 1 --shape 5000,48,7,3",),
+        ),
+        _steps.bench("kv_splice", "bench_kv_splice.py", "--quick --rep-ms 20", 90, "kv_splice.csv"),
+        Step("pytest_gpu", _pytest(2, "tests/retrieval/test_retrieval_gpu.py"), 180, (), plan=PYTEST_ROWS),
+        JUNIT,
+    ],
+    table={
+        "pytest_gpu.csv": ["outcome", "count", "test", "seconds", "message"],
+        "loss.csv": ["provider", "N", "V", "median_ms", "peak_mem_mb", "pct_of_copy_bw", "status"],
+        "token_logprobs.csv": ["provider", "mode", "N", "V", "median_ms", "peak_mem_mb", "pct_of_copy_bw", "status"],
+        "retrieval_gpu.csv": ["provider", "C", "D", "Q", "k", "median_ms", "qps", "time_over_torch", "pct_of_copy_bw"],
+        "kv_splice.csv": ["provider", "shape_desc", "median_ms", "gbs", "pct_copy_bw", "time_over_rapo_fast"],
+    },
+    record={
+        "pytest_gpu.csv": "pytest_gpu",
+        "loss.csv": "loss_gpu",
+        "token_logprobs.csv": "token_logprobs_gpu",
+        "retrieval_gpu.csv": "retrieval_gpu",
+        "kv_splice.csv": "kv_splice_gpu",
+    },
+)
+check_bounds(STAGE)
+
+if __name__ == "__main__":
+    raise SystemExit(main(STAGE))

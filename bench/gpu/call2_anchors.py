@@ -1,0 +1,123 @@
+"""GPU call 2 of 2: what call 1 leaves out, by value: the loss's anchors that compile for long (Liger's fused linear
+GRPO loss, Cut Cross-Entropy, torch.compile), compute-sanitizer memcheck and racecheck over small cases of every
+kernel, a short trainer run (tokens/s and the split of step time), then the loss variants and the log-prob anchors.
+It uses the extension call 1 built, carried in .carry/ext (or builds it, with the budget that needs).
+
+Run with `--deadline-s` set from what is left of the lease (docs/gpu_validation.md): the steps that cannot finish
+before it are skipped, in order, so the files come back. Usage: `python bench/gpu/call2_anchors.py --out DIR
+[--deadline-s S] | --dry-run | --cpu-smoke DIR | --record DIR`. What this is not: the benches themselves, nor the
+demo's learning result (the trainer runs too few steps for that; `rapo-fast demo` gives it).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _steps  # noqa: E402
+from _stage import Stage, Step, check_bounds, main  # noqa: E402
+
+V152K = "--shape 16384,4096,152064"
+VARIANTS = "rapo_fast_hidden_2pass,rapo_fast_logits_lmhead,rapo_fast_logits_lmhead_inplace"
+LOGP_ANCHORS = "cce,torch_eager_logits,torch_eager_hidden"  # the eager ones take ~1 s a call (fp32 [N, V]): last
+# The demo writes its own files (curves, summaries) into {tmp}, outside the output folder; only the split comes back.
+DEMO = "{py} -m rapo_fast.cli demo --quick --mode splice --no-progress --eval-every 1000 --out {tmp}/demo "
+SPLIT = "{py} {here}/trainer_split.py {tmp}/demo {out}/trainer.csv"
+TRAINER_ROWS = ("trainer,RAPO", "trainer,GRPO")
+SAN = "{py} {here}/sanitize.py --out {out} --tool "
+SAN_ROWS = "sanitizer,{tool},11 cases: " + "retrieval (CUDA fp16/bf16/fp32, splits, filters; Triton), splice, loss"
+
+
+def _sanitizer(tool: str, budget: int, smoke: bool) -> Step:
+    cmd = SAN + tool + (" --cpu" if smoke else "")
+    return Step(tool, cmd, budget, ("sanitizer.csv",), plan=(SAN_ROWS.format(tool=tool),))
+
+
+STAGE = Stage(
+    name="call2_anchors",
+    title="Liger, CCE and torch.compile anchors; compute-sanitizer; trainer tokens/s and split; loss variants",
+    gpu_steps=[
+        _steps.WHEELS_GPU,
+        _steps.extension(copy_back=False),
+        _steps.bench(
+            "anchors_v152k", "bench_loss.py", f"--gpu {V152K} --rep-ms 100 --providers liger,cce", 70, "loss.csv"
+        ),
+        _steps.bench(
+            "compile_v152k", "bench_loss.py", f"--gpu {V152K} --rep-ms 100 --providers torch_compile", 80, "loss.csv"
+        ),
+        _sanitizer("memcheck", 50, smoke=False),
+        _sanitizer("racecheck", 50, smoke=False),
+        Step(
+            "trainer",
+            DEMO + "--device cuda --sft-steps 60 --rl-steps 6 && " + SPLIT,
+            100,
+            ("trainer.csv",),
+            plan=TRAINER_ROWS,
+        ),
+        _steps.bench(
+            "variants_v152k", "bench_loss.py", f"--gpu {V152K} --rep-ms 100 --providers {VARIANTS}", 40, "loss.csv"
+        ),
+        _steps.bench(
+            "logprobs_anchors",
+            "bench_token_logprobs.py",
+            f"--gpu {V152K} --rep-ms 100 --providers {LOGP_ANCHORS}",
+            30,
+            "token_logprobs.csv",
+        ),
+    ],
+    smoke_steps=[
+        _steps.WHEELS_SMOKE,
+        _steps.EXT_SMOKE,
+        _steps.bench(
+            "anchors",
+            "bench_loss.py",
+            "--shape 64,32,100 --rep-ms 5 --providers liger,cce,torch_eager",
+            150,
+            "loss.csv",
+        ),
+        _sanitizer("memcheck", 90, smoke=True),
+        _sanitizer("racecheck", 90, smoke=True),
+        Step(
+            "trainer",
+            DEMO + "--device cpu --sft-steps 5 --rl-steps 2 && " + SPLIT,
+            240,
+            ("trainer.csv",),
+            plan=TRAINER_ROWS,
+        ),
+        _steps.bench(
+            "logprobs_anchors",
+            "bench_token_logprobs.py",
+            "--shape 64,32,500 --rep-ms 5 --providers torch_eager_logits,torch_eager_hidden",
+            150,
+            "token_logprobs.csv",
+        ),
+    ],
+    table={
+        "loss.csv": ["provider", "N", "V", "median_ms", "peak_mem_mb", "pct_of_copy_bw", "status"],
+        "sanitizer.csv": ["tool", "cases_ok", "cases_failed", "errors", "seconds", "status"],
+        "trainer.csv": [
+            "method",
+            "steps",
+            "tokens_per_s",
+            "t_step_s",
+            "pct_rollout",
+            "pct_retrieval",
+            "pct_splice",
+            "pct_logprob",
+            "pct_loss",
+            "pct_optimizer",
+        ],
+        "token_logprobs.csv": ["provider", "mode", "N", "V", "median_ms", "peak_mem_mb", "pct_of_copy_bw", "status"],
+    },
+    record={
+        "loss.csv": "loss_gpu",
+        "sanitizer.csv": "sanitizer_gpu",
+        "trainer.csv": "trainer_gpu",
+        "token_logprobs.csv": "token_logprobs_gpu",
+    },
+)
+check_bounds(STAGE)
+
+if __name__ == "__main__":
+    raise SystemExit(main(STAGE))
