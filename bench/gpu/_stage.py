@@ -271,8 +271,8 @@ def run(stage: Stage, steps: list[Step], out: Path, smoke: bool, deadline_s: int
             _summary(stage, out, head, results, steps, running=None)
             if step.required and status != "ok":
                 break
-    lines = _summary(stage, out, head, results, steps, running=None)
-    lines.append(f"call: {time.monotonic() - t_start:.0f} s" + (f" of a {deadline_s} s deadline" if deadline_s else ""))
+    took = f"call: {time.monotonic() - t_start:.0f} s" + (f" of a {deadline_s} s deadline" if deadline_s else "")
+    lines = _summary(stage, out, head + [took], results, steps, running=None)
     print("\n".join(lines))
     bad = [s.name for s, st, _ in results if st != "ok"] + [s.name for s in steps[len(results) :]]
     return 1 if bad else 0

@@ -25,8 +25,9 @@ CARRIED = ROOT / ".carry" / "ext"
 def _info() -> dict:
     """build_info() of a fresh interpreter (this one may have imported an older .so)."""
     code = (
-        "import json, rapo_fast, rapo_fast._ext as e; d = rapo_fast.build_info(); "
-        "d['file'] = getattr(e._C, '__file__', None); print(json.dumps(d))"
+        "import json, rapo_fast, rapo_fast._ext as e, rapo_fast.kernels as k; d = rapo_fast.build_info(); "
+        "d['file'] = getattr(e._C, '__file__', None); d['package'] = rapo_fast.__file__; d['kernels'] = k.__file__; "
+        "print(json.dumps(d))"
     )
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     if res.returncode != 0:
@@ -79,7 +80,10 @@ def main(argv: list[str] | None = None) -> int:
             _cmake(build, not args.cpu, args.archs, configure_only=False)
     info = _info()
     print(f"build_info: {json.dumps(info)}")
-    print(f"rapo_fast._C from: {info.get('file')}")  # the copy's own build, not one installed elsewhere
+    # where each came from: the copy's own package, kernels and build, not ones installed elsewhere
+    print(f"rapo_fast from: {info.get('package')}")
+    print(f"rapo_fast.kernels from: {info.get('kernels')}")
+    print(f"rapo_fast._C from: {info.get('file')}")
     if not _here(info, need):
         print(f"ensure_ext: this tree's rapo_fast._C has no {need} backend", file=sys.stderr)
         return 1
