@@ -115,9 +115,9 @@ def gpu_tiles(fp32: bool, aligned: bool) -> tuple[int, int, int, int, int]:
     (metric ip; 0 for cosine and l2): loop invariants stored once before the key loop and reloaded once per merge, no
     spill instruction in the per-tile path. The spill-free 128 x 64 streams 1.5x the L2 bytes per flop,
     which costs more than a reload per merge (bench/NOTES_retrieval.md, "Registers and spills").
-    Not aligned (an odd D): loads go through registers, not shared memory, so BLOCK_D is 16 and BLOCK_C 64 (at
-    128 x 128 x 16 the addresses alone spill 84 B). fp32 (FMA, no TF32): 64 x 64 x 32, 8 warps, 1 stage (4 warps spill
-    300-500 B; 3 stages 0-40 B, by metric and D). TILES_ENV ("128,64,64,8,3") overrides them all, for the GPU run to
+    Not aligned (an odd D): loads go through registers, not shared memory, so BLOCK_D is 16 and BLOCK_C 64
+    (128 x 128 x 16: 88 B of stack). fp32 (FMA, no TF32): 64 x 64 x 32, 8 warps, 1 stage (4 warps: ~270 B of stack;
+    3 stages: up to 24 B, by metric and D). TILES_ENV ("128,64,64,8,3") overrides them all, for the GPU run to
     compare (docs/retrieval.md, "Triton path"); tests/test_sm90_compile.py holds these choices' registers, spills and
     shared memory to stated bounds."""
     env = os.environ.get(TILES_ENV)
