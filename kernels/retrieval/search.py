@@ -261,8 +261,8 @@ def retrieval_topk_kernel(
     c_begin = split * keys_per_split
     c_end = tl.minimum(C, c_begin + keys_per_split)
     # A tile of BLOCK_C keys in two halves (score_tile): as one [128, 128] piece the epilogue needed 255 registers and
-    # 424 B of stack on sm_90a, spilling inside the per-tile path; a half at a time it has no spill instruction there
-    # (bench/NOTES_retrieval.md, "Registers and spills").
+    # 296 B of stack on sm_90a, spilling inside the per-tile path; a half at a time it has no spill instruction there
+    # (bench/NOTES_retrieval.md, "Registers and spills"; tests/test_sm90_compile.py holds the bound).
     HALF_C: tl.constexpr = BLOCK_C // 2
     for c0 in range(c_begin, c_end, BLOCK_C):
         dot0, dot1 = score_tile(q_ptr, k_ptr, rows, c0, c_end, row_ok, D, stride_q, stride_k, BLOCK_Q, HALF_C, BLOCK_D,
