@@ -44,36 +44,50 @@ def decode_threshold(key):
 
 
 @triton.jit
+def _mma(q, k, acc, FP32_KEYS: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """acc + q @ k in fp32; fp32 keys without TF32 (the contract's fp32 path, docs/retrieval.md, "Precision")."""
+    if FP32_KEYS:
+        return tl.dot(q, k, acc, input_precision="ieee")
+    else:
+        return tl.dot(dot_operand(q, UPCAST_DOT), dot_operand(k, UPCAST_DOT), acc)
+
+
+@triton.jit
 def score_tile(
     q_ptr,
     k_ptr,
     rows,
-    cols,
+    c0,
+    c_end,
     row_ok,
-    col_ok,
     D,
     stride_q,
     stride_k,
     BLOCK_Q: tl.constexpr,
-    BLOCK_C: tl.constexpr,
+    HALF_C: tl.constexpr,
     BLOCK_D: tl.constexpr,
     FP32_KEYS: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
-    """fp32 dot products [BLOCK_Q, BLOCK_C] of the query rows with the key columns: a K-loop of tl.dot over D."""
-    acc = tl.zeros([BLOCK_Q, BLOCK_C], dtype=tl.float32)
+    """fp32 dot products of the query rows with keys [c0, c0 + 2 HALF_C) as two [BLOCK_Q, HALF_C] halves: a K-loop
+    over D in which each query block, loaded once, feeds both halves' tl.dot. The operand stream is that of one
+    [BLOCK_Q, 2 HALF_C] tile (64 flop per byte at 128 x 128); the caller's epilogue holds one half at a time."""
+    acc0 = tl.zeros([BLOCK_Q, HALF_C], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_Q, HALF_C], dtype=tl.float32)
+    cols0 = c0 + tl.arange(0, HALF_C)
+    cols1 = cols0 + HALF_C
     q_row = q_ptr + rows.to(tl.int64)[:, None] * stride_q
-    k_col = k_ptr + cols.to(tl.int64)[None, :] * stride_k
+    k_col0 = k_ptr + cols0.to(tl.int64)[None, :] * stride_k
+    k_col1 = k_ptr + cols1.to(tl.int64)[None, :] * stride_k
     for d0 in range(0, D, BLOCK_D):
         dd = d0 + tl.arange(0, BLOCK_D)
         d_ok = dd < D
         q = tl.load(q_row + dd[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        k = tl.load(k_col + dd[:, None], mask=d_ok[:, None] & col_ok[None, :], other=0.0)
-        if FP32_KEYS:  # the contract's fp32 path: no TF32 (docs/retrieval.md, "Precision")
-            acc = tl.dot(q, k, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(dot_operand(q, UPCAST_DOT), dot_operand(k, UPCAST_DOT), acc)
-    return acc
+        k0 = tl.load(k_col0 + dd[:, None], mask=d_ok[:, None] & (cols0 < c_end)[None, :], other=0.0)
+        k1 = tl.load(k_col1 + dd[:, None], mask=d_ok[:, None] & (cols1 < c_end)[None, :], other=0.0)
+        acc0 = _mma(q, k0, acc0, FP32_KEYS, UPCAST_DOT)
+        acc1 = _mma(q, k1, acc1, FP32_KEYS, UPCAST_DOT)
+    return acc0, acc1
 
 
 @triton.jit
@@ -173,6 +187,31 @@ def admit(s, cols, row_ok, col_ok, grp_ptr, excl, thr, min_score, HAS_EXCL: tl.c
 
 
 @triton.jit
+def take_survivors(
+    dot, c_start, c_end, rows, row_ok, q0, Q, qaux, excl, thr, cnt, kaux_ptr, grp_ptr, ws_row, thr_ptr, cnt_ptr,
+    min_score, K_TOP: tl.constexpr, KP: tl.constexpr, W: tl.constexpr, METRIC: tl.constexpr, HAS_EXCL: tl.constexpr,
+    BLOCK_Q: tl.constexpr, HALF_C: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    """One half tile of dot products (keys c_start ..): append the admitted keys to their rows' pending areas, and merge
+    when the next half could overflow one. Returns the (thresholds, pending counts) after it."""
+    cols = c_start + tl.arange(0, HALF_C)
+    col_ok = cols < c_end
+    kaux = tl.load(kaux_ptr + cols, mask=col_ok, other=0.0)
+    s = finish_scores(dot, qaux, kaux, METRIC)
+    keep = admit(s, cols, row_ok, col_ok, grp_ptr, excl, thr, min_score, HAS_EXCL)
+    n_new = tl.sum(keep.to(tl.int32), axis=1)
+    if tl.max(n_new, axis=0) > 0:  # most tiles, once the thresholds have risen, skip this
+        pos = cnt[:, None] + tl.cumsum(keep.to(tl.int32), axis=1) - 1
+        dst = ws_row + (rows - q0).to(tl.int64)[:, None] * W + KP + pos
+        tl.store(dst, encode_keys(s, cols), mask=keep)
+        cnt += n_new
+        if tl.max(cnt, axis=0) > W - KP - HALF_C:  # the next half could overflow a pending area
+            thr = merge_rows(ws_row, thr_ptr, cnt_ptr, cnt, q0, Q, K_TOP, KP, W, BLOCK_Q, ROWS)
+            cnt = tl.zeros([BLOCK_Q], dtype=tl.int32)
+    return thr, cnt
+
+
+@triton.jit
 def retrieval_topk_kernel(
     q_ptr,  # [Q, D] queries in the keys' dtype, rows strided, last dim contiguous
     k_ptr,  # [C, D] keys, rows strided, last dim contiguous
@@ -221,21 +260,17 @@ def retrieval_topk_kernel(
     cnt = tl.zeros([BLOCK_Q], dtype=tl.int32)
     c_begin = split * keys_per_split
     c_end = tl.minimum(C, c_begin + keys_per_split)
+    # A tile of BLOCK_C keys in two halves (score_tile): as one [128, 128] piece the epilogue needed 255 registers and
+    # 296 B of stack on sm_90a, spilling inside the per-tile path; a half at a time it has no spill instruction there
+    # (bench/NOTES_retrieval.md, "Registers and spills"; tests/test_sm90_compile.py holds the bound).
+    HALF_C: tl.constexpr = BLOCK_C // 2
     for c0 in range(c_begin, c_end, BLOCK_C):
-        cols = c0 + tl.arange(0, BLOCK_C)
-        col_ok = cols < c_end
-        dot = score_tile(q_ptr, k_ptr, rows, cols, row_ok, col_ok, D, stride_q, stride_k, BLOCK_Q, BLOCK_C, BLOCK_D,
-                         FP32_KEYS, UPCAST_DOT)  # fmt: skip
-        kaux = tl.load(kaux_ptr + cols, mask=col_ok, other=0.0)
-        s = finish_scores(dot, qaux, kaux, METRIC)
-        keep = admit(s, cols, row_ok, col_ok, grp_ptr, excl, thr, min_score, HAS_EXCL)
-        n_new = tl.sum(keep.to(tl.int32), axis=1)
-        if tl.max(n_new, axis=0) > 0:  # most tiles, once the thresholds have risen, skip this
-            pos = cnt[:, None] + tl.cumsum(keep.to(tl.int32), axis=1) - 1
-            dst = ws_row + (rows - q0).to(tl.int64)[:, None] * W + KP + pos
-            tl.store(dst, encode_keys(s, cols), mask=keep)
-            cnt += n_new
-            if tl.max(cnt, axis=0) > W - KP - BLOCK_C:  # the next tile could overflow a pending area
-                thr = merge_rows(ws_row, thr_ptr, cnt_ptr, cnt, q0, Q, K_TOP, KP, W, BLOCK_Q, ROWS)
-                cnt = tl.zeros([BLOCK_Q], dtype=tl.int32)
+        dot0, dot1 = score_tile(q_ptr, k_ptr, rows, c0, c_end, row_ok, D, stride_q, stride_k, BLOCK_Q, HALF_C, BLOCK_D,
+                                FP32_KEYS, UPCAST_DOT)  # fmt: skip
+        thr, cnt = take_survivors(dot0, c0, c_end, rows, row_ok, q0, Q, qaux, excl, thr, cnt, kaux_ptr, grp_ptr, ws_row,
+                                  thr_ptr, cnt_ptr, min_score, K_TOP, KP, W, METRIC, HAS_EXCL, BLOCK_Q, HALF_C,
+                                  ROWS)  # fmt: skip
+        thr, cnt = take_survivors(dot1, c0 + HALF_C, c_end, rows, row_ok, q0, Q, qaux, excl, thr, cnt, kaux_ptr,
+                                  grp_ptr, ws_row, thr_ptr, cnt_ptr, min_score, K_TOP, KP, W, METRIC, HAS_EXCL, BLOCK_Q,
+                                  HALF_C, ROWS)  # fmt: skip
     merge_rows(ws_row, thr_ptr, cnt_ptr, cnt, q0, Q, K_TOP, KP, W, BLOCK_Q, ROWS)

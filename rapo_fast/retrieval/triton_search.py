@@ -27,7 +27,9 @@ __all__ = [
     "TILES_ENV",
     "select_backend",
     "triton_search",
+    "gpu_tiles",
     "plan",
+    "workspace_layout",
 ]
 
 BACKEND_ENV = "RAPO_FAST_RETRIEVAL_BACKEND"
@@ -104,39 +106,61 @@ def _pow2(n: int) -> int:
 TILES_ENV = "RAPO_FAST_TRITON_RETRIEVAL_TILES"
 
 
-def _gpu_tiles(fp32: bool) -> tuple[int, int, int, int, int]:
-    """(BLOCK_Q, BLOCK_C, BLOCK_D, num_warps, num_stages) on a GPU. fp16/bf16: 128 x 128 x 64, 8 warps, 3 stages:
-    64 flop per byte of operands streamed from L2 (128 x 64 tiles: 43). Compiled for sm_90a it uses 255 registers
-    and spills, but only ~20 spill instructions sit in the per-tile path (the rest in the survivors' branch and the
-    merge); 128 x 64 compiles without spills. fp32 (FMA, no TF32): 64 x 64 x 32, 4 warps. TILES_ENV
-    ("128,64,64,8,3") overrides both, for the GPU run to compare (docs/retrieval.md, "Triton path")."""
+def gpu_tiles(fp32: bool, aligned: bool) -> tuple[int, int, int, int, int]:
+    """(BLOCK_Q, BLOCK_C, BLOCK_D, num_warps, num_stages) on a GPU. `aligned`: D, both row strides and both base
+    addresses multiples of 16 (as the JIT specialises them), so that the D loop is pipelined through shared memory.
+
+    fp16/bf16, aligned: 128 x 128 x 64, 8 warps, 3 stages: 64 flop per byte of operands streamed from L2 (128 x 64:
+    43; the scan is L2 bound, docs/perf.md). Not fully spill-free on sm_90a: 255 registers and 16-56 B of stack
+    (metric ip; 0 for cosine and l2): loop invariants stored once before the key loop and reloaded once per merge, no
+    spill instruction in the per-tile path. The spill-free 128 x 64 streams 1.5x the L2 bytes per flop,
+    which costs more than a reload per merge (bench/NOTES_retrieval.md, "Registers and spills").
+    Not aligned (an odd D): loads go through registers, not shared memory, so BLOCK_D is 16 and BLOCK_C 64
+    (128 x 128 x 16: 88 B of stack). fp32 (FMA, no TF32): 64 x 64 x 32, 8 warps, 1 stage (4 warps: ~270 B of stack;
+    3 stages: up to 24 B, by metric and D). TILES_ENV ("128,64,64,8,3") overrides them all, for the GPU run to
+    compare (docs/retrieval.md, "Triton path"); tests/test_sm90_compile.py holds these choices' registers, spills and
+    shared memory to stated bounds."""
     env = os.environ.get(TILES_ENV)
     if env:
         vals = tuple(int(v) for v in env.split(","))
-        if len(vals) != 5 or min(vals[3:]) < 1 or any(v < 16 or v & (v - 1) for v in vals[:3]):
-            raise ValueError(f"{TILES_ENV} must be 'BQ,BC,BD,warps,stages' with powers of two >= 16, got {env!r}")
+        if len(vals) != 5 or min(vals[3:]) < 1 or any(v < 16 or v & (v - 1) for v in vals[:3]) or vals[1] < 32:
+            raise ValueError(
+                f"{TILES_ENV} must be 'BQ,BC,BD,warps,stages' with powers of two >= 16 (BC >= 32: two halves of at "
+                f"least 16), got {env!r}"
+            )
         return vals  # type: ignore[return-value]
-    return (64, 64, 32, 4, 3) if fp32 else (128, 128, 64, 8, 3)
+    if fp32:
+        return (64, 64, 32, 8, 1)
+    return (128, 128, 64, 8, 3) if aligned else (128, 64, 16, 8, 3)
 
 
-def plan(Q: int, C: int, k: int, fp32: bool, device: torch.device, splits: int | None = None) -> Plan:
-    """Tiles and splits. GPU: `_gpu_tiles`, and about 4 waves of programs over the SMs with the workspace held under
+def workspace_layout(k: int, block_q: int, block_c: int, on_gpu: bool) -> tuple[int, int, int]:
+    """(KP, W, ROWS): the running list's width (k rounded up to a power of two), the workspace row width, and the rows
+    a merge takes at a time."""
+    kp = _pow2(k)
+    w = _pow2(kp + 2 * block_c)  # room for at least one tile of survivors after the running list, with slack
+    # The merge's [rows, W] int64 block: 4096 entries. Triton spreads each row over all warps, so every bisection step
+    # pays one cross-warp reduction whatever `rows` is: more rows a chunk, fewer of them (sm_90a cubin: fewer spills
+    # than at 1024, none added to the per-tile path). The interpreter takes all rows at once.
+    rows = max(1, min(block_q, 4096 // w)) if on_gpu else block_q
+    return kp, w, rows
+
+
+def plan(
+    Q: int, C: int, k: int, fp32: bool, device: torch.device, splits: int | None = None, aligned: bool = True
+) -> Plan:
+    """Tiles and splits. GPU: `gpu_tiles`, and about 4 waves of programs over the SMs with the workspace held under
     512 MiB and at least 64 key tiles a split. Interpreter: small tiles, so that tests cross many tiles, splits and
     merges quickly. `splits` forces the split count (tests)."""
     if device.type == "cuda":
-        bq, bc, bd, warps, stages = _gpu_tiles(fp32)
+        bq, bc, bd, warps, stages = gpu_tiles(fp32, aligned)
         n_sm = torch.cuda.get_device_properties(device).multi_processor_count
         target = max(1, (4 * n_sm) // -(-Q // bq))
         min_tiles = 64  # a merge costs about as much as ten tiles, and a split merges at least twice
     else:
         bq, bc, bd, warps, stages = 16, 32, 16, 4, 1
         target, min_tiles = 2, 1
-    kp = _pow2(k)
-    w = _pow2(kp + 2 * bc)  # room for at least one tile of survivors after the running list, with slack
-    # The merge's [rows, W] int64 block: 4096 entries. Triton spreads each row over all warps, so every bisection step
-    # pays one cross-warp reduction whatever `rows` is: more rows a chunk, fewer of them (sm_90a cubin: fewer spills
-    # than at 1024, none added to the per-tile path). The interpreter takes all rows at once.
-    rows = max(1, min(bq, 4096 // w)) if device.type == "cuda" else bq
+    kp, w, rows = workspace_layout(k, bq, bc, device.type == "cuda")
     n_tiles = max(1, -(-C // bc))
     cap = max(1, (512 << 20) // max(1, Q * w * 8))
     s = splits if splits is not None else min(target, cap, max(1, n_tiles // min_tiles))
@@ -233,7 +257,12 @@ def triton_search(
     if Q == 0 or C == 0:
         return torch.full((Q, k), float("-inf"), device=dev), torch.full((Q, k), -1, dtype=torch.int64, device=dev)
     keys, key_aux, queries, qaux = _prepare(keys, key_aux, queries, metric, centre)
-    p = plan(Q, C, k, keys.dtype == torch.float32, dev, splits)
+    # The JIT specialises D, the row strides and the pointers on divisibility by 16; without it the D loop is not
+    # pipelined and needs the smaller tile (gpu_tiles).
+    aligned = all(v % 16 == 0 for v in (keys.shape[1], queries.stride(0), keys.stride(0))) and all(
+        t.data_ptr() % 16 == 0 for t in (keys, queries)
+    )
+    p = plan(Q, C, k, keys.dtype == torch.float32, dev, splits, aligned)
     ws = torch.empty(p.splits, Q, p.w, dtype=torch.int64, device=dev)
     thr = torch.empty(p.splits, Q, dtype=torch.int64, device=dev)
     cnt = torch.empty(p.splits, Q, dtype=torch.int32, device=dev)

@@ -2,8 +2,9 @@
 brute force, under TRITON_INTERPRET=1 on CPU tensors: every dtype and metric (l2 about the keys' mean), exclusion
 groups, min_score, k > C padding, ties to the smaller slot (duplicate keys, +0.0 / -0.0 scores), k up to 1024, Q=1
 and odd Q, D not a multiple of the tile, C=1 and an empty buffer; the merges inside a split (small tiles force them)
-and across splits. Also: the dispatch table and its override, the argument checks (before any launch), and the
-kernel compiled to sm_80 / sm_90a cubins without a GPU. On a GPU, the Triton path against the CUDA backend.
+and across splits. Also: the dispatch table and its override, the GPU tiles, the argument checks (before any launch),
+and the kernel compiled to an sm_80 cubin without a GPU (sm_90a, with its register and spill bounds:
+tests/test_sm90_compile.py). On a GPU, the Triton path against the CUDA backend.
 
 Not here: the CUDA backend's own exactness (test_retrieval_gpu.py) or the CPU backend's (test_retrieval.py).
 """
@@ -180,11 +181,20 @@ def test_cpu_tensors_never_take_the_triton_path(monkeypatch):
 
 
 def test_tiles_override_is_checked(monkeypatch):
-    monkeypatch.setenv(ts.TILES_ENV, "128,100,64,8,3")
-    with pytest.raises(ValueError, match=ts.TILES_ENV):
-        ts._gpu_tiles(False)
+    for bad in ("128,100,64,8,3", "128,16,64,8,3"):  # not a power of two; a key tile too narrow for two halves
+        monkeypatch.setenv(ts.TILES_ENV, bad)
+        with pytest.raises(ValueError, match=ts.TILES_ENV):
+            ts.gpu_tiles(False, True)
     monkeypatch.setenv(ts.TILES_ENV, "128,64,64,8,4")
-    assert ts._gpu_tiles(False) == (128, 64, 64, 8, 4)
+    assert ts.gpu_tiles(False, True) == ts.gpu_tiles(True, False) == (128, 64, 64, 8, 4)
+
+
+def test_gpu_tiles_follow_dtype_and_alignment(monkeypatch):
+    # tests/test_sm90_compile.py holds each of these to its register and spill bounds on sm_90a
+    monkeypatch.delenv(ts.TILES_ENV, raising=False)
+    assert ts.gpu_tiles(False, True) == (128, 128, 64, 8, 3)
+    assert ts.gpu_tiles(False, False) == (128, 64, 16, 8, 3)
+    assert ts.gpu_tiles(True, True) == ts.gpu_tiles(True, False) == (64, 64, 32, 8, 1)
 
 
 # ---- argument checks -------------------------------------------------------------------------------------------------
@@ -243,33 +253,27 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from rapo_fast.kernels.retrieval import search as K
+from rapo_fast.retrieval.triton_search import gpu_tiles, workspace_layout
 
 fn = K.retrieval_topk_kernel
 names = list(fn.arg_names)
-# (cap, dtype, fp32 keys, metric, exclusion, (BQ, BC, BD, warps, stages), k): the launcher's GPU tiles
-cases = [
-    (90, "*fp16", False, 0, True, (128, 128, 64, 8, 3), 64),
-    (90, "*bf16", False, 1, False, (128, 128, 64, 8, 3), 1),
-    (90, "*fp32", True, 2, True, (64, 64, 32, 4, 3), 1024),
-    (80, "*bf16", False, 0, True, (128, 64, 64, 8, 3), 7),
-]
-for cap, dt, fp32, metric, excl, (bq, bc, bd, warps, stages), k in cases:
-    kp = 1 << max(0, k - 1).bit_length()
-    w = 1 << (kp + 2 * bc - 1).bit_length()
+# (dtype, fp32 keys, metric, exclusion, k): the launcher's GPU tiles for aligned D (sm_90a: tests/test_sm90_compile.py)
+for dt, fp32, metric, excl, k in [("*bf16", False, 0, True, 7), ("*fp32", True, 2, True, 1024)]:
+    bq, bc, bd, warps, stages = gpu_tiles(fp32, aligned=True)
+    kp, w, rows = workspace_layout(k, bq, bc, on_gpu=True)
     types = [dt, dt] + ["*fp32"] * 2 + ["*i64"] * 4 + ["*i32"] + ["i32"] * 6 + ["fp32"]
     consts = dict(K_TOP=k, KP=kp, W=w, METRIC=metric, HAS_EXCL=excl, FP32_KEYS=fp32, UPCAST_DOT=False,
-                  BLOCK_Q=bq, BLOCK_C=bc, BLOCK_D=bd, ROWS=max(1, min(bq, 4096 // w)))
+                  BLOCK_Q=bq, BLOCK_C=bc, BLOCK_D=bd, ROWS=rows)
     sig = dict(zip(names, types + ["constexpr"] * len(consts)))
-    # Pointers, strides and D divisible by 16, as the JIT specialises them for D = 768: the loads then pipeline.
+    # Pointers, strides and D divisible by 16, as the JIT specialises them for D = 768.
     attrs = {(i,): [["tt.divisibility", 16]] for i in list(range(9)) + [11, 12, 13]}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()}, attrs=attrs)
-    c = triton.compile(src, target=GPUTarget("cuda", cap, 32), options={"num_warps": warps, "num_stages": stages})
-    assert "async_copy_global_to_local" in c.asm["ttgir"] or cap == 80, "the K-loop is not pipelined"
+    triton.compile(src, target=GPUTarget("cuda", 80, 32), options={"num_warps": warps, "num_stages": stages})
 print("compiled")
 """
 
 
-def test_kernel_compiles_for_sm80_and_sm90(tmp_path):
+def test_kernel_compiles_for_sm80(tmp_path):
     # The interpreter accepts code the GPU compiler rejects (non-constexpr globals, loop-carried types); compile the
     # real thing to cubin with Triton's bundled ptxas, in a fresh process without TRITON_INTERPRET.
     pytest.importorskip("triton.backends.nvidia")
