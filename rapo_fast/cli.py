@@ -1,4 +1,5 @@
-"""The `rapo-fast` command line: `demo`, `table1`, `bench {loss,logprobs,retrieval,kv,buffer}`, `info`, `verl-build-buffer`.
+"""The `rapo-fast` command line: `demo`, `table1`, `bench {loss,logprobs,retrieval,kv,buffer}`, `info`,
+`verl-build-buffer`.
 
 What this is: argument routing only, and the one module outside rapo_fast/demo/ allowed to import the demo (nothing in
 the library imports this module; tools/check_layout.py checks both). The demo's options live in
