@@ -260,15 +260,16 @@ class StepBufferClient:
     """The agent loop's view of the buffer: async retrieve/add_steps, sync save/load/stats (driver side).
 
     It encodes the histories in the caller's process (with `encoder`, the spec the actors were built with) and sends
-    keys; a process's retrieves arriving within window_s (up to max_batch histories) share one encoding and one call
-    per shard. Picklable: a copy holds the handles and settings, and makes its encoder when first used."""
+    keys; a process's retrieves that arrive while a call is being served (or within window_s of the first one, when
+    window_s > 0), up to max_batch histories, share the next encoding and call per shard. Picklable: a copy holds the
+    handles and settings, and makes its encoder when first used."""
 
     def __init__(
         self,
         handles: Sequence[Any],
         encoder: str | Callable = "hashed",
         *,
-        window_s: float = 0.002,
+        window_s: float = 0.0,
         max_batch: int = 1024,
     ):
         if not handles:
