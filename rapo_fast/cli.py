@@ -1,4 +1,5 @@
-"""The `rapo-fast` command line: `demo`, `table1`, `bench {loss,logprobs,retrieval,kv}`, `info`, `verl-build-buffer`.
+"""The `rapo-fast` command line: `demo`, `table1`, `bench {loss,logprobs,retrieval,kv,buffer}`, `info`,
+`verl-build-buffer`.
 
 What this is: argument routing only, and the one module outside rapo_fast/demo/ allowed to import the demo (nothing in
 the library imports this module; tools/check_layout.py checks both). The demo's options live in
@@ -22,6 +23,7 @@ BENCHES = {
     "logprobs": ("bench_token_logprobs.py", "token_logprobs alone (logits and hidden x lm_head): time and memory"),
     "retrieval": ("bench_retrieval.py", "exact top-k step retrieval (StepBuffer.search): queries per second"),
     "kv": ("bench_kv_splice.py", "KV splice (splice_kv) against re-prefill and a plain-torch splice"),
+    "buffer": ("bench_buffer_actor.py", "verl step buffer under N concurrent loops: old vs new design, requests/s"),
 }
 
 _BENCH_DESCRIPTION = (

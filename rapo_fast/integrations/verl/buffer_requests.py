@@ -1,20 +1,20 @@
-"""The checks a request to the verl step-buffer actor passes before it joins a shared search, and how a caller is
-handed its rows or its error (rapo_fast/integrations/verl/buffer_actor.py uses them; issue 28, class 1).
+"""The checks a request to the verl step buffer passes before it joins a shared search, and `Coalescer`, which serves
+the requests of a short window with one call (the actor's searches, the client's encodings and remote calls).
 
 Rule: a value that could fail or misbehave inside a search shared by several callers (NaN/inf thresholds, ids past
-int64, text no encoder can encode) is refused here, naming the caller's argument and entry. What this is not: the
-actor, its batching, or the buffer's own checks (rapo_fast.retrieval.buffer).
+int64, text no encoder can encode) is refused here, naming the caller's argument and entry; a request that still fails
+inside a shared call fails alone. What this is not: the actor or client (buffer_actor.py), or the buffer's own checks.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from rapo_fast._checks import INT64_MAX, INT64_MIN, check_float, check_int_list
 
-__all__ = ["check_groups", "check_histories", "check_min_score", "check_scores", "settle"]
+__all__ = ["Coalescer", "LocalHandle", "check_groups", "check_histories", "check_min_score", "check_scores", "settle"]
 
 
 def check_histories(histories: Any, who: str, name: str = "histories") -> list[str]:
@@ -63,3 +63,80 @@ def settle(fut: asyncio.Future, row: Any = None, exc: BaseException | None = Non
         fut.set_exception(exc)
     else:
         fut.set_result(row)
+
+
+class Coalescer:
+    """Requests submitted within `window_s` of the first pending one are served together: `serve(payloads)` gets the
+    payloads of requests with one `key` (e.g. a min_score: one search takes one threshold), at most `max_rows` rows in
+    all, and returns one result per payload. A served call that raises is retried request by request, so only the
+    failing caller gets the error; a cancelled caller is not served. One drain task runs per event loop at a time."""
+
+    def __init__(self, serve: Callable[[list[Any]], Awaitable[list[Any]]], window_s: float, max_rows: int):
+        self.serve, self.window_s, self.max_rows = serve, window_s, max_rows
+        self._pending: list[tuple[Any, int, Any, asyncio.Future]] = []
+        self._drainer: asyncio.Task | None = None
+
+    async def submit(self, payload: Any, rows: int, key: Any = None) -> Any:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._pending.append((payload, rows, key, fut))
+        if self._drainer is None or self._drainer.done():
+            self._drainer = loop.create_task(self._drain())
+        return await fut
+
+    def _take_batch(self) -> list[tuple[Any, int, Any, asyncio.Future]]:
+        """The first pending request and the others of its key, up to max_rows rows. The first is always taken
+        (whatever its key compares as), so every call removes at least one request."""
+        first = self._pending[0]
+        batch, rest, n = [first], [], first[1]
+        for req in self._pending[1:]:
+            if req[2] == first[2] and n + req[1] <= self.max_rows:
+                batch.append(req)
+                n += req[1]
+            else:
+                rest.append(req)
+        self._pending = rest
+        return batch
+
+    async def _drain(self) -> None:
+        """Serve the queue until it is empty; each pass settles every request it took, so it never spins."""
+        while self._pending:
+            if self.window_s > 0:  # let concurrent callers join this call
+                await asyncio.sleep(self.window_s)
+            batch = [req for req in self._take_batch() if not req[3].done()]
+            if not batch:
+                continue
+            try:
+                results = await self.serve([req[0] for req in batch])
+            except Exception as exc:
+                if len(batch) == 1:
+                    settle(batch[0][3], exc=exc)
+                    continue
+                for req in batch:  # one caller's request may be what failed: each alone
+                    try:
+                        (one,) = await self.serve([req[0]])
+                    except Exception as one_exc:
+                        settle(req[3], exc=one_exc)
+                    else:
+                        settle(req[3], one)
+                continue
+            for req, res in zip(batch, results):
+                settle(req[3], res)
+
+
+class LocalHandle:
+    """An in-process stand-in for a Ray actor handle: `handle.method.remote(*args)` is a task running
+    `actor.method(*args)` on the caller's event loop, so a StepBufferClient can serve from StepBufferActors without
+    Ray (tests, benchmarks, one-process jobs). Only the async methods: the client's sync save/load/stats need Ray."""
+
+    def __init__(self, actor: Any):
+        self._actor = actor
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._actor, name)
+        return _Remote(lambda *a, **k: asyncio.ensure_future(method(*a, **k)))
+
+
+class _Remote:
+    def __init__(self, call: Callable[..., asyncio.Future]):
+        self.remote = call

@@ -1,11 +1,11 @@
-"""Issue 28 class 1: a request that passes validation but cannot be served must not hang or fail a shared server.
+"""A request that passes validation but cannot be served must not hang or fail a shared server.
 
-The verl step-buffer actor (rapo_fast/integrations/verl/buffer_actor.py) is driven in-process (no ray, no verl: the
-class is a plain async class until `get_or_create_step_buffer` makes it an actor). One batch mixes good requests with
-one bad request of each kind (NaN/inf/str min_score, past-int64/bool/float exclude group, a lone surrogate, a history
-the encoder refuses inside the shared search); every call is bounded by a timeout. Only the bad callers fail, the good
-ones get exactly the rows they get alone, and the actor keeps serving. A hypothesis property does the same over
-arbitrary thresholds and group ids.
+The verl step buffer (rapo_fast/integrations/verl/buffer_actor.py) is driven in-process (no ray, no verl): a
+StepBufferClient over a StepBufferActor through buffer_requests.LocalHandle. One batch mixes good requests with one bad
+request of each kind (NaN/inf/str min_score, past-int64/bool/float exclude group, a lone surrogate, a history the
+encoder refuses inside the client's shared encoding); every call is bounded by a timeout. Only the bad callers fail,
+the good ones get exactly the rows they get alone, and client and actor keep serving. The actor refuses bad keys
+(wrong type, shape, dim, NaN) naming them. A hypothesis property does the same over arbitrary thresholds and group ids.
 """
 
 from __future__ import annotations
@@ -14,11 +14,13 @@ import asyncio
 import math
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rapo_fast.demo.tiny_policy import WordTokenizer
-from rapo_fast.integrations.verl.buffer_actor import StepBufferActor
+from rapo_fast.integrations.verl.buffer_actor import StepBufferActor, StepBufferClient
+from rapo_fast.integrations.verl.buffer_requests import LocalHandle
 from rapo_fast.retrieval.encoders import HashedNgramEncoder
 
 WORDS = [f"w{i}" for i in range(40)]
@@ -27,7 +29,7 @@ TIMEOUT_S = 30.0  # a hang fails the test instead of stalling the suite
 
 
 class _PoisonEncoder:
-    """HashedNgramEncoder that refuses one history ("poison"): an error raised inside a shared search."""
+    """HashedNgramEncoder that refuses one history ("poison"): an error raised inside a shared encoding."""
 
     def __init__(self):
         self.inner = HashedNgramEncoder(DIM)
@@ -39,16 +41,15 @@ class _PoisonEncoder:
         return self.inner(texts)
 
 
-def _actor(window_s: float = 0.05) -> StepBufferActor:
-    a = StepBufferActor(None, WordTokenizer(WORDS), _PoisonEncoder(), capacity=32, window_s=window_s)
+def _buffer(window_s: float = 0.05) -> StepBufferClient:
+    enc = _PoisonEncoder()
+    a = StepBufferActor(None, WordTokenizer(WORDS), enc, capacity=32, window_s=window_s)
+    client = StepBufferClient([LocalHandle(a)], enc, window_s=window_s)
+    client.actor = a
     hist = [" ".join(WORDS[i : i + 4]) for i in range(0, 24, 3)]
     steps = [" ".join(WORDS[i + 4 : i + 6]) for i in range(0, 24, 3)]
-
-    async def fill():
-        await a.add_steps(hist, steps, list(range(len(hist))))
-
-    asyncio.run(fill())
-    return a
+    asyncio.run(client.add_steps(hist, steps, list(range(len(hist)))))
+    return client
 
 
 GOOD = [
@@ -69,27 +70,31 @@ BAD = [
     (["w1 w2"], [1.0], None),
     (["w1 w2", "w3"], [1], None),  # one group id for two histories
     (["w1 \ud800 w2"], None, None),  # a lone surrogate
-    (["w1 poison"], None, None),  # passes every check, fails inside the search
+    (["w1 poison"], None, None),  # passes every check, fails inside the shared encoding
     ("w1 w2", None, None),
 ]
 
 
-async def _call(actor, hist, excl, ms):
-    return await asyncio.wait_for(actor.retrieve(hist, excl, ms), TIMEOUT_S)
+async def _call(client, hist, excl, ms):
+    return await asyncio.wait_for(client.retrieve(hist, excl, ms), TIMEOUT_S)
+
+
+def _idle(client) -> bool:
+    return client._retrieves._pending == [] and client.actor._searches._pending == []
 
 
 def test_mixed_batch_only_bad_callers_fail():
-    actor = _actor()
+    client = _buffer()
 
     async def alone():
-        return [await _call(actor, *g) for g in GOOD]
+        return [await _call(client, *g) for g in GOOD]
 
     want = asyncio.run(alone())
 
     async def mixed():
         reqs = [x for pair in zip(BAD, GOOD * 4) for x in pair]  # interleaved: bad requests inside good batches
         return reqs, await asyncio.wait_for(
-            asyncio.gather(*(_call(actor, *r) for r in reqs), return_exceptions=True), TIMEOUT_S
+            asyncio.gather(*(_call(client, *r) for r in reqs), return_exceptions=True), TIMEOUT_S
         )
 
     reqs, got = asyncio.run(mixed())
@@ -99,13 +104,13 @@ def test_mixed_batch_only_bad_callers_fail():
             assert not isinstance(res, asyncio.TimeoutError), req
         else:
             assert res == want[GOOD.index(req)], (req, res)
-    # the actor still serves, and the poisoned search did not leave anything queued
+    # both still serve, and the poisoned encoding did not leave anything queued
     assert asyncio.run(alone()) == want
-    assert actor._pending == []
+    assert _idle(client)
 
 
 def test_bad_values_name_the_argument():
-    actor = _actor(window_s=0)
+    client = _buffer(window_s=0)
     cases = [
         ((["w1"], None, float("nan")), "min_score"),
         ((["w1"], [2**70], None), "exclude_groups[0]"),
@@ -113,19 +118,42 @@ def test_bad_values_name_the_argument():
     ]
     for args, name in cases:
         with pytest.raises(ValueError, match=name.replace("[", r"\[").replace("]", r"\]")):
-            asyncio.run(_call(actor, *args))
+            asyncio.run(_call(client, *args))
     for groups, name in (([2**64], "group_ids"), ([-1], "group_ids")):
         with pytest.raises(ValueError, match=name):
-            asyncio.run(actor.add_steps(["w1"], ["w2"], groups))
+            asyncio.run(client.add_steps(["w1"], ["w2"], groups))
     with pytest.raises(ValueError, match=r"scores\[0\]"):
-        asyncio.run(actor.add_steps(["w1"], ["w2"], [1], [float("nan")]))
+        asyncio.run(client.add_steps(["w1"], ["w2"], [1], [float("nan")]))
+
+
+def test_actor_refuses_bad_keys_naming_them():
+    """Keys come from other processes now: the actor checks them before they join a search or the buffer."""
+    actor = _buffer(window_s=0).actor
+    good = torch.ones(2, DIM)
+    bad = [
+        ([[0.0] * DIM], TypeError),  # not a tensor
+        (torch.ones(2, DIM, dtype=torch.int64), TypeError),
+        (torch.ones(DIM), ValueError),  # 1-D
+        (torch.ones(2, DIM + 1), ValueError),  # another encoder's dim
+        (torch.full((2, DIM), float("nan")), ValueError),
+    ]
+    for keys, err in bad:
+        with pytest.raises(err, match="keys"):
+            asyncio.run(actor.retrieve(keys))
+        with pytest.raises(err, match="keys"):
+            asyncio.run(actor.add_steps(keys, ["w1", "w2"], [1, 1]))
+    with pytest.raises(ValueError, match="keys"):
+        asyncio.run(actor.add_steps(good, ["w1"], [1]))  # two keys, one step
+    assert asyncio.run(actor.stats())["steps_added"] == 8  # the fill only: nothing refused was stored
+    segs, pids, scores = asyncio.run(actor.retrieve(good, [-1, 0]))
+    assert len(segs) == 2 and pids[0] >= 0
 
 
 @pytest.fixture(scope="module")
 def shared():
-    """One actor for every hypothesis example, and what the good request gets from it alone."""
-    actor = _actor(window_s=0.001)
-    return actor, asyncio.run(actor.retrieve(["w1 w2 w3"], [0], None))
+    """One buffer for every hypothesis example, and what the good request gets from it alone."""
+    client = _buffer(window_s=0.001)
+    return client, asyncio.run(client.retrieve(["w1 w2 w3"], [0], None))
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -134,12 +162,12 @@ def shared():
     groups=st.lists(st.integers(-(2**70), 2**70), min_size=2, max_size=2),
 )
 def test_any_threshold_and_groups_settle_and_spare_the_good_caller(shared, ms, groups):
-    actor, good_alone = shared
+    client, good_alone = shared
     good = (["w1 w2 w3"], [0], None)
 
     async def go():
         return await asyncio.wait_for(
-            asyncio.gather(_call(actor, ["w4 w5", "w6"], groups, ms), _call(actor, *good), return_exceptions=True),
+            asyncio.gather(_call(client, ["w4 w5", "w6"], groups, ms), _call(client, *good), return_exceptions=True),
             TIMEOUT_S,
         )
 
@@ -148,7 +176,7 @@ def test_any_threshold_and_groups_settle_and_spare_the_good_caller(shared, ms, g
     finite = ms is None or (isinstance(ms, float) and math.isfinite(ms)) or (isinstance(ms, int) and abs(ms) < 2**1000)
     in_range = all(-(2**63) <= g < 2**63 for g in groups)
     if finite and in_range:
-        assert isinstance(res, tuple) and len(res[0]) == 2
+        assert isinstance(res, list) and len(res) == 2
     else:
         assert isinstance(res, ValueError), res
-    assert actor._pending == []
+    assert _idle(client)

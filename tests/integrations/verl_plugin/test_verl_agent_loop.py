@@ -434,8 +434,9 @@ def test_with_rapo_fast_step_buffer_client(env, exclude):
     tok = env["tok"]
     actor = StepBufferActor(None, tok, "hashed", capacity=16, window_s=0.0)
     own = "user what is x assistant think a b tool fact one assistant"
-    asyncio.run(actor.add_steps([own, "system is"], ["fact one", "fact two"], [3, OFFPOLICY_GROUP_BASE + 3]))
-    _with_client(env, StepBufferClient([_InProcessHandle(actor)]), name=f"buf-{exclude}")
+    client = StepBufferClient([_InProcessHandle(actor)])  # encodes the histories, the actor stores keys
+    asyncio.run(client.add_steps([own, "system is"], ["fact one", "fact two"], [3, OFFPOLICY_GROUP_BASE + 3]))
+    _with_client(env, client, name=f"buf-{exclude}")
     kw = {"retrieve_prob": 1.0, "n_hybrid": 4, "buffer_name": f"buf-{exclude}", "exclude_own_group": exclude}
     out = _run(env, _config(), f"u-real-{exclude}", **kw)
     seg = tok.encode("<retrieve> " + ("fact two" if exclude else "fact one") + " </retrieve>")

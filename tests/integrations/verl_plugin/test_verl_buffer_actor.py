@@ -1,8 +1,8 @@
 """The step buffer as Ray actors (rapo_fast/integrations/verl/buffer_actor.py, buffer_setup.py) under Ray's local
 CPU cluster: several clients searching while one adds (past the ring's wrap), every result equal to a float64 brute
-force (rapo_fast.reference.retrieval.search_ref) of one of the states the buffer held; concurrent requests batched
-into fewer searches; save -> new actor -> load identical; two shards against the brute force over their union; verl's
-checkpoint callback saving into global_step_N/ and a new job restoring from it.
+force (rapo_fast.reference.retrieval.search_ref) of one of the states the buffer held; concurrent requests coalesced
+into fewer requests and searches; save -> new actor -> load identical; two shards against the brute force over their
+union; verl's checkpoint callback saving into global_step_N/ and a new job restoring from it.
 
 Skipped without ray (the main environment); the callback test also needs verl.
 """
@@ -186,7 +186,8 @@ def test_concurrent_search_while_adding_matches_a_held_state(data):
     assert all(_matches(res, qkeys[h], e, keys, groups, segs, states[-1]) for h, e, res in results[-len(qs) :])
     (st,) = client.stats()
     assert st["steps_added"] == 48 and st["size"] == CAP and st["payloads"] == keys.shape[0]
-    assert st["search_calls"] < st["requests"], st  # concurrent requests were batched
+    # each process's concurrent retrieves reached the actor as a few coalesced requests, searched in <= as many calls
+    assert st["search_calls"] <= st["requests"] < len(results) // 4, st
     assert st["queries"] == sum(2 if i < len(qs) or i >= len(results) - len(qs) else 1 for i in range(len(results)))
 
 

