@@ -143,6 +143,11 @@ class RAPORolloutFunc:
                 f"rapo rollout_func: GRPOConfig sampling options {set_} are not implemented by RAPO's rollout "
                 f"(it samples at temperature only); leave them at their defaults {_UNSUPPORTED_SAMPLING}"
             )
+        extra = getattr(getattr(trainer, "args", None), "generation_kwargs", None)
+        if extra:
+            raise ValueError(
+                f"rapo rollout_func: GRPOConfig generation_kwargs={extra!r} are not used by RAPO's rollout"
+            )
         if getattr(trainer, "use_vllm", False):
             raise ValueError("rapo rollout_func: use_vllm=True is not supported (the rollout runs the trainer's model)")
         self._chat = None
