@@ -1,8 +1,9 @@
 """Build script: packages rapo_fast (+ kernels/ as rapo_fast.kernels) and builds the rapo_fast._C extension with CMake.
 
 Not a place for logic beyond the build: which backends get compiled is decided in CMakeLists.txt from these switches
-(flash-attn style): RAPO_FAST_CUDA=0 skips CUDA, RAPO_FAST_CUDA_ARCHS overrides the architectures (default "80;90a"),
-MAX_JOBS bounds the parallel compile jobs.
+(flash-attn style): RAPO_FAST_CUDA=0 skips CUDA, 1 requires it, AUTO compiles it when nvcc is found; unset, it is AUTO
+where a GPU is visible and 0 elsewhere (`cuda_switch`). RAPO_FAST_CUDA_ARCHS overrides the architectures (default
+"80;90a"), MAX_JOBS bounds the parallel compile jobs.
 """
 
 import os
@@ -15,6 +16,27 @@ from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).parent.resolve()
+
+
+def gpu_visible() -> bool:
+    """Whether this machine shows an NVIDIA GPU (a /dev/nvidia<N> device, or one listed by nvidia-smi -L)."""
+    if any(Path("/dev").glob("nvidia[0-9]*")):
+        return True
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return listed.returncode == 0 and "GPU" in listed.stdout
+
+
+def cuda_switch(env, has_gpu=gpu_visible) -> str:
+    """RAPO_FAST_CUDA for CMake: the variable when set; unset, AUTO where a GPU is visible, else 0. Compiling the CUDA
+    backend takes about 3 minutes of every install on a machine with nvcc, and a machine without a GPU cannot run it;
+    CI, which compiles it without running it, sets RAPO_FAST_CUDA=AUTO."""
+    value = env.get("RAPO_FAST_CUDA", "").strip()
+    if value:
+        return value
+    return "AUTO" if has_gpu() else "0"
 
 
 class CMakeExtension(Extension):
@@ -33,7 +55,7 @@ class CMakeBuild(build_ext):
             f"-DPython_EXECUTABLE={sys.executable}",
             f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
             f"-DCMAKE_BUILD_TYPE={cfg}",
-            f"-DRAPO_FAST_CUDA={os.environ.get('RAPO_FAST_CUDA', 'AUTO')}",
+            f"-DRAPO_FAST_CUDA={cuda_switch(os.environ)}",
             f"-DRAPO_FAST_CUDA_ARCHS={os.environ.get('RAPO_FAST_CUDA_ARCHS', '80;90a')}",
             "-G",
             "Ninja",
@@ -43,15 +65,16 @@ class CMakeBuild(build_ext):
         subprocess.run(["cmake", "--build", ".", "-j", jobs], cwd=build_temp, check=True)
 
 
-setup(
-    # every subpackage of rapo_fast/, plus kernels/ (and its subpackages) installed as rapo_fast.kernels
-    packages=find_packages(include=["rapo_fast", "rapo_fast.*"])
-    + ["rapo_fast.kernels"]
-    + [f"rapo_fast.kernels.{p}" for p in find_packages("kernels")],
-    package_dir={"rapo_fast": "rapo_fast", "rapo_fast.kernels": "kernels"},
-    # PEP 561: the marker that tells type checkers to read rapo_fast's inline type hints (it covers the subpackages)
-    package_data={"rapo_fast": ["py.typed"]},
-    ext_modules=[CMakeExtension("rapo_fast._C")],
-    cmdclass={"build_ext": CMakeBuild},
-    zip_safe=False,
-)
+if __name__ == "__main__":  # setuptools runs this file as __main__; tests import cuda_switch without building
+    setup(
+        # every subpackage of rapo_fast/, plus kernels/ (and its subpackages) installed as rapo_fast.kernels
+        packages=find_packages(include=["rapo_fast", "rapo_fast.*"])
+        + ["rapo_fast.kernels"]
+        + [f"rapo_fast.kernels.{p}" for p in find_packages("kernels")],
+        package_dir={"rapo_fast": "rapo_fast", "rapo_fast.kernels": "kernels"},
+        # PEP 561: the marker that tells type checkers to read rapo_fast's inline type hints (it covers the subpackages)
+        package_data={"rapo_fast": ["py.typed"]},
+        ext_modules=[CMakeExtension("rapo_fast._C")],
+        cmdclass={"build_ext": CMakeBuild},
+        zip_safe=False,
+    )

@@ -12,8 +12,11 @@ What this is not: a place for any option of the demo or of a benchmark.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import json
+import platform
+import subprocess
 import sys
 from pathlib import Path
 
@@ -56,8 +59,50 @@ def _run_bench(name: str, argv: list[str]) -> int:
         sys.path.remove(str(path.parent))
 
 
+def _commit() -> str | None:
+    """The source checkout's commit (`git describe --always --dirty`), or None for an installed wheel."""
+    root = Path(__file__).resolve().parent.parent
+    if not (root / ".git").exists():
+        return None
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(root), "describe", "--always", "--dirty", "--abbrev=12"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() or None
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def info() -> dict:
+    """What a bug report needs (as `trl env`): rapo_fast's version and commit, the platform, the extension's build
+    facts (rapo_fast._ext.build_info) and the versions of the libraries the integrations use."""
+    from rapo_fast import __version__
+    from rapo_fast._ext import build_info
+
+    out = {"rapo_fast": __version__, "commit": _commit(), "python": platform.python_version()}
+    out["platform"] = platform.platform()
+    out.update(build_info())
+    out.update({name: _dist_version(name) for name in ("transformers", "trl", "verl")})
+    return out
+
+
 def _parser() -> argparse.ArgumentParser:
+    from rapo_fast import __version__
+
     parser = argparse.ArgumentParser(prog="rapo-fast", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"rapo-fast {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="{demo,table1,bench,info,verl-build-buffer}")
     # demo and each benchmark parse their own options (add_help=False here, so `--help` reaches them)
     sub.add_parser("demo", help="train RAPO vs GRPO on a synthetic tool task (CPU, minutes)", add_help=False)
@@ -72,10 +117,12 @@ def _parser() -> argparse.ArgumentParser:
         names.add_parser(name, help=line, add_help=False)
     sub.add_parser(
         "info",
-        help="build and runtime facts (backends, architectures, versions)",
-        description="Print, as JSON, how rapo_fast was built and what it finds at run time: whether the C++ "
+        help="version, commit, build and runtime facts, for bug reports (backends, architectures, versions)",
+        description="Print, as JSON, rapo_fast's version and source commit (None for an installed wheel), the "
+        "Python version and platform, how rapo_fast was built and what it finds at run time: whether the C++ "
         "extension loaded (and the error if not), its CPU (OpenMP) and CUDA backends, the CUDA architectures "
-        "compiled in, the torch and Triton versions, and whether a CUDA device is visible. Takes no options.",
+        "compiled in, the torch, Triton, transformers, trl and verl versions, and whether a CUDA device is visible. "
+        "Takes no options.",
     )
     sub.add_parser(
         "verl-build-buffer",
@@ -105,9 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(buffer_setup.main(rest) or 0)
     if rest:
         parser.error(f"info takes no arguments, got {' '.join(rest)}")
-    from rapo_fast._ext import build_info
-
-    print(json.dumps(build_info(), indent=2))
+    print(json.dumps(info(), indent=2))
     return 0
 
 

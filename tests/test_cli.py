@@ -75,3 +75,25 @@ def test_info_garbage_exits_2_as_a_process():
     )
     assert r.returncode == 2, r
     assert r.stderr.strip().splitlines()[-1].startswith("rapo-fast: error:"), r.stderr
+
+
+def test_version_flag_prints_the_package_version(capsys):
+    import rapo_fast
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"rapo-fast {rapo_fast.__version__}"
+
+
+def test_info_reports_version_commit_and_library_versions(capsys):
+    import json
+
+    import rapo_fast
+
+    assert cli.main(["info"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["rapo_fast"] == rapo_fast.__version__
+    assert "commit" in info and (info["commit"] is None or len(info["commit"]) >= 7)
+    for key in ("python", "platform", "torch", "transformers", "trl", "extension", "cuda_available"):
+        assert key in info, key

@@ -65,7 +65,12 @@ def test_trl_snippet_parses_and_names_exist():
     call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "RAPOGRPOTrainer")
     params = inspect.signature(RAPOGRPOTrainer.__init__).parameters
     assert "rapo_options" in params
-    assert {k.arg for k in call.keywords} >= {"model", "reward_funcs", "args", "rapo_options"}
+    assert {k.arg for k in call.keywords} >= {"model", "reward_funcs", "args", "rapo_options", "rollout_func"}
+    import rapo_fast.integrations.trl as trl_path
+
+    imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == trl_path.__name__
+                for a in n.names]  # fmt: skip
+    assert "add_rapo_tags" in imported and all(name in trl_path.__all__ for name in imported), imported
 
 
 def test_loss_snippet_runs_and_trains_only_generated_own_tokens():

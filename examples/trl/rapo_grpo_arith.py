@@ -61,10 +61,7 @@ def build_trainer(args: argparse.Namespace, out: Path, warm_state: dict | None =
 
     from rapo_fast.demo.tasks import ChainArithmeticTask, solver_trajectories, write_jsonl
     from rapo_fast.demo.tiny_policy import build_tiny_policy
-    from rapo_fast.integrations.trl import RAPOGRPOTrainer
-    from rapo_fast.integrations.trl_rollout import make_rollout_func
-    from rapo_fast.retrieval.encoders import HashedNgramEncoder
-    from rapo_fast.retrieval.step_traces import StepTraces
+    from rapo_fast.integrations.trl import HashedNgramEncoder, RAPOGRPOTrainer, StepTraces, make_rollout_func
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in TRL
     task = ChainArithmeticTask()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import copy
 import csv
+import importlib.util
 import math
 import os
 import time
@@ -170,8 +171,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _check_runtime(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
-    """--device names a device this machine has (cpu, or cuda[:i] with CUDA available) and --out a folder that
-    exists or can be created: a bad one is argparse's one-line error (exit code 2), not a traceback mid-run."""
+    """--device names a device this machine has (cpu, or cuda[:i] with CUDA available), --out a folder that exists or
+    can be created, and matplotlib (the curves' plot, drawn at the end) is installed: a failure is argparse's one-line
+    error (exit code 2) before any training, not a traceback after it."""
+    if importlib.util.find_spec("matplotlib") is None:
+        p.error("the demo plots its curves with matplotlib, which is not installed: pip install matplotlib "
+                "(or, in a rapo_fast checkout, pip install -e '.[demo]')")  # fmt: skip
     try:
         dev = torch.device(a.device)
     except (RuntimeError, ValueError):

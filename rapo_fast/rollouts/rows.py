@@ -94,8 +94,16 @@ class Row:
 
 
 def prompt_ids(tokenizer, prob) -> list[int]:
-    """The prompt's token ids, starting with <bos> (column 0 must be <bos> for every row: an engine invariant)."""
-    ids = tokenizer.encode(prob.prompt)
-    if not ids or ids[0] != tokenizer.bos_token_id:
-        ids = [tokenizer.bos_token_id] + ids
-    return ids
+    """The prompt's token ids: `prob.prompt_ids` when the problem carries them (a chat-templated prompt: the template
+    places its own special tokens), else its text encoded, starting with <bos> when the tokenizer has one. Column 0
+    must be a real token in every row (an engine invariant); without <bos> (Qwen's tokenizers) it is the prompt's
+    first token, which is never padding: prompts are fed from column 0 on, padded on the right."""
+    ids = getattr(prob, "prompt_ids", None)
+    if ids is None:
+        ids = list(tokenizer.encode(prob.prompt))
+        bos = tokenizer.bos_token_id
+        if bos is not None and (not ids or ids[0] != bos):
+            ids = [bos] + ids
+    if not ids:
+        raise ValueError(f"rollout: the prompt of problem qid={prob.qid} has no tokens")
+    return list(ids)

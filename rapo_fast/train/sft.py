@@ -89,12 +89,12 @@ def sft_warmup(
     model.train()
     dev = next(model.parameters()).device
     losses = []
-    it = range(steps)
+    bar = None
     if progress:
-        from tqdm import tqdm
+        from rapo_fast.train.progress import progress_bar
 
-        it = tqdm(it, desc="sft", leave=False)
-    for _ in it:
+        bar = progress_bar(steps, "sft")
+    for _ in range(steps):
         batch = sft_examples(
             task,
             tokenizer,
@@ -112,6 +112,10 @@ def sft_warmup(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         losses.append(float(loss.detach()))
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
     return losses
 
 

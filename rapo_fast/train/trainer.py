@@ -353,7 +353,7 @@ class RAPOTrainer:
         the loop): called before the first step, after every step (they may add metrics and return True to stop
         training) and at the end; their progress_fields() join the progress bar. callback: a plain function called
         with each step's metrics (cannot stop training). progress: a tqdm bar named `desc` showing the training
-        success rate, the retrieval rate and the callbacks' fields.
+        success rate, the retrieval rate and the callbacks' fields (plain lines when stderr is not a terminal).
         """
         if not isinstance(num_steps, int) or isinstance(num_steps, bool) or num_steps < 0:
             raise ValueError(f"train: num_steps must be a non-negative int, got {num_steps!r}")
@@ -366,9 +366,9 @@ class RAPOTrainer:
         stop = any([cb.on_train_begin(self, num_steps) for cb in callbacks])
         bar = None
         if progress:
-            from tqdm import tqdm
+            from rapo_fast.train.progress import progress_bar
 
-            bar = tqdm(total=num_steps, desc=desc, leave=False)
+            bar = progress_bar(num_steps, desc)
         try:
             while not stop and len(history) < num_steps:
                 m = self.step()

@@ -1,0 +1,69 @@
+"""The step buffer in TRL's checkpoints: `StepTracesCheckpoint`, a transformers TrainerCallback.
+
+What it is: on every checkpoint TRL writes (`output_dir/checkpoint-<step>`), the StepTraces is saved beside the model
+in `rapo_step_traces/` with StepTraces.save (crash-safe: a versioned directory switched by one atomic rename,
+rapo_fast/_atomic.py); when training starts from a checkpoint (trainer.train(resume_from_checkpoint=...)), the saved
+buffer replaces the traces' contents in place, so the rollout_func holding them retrieves from the resumed buffer.
+RAPOGRPOTrainer adds it by itself when its rollout_func holds a StepTraces; with TRL's own GRPOTrainer pass
+callbacks=[StepTracesCheckpoint(traces)].
+What it is not: a checkpoint of the encoder (not saved; pass the same one) or of a K/V store's model.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+
+from rapo_fast.retrieval.step_traces import StepTraces
+
+__all__ = ["StepTracesCheckpoint", "TRACES_DIR"]
+
+TRACES_DIR = "rapo_step_traces"
+
+
+class StepTracesCheckpoint(TrainerCallback):
+    """Save `traces` into each TRL checkpoint and restore it when training resumes from one (module docstring)."""
+
+    def __init__(self, traces: StepTraces) -> None:
+        if not isinstance(traces, StepTraces):
+            raise TypeError(
+                f"StepTracesCheckpoint: traces must be a rapo_fast.retrieval.step_traces.StepTraces, got "
+                f"{type(traces).__name__}"
+            )
+        self.traces = traces
+
+    @staticmethod
+    def checkpoint_dir(args: Any, state: Any) -> Path:
+        """The folder transformers' Trainer writes the checkpoint of `state.global_step` into."""
+        return Path(args.output_dir) / f"checkpoint-{state.global_step}"
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.is_world_process_zero:
+            self.traces.save(self.checkpoint_dir(args, state) / TRACES_DIR)
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # transformers has loaded the checkpoint's TrainerState by now but gives callbacks no path: a resumed run is
+        # one that starts past step 0, and its checkpoint is the one of that step under output_dir.
+        if state.global_step == 0:
+            return
+        folder = self.checkpoint_dir(args, state) / TRACES_DIR
+        if not folder.is_dir():
+            raise ValueError(
+                f"StepTracesCheckpoint: training resumes at step {state.global_step} but {folder} does not exist; "
+                "resume from a checkpoint under output_dir that was saved with this callback, or call "
+                "restore(<checkpoint>) before trainer.train()"
+            )
+        self.restore(folder.parent)
+
+    def restore(self, checkpoint: str | os.PathLike) -> None:
+        """Replace the traces' contents by the buffer saved in `checkpoint` (a TRL checkpoint folder)."""
+        t = self.traces
+        loaded = StepTraces.load(
+            Path(checkpoint) / TRACES_DIR, t.encoder, t.tokenizer, kv_store=t.kv_store, model=t.model
+        )
+        t.buffer, t.payloads = loaded.buffer, loaded.payloads
+        t.num_offpolicy, t.num_onpolicy = loaded.num_offpolicy, loaded.num_onpolicy
+        t.pin_offpolicy = loaded.pin_offpolicy

@@ -1,0 +1,252 @@
+"""The TRL path with a real model's kind of tokenizer: a tiny Qwen2 built from a config, a byte-level BPE trained on the
+task text (no unk token, no bos, ChatML chat template), conversational prompts (examples/trl/rapo_grpo_chat.py).
+
+Each silent trap of a user bringing their own model has a test: tags that are not single tokens are refused at
+construction with the add_rapo_tags remedy; chat prompts are tokenized as TRL tokenizes them and tool output sits in
+the template's tool turn, out of the loss; evaluate() neither retrieves nor grows the buffer; TRL checkpoints carry the
+buffer and a resume restores it exactly; sampling options the rollout does not implement are refused; a StepBuffer
+passed as traces is refused at construction; the TRL path's names import from one module. End to end: 2 steps with
+retrieval, retrieved tokens out of the loss, the buffer grown.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+try:
+    from trl import GRPOConfig, GRPOTrainer
+except Exception as exc:  # ImportError, or any error raised while trl imports its own needs
+    pytest.skip(f"trl integration needs trl and its imports: {exc!r}"[:300], allow_module_level=True)
+
+from rapo_fast.demo.tasks import ChainArithmeticTask  # noqa: E402
+from rapo_fast.demo.tiny_qwen import CHATML_TEMPLATE, build_tiny_qwen  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in TRL
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("rapo_grpo_chat", ROOT / "examples" / "trl" / "rapo_grpo_chat.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+EX = _example()
+TASK = ChainArithmeticTask()
+
+
+@pytest.fixture(scope="module")
+def raw():
+    """(model, tokenizer) as built, before add_rapo_tags: the tags are split into byte-level pieces."""
+    problems = TASK.make_problems(50, seed=5)
+    return build_tiny_qwen([CHATML_TEMPLATE] + [" ".join(TASK.solution(p)) for p in problems], seed=1)
+
+
+@pytest.fixture(scope="module")
+def built():
+    """The example's warmed-up tiny Qwen2 and its tokenizer (tags added), built once for the module."""
+    args = EX.parse_args([])
+    return EX.load_model(args, TASK, TASK.make_problems(400, seed=args.seed + 2, start_qid=200_000))
+
+
+def _trainer(out: Path, built, argv=(), **rollout_kwargs):
+    trainer, rollout_func, _ = EX.build_trainer(EX.parse_args(list(argv)), out, built)
+    for k, v in rollout_kwargs.items():
+        setattr(rollout_func, k, v)
+    return trainer, rollout_func
+
+
+def _any_tool_call(prompt, completion: str) -> bool:
+    return "</tool>" in completion  # a success_fn that lets the policy's steps into the buffer as soon as it calls
+
+
+# -- 1. tags -------------------------------------------------------------------------------------------------------
+def test_tags_that_are_not_single_tokens_are_refused_with_the_remedy(raw, tmp_path):
+    from rapo_fast.integrations.trl import RAPOGRPOTrainer, make_rollout_func
+
+    model, tok = raw
+    assert tok.unk_token_id is None and tok.convert_tokens_to_ids("</tool>") is None  # Qwen2.5's situation
+    with pytest.raises(ValueError, match=r"</tool> is not in the vocabulary.*add_rapo_tags\(tokenizer, model\)"):
+        make_rollout_func(TASK, tokenizer=tok)
+    # the tokenizer left to the trainer: refused when the trainer is built, before any step
+    config = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, use_cpu=True,
+                        report_to="none", max_steps=1)  # fmt: skip
+    with pytest.raises(ValueError, match="add_rapo_tags"):
+        RAPOGRPOTrainer(model=model, reward_funcs=[_zero], args=config, train_dataset=_dataset(),
+                        processing_class=tok, rollout_func=make_rollout_func(TASK))  # fmt: skip
+
+
+def test_a_tag_mapped_to_unk_is_refused():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from rapo_fast.integrations.trl import check_rapo_tags
+
+    vocab = {w: i for i, w in enumerate(["<unk>", "<pad>", "<eos>", "<tool>", "<retrieve>", "</retrieve>", "1"])}
+    wl = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    wl.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=wl, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
+    assert tok.convert_tokens_to_ids("</tool>") == tok.unk_token_id  # every sampled <unk> would end a tool step
+    with pytest.raises(ValueError, match="</tool> is not in the vocabulary"):
+        check_rapo_tags(tok)
+
+
+def test_add_rapo_tags_makes_each_tag_one_token_and_resizes_the_model(raw):
+    import copy
+
+    from rapo_fast.integrations.trl import add_rapo_tags, check_rapo_tags
+
+    model, tok = copy.deepcopy(raw[0]), copy.deepcopy(raw[1])
+    assert add_rapo_tags(tok, model) == 4
+    check_rapo_tags(tok)
+    assert model.get_input_embeddings().weight.shape[0] == len(tok) == model.get_output_embeddings().weight.shape[0]
+    ids = tok.encode("a <tool> 1 + 2 </tool>", add_special_tokens=False)
+    assert tok.convert_tokens_to_ids("</tool>") == ids[-1]
+    # not special tokens: TRL's decode for the reward functions (skip_special_tokens=True) keeps their text
+    assert "</tool>" in tok.decode(ids, skip_special_tokens=True)
+    assert add_rapo_tags(tok, model) == 0
+
+
+def _zero(completions, **_):
+    return [0.0] * len(completions)
+
+
+def _dataset():
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": "calc 1 add 2"}]] * 4})
+
+
+# -- 2, end to end: chat prompts, retrieval, masks, buffer growth ----------------------------------------------------
+def test_chat_prompts_end_to_end_two_steps(built, tmp_path):
+    trainer, rollout_func = _trainer(tmp_path, built, ["--prompts-per-step", "4"], success_fn=_any_tool_call)
+    tok = trainer.processing_class
+    size0, batches = len(rollout_func.traces), []
+    original = RAPOGRPOTrainer_generate = type(trainer)._generate_and_score_completions
+
+    def recording(self, inputs):
+        out = original(self, inputs)
+        batches.append((inputs, {k: v for k, v in out.items() if torch.is_tensor(v)}))
+        return out
+
+    trainer._generate_and_score_completions = recording.__get__(trainer)
+    trainer.train()
+    assert trainer.state.global_step == 2 and RAPOGRPOTrainer_generate is not None
+    retrieved = sum(int(b["retrieved_mask"].sum()) for _, b in batches)
+    assert retrieved > 0, "no retrieval happened in 2 steps"
+    for inputs, b in batches:
+        # retrieved tokens and tool turns are out of the loss (tool_mask = the rollout's env_mask)
+        assert not (b["tool_mask"].bool() & b["retrieved_mask"]).any()
+        # the prompt ids are TRL's own tokenization of the chat prompt
+        want = tok.apply_chat_template(conversation=[inputs[0]["prompt"]], add_generation_prompt=True, tokenize=True,
+                                       return_dict=True)["input_ids"][0]  # fmt: skip
+        row = b["prompt_ids"][0][b["prompt_mask"][0].bool()].tolist()
+        assert row == list(want)
+    assert len(rollout_func.traces) > size0, "the buffer did not grow"
+    assert rollout_func.traces.num_onpolicy > 0
+
+
+def test_tool_output_sits_in_the_template_tool_turn_out_of_the_loss(built, tmp_path):
+    from rapo_fast.rollouts.batch import KIND_TOOL
+
+    trainer, rollout_func = _trainer(tmp_path, built, ["--prompts-per-step", "4"])
+    trainer.model.train()
+    prompts = [trainer.train_dataset[i]["prompt"] for i in range(4) for _ in range(4)]
+    out = rollout_func(prompts, trainer)
+    batch = rollout_func.last_batch
+    tool = batch.kinds == KIND_TOOL
+    assert tool.any(), "no tool call: the test would prove nothing"
+    b = int(tool.any(1).nonzero()[0, 0])
+    text = trainer.processing_class.decode(batch.input_ids[b][tool[b]].tolist())
+    assert text.startswith("<|im_end|>\n<|im_start|>user\n<tool_response>\n<obs>"), text
+    assert text.endswith("</obs>\n</tool_response><|im_end|>\n<|im_start|>assistant\n"), text
+    p = int(batch.prompt_len[b])
+    env = torch.tensor(out["env_mask"][b])
+    assert (env[tool[b, p : p + env.numel()]] == 0).all()
+
+
+# -- 3. evaluation ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("retrieve_at_eval", [False, True])
+def test_evaluate_leaves_the_buffer_unchanged(built, tmp_path, retrieve_at_eval):
+    trainer, rollout_func = _trainer(tmp_path, built, success_fn=_any_tool_call, retrieve_at_eval=retrieve_at_eval)
+    traces = rollout_func.traces
+    before = (len(traces), traces.num_onpolicy, [list(p) for p in traces.payloads], traces.buffer.embeddings.clone())
+    calls = []
+    original = traces.retrieve
+    traces.retrieve = lambda *a, **k: calls.append(1) or original(*a, **k)
+    trainer.evaluate()
+    assert (len(traces), traces.num_onpolicy, traces.payloads) == before[:3]
+    assert torch.equal(traces.buffer.embeddings, before[3])
+    # the eval rollout had hybrid (retrieving) rows only with the switch; without it the buffer was never searched
+    assert bool(rollout_func.last_batch.hybrid.any()) == retrieve_at_eval
+    assert retrieve_at_eval or not calls
+
+
+# -- 4. checkpoints --------------------------------------------------------------------------------------------------
+def test_resume_from_a_trl_checkpoint_restores_the_buffer_exactly(built, tmp_path):
+    from rapo_fast.integrations.trl_checkpoint import TRACES_DIR
+
+    argv = ["--steps", "1", "--save-steps", "1"]
+    trainer, rollout_func = _trainer(tmp_path / "run", built, argv, success_fn=_any_tool_call)
+    trainer.train()
+    saved = rollout_func.traces
+    ckpt = tmp_path / "run" / "checkpoint-1"
+    assert (ckpt / TRACES_DIR / "CURRENT").is_file()
+    assert saved.num_onpolicy > 0, "the buffer did not grow: the test would prove nothing"
+    resumed_trainer, resumed = _trainer(tmp_path / "run", built, argv)
+    assert len(resumed.traces) != len(saved)  # a fresh seed buffer before the resume
+    resumed_trainer.train(resume_from_checkpoint=str(ckpt))
+    got = resumed.traces
+    assert got.payloads == saved.payloads
+    assert (got.num_offpolicy, got.num_onpolicy) == (saved.num_offpolicy, saved.num_onpolicy)
+    for name in ("embeddings", "payload_ids", "group_ids", "scores", "pinned"):
+        assert torch.equal(getattr(got.buffer, name), getattr(saved.buffer, name)), name
+
+
+# -- 5. sampling options ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("option", [{"top_p": 0.9}, {"top_k": 20}, {"repetition_penalty": 1.1}])
+def test_unimplemented_sampling_options_are_refused_at_construction(built, tmp_path, option):
+    from rapo_fast.integrations.trl import RAPOGRPOTrainer
+
+    trainer, rollout_func = _trainer(tmp_path, built)
+    config = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, use_cpu=True,
+                        report_to="none", max_steps=1, **option)  # fmt: skip
+    kwargs = dict(model=trainer.model, reward_funcs=trainer.reward_funcs, args=config, train_dataset=_dataset(),
+                  processing_class=trainer.processing_class, rollout_func=rollout_func)  # fmt: skip
+    name = next(iter(option))
+    with pytest.raises(ValueError, match=name):
+        RAPOGRPOTrainer(**kwargs)
+    plain = GRPOTrainer(**kwargs)  # TRL's own trainer: refused at the first rollout, before sampling
+    with pytest.raises(ValueError, match=name):
+        rollout_func([_dataset()[0]["prompt"]] * 4, plain)
+
+
+# -- 6. wrong objects, types, exports --------------------------------------------------------------------------------
+def test_a_step_buffer_as_traces_is_refused_at_construction():
+    from rapo_fast import StepBuffer
+    from rapo_fast.integrations.trl import make_rollout_func
+
+    with pytest.raises(TypeError, match=r"traces must be a rapo_fast.StepTraces or None, got StepBuffer.*StepTraces\("):
+        make_rollout_func(TASK, StepBuffer(16, 8))
+    with pytest.raises(TypeError, match="got object"):
+        make_rollout_func(object())
+
+
+def test_make_rollout_func_signature_is_typed_and_the_names_come_from_one_module():
+    import rapo_fast.integrations.trl as trl_path
+
+    params = inspect.signature(trl_path.make_rollout_func).parameters
+    assert all(p.kind is not inspect.Parameter.VAR_KEYWORD for p in params.values())
+    assert all(p.annotation is not inspect.Parameter.empty for p in params.values())
+    for name in ("RAPOGRPOTrainer", "make_rollout_func", "StepTraces", "HashedNgramEncoder", "MiniLMEncoder",
+                 "add_rapo_tags", "StepTracesCheckpoint"):  # fmt: skip
+        assert name in trl_path.__all__ and getattr(trl_path, name) is not None
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        trl_path.make_rollout_func(TASK, top_p=0.9)
