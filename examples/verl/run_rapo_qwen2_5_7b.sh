@@ -14,4 +14,5 @@ export RAPO_DATA_DIR="${RAPO_DATA_DIR:-$HOME/data/rapo}"
 export RAPO_MODEL_PATH="${RAPO_MODEL_PATH:-Qwen/Qwen2.5-7B-Instruct}"
 export RAPO_STEP_BUFFER_DIR="${RAPO_STEP_BUFFER_DIR:-$HOME/data/rapo/step_buffer}"
 export RAPO_SEARCH_URL="${RAPO_SEARCH_URL:-http://127.0.0.1:8000/retrieve}"
-exec python3 -m verl.trainer.main_ppo --config-path="$RECIPE_DIR/config" --config-name=rapo_trainer "$@"
+source "$RECIPE_DIR/ray_env.sh"  # the RAPO_* variables above reach every Ray worker, on every node
+exec python3 -m verl.trainer.main_ppo --config-path="$RECIPE_DIR/config" --config-name=rapo_trainer "${RAPO_RAY_ENV[@]}" "$@"

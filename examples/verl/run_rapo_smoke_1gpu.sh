@@ -23,5 +23,6 @@ if [ ! -f "$RAPO_STEP_BUFFER_DIR/CURRENT" ]; then
 fi
 LOGGER=()
 if [ "${RAPO_WANDB:-0}" = "1" ]; then LOGGER=("trainer.logger=[console,wandb]"); fi
+source "$RECIPE_DIR/ray_env.sh"
 exec python3 -m verl.trainer.main_ppo --config-path="$RECIPE_DIR/config" --config-name=rapo_trainer \
-  +recipe=smoke_1gpu "${LOGGER[@]}" "$@"
+  +recipe=smoke_1gpu "${LOGGER[@]}" "${RAPO_RAY_ENV[@]}" "$@"

@@ -124,6 +124,23 @@ def test_smoke_launch_script_selects_the_smoke_option_and_its_data():
         assert name in text and (RECIPE / "smoke" / name).exists()
 
 
+def test_launch_scripts_hand_the_rapo_variables_to_every_ray_worker():
+    import os
+    import subprocess
+
+    for script in ("run_rapo_qwen2_5_7b.sh", "run_rapo_smoke_1gpu.sh"):
+        assert '"${RAPO_RAY_ENV[@]}"' in (RECIPE / script).read_text(), script
+    env = {"PATH": os.environ["PATH"], "RAPO_SEARCH_URL": "http://10.0.0.7:8000/retrieve", "RAPO_DATA_DIR": "/nfs/a b"}
+    got = subprocess.run(
+        ["bash", "-c", f'source "{RECIPE / "ray_env.sh"}"; printf "%s\\n" "${{RAPO_RAY_ENV[@]}}"'],
+        env=env, capture_output=True, text=True, check=True,
+    ).stdout.splitlines()  # fmt: skip
+    assert len(got) == 2
+    # what the scripts pass composes into verl's ray.init runtime_env (main_ppo merges it over verl's defaults)
+    env_vars = _compose(["+recipe=smoke_1gpu", *got]).ray_kwargs.ray_init.runtime_env.env_vars
+    assert dict(env_vars) == {"RAPO_SEARCH_URL": "http://10.0.0.7:8000/retrieve", "RAPO_DATA_DIR": "/nfs/a b"}
+
+
 def test_every_selected_name_resolves_to_a_registered_part(cfg):
     import verl  # noqa: F401  (loads rapo_fast's plugin)
     from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
