@@ -9,7 +9,7 @@ backend.
 What it is not: the paper's dense retriever (e5 over Wikipedia; a BM25 ranking differs from it) nor a server: the whole
 corpus is indexed in the memory of each process that loads the tool (fine for the smoke corpus or some 10^5
 passages, not for the 21M-passage wiki dump: run Search-R1's server for that). Needs nothing beyond the standard
-library, so it loads without verl (tests/test_verl_recipe_local.py).
+library, so it loads without verl (tests/integrations/test_verl_recipe_local.py).
 """
 
 from __future__ import annotations

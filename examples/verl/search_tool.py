@@ -9,7 +9,7 @@ gets the top RAPO_SEARCH_TOPK (default 3) passages from one of two backends, pic
 What it is not: rapo_fast's step retrieval (that is the step buffer, examples/verl/build_step_buffer.sh). Not run in CI
 with the http backend (no retrieval server there); tests check that verl can load it and build its schema, and run the
 local backend through this module (tests/integrations/verl_plugin/test_verl_recipe.py) and without verl
-(tests/test_verl_recipe_local.py).
+(tests/integrations/test_verl_recipe_local.py).
 """
 
 from __future__ import annotations
