@@ -1,5 +1,5 @@
 """The `rapo-fast` command line: `demo`, `table1`, `bench {loss,logprobs,retrieval,kv,buffer}`, `info`,
-`verl-build-buffer`.
+`verl-build-buffer`, `verl-traces`.
 
 What this is: argument routing only, and the one module outside rapo_fast/demo/ allowed to import the demo (nothing in
 the library imports this module; tools/check_layout.py checks both). The demo's options live in
@@ -103,7 +103,9 @@ def _parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="rapo-fast", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"rapo-fast {__version__}")
-    sub = parser.add_subparsers(dest="cmd", required=True, metavar="{demo,table1,bench,info,verl-build-buffer}")
+    sub = parser.add_subparsers(
+        dest="cmd", required=True, metavar="{demo,table1,bench,info,verl-build-buffer,verl-traces}"
+    )
     # demo and each benchmark parse their own options (add_help=False here, so `--help` reaches them)
     sub.add_parser("demo", help="train RAPO vs GRPO on a synthetic tool task (CPU, minutes)", add_help=False)
     sub.add_parser(
@@ -129,6 +131,11 @@ def _parser() -> argparse.ArgumentParser:
         help="build RAPO's step buffer for a verl job from off-policy JSONL traces (README 'RAPO on verl')",
         add_help=False,
     )
+    sub.add_parser(
+        "verl-traces",
+        help="make the off-policy traces JSONL (verl-build-buffer's input) from verl's rollout dumps, by reward",
+        add_help=False,
+    )
     return parser
 
 
@@ -150,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
         from rapo_fast.integrations.verl import buffer_setup
 
         return int(buffer_setup.main(rest) or 0)
+    if args.cmd == "verl-traces":
+        from rapo_fast.integrations.verl import traces
+
+        return int(traces.main(rest) or 0)
     if rest:
         parser.error(f"info takes no arguments, got {' '.join(rest)}")
     print(json.dumps(info(), indent=2))
