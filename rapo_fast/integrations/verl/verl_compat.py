@@ -156,6 +156,11 @@ INTERNALS: tuple[Internal, ...] = (
         "verl.utils.experimental.torch_functional:FusedLinearForPPO",
         "opt-in (RAPO_FAST_VERL_FUSED_LOGPROBS=1): verl's fused actor forward runs rapo_fast's kernel",
     ),
+    Internal(
+        "patch",
+        "verl.models.transformers.monkey_patch:is_trl_available",
+        "trl >= 1.16 lacks the value-head class verl's monkey patch imports when trl exists (trl_clash.py)",
+    ),
     # the advantage estimator (advantage.py)
     Internal("import", f"{_CA}:compute_grpo_outcome_advantage", "A_acc is verl's GRPO advantage, called"),
     Internal("registry", f"{_CA}:register_adv_est", "registers the advantage estimator 'rapo'"),

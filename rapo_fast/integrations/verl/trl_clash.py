@@ -1,0 +1,51 @@
+"""verl 0.9.1's FSDP actor and trl >= 1.16 in one environment (`rapo-fast[verl,trl]`, and the `test` extra).
+
+The clash: verl's `apply_monkey_patch` (verl/models/transformers/monkey_patch.py), run by the FSDP engine's
+`init_model` for every model, patches `state_dict` of trl's `AutoModelForCausalLMWithValueHead` whenever trl is
+importable (`verl.utils.import_utils.is_trl_available`: "a module named trl exists"). trl 1.16 no longer has that
+class (neither at `trl` nor at `trl.experimental.ppo`; verl's own `fsdp` extra pins trl 0.27), so the import raises
+and the actor never builds: every verl job fails at `init_model` once rapo_fast's trl extra is installed.
+The fix (`register()`, run by plugin.py in every verl process): the name `is_trl_available` inside that module is
+replaced by a check that also asks whether trl has the class, so verl skips a patch of a class that does not exist.
+Nothing else in verl changes: verl's value-head loader (critic models, verl/utils/model.py) keeps verl's own check,
+and RAPO has no critic. The check runs when verl calls it (in the actor workers), so loading the plugin imports no trl.
+What it is not: a change to trl or to rapo_fast's TRL adapter (rapo_fast/integrations/trl.py), which needs trl >= 1.16.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+
+from rapo_fast.integrations.verl import verl_compat
+
+__all__ = ["VALUE_HEAD", "trl_has_value_head", "register"]
+
+TARGET = "verl.models.transformers.monkey_patch:is_trl_available"
+VALUE_HEAD = "AutoModelForCausalLMWithValueHead"
+_MODULES = ("trl.experimental.ppo", "trl")  # where verl looks for it, in its order
+
+
+@functools.cache
+def trl_has_value_head() -> bool:
+    """Whether trl is installed and has the value-head class verl's monkey patch imports (where verl looks)."""
+    if importlib.util.find_spec("trl") is None:
+        return False
+    for module in _MODULES:
+        try:
+            if hasattr(importlib.import_module(module), VALUE_HEAD):
+                return True
+        except ImportError:
+            continue
+    return False
+
+
+def _is_trl_available_with_value_head() -> bool:
+    """verl's is_trl_available as its monkey patch means it: trl is there and has the class it patches."""
+    return trl_has_value_head()
+
+
+def register() -> None:
+    """Installs the check into verl's monkey-patch module (idempotent)."""
+    verl_compat.replace(TARGET, _is_trl_available_with_value_head)
