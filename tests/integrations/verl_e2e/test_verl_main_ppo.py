@@ -248,9 +248,7 @@ def run_main_ppo(root: Path, **kw) -> tuple[list[dict], str, float]:
     _job_dir(root)
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *_overrides(root, **kw)]
     t0 = time.monotonic()
-    proc = subprocess.run(
-        cmd, cwd=root, env=_env(root), capture_output=True, text=True, timeout=TIMEOUT_S, check=False
-    )
+    proc = subprocess.run(cmd, cwd=root, env=_env(root), capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
     wall = time.monotonic() - t0
     out = proc.stdout + proc.stderr
     (root / "main_ppo.log").write_text(out)

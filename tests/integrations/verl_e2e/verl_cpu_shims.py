@@ -17,7 +17,6 @@ KV cache, sampling only: temperature / top-k / top-p), or usable for anything bu
 
 from __future__ import annotations
 
-import asyncio
 import os
 import types
 from contextlib import contextmanager
