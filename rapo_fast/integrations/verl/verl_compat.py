@@ -178,6 +178,18 @@ INTERNALS: tuple[Internal, ...] = (
         "v1 trainer: extra_fields read from TransferQueue for 'rapo'",
         optional=True,
     ),
+    Internal(
+        "import",
+        "verl.trainer.ppo.v1.trainer_base:PPOTrainer",
+        "v1 trainer: RAPO's rapo/* figures merged into each step's metrics (metrics.py)",
+        optional=True,
+    ),
+    Internal(
+        "override",
+        "verl.trainer.ppo.v1.trainer_base:PPOTrainer._compute_advantage",
+        "wrapped: takes the step's metrics dict, which it updates with the rapo/* figures",
+        optional=True,
+    ),
     Internal("import", "transfer_queue:kv_batch_get", "v1 trainer: reads the batch's extra_fields", optional=True),
     Internal(
         "field",

@@ -45,7 +45,7 @@ ID = {w: i for i, w in enumerate(WORDS)}
 TRANSITIONS = {
     "assistant": {"think": 1.0},
     "think": {"a": 0.7, "b": 0.3},
-    "think2": {"a": 0.4, "b": 0.3, "c": 0.2, "d": 0.1},
+    "think2": {"a": 0.45, "b": 0.25, "c": 0.2, "d": 0.1},  # no probability shared with "think"
     "a": {"<tool_call>": 1.0},
     "b": {"<tool_call>": 1.0},
     "c": {"<tool_call>": 1.0},
@@ -148,13 +148,14 @@ def _job_dir(root: Path) -> Path:
 
 
 def _overrides(root: Path, *, mini_batch: int, ranks: int, val_before_train: bool) -> list[str]:
+    micro = 4 * mini_batch // ranks  # trajectories per rank in a mini-batch (rollout.n = 4): one micro-batch
     return [
         f"data.train_files={root / 'train.parquet'}",
         f"data.val_files={root / 'val.parquet'}",
         "data.train_batch_size=2",
         "data.val_batch_size=2",
         "data.max_prompt_length=32",
-        "data.max_response_length=64",
+        "data.max_response_length=96",
         "data.return_raw_chat=true",
         "data.dataloader_num_workers=0",
         "data.shuffle=false",
@@ -169,14 +170,14 @@ def _overrides(root: Path, *, mini_batch: int, ranks: int, val_before_train: boo
         "actor_rollout_ref.actor.use_kl_loss=false",
         "actor_rollout_ref.actor.entropy_coeff=0",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={mini_batch}",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}",
         "actor_rollout_ref.actor.optim.lr=0.05",
         "actor_rollout_ref.actor.fsdp_config.param_offload=false",
         "actor_rollout_ref.actor.fsdp_config.optimizer_offload=false",
         "actor_rollout_ref.rollout.name=hf",
         "actor_rollout_ref.rollout.n=4",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={micro}",
         "actor_rollout_ref.rollout.calculate_log_probs=true",
         "actor_rollout_ref.rollout.free_cache_engine=false",
         "actor_rollout_ref.rollout.enforce_eager=true",
@@ -189,7 +190,7 @@ def _overrides(root: Path, *, mini_batch: int, ranks: int, val_before_train: boo
         "actor_rollout_ref.rollout.val_kwargs.n=1",
         "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
         "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
-        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
+        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={micro}",
         "algorithm.adv_estimator=rapo",
         "algorithm.use_kl_in_reward=false",
         "+algorithm.rapo_ret_coef=0.2",
@@ -261,9 +262,54 @@ def _train_steps(records: list[dict]) -> list[dict]:
     return [r["data"] for r in records if "training/global_step" in r["data"]]
 
 
-def test_main_ppo_two_steps_rapo(tmp_path):
+def test_main_ppo_two_rapo_steps_with_validation(tmp_path):
+    """2 steps after a validation pass: the loop retrieves (its own group excluded), the reward manager grows the
+    buffer, the advantage gives a retrieval term to exactly the hybrid rows, and validation neither searches nor adds.
+    """
     records, out, wall = run_main_ppo(tmp_path, mini_batch=2, ranks=1, val_before_train=True)
     print(f"main_ppo wall time: {wall:.1f} s")
     steps = _train_steps(records)
-    assert len(steps) == 2, records
-    assert all(m["actor/rapo/retrieved_frac"] > 0 for m in steps)
+    assert [s["training/global_step"] for s in steps] == [1, 2]
+    assert any(k.startswith("val-core/") for r in records for k in r["data"])  # the validation pass ran
+    for m in steps:
+        rapo = sorted(k for k in m if k.startswith("rapo/"))
+        print(m["training/global_step"], {k: round(m[k], 4) for k in rapo})
+        # rollout: half of each group hybrid, every hybrid member retrieved, tokens inserted
+        assert m["rapo/rollout/hybrid_frac"] == pytest.approx(0.5)
+        assert m["rapo/rollout/retrieved_frac"] > 0 and m["rapo/rollout/retrievals_per_hybrid_traj"] > 0
+        assert m["rapo/rollout/retrieval_score/max"] > 0 and m["rapo/rollout/search_latency_ms/mean"] > 0
+        for key in ("skipped_no_result", "skipped_too_long", "skipped_no_room", "retrieve_calls", "growth_steps"):
+            assert f"rapo/rollout/{key}" in m
+        # advantage: the retrieval reward Z on exactly the hybrid rows; A_ret (normalised over the retrieving rows)
+        # never on a non-hybrid row
+        assert m["rapo/adv/z_nonzero_frac/hybrid"] == 1.0 and m["rapo/adv/z_nonzero_frac/non_hybrid"] == 0.0
+        assert m["rapo/adv/a_ret_nonzero_frac/non_hybrid"] == 0.0
+        # the loss ran inside FSDP with the retrieved tokens' fraction
+        assert m["actor/rapo/retrieved_frac"] > 0
+    assert max(m["rapo/adv/a_ret_nonzero_frac/hybrid"] for m in steps) > 0
+    last = steps[-1]
+    # buffer: grew from the training rollouts' successful steps, and only from them (validation ran before step 1
+    # and its rollouts are scored too: the counters equal what the two training batches asked for)
+    assert last["rapo/buffer/steps_added"] > 0
+    assert last["rapo/buffer/steps_added"] + last["rapo/buffer/steps_dropped"] == sum(
+        m["rapo/rollout/growth_steps"] for m in steps
+    )
+    assert last["rapo/buffer/requests"] == sum(m["rapo/rollout/retrieve_calls"] for m in steps)
+    assert last["rapo/buffer/size"] > steps[0]["rapo/buffer/size"] - steps[0]["rapo/buffer/steps_added"]
+    # step 2's prompts retrieve step 1's steps (same task family, own group excluded): far nearer than the seed step
+    assert steps[1]["rapo/rollout/retrieval_score/mean"] > steps[0]["rapo/rollout/retrieval_score/mean"]
+
+
+def test_main_ppo_two_minibatches_two_fsdp_ranks(tmp_path):
+    """2 PPO mini-batches per step over 2 FSDP ranks (gloo): the second mini-batch runs after an update, so its
+    ratios differ from 1 and the clip and the importance shaping act."""
+    records, out, wall = run_main_ppo(tmp_path, mini_batch=1, ranks=2, val_before_train=False)
+    print(f"main_ppo wall time: {wall:.1f} s")
+    steps = _train_steps(records)
+    assert [s["training/global_step"] for s in steps] == [1, 2]
+    for m in steps:
+        print(m["training/global_step"], {k: round(v, 5) for k, v in m.items() if k.startswith("actor/")})
+    assert max(m["actor/rapo/approx_kl"] for m in steps) > 0
+    assert max(abs(m["actor/rapo/ratio_mean"] - 1.0) for m in steps) > 0
+    assert max(m["actor/pg_clipfrac"] for m in steps) > 0
+    assert all(m["rapo/rollout/retrieved_frac"] > 0 for m in steps)
