@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import warnings
 
 from rapo_fast.integrations.verl import verl_compat
 
@@ -24,7 +25,7 @@ __all__ = ["VALUE_HEAD", "trl_has_value_head", "register"]
 
 TARGET = "verl.models.transformers.monkey_patch:is_trl_available"
 VALUE_HEAD = "AutoModelForCausalLMWithValueHead"
-_MODULES = ("trl.experimental.ppo", "trl")  # where verl looks for it, in its order
+_MODULES = ("trl", "trl.experimental.ppo")  # where verl looks for it (the stable home first: no warning from trl)
 
 
 @functools.cache
@@ -34,8 +35,10 @@ def trl_has_value_head() -> bool:
         return False
     for module in _MODULES:
         try:
-            if hasattr(importlib.import_module(module), VALUE_HEAD):
-                return True
+            with warnings.catch_warnings():  # trl warns on any import of trl.experimental: this is only a probe
+                warnings.simplefilter("ignore")
+                if hasattr(importlib.import_module(module), VALUE_HEAD):
+                    return True
         except ImportError:
             continue
     return False
