@@ -29,6 +29,7 @@ import pytest
 pytest.importorskip("verl")
 pytest.importorskip("ray")
 pytest.importorskip("transfer_queue")
+pytestmark = pytest.mark.slow  # minutes: each run starts Ray, TransferQueue and ~10 worker processes
 
 import torch  # noqa: E402
 from helpers.verl_tiny import chat_word_tokenizer  # noqa: E402
@@ -75,7 +76,7 @@ AGENT_LOOPS = """
   n_hybrid: 2
 """
 PROMPTS = [("what is x", "b"), ("what is y", "c"), ("what is z", "b"), ("what is w", "c")]
-TIMEOUT_S = 420
+TIMEOUT_S = 900  # a run takes 1.5 to 7 minutes, depending on how loaded the machine is (process start-ups)
 
 
 def _bigram_model(d: Path) -> None:
