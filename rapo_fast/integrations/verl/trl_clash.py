@@ -15,8 +15,6 @@ What it is not: a change to trl or to rapo_fast's TRL adapter (rapo_fast/integra
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
 import warnings
 
 from rapo_fast.integrations.verl import verl_compat
@@ -25,23 +23,25 @@ __all__ = ["VALUE_HEAD", "trl_has_value_head", "register"]
 
 TARGET = "verl.models.transformers.monkey_patch:is_trl_available"
 VALUE_HEAD = "AutoModelForCausalLMWithValueHead"
-_MODULES = ("trl", "trl.experimental.ppo")  # where verl looks for it (the stable home first: no warning from trl)
 
 
 @functools.cache
 def trl_has_value_head() -> bool:
-    """Whether trl is installed and has the value-head class verl's monkey patch imports (where verl looks)."""
-    if importlib.util.find_spec("trl") is None:
-        return False
-    for module in _MODULES:
+    """Whether trl is installed and has the value-head class verl's monkey patch imports (where verl looks: trl, then
+    trl.experimental.ppo)."""
+    with warnings.catch_warnings():  # trl warns on any import of trl.experimental: this is only a probe
+        warnings.simplefilter("ignore")
         try:
-            with warnings.catch_warnings():  # trl warns on any import of trl.experimental: this is only a probe
-                warnings.simplefilter("ignore")
-                if hasattr(importlib.import_module(module), VALUE_HEAD):
-                    return True
+            import trl
+        except Exception:  # not installed, or broken: verl's patch could not import the class either
+            return False
+        if hasattr(trl, VALUE_HEAD):
+            return True
+        try:
+            from trl.experimental import ppo
         except ImportError:
-            continue
-    return False
+            return False
+        return hasattr(ppo, VALUE_HEAD)
 
 
 def _is_trl_available_with_value_head() -> bool:

@@ -44,17 +44,15 @@ def test_check_means_trl_has_the_value_head_class(fresh_check, monkeypatch):
         pass
 
     fake = types.ModuleType("trl")
-    fake.__spec__ = types.SimpleNamespace(name="trl")
     monkeypatch.setitem(sys.modules, "trl", fake)
     monkeypatch.setitem(sys.modules, "trl.experimental", None)  # the newer home is missing: verl falls back to trl
-    monkeypatch.setattr(trl_clash.importlib.util, "find_spec", lambda name: object())
     assert not trl_clash.trl_has_value_head()  # trl >= 1.16: no such class anywhere
     trl_clash.trl_has_value_head.cache_clear()
     fake.AutoModelForCausalLMWithValueHead = ValueHead
     assert trl_clash.trl_has_value_head() and monkey_patch.is_trl_available()  # verl's patch then runs as before
     trl_clash.trl_has_value_head.cache_clear()
-    monkeypatch.setattr(trl_clash.importlib.util, "find_spec", lambda name: None)
-    assert not trl_clash.trl_has_value_head()  # no trl at all: verl's own answer
+    monkeypatch.setitem(sys.modules, "trl", None)  # no trl at all: verl's own answer
+    assert not trl_clash.trl_has_value_head()
 
 
 def test_registering_again_keeps_verls_function_for_restore():
