@@ -1,21 +1,14 @@
 """RAPO's figures in verl's step metrics (`rapo/*`: what verl's console, file and wandb loggers get every step).
 
-What it is: the v1 trainer's `PPOTrainer._compute_advantage(batch, metrics)` is wrapped (`register()`): after verl's
-own work, the figures recorded meanwhile on the driver are merged into that step's `metrics` dict, as verl merges its
-own (and as ARPO merges its `tools/*`):
-- rollout (`rapo/rollout/*`, from the training batch's agent-loop extra_fields, read by advantage.py from
-  TransferQueue): retrievals per trajectory and per hybrid trajectory, searches asked, insertions skipped by reason
-  (`skipped_no_result`, `skipped_too_long`, `skipped_no_room`), hybrid fraction, retrieved-token fraction F, the
-  searches' top scores, their latency as the loops saw it and the searches in flight when one was asked (the queue
-  depth one agent-loop worker adds), and `growth_steps`: the tool steps of successful trajectories that the `rapo`
-  reward manager adds by its rule (buffer_setup.onpolicy_steps);
-- advantage (`rapo/adv/*`, recorded by the `rapo` estimator): Z and A_ret statistics, and the fraction of hybrid and
-  of non-hybrid rows with Z != 0 and with A_ret != 0;
-- buffer (`rapo/buffer/*`, the step buffer actors' own counters summed over shards, cumulative over the job): size,
-  steps added and dropped, add calls, search requests, searches and queries.
-The loss's figures go through verl's own actor-metric route instead (`actor/rapo/*`, policy_loss.py).
-What it is not: a logger (verl logs), or the legacy trainer's route (`trainer.use_v1=false` gets only the loss's
-figures: its fit loop has no method to wrap). Importable without verl; `register()` imports it.
+What it is: `register()` wraps the v1 trainer's `PPOTrainer._compute_advantage(batch, metrics)`: after verl's own
+work, the figures recorded on the driver meanwhile are merged into that step's `metrics` dict, as ARPO merges its
+`tools/*`: `rapo/rollout/*` (from the training batch's agent-loop extra_fields: retrievals, searches, skipped
+insertions by reason, hybrid fraction, F, scores, latency, searches in flight, the steps the buffer grows by),
+`rapo/adv/*` (Z and A_ret statistics, recorded by the `rapo` estimator) and `rapo/buffer/*` (the buffer actors'
+counters). The list of figures and their meaning: docs/verl.md section 9. The loss's figures take verl's own
+actor-metric route (`actor/rapo/*`, policy_loss.py).
+What it is not: a logger (verl logs), or the legacy trainer's route (its fit loop has no method to wrap).
+Importable without verl; `register()` imports it.
 """
 
 from __future__ import annotations
