@@ -295,7 +295,8 @@ def test_main_ppo_two_rapo_steps_with_validation(tmp_path):
     assert last["rapo/buffer/steps_added"] + last["rapo/buffer/steps_dropped"] == sum(
         m["rapo/rollout/growth_steps"] for m in steps
     )
-    assert last["rapo/buffer/requests"] == sum(m["rapo/rollout/retrieve_calls"] for m in steps)
+    # (queries: one per history searched, however the client and the actor batch the requests)
+    assert last["rapo/buffer/queries"] == sum(m["rapo/rollout/retrieve_calls"] for m in steps)
     assert last["rapo/buffer/size"] > steps[0]["rapo/buffer/size"] - steps[0]["rapo/buffer/steps_added"]
     # step 2's prompts retrieve step 1's steps (same task family, own group excluded): far nearer than the seed step
     assert steps[1]["rapo/rollout/retrieval_score/mean"] > steps[0]["rapo/rollout/retrieval_score/mean"]
