@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from rapo_fast import _checks as C
+from rapo_fast.integrations.verl import metrics as rapo_metrics
 from rapo_fast.integrations.verl import verl_compat
 from rapo_fast.loss.advantages import RET_NORMS, group_normalize, retrieval_reward
 
@@ -37,6 +38,7 @@ __all__ = [
 ESTIMATOR_NAME = "rapo"
 H_BEFORE_KEY = "rapo_h_before"
 H_AFTER_KEY = "rapo_h_after"
+HYBRID_KEY = "rapo_hybrid"
 EXTRA_FIELDS_KEY = verl_compat.EXTRA_FIELDS_KEY
 DEFAULT_RET_COEF = 0.2  # RAPO's a
 DEFAULT_RET_NORM = "group"  # rapo_advantages' default: the paper's formula as written (docs/loss.md section 8)
@@ -159,7 +161,10 @@ def compute_rapo_outcome_advantage(
     )
     fields = non_tensor_batch if non_tensor_batch is not None else _NON_TENSOR.get()
     got = _retrieval_fields(fields, token_level_rewards.shape[0])
+    hybrid = None if fields is None else _field_rows(fields, HYBRID_KEY, token_level_rewards.shape[0])
     if got is None or not bool((got[0] != 0).any()):
+        if got is not None:  # a RAPO batch without any retrieval reward: Z = A_ret = 0 on every row
+            rapo_metrics.record(rapo_metrics.advantage_metrics(got[0], torch.zeros_like(got[0]), hybrid))
         return adv, adv  # no retrieval reward: exactly verl's GRPO
     z, scored = got
     a = float(_cfg(config, "rapo_ret_coef", DEFAULT_RET_COEF))
@@ -171,6 +176,7 @@ def compute_rapo_outcome_advantage(
         a_ret[rows] = group_normalize(z[rows], groups[rows], epsilon)
     else:
         a_ret = group_normalize(z, groups, epsilon)
+    rapo_metrics.record(rapo_metrics.advantage_metrics(z, a_ret, hybrid))
     factor = (1.0 + a * a_ret).to(adv.dtype).to(adv.device)
     adv = adv * factor[:, None]
     return adv, adv
@@ -227,7 +233,12 @@ def _wrap_multi_trajectories(fn: Callable[..., Any]) -> Callable[..., Any]:
     def compute_advantage_for_multi_trajectories(data: Any, batch_keys: list[str], adv_estimator: Any, *a, **kw):
         if not _is_rapo(adv_estimator):
             return fn(data, batch_keys, adv_estimator, *a, **kw)
-        with rapo_non_tensor_batch(_extra_fields_from_tq(list(batch_keys))):
+        fields = _extra_fields_from_tq(list(batch_keys))
+        if fields is not None:  # for the step's rapo/rollout/* figures (metrics.py)
+            tlr = data.batch["token_level_rewards"] if "token_level_rewards" in data.batch else None
+            rewards = None if tlr is None else tlr.sum(-1).tolist()
+            rapo_metrics.record_rows(fields[EXTRA_FIELDS_KEY], rewards)
+        with rapo_non_tensor_batch(fields):
             return fn(data, batch_keys, adv_estimator, *a, **kw)
 
     compute_advantage_for_multi_trajectories._rapo_wrapped = True  # type: ignore[attr-defined]

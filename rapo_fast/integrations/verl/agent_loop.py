@@ -13,6 +13,7 @@ plugin.py and the tests import it.
 from __future__ import annotations
 
 import random
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
@@ -38,6 +39,10 @@ AGENT_LOOP_NAME = "rapo_tool_agent"
 HYBRID_SELECTIONS = ("count", "coin")
 _MAX_TRACKED_UIDS = 1 << 16  # member counters kept per process (oldest dropped first)
 _MEMBERS: OrderedDict[str, int] = OrderedDict()
+# Why an insertion the coin allowed did not happen: the search found nothing; the segment is longer than
+# max_retrieve_tokens; it would leave no room for one generated token.
+SKIP_REASONS = ("no_result", "too_long", "no_room")
+_IN_FLIGHT = 0  # buffer searches this process is awaiting (the queue depth one more search joins)
 _CLIENTS: dict[str, Any] = {}
 
 
@@ -169,6 +174,13 @@ class _RunState:
     retrievals: list[list[int]] = field(default_factory=list)  # [start, end, step before, step after or -1, pid]
     validate: bool = False  # a validation rollout (recorded for the buffer growth: it never adds these)
     group_id: int | None = None  # the sample's group id whether or not this member retrieves
+    # what the retrievals did, for verl's metrics stream (metrics.py): searches asked, insertions skipped by reason,
+    # each search's top score, its latency as this loop saw it and the searches then in flight in this process
+    calls: int = 0
+    skipped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SKIP_REASONS, 0))
+    scores: list[float] = field(default_factory=list)
+    latency_s: list[float] = field(default_factory=list)
+    in_flight: list[int] = field(default_factory=list)
 
 
 class RAPOToolAgentLoop(ToolAgentLoop):
@@ -253,14 +265,27 @@ class RAPOToolAgentLoop(ToolAgentLoop):
         )
         exclude = [st.group] if self.rapo.exclude_own_group else None
         client = await _client(self.rapo.buffer_name, self.loop)
-        results = await client.retrieve([history], exclude)
+        global _IN_FLIGHT
+        st.calls += 1
+        st.in_flight.append(_IN_FLIGHT)
+        _IN_FLIGHT += 1
+        t0 = time.perf_counter()
+        try:
+            results = await client.retrieve([history], exclude)
+        finally:
+            _IN_FLIGHT -= 1
+        st.latency_s.append(time.perf_counter() - t0)
         seg, pid = results[0][0], results[0][1]
         if seg is None or len(seg) == 0:
+            st.skipped["no_result"] += 1
             return
+        st.scores.append(float(results[0][2]))
         if self.rapo.max_retrieve_tokens is not None and len(seg) > self.rapo.max_retrieve_tokens:
+            st.skipped["too_long"] += 1
             return
         start = len(agent_data.response_mask)
         if start + len(seg) >= self.response_length:  # no room left for the next step
+            st.skipped["no_room"] += 1
             return
         seg = [int(t) for t in seg]
         agent_data.prompt_ids = list(agent_data.prompt_ids) + seg
@@ -297,6 +322,11 @@ class RAPOToolAgentLoop(ToolAgentLoop):
             "rapo_retrieval_steps": pairs,
             "rapo_validate": st.validate,
             "rapo_group": st.group_id,
+            "rapo_retrieve_calls": st.calls,
+            **{f"rapo_skipped_{reason}": n for reason, n in st.skipped.items()},
+            "rapo_retrieval_scores": list(st.scores),
+            "rapo_retrieve_latency_s": list(st.latency_s),
+            "rapo_retrieve_in_flight": list(st.in_flight),
         }
 
 

@@ -3,8 +3,9 @@
 What it is: the target of `[project.entry-points."verl.plugins"] rapo_fast` (pyproject.toml), loaded by `import verl`
 in every process. It runs verl_compat's version gate (RAPO_FAST_VERL_UNCHECKED=1 overrides), then registers the agent
 loop, the policy losses with verl's worker loss wrapped, the advantage estimator and the reward manager (docs/verl.md
-section 1 and the table at its top). Why the warning below: verl logs a plugin's failure at DEBUG level only, so a
-failed registration would otherwise surface as "unknown agent loop rapo_tool_agent" much later, on a remote worker.
+section 1 and the table at its top), RAPO's rapo/* step metrics (metrics.py), and mends verl's trl check for
+trl >= 1.16 (trl_clash.py). Why the warning below: verl logs a plugin's failure at DEBUG level only, so a failed
+registration would otherwise surface as "unknown agent loop rapo_tool_agent" much later, on a remote worker.
 What it is not: the parts themselves; not importable without verl. The one module of rapo_fast that registers at
 import time.
 """
@@ -24,10 +25,19 @@ def register() -> tuple[str, ...]:
     from rapo_fast.integrations.verl import verl_compat
 
     verl_compat.check_version()
-    from rapo_fast.integrations.verl import actor_loss, advantage, agent_loop, buffer_actor, buffer_growth
+    from rapo_fast.integrations.verl import (
+        actor_loss,
+        advantage,
+        agent_loop,
+        buffer_actor,
+        buffer_growth,
+        metrics,
+        trl_clash,
+    )
 
     parts = (("actor_loss", actor_loss), ("advantage", advantage), ("agent_loop", agent_loop),
-             ("buffer_actor", buffer_actor), ("buffer_growth", buffer_growth))  # fmt: skip
+             ("buffer_actor", buffer_actor), ("buffer_growth", buffer_growth), ("metrics", metrics),
+             ("trl_clash", trl_clash))  # fmt: skip
     for _, module in parts:
         module.register()
     return tuple(name for name, _ in parts)

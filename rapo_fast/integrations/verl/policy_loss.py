@@ -239,6 +239,9 @@ def _verl_metrics(m: Mapping[str, torch.Tensor]) -> dict[str, float]:
         "actor/pg_clipfrac_lower": m["dual_clip_frac"].item(),
         "rapo/ratio_mean": m["ratio_mean"].item(),
         "rapo/retrieved_frac": m["retrieved_frac"].item(),
+        "rapo/clip_frac_high": m["clip_frac_high"].item(),
+        "rapo/clip_frac_low": m["clip_frac_low"].item(),
+        "rapo/approx_kl": m["approx_kl"].item(),
     }
 
 

@@ -156,6 +156,11 @@ INTERNALS: tuple[Internal, ...] = (
         "verl.utils.experimental.torch_functional:FusedLinearForPPO",
         "opt-in (RAPO_FAST_VERL_FUSED_LOGPROBS=1): verl's fused actor forward runs rapo_fast's kernel",
     ),
+    Internal(
+        "patch",
+        "verl.models.transformers.monkey_patch:is_trl_available",
+        "trl >= 1.16 lacks the value-head class verl's monkey patch imports when trl exists (trl_clash.py)",
+    ),
     # the advantage estimator (advantage.py)
     Internal("import", f"{_CA}:compute_grpo_outcome_advantage", "A_acc is verl's GRPO advantage, called"),
     Internal("registry", f"{_CA}:register_adv_est", "registers the advantage estimator 'rapo'"),
@@ -171,6 +176,18 @@ INTERNALS: tuple[Internal, ...] = (
         "patch",
         "verl.trainer.ppo.v1.trainer_base:compute_advantage_for_multi_trajectories",
         "v1 trainer: extra_fields read from TransferQueue for 'rapo'",
+        optional=True,
+    ),
+    Internal(
+        "import",
+        "verl.trainer.ppo.v1.trainer_base:PPOTrainer",
+        "v1 trainer: RAPO's rapo/* figures merged into each step's metrics (metrics.py)",
+        optional=True,
+    ),
+    Internal(
+        "override",
+        "verl.trainer.ppo.v1.trainer_base:PPOTrainer._compute_advantage",
+        "wrapped: takes the step's metrics dict, which it updates with the rapo/* figures",
         optional=True,
     ),
     Internal("import", "transfer_queue:kv_batch_get", "v1 trainer: reads the batch's extra_fields", optional=True),
