@@ -208,7 +208,13 @@ class RAPOToolAgentLoop(ToolAgentLoop):
         validate = verl_compat.validate_flag() if validate is None else bool(validate)
         uid = kwargs.get(verl_compat.UID_KEY)
         key = str(uid if uid is not None else kwargs.get(cfg.group_key))
-        member = _claim_member(key)
+        # verl's v1 worker (AgentLoopWorkerTQ, the default trainer) passes each copy's index in [0, n) as session_id:
+        # exact for any num_workers. The legacy worker passes none: the per-process counter then stands in.
+        session = kwargs.get(verl_compat.SESSION_KEY)
+        if isinstance(session, int) and not isinstance(session, bool) and session >= 0:
+            member = session
+        else:
+            member = _claim_member(key)
         seed = None if cfg.seed is None else f"{cfg.seed}:{key}:{member}"
         coin = random.Random(seed)
         if cfg.hybrid_selection == "count":

@@ -49,6 +49,7 @@ KINDS = ("import", "attribute", "patch", "override", "frame-local", "field", "re
 # The names the frame walk and the data routes read (their rows are in INTERNALS).
 RUN_AGENT_LOOP, TRAJECTORY_LOCAL, VALIDATE_KEY = "_run_agent_loop", "trajectory", "validate"
 UID_KEY = "uid"  # the non-tensor field the G copies of a prompt share
+SESSION_KEY = "session_id"  # v1 agent-loop worker: each copy's index in [0, n), passed to the loop's run()
 EXTRA_FIELDS_KEY = "extra_fields"  # v1 trainer: an agent loop's extra_fields, one dict per sample
 TOOL_EXTRA_FIELDS_KEY = "tool_extra_fields"  # a reward manager's view of the agent loop's extra_fields
 PROMPT_LEN_KEY, RESPONSE_LEN_KEY, REWARD_SCORE_KEY = "prompt_len", "response_len", "reward_score"
@@ -142,6 +143,13 @@ INTERNALS: tuple[Internal, ...] = (
         "verl.trainer.ppo.v1.agent_loop_tq:",
         "v1 trainer: one extra_fields dict per sample",
         EXTRA_FIELDS_KEY,
+        optional=True,
+    ),
+    Internal(
+        "field",
+        "verl.trainer.ppo.v1.agent_loop_tq:",
+        "v1 worker: each copy's index among the prompt's n copies is the member number (else the uid counter)",
+        SESSION_KEY,
         optional=True,
     ),
     Internal("registry", f"{_CA}:register_policy_loss", "registers the policy losses 'rapo', 'rapo_no_dual_clip'"),

@@ -305,6 +305,14 @@ def test_n_hybrid_of_group_members(env):
     coin = [o.extra_fields["rapo_hybrid"] for o in asyncio.run(group("u-coin", hybrid_selection="coin", seed=5))]
     assert coin == [random.Random(f"5:u-coin:{m}").random() < 2 / 4 for m in range(4)]  # the documented seeding
 
+    # verl's v1 worker passes each copy's index as session_id: the member number follows it, not the start order
+    async def sessions(uid, order):
+        loops = [_instantiate(env, _config(n=4), retrieve_prob=1.0, n_hybrid=2) for _ in order]
+        return await asyncio.gather(*(lp.run(_params(), **_sample(uid), session_id=i) for lp, i in zip(loops, order)))
+
+    outs = asyncio.run(sessions("u-session", [3, 1, 0, 2]))
+    assert [o.extra_fields["rapo_hybrid"] for o in outs] == [False, True, True, False]
+
 
 def _worker(env, cfg):
     """verl's real AgentLoopWorker without its constructor (which loads a model config from disk): the attributes
