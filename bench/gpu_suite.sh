@@ -3,7 +3,7 @@
 # bench/gpu/call2_anchors.py) in order into OUTDIR/call1/ and OUTDIR/call2/, on a GPU machine reached
 # without the device tool. Through the device tool each call is its own command (docs/gpu_validation.md;
 # `python bench/gpu/validate.py --dry-run` prints both, with their budgets and rows).
-#   bash bench/gpu_suite.sh OUTDIR            (under 18 minutes; --dry-run as OUTDIR lists the plan instead)
+#   bash bench/gpu_suite.sh OUTDIR            (under 17 minutes; --dry-run as OUTDIR lists the plan instead)
 # Wheels: put the ones from tools/fetch_gpu_wheels.sh in .carry/wheels; call 1 installs them (--no-index --no-deps).
 set -uo pipefail
 OUT="${1:?usage: bench/gpu_suite.sh OUTDIR | --dry-run}"
