@@ -171,8 +171,7 @@ class LossOptions:
         return {n: k.kind(x) for (n, k), x in zip(_KERNEL_ARGS.items(), scalars.tolist(), strict=True)}
 
     def kernel_values(self) -> dict[str, Any]:
-        """The kernel options as the reference takes them (kernel_options(kernel_scalars()), without the tensor: the
-        torch path of rapo_loss reads no tensor on the host, so that it traces whole under torch.compile)."""
+        """kernel_options(kernel_scalars()) without the tensor: the torch path reads none, so that it traces whole."""
         return {n: k.decode(k.encode(getattr(self, n))) for n, k in _KERNEL_ARGS.items()}
 
     @classmethod
@@ -217,14 +216,11 @@ class LossOptions:
 
 # The fields read once, here: rapo_loss builds its LossOptions inside a torch.compile'd region, and Dynamo cannot
 # trace dataclasses.fields() (nor dataclasses.replace, which calls it), so no method reads the fields at call time.
-_NAMES: tuple[str, ...] = tuple(f.name for f in fields(LossOptions))
-_CHECKS: tuple[tuple[str, Callable[[str, Any], None]], ...] = tuple(
-    (f.name, f.metadata["check"]) for f in fields(LossOptions)
-)
+_FIELDS = fields(LossOptions)
+_NAMES = tuple(f.name for f in _FIELDS)
+_CHECKS = tuple((f.name, f.metadata["check"]) for f in _FIELDS)
 # the kernel options in field order with their KernelArg (every launch encodes / decodes through it)
-_KERNEL_ARGS: Mapping[str, KernelArg] = MappingProxyType(
-    {f.name: f.metadata["kernel"] for f in fields(LossOptions) if f.metadata["kernel"]}
-)
+_KERNEL_ARGS = MappingProxyType({f.name: f.metadata["kernel"] for f in _FIELDS if f.metadata["kernel"]})
 
 
 def _refuse_unknown(keywords: Mapping[str, Any], caller: str, exclude: Collection[str] = ()) -> None:
@@ -235,7 +231,7 @@ def _refuse_unknown(keywords: Mapping[str, Any], caller: str, exclude: Collectio
 
 
 # the defaults as a read-only mapping (option name -> default), derived from LossOptions
-OPTION_DEFAULTS: Mapping[str, Any] = MappingProxyType({f.name: f.default for f in fields(LossOptions)})
+OPTION_DEFAULTS: Mapping[str, Any] = MappingProxyType({f.name: f.default for f in _FIELDS})
 
 
 def with_option_keywords(exclude: Collection[str] = ()) -> Callable[[Callable], Callable]:
@@ -248,7 +244,7 @@ def with_option_keywords(exclude: Collection[str] = ()) -> Callable[[Callable], 
         params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
         params += [
             inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
-            for f in fields(LossOptions)
+            for f in _FIELDS
             if f.name not in exclude
         ]
         fn.__signature__ = sig.replace(parameters=params)
@@ -319,16 +315,6 @@ def _check_per_token(a: Mapping[str, Any], tshape: tuple) -> None:
         C.check_optional_tensor(k, a[k], shape=tshape, dtypes=C.MASK_DTYPES)
     if a["old_logp"] is None or a["loss_mask"] is None:
         raise ValueError("old_logp/loss_mask: required")
-
-
-def _rows(cu: torch.Tensor | None, tshape: tuple) -> int:
-    """Rows (sequences) of the padded [B, T] or flat [N] (+ cu_seqlens) layout."""
-    flat = len(tshape) == 1
-    if cu is None:
-        return 1 if flat else tshape[0]
-    if not flat:
-        raise ValueError(f"cu_seqlens: only for flat inputs (targets / logp [N]); got shape {tshape}")
-    return C.check_cu_seqlens("cu_seqlens", cu, tshape[0])
 
 
 def _check_targets(targets: torch.Tensor, loss_mask: torch.Tensor, vocab: int) -> bool:
@@ -480,7 +466,10 @@ def check_inputs(a: Mapping[str, Any], opts: LossOptions) -> InputFacts:
     else:
         targets, tshape, vocab = _check_model_inputs(a)
     _check_per_token(a, tshape)
-    rows = _rows(a["cu_seqlens"], tshape)
+    cu, flat = a["cu_seqlens"], len(tshape) == 1  # rows: the sequences of padded [B, T] or flat [N] (+ cu_seqlens)
+    if cu is not None and not flat:
+        raise ValueError(f"cu_seqlens: only for flat inputs (targets / logp [N]); got shape {tshape}")
+    rows = C.check_cu_seqlens("cu_seqlens", cu, tshape[0]) if cu is not None else (1 if flat else tshape[0])
     adv = C.check_tensor("advantages", a["advantages"], dtypes=C.FLOAT_DTYPES)
     if tuple(adv.shape) not in (tshape, (rows,)):
         raise ValueError(
@@ -506,4 +495,4 @@ def check_inputs(a: Mapping[str, Any], opts: LossOptions) -> InputFacts:
     dev = C.check_same_device(**{k: a.get(k) for k in names})
     ignored = _check_values(a, opts, targets, vocab)
     _check_global_num_tokens(a["global_num_tokens"], dev)
-    return InputFacts(shape=tshape, flat=len(tshape) == 1, rows=rows, device=dev, ignored_targets=ignored)
+    return InputFacts(shape=tshape, flat=flat, rows=rows, device=dev, ignored_targets=ignored)
