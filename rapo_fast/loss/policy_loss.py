@@ -120,7 +120,8 @@ def rapo_loss(
     either): the per-token log-probs the loss used, detached, in the targets' shape.
     Raises ValueError / TypeError naming the argument before any kernel runs, except for a token in the loss whose
     logits row has no finite log-sum-exp (NaN, +inf, only -inf): refused from the log-prob pass's output, before the
-    policy op and any backward (docs/loss.md section 3).
+    policy op and any backward (docs/loss.md section 3). While tracing under torch.compile the checks that read tensor
+    values are skipped (docs/loss.md section 6, "Under torch.compile"); the call compiles with fullgraph=True.
     """
     a = dict(locals())
     backend = a.pop("backend")
