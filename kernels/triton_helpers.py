@@ -3,7 +3,8 @@ its finalisation, the per-element gradient of (log-prob, entropy) w.r.t. the log
 `tl.dot` operands.
 
 What this is: device functions other kernels inline (token_logprobs, the fused policy loss). What this is not: a
-kernel, a launcher, or anything that touches torch tensors. The online state (m, s, t), its finalisation and the
+kernel, a launcher, or anything that touches torch tensors. Every formula works on logits relative to the row max m
+(shift-invariant: errors scale with |z - m|, not |m|). The online state (m, s, t), its finalisation and the
 gradient formula are in docs/loss.md section 2; the -inf guards in docs/pitfalls.md #2 and #3.
 """
 
@@ -71,6 +72,14 @@ def lse_entropy_finalize(m, s, t):
     lse = m + tl.log(s)
     ent = tl.log(s) - t / s
     return lse, ent
+
+
+@triton.jit
+def target_logprob(zt, m, s):
+    """The target's log-prob from the final state (zt the scaled target logit): (zt - m) - log s, relative to the row
+    max, so that its error scales with |zt - m|, not with |m| (zt - lse would round lse = m + log s to fp32 first:
+    an error of ulp(m), 1e-3 at |m| = 1e4). A row of only -inf gives -inf - -inf = NaN, as the lse rule says."""
+    return (zt - m) - tl.log(s)
 
 
 @triton.jit

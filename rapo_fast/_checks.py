@@ -10,7 +10,6 @@ What this is not: a place for op math, nor the choice of the path that runs (rap
 
 from __future__ import annotations
 
-import math
 import operator
 from collections.abc import Iterable, Sequence
 
@@ -93,7 +92,7 @@ def check_float(
         v = float(value)
     except OverflowError:  # an int past float's range
         raise ValueError(f"{name}: expected a finite number, got an int of {value.bit_length()} bits") from None
-    if not math.isfinite(v):
+    if not v - v == 0.0:  # not finite (inf - inf and NaN - NaN are NaN); also traceable on a symbolic float
         raise ValueError(f"{name}: expected a finite number, got {v}")
     if min_value is not None and (v < min_value or (not min_inclusive and v == min_value)):
         op = ">=" if min_inclusive else ">"
@@ -135,8 +134,9 @@ def check_int_list(name: str, values, n: int | None = None, *, lo: int = INT64_M
 
 
 def check_index_range(name: str, t: torch.Tensor, high: int) -> None:
-    """Every value of the integer tensor `t` in [0, high). Reads values (one sync)."""
-    if t.numel() == 0:
+    """Every value of the integer tensor `t` in [0, high). Reads values (one sync; skipped while tracing under
+    torch.compile, where it would break the graph)."""
+    if t.numel() == 0 or torch.compiler.is_compiling():
         return
     lo, hi = int(t.min()), int(t.max())
     if lo < 0 or hi >= high:
@@ -155,10 +155,13 @@ def check_finite(name: str, t: torch.Tensor, *, allow_inf: bool = False) -> None
 
 
 def check_cu_seqlens(name: str, cu: torch.Tensor, total: int) -> int:
-    """cu_seqlens: 1-D int32/int64 of length S+1, cu[0] == 0, non-decreasing, cu[-1] == total. Returns S."""
+    """cu_seqlens: 1-D int32/int64 of length S+1, cu[0] == 0, non-decreasing, cu[-1] == total. Returns S. The values
+    are read on the host (one sync): skipped while tracing under torch.compile, where only the shape is checked."""
     check_tensor(name, cu, ndim=1, dtypes=(torch.int32, torch.int64))
     if cu.numel() < 2:
         raise ValueError(f"{name}: expected at least 2 entries (S+1 for S >= 1 segments), got shape {tuple(cu.shape)}")
+    if torch.compiler.is_compiling():
+        return cu.numel() - 1
     c = cu.detach().cpu().to(torch.int64)
     if int(c[0]) != 0:
         raise ValueError(f"{name}: expected cu_seqlens[0] == 0, got {int(c[0])}")

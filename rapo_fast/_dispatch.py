@@ -1,5 +1,6 @@
 """Backend choice shared by every op: Triton on CUDA tensors, Triton on CPU tensors only under TRITON_INTERPRET=1,
-the plain-PyTorch reference otherwise; the device guard around every Triton launch; and the one helper through which
+the plain-PyTorch reference otherwise; the device guard around every Triton launch (which also serialises
+interpreted launches: the interpreter is not thread-safe); and the one helper through which
 ops are registered with torch.library.
 
 Not a place for op logic. docs/interpreter.md (backend choice) and docs/testing.md rule 3 (registered ops) give the
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import threading
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -70,12 +72,22 @@ def device_guard(x: torch.Tensor | torch.device) -> contextlib.AbstractContextMa
     Why: a Triton launch runs on the current CUDA device (and its current stream), not on its tensors' device; on a
     multi-GPU host a tensor on cuda:1 would be computed by a launch on cuda:0. The C++ ops guard themselves
     (CudaDeviceGuard in csrc/); the Triton launchers in rapo_fast/loss/ use this. Entering it on the current device
-    costs a device query and no switch.
+    costs a device query and no switch. Under TRITON_INTERPRET=1 with CPU tensors it is the lock that serialises
+    interpreted launches (_INTERPRETER_LOCK).
     """
     dev = x.device if isinstance(x, torch.Tensor) else torch.device(x)
     if dev.type == "cuda":
         return torch.cuda.device(dev)
+    if interpret_mode():
+        return _INTERPRETER_LOCK
     return contextlib.nullcontext()
+
+
+# Triton's interpreter patches `triton.language` process-wide for the length of each launch (and restores it after),
+# so two interpreted launches at once break each other; every launch enters device_guard, so this one lock there
+# serialises them. Reentrant: a guard entered inside another on the same thread must not deadlock. GPU launches
+# never take it.
+_INTERPRETER_LOCK = threading.RLock()
 
 
 # Registration through one switch (FlashInfer keeps one too): RAPO_FAST_NO_CUSTOM_OP=1 calls the implementation

@@ -18,6 +18,7 @@ from rapo_fast.kernels.triton_helpers import (
     logprob_entropy_grad,
     lse_entropy_finalize,
     online_lse_update,
+    target_logprob,
 )
 
 
@@ -51,7 +52,7 @@ def token_logprobs_fwd_kernel(
     WITH_ENTROPY: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    """z = (logits + b) / T;  m, s, t <- online update over the row;  logp = z[y] - lse,  H = log s - t / s."""
+    """z = (logits + b) / T;  m, s, t <- online update over the row;  logp = (z[y] - m) - log s,  H = log s - t / s."""
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + _row_offset(row, rows_inner, stride_outer, stride_inner)
     y = tl.load(tgt_ptr + row).to(tl.int64)
@@ -84,7 +85,7 @@ def token_logprobs_fwd_kernel(
 
     if FINAL:
         lse, ent = lse_entropy_finalize(m, s, t)
-        tl.store(logp_ptr + row, zt - lse)
+        tl.store(logp_ptr + row, target_logprob(zt, m, s))
         tl.store(lse_ptr + row, lse)
         if WITH_ENTROPY:
             tl.store(ent_ptr + row, ent)

@@ -215,7 +215,8 @@ def _row_slices(x: torch.Tensor, rows: int):
 
 def _reference_chunked(logits, hidden, weight, bias, targets, temperature, return_entropy):
     """The reference over row chunks, each under torch.utils.checkpoint, so that neither forward nor backward holds
-    more than one chunk of [rows, V] fp32 temporaries (the CPU path without Triton)."""
+    more than one chunk of [rows, V] fp32 temporaries (the CPU path without Triton); in one piece while tracing under
+    torch.compile."""
     x = logits if logits is not None else hidden
     v = logits.shape[-1] if logits is not None else weight.shape[0]
     rows = max(1, _FALLBACK_BYTES // (4 * v))
@@ -231,6 +232,10 @@ def _reference_chunked(logits, hidden, weight, bias, targets, temperature, retur
             return token_logprobs_ref(xc, yc, temperature, return_entropy)
         return linear_token_logprobs_ref(xc, w, yc, b, temperature, return_entropy)
 
+    if torch.compiler.is_compiling():
+        # one piece while tracing: a Python loop over row chunks would specialise N (one recompile per batch size);
+        # the compiled graph's memory is the compiler's to plan (inductor fuses the reference's elementwise chain)
+        return run(x, targets, weight, bias)
     outs = []
     for xc, yc in zip(_row_slices(x, rows), _row_slices(targets.unsqueeze(-1), rows)):
         yc = yc.squeeze(-1)

@@ -12,8 +12,6 @@ it) or generic checks (rapo_fast/_checks.py, which this module uses).
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import inspect
 import math
 from collections.abc import Callable, Collection, Mapping
@@ -144,23 +142,23 @@ class LossOptions:
 
     def validate(self) -> LossOptions:
         """Check every option (each field's check, in field order); return self."""
-        for f in fields(self):
-            f.metadata["check"](f.name, getattr(self, f.name))
+        for name, check in _CHECKS:
+            check(name, getattr(self, name))
         return self
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))
+        return _NAMES
 
     # ---- the per-token policy-loss kernels' view: docs/architecture.md ("How an option reaches the kernel")
     @classmethod
     def kernel_names(cls) -> tuple[str, ...]:
         """The options the per-token policy-loss kernels take (the others act on rows, logits or the call)."""
-        return tuple(_kernel_args())
+        return tuple(_KERNEL_ARGS)
 
     def to_kernel(self) -> dict[str, float | int | bool]:
         """The kernels' keyword arguments: each kernel option under its own name, encoded (KernelArg)."""
-        return {n: k.kind(k.encode(getattr(self, n))) for n, k in _kernel_args().items()}
+        return {n: k.kind(k.encode(getattr(self, n))) for n, k in _KERNEL_ARGS.items()}
 
     def kernel_scalars(self) -> torch.Tensor:
         """to_kernel()'s values as one float64 CPU tensor [len(kernel_names())], the form the registered ops take
@@ -170,24 +168,28 @@ class LossOptions:
     @classmethod
     def kernel_kwargs(cls, scalars: torch.Tensor) -> dict[str, float | int | bool]:
         """The kernels' keyword arguments back from kernel_scalars() (equal to the options' to_kernel())."""
-        return {n: k.kind(x) for (n, k), x in zip(_kernel_args().items(), scalars.tolist(), strict=True)}
+        return {n: k.kind(x) for (n, k), x in zip(_KERNEL_ARGS.items(), scalars.tolist(), strict=True)}
+
+    def kernel_values(self) -> dict[str, Any]:
+        """kernel_options(kernel_scalars()) without the tensor: the torch path reads none, so that it traces whole."""
+        return {n: k.decode(k.encode(getattr(self, n))) for n, k in _KERNEL_ARGS.items()}
 
     @classmethod
     def kernel_options(cls, scalars: torch.Tensor) -> dict[str, Any]:
         """The option values back from kernel_scalars(), as the reference (policy_token_loss_ref) takes them."""
-        return {n: k.decode(x) for (n, k), x in zip(_kernel_args().items(), scalars.tolist(), strict=True)}
+        return {n: k.decode(x) for (n, k), x in zip(_KERNEL_ARGS.items(), scalars.tolist(), strict=True)}
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {n: getattr(self, n) for n in _NAMES}
 
     def overrides(self) -> dict[str, Any]:
         """The options whose value differs from the default."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}
+        return {n: v for n, v in self.to_dict().items() if v != OPTION_DEFAULTS[n]}
 
     def replace(self, **changes: Any) -> LossOptions:
         """A copy with `changes` applied (and checked)."""
         _refuse_unknown(changes, "LossOptions.replace")
-        return dataclasses.replace(self, **changes)
+        return LossOptions(**{**self.to_dict(), **changes})
 
     @classmethod
     def from_call(
@@ -209,13 +211,16 @@ class LossOptions:
             return cls(**{**mapping, **keywords})
         if not isinstance(options, LossOptions):
             raise TypeError(f"options: expected a LossOptions or a mapping of options, got {type(options).__name__}")
-        return dataclasses.replace(options, **keywords) if keywords else options
+        return options.replace(**keywords) if keywords else options
 
 
-@functools.cache
-def _kernel_args() -> Mapping[str, KernelArg]:
-    """The kernel options in field order with their KernelArg (read once: every launch decodes through it)."""
-    return MappingProxyType({f.name: f.metadata["kernel"] for f in fields(LossOptions) if f.metadata["kernel"]})
+# The fields read once, here: rapo_loss builds its LossOptions inside a torch.compile'd region, and Dynamo cannot
+# trace dataclasses.fields() (nor dataclasses.replace, which calls it), so no method reads the fields at call time.
+_FIELDS = fields(LossOptions)
+_NAMES = tuple(f.name for f in _FIELDS)
+_CHECKS = tuple((f.name, f.metadata["check"]) for f in _FIELDS)
+# the kernel options in field order with their KernelArg (every launch encodes / decodes through it)
+_KERNEL_ARGS = MappingProxyType({f.name: f.metadata["kernel"] for f in _FIELDS if f.metadata["kernel"]})
 
 
 def _refuse_unknown(keywords: Mapping[str, Any], caller: str, exclude: Collection[str] = ()) -> None:
@@ -226,7 +231,7 @@ def _refuse_unknown(keywords: Mapping[str, Any], caller: str, exclude: Collectio
 
 
 # the defaults as a read-only mapping (option name -> default), derived from LossOptions
-OPTION_DEFAULTS: Mapping[str, Any] = MappingProxyType({f.name: f.default for f in fields(LossOptions)})
+OPTION_DEFAULTS: Mapping[str, Any] = MappingProxyType({f.name: f.default for f in _FIELDS})
 
 
 def with_option_keywords(exclude: Collection[str] = ()) -> Callable[[Callable], Callable]:
@@ -239,7 +244,7 @@ def with_option_keywords(exclude: Collection[str] = ()) -> Callable[[Callable], 
         params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
         params += [
             inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
-            for f in fields(LossOptions)
+            for f in _FIELDS
             if f.name not in exclude
         ]
         fn.__signature__ = sig.replace(parameters=params)
@@ -251,13 +256,13 @@ def with_option_keywords(exclude: Collection[str] = ()) -> Callable[[Callable], 
 # ------------------------------------------------------------------------------------------------------ tensor checks
 @dataclass(frozen=True)
 class InputFacts:
-    """What check_inputs learnt: the targets' (or logp's) shape, flat layout or not, rows (sequences), the longest
-    row (>= 1), the device, and whether some targets are IGNORE_INDEX (at tokens outside loss_mask only)."""
+    """What check_inputs learnt: the targets' (or logp's) shape, flat layout or not, rows (sequences), the device,
+    and whether some targets may be IGNORE_INDEX (at tokens outside loss_mask only; always True while tracing under
+    torch.compile, where the targets are not read)."""
 
     shape: tuple[int, ...]
     flat: bool
     rows: int
-    max_len: int
     device: torch.device | None
     ignored_targets: bool = False
 
@@ -312,21 +317,13 @@ def _check_per_token(a: Mapping[str, Any], tshape: tuple) -> None:
         raise ValueError("old_logp/loss_mask: required")
 
 
-def _rows_and_longest(cu: torch.Tensor | None, tshape: tuple) -> tuple[int, int]:
-    """(rows, longest row) of the padded [B, T] or flat [N] (+ cu_seqlens) layout."""
-    flat = len(tshape) == 1
-    if cu is None:
-        return (1 if flat else tshape[0]), tshape[-1]
-    if not flat:
-        raise ValueError(f"cu_seqlens: only for flat inputs (targets / logp [N]); got shape {tshape}")
-    rows = C.check_cu_seqlens("cu_seqlens", cu, tshape[0])
-    return rows, int(cu.detach().cpu().diff().max())
-
-
 def _check_targets(targets: torch.Tensor, loss_mask: torch.Tensor, vocab: int) -> bool:
     """targets in [0, V), except IGNORE_INDEX (-100, Hugging Face's label padding) where loss_mask is 0; returns
-    whether any IGNORE_INDEX is present. A -100 where loss_mask is set is refused by name: the token would enter the
-    loss with no target. Two syncs at most."""
+    whether any IGNORE_INDEX may be present. A -100 where loss_mask is set is refused by name: the token would enter
+    the loss with no target. Two syncs at most; skipped while tracing under torch.compile (True is returned then: the
+    caller replaces -100 without knowing whether there is one)."""
+    if torch.compiler.is_compiling():
+        return True
     ignored = targets == IGNORE_INDEX
     at_loss = ignored & (loss_mask != 0).to(ignored.device)
     if bool(at_loss.any()):
@@ -342,8 +339,8 @@ def _check_targets(targets: torch.Tensor, loss_mask: torch.Tensor, vocab: int) -
 
 def _check_logp_not_positive(name: str, t: torch.Tensor, in_loss: torch.Tensor) -> None:
     """No value above OLD_LOGP_MAX where in_loss is set: a log-prob is <= 0, and positive values almost always mean
-    probabilities were passed instead of log-probabilities. One sync."""
-    if t.numel() == 0:
+    probabilities were passed instead of log-probabilities. One sync; skipped while tracing under torch.compile."""
+    if t.numel() == 0 or torch.compiler.is_compiling():
         return
     bad = (t > OLD_LOGP_MAX) & in_loss.to(t.device)
     if bool(bad.any()):
@@ -386,8 +383,8 @@ def _check_values(a: Mapping[str, Any], opts: LossOptions, targets: torch.Tensor
 
 def _check_finite_in_loss(name: str, t: torch.Tensor, in_loss: torch.Tensor | None, *, allow_inf: bool = False):
     """No NaN (and no inf unless allowed) in `t` where in_loss is set (everywhere when in_loss is None: per-sequence
-    advantages). One sync."""
-    if t.numel() == 0 or not t.is_floating_point():
+    advantages). One sync; skipped while tracing under torch.compile."""
+    if t.numel() == 0 or not t.is_floating_point() or torch.compiler.is_compiling():
         return
     bad = torch.isnan(t) if allow_inf else ~torch.isfinite(t)
     if in_loss is not None:
@@ -469,7 +466,10 @@ def check_inputs(a: Mapping[str, Any], opts: LossOptions) -> InputFacts:
     else:
         targets, tshape, vocab = _check_model_inputs(a)
     _check_per_token(a, tshape)
-    rows, max_len = _rows_and_longest(a["cu_seqlens"], tshape)
+    cu, flat = a["cu_seqlens"], len(tshape) == 1  # rows: the sequences of padded [B, T] or flat [N] (+ cu_seqlens)
+    if cu is not None and not flat:
+        raise ValueError(f"cu_seqlens: only for flat inputs (targets / logp [N]); got shape {tshape}")
+    rows = C.check_cu_seqlens("cu_seqlens", cu, tshape[0]) if cu is not None else (1 if flat else tshape[0])
     adv = C.check_tensor("advantages", a["advantages"], dtypes=C.FLOAT_DTYPES)
     if tuple(adv.shape) not in (tshape, (rows,)):
         raise ValueError(
@@ -495,6 +495,4 @@ def check_inputs(a: Mapping[str, Any], opts: LossOptions) -> InputFacts:
     dev = C.check_same_device(**{k: a.get(k) for k in names})
     ignored = _check_values(a, opts, targets, vocab)
     _check_global_num_tokens(a["global_num_tokens"], dev)
-    return InputFacts(
-        shape=tshape, flat=len(tshape) == 1, rows=rows, max_len=max(max_len, 1), device=dev, ignored_targets=ignored
-    )
+    return InputFacts(shape=tshape, flat=flat, rows=rows, device=dev, ignored_targets=ignored)

@@ -120,7 +120,8 @@ def rapo_loss(
     either): the per-token log-probs the loss used, detached, in the targets' shape.
     Raises ValueError / TypeError naming the argument before any kernel runs, except for a token in the loss whose
     logits row has no finite log-sum-exp (NaN, +inf, only -inf): refused from the log-prob pass's output, before the
-    policy op and any backward (docs/loss.md section 3).
+    policy op and any backward (docs/loss.md section 3). While tracing under torch.compile the checks that read tensor
+    values are skipped (docs/loss.md section 6, "Under torch.compile"); the call compiles with fullgraph=True.
     """
     a = dict(locals())
     backend = a.pop("backend")
@@ -302,7 +303,10 @@ def _agg_weights(t: _Tokens, loss_agg: str, global_num_tokens) -> torch.Tensor:
     if loss_agg == "token-mean":
         w = actf / (g if g is not None else actf.sum().clamp_min(1))
     elif loss_agg == "seq-mean-token-sum-norm":
-        w = actf / (g if g is not None else torch.tensor(float(t.facts.max_len), dtype=cd, device=dev))
+        if g is None:  # K: T, or the longest segment counted on the device (no host sync: nothing breaks a trace)
+            f = t.facts
+            k = t.seg_sum(torch.ones_like(actf)).amax() if f.flat else torch.full((), f.shape[1], dtype=cd, device=dev)
+        w = actf / (g if g is not None else k.clamp_min(1))
     else:
         n_act = t.seg_sum(t.act)
         denom = g if g is not None else (n_act > 0).sum().clamp_min(1).to(cd)
@@ -339,8 +343,10 @@ def _loss_from_logp(a: dict, opts: LossOptions, facts: InputFacts, logp: torch.T
         elif a.get("logits") is not None:
             check_logits_rows_defined(t.lp, a["loss_mask"], a["logits"])
         # fp64 (a checking precision) and devices without Triton: the same math in torch, differentiated by autograd
-        op = policy_loss_op if plan.path.triton and t.cd == torch.float32 else torch_policy_loss
-        tok_loss, sums = op(t.lp.contiguous(), t.ent, tok, present, scalars)
+        if plan.path.triton and t.cd == torch.float32:
+            tok_loss, sums = policy_loss_op(t.lp.contiguous(), t.ent, tok, present, scalars)
+        else:
+            tok_loss, sums = torch_policy_loss(t.lp.contiguous(), t.ent, tok, present, opts.kernel_values())
         loss = tok_loss.sum()
         lp = t.lp
     log_path("policy_loss_from_logp" if "logp" in a else "rapo_loss", path, plan.reason)

@@ -12,6 +12,9 @@ What this is not: the per-sequence quantities (rapo_fast/loss/policy_loss.py) or
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 
 from rapo_fast._dispatch import device_guard, register_op, use_triton
@@ -61,16 +64,18 @@ def _kernels():
 
 # ------------------------------------------------------------------------------------------------ torch fallback
 def torch_policy_loss(
-    logp: torch.Tensor, ent: torch.Tensor | None, tok: torch.Tensor, present: int, scalars: torch.Tensor
+    logp: torch.Tensor, ent: torch.Tensor | None, tok: torch.Tensor, present: int, options: Mapping[str, Any]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The op's math in torch (the reference's per-token function): weighted token losses and the metric sums.
-    Differentiable by autograd; the fallback of rapo_loss and of the registered op on devices without Triton."""
+    Differentiable by autograd; the fallback of rapo_loss and of the registered op on devices without Triton.
+    `options`: the kernel options by name, as Python values (LossOptions.kernel_values, or kernel_options of the
+    op's scalars): no tensor is read on the host, so that the call traces whole under torch.compile."""
     r = _rows(tok, present)
     on, off = r["code"] == int(TokenCode.ON), r["code"] == int(TokenCode.OFF)
     act = on | off
     loss, terms = policy_token_loss_ref(
         logp, r["old"], r["adv"], on_mask=on, off_mask=off, ratio_scale=r["scale"], seq_log_ratio=r["seqlr"],
-        behav_logp=r["behav"], ref_logp=r["ref"], entropy=ent, **LossOptions.kernel_options(scalars),
+        behav_logp=r["behav"], ref_logp=r["ref"], entropy=ent, **options,
     )  # fmt: skip
     z = torch.zeros_like(logp).detach()
 
@@ -113,7 +118,7 @@ def policy_loss_fwd(
     """(w * token loss [N], metric sums [NUM_METRICS] fp32): the implementation of rapo_fast::policy_loss."""
     if not use_triton(logp.device):
         with torch.no_grad():
-            out, sums = torch_policy_loss(logp, ent, tok, present, scalars)
+            out, sums = torch_policy_loss(logp, ent, tok, present, LossOptions.kernel_options(scalars))
         return out.to(logp.dtype), sums.to(torch.float32)
     n = logp.numel()
     out = torch.empty_like(logp)
@@ -140,8 +145,10 @@ def policy_loss_bwd(
     if not use_triton(logp.device):
         # autograd is off inside a custom op's implementation; torch.func.vjp still differentiates (the loss is
         # linear in H, so any entropy value gives its gradient)
+        options = LossOptions.kernel_options(scalars)
+
         def tok_of(lp, ent):
-            return torch_policy_loss(lp, ent if has_ent else None, tok, present, scalars)[0]
+            return torch_policy_loss(lp, ent if has_ent else None, tok, present, options)[0]
 
         _, vjp = torch.func.vjp(tok_of, logp.detach(), torch.zeros_like(logp))
         dlogp, dent = vjp(grad.to(logp.dtype))

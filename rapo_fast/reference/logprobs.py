@@ -37,16 +37,20 @@ def token_logprobs_ref(
     bad = ~torch.isfinite(torch.logsumexp(z.detach(), dim=-1))
     z = torch.where(bad.unsqueeze(-1), torch.zeros_like(z), z)
     nan = torch.full_like(bad, float("nan"), dtype=z.dtype)
-    lse = torch.logsumexp(z, dim=-1)
-    logp = z.gather(-1, targets.unsqueeze(-1).long()).squeeze(-1) - lse
-    logp = torch.where(bad, nan, logp)
+    # Shift-invariant: everything is formed from the logits relative to the row max m, so that the error scales with
+    # |z - m|, not with |m| (z_y - lse rounds lse ~ m first: logp 0.0 instead of -log V for an all-equal row at bf16's
+    # max; lse - E_p[z] cancels). m is a constant of the gradient: lse(z) = m + lse(z - m) for any m.
+    zs = z - z.detach().amax(-1, keepdim=True)
+    log_s = torch.logsumexp(zs, dim=-1, keepdim=True)
+    logq = zs - log_s  # log p over the vocabulary, -inf where z is
+    logp = torch.where(bad, nan, logq.gather(-1, targets.unsqueeze(-1).long()).squeeze(-1))
     if not return_entropy:
         return logp
-    p = torch.exp(z - lse.unsqueeze(-1))
-    # -inf logits (masked vocabulary) have p = 0 and contribute 0; multiplying p by -inf would give NaN in the value
-    # and, through the product's backward (0 * -inf), in the gradient too, so zero z there first (docs/pitfalls.md #3).
-    z_finite = torch.where(p > 0, z, torch.zeros_like(z))
-    entropy = torch.where(bad, nan, lse - (p * z_finite).sum(-1))
+    p = torch.exp(logq)
+    # H = -sum p log p: every term >= 0, nothing cancels. -inf logits (masked vocabulary) have p = 0 and contribute 0;
+    # p * -inf would give NaN in the value and, through the product's backward (0 * -inf), in the gradient too, so
+    # log p is zeroed there first (docs/pitfalls.md #3).
+    entropy = torch.where(bad, nan, -(p * torch.where(p > 0, logq, torch.zeros_like(logq))).sum(-1))
     return logp, entropy
 
 

@@ -31,16 +31,16 @@ def l2_error_bound(dim: int, q_sq: torch.Tensor, r: torch.Tensor, u: float = _U3
 
 
 def _exact_d(keys: torch.Tensor, q64: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Exact squared distances [Q, m] (float64 direct differences) of queries to the keys at slots (inf at -1)."""
+    """Exact squared distances [Q, m] (float64 direct differences) of queries to the keys at slots (inf at -1).
+
+    One candidate column at a time: a temporary of [Q, D] float64, the size of q64 itself, and a loop over the m
+    candidates (k, a call's constant) rather than over query chunks, whose count would depend on Q (under
+    torch.compile a Python loop over Q specialises Q: one recompile per query count)."""
     out = torch.full(slots.shape, float("inf"), dtype=torch.float64, device=q64.device)
-    if slots.numel() == 0:
-        return out
-    step = max(1, _BRUTE_BYTES // (8 * max(1, slots.shape[1] * q64.shape[1])))
-    for a in range(0, slots.shape[0], step):
-        s = slots[a : a + step]
-        kk = keys[s.clamp_min(0)].to(torch.float64)
-        d = (kk - q64[a : a + step, None, :]).square_().sum(-1)
-        out[a : a + step] = torch.where(s >= 0, d, out[a : a + step])
+    for j in range(slots.shape[1]):
+        s = slots[:, j]
+        d = (keys[s.clamp_min(0)].to(torch.float64) - q64).square_().sum(-1)
+        out[:, j] = torch.where(s >= 0, d, out[:, j])
     return out
 
 

@@ -232,15 +232,6 @@ def test_op_torch_fallback_equals_triton(monkeypatch):
         assert_close_verbose(a, b, atol=1e-6, rtol=1e-5)
 
 
-def test_torch_compile_of_the_loss():
-    d = make_batch(2, 5, 7)
-    x, _ = inputs_for(d, torch.float32)
-    opts = dict(shaping_m=0.05, loss_agg="seq-mean-token-mean")
-    eager = rapo_fast.rapo_loss(**x, **opts)
-    compiled = torch.compile(lambda **kw: rapo_fast.rapo_loss(**kw, **opts), backend="aot_eager")(**x)
-    assert_close_verbose(compiled, eager, atol=1e-6)
-
-
 def test_temperature_applies_to_policy_logprob():
     """docs/pitfalls.md #9: logp is taken at the temperature (old_logp given at the same temperature)."""
     d = make_batch(2, 4, 9)
