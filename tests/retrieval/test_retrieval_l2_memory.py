@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,8 +26,11 @@ NEG_INF = float("-inf")
 
 
 def _bench_common():
-    """bench/_common.py, for its peak_memory_mb (loaded from its file: bench/ is not a package on sys.path)."""
+    """bench/_common.py, for its peak_memory_mb (loaded from its file: bench/ is not a package on sys.path). Its own
+    imports of bench/ modules (_quiet) need bench/ on sys.path: alone, this test is the first to put it there."""
     path = Path(__file__).resolve().parents[2] / "bench" / "_common.py"
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
     spec = importlib.util.spec_from_file_location("_rapo_bench_common", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
