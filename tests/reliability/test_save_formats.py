@@ -25,13 +25,6 @@ from rapo_fast.retrieval.io import StepBufferFormatError
 from rapo_fast.retrieval.step_traces import StepTraces, StepTracesFormatError
 
 
-@pytest.fixture(autouse=True)
-def _keep_global_rng():
-    state = torch.get_rng_state()
-    yield
-    torch.set_rng_state(state)
-
-
 def _case(kind: str, tmp_path: Path) -> rs.Case:
     return {
         "StepBuffer": rs.buffer_case,
