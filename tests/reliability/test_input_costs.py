@@ -1,7 +1,8 @@
 """Inputs that would cost far more than their size: each is refused, or loaded, at a cost bounded by its size.
 
-A YAML alias bomb of a few hundred bytes (billions of items once expanded) given to each kind of config field is
-refused in milliseconds with a short message (rapo_fast._checks.brief bounds every quoted value); a small snapshot
+A YAML alias bomb of a few hundred bytes (43 million items once expanded) given to each kind of config field is
+refused in milliseconds with a short message (rapo_fast._checks.brief bounds every quoted value: a hypothesis
+property checks it is repr(value) for small values and at most 100 characters always); a small snapshot
 declaring 2^31 - 1 slots, or a key dimension of 2^31 - 1, and a K/V state declaring 2^31 - 1 tokens load within a
 2 GB address-space limit (storage for what is stored, grown by later adds, which then behave as on a buffer never
 saved); a trajectory of 900,000 steps is refused by the JSONL reader before any history is built.
@@ -20,12 +21,21 @@ from pathlib import Path
 import pytest
 import reliability_states as rs
 import torch
+from helpers.strategies import fuzz_settings
+from hypothesis import given
+from hypothesis import strategies as st
 
 from rapo_fast import StepBuffer
 from rapo_fast._checks import brief
 from rapo_fast.kv.store import StepKVStore
 from rapo_fast.retrieval.io import write_snapshot
 from rapo_fast.train.config import TrainerConfig
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=80),
+    lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=10), inner, max_size=6),
+    max_leaves=30,
+)
 
 
 def _bomb(levels: int) -> str:
@@ -67,6 +77,26 @@ def test_brief_is_bounded_whatever_the_value():
     for v in (deep, {i: "x" * 10**6 for i in range(10)}, 10**10000, "y" * 10**7, b"z" * 10**7, set(range(10**5))):
         assert len(brief(v)) <= 100
     assert brief([1, "a", None]) == "[1, 'a', None]" and brief({"k": (1.5,)}) == "{'k': (1.5,)}"
+
+
+def _small(v, depth: int = 3) -> bool:
+    """Within brief's limits: no container of more than 4 items, none nested deeper than 3 levels, no str over 60
+    characters, no int over 64 bits."""
+    if isinstance(v, (list, dict)):
+        items = list(v.values()) if isinstance(v, dict) else v
+        return depth > 0 and len(items) <= 4 and all(_small(x, depth - 1) for x in items)
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v.bit_length() <= 64
+    return not isinstance(v, str) or len(v) <= 60
+
+
+@fuzz_settings(60)
+@given(v=json_values)
+def test_brief_is_repr_when_small_and_bounded_always(v):
+    out = brief(v)
+    assert len(out) <= 100
+    if _small(v) and len(repr(v)) <= 100:
+        assert out == repr(v)
 
 
 def _under_memory_limit(fn, extra_bytes: int = 2 << 30) -> None:
