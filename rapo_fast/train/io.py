@@ -77,9 +77,8 @@ class MetricsLogger:
         if self.tb is not None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb.close()
-            last = int(self.rows[-1].get("step", len(self.rows))) if self.rows else 0
-            self.tb = SummaryWriter(str(self.tb_dir), purge_step=last + 1)
+            self.tb.close()  # one row per step: the next step is len(rows) + 1
+            self.tb = SummaryWriter(str(self.tb_dir), purge_step=len(self.rows) + 1)
 
     def _rewrite(self) -> None:
         """The whole CSV (header, every row), replacing the file atomically."""
