@@ -129,7 +129,7 @@ class TrainerConfig(Section):
         r = self.rollout
         if r.strategy != "hybrid" and r.hybrid.n_hybrid:
             raise ValueError(
-                f"rollout.hybrid.n_hybrid: must be 0 with strategy={r.strategy!r}, got {r.hybrid.n_hybrid}"
+                f"rollout.hybrid.n_hybrid: must be 0 with strategy={brief(r.strategy)}, got {r.hybrid.n_hybrid}"
             )
         if callable(r.hybrid.retrieve_prob):
             raise TypeError("rollout.hybrid.retrieve_prob: expected a number in [0, 1] (a callable cannot be saved)")

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from rapo_fast._checks import brief
 from rapo_fast.rollouts.batch import KIND_GEN, KIND_RET, RolloutBatch
 from rapo_fast.train.callbacks import EvalCallback, TrainerCallback
 from rapo_fast.train.config import TrainerConfig
@@ -384,7 +385,7 @@ class RAPOTrainer:
         checkpoint_on_sigterm=False, no checkpoint_dir, or an ignored SIGTERM: SIGTERM is left alone.
         """
         if not isinstance(num_steps, int) or isinstance(num_steps, bool) or num_steps < 0:
-            raise ValueError(f"train: num_steps must be a non-negative int, got {num_steps!r}")
+            raise ValueError(f"train: num_steps must be a non-negative int, got {brief(num_steps)}")
         if checkpoint_dir is not None and not isinstance(checkpoint_dir, (str, os.PathLike)):
             raise TypeError(f"train: checkpoint_dir must be a path or None, got {type(checkpoint_dir).__name__}")
         if not isinstance(checkpoint_on_sigterm, bool):
