@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import json
 import os
-import resource
+import subprocess
+import sys
 import time
 import tracemalloc
 from pathlib import Path
@@ -99,27 +100,28 @@ def test_brief_is_repr_when_small_and_bounded_always(v):
         assert out == repr(v)
 
 
-def _under_memory_limit(fn, extra_bytes: int = 2 << 30) -> None:
-    """Run fn() in a forked child whose address space may grow by `extra_bytes` at most; fail on its failure."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        code = 1
-        try:
-            os.close(r)
-            vm = int(Path("/proc/self/statm").read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-            resource.setrlimit(resource.RLIMIT_AS, (vm + extra_bytes, resource.RLIM_INFINITY))
-            fn()
-            code = 0
-        except BaseException as exc:
-            os.write(w, f"{type(exc).__name__}: {exc}"[:2000].encode())
-        finally:
-            os._exit(code)
-    os.close(w)
-    _, status = os.waitpid(pid, 0)
-    with os.fdopen(r, "rb") as f:
-        err = f.read().decode()
-    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"under a 2 GB limit: {err or status}"
+# Run in a fresh interpreter, not a fork: a process forked from pytest after torch started its threads can block
+# forever on a lock one of them held.
+_LIMITED = """
+import os, resource, sys
+from pathlib import Path
+import torch
+from rapo_fast import StepBuffer
+from rapo_fast.kv.store import StepKVStore
+d = Path(sys.argv[3])
+exec(sys.argv[1])
+vm = int(Path("/proc/self/statm").read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+resource.setrlimit(resource.RLIMIT_AS, (vm + (2 << 30), resource.RLIM_INFINITY))
+exec(sys.argv[2])
+"""
+
+
+def _under_memory_limit(setup: str, run: str, d: Path) -> None:
+    """exec(setup), then exec(run) with the address space allowed to grow by 2 GB at most, in a new interpreter
+    (`d`: the test's directory); fails with the child's error."""
+    res = subprocess.run([sys.executable, "-c", _LIMITED, setup, run, str(d)], capture_output=True, text=True,
+                         timeout=300, env=os.environ)  # fmt: skip
+    assert res.returncode == 0, f"under a 2 GB limit: {res.stderr[-2000:]}"
 
 
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux's /proc to set the memory limit")
@@ -138,13 +140,14 @@ def test_a_snapshot_declaring_huge_sizes_loads_in_what_it_stores(tmp_path):
     empty.update({k: torch.empty(0, dtype=torch.int64) for k in ("payload_ids", "group_ids", "seq")})
     write_snapshot(tmp_path / "dim", empty, meta)
 
-    def load() -> None:
-        big = StepBuffer.load(tmp_path / "cap")
-        assert big.capacity == 2**31 - 1 and len(big) == 40 and big.search(buf.embeddings[:3].float(), 5)
-        wide = StepBuffer.load(tmp_path / "dim")
-        assert wide.dim == 2**31 - 1 and len(wide) == 0
-
-    _under_memory_limit(load)
+    torch.save(buf.embeddings[:3].float(), tmp_path / "q.pt")
+    run = """
+big = StepBuffer.load(d / "cap")
+assert big.capacity == 2**31 - 1 and len(big) == 40 and big.search(torch.load(d / "q.pt"), 5)
+wide = StepBuffer.load(d / "dim")
+assert wide.dim == 2**31 - 1 and len(wide) == 0
+"""
+    _under_memory_limit("", run, tmp_path)
 
 
 def test_a_loaded_buffer_grows_as_one_never_saved(tmp_path):
@@ -164,7 +167,7 @@ def test_a_loaded_buffer_grows_as_one_never_saved(tmp_path):
 
 
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux's /proc to set the memory limit")
-def test_a_kv_state_declaring_huge_capacity_loads_in_what_it_stores():
+def test_a_kv_state_declaring_huge_capacity_loads_in_what_it_stores(tmp_path):
     """capacity_tokens 2^31 - 1 (64 GB of pools if allocated) with 10 tokens stored; adds after the load land where
     they land in the store that was saved."""
     src = StepKVStore(2, 1, 4, dtype=torch.float32, capacity_tokens=16)
@@ -175,12 +178,10 @@ def test_a_kv_state_declaring_huge_capacity_loads_in_what_it_stores():
     state = src.state_dict()
     state["capacity_tokens"] = 2**31 - 1
 
-    def load() -> None:
-        dst = StepKVStore(2, 1, 4, dtype=torch.float32, capacity_tokens=1)
-        dst.load_state_dict(state)
-        assert dst.capacity_tokens == 2**31 - 1 and dst.payload_ids() == [1, 7]
-
-    _under_memory_limit(load)
+    torch.save(state, tmp_path / "kv.pt")
+    setup = 'state = torch.load(d / "kv.pt", weights_only=True); dst = StepKVStore(2, 1, 4, dtype=torch.float32)'
+    run = "dst.load_state_dict(state); assert dst.capacity_tokens == 2**31 - 1 and dst.payload_ids() == [1, 7]"
+    _under_memory_limit(setup, run, tmp_path)
     back = StepKVStore(2, 1, 4, dtype=torch.float32)
     back.load_state_dict(src.state_dict())
     more = [torch.randn(2, n, 1, 4, generator=g) for n in (4, 30)]
