@@ -17,11 +17,13 @@ import json
 import os
 import re
 import shutil
+import stat
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any, NamedTuple
 
+from rapo_fast._checks import brief
 from rapo_fast._files import _CLOEXEC, _NOFOLLOW, NotRegularFileError, open_regular, read_regular, sha256_file
 
 try:
@@ -144,7 +146,7 @@ def write_file_atomic(path: str | os.PathLike, write: Callable[[HashingWriter], 
             w.close()
         os.replace(tmp, path)
     except BaseException:
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):  # gone already (replaced), or unremovable: the original error matters
             os.unlink(tmp)
         raise
     fsync_dir(path.parent)
@@ -232,11 +234,17 @@ def _remove(path: Path) -> None:
             os.unlink(path)
 
 
+# A file name of a version: the names the savers use (letters, digits, '.', '_', '-'; at most 8 levels, 100 characters
+# a level). A manifest naming anything else (a 300-byte name, a NUL, a lone surrogate) is refused as corrupt before any
+# file-system call could raise its own error (ENAMETOOLONG, ValueError) on it.
+_REL_PART = re.compile(r"[A-Za-z0-9_.-]{1,100}")
+
+
 def _rel_ok(rel: Any) -> bool:
-    if not isinstance(rel, str) or not rel or "\\" in rel:
+    if not isinstance(rel, str) or len(rel) > 1000:
         return False
-    p = PurePosixPath(rel)
-    return not p.is_absolute() and str(p) == rel and all(part not in ("", ".", "..") for part in p.parts)
+    parts = rel.split("/")
+    return len(parts) <= 8 and all(_REL_PART.fullmatch(p) and p not in (".", "..") for p in parts)
 
 
 class VersionWriter:
@@ -289,7 +297,7 @@ class VersionWriter:
 
     def _new_path(self, rel: str) -> Path:
         if not _rel_ok(rel) or rel == MANIFEST:
-            raise ValueError(f"VersionWriter: bad file name {rel!r}")
+            raise ValueError(f"VersionWriter: bad file name {brief(rel)}")
         path = self.path / rel
         for parent in reversed(PurePosixPath(rel).parents[:-1]):
             d = self.path / parent
@@ -320,7 +328,7 @@ class VersionWriter:
         SHA-256, which names every file's) is listed, so the whole nested unit is covered."""
         rel = f"{rel_dir}/{CURRENT}"
         if not _rel_ok(rel):
-            raise ValueError(f"VersionWriter: bad directory name {rel_dir!r}")
+            raise ValueError(f"VersionWriter: bad directory name {brief(rel_dir)}")
         data = read_regular(self.path / rel)
         self.files[rel] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
 
@@ -353,7 +361,11 @@ class VersionWriter:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
-            if exc_type is not None and not self._committed:  # an exception, not a kill: undo what this save wrote
+            # An exception (Ctrl-C, a SystemExit from a signal handler, EIO from the directory fsync) may arrive after
+            # os.replace made this version current but before commit() returned: what CURRENT says decides, never
+            # the flag. Only a version CURRENT provably does not name is undone; anything in doubt stays, listed in
+            # PENDING, for the next save to sort out.
+            if exc_type is not None and not self._committed and self._current_is_other():
                 shutil.rmtree(self.path, ignore_errors=True)
                 left = [n for n in self._pending[1:] if n != self._old]  # earlier leftovers still to remove
                 if not self.path.exists():
@@ -365,6 +377,14 @@ class VersionWriter:
         finally:
             self._lock.__exit__(None, None, None)
 
+    def _current_is_other(self) -> bool:
+        """CURRENT was read and names another version than this save's (or none); False when it cannot be read."""
+        try:
+            raw = _read_small(self.root / CURRENT)
+        except OSError:
+            return False
+        return raw is None or not raw.startswith(f"{self.name} ".encode())
+
 
 def read_json_object(path: Path, error: type[FormatError]) -> dict[str, Any]:
     """A saved file holding one JSON object; anything else raises `error` naming the file."""
@@ -372,6 +392,8 @@ def read_json_object(path: Path, error: type[FormatError]) -> dict[str, Any]:
         m = json.loads(read_regular(path).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise error(f"{path} is corrupt: {exc}") from None
+    except RecursionError:  # arrays or objects nested thousands deep
+        raise error(f"{path} is corrupt: JSON nested too deeply") from None
     except NotRegularFileError as exc:
         raise error(f"{path} is corrupt: {exc.strerror}") from None
     if not isinstance(m, dict):
@@ -382,10 +404,10 @@ def read_json_object(path: Path, error: type[FormatError]) -> dict[str, Any]:
 def _parse_manifest(path: Path, fmt: str, version: int, error: type[FormatError]) -> dict[str, Any]:
     m = read_json_object(path, error)
     if m.get("format") != fmt:
-        raise error(f"{path}: field 'format' is {m.get('format')!r}, want {fmt!r}")
+        raise error(f"{path}: field 'format' is {brief(m.get('format'))}, want {fmt!r}")
     v = m.get("format_version")
     if v != version or isinstance(v, bool):
-        raise error(f"{path}: format version {v!r}, this rapo_fast reads version {version}")
+        raise error(f"{path}: format version {brief(v)}, this rapo_fast reads version {version}")
     files, meta = m.get("files"), m.get("meta")
     if not isinstance(files, dict) or not isinstance(meta, dict):
         raise error(f"{path}: fields 'files' and 'meta' must be JSON objects")
@@ -394,7 +416,7 @@ def _parse_manifest(path: Path, fmt: str, version: int, error: type[FormatError]
         ok = ok and isinstance(entry["sha256"], str) and _SHA.fullmatch(entry["sha256"]) is not None
         ok = ok and isinstance(entry["size"], int) and not isinstance(entry["size"], bool) and entry["size"] >= 0
         if not ok:
-            raise error(f"{path}: field 'files' has a malformed entry {rel!r}: {entry!r}")
+            raise error(f"{path}: field 'files' has a malformed entry {brief(rel)}: {brief(entry)}")
     return m
 
 
@@ -405,7 +427,11 @@ def read_version(
     """The live version of `root`, every file checked (size and SHA-256) against the manifest, whose own SHA-256 is
     in CURRENT. Holds a shared lock while the caller reads (a concurrent save cannot remove the version meanwhile)."""
     root, what = Path(root), fmt.rsplit(".", 1)[-1]
-    if not root.is_dir():
+    try:
+        is_dir = root.is_dir()
+    except (OSError, ValueError) as exc:  # a name too long for the file system, a NUL byte
+        raise error(f"{root} is not a saved {what} ({exc})") from None
+    if not is_dir:
         raise error(f"{root} is not a saved {what} (no such directory)")
 
     def digest_of(p: Path) -> str:
@@ -425,10 +451,14 @@ def read_version(
         m = _parse_manifest(mpath, fmt, version, error)
         for rel, entry in m["files"].items():
             p = vdir / rel
-            if not p.is_file():
-                raise error(f"{p} is missing or not a regular file (listed in {mpath})")
-            if p.stat().st_size != entry["size"]:
-                raise error(f"{p} is corrupt: {p.stat().st_size} bytes, {mpath} says {entry['size']}")
+            try:
+                st = os.stat(p)
+            except OSError as exc:  # missing, or a path the file system refuses (a loop of links, EACCES)
+                raise error(f"{p} is missing or unreadable (listed in {mpath}): {exc.strerror}") from None
+            if not stat.S_ISREG(st.st_mode):
+                raise error(f"{p} is not a regular file (listed in {mpath})")
+            if st.st_size != entry["size"]:
+                raise error(f"{p} is corrupt: {st.st_size} bytes, {mpath} says {entry['size']}")
             if digest_of(p) != entry["sha256"]:
                 raise error(f"{p} is corrupt (its SHA-256 differs from the one in {mpath})")
         yield Version(vdir, m["meta"], m["files"])
@@ -440,7 +470,7 @@ def check_int(
     """meta[key] as an int in [lo, hi] (bool refused), else `error` naming `where` and the field."""
     v = meta.get(key, "<missing>")
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise error(f"{where}: field {key!r} must be an int in [{lo}, {hi}], got {v!r}")
+        raise error(f"{where}: field {key!r} must be an int in [{lo}, {hi}], got {brief(v)}")
     return v
 
 
@@ -449,5 +479,5 @@ def check_choice(meta: dict[str, Any], key: str, choices, where: Any, error: typ
     field."""
     v = meta.get(key, "<missing>")
     if not any(type(v) is type(c) and v == c for c in choices):
-        raise error(f"{where}: field {key!r} must be one of {tuple(choices)}, got {v!r}")
+        raise error(f"{where}: field {key!r} must be one of {tuple(choices)}, got {brief(v)}")
     return v

@@ -10,14 +10,55 @@ What this is not: a place for op math, nor the choice of the path that runs (rap
 
 from __future__ import annotations
 
+import itertools
+import math
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 MASK_DTYPES = (torch.bool,) + INT_DTYPES + FLOAT_DTYPES
+
+
+# ------------------------------------------------------------------------------------- values quoted in error messages
+_BRIEF_ITEMS, _BRIEF_DEPTH, _BRIEF_TEXT = 4, 3, 60
+
+
+def brief(value: Any, limit: int = 100) -> str:
+    """repr(value) cut to at most `limit` characters, at a cost bounded whatever the value: at most 4 items of a
+    container, 3 levels deep, 60 characters of a str, the bit length of an int past 64 bits. Every error message that
+    quotes a value it was given goes through here: a 0.4 KB YAML alias bomb expands to billions of items, whose full
+    repr costs seconds and gigabytes (and the repr of an int of over 4300 digits raises)."""
+    out = _brief(value, _BRIEF_DEPTH)
+    return out if len(out) <= limit else out[: max(limit - 3, 0)] + "..."
+
+
+def _brief(v: Any, depth: int) -> str:
+    if isinstance(v, bool) or v is None or isinstance(v, float):
+        return repr(v)
+    if isinstance(v, int):
+        return repr(int(v)) if v.bit_length() <= 64 else f"<int of {v.bit_length()} bits>"
+    if isinstance(v, (str, bytes)):
+        return repr(v[:_BRIEF_TEXT]) + ("..." if len(v) > _BRIEF_TEXT else "")
+    if isinstance(v, Mapping):
+        brackets, first = "{}", itertools.islice(v.items(), _BRIEF_ITEMS)
+        show = lambda kv: f"{_brief(kv[0], depth - 1)}: {_brief(kv[1], depth - 1)}"  # noqa: E731
+    elif isinstance(v, (list, tuple, set, frozenset)):
+        brackets, first = "[]" if isinstance(v, list) else "()" if isinstance(v, tuple) else "{}", iter(v)
+        first, show = itertools.islice(first, _BRIEF_ITEMS), lambda x: _brief(x, depth - 1)
+    else:  # anything else: its own repr (a tensor's is summarised by torch), cut
+        try:
+            text = repr(v)
+        except Exception:  # a broken __repr__ must not replace the error being reported
+            text = f"<{type(v).__name__}>"
+        return text if len(text) <= 2 * _BRIEF_TEXT else text[: 2 * _BRIEF_TEXT] + "..."
+    if depth <= 0:
+        return brackets[0] + ("..." if len(v) else "") + brackets[1]
+    more = f", ... ({len(v)} items)" if len(v) > _BRIEF_ITEMS else "," if isinstance(v, tuple) and len(v) == 1 else ""
+    return brackets[0] + ", ".join(show(x) for x in first) + more + brackets[1]
 
 
 def _dt(dtypes: Iterable[torch.dtype]) -> str:
@@ -68,9 +109,9 @@ def check_same_device(**tensors: torch.Tensor | None) -> torch.device | None:
 def check_choice(name: str, value, choices: Sequence[str]) -> str:
     """`value` is one of the option strings `choices`."""
     if not isinstance(value, str):
-        raise TypeError(f"{name}: expected one of {list(choices)}, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{name}: expected one of {list(choices)}, got {type(value).__name__} {brief(value)}")
     if value not in choices:
-        raise ValueError(f"{name}: expected one of {list(choices)}, got {value!r}")
+        raise ValueError(f"{name}: expected one of {list(choices)}, got {brief(value)}")
     return value
 
 
@@ -87,7 +128,7 @@ def check_float(
     if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name}: expected a real number, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{name}: expected a real number, got {type(value).__name__} {brief(value)}")
     try:
         v = float(value)
     except OverflowError:  # an int past float's range
@@ -114,11 +155,11 @@ def check_int(name: str, value, *, lo: int = INT64_MIN, hi: int = INT64_MAX) -> 
         value.is_floating_point() or value.is_complex() or value.dtype == torch.bool
     )
     if isinstance(value, bool) or not_int:
-        raise TypeError(f"{name}: expected an int in [{lo}, {hi}], got {type(value).__name__} {value!r}")
+        raise TypeError(f"{name}: expected an int in [{lo}, {hi}], got {type(value).__name__} {brief(value)}")
     try:
         v = operator.index(value)
     except TypeError:
-        raise TypeError(f"{name}: expected an int in [{lo}, {hi}], got {type(value).__name__} {value!r}") from None
+        raise TypeError(f"{name}: expected an int in [{lo}, {hi}], got {type(value).__name__} {brief(value)}") from None
     if not lo <= v <= hi:
         raise ValueError(f"{name}: expected an int in [{lo}, {hi}], got {v}")
     return v

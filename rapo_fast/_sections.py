@@ -26,9 +26,9 @@ def rule_int(lo: int, hi: int | None = None, allow_none: bool = False) -> Rule:
         if v is None and allow_none:
             return
         if not isinstance(v, int) or isinstance(v, bool):
-            raise TypeError(f"{name}: expected an int, got {type(v).__name__} {v!r}")
+            raise TypeError(f"{name}: expected an int, got {type(v).__name__} {C.brief(v)}")
         if v < lo or (hi is not None and v > hi):
-            raise ValueError(f"{name}: expected an int in [{lo}, {hi if hi is not None else 'inf'}], got {v!r}")
+            raise ValueError(f"{name}: expected an int in [{lo}, {hi if hi is not None else 'inf'}], got {C.brief(v)}")
 
     return check
 
@@ -47,7 +47,7 @@ def rule_choice(*choices: str) -> Rule:
 def rule_type(kinds: tuple[type, ...], what: str) -> Rule:
     def check(name: str, v: Any) -> None:
         if not isinstance(v, kinds):
-            raise TypeError(f"{name}: expected {what}, got {type(v).__name__} {v!r}")
+            raise TypeError(f"{name}: expected {what}, got {type(v).__name__} {C.brief(v)}")
 
     return check
 
@@ -67,7 +67,7 @@ def expand_dotted(d: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in d.items():
         if not isinstance(key, str):
-            raise TypeError(f"config keys must be strings, got {type(key).__name__} {key!r}")
+            raise TypeError(f"config keys must be strings, got {type(key).__name__} {C.brief(key)}")
         *parents, leaf = key.split(".")
         node = out
         for p in parents:

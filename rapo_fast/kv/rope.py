@@ -18,6 +18,8 @@ from typing import Any, Literal
 
 import torch
 
+from rapo_fast._checks import brief
+
 Layout = Literal["rotate_half", "interleaved"]
 
 # Layouts verified against the installed transformers' modeling code (rotate_half vs rotate_every_two). A model type not
@@ -93,7 +95,7 @@ def compute_inv_freq(
     """
     params = dict(params or {})
     if rope_type in _REFUSED_TYPES:
-        raise ValueError(f"rope_type={rope_type!r} is not supported by the KV splice: {_REFUSED_TYPES[rope_type]}")
+        raise ValueError(f"rope_type={brief(rope_type)} is not supported by the KV splice: {_REFUSED_TYPES[rope_type]}")
     if rotary_dim <= 0 or rotary_dim % 2:
         raise ValueError(f"rotary_dim must be a positive even number, got {rotary_dim}")
     exps = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
@@ -143,7 +145,7 @@ def compute_inv_freq(
         extra = 1 - ramp
         inv = (1.0 / (factor * base)) * (1 - extra) + (1.0 / base) * extra
     else:
-        raise ValueError(f"rope_type={rope_type!r} is not supported (supported: default, linear, llama3, yarn)")
+        raise ValueError(f"rope_type={brief(rope_type)} is not supported (supported: default, linear, llama3, yarn)")
     return inv.to(torch.float32), float(attention)
 
 
@@ -165,7 +167,7 @@ class RopeSpec:
 
     def __post_init__(self) -> None:
         if self.layout not in ("rotate_half", "interleaved"):
-            raise ValueError(f"layout must be 'rotate_half' or 'interleaved', got {self.layout!r}")
+            raise ValueError(f"layout must be 'rotate_half' or 'interleaved', got {brief(self.layout)}")
         if self.rotary_dim <= 0 or self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
             raise ValueError(f"rotary_dim must be even and in [2, head_dim={self.head_dim}], got {self.rotary_dim}")
         inv = self.inv_freq
@@ -206,7 +208,7 @@ class RopeSpec:
                 layout = "rotate_half"
             else:
                 raise ValueError(
-                    f"the RoPE pair layout of model_type={model_type!r} is not known to rapo_fast; pass "
+                    f"the RoPE pair layout of model_type={brief(model_type)} is not known to rapo_fast; pass "
                     "layout='rotate_half' (HF rotate_half, as Llama) or layout='interleaved' (pairs (2i, 2i+1), "
                     "as GPT-J)"
                 )

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import torch
 
+from rapo_fast._checks import brief
 from rapo_fast._dispatch import register_op
 from rapo_fast.kv import hf_cache as hfc
 from rapo_fast.kv import splice_checks as sc
@@ -305,7 +306,7 @@ def _launch(ks, vs, store: StepKVStore, table, rope: RopeSpec, block_table, back
             )
         return
     if backend != device.type:
-        raise ValueError(f"backend={backend!r} cannot run on {device.type} tensors")
+        raise ValueError(f"backend={brief(backend)} cannot run on {device.type} tensors")
     _launch_extension(ks, vs, store, table, rope, block_table)
 
 
@@ -352,7 +353,7 @@ def insert_segment(
         (a suffix recompute: the recomputed tokens attend to the true context; not CacheBlend's deviation-based pick).
     """
     if mode not in ("splice", "exact", "blend"):
-        raise ValueError(f"mode must be 'splice', 'exact' or 'blend', got {mode!r}")
+        raise ValueError(f"mode must be 'splice', 'exact' or 'blend', got {brief(mode)}")
     kind = hfc.check_cache(cache)
     toks, b, p, cur = _check_segments(cache, segment_tokens, rows, positions)
     seg_len = len(toks[0])
@@ -431,7 +432,7 @@ def _check_stored(
 ) -> None:
     """The store holds every payload to splice, with the same tokens and at least n_splice of them."""
     if store is None or payload_ids is None:
-        raise ValueError(f"mode={mode!r} needs store= and payload_ids= (the segments' cached K/V)")
+        raise ValueError(f"mode={brief(mode)} needs store= and payload_ids= (the segments' cached K/V)")
     if len(payload_ids) != len(toks):
         raise ValueError(f"payload_ids has {len(payload_ids)} entries for {len(toks)} rows")
     for i in order:

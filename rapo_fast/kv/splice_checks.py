@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from rapo_fast._checks import INT32_MAX, INT32_MIN, check_int
+from rapo_fast._checks import INT32_MAX, INT32_MIN, brief, check_int
 from rapo_fast._constants import KV_REQUEST_FIELDS
 from rapo_fast.kv.store import StepKVStore
 
@@ -47,7 +47,7 @@ def as_requests(requests: Any) -> list[tuple[int, int, int]]:
     out = []
     for i, r in enumerate(requests):
         if len(r) != 3:
-            raise ValueError(f"requests[{i}] must be (payload_id, batch_row, position), got {r!r}")
+            raise ValueError(f"requests[{i}] must be (payload_id, batch_row, position), got {brief(r)}")
         names = (f"requests[{i}] payload_id", f"requests[{i}] batch_row", f"requests[{i}] position")
         out.append(tuple(as_int(n, x) for n, x in zip(names, r)))
     return out
@@ -98,7 +98,7 @@ def check_op_tensors(keys, values, k_pool, v_pool, requests, inv_freq, block_tab
             f"requests must be int64 [R, {KV_REQUEST_FIELDS}], got {requests.dtype} {tuple(requests.shape)}"
         )
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
-        raise TypeError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
+        raise TypeError(f"max_tokens must be an int >= 0, got {brief(max_tokens)}")
     if k_pool.dim() != 4 or v_pool.shape != k_pool.shape or v_pool.dtype != k_pool.dtype:
         raise ValueError(f"k_pool/v_pool must share one 4-d shape, got {tuple(k_pool.shape)}, {tuple(v_pool.shape)}")
     if k_pool.dtype not in (torch.float32, torch.float16, torch.bfloat16) or k_pool.stride(-1) != 1:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from rapo_fast._checks import check_int, check_int_list
+from rapo_fast._checks import brief, check_int, check_int_list
 from rapo_fast.kv import hf_cache as hfc
 
 
@@ -29,8 +29,8 @@ def _checked_where(where: Any, used: int) -> dict[int, tuple[int, int]]:
         ok = _is_int(pid) and isinstance(span, (tuple, list)) and len(span) == 2 and all(_is_int(x) for x in span)
         if not ok or not (0 <= span[0] and 0 <= span[1] and span[0] + span[1] <= used):
             raise ValueError(
-                f"StepKVStore.load_state_dict: field 'where' maps {pid!r} to {span!r}, want an int payload id -> "
-                f"(offset, length) inside the {used} saved tokens"
+                f"StepKVStore.load_state_dict: field 'where' maps {brief(pid)} to {brief(span)}, want an int payload "
+                f"id -> (offset, length) inside the {used} saved tokens"
             )
         out[pid] = (span[0], span[1])
     pos = 0
@@ -51,7 +51,7 @@ def _checked_tokens(tokens: Any, where: dict) -> dict[int, list[int]]:
         ok = pid in where and isinstance(ids, (list, tuple)) and len(ids) == where[pid][1]
         if not ok or not all(_is_int(x) and x >= 0 for x in ids):
             raise ValueError(
-                f"StepKVStore.load_state_dict: field 'tokens' has {pid!r}: {str(ids)[:80]}, want a stored payload "
+                f"StepKVStore.load_state_dict: field 'tokens' has {brief(pid)}: {brief(ids)}, want a stored payload "
                 "id -> one token id >= 0 per cached position"
             )
     return {pid: list(ids) for pid, ids in tokens.items()}
@@ -88,6 +88,8 @@ class StepKVStore:
         self._where: dict[int, tuple[int, int]] = {}
         self._tokens: dict[int, list[int]] = {}
         self._free: list[tuple[int, int]] = [(0, capacity_tokens)]
+        # tokens the free list spans; the pools may hold fewer (after load_state_dict) and grow as payloads land
+        self._capacity = capacity_tokens
 
     @classmethod
     def for_model(cls, model: Any, **kwargs: Any) -> StepKVStore:
@@ -111,7 +113,10 @@ class StepKVStore:
 
     @property
     def capacity_tokens(self) -> int:
-        return self.keys_pool.shape[1]
+        """Tokens the store holds before its pools double. A store made by the constructor has pools of that size;
+        after load_state_dict the pools hold the saved tokens only (a state may declare up to 2^31 - 1 tokens) and
+        grow as payloads are added."""
+        return self._capacity
 
     def payload_ids(self) -> list[int]:
         return sorted(self._where)
@@ -156,7 +161,7 @@ class StepKVStore:
         want = (self.num_layers, self.num_kv_heads, self.head_dim)
         shape = state["shape"]
         if not isinstance(shape, (tuple, list)) or not all(_is_int(x) for x in shape):
-            raise ValueError(f"StepKVStore.load_state_dict: field 'shape' must be 3 ints, got {shape!r}")
+            raise ValueError(f"StepKVStore.load_state_dict: field 'shape' must be 3 ints, got {brief(shape)}")
         if tuple(shape) != want or state["dtype"] != self.dtype:
             raise ValueError(
                 f"StepKVStore.load_state_dict: state is for (layers, kv heads, head dim) {tuple(shape)} in "
@@ -180,7 +185,7 @@ class StepKVStore:
         if not _is_int(cap) or not max(used, 1) <= cap < 2**31:
             raise ValueError(
                 f"StepKVStore.load_state_dict: field 'capacity_tokens' must be an int in [{max(used, 1)}, 2^31), "
-                f"got {cap!r}"
+                f"got {brief(cap)}"
             )
         where = _checked_where(state["where"], used)
         return cap, where, _checked_tokens(state["tokens"], where)
@@ -189,13 +194,11 @@ class StepKVStore:
         """Replace the contents with a state_dict() of a store of the same shape and dtype. Everything is checked
         first (check_state_dict): a bad state raises ValueError/TypeError and leaves the store as it was."""
         cap, where, tokens = self.check_state_dict(state)
-        pool_shape = (self.num_layers, cap, self.num_kv_heads, self.head_dim)
-        keys_pool = torch.zeros(pool_shape, dtype=self.dtype, device=self.device)
-        values_pool = torch.zeros(pool_shape, dtype=self.dtype, device=self.device)
-        used = state["keys"].shape[1]
-        keys_pool[:, :used] = state["keys"].to(self.device)
-        values_pool[:, :used] = state["values"].to(self.device)
+        # the pools hold what the state stores, not what it declares (capacity_tokens)
+        keys_pool = state["keys"].to(self.device, copy=True)
+        values_pool = state["values"].to(self.device, copy=True)
         self.keys_pool, self.values_pool, self._where, self._tokens = keys_pool, values_pool, where, tokens
+        self._capacity = cap
         # the free list is the gaps between the payloads (first-fit reuse continues as before the save)
         self._free = []
         pos = 0
@@ -210,16 +213,24 @@ class StepKVStore:
                 self._free[i] = (start + n, size - n)
                 if size == n:
                     del self._free[i]
+                self._reserve(start + n)
                 return start
-        old = self.capacity_tokens
-        new = max(2 * old, old + n)
+        old = self._capacity
+        self._capacity = max(2 * old, old + n)
+        self._release(old, self._capacity - old)
+        return self._alloc(n)
+
+    def _reserve(self, end: int) -> None:
+        """Pools of at least `end` (<= capacity_tokens) tokens, doubling."""
+        have = self.keys_pool.shape[1]
+        if end <= have:
+            return
+        new = min(self._capacity, max(end, 2 * have))
         for name in ("keys_pool", "values_pool"):
             pool = getattr(self, name)
             grown = pool.new_zeros((pool.shape[0], new, *pool.shape[2:]))
-            grown[:, :old] = pool
+            grown[:, :have] = pool
             setattr(self, name, grown)
-        self._release(old, new - old)
-        return self._alloc(n)
 
     def _release(self, start: int, n: int) -> None:
         if n <= 0:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from rapo_fast import _ext
+from rapo_fast._checks import brief
 from rapo_fast._dispatch import triton_missing_reason
 from rapo_fast.retrieval.triton_search import select_backend
 
@@ -23,14 +24,14 @@ BACKENDS = ("auto", "cpu", "cuda", "triton")
 
 
 def _refuse(backend: str, why: str) -> ValueError:
-    return ValueError(f"backend={backend!r} cannot run: {why} (backend='auto' picks one that can)")
+    return ValueError(f"backend={brief(backend)} cannot run: {why} (backend='auto' picks one that can)")
 
 
 def check_backend(backend: object, device: torch.device) -> str:
     """`backend` checked to be one of BACKENDS and, when explicit, able to run on tensors of `device`; returns it.
     ValueError naming `backend`, the value and the reason otherwise."""
     if not isinstance(backend, str) or backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        raise ValueError(f"backend must be one of {BACKENDS}, got {brief(backend)}")
     if backend == "auto":
         return backend
     if backend in ("cpu", "cuda") and device.type != backend:

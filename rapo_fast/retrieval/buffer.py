@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rapo_fast._checks import brief
 from rapo_fast._constants import MAX_KEYS
 from rapo_fast.reference.retrieval import key_aux_ref
 from rapo_fast.retrieval.backends import check_backend
@@ -38,6 +39,8 @@ __all__ = ["StepBuffer", "StepBufferFormatError", "FORMAT_VERSION"]
 
 _KEY_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _EVICTIONS = ("fifo", "lowest_score")
+# the per-slot tensors and the value of a free slot in each (reset, _grow)
+_SLOT_FILLS = (("_keys", 0), ("_aux", 0), ("_payload", -1), ("_group", -1), ("_score", 0), ("_seq", -1), ("_pinned", 0))
 
 
 class StepBuffer:
@@ -72,25 +75,29 @@ class StepBuffer:
         eviction: str = "fifo",
     ) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or not 1 <= capacity <= MAX_KEYS:
-            raise ValueError(f"capacity must be an int in [1, 2^31), got {capacity!r}")
+            raise ValueError(f"capacity must be an int in [1, 2^31), got {brief(capacity)}")
         if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
-            raise ValueError(f"dim must be a positive int, got {dim!r}")
+            raise ValueError(f"dim must be a positive int, got {brief(dim)}")
         if dtype not in _KEY_DTYPES:
             raise TypeError(f"dtype must be one of {_KEY_DTYPES}, got {dtype}")
         if metric not in METRIC_CODES:
-            raise ValueError(f"metric must be one of {tuple(METRIC_CODES)}, got {metric!r}")
+            raise ValueError(f"metric must be one of {tuple(METRIC_CODES)}, got {brief(metric)}")
         if eviction not in _EVICTIONS:
-            raise ValueError(f"eviction must be one of {_EVICTIONS}, got {eviction!r}")
+            raise ValueError(f"eviction must be one of {_EVICTIONS}, got {brief(eviction)}")
+        self._setup(capacity, dim, dtype, device, metric, eviction, rows=capacity)
+
+    def _setup(self, capacity: int, dim: int, dtype, device, metric: str, eviction: str, rows: int) -> None:
+        """The fields of an empty buffer (arguments checked by the caller), with storage for `rows` slots."""
         self.capacity, self.dim, self.dtype, self.metric, self.eviction = capacity, dim, dtype, metric, eviction
         self.device = torch.device(device if device is not None else "cpu")
         dev = self.device
-        self._keys = torch.zeros(capacity, dim, dtype=dtype, device=dev)
-        self._aux = torch.zeros(capacity, dtype=torch.float32, device=dev)
-        self._payload = torch.full((capacity,), -1, dtype=torch.int64, device=dev)
-        self._group = torch.full((capacity,), -1, dtype=torch.int64, device=dev)
-        self._score = torch.zeros(capacity, dtype=torch.float32, device=dev)
-        self._seq = torch.full((capacity,), -1, dtype=torch.int64, device=dev)  # insertion order, for eviction
-        self._pinned = torch.zeros(capacity, dtype=torch.bool, device=dev)  # never evicted by an unpinned step
+        self._keys = torch.zeros(rows, dim, dtype=dtype, device=dev)
+        self._aux = torch.zeros(rows, dtype=torch.float32, device=dev)
+        self._payload = torch.full((rows,), -1, dtype=torch.int64, device=dev)
+        self._group = torch.full((rows,), -1, dtype=torch.int64, device=dev)
+        self._score = torch.zeros(rows, dtype=torch.float32, device=dev)
+        self._seq = torch.full((rows,), -1, dtype=torch.int64, device=dev)  # insertion order, for eviction
+        self._pinned = torch.zeros(rows, dtype=torch.bool, device=dev)  # never evicted by an unpinned step
         self._has_pins = False  # any pinned step: eviction goes through _assign_pinned
         # fifo by insertion number instead of the ring: set once pinned eviction broke the ring's age order
         self._by_age = False
@@ -105,6 +112,20 @@ class StepBuffer:
 
     def __len__(self) -> int:
         return self._size
+
+    def _grow(self, rows: int) -> None:
+        """Storage for at least `rows` (<= capacity) slots, doubling. Only a loaded buffer has less than its capacity:
+        `load` allocates what the snapshot stores, not what it declares (a 1 KB snapshot may declare 2^31 - 1 slots),
+        and the storage grows as adds fill the slots."""
+        have = self._keys.shape[0]
+        if rows <= have:
+            return
+        new = min(self.capacity, max(rows, 2 * have))
+        for name, fill in _SLOT_FILLS:
+            old = getattr(self, name)
+            t = old.new_full((new, *old.shape[1:]), fill)
+            t[:have] = old
+            setattr(self, name, t)
 
     def __repr__(self) -> str:
         return (
@@ -236,6 +257,7 @@ class StepBuffer:
             slots = self._assign_slots(score)
         else:
             slots = self._assign_fifo(M)
+        self._grow(self._size)  # every slot assigned is below the new size (slots fill in order)
         keep = slots >= 0
         if bool(keep.all()):
             idx, src = slots, slice(None)
@@ -425,10 +447,8 @@ class StepBuffer:
         """Empty the buffer (faiss's `reset`): no steps, no pins, automatic ids from 0 again; capacity, dim, dtype,
         device, metric and eviction are kept, and so is the storage (no reallocation)."""
         with self._lock.write():
-            for t, fill in ((self._keys, 0), (self._aux, 0), (self._score, 0), (self._pinned, False)):
-                t.fill_(fill)
-            for t in (self._payload, self._group, self._seq):
-                t.fill_(-1)
+            for name, fill in _SLOT_FILLS:
+                getattr(self, name).fill_(fill)
             self._size = self._head = self._next_seq = 0
             self._has_pins = self._by_age = False
             self._key_sum = None
@@ -463,8 +483,9 @@ class StepBuffer:
         field or tensor is missing, corrupt or inconsistent (every one is checked first: rapo_fast/retrieval/io.py)."""
         tensors, meta = read_snapshot(directory)
         dtype = getattr(torch, meta["dtype"])  # one of the three key dtypes: read_snapshot checked it
-        buf = cls(meta["capacity"], meta["dim"], dtype, device, meta["metric"], meta["eviction"])
         n, head, next_seq = meta["size"], meta["head"], meta["next_seq"]
+        buf = cls.__new__(cls)  # storage for the n stored steps only (_grow), not the declared capacity
+        buf._setup(meta["capacity"], meta["dim"], dtype, device, meta["metric"], meta["eviction"], rows=n)
         dev = buf.device
         buf._keys[:n] = tensors["keys"].to(dev)
         buf._aux[:n] = key_aux_ref(buf._keys[:n], buf.metric)

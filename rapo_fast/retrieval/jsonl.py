@@ -14,16 +14,21 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from rapo_fast._atomic import write_file_atomic
+from rapo_fast._checks import brief
+
 
 def write_jsonl(records: Iterable[dict], path: str | Path) -> Path:
-    """Write one JSON object per line (atomically: a temporary file renamed into place)."""
+    """Write one JSON object per line, atomically (rapo_fast._atomic.write_file_atomic: a temporary file, fsynced,
+    renamed into place; an exception or a kill leaves the previous file or the new one)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with tmp.open("w") as f:
+
+    def write(f) -> None:
         for r in records:
-            f.write(json.dumps(r) + "\n")
-    tmp.replace(path)
+            f.write((json.dumps(r) + "\n").encode())
+
+    write_file_atomic(path, write)
     return path
 
 
@@ -39,31 +44,50 @@ def _check_text(where: str, key: str, v: str) -> None:
         raise ValueError(f"read_jsonl: {where}: {key!r} is not valid Unicode text ({exc.reason})") from None
 
 
+# The histories of a trajectory (per step, the prompt and the steps before it: what StepTraces encodes) grow with the
+# square of its length; a record whose histories would exceed this many characters in all is refused when read.
+MAX_HISTORY_CHARS = 2**26
+
+
+def _check_history_size(where: str, prompt: str, steps: list[str]) -> None:
+    total, history = 0, len(prompt)
+    for st in steps:
+        total += history
+        history += 1 + len(st)
+        if total > MAX_HISTORY_CHARS:
+            raise ValueError(
+                f"read_jsonl: {where}: 'steps': {len(steps)} steps whose histories (the prompt and the steps before "
+                f"each) exceed {MAX_HISTORY_CHARS} characters in all; split the trajectory"
+            )
+
+
 def check_record(rec: Any, where: str) -> dict:
     """One trajectory record (the module docstring) or ValueError naming `where` (file:line) and the field: an object;
-    query_id an int in [0, QUERY_ID_MAX] (bool refused); prompt a str; steps a list of str; reward a finite number
-    (bool refused); answer, when a str, and every text valid Unicode (no lone surrogates)."""
+    query_id an int in [0, QUERY_ID_MAX] (bool refused); prompt a str; steps a list of str whose histories total at
+    most MAX_HISTORY_CHARS characters; reward a finite number (bool refused); answer, when a str, and every text valid
+    Unicode (no lone surrogates)."""
     if not isinstance(rec, dict):
         raise ValueError(f"read_jsonl: {where} must be a JSON object (one trajectory), got {type(rec).__name__}")
     q = rec.get("query_id")
     if isinstance(q, bool) or not isinstance(q, int) or not 0 <= q <= QUERY_ID_MAX:
-        raise ValueError(f"read_jsonl: {where}: 'query_id' must be an int in [0, {QUERY_ID_MAX}], got {q!r:.80}")
+        raise ValueError(f"read_jsonl: {where}: 'query_id' must be an int in [0, {QUERY_ID_MAX}], got {brief(q)}")
     prompt = rec.get("prompt")
     if not isinstance(prompt, str):
-        raise ValueError(f"read_jsonl: {where}: 'prompt' must be a str, got {prompt!r:.80}")
+        raise ValueError(f"read_jsonl: {where}: 'prompt' must be a str, got {brief(prompt)}")
     _check_text(where, "prompt", prompt)
     steps = rec.get("steps")
     if not isinstance(steps, list):
-        raise ValueError(f"read_jsonl: {where}: 'steps' must be a list of str, got {steps!r:.80}")
+        raise ValueError(f"read_jsonl: {where}: 'steps' must be a list of str, got {brief(steps)}")
     for j, st in enumerate(steps):
         if not isinstance(st, str):
-            raise ValueError(f"read_jsonl: {where}: 'steps'[{j}] must be a str, got {type(st).__name__} {st!r:.80}")
+            raise ValueError(f"read_jsonl: {where}: 'steps'[{j}] must be a str, got {type(st).__name__} {brief(st)}")
         _check_text(where, f"steps[{j}]", st)
+    _check_history_size(where, prompt, steps)
     if isinstance(rec.get("answer"), str):
         _check_text(where, "answer", rec["answer"])
     r = rec.get("reward")
     if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r):
-        raise ValueError(f"read_jsonl: {where}: 'reward' must be a finite number, got {r!r:.80}")
+        raise ValueError(f"read_jsonl: {where}: 'reward' must be a finite number, got {brief(r)}")
     return rec
 
 

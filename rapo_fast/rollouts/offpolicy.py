@@ -15,6 +15,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from rapo_fast._checks import brief
 from rapo_fast._tokens import encode_plain
 from rapo_fast.rollouts.batch import KIND_OFF, KIND_TOOL
 
@@ -53,7 +54,7 @@ class OffPolicyTrajectories:
         from rapo_fast.retrieval.step_traces import top_k_by_reward
 
         if not isinstance(top_k, int) or top_k < 1:
-            raise ValueError(f"OffPolicyTrajectories: top_k must be a positive int, got {top_k!r}")
+            raise ValueError(f"OffPolicyTrajectories: top_k must be a positive int, got {brief(top_k)}")
         self.by_query: dict[int, list[dict]] = {}
         for r in top_k_by_reward(records, top_k):
             self.by_query.setdefault(int(r["query_id"]), []).append(r)

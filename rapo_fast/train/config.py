@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rapo_fast._atomic import write_file_atomic
+from rapo_fast._checks import brief
 from rapo_fast._sections import Section, option, rule_choice, rule_int, rule_real, rule_type, section
 from rapo_fast.loss import presets
 from rapo_fast.loss.advantages import RET_NORMS
@@ -78,7 +80,7 @@ def _loss_from(current: LossOptions, d: Mapping) -> LossOptions:
     """A dict given for `loss`: the current options with its keys replaced (names and values checked)."""
     bad_keys = [k for k in d if not isinstance(k, str)]
     if bad_keys:
-        raise TypeError(f"loss: option names must be strings, got {bad_keys!r}")
+        raise TypeError(f"loss: option names must be strings, got {brief(bad_keys)}")
     allowed = set(LossOptions.names()) - set(_TRAINER_SET)
     unknown = sorted(set(d) - allowed)
     if unknown:
@@ -95,11 +97,11 @@ def _check_loss(name: str, loss: Any) -> None:
     for k in _TRAINER_SET:
         if getattr(loss, k) != LossOptions.__dataclass_fields__[k].default:
             raise ValueError(
-                f"{name}.{k}: set by the trainer (rollout.temperature; metrics always), got {getattr(loss, k)!r}"
+                f"{name}.{k}: set by the trainer (rollout.temperature; metrics always), got {brief(getattr(loss, k))}"
             )
     if loss.beta != 0.0:
         raise ValueError(f"{name}.beta: the thin trainer keeps no reference model, so the KL coefficient must be 0, "
-                         f"got {loss.beta!r}")  # fmt: skip
+                         f"got {brief(loss.beta)}")  # fmt: skip
 
 
 def _loss_dict(loss: LossOptions) -> dict[str, Any]:
@@ -127,7 +129,7 @@ class TrainerConfig(Section):
         r = self.rollout
         if r.strategy != "hybrid" and r.hybrid.n_hybrid:
             raise ValueError(
-                f"rollout.hybrid.n_hybrid: must be 0 with strategy={r.strategy!r}, got {r.hybrid.n_hybrid}"
+                f"rollout.hybrid.n_hybrid: must be 0 with strategy={brief(r.strategy)}, got {r.hybrid.n_hybrid}"
             )
         if callable(r.hybrid.retrieve_prob):
             raise TypeError("rollout.hybrid.retrieve_prob: expected a number in [0, 1] (a callable cannot be saved)")
@@ -167,7 +169,7 @@ class TrainerConfig(Section):
     def preset(cls, name: str, overrides: Mapping[str, Any] | None = None, /, **sections: Any) -> TrainerConfig:
         makers = {"RAPO": cls.RAPO, "GRPO": cls.GRPO, "ARPO": cls.ARPO, "OFFPOLICY_TRAJ": cls.OFFPOLICY_TRAJ}
         if not isinstance(name, str) or name.upper() not in makers:
-            raise ValueError(f"TrainerConfig.preset: name must be one of {sorted(makers)}, got {name!r}")
+            raise ValueError(f"TrainerConfig.preset: name must be one of {sorted(makers)}, got {brief(name)}")
         return makers[name.upper()](overrides, **sections)
 
     @classmethod
@@ -191,7 +193,10 @@ class TrainerConfig(Section):
                 stacklevel=3,
             )
             d = convert_flat_config(d)
-        return cls().replace(d)
+        try:
+            return cls().replace(d)
+        except RecursionError:  # a mapping nested thousands deep (dotted keys that collide at every level)
+            raise ValueError("TrainerConfig.from_dict: the mapping is nested too deeply") from None
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
@@ -199,7 +204,11 @@ class TrainerConfig(Section):
     @classmethod
     def from_json(cls, text: str) -> TrainerConfig:
         """Parse JSON text (a parse error is a ValueError: json.JSONDecodeError) and validate it (from_dict)."""
-        return cls.from_dict(json.loads(text))
+        try:
+            d = json.loads(text)
+        except RecursionError:  # arrays or objects nested thousands deep
+            raise ValueError("TrainerConfig: malformed JSON: nested too deeply") from None
+        return cls.from_dict(d)
 
     def to_yaml(self) -> str:
         import yaml
@@ -216,12 +225,16 @@ class TrainerConfig(Section):
             d = yaml.safe_load(text)
         except yaml.YAMLError as exc:
             raise ValueError(f"TrainerConfig: malformed YAML: {exc}") from exc
+        except RecursionError:  # flow collections nested thousands deep
+            raise ValueError("TrainerConfig: malformed YAML: nested too deeply") from None
         return cls.from_dict(d)
 
     def save(self, path: str | Path) -> None:
-        """Write YAML (.yaml/.yml) or JSON (anything else)."""
+        """Write YAML (.yaml/.yml) or JSON (anything else), atomically: an exception or a kill during the save leaves
+        the previous file or the new one (rapo_fast._atomic.write_file_atomic)."""
         p = Path(path)
-        p.write_text(self.to_yaml() if p.suffix in (".yaml", ".yml") else self.to_json())
+        text = self.to_yaml() if p.suffix in (".yaml", ".yml") else self.to_json()
+        write_file_atomic(p, lambda f: f.write(text.encode("utf-8")))
 
     @classmethod
     def load(cls, path: str | Path) -> TrainerConfig:

@@ -12,13 +12,14 @@ What this is not: the training loop (rapo_fast/train/trainer.py).
 from __future__ import annotations
 
 import csv
+import io
 import math
 import random
 from pathlib import Path
 
 import torch
 
-from rapo_fast._atomic import FormatError, VersionWriter, check_int, read_version
+from rapo_fast._atomic import FormatError, VersionWriter, check_int, read_version, write_file_atomic
 from rapo_fast.train.config import TrainerConfig
 
 # version 1: "rapo_fast.train.trainer.checkpoint/1", one directory renamed into place (not crash-safe, no checksums)
@@ -27,13 +28,15 @@ _PREFIX = "checkpoint"
 
 
 class MetricsLogger:
-    """Append per-step metric dicts to a CSV (None: keep in memory only) and optionally to TensorBoard."""
+    """Append per-step metric dicts to a CSV (None: keep in memory only) and optionally to TensorBoard. `restore`
+    (a resume) rewrites the CSV with the restored rows: the steps the killed run logged after its checkpoint, which
+    the resumed run does again, are not repeated."""
 
     def __init__(self, csv_path: str | Path | None, tensorboard_dir: str | Path | None = None):
         self.path = Path(csv_path) if csv_path else None
         self.rows: list[dict] = []
         self.columns: list[str] = []
-        self.tb = None
+        self.tb, self.tb_dir = None, tensorboard_dir
         if tensorboard_dir:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -51,12 +54,9 @@ class MetricsLogger:
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if new or not self.path.exists():
-                with self.path.open("w", newline="") as f:
-                    w = csv.DictWriter(f, fieldnames=self.columns)
-                    w.writeheader()
-                    w.writerows(self.rows)
+                self._rewrite()
             else:
-                with self.path.open("a", newline="") as f:
+                with self.path.open("a", newline="", encoding="utf-8") as f:
                     csv.DictWriter(f, fieldnames=self.columns).writerow(metrics)
         if self.tb is not None:
             step = int(metrics.get("step", len(self.rows)))
@@ -68,7 +68,25 @@ class MetricsLogger:
         return {"rows": self.rows, "columns": self.columns}
 
     def restore(self, state: dict) -> None:
+        """The rows of a checkpoint; the CSV is rewritten with them and TensorBoard drops the later steps' events
+        (purge_step), so that the resumed run's files equal the uninterrupted run's."""
         self.rows, self.columns = list(state["rows"]), list(state["columns"])
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._rewrite()
+        if self.tb is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb.close()  # one row per step: the next step is len(rows) + 1
+            self.tb = SummaryWriter(str(self.tb_dir), purge_step=len(self.rows) + 1)
+
+    def _rewrite(self) -> None:
+        """The whole CSV (header, every row), replacing the file atomically."""
+        text = io.StringIO()
+        w = csv.DictWriter(text, fieldnames=self.columns)
+        w.writeheader()
+        w.writerows(self.rows)
+        write_file_atomic(self.path, lambda f: f.write(text.getvalue().encode("utf-8")))
 
 
 class CheckpointFormatError(FormatError):

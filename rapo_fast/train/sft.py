@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from rapo_fast._checks import brief
 from rapo_fast._tokens import encode_plain
 from rapo_fast.rollouts.batch import KIND_GEN, KIND_PROMPT, KIND_RET, KIND_TOOL
 from rapo_fast.rollouts.offpolicy import split_step
@@ -29,11 +30,11 @@ def sft_examples(task, tokenizer, problems: Sequence, retrieve_frac: float, rng:
     step's relation and apply it to its own entity. Kinds follow rapo_fast.rollouts.batch (only KIND_GEN is
     trained)."""
     if style not in RETRIEVE_STYLES:
-        raise ValueError(f"sft_examples: style must be one of {RETRIEVE_STYLES}, got {style!r}")
+        raise ValueError(f"sft_examples: style must be one of {RETRIEVE_STYLES}, got {brief(style)}")
     out = []
     for p in problems:
         if style == "foreign" and len(getattr(p, "hints", ())) < len(task.solution(p)) - 1:
-            raise ValueError(f"sft_examples: style 'foreign' needs problems with one hint per step, got {p!r}")
+            raise ValueError(f"sft_examples: style 'foreign' needs problems with one hint per step, got {brief(p)}")
         ids = tokenizer.encode(p.prompt)
         kinds = [KIND_PROMPT] * len(ids)
         for k, step in enumerate(task.solution(p)):
@@ -81,7 +82,7 @@ def sft_warmup(
     """Cross-entropy on the generated tokens of rendered solutions (sft_examples: `retrieve_frac`,
     `retrieve_style`); returns the loss per step."""
     if not isinstance(steps, int) or steps < 0:
-        raise ValueError(f"sft_warmup: steps must be a non-negative int, got {steps!r}")
+        raise ValueError(f"sft_warmup: steps must be a non-negative int, got {brief(steps)}")
     if not problems:
         raise ValueError("sft_warmup: problems is empty")
     rng = random.Random(seed)

@@ -3,22 +3,27 @@ fused token_logprobs pass) -> retrieval rewards -> advantages -> rapo_loss -> op
 
 What this is: the training step of docs/training.md section 1 as a loop of replaceable callables (`rollout_fn`,
 `reward_fn`, `advantage_fn`, `loss_fn`), a CSV metrics log (optionally TensorBoard), checkpoint/resume of model,
-optimiser, buffer and every RNG, and `train`, the one training loop, which callers hook into with TrainerCallback
-objects (rapo_fast/train/callbacks.py) rather than writing their own loop around `step`.
+optimiser, buffer and every RNG, and `train`, the one training loop (which checkpoints on SIGTERM), which callers
+hook into with TrainerCallback objects (rapo_fast/train/callbacks.py) rather than writing their own loop around `step`.
 What this is not: a distributed trainer or a serving engine; the configuration lives in rapo_fast/train/config.py,
 I/O helpers in rapo_fast/train/io.py. Importing it never imports rapo_fast.demo.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
+import signal
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from rapo_fast._checks import brief
 from rapo_fast.rollouts.batch import KIND_GEN, KIND_RET, RolloutBatch
 from rapo_fast.train.callbacks import EvalCallback, TrainerCallback
 from rapo_fast.train.config import TrainerConfig
@@ -105,6 +110,22 @@ def hard_attribution(batch: RolloutBatch, adv: torch.Tensor) -> torch.Tensor:
     n = torch.zeros(len(ids)).index_add_(0, inv, torch.ones_like(out[ok]))
     out[ok] = (s / n)[inv]
     return out
+
+
+@contextlib.contextmanager
+def _sigterm_flag(active: bool) -> Iterator[list]:
+    """A list that a SIGTERM appends to while active, in place of SIGTERM's disposition, which is restored on exit.
+    Only the main thread can handle signals (elsewhere nothing changes); an ignored SIGTERM stays ignored."""
+    got: list = []
+    previous = signal.getsignal(signal.SIGTERM)
+    if not active or threading.current_thread() is not threading.main_thread() or previous in (signal.SIG_IGN, None):
+        yield got
+        return
+    signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+    try:
+        yield got
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class RAPOTrainer:
@@ -346,6 +367,8 @@ class RAPOTrainer:
         callback: Callable[[dict], Any] | None = None,
         callbacks: Sequence[TrainerCallback] = (),
         desc: str = "rl",
+        checkpoint_dir: str | os.PathLike | None = None,
+        checkpoint_on_sigterm: bool = True,
     ) -> list[dict]:
         """Run up to `num_steps` RL steps (`step()`); returns their metrics, one dict per step run.
 
@@ -354,9 +377,19 @@ class RAPOTrainer:
         training) and at the end; their progress_fields() join the progress bar. callback: a plain function called
         with each step's metrics (cannot stop training). progress: a tqdm bar named `desc` showing the training
         success rate, the retrieval rate and the callbacks' fields (plain lines when stderr is not a terminal).
+
+        SIGTERM (a scheduler preempting the job): with `checkpoint_dir` given and `checkpoint_on_sigterm` (the
+        default), while train runs in the main thread a SIGTERM lets the step in progress finish, saves a checkpoint
+        into checkpoint_dir (save_checkpoint), then meets SIGTERM's previous disposition (the default ends the process
+        by SIGTERM; a handler of yours runs, and if it returns, training stops as after a callback's stop).
+        checkpoint_on_sigterm=False, no checkpoint_dir, or an ignored SIGTERM: SIGTERM is left alone.
         """
         if not isinstance(num_steps, int) or isinstance(num_steps, bool) or num_steps < 0:
-            raise ValueError(f"train: num_steps must be a non-negative int, got {num_steps!r}")
+            raise ValueError(f"train: num_steps must be a non-negative int, got {brief(num_steps)}")
+        if checkpoint_dir is not None and not isinstance(checkpoint_dir, (str, os.PathLike)):
+            raise TypeError(f"train: checkpoint_dir must be a path or None, got {type(checkpoint_dir).__name__}")
+        if not isinstance(checkpoint_on_sigterm, bool):
+            raise TypeError(f"train: checkpoint_on_sigterm must be a bool, got {type(checkpoint_on_sigterm).__name__}")
         callbacks = list(callbacks)
         for cb in callbacks:
             if not isinstance(cb, TrainerCallback):
@@ -369,25 +402,34 @@ class RAPOTrainer:
             from rapo_fast.train.progress import progress_bar
 
             bar = progress_bar(num_steps, desc)
-        try:
-            while not stop and len(history) < num_steps:
-                m = self.step()
-                history.append(m)
-                if callback is not None:
-                    callback(m)
-                stop = any([cb.on_step_end(self, self.step_count, m) for cb in callbacks])
+        with _sigterm_flag(checkpoint_dir is not None and checkpoint_on_sigterm) as term:
+            try:
+                self._loop(num_steps, history, stop, callback, callbacks, bar, term)
+            finally:
                 if bar is not None:
-                    fields = {"success": f"{m['success_rate']:.2f}", "ret": f"{m['retrieval_rate']:.2f}"}
-                    for cb in callbacks:
-                        fields.update(cb.progress_fields())
-                    bar.set_postfix(fields)
-                    bar.update(1)
-        finally:
-            if bar is not None:
-                bar.close()
+                    bar.close()
+            if term:
+                self.save_checkpoint(checkpoint_dir)
+        if term:
+            signal.raise_signal(signal.SIGTERM)  # its previous disposition is back: the default ends the process here
         for cb in callbacks:
             cb.on_train_end(self, history)
         return history
+
+    def _loop(self, num_steps, history, stop, callback, callbacks, bar, term) -> None:
+        """train's steps: until num_steps ran, a callback stopped, or a SIGTERM came (`term`, from _sigterm_flag)."""
+        while not stop and not term and len(history) < num_steps:
+            m = self.step()
+            history.append(m)
+            if callback is not None:
+                callback(m)
+            stop = any([cb.on_step_end(self, self.step_count, m) for cb in callbacks])
+            if bar is not None:
+                fields = {"success": f"{m['success_rate']:.2f}", "ret": f"{m['retrieval_rate']:.2f}"}
+                for cb in callbacks:
+                    fields.update(cb.progress_fields())
+                bar.set_postfix(fields)
+                bar.update(1)
 
     def save_checkpoint(self, directory: str | Path) -> Path:
         return save_checkpoint(self, directory)

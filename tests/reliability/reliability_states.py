@@ -216,3 +216,48 @@ def reseal(root: Path) -> None:
 def live(root: Path) -> Path:
     """The live version directory of the versioned directory `root`."""
     return root / (root / "CURRENT").read_text().split()[0]
+
+
+def config_case() -> Case:
+    """A TrainerConfig saved as YAML (the file `config.yaml` of the directory given): old = seed 1, new = seed 2."""
+    from rapo_fast.train.config import TrainerConfig
+
+    box = {"cfg": TrainerConfig.RAPO({"seed": 1})}
+
+    def advance() -> None:
+        box["cfg"] = box["cfg"].replace(seed=2)
+
+    def save(d: Path) -> None:
+        Path(d).mkdir(exist_ok=True)
+        box["cfg"].save(Path(d) / "config.yaml")
+
+    return Case(
+        "TrainerConfig",
+        box,
+        save=save,
+        load=lambda d: TrainerConfig.load(Path(d) / "config.yaml"),
+        fp=lambda c: (c["cfg"] if isinstance(c, dict) else c).to_json().encode(),
+        advance=advance,
+        error=(ValueError, FileNotFoundError),  # type: ignore[arg-type]  (no file yet: a first save was stopped)
+    )
+
+
+def jsonl_case() -> Case:
+    """Trajectories written with write_jsonl (`t.jsonl` of the directory given): old = 3 records, new = 5."""
+    from rapo_fast.retrieval.jsonl import read_jsonl, write_jsonl
+
+    recs = [{"query_id": i, "prompt": f"p{i}", "steps": STEPS[:2], "answer": "a", "reward": 1.0} for i in range(5)]
+    box = {"n": 3}
+
+    def advance() -> None:
+        box["n"] = 5
+
+    return Case(
+        "trajectory JSONL",
+        box,
+        save=lambda d: write_jsonl(recs[: box["n"]], Path(d) / "t.jsonl"),
+        load=lambda d: read_jsonl(Path(d) / "t.jsonl"),
+        fp=lambda x: json.dumps(recs[: x["n"]] if isinstance(x, dict) else x).encode(),
+        advance=advance,
+        error=(ValueError, FileNotFoundError),  # type: ignore[arg-type]
+    )

@@ -20,7 +20,6 @@ import os
 import random
 import shutil
 import signal
-import tempfile
 import threading
 import time
 import traceback
@@ -165,28 +164,6 @@ def _kill_everywhere(case: rs.Case, tmp_path: Path, over_old: bool) -> int:
             _check_next_save(case, d, new_fp)
         shutil.rmtree(d, ignore_errors=True)
     return len(runs)
-
-
-@pytest.fixture(autouse=True)
-def _keep_global_rng():
-    state = torch.get_rng_state()
-    yield
-    torch.set_rng_state(state)
-
-
-@pytest.fixture
-def work(tmp_path):
-    """Where the saves go: tmpfs when there is one. A SIGKILL loses nothing of the page cache, so what these tests
-    check does not depend on the disk; on tmpfs the saves' fsyncs (which guard against power loss) cost nothing."""
-    shm = Path("/dev/shm")
-    if not (shm.is_dir() and os.access(shm, os.W_OK)):
-        yield tmp_path
-        return
-    d = Path(tempfile.mkdtemp(prefix="rapo_fast_fault_", dir=shm))
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.mark.parametrize("kind", ["StepBuffer", "StepTraces", "StepTraces+StepKVStore", "checkpoint"])
