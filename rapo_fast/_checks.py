@@ -11,7 +11,6 @@ What this is not: a place for op math, nor the choice of the path that runs (rap
 from __future__ import annotations
 
 import itertools
-import math
 import operator
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
