@@ -78,7 +78,21 @@ def _groups(prompts: Sequence[Any], group_size: int, chat: ChatFormat | None) ->
 
 
 class RAPORolloutFunc:
-    """TRL rollout_func running hybrid RAPO rollouts (see the module docstring and `make_rollout_func`)."""
+    """A TRL `rollout_func` running RAPO's hybrid rollouts; pass it as GRPOTrainer(..., rollout_func=...) (built as
+    `make_rollout_func(...)`, this class's other name).
+
+    Args: env (`execute(call_text) -> observation text`: the tool), traces (a rapo_fast.StepTraces; None: plain
+    on-policy multi-turn rollouts, no retrieval), tokenizer (default: the StepTraces' tokenizer, else the trainer's
+    processing_class; each tag <tool> </tool> <retrieve> </retrieve> must be one token: `add_rapo_tags` adds them),
+    success_fn ((prompt as TRL gave it, completion text) -> bool: the successful trajectories' tool steps are added
+    to traces; None: the buffer is not grown), n_hybrid (hybrid rows per group; default num_generations // 2),
+    retrieve_prob, mode ("exact" / "splice"), max_steps, max_step_tokens, exclude_own_group: as in rapo_fast.rollout;
+    retrieve_at_eval (evaluation rollouts retrieve too; they never grow the buffer), chat_tool_turns (conversational
+    prompts: a tool's output is rendered as the chat template's tool turn; False: inline in the assistant turn).
+    Completions are cut at trainer.max_completion_length. Bad arguments raise TypeError/ValueError here; the
+    tokenizer's tags and the trainer's sampling options are checked when the trainer is built (RAPOGRPOTrainer) or
+    at the first rollout (GRPOTrainer).
+    """
 
     def __init__(
         self,
@@ -218,49 +232,9 @@ class RAPORolloutFunc:
         return int((slots >= 0).sum())
 
 
-def make_rollout_func(
-    env: Any,
-    traces: StepTraces | None = None,
-    *,
-    tokenizer: Any = None,
-    success_fn: Callable[[Any, str], bool] | None = None,
-    n_hybrid: int | None = None,
-    retrieve_prob: float | Callable[[int], float] = 0.5,
-    mode: str = "exact",
-    max_steps: int = 6,
-    max_step_tokens: int = 24,
-    exclude_own_group: bool | None = None,
-    retrieve_at_eval: bool = False,
-    chat_tool_turns: bool = True,
-) -> RAPORolloutFunc:
-    """A TRL `rollout_func` running RAPO's hybrid rollouts; pass it as GRPOTrainer(..., rollout_func=...).
-
-    Args: env (`execute(call_text) -> observation text`: the tool), traces (a rapo_fast.StepTraces; None: plain
-    on-policy multi-turn rollouts, no retrieval), tokenizer (default: the StepTraces' tokenizer, else the trainer's
-    processing_class; each tag <tool> </tool> <retrieve> </retrieve> must be one token: `add_rapo_tags` adds them),
-    success_fn ((prompt as TRL gave it, completion text) -> bool: the successful trajectories' tool steps are added
-    to traces; None: the buffer is not grown), n_hybrid (hybrid rows per group; default num_generations // 2),
-    retrieve_prob, mode ("exact" / "splice"), max_steps, max_step_tokens, exclude_own_group: as in rapo_fast.rollout;
-    retrieve_at_eval (evaluation rollouts retrieve too; they never grow the buffer), chat_tool_turns (conversational
-    prompts: a tool's output is rendered as the chat template's tool turn; False: inline in the assistant turn).
-    Completions are cut at trainer.max_completion_length. Bad arguments raise TypeError/ValueError here; the
-    tokenizer's tags and the trainer's sampling options are checked when the trainer is built (RAPOGRPOTrainer) or
-    at the first rollout (GRPOTrainer).
-    """
-    return RAPORolloutFunc(
-        env,
-        traces,
-        tokenizer=tokenizer,
-        success_fn=success_fn,
-        n_hybrid=n_hybrid,
-        retrieve_prob=retrieve_prob,
-        mode=mode,
-        max_steps=max_steps,
-        max_step_tokens=max_step_tokens,
-        exclude_own_group=exclude_own_group,
-        retrieve_at_eval=retrieve_at_eval,
-        chat_tool_turns=chat_tool_turns,
-    )
+# The name a TRL user calls (GRPOTrainer(..., rollout_func=make_rollout_func(env, traces, ...))); the class is the type
+# RAPOGRPOTrainer recognises. One signature, stated once.
+make_rollout_func = RAPORolloutFunc
 
 
 def _trl_rows(batch: RolloutBatch, max_len: int) -> dict[str, list]:
