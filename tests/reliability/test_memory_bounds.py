@@ -82,11 +82,9 @@ def _traces(tok, model, eviction: str, real: bool) -> StepTraces:
 
 def _check_bounds(tr: StepTraces, buffer_bytes: int, max_tokens: int) -> None:
     """Every structure against its bound (docs/retrieval.md, "Memory bounds")."""
-    live = set(tr.buffer.payload_ids.tolist())
     store = tr.kv_store
     assert len(tr.buffer) <= CAP and _buffer_bytes(tr.buffer) == buffer_bytes
-    assert len(tr.payloads) <= CAP and set(tr.payloads) == live
-    assert len(store) <= CAP and set(store._where) == live and set(store._tokens) == live
+    assert len(tr) == len(tr.payloads) <= CAP and len(store) <= CAP and len(store._tokens) <= CAP
     assert len(store._free) <= CAP + 1  # the gaps between the payloads
     # pools: at most max(initial capacity_tokens, 2 x the most tokens stored at once, counting a batch in flight)
     per_token = 2 * _tensor_bytes(store.keys_pool[:, :1])
@@ -115,6 +113,8 @@ def test_step_traces_soak_stays_within_capacity(world, tmp_path, eviction, real,
         _check_bounds(tr, buffer_bytes, max_tokens)
     assert tr.num_onpolicy == BATCH * cycles and len(keys) == N_OFF + BATCH * cycles  # >> CAP steps passed through
     live = sorted(tr.buffer.payload_ids.tolist())
+    # what is held is exactly the live steps' (the sizes alone would allow stale entries in place of live ones)
+    assert set(tr.payloads) == set(tr.kv_store._where) == set(tr.kv_store._tokens) == set(live)
     assert set(range(N_OFF)) <= set(live)  # the pinned off-policy steps survived the soak
 
     # search results = float64 brute force over the live steps
