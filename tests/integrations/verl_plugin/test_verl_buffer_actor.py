@@ -102,7 +102,8 @@ def _all_steps(data) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
     steps = [s for b in data["adds"] for s in b[1]]
     keys = torch.cat([off.buffer.embeddings.float(), data["enc"]([strip_retrieve_markers(h) for h in hs])])
     groups = torch.cat([off.buffer.group_ids, torch.tensor([g for b in data["adds"] for g in b[2]])])
-    segs = off.payloads + [data["tok"].encode(f"{RETRIEVE_OPEN} {s} {RETRIEVE_CLOSE}") for s in steps]
+    new = [data["tok"].encode(f"{RETRIEVE_OPEN} {s} {RETRIEVE_CLOSE}") for s in steps]
+    segs = list(off.payloads.values()) + new  # every off-policy step is live (36 < CAP), in id order
     return keys, groups, segs
 
 
