@@ -3,10 +3,8 @@
 What this is: the glue between an off-policy source and `rapo_fast.StepBuffer`: `StepTraces.from_jsonl` (top K per
 query by reward, split into steps, each history encoded as the key, the step's `<retrieve> ... </retrieve>` tokens as
 the payload, optionally each segment's K/V for splice mode), `add_steps` for the policy's own successful steps, and
-`retrieve`. Group ids, pinned off-policy steps and eviction are in docs/retrieval.md ("Pinned steps", section 6),
-the saved layout in docs/formats.md section 3. Bounded by the buffer's capacity: a step the buffer evicts (or never
-keeps) loses its segment and K/V at once, so the payload table, the K/V store, `refresh_kv` and traces.json cover
-the live steps only (docs/retrieval.md, "Memory bounds").
+`retrieve`. Group ids, pinned off-policy steps, eviction and the memory bounds (payloads and K/V of the buffer's steps
+only) are in docs/retrieval.md (section 6), the saved layout in docs/formats.md section 3.
 What it is not: the nearest-neighbour search (StepBuffer) or the splicing (rapo_fast.kv.splice); the retrieval
 contract is in docs/retrieval.md.
 """
@@ -25,8 +23,7 @@ from rapo_fast._tokens import encode_plain
 
 OFFPOLICY_GROUP_BASE = 1 << 40
 RETRIEVE_OPEN, RETRIEVE_CLOSE = "<retrieve>", "</retrieve>"
-# version 1: the unversioned layout before the manifest; 2: every payload ever added, indexed by id; 3: the live ones
-TRACES_FORMAT, TRACES_VERSION = "rapo_fast.StepTraces", 3
+TRACES_FORMAT, TRACES_VERSION = "rapo_fast.StepTraces", 3  # 1: no manifest; 2: all payloads ever added; 3: live ones
 _PREFIX, _TRACES, _KV = "traces", "traces.json", "kv_store.pt"
 
 
@@ -77,8 +74,7 @@ class StepTraces:
     ):
         self.buffer, self.encoder, self.tokenizer = buffer, encoder, tokenizer
         self.kv_store, self.model = kv_store, model
-        # payload id -> segment, for the steps the buffer holds (live) only; ids are numbered in order of addition, so
-        # the next one is num_offpolicy + num_onpolicy (the counts of every step ever added)
+        # payload id -> segment of the steps the buffer holds; the next id is num_offpolicy + num_onpolicy
         self.payloads: dict[int, list[int]] = {}
         self.num_offpolicy = 0
         self.num_onpolicy = 0
@@ -106,7 +102,6 @@ class StepTraces:
         return self.num_onpolicy > 0
 
     def __len__(self) -> int:
-        """The live payloads: those of the steps the buffer holds (<= its capacity)."""
         return len(self.payloads)
 
     @classmethod
@@ -191,8 +186,8 @@ class StepTraces:
         """Tokenize and check everything, then store (payloads, K/V, buffer); returns (payload ids [M], the buffer's
         slots [M] on the CPU, -1 for a step it did not keep). keys: checked [M, D] (encode / check_keys). A refusal at
         any point leaves the object as it was: what is checked first is what `load` would refuse (non-finite keys, bad
-        token ids), and a failure while storing undoes the payloads and K/V already written. Afterwards the steps the
-        buffer overwrote or dropped lose their segment and K/V (the bound on memory: docs/retrieval.md)."""
+        token ids), and a failure while storing undoes the payloads and K/V already written. Then the steps the buffer
+        overwrote or dropped lose their segment and K/V."""
         n = len(steps)
         # no special tokens: a segment is spliced into the middle of a rollout (a BOS there would be a foreign token)
         segs = [
@@ -224,8 +219,7 @@ class StepTraces:
         except BaseException:
             self._forget(pids.tolist())
             raise
-        # Forgotten after the buffer let them go, so a search never returns an id whose segment is gone (a search
-        # that ran before the add and looks its ids up after is repeated: `search`).
+        # forgotten once the buffer let them go: a search that found one before this add repeats itself (`search`)
         over = slots[(slots >= 0) & (slots < len(before))]
         self._forget(before[over.to(before.device)].tolist() + pids[slots.cpu() < 0].tolist())
         return pids, slots.cpu()
@@ -243,8 +237,7 @@ class StepTraces:
         """Recompute the live payloads' K/V with the current model (cached K/V go stale as the policy trains): work
         proportional to the steps the buffer holds, not to the steps ever added."""
         if self.kv_store is not None and self.payloads:
-            pids = sorted(self.payloads)
-            self._store_kv(pids, [self.payloads[p] for p in pids])
+            self._store_kv(list(self.payloads), list(self.payloads.values()))
 
     def add_steps(
         self,
@@ -366,12 +359,10 @@ class StepTraces:
         q = keys.to(dev)
         excl = None if exclude_groups is None else torch.tensor(exclude_groups, dtype=torch.int64, device=dev)
         extra = {} if backend == "auto" else {"backend": backend}
-        while True:
+        while True:  # again if an add in another thread evicted a step found, before its look-up (docs/retrieval.md)
             scores, pids = self.buffer.search(q, 1, exclude_groups=excl, min_score=min_score, **extra)
             pids, scores = pids[:, 0].cpu(), scores[:, 0].float().cpu()
             segs = [self.payloads.get(p) if p >= 0 else None for p in pids.tolist()]
-            # a step evicted by an add in another thread between the search and the look-up: the search is repeated
-            # (it then sees the buffer after that add); at most once per concurrent add
             if all(seg is not None for seg, p in zip(segs, pids.tolist()) if p >= 0):
                 return segs, pids, scores
 
@@ -463,15 +454,11 @@ def _read_traces_json(path: Path) -> tuple[dict[int, list[int]], int, int, bool]
         for p in payloads
     ):
         raise StepTracesFormatError(f"{path}: field 'payloads' must be a list of non-empty lists of token ids >= 0")
-    # ascending ids below the count of steps ever added (ids are numbered in order of addition), one per payload
-    n_ids = n_off + n_on
-    ok = isinstance(pids, list) and len(pids) == len(payloads)
-    ok = ok and all(isinstance(p, int) and not isinstance(p, bool) and 0 <= p < n_ids for p in pids)
-    if not ok or any(a >= b for a, b in zip(pids, pids[1:])):
-        raise StepTracesFormatError(
-            f"{path}: field 'payload_ids' must list {len(payloads)} ascending ids in [0, num_offpolicy + "
-            f"num_onpolicy = {n_ids}), one per payload, got {str(pids)[:120]}"
-        )
+    # ascending, below the count of steps ever added (so that no later add reuses one)
+    ok = isinstance(pids, list) and all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in pids)
+    if not (ok and len(pids) == len(payloads) and pids == sorted(set(pids)) and pids[-1:] < [n_off + n_on]):
+        n = len(payloads)
+        raise StepTracesFormatError(f"{path}: field 'payload_ids' must hold {n} ascending ids in [0, {n_off + n_on})")
     return dict(zip(pids, payloads)), n_off, n_on, pin
 
 
@@ -495,13 +482,9 @@ def _cross_check(v, payloads: dict[int, list[int]], buffer, kv_state: dict | Non
             f"{where}: field 'buffer_size' is {v.meta['buffer_size']}, the buffer holds {len(buffer)}"
         )
     pids = buffer.payload_ids
-    live = pids.tolist()
-    if len(set(live)) != len(live) or set(live) != set(payloads):
-        odd = sorted(set(live) ^ set(payloads))[:8]
-        raise StepTracesFormatError(
-            f"{v.path / 'buffer'}: payload ids must lie in traces.json's 'payload_ids', each once, and cover them "
-            f"(the saved payloads are the buffer's); ids {odd} differ"
-        )
+    if sorted(pids.tolist()) != sorted(payloads):  # the saved payloads are exactly the buffer's, each once
+        odd = sorted(set(pids.tolist()) ^ set(payloads))[:8]
+        raise StepTracesFormatError(f"{v.path / 'buffer'}: payload ids must lie in traces.json's, each once: {odd}")
     if kv_state is None:
         return
     try:

@@ -91,6 +91,25 @@ def _check_bounds(tr: StepTraces, buffer_bytes: int, max_tokens: int) -> None:
     assert _tensor_bytes(store.keys_pool, store.values_pool) <= max(8, 2 * (CAP + BATCH) * max_tokens) * per_token
 
 
+def _counted_refresh(tr: StepTraces, model) -> tuple[list[int], int]:
+    """tr.refresh_kv(); returns (the payload ids whose K/V it stored, the model's forward passes)."""
+    seen, calls = [], []
+    add = tr.kv_store.add
+
+    def counting(pids, *a, **kw):
+        seen.extend(pids)
+        return add(pids, *a, **kw)
+
+    hook = model.register_forward_hook(lambda *a: calls.append(1))
+    tr.kv_store.add = counting
+    try:
+        tr.refresh_kv()
+    finally:
+        hook.remove()
+        del tr.kv_store.add
+    return seen, len(calls)
+
+
 @pytest.mark.parametrize(
     ("eviction", "real", "cycles"), [("fifo", False, CYCLES), ("lowest_score", False, CYCLES), ("fifo", True, 60)]
 )
@@ -102,9 +121,8 @@ def test_step_traces_soak_stays_within_capacity(world, tmp_path, eviction, real,
     tr = _traces(tok, model, eviction, real)
     buffer_bytes = _buffer_bytes(StepBuffer(CAP, D, dtype=torch.float32))  # the storage of all CAP slots
     max_tokens = max(_seg_len(tok, i) for i in range(5))
-    keys: dict[int, torch.Tensor] = {}  # the reference: every step ever added (the test's memory, not the object's)
-    for p, k in zip(range(N_OFF), tr.buffer.embeddings):
-        keys[p] = k.clone()
+    # the reference: the key of every step ever added (the test's memory, not the object's)
+    keys = dict(zip(range(N_OFF), tr.buffer.embeddings.clone()))
     for c in range(cycles):
         k = torch.randn(BATCH, D, generator=g)
         i0 = N_OFF + c * BATCH
@@ -138,21 +156,8 @@ def test_step_traces_soak_stays_within_capacity(world, tmp_path, eviction, real,
             torch.testing.assert_close(a, b)
 
     # refresh_kv recomputes the live payloads only: each once (with the model: in ceil(len(live) / 64) forward passes)
-    seen, calls = [], []
-    add = tr.kv_store.add
-
-    def counting(pids, *a, **kw):
-        seen.extend(pids)
-        return add(pids, *a, **kw)
-
-    hook = model.register_forward_hook(lambda *a: calls.append(1))
-    tr.kv_store.add = counting
-    try:
-        tr.refresh_kv()
-    finally:
-        hook.remove()
-        del tr.kv_store.add
-    assert sorted(seen) == live and len(calls) == (-(-len(live) // 64) if real else 0)
+    seen, calls = _counted_refresh(tr, model)
+    assert sorted(seen) == live and calls == (-(-len(live) // 64) if real else 0)
     _check_bounds(tr, buffer_bytes, max_tokens)
 
     # save/load keeps exactly the live state, and traces.json lists the live payloads only
@@ -163,8 +168,9 @@ def test_step_traces_soak_stays_within_capacity(world, tmp_path, eviction, real,
     store = _new_store(model, real)
     back = type(tr).load(tmp_path / "tr", tr.encoder, tok, kv_store=store, model=model)
     assert back.payloads == tr.payloads and (back.num_offpolicy, back.num_onpolicy) == (N_OFF, BATCH * cycles)
-    assert torch.equal(back.buffer.payload_ids, tr.buffer.payload_ids)
-    assert torch.equal(back.buffer.pinned, tr.buffer.pinned)
+    assert torch.equal(back.buffer.payload_ids, tr.buffer.payload_ids) and torch.equal(
+        back.buffer.pinned, tr.buffer.pinned
+    )
     assert store.payload_ids() == live
     for p in live:
         assert store.tokens(p) == tr.payloads[p]
