@@ -62,8 +62,12 @@ class StepKVStore:
 
     Pools: keys_pool / values_pool [num_layers, capacity_tokens, H_kv, D] (keys as the attention saw them, i.e.
     rotated to positions 0..L-1). A payload occupies tokens [offset, offset + L) of the pools; evicted ranges are
-    reused first-fit and the pools double when full. Payload ids are the StepBuffer's payload ids; re-adding a live
-    id raises unless replace=True (the StepBuffer overwrote that step).
+    reused first-fit; when no free range fits, the payloads are packed to the front of new pools, capacity_tokens
+    staying when the free tokens suffice, else becoming max(2 x it, stored + new tokens). So the pools never exceed
+    max(the initial capacity_tokens, 2 x the most tokens stored at once, counting the payload being added): bounded by
+    what the store holds, not by how many payloads passed through it (docs/kv_splice.md, "Memory bound"). Payload ids
+    are the StepBuffer's payload ids; re-adding a live id raises unless replace=True (the StepBuffer overwrote that
+    step).
     """
 
     def __init__(
@@ -215,9 +219,22 @@ class StepKVStore:
                     del self._free[i]
                 self._reserve(start + n)
                 return start
-        old = self._capacity
-        self._capacity = max(2 * old, old + n)
-        self._release(old, self._capacity - old)
+        # No free range fits: pack the payloads into new pools (the capacity grows only when the free tokens do not
+        # suffice), so that freed ranges too small to reuse cannot make the pools grow with the payloads ever added.
+        # New tensors, not a shuffle in place: views handed out by `get` keep their contents.
+        old, used = self._capacity, sum(k for _, k in self._where.values())
+        self._capacity = old if used + n <= old else max(2 * old, used + n)
+        rows = min(self._capacity, max(self.keys_pool.shape[1], used + n))
+        keys_pool = self.keys_pool.new_zeros((self.num_layers, rows, self.num_kv_heads, self.head_dim))
+        values_pool = torch.zeros_like(keys_pool)
+        pos = 0
+        for pid, (off, k) in sorted(self._where.items(), key=lambda x: x[1]):
+            keys_pool[:, pos : pos + k] = self.keys_pool[:, off : off + k]
+            values_pool[:, pos : pos + k] = self.values_pool[:, off : off + k]
+            self._where[pid] = (pos, k)
+            pos += k
+        self.keys_pool, self.values_pool, self._free = keys_pool, values_pool, []
+        self._release(pos, self._capacity - pos)
         return self._alloc(n)
 
     def _reserve(self, end: int) -> None:

@@ -3,8 +3,8 @@
 What this is: the glue between an off-policy source and `rapo_fast.StepBuffer`: `StepTraces.from_jsonl` (top K per
 query by reward, split into steps, each history encoded as the key, the step's `<retrieve> ... </retrieve>` tokens as
 the payload, optionally each segment's K/V for splice mode), `add_steps` for the policy's own successful steps, and
-`retrieve`. Group ids, pinned off-policy steps and eviction are in docs/retrieval.md ("Pinned steps", section 6),
-the saved layout in docs/formats.md section 3.
+`retrieve`. Group ids, pinned off-policy steps, eviction and the memory bounds (payloads and K/V of the buffer's steps
+only) are in docs/retrieval.md (section 6), the saved layout in docs/formats.md section 3.
 What it is not: the nearest-neighbour search (StepBuffer) or the splicing (rapo_fast.kv.splice); the retrieval
 contract is in docs/retrieval.md.
 """
@@ -23,7 +23,7 @@ from rapo_fast._tokens import encode_plain
 
 OFFPOLICY_GROUP_BASE = 1 << 40
 RETRIEVE_OPEN, RETRIEVE_CLOSE = "<retrieve>", "</retrieve>"
-TRACES_FORMAT, TRACES_VERSION = "rapo_fast.StepTraces", 2  # version 1: the unversioned layout before the manifest
+TRACES_FORMAT, TRACES_VERSION = "rapo_fast.StepTraces", 3  # 1: no manifest; 2: all payloads ever added; 3: live ones
 _PREFIX, _TRACES, _KV = "traces", "traces.json", "kv_store.pt"
 
 
@@ -74,7 +74,8 @@ class StepTraces:
     ):
         self.buffer, self.encoder, self.tokenizer = buffer, encoder, tokenizer
         self.kv_store, self.model = kv_store, model
-        self.payloads: list[list[int]] = []
+        # payload id -> segment of the steps the buffer holds; the next id is num_offpolicy + num_onpolicy
+        self.payloads: dict[int, list[int]] = {}
         self.num_offpolicy = 0
         self.num_onpolicy = 0
         if kv_store is not None and model is None:
@@ -185,7 +186,8 @@ class StepTraces:
         """Tokenize and check everything, then store (payloads, K/V, buffer); returns (payload ids [M], the buffer's
         slots [M] on the CPU, -1 for a step it did not keep). keys: checked [M, D] (encode / check_keys). A refusal at
         any point leaves the object as it was: what is checked first is what `load` would refuse (non-finite keys, bad
-        token ids), and a failure while storing undoes the payloads and K/V already written."""
+        token ids), and a failure while storing undoes the payloads and K/V already written. Then the steps the buffer
+        overwrote or dropped lose their segment and K/V."""
         n = len(steps)
         # no special tokens: a segment is spliced into the middle of a rollout (a BOS there would be a foreign token)
         segs = [
@@ -197,13 +199,14 @@ class StepTraces:
             segs[i] = C.check_int_list(f"add_steps: the tokenizer's ids for steps[{i}]", seg, lo=0)
             if not segs[i]:
                 raise ValueError(f"add_steps: the tokenizer returned no token ids for steps[{i}]")
-        start = len(self.payloads)
+        start = self.num_offpolicy + self.num_onpolicy
         pids = torch.arange(start, start + n, dtype=torch.int64)
         dev = getattr(self.buffer, "device", "cpu")
+        before = self.buffer.payload_ids.clone()  # the ids at the slots this add may overwrite (one writer: stable)
         # Segments and K/V first, then the buffer (which locks itself): a retrieve running in another thread meanwhile
         # never gets a payload id whose segment or K/V is missing (docs/retrieval.md, "Thread safety": one writer,
         # many readers). The new payload ids are not in the buffer until its add succeeds, so undoing them is safe.
-        self.payloads.extend(segs)
+        self.payloads.update(zip(pids.tolist(), segs))
         try:
             if self.kv_store is not None:
                 self._store_kv(pids.tolist(), segs)
@@ -214,19 +217,27 @@ class StepTraces:
                 torch.tensor(list(scores), dtype=torch.float32, device=dev),
             )
         except BaseException:
-            del self.payloads[start:]
-            if self.kv_store is not None:
-                self.kv_store.evict(pids.tolist())
+            self._forget(pids.tolist())
             raise
+        # forgotten once the buffer let them go: a search that found one before this add repeats itself (`search`)
+        over = slots[(slots >= 0) & (slots < len(before))]
+        self._forget(before[over.to(before.device)].tolist() + pids[slots.cpu() < 0].tolist())
         return pids, slots.cpu()
+
+    def _forget(self, pids: list[int]) -> None:
+        for p in pids:
+            self.payloads.pop(p, None)
+        if self.kv_store is not None:
+            self.kv_store.evict(pids)
 
     def _store_kv(self, pids: list[int], segs: list[list[int]]) -> None:
         self.kv_store.add_from_model(self.model, pids, segs, batch_size=64, replace=True)
 
     def refresh_kv(self) -> None:
-        """Recompute every payload's K/V with the current model (cached K/V go stale as the policy trains)."""
+        """Recompute the live payloads' K/V with the current model (cached K/V go stale as the policy trains): work
+        proportional to the steps the buffer holds, not to the steps ever added."""
         if self.kv_store is not None and self.payloads:
-            self._store_kv(list(range(len(self.payloads))), self.payloads)
+            self._store_kv(list(self.payloads), list(self.payloads.values()))
 
     def add_steps(
         self,
@@ -348,24 +359,28 @@ class StepTraces:
         q = keys.to(dev)
         excl = None if exclude_groups is None else torch.tensor(exclude_groups, dtype=torch.int64, device=dev)
         extra = {} if backend == "auto" else {"backend": backend}
-        scores, pids = self.buffer.search(q, 1, exclude_groups=excl, min_score=min_score, **extra)
-        pids, scores = pids[:, 0].cpu(), scores[:, 0].float().cpu()
-        segs = [self.payloads[p] if p >= 0 else None for p in pids.tolist()]
-        return segs, pids, scores
+        while True:  # again if an add in another thread evicted a step found, before its look-up (docs/retrieval.md)
+            scores, pids = self.buffer.search(q, 1, exclude_groups=excl, min_score=min_score, **extra)
+            pids, scores = pids[:, 0].cpu(), scores[:, 0].float().cpu()
+            segs = [self.payloads.get(p) if p >= 0 else None for p in pids.tolist()]
+            if all(seg is not None for seg, p in zip(segs, pids.tolist()) if p >= 0):
+                return segs, pids, scores
 
     # -- persistence ------------------------------------------------------------------------------------------------
     def save(self, directory: str | Path) -> None:
         """Save as one versioned unit (docs/formats.md section 3): the buffer (a nested StepBuffer snapshot), the
-        payloads and counters (traces.json), and the K/V store's contents when there is one (kv_store.pt: the cached
-        K/V are those of the policy that computed them, which a resume must keep: see `load`), all listed with their
-        SHA-256 in one manifest that CURRENT switches to atomically. The encoder is not saved. Call it from the thread
-        that adds steps (as the trainer does): a save beside a concurrent add_steps could capture its parts at two
-        moments, which `load` would then refuse."""
+        live payloads and the counters (traces.json), and the K/V store's contents when there is one (kv_store.pt: the
+        cached K/V are those of the policy that computed them, which a resume must keep: see `load`), all listed with
+        their SHA-256 in one manifest that CURRENT switches to atomically. The encoder is not saved. Call it from the
+        thread that adds steps (as the trainer does): a save beside a concurrent add_steps could capture its parts at
+        two moments, which `load` would then refuse."""
         with VersionWriter(directory, _PREFIX, TRACES_FORMAT, TRACES_VERSION) as w:
             self.buffer.save(w.path / "buffer")
             w.add_nested("buffer")
+            pids = sorted(self.payloads)
             meta = {
-                "payloads": self.payloads,
+                "payload_ids": pids,
+                "payloads": [self.payloads[p] for p in pids],
                 "num_offpolicy": self.num_offpolicy,
                 "num_onpolicy": self.num_onpolicy,
                 "pin_offpolicy": self.pin_offpolicy,  # optional field: a save without it reads as True
@@ -426,24 +441,25 @@ class StepTracesFormatError(FormatError):
     """A saved StepTraces directory is missing, corrupt, inconsistent, or of an incompatible format version."""
 
 
-def _read_traces_json(path: Path) -> tuple[list[list[int]], int, int, bool]:
+def _read_traces_json(path: Path) -> tuple[dict[int, list[int]], int, int, bool]:
     meta = read_json_object(path, StepTracesFormatError)
     n_off = check_int(meta, "num_offpolicy", path, StepTracesFormatError)
     n_on = check_int(meta, "num_onpolicy", path, StepTracesFormatError)
     pin = meta.get("pin_offpolicy", True)  # absent from saves before the field: the default
     if not isinstance(pin, bool):
         raise StepTracesFormatError(f"{path}: field 'pin_offpolicy' must be a bool, got {pin!r}")
-    payloads = meta.get("payloads")
+    payloads, pids = meta.get("payloads"), meta.get("payload_ids")
     if not isinstance(payloads, list) or not all(
         isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p)
         for p in payloads
     ):
         raise StepTracesFormatError(f"{path}: field 'payloads' must be a list of non-empty lists of token ids >= 0")
-    if n_off + n_on != len(payloads):
-        raise StepTracesFormatError(
-            f"{path}: fields 'num_offpolicy' ({n_off}) + 'num_onpolicy' ({n_on}) != {len(payloads)} payloads"
-        )
-    return payloads, n_off, n_on, pin
+    # ascending, below the count of steps ever added (so that no later add reuses one)
+    ok = isinstance(pids, list) and all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in pids)
+    if not (ok and len(pids) == len(payloads) and pids == sorted(set(pids)) and pids[-1:] < [n_off + n_on]):
+        n = len(payloads)
+        raise StepTracesFormatError(f"{path}: field 'payload_ids' must hold {n} ascending ids in [0, {n_off + n_on})")
+    return dict(zip(pids, payloads)), n_off, n_on, pin
 
 
 def _read_kv(path: Path) -> dict:
@@ -453,8 +469,9 @@ def _read_kv(path: Path) -> dict:
         raise StepTracesFormatError(f"{path} could not be read: {exc}") from exc
 
 
-def _cross_check(v, payloads: list[list[int]], buffer, kv_state: dict | None, kv_store) -> None:
-    """The parts of one save must agree: counts in the manifest, payload ids in range, K/V tokens = payloads."""
+def _cross_check(v, payloads: dict[int, list[int]], buffer, kv_state: dict | None, kv_store) -> None:
+    """The parts of one save must agree: counts in the manifest, the buffer's payload ids = the saved payloads' (the
+    live ones: a save holds no other), K/V for exactly those with the payloads' tokens."""
     where = v.path / "meta.json"
     if check_int(v.meta, "num_payloads", where, StepTracesFormatError) != len(payloads):
         raise StepTracesFormatError(
@@ -465,9 +482,9 @@ def _cross_check(v, payloads: list[list[int]], buffer, kv_state: dict | None, kv
             f"{where}: field 'buffer_size' is {v.meta['buffer_size']}, the buffer holds {len(buffer)}"
         )
     pids = buffer.payload_ids
-    if len(buffer) and (int(pids.min()) < 0 or int(pids.max()) >= len(payloads)):
-        got = f"[{int(pids.min())}, {int(pids.max())}]"
-        raise StepTracesFormatError(f"{v.path / 'buffer'}: payload ids must lie in [0, {len(payloads)}), got {got}")
+    if sorted(pids.tolist()) != sorted(payloads):  # the saved payloads are exactly the buffer's, each once
+        odd = sorted(set(pids.tolist()) ^ set(payloads))[:8]
+        raise StepTracesFormatError(f"{v.path / 'buffer'}: payload ids must lie in traces.json's, each once: {odd}")
     if kv_state is None:
         return
     try:
@@ -475,7 +492,7 @@ def _cross_check(v, payloads: list[list[int]], buffer, kv_state: dict | None, kv
     except (ValueError, TypeError) as exc:
         raise StepTracesFormatError(f"{v.path / _KV}: {exc}") from exc
     missing = set(pids.tolist()) - set(kv_where)
-    bad = [p for p in kv_where if not 0 <= p < len(payloads) or kv_tokens.get(p, payloads[p]) != payloads[p]]
+    bad = [p for p in kv_where if p not in payloads or kv_tokens.get(p, payloads[p]) != payloads[p]]
     if missing or bad:
         raise StepTracesFormatError(
             f"{v.path / _KV}: field 'where' lacks payload ids {sorted(missing)[:8]} of the buffer, or holds ids "

@@ -177,7 +177,12 @@ def test_tool_output_sits_in_the_template_tool_turn_out_of_the_loss(built, tmp_p
 def test_evaluate_leaves_the_buffer_unchanged(built, tmp_path, retrieve_at_eval):
     trainer, rollout_func = _trainer(tmp_path, built, success_fn=_any_tool_call, retrieve_at_eval=retrieve_at_eval)
     traces = rollout_func.traces
-    before = (len(traces), traces.num_onpolicy, [list(p) for p in traces.payloads], traces.buffer.embeddings.clone())
+    before = (
+        len(traces),
+        traces.num_onpolicy,
+        {p: list(s) for p, s in traces.payloads.items()},
+        traces.buffer.embeddings.clone(),
+    )
     calls = []
     original = traces.retrieve
     traces.retrieve = lambda *a, **k: calls.append(1) or original(*a, **k)

@@ -59,7 +59,7 @@ def jsonl(tmp_path_factory):
 def _traces_state(t: StepTraces) -> tuple:
     b = t.buffer
     return (
-        [list(p) for p in t.payloads],
+        {p: list(s) for p, s in t.payloads.items()},
         t.num_offpolicy,
         t.num_onpolicy,
         len(b),

@@ -42,7 +42,7 @@ def test_retrieved_and_offpolicy_steps_carry_no_bos(hf_tok, tmp_path):
     recs = solver_trajectories(task, task.make_problems(3, seed=2), n_per_query=4, error_rate=0.3, seed=1)
     traces = StepTraces.from_jsonl(write_jsonl(recs, tmp_path / "t.jsonl"), HashedNgramEncoder(), hf_tok, top_k=2)
     traces.add_steps(["calc 1 add 2"], ["<tool> calc 1 add 2 </tool> 3"], [5])
-    assert traces.payloads and all(seg and BOS not in seg for seg in traces.payloads), traces.payloads[:3]
+    assert traces.payloads and all(seg and BOS not in seg for seg in traces.payloads.values()), traces.payloads
     segs, pids, _ = traces.retrieve([recs[0]["prompt"]])
     assert pids[0] >= 0 and segs[0][0] != BOS
     for rec in recs[:4]:

@@ -70,7 +70,7 @@ def test_token_kinds_and_f_ret(setup):
     assert b.batch_size == 24
     assert int((b.kinds == KIND_RET).sum()) > 0 and int((b.kinds == KIND_TOOL).sum()) > 0  # not vacuous
     open_r, close_r = tok.convert_tokens_to_ids("<retrieve>"), tok.convert_tokens_to_ids("</retrieve>")
-    payloads = {tuple(p) for p in traces.payloads}
+    payloads = {tuple(p) for p in traces.payloads.values()}
     for i in range(b.batch_size):
         ids, kinds = b.input_ids[i].tolist(), b.kinds[i].tolist()
         assert kinds[: b.prompt_len[i]] == [KIND_PROMPT] * int(b.prompt_len[i])
@@ -244,7 +244,7 @@ def test_splice_mode_rollout_runs_and_records_mismatch(setup):
         max_step_tokens=16,
     )
     assert b.mode == "splice" and b.retrievals.numel() > 0
-    payloads = {tuple(p) for p in traces.payloads}
+    payloads = {tuple(p) for p in traces.payloads.values()}
     for i in range(b.batch_size):
         for s, e in _runs(b.kinds[i].tolist(), KIND_RET):
             assert tuple(b.input_ids[i, s:e].tolist()) in payloads
