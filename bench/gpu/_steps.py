@@ -63,3 +63,34 @@ def bench(name: str, script: str, args: str, budget_s: int, csv_name: str) -> St
         (csv_name,),
         plan=(f"bench:{script} {args}",),
     )
+
+
+# The columns each CSV shows in a call's summary table (both calls share the loss and log-prob CSVs).
+COLUMNS = {
+    "pytest_gpu.csv": ["outcome", "count", "test", "seconds", "message"],
+    "loss.csv": ["provider", "N", "V", "median_ms", "peak_mem_mb", "pct_of_copy_bw", "status"],
+    "token_logprobs.csv": ["provider", "mode", "N", "V", "median_ms", "peak_mem_mb", "pct_of_copy_bw", "status"],
+    "retrieval_gpu.csv": ["provider", "C", "D", "Q", "k", "median_ms", "qps", "time_over_torch", "pct_of_copy_bw"],
+    "kv_splice.csv": ["provider", "shape_desc", "median_ms", "gbs", "pct_copy_bw", "time_over_rapo_fast"],
+    "sanitizer.csv": ["tool", "cases_ok", "cases_failed", "errors", "seconds", "status"],
+    "trainer.csv": [
+        "method",
+        "steps",
+        "tokens_per_s",
+        "t_step_s",
+        "pct_rollout",
+        "pct_retrieval",
+        "pct_splice",
+        "pct_logprob",
+        "pct_loss",
+        "pct_optimizer",
+    ],
+}
+
+
+def tables(*names: str) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """A call's (table, record) for its CSVs: the summary's columns, and the bench/results/ name each CSV's rows are
+    appended to by --record (<stem>_gpu, e.g. loss.csv -> loss_gpu; retrieval_gpu.csv keeps its name)."""
+    table = {n: COLUMNS[n] for n in names}
+    stems = {n: n.removesuffix(".csv") for n in names}
+    return table, {n: st if st.endswith("_gpu") else f"{st}_gpu" for n, st in stems.items()}

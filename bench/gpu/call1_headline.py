@@ -45,6 +45,8 @@ LOGP_HEADLINE = "rapo_fast_logits,rapo_fast_hidden,torch_chunked_hidden"  # ours
 RET = "--gpu --rep-ms 100"
 SMOKE_LOSS = f"{HEADLINE},rapo_fast_hidden_2pass,rapo_fast_logits_lmhead,rapo_fast_logits_lmhead_inplace,liger,cce"
 
+TABLE, RECORD = _steps.tables("pytest_gpu.csv", "loss.csv", "token_logprobs.csv", "retrieval_gpu.csv", "kv_splice.csv")
+
 STAGE = Stage(
     name="call1_headline",
     title="build for sm_90a; the headline rows of loss, log-probs, retrieval and splice; pytest -m gpu",
@@ -106,20 +108,8 @@ STAGE = Stage(
         Step("pytest_gpu", _pytest(2, "tests/retrieval/test_retrieval_gpu.py"), 180, (), plan=PYTEST_ROWS),
         JUNIT,
     ],
-    table={
-        "pytest_gpu.csv": ["outcome", "count", "test", "seconds", "message"],
-        "loss.csv": ["provider", "N", "V", "median_ms", "peak_mem_mb", "pct_of_copy_bw", "status"],
-        "token_logprobs.csv": ["provider", "mode", "N", "V", "median_ms", "peak_mem_mb", "pct_of_copy_bw", "status"],
-        "retrieval_gpu.csv": ["provider", "C", "D", "Q", "k", "median_ms", "qps", "time_over_torch", "pct_of_copy_bw"],
-        "kv_splice.csv": ["provider", "shape_desc", "median_ms", "gbs", "pct_copy_bw", "time_over_rapo_fast"],
-    },
-    record={
-        "pytest_gpu.csv": "pytest_gpu",
-        "loss.csv": "loss_gpu",
-        "token_logprobs.csv": "token_logprobs_gpu",
-        "retrieval_gpu.csv": "retrieval_gpu",
-        "kv_splice.csv": "kv_splice_gpu",
-    },
+    table=TABLE,
+    record=RECORD,
 )
 check_bounds(STAGE)
 

@@ -34,6 +34,8 @@ def _sanitizer(tool: str, budget: int, smoke: bool) -> Step:
     return Step(tool, cmd, budget, ("sanitizer.csv",), plan=(SAN_ROWS.format(tool=tool),))
 
 
+TABLE, RECORD = _steps.tables("loss.csv", "sanitizer.csv", "trainer.csv", "token_logprobs.csv")
+
 STAGE = Stage(
     name="call2_anchors",
     title="Liger, CCE and torch.compile anchors; compute-sanitizer; trainer tokens/s and split; loss variants",
@@ -93,29 +95,8 @@ STAGE = Stage(
             "token_logprobs.csv",
         ),
     ],
-    table={
-        "loss.csv": ["provider", "N", "V", "median_ms", "peak_mem_mb", "pct_of_copy_bw", "status"],
-        "sanitizer.csv": ["tool", "cases_ok", "cases_failed", "errors", "seconds", "status"],
-        "trainer.csv": [
-            "method",
-            "steps",
-            "tokens_per_s",
-            "t_step_s",
-            "pct_rollout",
-            "pct_retrieval",
-            "pct_splice",
-            "pct_logprob",
-            "pct_loss",
-            "pct_optimizer",
-        ],
-        "token_logprobs.csv": ["provider", "mode", "N", "V", "median_ms", "peak_mem_mb", "pct_of_copy_bw", "status"],
-    },
-    record={
-        "loss.csv": "loss_gpu",
-        "sanitizer.csv": "sanitizer_gpu",
-        "trainer.csv": "trainer_gpu",
-        "token_logprobs.csv": "token_logprobs_gpu",
-    },
+    table=TABLE,
+    record=RECORD,
 )
 check_bounds(STAGE)
 
