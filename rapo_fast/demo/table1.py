@@ -28,14 +28,14 @@ from rapo_fast.demo.table1_report import write_outputs
 from rapo_fast.demo.table1_stats import first_reach, mean_ci
 
 METHODS = ("GRPO", "ARPO", "RAPO", "OFFPOLICY_TRAJ")
-# Controls and ablations of issue 24: GRPO with RAPO's on-policy row count (RAPO keeps group_size - n_hybrid on-policy
+# Controls and ablations: GRPO with RAPO's on-policy row count (RAPO keeps group_size - n_hybrid on-policy
 # rows; GRPO keeps all group_size), RAPO without the retrieval reward (ret_coef 0), RAPO without importance shaping
 # (shaping_m 0), and RAPO from a warm-up that never showed a retrieved step (retrieve_frac 0: does RAPO need the
 # warm-up to teach the policy to use one?).
 EXTRA_METHODS = ("GRPO_ONPOLICY_MATCHED", "RAPO_NO_RET_REWARD", "RAPO_NO_SHAPING", "RAPO_SFT_NO_RETRIEVE")
 ALL_METHODS = METHODS + EXTRA_METHODS
 SETTINGS = ("fair", "legacy")
-# The fair setting (issue 24, rapo_fast/demo/table1_families.py AliasFamily) runs every method; the legacy one the four
+# The fair setting (rapo_fast/demo/table1_families.py AliasFamily) runs every method; the legacy one the four
 # of the paper's table. solver_traces: scripted trajectories per source question, traces_top_k: kept per question
 # (the best by reward) for RAPO's step buffer and OFFPOLICY_TRAJ's trajectories. The RL hyper-parameters are the
 # legacy setting's (chosen on GRPO alone, docs/table1_tuning.md), not tuned again on the fair setting.
@@ -57,7 +57,7 @@ FULL = dict(seeds=5, sft_steps=300, rl_steps=100, eval_every=20, n_eval=625, gro
 
 def families(setting: str = "legacy") -> tuple[str, ...]:
     """The task families of a setting: the fair one has the aliased knowledge base only (the arithmetic family has
-    no version without the issue-24 flaws yet); the legacy one arithmetic and the knowledge base."""
+    no version whose answers cannot leak through retrieval yet); the legacy one arithmetic and the knowledge base."""
     from rapo_fast.demo.table1_families import FAIR_FAMILIES, LEGACY_FAMILIES
 
     return FAIR_FAMILIES if setting == "fair" else LEGACY_FAMILIES
@@ -249,7 +249,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rapo-fast table1", description=__doc__.splitlines()[0])
     p.add_argument("--out", default="table1_out", help="output directory (default table1_out)")
     p.add_argument("--setting", choices=SETTINGS, default="fair",
-                   help="fair (default): the aliased knowledge base of issue 24, every method and control; legacy: "
+                   help="fair (default): the aliased knowledge base, every method and control; legacy: "
                         "the setting before it (arithmetic and the 3-hop knowledge base; answers leak through "
                         "retrieval, kept for the record)")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="2 seeds, few steps, small sets: a smoke run")
@@ -405,7 +405,7 @@ def _mean(xs) -> float:
 
 
 def build_checks(rows: list[dict], prepared: dict[tuple[str, int], dict], s: dict) -> dict:
-    """table1_checks.json: issue 24's go/no-go checks (table1_diagnostics.go_no_go) from the figures of the warm-up
+    """table1_checks.json: the go/no-go checks (table1_diagnostics.go_no_go) from the figures of the warm-up
     files and of the runs, per family: no shortcut (the final evaluations' successes with an answer never observed,
     the largest method mean, against the chance of guessing the answer's type), an imperfect source (RAPO's kept
     traces), a policy that can use a retrieved step (the warm-up probe), no answer leak (pooled over RAPO's runs). The

@@ -316,7 +316,7 @@ def kept_trace_stats(records: Sequence[dict], top_k: int) -> dict:
 
 
 # -- go / no-go ----------------------------------------------------------------------------------------------------
-LEAK_MAX = 0.25  # issue 24: the default setting keeps leak_frac at or under this
+LEAK_MAX = 0.25  # the default setting keeps leak_frac at or under this
 KEPT_CORRECT_MAX = 0.8  # an imperfect source: top-k keeps wrong trajectories (98.8% correct was the oracle)
 PROBE_MIN_RATIO = 0.5  # a policy that uses a retrieved step: at least half its success after its own step
 HINT_MIN = 0.5  # the aliased setting: a foreign retrieved step makes the right own hop at least this likely

@@ -60,7 +60,7 @@ def _tiny_policy(tok, seed: int):
 
 
 class AliasFamily:
-    """The fair setting of issue 24 (module docstring)."""
+    """The fair setting (module docstring)."""
 
     name = "kb_alias"
     readable = True
@@ -124,8 +124,9 @@ class AliasFamily:
 
 
 class LegacyFamily:
-    """The setting before issue 24: arithmetic chains, or the knowledge base with 2-hop SFT and 3-hop RL on one
-    draw of the facts. One solver file (error 0.2) is both RAPO's source and OFFPOLICY_TRAJ's."""
+    """The earlier setting (answers leak through retrieval): arithmetic chains, or the knowledge base with 2-hop
+    SFT and 3-hop RL on one draw of the facts. One solver file (error 0.2) is both RAPO's source and
+    OFFPOLICY_TRAJ's."""
 
     retrieve_style = "replace"
     same_source = True

@@ -1,6 +1,6 @@
 """The files of `rapo-fast table1`: table1.csv (one row per run), table1.md (the paper-style table, paired
 differences against GRPO and the matched control, efficiency, diagnostics), table1.png (mean held-out curve +- band
-per method, one panel per family) and table1_checks.json (issue 24's go/no-go checks with the figures behind them).
+per method, one panel per family) and table1_checks.json (the go/no-go checks with the figures behind them).
 
 What this is: formatting of rows that rapo_fast/demo/table1.py produced, with the statistics of
 rapo_fast/demo/table1_stats.py. What this is not: the runs, or any claim about them.

@@ -175,7 +175,7 @@ def test_efficiency_table_by_hand():
 
 
 def test_controls_and_ablations_configs():
-    """Issue 24's controls: GRPO with RAPO's on-policy row count, RAPO without the retrieval reward, RAPO without
+    """The controls: GRPO with RAPO's on-policy row count, RAPO without the retrieval reward, RAPO without
     importance shaping; every other option equal to the method they control."""
     s = dict(table1.QUICK, group_size=8)
     rapo, grpo = table1._config("RAPO", s, 0), table1._config("GRPO", s, 0)

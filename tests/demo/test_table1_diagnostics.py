@@ -1,5 +1,5 @@
 """Tests of rapo_fast/demo/table1_diagnostics.py: completions read against hand-written cases, the leak and
-shortcut fractions, the kept-trace statistics and the go/no-go logic on constructed figures (issue 24)."""
+shortcut fractions, the kept-trace statistics and the go/no-go logic on constructed figures."""
 
 from __future__ import annotations
 

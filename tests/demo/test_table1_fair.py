@@ -1,4 +1,4 @@
-"""table1's fair setting (issue 24): the aliased knowledge base, its warm-up style, the hint probe on a scripted
+"""table1's fair setting: the aliased knowledge base, its warm-up style, the hint probe on a scripted
 policy, the rollout reader, the run end to end in quick form (every file written) and the legacy flag.
 
 The setting's claims checked here are structural (what is held out from what, which knowledge base each source

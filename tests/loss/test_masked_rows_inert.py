@@ -1,4 +1,4 @@
-"""Issue 28, class 3: a token out of the loss is inert whatever its hidden row, logits row or per-token inputs hold.
+"""A token out of the loss is inert whatever its hidden row, logits row or per-token inputs hold.
 
 A masked hidden row holding NaN/inf once put NaN into the weight gradient on every path, the reference included:
 grad_W = grad_z^T h sums over every row, and 0 * NaN = NaN although the row's grad_z is zero. And a NaN in a masked

@@ -1,4 +1,4 @@
-"""Issue 28, class 7: l2 search is exact on far-apart clusters.
+"""l2 search is exact on far-apart clusters.
 
 Two clusters at +-1e4 put the keys' mean near the origin again, so centring on it (docs/retrieval.md) no longer saves
 the fp32 expanded form |q'|^2 + |k'|^2 - 2 q'.k': the scores cancelled to 0.0, were clamped, and ties went to the

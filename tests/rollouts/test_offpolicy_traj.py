@@ -1,4 +1,4 @@
-"""Trajectory-level off-policy (LUFFY-style, issue 14's baseline): whole solver trajectories rendered in the rollout's
+"""Trajectory-level off-policy (LUFFY-style, the baseline): whole solver trajectories rendered in the rollout's
 token format (model tokens KIND_OFF, tool output KIND_TOOL), placed as n_offpolicy members of each group by
 `rollout(strategy="offpolicy_traj")`, and the trainer's loss on such a batch equal to a hand computation of the shaped
 objective: on-policy tokens -A r (r = 1 at the first update), off-policy tokens -A p / (p + gamma), seq-mean-token-mean.

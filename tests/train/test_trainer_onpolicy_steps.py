@@ -40,7 +40,7 @@ def _tool_steps_rollout(*args, **kwargs):
 
 @pytest.mark.parametrize("pin", [True, False])
 def test_onpolicy_metrics_count_the_steps_the_buffer_stored(world, pin):
-    """Issue 24: onpolicy_steps_added counts the steps the buffer stored, not the steps offered. A buffer its
+    """onpolicy_steps_added counts the steps the buffer stored, not the steps offered. A buffer its
     off-policy source fills (capacity = the source's steps) keeps every source step by default (pinned) and drops
     the on-policy steps (onpolicy_steps_dropped); with pin_offpolicy=False the on-policy steps evict the source."""
     task, tok, problems, path = world

@@ -137,7 +137,7 @@ def test_retrieval_equals_rapo_fast_helpers(a):
 
 
 def test_ret_norm_retrieved_equals_rapo_fast_helpers():
-    """algorithm.rapo_ret_norm="retrieved" (issue 24): A_ret is normalised over the rows with a scored retrieval
+    """algorithm.rapo_ret_norm="retrieved": A_ret is normalised over the rows with a scored retrieval
     only, as rapo_advantages(ret_norm="retrieved"); a row without one keeps GRPO's advantage exactly, also in a group
     where others retrieved. "group" is the default and differs from it on this batch."""
     b = _batch(seed=2)
