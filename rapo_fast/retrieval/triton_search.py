@@ -273,12 +273,36 @@ def triton_search(
     n_qt = -(-Q // p.block_q)
     with device_guard(dev):
         retrieval_topk_kernel[(n_qt * p.splits,)](
-            queries, keys, key_aux, qaux, groups, exclude if exclude is not None else groups,
-            ws, thr, cnt, Q, C, keys.shape[1], queries.stride(0), keys.stride(0), p.keys_per_split,
-            float(min_score), K_TOP=k, KP=p.kp, W=p.w, METRIC=metric, HAS_EXCL=exclude is not None,
-            FP32_KEYS=keys.dtype == torch.float32, UPCAST_DOT=interpreter_upcast(), BLOCK_Q=p.block_q,
-            BLOCK_C=p.block_c, BLOCK_D=p.block_d, ROWS=p.rows, num_warps=p.num_warps, num_stages=p.num_stages,
-        )  # fmt: skip
+            queries,
+            keys,
+            key_aux,
+            qaux,
+            groups,
+            exclude if exclude is not None else groups,
+            ws,
+            thr,
+            cnt,
+            Q,
+            C,
+            keys.shape[1],
+            queries.stride(0),
+            keys.stride(0),
+            p.keys_per_split,
+            float(min_score),
+            K_TOP=k,
+            KP=p.kp,
+            W=p.w,
+            METRIC=metric,
+            HAS_EXCL=exclude is not None,
+            FP32_KEYS=keys.dtype == torch.float32,
+            UPCAST_DOT=interpreter_upcast(),
+            BLOCK_Q=p.block_q,
+            BLOCK_C=p.block_c,
+            BLOCK_D=p.block_d,
+            ROWS=p.rows,
+            num_warps=p.num_warps,
+            num_stages=p.num_stages,
+        )
     # Merge of the splits: the best k of [Q, splits * KP] distinct keys (a descending integer top-k is the order).
     cand = ws[:, :, : p.kp].permute(1, 0, 2).reshape(Q, p.splits * p.kp)
     best = torch.topk(cand, k, dim=1, sorted=True).values

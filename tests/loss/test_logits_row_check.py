@@ -174,8 +174,9 @@ def test_logp_is_nan_exactly_where_the_lse_is_not_finite(temperature):
     assert torch.equal(torch.isnan(ref), bad) and bool(bad[:5].all()) and not bool(bad[[5, 7, 8]].any())
     assert bool(bad[6]) == (temperature != 1.0)
     if use_triton(TRITON_DEVICE):
-        logp, lse, _ = torch.ops.rapo_fast.token_logprobs_fwd(z.to(TRITON_DEVICE), y.to(TRITON_DEVICE), temperature,
-                                                              False)  # fmt: skip
+        logp, lse, _ = torch.ops.rapo_fast.token_logprobs_fwd(
+            z.to(TRITON_DEVICE), y.to(TRITON_DEVICE), temperature, False
+        )
         assert torch.equal(torch.isnan(logp).cpu(), (~torch.isfinite(lse)).cpu())
         assert torch.equal(torch.isnan(logp).cpu(), bad)
 

@@ -80,8 +80,9 @@ def test_error_bound_covers_the_fp32_scores():
 
     centre = keys.double().mean(0).float()
     q = keys[:20] + torch.randn(20, 32, generator=g)
-    s32, slots = retrieval_search(keys, buf._aux[:100], buf._group[:100], q, None, 30, METRIC_CODES["l2"],
-                                  float("-inf"), centre)  # fmt: skip
+    s32, slots = retrieval_search(
+        keys, buf._aux[:100], buf._group[:100], q, None, 30, METRIC_CODES["l2"], float("-inf"), centre
+    )
     d = ((q.double()[:, None] - keys.double()[slots]) ** 2).sum(-1)
     q_sq = ((q.double() - centre.double()) ** 2).sum(1)
     r = ((keys.double()[slots] - centre.double()) ** 2).sum(-1).sqrt()

@@ -337,9 +337,14 @@ def test_rollout_uses_the_cache_api_without_deprecation_warnings(setup, mode):
                 cfg = dict(hybrid=dict(n_hybrid=2, retrieve_prob=1.0), mode=mode)
                 kw = dict(traces=traces)
             b = rollout(
-                model, tok, task, problems[:2], RolloutConfig(group_size=4, max_step_tokens=8, **cfg),
-                generator=torch.Generator().manual_seed(0), **kw,
-            )  # fmt: skip
+                model,
+                tok,
+                task,
+                problems[:2],
+                RolloutConfig(group_size=4, max_step_tokens=8, **cfg),
+                generator=torch.Generator().manual_seed(0),
+                **kw,
+            )
     finally:
         logger.removeHandler(handler)
     assert b.batch_size == 8

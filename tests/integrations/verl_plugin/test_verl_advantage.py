@@ -172,8 +172,10 @@ def test_v1_route_reads_extra_fields_from_transfer_queue(monkeypatch):
     adv_mod.register()  # trainer_base is imported now: wrap its name too
     b = _batch(seed=3)
     keys = [f"{u}_{i}_0" for i, u in enumerate(b["uids"])]
-    store = {k: {"extra_fields": {"rapo_h_before": hb, "rapo_h_after": ha, "other": 1}}
-             for k, hb, ha in zip(keys, b["hb"], b["ha"])}  # fmt: skip
+    store = {
+        k: {"extra_fields": {"rapo_h_before": hb, "rapo_h_after": ha, "other": 1}}
+        for k, hb, ha in zip(keys, b["hb"], b["ha"])
+    }
     calls = []
 
     def kv_batch_get(keys, partition_id, select_fields=None):
