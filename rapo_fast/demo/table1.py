@@ -39,34 +39,6 @@ SETTINGS = ("fair", "legacy")
 # of the paper's table. solver_traces: scripted trajectories per source question, traces_top_k: kept per question
 # (the best by reward) for RAPO's step buffer and OFFPOLICY_TRAJ's trajectories. The RL hyper-parameters are the
 # legacy setting's (chosen on GRPO alone, docs/table1_tuning.md), not tuned again on the fair setting.
-FAIR_QUICK = dict(
-    seeds=2,
-    sft_steps=60,
-    rl_steps=4,
-    eval_every=2,
-    n_eval=32,
-    group_size=4,
-    prompts_per_step=2,
-    n_train=16,
-    lr=3e-4,
-    mini_batch_groups=1,
-    solver_traces=16,
-    traces_top_k=5,
-)
-FAIR_FULL = dict(
-    seeds=5,
-    sft_steps=300,
-    rl_steps=100,
-    eval_every=20,
-    n_eval=400,
-    group_size=8,
-    prompts_per_step=8,
-    n_train=64,
-    lr=3e-4,
-    mini_batch_groups=4,
-    solver_traces=16,
-    traces_top_k=5,
-)
 QUICK = dict(
     seeds=2,
     sft_steps=60,
@@ -100,6 +72,8 @@ FULL = dict(
     solver_traces={"arith": 4, "kb": 16},
     traces_top_k={"arith": 1, "kb": 5},
 )
+FAIR_QUICK = QUICK
+FAIR_FULL = dict(FULL, n_eval=400, n_train=64, solver_traces=16, traces_top_k=5)
 
 
 def families(setting: str = "legacy") -> tuple[str, ...]:
