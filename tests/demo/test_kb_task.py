@@ -150,9 +150,18 @@ def test_rollout_hybrid_and_sft_run_on_the_task(task, tmp_path):
         traces = StepTraces.from_jsonl(path, HashedNgramEncoder(), tok, top_k=3)
         g = torch.Generator().manual_seed(1)
         b = rollout_flat(
-            model, tok, task, problems, group_size=4, n_hybrid=2, retrieve_prob=1.0, traces=traces,
-            generator=g, max_steps=4, max_step_tokens=12,
-        )  # fmt: skip
+            model,
+            tok,
+            task,
+            problems,
+            group_size=4,
+            n_hybrid=2,
+            retrieve_prob=1.0,
+            traces=traces,
+            generator=g,
+            max_steps=4,
+            max_step_tokens=12,
+        )
         assert b.batch_size == 12 and len(b.completions) == 12
         assert int((b.kinds == KIND_GEN).sum()) > 0
         assert int((b.kinds == KIND_RET).sum()) > 0 and int((b.kinds == KIND_TOOL).sum()) > 0  # not vacuous

@@ -199,8 +199,18 @@ def test_rules_inside_a_rollout(rule):
         sft_warmup(model, tok, task, task.make_problems(200, seed=5, start_qid=5000), steps=40, batch_size=16, seed=0)
         problems = task.make_problems(3, seed=0)
         G = 5
-        kw = dict(group_size=G, strategy="arpo", n_hybrid=0, arpo_initial=2, arpo_beam=2, arpo_k=4, arpo_rule=rule,
-                  max_step_tokens=16, generator=torch.Generator().manual_seed(0), seed=0)  # fmt: skip
+        kw = dict(
+            group_size=G,
+            strategy="arpo",
+            n_hybrid=0,
+            arpo_initial=2,
+            arpo_beam=2,
+            arpo_k=4,
+            arpo_rule=rule,
+            max_step_tokens=16,
+            generator=torch.Generator().manual_seed(0),
+            seed=0,
+        )
         b = rollout_flat(model, tok, task, problems, arpo_alpha=1.0, arpo_beta=0.0, **kw)
         counts = torch.bincount(b.prompt_index, minlength=3)
         assert (counts <= G).all() and (counts >= 2).all()

@@ -309,7 +309,7 @@ def test_bad_arguments(setup):
 
 @pytest.mark.parametrize("mode", ["exact", "splice", "arpo"])
 def test_rollout_uses_the_cache_api_without_deprecation_warnings(setup, mode):
-    """Issue 26 item 11: the decode engine and the splice hand transformers a DynamicCache (the Cache API of
+    """The decode engine and the splice hand transformers a DynamicCache (the Cache API of
     transformers 5.x), never a legacy tuple cache, so a rollout raises no DeprecationWarning / FutureWarning and logs
     no transformers warning. The filters are scoped to the rollout call; transformers' warning_once memo is cleared
     first so that a warning already given earlier in the process would be given again here."""
@@ -337,9 +337,14 @@ def test_rollout_uses_the_cache_api_without_deprecation_warnings(setup, mode):
                 cfg = dict(hybrid=dict(n_hybrid=2, retrieve_prob=1.0), mode=mode)
                 kw = dict(traces=traces)
             b = rollout(
-                model, tok, task, problems[:2], RolloutConfig(group_size=4, max_step_tokens=8, **cfg),
-                generator=torch.Generator().manual_seed(0), **kw,
-            )  # fmt: skip
+                model,
+                tok,
+                task,
+                problems[:2],
+                RolloutConfig(group_size=4, max_step_tokens=8, **cfg),
+                generator=torch.Generator().manual_seed(0),
+                **kw,
+            )
     finally:
         logger.removeHandler(handler)
     assert b.batch_size == 8

@@ -45,12 +45,15 @@ NESTED = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_legacy_keywords_give_the_same_batch(world, name):
     task, tok, problems, path, model = world
-    res = dict(traces=StepTraces.from_jsonl(path, HashedNgramEncoder(), tok, top_k=2),
-               offpolicy=OffPolicyTrajectories.from_jsonl(path, top_k=2))  # fmt: skip
+    res = dict(
+        traces=StepTraces.from_jsonl(path, HashedNgramEncoder(), tok, top_k=2),
+        offpolicy=OffPolicyTrajectories.from_jsonl(path, top_k=2),
+    )
     common = dict(group_size=4, max_step_tokens=6, max_steps=2)
     with pytest.warns(DeprecationWarning, match="RolloutConfig"):
-        old = rollout(model, tok, task, problems, **common, **CASES[name], **res,
-                      generator=torch.Generator().manual_seed(3))  # fmt: skip
+        old = rollout(
+            model, tok, task, problems, **common, **CASES[name], **res, generator=torch.Generator().manual_seed(3)
+        )
     cfg = RolloutConfig(**common, **NESTED[name])
     assert cfg == RolloutConfig.from_legacy({**common, **CASES[name]})
     new = rollout(model, tok, task, problems, cfg, **res, generator=torch.Generator().manual_seed(3))

@@ -21,14 +21,40 @@ from rapo_fast.train.config_compat import FLAT_FIELDS, convert_flat_config
 
 # a config in the former flat format, every field set to a value other than its default where one is allowed
 FLAT = {
-    "strategy": "arpo", "group_size": 8, "n_hybrid": 0, "retrieve_prob": 0.25, "mode": "splice",
-    "prompts_per_step": 3, "temperature": 0.7, "max_steps": 4, "max_step_tokens": 12, "exclude_own_group": True,
-    "n_offpolicy": 2, "arpo_initial": 3, "arpo_beam": 4, "arpo_k": 5, "arpo_alpha": 0.6, "arpo_beta": 0.3,
-    "arpo_rule": "released", "arpo_topk": 7, "advantage_attribution": "hard", "ret_coef": 0.1,
-    "ret_norm": "retrieved", "loss": {"eps_high": 0.3, "dual_clip": 3.0}, "tis_cap": 1.5, "lr": 2e-3,
-    "weight_decay": 0.01, "max_grad_norm": 0.5, "updates_per_step": 2, "mini_batch_groups": 1,
-    "add_onpolicy_steps": True, "refresh_kv_every": 2, "seed": 7, "log_csv": "m.csv", "tensorboard_dir": "tb",
-}  # fmt: skip
+    "strategy": "arpo",
+    "group_size": 8,
+    "n_hybrid": 0,
+    "retrieve_prob": 0.25,
+    "mode": "splice",
+    "prompts_per_step": 3,
+    "temperature": 0.7,
+    "max_steps": 4,
+    "max_step_tokens": 12,
+    "exclude_own_group": True,
+    "n_offpolicy": 2,
+    "arpo_initial": 3,
+    "arpo_beam": 4,
+    "arpo_k": 5,
+    "arpo_alpha": 0.6,
+    "arpo_beta": 0.3,
+    "arpo_rule": "released",
+    "arpo_topk": 7,
+    "advantage_attribution": "hard",
+    "ret_coef": 0.1,
+    "ret_norm": "retrieved",
+    "loss": {"eps_high": 0.3, "dual_clip": 3.0},
+    "tis_cap": 1.5,
+    "lr": 2e-3,
+    "weight_decay": 0.01,
+    "max_grad_norm": 0.5,
+    "updates_per_step": 2,
+    "mini_batch_groups": 1,
+    "add_onpolicy_steps": True,
+    "refresh_kv_every": 2,
+    "seed": 7,
+    "log_csv": "m.csv",
+    "tensorboard_dir": "tb",
+}
 
 
 def _get(cfg, dotted):
@@ -101,8 +127,16 @@ def test_nested_round_trip_of_every_section(tmp_path, suffix):
     assert back == cfg and back.rollout.arpo == ARPOConfig(beam=3, rule="released")
     assert TrainerConfig.from_dict(cfg.to_dict()) == cfg == TrainerConfig.from_json(cfg.to_json())
     assert TrainerConfig.from_yaml(cfg.to_yaml()) == cfg
-    assert set(cfg.to_dict()) == {"rollout", "advantages", "loss", "optim", "buffer", "logging", "prompts_per_step",
-                                  "seed"}  # fmt: skip
+    assert set(cfg.to_dict()) == {
+        "rollout",
+        "advantages",
+        "loss",
+        "optim",
+        "buffer",
+        "logging",
+        "prompts_per_step",
+        "seed",
+    }
     assert set(cfg.to_dict()["rollout"]) >= {"hybrid", "arpo", "offpolicy_traj"}
 
 
@@ -186,10 +220,19 @@ def test_converted_config_trains_identically():
 
     task = ChainArithmeticTask()
     tok, problems = task.tokenizer(), task.make_problems(4, seed=0)
-    flat = {"strategy": "on_policy", "n_hybrid": 0, "ret_coef": 0.0, "loss": dict(presets.RAPO, shaping_m=0.0),
-            "group_size": 2, "prompts_per_step": 1, "max_step_tokens": 4, "max_steps": 1}  # fmt: skip
-    nested = TrainerConfig.GRPO({"rollout.group_size": 2, "prompts_per_step": 1, "rollout.max_step_tokens": 4,
-                                 "rollout.max_steps": 1})  # fmt: skip
+    flat = {
+        "strategy": "on_policy",
+        "n_hybrid": 0,
+        "ret_coef": 0.0,
+        "loss": dict(presets.RAPO, shaping_m=0.0),
+        "group_size": 2,
+        "prompts_per_step": 1,
+        "max_step_tokens": 4,
+        "max_steps": 1,
+    }
+    nested = TrainerConfig.GRPO(
+        {"rollout.group_size": 2, "prompts_per_step": 1, "rollout.max_step_tokens": 4, "rollout.max_steps": 1}
+    )
     out = []
     for cfg in (_load_flat(flat), nested):
         model = build_tiny_policy(tok.vocab_size, hidden_size=16, num_heads=2, num_kv_heads=1, seed=0)

@@ -318,7 +318,7 @@ def test_onpolicy_steps_follow_the_trainers_rule():
 
 
 def test_add_steps_counts_what_a_full_pinned_buffer_dropped(data):
-    """Issue 24: a buffer its off-policy source fills (36 pinned steps, capacity 36) keeps the source and drops the
+    """A buffer its off-policy source fills (36 pinned steps, capacity 36) keeps the source and drops the
     policy's new steps: add_steps returns 0 stored and the actor's counters say steps_dropped, not steps_added."""
     c = _make("rapo_test_full_pinned", data["jsonl"], tokenizer=data["tok"], top_k=TOP_K, capacity=36)
     hs, steps, groups = data["adds"][0]

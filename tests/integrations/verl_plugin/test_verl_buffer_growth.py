@@ -278,8 +278,9 @@ def test_under_ray_with_verls_reward_loop_manager(model_dir):
     from rapo_fast.integrations.verl.buffer_setup import check_growth_config
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    client = get_or_create_step_buffer("grow-ray", None, tokenizer=str(model_dir), capacity=64, num_cpus=0,
-                                       ready_timeout_s=120, encoder="hashed")  # fmt: skip
+    client = get_or_create_step_buffer(
+        "grow-ray", None, tokenizer=str(model_dir), capacity=64, num_cpus=0, ready_timeout_s=120, encoder="hashed"
+    )
     cfg = _config(model_dir, "grow-ray", importlib=True)
     check_growth_config(cfg)
     mgr = RewardLoopManager(cfg)

@@ -44,7 +44,7 @@ def test_rollout_figures_counted_by_hand():
             obs=(13, 26, 32),
             f=0.2,
             h=1,
-        ),  # fmt: skip
+        ),
         _row(False, spans=((0, 6), (13, 19)), obs=(13, 19)),
         {"other_loop": 1},  # a row of another agent loop: ignored
     ]

@@ -133,8 +133,11 @@ def test_launch_scripts_hand_the_rapo_variables_to_every_ray_worker():
     env = {"PATH": os.environ["PATH"], "RAPO_SEARCH_URL": "http://10.0.0.7:8000/retrieve", "RAPO_DATA_DIR": "/nfs/a b"}
     got = subprocess.run(
         ["bash", "-c", f'source "{RECIPE / "ray_env.sh"}"; printf "%s\\n" "${{RAPO_RAY_ENV[@]}}"'],
-        env=env, capture_output=True, text=True, check=True,
-    ).stdout.splitlines()  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
     assert len(got) == 2
     # what the scripts pass composes into verl's ray.init runtime_env (main_ppo merges it over verl's defaults)
     env_vars = _compose(["+recipe=smoke_1gpu", *got]).ray_kwargs.ray_init.runtime_env.env_vars
