@@ -2,14 +2,13 @@
 
 What this is: `StepBufferActor` (an async Ray actor holding one StepTraces; it searches and stores keys, concurrent
 retrieves gathered into one search; a shard's primary, or a read replica replaying its primary's writes in order),
-`StepBufferClient` (what an agent loop or reward worker holds; picklable, async, sharded over several actors; it
-encodes the histories where they are, coalescing its process's concurrent calls; searches go to a replica on its node
-when there are replicas), `get_or_create_step_buffer` / `get_step_buffer`, and `build_step_buffer_from_jsonl` (the
-one-time build; its command line, the config keys and verl's checkpoint hook are in buffer_setup.py). Batching,
-sharding, replicas and the save layout are in docs/verl.md section 4.
+`get_or_create_step_buffer` / `get_step_buffer` (the actors, their replicas, and a StepBufferClient over them: the
+client is buffer_client.py's, re-exported here), and `build_step_buffer_from_jsonl` (the one-time build; its command
+line, the config keys and verl's checkpoint hook are in buffer_setup.py). Batching, sharding, replicas and the save
+layout are in docs/verl.md section 4.
 What it is not: the nearest-neighbour search (rapo_fast.retrieval.buffer), the agent loop that inserts the steps
 (agent_loop.py), or an approximate index. Importing it imports neither ray nor verl (they are imported when an actor
-or client is made), so it is importable anywhere.
+or client is made).
 """
 
 from __future__ import annotations
@@ -20,24 +19,23 @@ import contextlib
 import math
 import os
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from rapo_fast._atomic import FormatError, VersionWriter, check_int, read_version
-from rapo_fast._checks import check_float
-from rapo_fast._checks import check_int as check_int_arg
-from rapo_fast.integrations.verl.buffer_replicas import (
-    InOrder,
-    Readers,
-    check_replicas_per_node,
-    on_node,
-    replica_nodes,
+from rapo_fast._atomic import VersionWriter, check_int, read_version
+from rapo_fast.integrations.verl.buffer_client import (
+    SAVE_FORMAT,
+    SAVE_PREFIX,
+    SAVE_VERSION,
+    StepBufferClient,
+    StepBufferSaveError,
+    is_bare_traces,
 )
+from rapo_fast.integrations.verl.buffer_replicas import InOrder, check_replicas_per_node, on_node, replica_nodes
 from rapo_fast.integrations.verl.buffer_requests import (
     Coalescer,
     check_groups,
@@ -62,11 +60,6 @@ __all__ = [
 
 DEFAULT_NAME = "rapo_step_buffer"
 CHECKPOINT_SUBDIR = "rapo_step_buffer"  # inside verl's global_step_N/
-SAVE_FORMAT, SAVE_VERSION, _PREFIX = "rapo_fast.verl.StepBuffer", 1, "stepbuf"
-
-
-class StepBufferSaveError(FormatError):
-    """A saved step buffer (this module's sharded layout) is missing, corrupt or does not fit the actors."""
 
 
 class StepBufferReplicaError(RuntimeError):
@@ -112,14 +105,6 @@ def _build_shard(
     with tempfile.TemporaryDirectory() as tmp:
         part = write_jsonl(recs, Path(tmp) / "shard.jsonl")
         return StepTraces.from_jsonl(part, encoder, tokenizer, capacity=cap, device=device, **build)
-
-
-def _is_bare_traces(path: Path) -> bool:
-    """A directory saved by StepTraces.save itself (one shard), rather than this module's sharded layout."""
-    try:
-        return (path / "CURRENT").read_text().startswith("traces-")
-    except OSError:
-        return False
 
 
 class StepBufferActor:
@@ -352,163 +337,6 @@ def _shard_name(name: str, i: int) -> str:
     return name if i == 0 else f"{name}.{i}"
 
 
-class StepBufferClient:
-    """The agent loop's view of the buffer: async retrieve/add_steps, sync save/load/stats (driver side).
-
-    It encodes the histories in the caller's process (with `encoder`, the spec the actors were built with) and sends
-    keys; a process's retrieves that arrive while a call is being served (or within window_s of the first one, when
-    window_s > 0), up to max_batch histories, share the next encoding and call per shard. handles: the shards'
-    primaries (adds, saves, loads); replicas: per shard, (node id, handle) of its read replicas, where the searches go
-    (buffer_replicas.Readers). Picklable: a copy holds the handles and settings, and makes its encoder when first
-    used."""
-
-    def __init__(
-        self,
-        handles: Sequence[Any],
-        encoder: str | Callable = "hashed",
-        *,
-        replicas: Sequence[Sequence[tuple[str, Any]]] | None = None,
-        window_s: float = 0.0,
-        max_batch: int = 1024,
-    ):
-        if not handles:
-            raise ValueError("StepBufferClient: handles must hold at least one actor handle, got none")
-        replicas = [[] for _ in handles] if replicas is None else [list(r) for r in replicas]
-        if len(replicas) != len(handles):
-            raise ValueError(
-                f"StepBufferClient: replicas must list one entry per shard ({len(handles)}), got {len(replicas)}"
-            )
-        window_s = check_float("StepBufferClient: window_s", window_s, min_value=0.0, max_value=10.0)
-        max_batch = check_int_arg("StepBufferClient: max_batch", max_batch, lo=1)
-        self.handles, self.encoder_spec, self.replicas = list(handles), encoder, replicas
-        self.window_s, self.max_batch = float(window_s), max_batch
-        self._readers = Readers(self.handles, replicas)
-        self._encoder: Callable | None = None
-        self._lock = threading.Lock()
-        self._retrieves = Coalescer(self._serve_retrieve, self.window_s, max_batch)
-
-    def __getstate__(self) -> dict:
-        return {
-            "handles": self.handles,
-            "encoder": self.encoder_spec,
-            "replicas": self.replicas,
-            "window_s": self.window_s,
-            "max_batch": self.max_batch,
-        }
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(state.pop("handles"), **state)
-
-    @property
-    def num_shards(self) -> int:
-        return len(self.handles)
-
-    def encode(self, histories: list[str]) -> torch.Tensor:
-        """fp32 [N, D] keys of `histories`, as the actors' StepTraces.encode would make them (markers stripped)."""
-        from rapo_fast.retrieval.step_traces import strip_retrieve_markers
-
-        with self._lock:  # one encoder per client, made on first use (a MiniLM load must not happen twice)
-            if self._encoder is None:
-                self._encoder = make_encoder(self.encoder_spec)
-        keys = self._encoder([strip_retrieve_markers(h) for h in histories])
-        if not isinstance(keys, torch.Tensor) or keys.dim() != 2 or keys.shape[0] != len(histories):
-            raise ValueError(f"encoder: expected a [{len(histories)}, D] tensor, got {getattr(keys, 'shape', keys)!r}")
-        return keys.detach().float().cpu()
-
-    async def retrieve(
-        self, histories: list[str], exclude_groups: list[int] | None = None, min_score: float | None = None
-    ) -> list[tuple[list[int] | None, int, float]]:
-        """Per history: (token ids of the retrieved segment incl. <retrieve> delimiters or None, payload id or -1,
-        score or -inf). exclude_groups: per history, the group whose steps must not be returned (negative: none)."""
-        histories = check_histories(histories, "retrieve")
-        n = len(histories)
-        excl = [-1] * n if exclude_groups is None else check_groups(exclude_groups, n, "exclude_groups", "retrieve")
-        min_score = check_min_score(min_score)
-        if not histories:
-            return []
-        return await self._retrieves.submit((histories, excl, min_score), n, min_score)
-
-    async def _serve_retrieve(self, batch: list) -> list[list[tuple[list[int] | None, int, float]]]:
-        """One encoding and one call per shard (to its primary or a replica) for the batch's histories; each request
-        gets its rows."""
-        hist = [h for req in batch for h in req[0]]
-        excl = [g for req in batch for g in req[1]]
-        keys = await asyncio.get_running_loop().run_in_executor(None, self.encode, hist)
-        parts = await asyncio.gather(*(h.retrieve.remote(keys, excl, batch[0][2]) for h in self._readers.pick()))
-        n, rows = self.num_shards, []
-        for q in range(len(hist)):
-            best = (None, -1, float("-inf"))
-            for s, (segs, pids, scores) in enumerate(parts):  # strict >: a tie keeps the lower shard
-                if pids[q] >= 0 and (best[1] < 0 or scores[q] > best[2]):
-                    best = (segs[q], pids[q] * n + s, scores[q])
-            rows.append(best)
-        out, i = [], 0
-        for req in batch:
-            out.append(rows[i : i + len(req[0])])
-            i += len(req[0])
-        return out
-
-    async def add_steps(
-        self, histories: list[str], steps: list[str], group_ids: list[int], scores: list[float] | None = None
-    ) -> int:
-        """Add the policy's own steps (one entry per step) under their prompts' group ids; returns how many the shards
-        stored (a shard full of pinned off-policy steps drops new ones: its stats() count them in steps_dropped). The
-        histories are encoded here; each shard's primary gets the keys of its groups (and replays them on its
-        replicas)."""
-        histories = check_histories(histories, "add_steps")
-        group_ids = check_groups(group_ids, len(histories), "group_ids", "add_steps", lo=0)
-        steps = check_histories(steps, "add_steps", "steps")
-        if len(steps) != len(histories):
-            raise ValueError(f"add_steps: steps must be a list of {len(histories)} str, got {len(steps)} entries")
-        scores = check_scores(scores, len(histories))
-        if not histories:
-            return 0
-        keys = await asyncio.get_running_loop().run_in_executor(None, self.encode, histories)
-        n, calls = self.num_shards, []
-        for s, h in enumerate(self.handles):
-            idx = [i for i, g in enumerate(group_ids) if g % n == s]
-            if idx:
-                part = [None if xs is None else [xs[i] for i in idx] for xs in (steps, group_ids, scores)]
-                calls.append(h.add_steps.remote(keys[idx], *part))
-        return int(sum(await asyncio.gather(*calls)))
-
-    def save(self, path: str | os.PathLike) -> None:
-        """Save every shard's primary (not its replicas: they hold the same state) into one versioned directory
-        (rapo_fast._atomic): shard_i/ are StepTraces saves, listed with their checksums in one manifest that CURRENT
-        switches to atomically. `path` must be reachable from the actors' nodes (a shared filesystem on a multi-node
-        cluster)."""
-        import ray
-
-        with VersionWriter(path, _PREFIX, SAVE_FORMAT, SAVE_VERSION) as w:
-            ray.get([h.save.remote(str(w.path / f"shard_{i}")) for i, h in enumerate(self.handles)])
-            for i in range(self.num_shards):
-                w.add_nested(f"shard_{i}")
-            w.commit({"num_shards": self.num_shards})
-
-    def load(self, path: str | os.PathLike) -> None:
-        """Replace every shard's state by a save of `save` (or, with one shard, of StepTraces.save); each primary
-        has its replicas load it too."""
-        import ray
-
-        path = Path(path)
-        if _is_bare_traces(path):
-            if self.num_shards != 1:
-                raise StepBufferSaveError(f"{path}: a one-shard StepTraces save, the buffer has {self.num_shards}")
-            ray.get(self.handles[0].load.remote(str(path)))
-            return
-        with read_version(path, _PREFIX, SAVE_FORMAT, SAVE_VERSION, StepBufferSaveError) as v:
-            n = check_int(v.meta, "num_shards", v.path / "meta.json", StepBufferSaveError, lo=1)
-            if n != self.num_shards:
-                raise StepBufferSaveError(f"{v.path}: field 'num_shards' is {n}, the buffer has {self.num_shards}")
-            ray.get([h.load.remote(str(v.path / f"shard_{i}")) for i, h in enumerate(self.handles)])
-
-    def stats(self) -> list[dict]:
-        """Each actor's stats(): the primaries in shard order, then the replicas (role "replica")."""
-        import ray
-
-        return ray.get([h.stats.remote() for h in self.handles + [h for reps in self.replicas for _, h in reps]])
-
-
 def get_step_buffer(name: str = DEFAULT_NAME, namespace: str | None = None) -> StepBufferClient:
     """A client for the existing actor(s) `name` (ValueError when there is none)."""
     import ray
@@ -580,11 +408,11 @@ def get_or_create_step_buffer(
 
     if src is not None and not src.exists():
         raise ValueError(f"get_or_create_step_buffer: source must be a .jsonl file or a saved buffer, got {str(src)!r}")
-    if src is None or str(src).endswith(".jsonl") or _is_bare_traces(src):
-        if src is not None and _is_bare_traces(src) and num_shards != 1:
+    if src is None or str(src).endswith(".jsonl") or is_bare_traces(src):
+        if src is not None and is_bare_traces(src) and num_shards != 1:
             raise ValueError(f"get_or_create_step_buffer: {src} is a one-shard save, num_shards={num_shards} given")
         return create([None if src is None else str(src)] * num_shards)
-    with read_version(src, _PREFIX, SAVE_FORMAT, SAVE_VERSION, StepBufferSaveError) as v:
+    with read_version(src, SAVE_PREFIX, SAVE_FORMAT, SAVE_VERSION, StepBufferSaveError) as v:
         n = check_int(v.meta, "num_shards", v.path / "meta.json", StepBufferSaveError, lo=1)
         if n != num_shards:
             raise ValueError(f"get_or_create_step_buffer: {src} holds {n} shards, num_shards={num_shards} given")
@@ -610,7 +438,7 @@ def build_step_buffer_from_jsonl(
     if not Path(jsonl).is_file():
         raise ValueError(f"build_step_buffer_from_jsonl: jsonl must be an existing file, got {str(jsonl)!r}")
     enc, tok = make_encoder(encoder), _load_tokenizer(tokenizer, trust_remote_code)
-    with VersionWriter(out_dir, _PREFIX, SAVE_FORMAT, SAVE_VERSION) as w:
+    with VersionWriter(out_dir, SAVE_PREFIX, SAVE_FORMAT, SAVE_VERSION) as w:
         sizes = []
         for i in range(num_shards):
             traces = _build_shard(jsonl, tok, enc, i, num_shards, "cpu", **build)
