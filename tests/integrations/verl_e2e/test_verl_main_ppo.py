@@ -159,7 +159,7 @@ def _job_dir(root: Path, prompts: list[tuple[str, str]]) -> Path:
     return root
 
 
-def _overrides(root: Path, *, mini_batch: int, ranks: int, val_before_train: bool) -> list[str]:
+def _overrides(root: Path, *, mini_batch: int, ranks: int, val_before_train: bool, replicas: int = 0) -> list[str]:
     micro = 4 * mini_batch // ranks  # trajectories per rank in a mini-batch (rollout.n = 4): one micro-batch
     return [
         f"data.train_files={root / 'train.parquet'}",
@@ -217,6 +217,7 @@ def _overrides(root: Path, *, mini_batch: int, ranks: int, val_before_train: boo
         "+rapo.buffer_name=rapo_step_buffer",
         f"+rapo.step_buffer.path={root / 'seed.jsonl'}",
         "+rapo.step_buffer.num_cpus=0",
+        f"+rapo.step_buffer.replicas_per_node={replicas}",
         "trainer.checkpoint_callback_class=rapo_fast.integrations.verl.buffer_setup.StepBufferCheckpointCallback",
         "trainer.total_training_steps=2",
         "trainer.total_epochs=1",
@@ -313,12 +314,28 @@ def test_main_ppo_two_rapo_steps_with_validation(tmp_path):
     assert last["rapo/buffer/size"] > steps[0]["rapo/buffer/size"] - steps[0]["rapo/buffer/steps_added"]
     # step 2's prompts retrieve step 1's steps (same task family, own group excluded): far nearer than the seed step
     assert steps[1]["rapo/rollout/retrieval_score/mean"] > steps[0]["rapo/rollout/retrieval_score/mean"]
+    _assert_buffer_actor_figures(steps, replicas=0)
+
+
+def _assert_buffer_actor_figures(steps: list[dict], *, replicas: int) -> None:
+    """The buffer actors' own figures, read after each step's rollouts: every caller's query searched there once,
+    nothing left waiting (the trainer is synchronous), the actor's search time inside the caller's latency."""
+    for m in steps:
+        assert m["rapo/buffer/replicas"] == replicas and m["rapo/buffer/shards"] == 1
+        assert m["rapo/buffer/step_queries"] == m["rapo/rollout/retrieve_calls"] > 0
+        assert m["rapo/buffer/pending"] == 0 and m["rapo/buffer/pending_max"] >= 1
+        assert 0 < m["rapo/buffer/search_ms/mean"] <= m["rapo/buffer/search_ms/max"]
+        assert m["rapo/buffer/search_ms/max"] <= m["rapo/rollout/search_latency_ms/max"]
+    assert sum(m["rapo/buffer/step_queries"] for m in steps) == steps[-1]["rapo/buffer/queries"]
 
 
 def test_main_ppo_two_minibatches_two_fsdp_ranks(tmp_path):
     """2 PPO mini-batches per step over 2 FSDP ranks (gloo): the second mini-batch runs after an update, so its
-    ratios differ from 1 and the clip and the importance shaping act."""
-    records, out, wall = run_main_ppo(tmp_path, PROMPTS_RETRIEVAL_REWARD, mini_batch=1, ranks=2, val_before_train=False)
+    ratios differ from 1 and the clip and the importance shaping act. The buffer has a read replica: searches go to
+    it, adds are fanned out to it."""
+    records, out, wall = run_main_ppo(
+        tmp_path, PROMPTS_RETRIEVAL_REWARD, mini_batch=1, ranks=2, val_before_train=False, replicas=1
+    )
     print(f"main_ppo wall time: {wall:.1f} s")
     steps = _train_steps(records)
     assert [s["training/global_step"] for s in steps] == [1, 2]
@@ -331,3 +348,5 @@ def test_main_ppo_two_minibatches_two_fsdp_ranks(tmp_path):
     assert max(abs(m["actor/rapo/ratio_mean"] - 1.0) for m in steps) > 0
     assert max(m["actor/pg_clipfrac"] for m in steps) > 0
     assert all(m["rapo/rollout/retrieved_frac"] > 0 for m in steps)
+    # searches served by a read replica of the buffer (adds fanned out to it): the same counts as without one
+    _assert_buffer_actor_figures(steps, replicas=1)
