@@ -4,15 +4,13 @@ What this is: TrainerConfig = rollout (rapo_fast.rollouts.config.RolloutConfig, 
 advantages, loss (a rapo_fast.loss.options.LossOptions), optim, buffer, logging, prompts_per_step and seed; each bad
 value raises ValueError/TypeError naming its dotted field ("rollout.arpo.beam"). A dict given for a section updates
 it (dotted keys allowed); a section object replaces it. Presets: RAPO (the paper's defaults: G=16, 8 hybrid, p=0.5,
-a=0.2, m=0.05, eps 0.28, seq-mean-token-mean, no KL), GRPO (retrieval off, the same loss), ARPO, OFFPOLICY_TRAJ. The
-former flat format (arpo_beam, n_hybrid, tis_cap, ...) is converted on load with a FutureWarning
-(rapo_fast/train/config_compat.py). What this is not: the trainer (rapo_fast/train/trainer.py). Spec: docs/training.md.
+a=0.2, m=0.05, eps 0.28, seq-mean-token-mean, no KL), GRPO (retrieval off, the same loss), ARPO, OFFPOLICY_TRAJ.
+What this is not: the trainer (rapo_fast/train/trainer.py). Spec: docs/training.md.
 """
 
 from __future__ import annotations
 
 import json
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,13 +23,15 @@ from rapo_fast.loss import presets
 from rapo_fast.loss.advantages import RET_NORMS
 from rapo_fast.loss.options import LossOptions
 from rapo_fast.rollouts.config import RolloutConfig
-from rapo_fast.train.config_compat import _TRAINER_SET, convert_flat_config, is_flat_config, new_name_of
 
 __all__ = ["TrainerConfig", "AdvantageConfig", "OptimConfig", "BufferConfig", "LoggingConfig", "RolloutConfig",
-           "LossOptions", "TRAINER_LOSS", "convert_flat_config"]  # fmt: skip
+           "LossOptions", "TRAINER_LOSS", "TRAINER_SET_LOSS_OPTIONS"]  # fmt: skip
 
 # the default loss of TrainerConfig: the RAPO preset, with tis_cap 2.0 (used in splice mode only: docs/training.md)
 TRAINER_LOSS = LossOptions(**presets.RAPO, tis_cap=2.0)
+# rapo_loss options the trainer sets, not the config (the sampling temperature is rollout.temperature, metrics are
+# always returned): TrainerConfig's `loss` refuses them and does not save them
+TRAINER_SET_LOSS_OPTIONS = ("temperature", "return_metrics")
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ def _loss_from(current: LossOptions, d: Mapping) -> LossOptions:
     bad_keys = [k for k in d if not isinstance(k, str)]
     if bad_keys:
         raise TypeError(f"loss: option names must be strings, got {brief(bad_keys)}")
-    allowed = set(LossOptions.names()) - set(_TRAINER_SET)
+    allowed = set(LossOptions.names()) - set(TRAINER_SET_LOSS_OPTIONS)
     unknown = sorted(set(d) - allowed)
     if unknown:
         raise ValueError(f"loss: unknown rapo_loss options {unknown}; expected a subset of {sorted(allowed)}")
@@ -94,7 +94,7 @@ def _loss_from(current: LossOptions, d: Mapping) -> LossOptions:
 def _check_loss(name: str, loss: Any) -> None:
     if not isinstance(loss, LossOptions):
         raise TypeError(f"{name}: expected a LossOptions or a dict of rapo_loss options, got {type(loss).__name__}")
-    for k in _TRAINER_SET:
+    for k in TRAINER_SET_LOSS_OPTIONS:
         if getattr(loss, k) != LossOptions.__dataclass_fields__[k].default:
             raise ValueError(
                 f"{name}.{k}: set by the trainer (rollout.temperature; metrics always), got {brief(getattr(loss, k))}"
@@ -105,7 +105,7 @@ def _check_loss(name: str, loss: Any) -> None:
 
 
 def _loss_dict(loss: LossOptions) -> dict[str, Any]:
-    return {k: v for k, v in loss.to_dict().items() if k not in _TRAINER_SET}
+    return {k: v for k, v in loss.to_dict().items() if k not in TRAINER_SET_LOSS_OPTIONS}
 
 
 @dataclass
@@ -174,25 +174,14 @@ class TrainerConfig(Section):
 
     @classmethod
     def _preset(cls, base: dict, overrides: Mapping[str, Any] | None, sections: dict[str, Any]) -> TrainerConfig:
-        _refuse_flat_keys({**(overrides or {}), **sections})
         return cls().replace(base).replace(overrides).replace(sections)
 
     # -- serialisation ----------------------------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> TrainerConfig:
-        """The defaults updated by `d`, nested ({"rollout": {"arpo": {"beam": 3}}}) or dotted. A config in the
-        former flat format is converted (convert_flat_config) with a FutureWarning."""
+        """The defaults updated by `d`, nested ({"rollout": {"arpo": {"beam": 3}}}) or dotted."""
         if not isinstance(d, Mapping):
             raise TypeError(f"TrainerConfig.from_dict: expected a dict, got {type(d).__name__}")
-        if is_flat_config(d):
-            warnings.warn(
-                "TrainerConfig: a config in the former flat format (keys such as n_hybrid, arpo_beam, tis_cap, lr) "
-                "was converted to the nested one; save it again (TrainerConfig.save) or convert it with "
-                "rapo_fast.train.config.convert_flat_config",
-                FutureWarning,
-                stacklevel=3,
-            )
-            d = convert_flat_config(d)
         try:
             return cls().replace(d)
         except RecursionError:  # a mapping nested thousands deep (dotted keys that collide at every level)
@@ -248,14 +237,3 @@ class TrainerConfig(Section):
             raise ValueError(f"{p}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
         except (ValueError, TypeError) as exc:  # the same kind, with the file named (a message alone names no file)
             raise (ValueError if isinstance(exc, ValueError) else TypeError)(f"{p}: {exc}") from exc
-
-
-def _refuse_flat_keys(kw: Mapping[str, Any]) -> None:
-    """A former flat field name passed to a preset: TypeError saying its nested place."""
-    old = {k: new_name_of(k) for k in kw if new_name_of(k) not in (None, k)}
-    if old:
-        where = ", ".join(f"{k} -> {v!r}" for k, v in old.items())
-        raise TypeError(
-            f"TrainerConfig: {sorted(old)} are former flat fields; pass them nested ({where}), e.g. "
-            f"TrainerConfig.RAPO({{{next(iter(old.values()))!r}: ...}}); flat dicts: convert_flat_config"
-        )
