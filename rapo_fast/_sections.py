@@ -71,7 +71,7 @@ def expand_dotted(d: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in d.items():
         if not isinstance(key, str):
-            raise TypeError(f"config keys must be strings, got {type(key).__name__} {C.brief(key)}")
+            raise TypeError(f"config keys: expected strings, got {type(key).__name__} {C.brief(key)}")
         *parents, leaf = key.split(".")
         node = out
         for p in parents:
@@ -163,7 +163,7 @@ class Section:
         unknown = sorted(set(merged) - set(plan))
         if unknown:
             where = self.PATH or type(self).__name__
-            raise ValueError(f"{where}: unknown fields {unknown}; expected a subset of {sorted(plan)}")
+            raise ValueError(f"{where}: expected fields among {sorted(plan)}, got unknown fields {unknown}")
         values = {name: getattr(self, name) for name in plan}
         for name, value in merged.items():
             coerce = plan[name].coerce

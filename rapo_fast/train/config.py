@@ -21,7 +21,7 @@ from rapo_fast._checks import brief
 from rapo_fast._sections import Section, option, rule_choice, rule_int, rule_real, rule_type, section
 from rapo_fast.loss import presets
 from rapo_fast.loss.advantages import RET_NORMS
-from rapo_fast.loss.options import LossOptions
+from rapo_fast.loss.options import OPTION_DEFAULTS, LossOptions
 from rapo_fast.rollouts.config import RolloutConfig
 
 __all__ = ["TrainerConfig", "AdvantageConfig", "OptimConfig", "BufferConfig", "LoggingConfig", "RolloutConfig",
@@ -80,11 +80,11 @@ def _loss_from(current: LossOptions, d: Mapping) -> LossOptions:
     """A dict given for `loss`: the current options with its keys replaced (names and values checked)."""
     bad_keys = [k for k in d if not isinstance(k, str)]
     if bad_keys:
-        raise TypeError(f"loss: option names must be strings, got {brief(bad_keys)}")
+        raise TypeError(f"loss: expected option names as strings, got {brief(bad_keys)}")
     allowed = set(LossOptions.names()) - set(TRAINER_SET_LOSS_OPTIONS)
     unknown = sorted(set(d) - allowed)
     if unknown:
-        raise ValueError(f"loss: unknown rapo_loss options {unknown}; expected a subset of {sorted(allowed)}")
+        raise ValueError(f"loss: expected rapo_loss options among {sorted(allowed)}, got unknown options {unknown}")
     try:
         return current.replace(**d)
     except (TypeError, ValueError) as e:
@@ -95,13 +95,13 @@ def _check_loss(name: str, loss: Any) -> None:
     if not isinstance(loss, LossOptions):
         raise TypeError(f"{name}: expected a LossOptions or a dict of rapo_loss options, got {type(loss).__name__}")
     for k in TRAINER_SET_LOSS_OPTIONS:
-        if getattr(loss, k) != LossOptions.__dataclass_fields__[k].default:
+        if getattr(loss, k) != OPTION_DEFAULTS[k]:
             raise ValueError(
-                f"{name}.{k}: set by the trainer (rollout.temperature; metrics always), got {brief(getattr(loss, k))}"
+                f"{name}.{k}: expected the default {OPTION_DEFAULTS[k]!r} (the trainer sets it: rollout.temperature; "
+                f"metrics always), got {brief(getattr(loss, k))}"
             )
     if loss.beta != 0.0:
-        raise ValueError(f"{name}.beta: the thin trainer keeps no reference model, so the KL coefficient must be 0, "
-                         f"got {brief(loss.beta)}")  # fmt: skip
+        raise ValueError(f"{name}.beta: expected 0 (the thin trainer keeps no reference model), got {brief(loss.beta)}")
 
 
 def _loss_dict(loss: LossOptions) -> dict[str, Any]:
@@ -129,10 +129,12 @@ class TrainerConfig(Section):
         r = self.rollout
         if r.strategy != "hybrid" and r.hybrid.n_hybrid:
             raise ValueError(
-                f"rollout.hybrid.n_hybrid: must be 0 with strategy={brief(r.strategy)}, got {r.hybrid.n_hybrid}"
+                f"rollout.hybrid.n_hybrid: expected 0 with strategy={brief(r.strategy)}, got {r.hybrid.n_hybrid}"
             )
         if callable(r.hybrid.retrieve_prob):
-            raise TypeError("rollout.hybrid.retrieve_prob: expected a number in [0, 1] (a callable cannot be saved)")
+            raise TypeError(
+                "rollout.hybrid.retrieve_prob: expected a number in [0, 1] (the config is saved), got a callable"
+            )
         rule_real(0.0, lo_open=True)("rollout.temperature", r.temperature)  # the trainer samples: no greedy
 
     # -- presets ----------------------------------------------------------------------------------------------------

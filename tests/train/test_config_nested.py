@@ -63,9 +63,9 @@ def test_overrides_nested_dotted_and_objects_agree():
         ({"optim.max_grad_norm": -1.0}, ValueError, "optim.max_grad_norm"),
         ({"loss.eps_high": float("nan")}, ValueError, "loss.eps_high"),
         ({"loss.beta": 0.04}, ValueError, "loss.beta"),
-        ({"rollout.arpo.bem": 2}, ValueError, "rollout.arpo: unknown fields ['bem']"),
-        ({"rollout.strategy": "on_policy"}, ValueError, "rollout.hybrid.n_hybrid: must be 0"),
-        ({"optimizer": {}}, ValueError, "TrainerConfig: unknown fields ['optimizer']"),
+        ({"rollout.arpo.bem": 2}, ValueError, "rollout.arpo: expected fields among"),
+        ({"rollout.strategy": "on_policy"}, ValueError, "rollout.hybrid.n_hybrid: expected 0"),
+        ({"optimizer": {}}, ValueError, "TrainerConfig: expected fields among"),
     ],
 )
 def test_errors_name_the_dotted_field(override, err, path):
