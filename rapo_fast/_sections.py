@@ -4,12 +4,11 @@ wrong type, ValueError for a wrong value).
 
 What this is: `Section`, the one base of every options / config object of the package (LossOptions, RolloutConfig and
 its sub-configs, TrainerConfig and its sections, the verl agent loop's settings; tests/test_config_base.py finds them
-all), the field makers `option` / `section`, the rule makers `rule_int`, `rule_real`, `rule_choice`, `rule_type`, and
-`expand_dotted` ({"a.b": 1} -> {"a": {"b": 1}}). A mapping given for a sub-section updates it field by field (unknown
-keys refused, naming them); an object replaces it. What this is not: any particular configuration
+all), the field makers `option` / `section`, the rule makers `rule_int`, `rule_real`, `rule_choice`, `rule_bool`,
+`rule_type`, and `expand_dotted` ({"a.b": 1} -> {"a": {"b": 1}}). A mapping given for a sub-section updates it field
+by field (unknown keys refused, naming them); an object replaces it. What this is not: any particular configuration
 (rapo_fast/rollouts/config.py, rapo_fast/train/config.py, rapo_fast/loss/options.py) or the checks of function
-arguments (rapo_fast/_checks.py).
-"""
+arguments (rapo_fast/_checks.py)."""
 
 from __future__ import annotations
 
@@ -45,6 +44,11 @@ def rule_real(lo: float | None = None, hi: float | None = None, *, lo_open: bool
 
 def rule_choice(*choices: str) -> Rule:
     return lambda name, v: C.check_choice(name, v, choices)
+
+
+def rule_bool(allow_none: bool = False) -> Rule:
+    """A bool (or None)."""
+    return rule_type((bool, type(None)), "a bool or None") if allow_none else rule_type((bool,), "a bool")
 
 
 def rule_type(kinds: tuple[type, ...], what: str) -> Rule:

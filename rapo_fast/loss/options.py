@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from rapo_fast import _checks as C
-from rapo_fast._sections import Section, option, rule_choice, rule_real, rule_type
+from rapo_fast._sections import Section, option, rule_bool, rule_choice, rule_real
 
 __all__ = [
     "LossOptions",
@@ -83,9 +83,6 @@ def _k_choice(choices: tuple[str, ...]) -> KernelArg:
     return KernelArg(choices.index, lambda x: choices[int(x)], int)
 
 
-_FLAG = rule_type((bool,), "a bool")
-
-
 @dataclass(frozen=True)
 class LossOptions(Section):
     """Every keyword option of rapo_loss (everything but the tensors) with its default; the formulas are in
@@ -117,14 +114,14 @@ class LossOptions(Section):
     kl_estimator: str = option("k3", rule_choice(*KL_ESTIMATORS), kernel=_k_choice(KL_ESTIMATORS))
     # k3 clamped to [-10, 10] as verl's kl_penalty does (zero gradient past it); TRL does not clamp, and its adapter
     # sets False. k1 and k2 are never clamped (as in verl).
-    kl_clamp: bool = option(True, _FLAG, kernel=_K_FLAG)
+    kl_clamp: bool = option(True, rule_bool(), kernel=_K_FLAG)
     entropy_coef: float = option(0.0, rule_real(), kernel=_K_REAL)
     # logits / temperature (rapo_loss only: the log-probs given to policy_loss_from_logp have theirs already)
     temperature: float = option(1.0, rule_real(0.0, lo_open=True))
     # aggregation over tokens and sequences (docs/loss.md section 4)
     loss_agg: str = option("token-mean", rule_choice(*LOSS_AGG_MODES))
     # also return the metrics (docs/loss.md section 5)
-    return_metrics: bool = option(False, _FLAG)
+    return_metrics: bool = option(False, rule_bool())
 
     # ---- the per-token policy-loss kernels' view: docs/architecture.md ("How an option reaches the kernel")
     @classmethod

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rapo_fast._sections import Section, option, rule_choice, rule_int, rule_real, rule_type, section
+from rapo_fast._sections import Section, option, rule_bool, rule_choice, rule_int, rule_real, section
 from rapo_fast.rollouts.arpo import RULES as ARPO_RULES
 
 __all__ = ["STRATEGIES", "MODES", "STRATEGY_CONFIG_FIELDS", "RolloutConfig", "HybridConfig",
@@ -83,7 +83,7 @@ class RolloutConfig(Section):
     max_steps: int = option(6, rule_int(1))
     max_step_tokens: int = option(24, rule_int(1))
     # None: exclude the row's own group from retrieval exactly when the buffer holds on-policy steps
-    exclude_own_group: bool | None = option(None, rule_type((bool, type(None)), "a bool or None"))
+    exclude_own_group: bool | None = option(None, rule_bool(allow_none=True))
     hybrid: HybridConfig = section(HybridConfig)
     arpo: ARPOConfig = section(ARPOConfig)
     offpolicy_traj: OffPolicyTrajConfig = section(OffPolicyTrajConfig)

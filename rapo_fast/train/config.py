@@ -18,7 +18,7 @@ from typing import Any
 
 from rapo_fast._atomic import write_file_atomic
 from rapo_fast._checks import brief
-from rapo_fast._sections import Section, option, rule_choice, rule_int, rule_real, rule_type, section
+from rapo_fast._sections import Section, option, rule_bool, rule_choice, rule_int, rule_real, rule_type, section
 from rapo_fast.loss import presets
 from rapo_fast.loss.advantages import RET_NORMS
 from rapo_fast.loss.options import OPTION_DEFAULTS, LossOptions
@@ -65,7 +65,7 @@ class BufferConfig(Section):
     refreshes of the buffer in splice mode."""
 
     PATH = "buffer"
-    add_onpolicy_steps: bool = option(False, rule_type((bool,), "a bool"))
+    add_onpolicy_steps: bool = option(False, rule_bool())
     refresh_kv_every: int = option(1, rule_int(1))
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rapo_fast._checks import brief
-from rapo_fast._sections import Section, option, rule_choice, rule_int, rule_type, section
+from rapo_fast._sections import Section, option, rule_bool, rule_choice, rule_int, section
 from rapo_fast.integrations.verl import verl_compat
 from rapo_fast.rollouts.config import HybridConfig
 
@@ -57,9 +57,6 @@ def _nonempty_str(name: str, v: Any) -> None:
         raise ValueError(f"{name}: expected a non-empty str, got ''")
 
 
-_BOOL = rule_type((bool,), "a bool")
-
-
 @dataclass(frozen=True)
 class _LoopHybrid(HybridConfig):
     """rapo_fast's HybridConfig (n_hybrid, retrieve_prob) as the loop reads it: at the top of the `rapo` section."""
@@ -75,13 +72,13 @@ class RapoLoopConfig(Section):
     PATH = "rapo"
     hybrid: HybridConfig = section(_LoopHybrid)
     group_size: int = option(16, rule_int(1))
-    exclude_own_group: bool = option(True, _BOOL)
+    exclude_own_group: bool = option(True, rule_bool())
     buffer_name: str = option("rapo_step_buffer", _nonempty_str)
     max_retrieve_tokens: int | None = option(None, rule_int(1, allow_none=True))
     hybrid_selection: str = option("count", rule_choice(*HYBRID_SELECTIONS))
     group_key: str = option("index", _nonempty_str)
     seed: int | None = option(None, rule_int(0, allow_none=True))
-    history_skip_special_tokens: bool = option(True, _BOOL)
+    history_skip_special_tokens: bool = option(True, rule_bool())
 
     def check_together(self) -> None:
         G, n_hybrid = self.group_size, self.hybrid.n_hybrid
