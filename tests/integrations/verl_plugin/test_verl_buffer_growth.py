@@ -325,16 +325,16 @@ def test_config_checks_and_errors(model_dir):
     colocated.reward.reward_model.enable_resource_pool = True
     check_growth_config(colocated)
     bad_values = {
-        "add_onpolicy_steps": "yes",
-        "onpolicy_reward_threshold": "x",
-        "inner_reward_manager": "rapo",
-        "onpolicy_add_window_s": -1.0,
+        "add_onpolicy_steps": ("yes", TypeError),
+        "onpolicy_reward_threshold": ("x", TypeError),
+        "inner_reward_manager": ("rapo", ValueError),
+        "onpolicy_add_window_s": (-1.0, ValueError),
     }
-    for key, bad in bad_values.items():
+    for key, (bad, err) in bad_values.items():
         c = _config(model_dir, "grow-cfg")
         with open_dict(c):
             c.rapo[key] = bad
-        with pytest.raises(ValueError, match=key):
+        with pytest.raises(err, match=f"rapo.{key}"):
             buffer_growth.growth_config(c)
 
 
