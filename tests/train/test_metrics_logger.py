@@ -1,7 +1,9 @@
 """MetricsLogger (rapo_fast/train/io.py) on its own: bounded in memory and in its checkpoint state however many steps
 it logs (the CSV is the record), `restore` cutting the CSV back to the checkpoint's rows so that a resume leaves the
 file of the uninterrupted run byte for byte (also across a column that first appeared after the checkpoint), a CSV
-with fewer rows than the checkpoint's (a warning).
+with fewer rows than the checkpoint's (a warning), and TensorBoard: a resume's event files read back with
+TensorBoard's EventAccumulator give the uninterrupted run's scalars step for step (`purge_step`; skipped where
+tensorboard is not installed).
 Not here: resumes of a whole trainer in a killed process (tests/reliability/test_resume_records.py) or the checkpoint
 format's checks (tests/reliability/).
 """
@@ -101,3 +103,38 @@ def test_restore_onto_a_shorter_csv_keeps_its_rows_and_warns(tmp_path):
     lines = (tmp_path / "new" / "b.csv").read_text().splitlines()
     assert lines[0] == "step,loss,reward,note,late" and lines[1].startswith("5,") and len(lines) == 2
     assert b.state()["n_rows"] == 5
+
+
+def _scalars(directory) -> dict:
+    """{tag: [(step, value)]} of a TensorBoard log directory, as TensorBoard reads it (purges applied)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(directory), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_tensorboard_after_a_resume_equals_the_uninterrupted_run(tmp_path):
+    """The killed run's events past its checkpoint (steps 4-6, other values, flushed to disk) are dropped by the
+    resumed writer's purge_step: every tag reads back the uninterrupted run's (step, value) pairs, steps 1-7 once."""
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed")
+    want = MetricsLogger(None, tmp_path / "tb_u")
+    for s in range(1, 8):
+        want.log(_metrics(s))
+    want.tb.close()
+    killed = MetricsLogger(tmp_path / "r.csv", tmp_path / "tb_r")
+    for s in range(1, 4):
+        killed.log(_metrics(s))
+    state = _checkpointed(killed)
+    for s in range(4, 7):
+        killed.log(_metrics(s, run="killed"))
+    killed.tb.flush()  # on disk before the "kill": the case purge_step is for
+    resumed = MetricsLogger(tmp_path / "r.csv", tmp_path / "tb_r")
+    resumed.restore(state)
+    for s in range(4, 8):
+        resumed.log(_metrics(s))
+    resumed.tb.close()
+    got, expected = _scalars(tmp_path / "tb_r"), _scalars(tmp_path / "tb_u")
+    assert sorted(expected) == ["late", "loss", "reward", "step"]
+    assert got == expected
+    assert [s for s, _ in expected["loss"]] == list(range(1, 8))
