@@ -4,8 +4,9 @@ its finalisation, the per-element gradient of (log-prob, entropy) w.r.t. the log
 
 What this is: device functions other kernels inline (token_logprobs, the fused policy loss). What this is not: a
 kernel, a launcher, or anything that touches torch tensors. Every formula works on logits relative to the row max m
-(shift-invariant: errors scale with |z - m|, not |m|). The online state (m, s, t), its finalisation and the
-gradient formula are in docs/loss.md section 2; the -inf guards in docs/pitfalls.md #2 and #3.
+(shift-invariant: errors scale with |z - m|, not |m|), forward and backward alike: a row's statistics are the pair
+(m, log s), which the backward reads back, never lse = m + log s rounded to fp32. The online state (m, s, t), its
+finalisation and the gradient formula are in docs/loss.md section 2; the -inf guards in docs/pitfalls.md #2 and #3.
 """
 
 from __future__ import annotations
@@ -66,36 +67,45 @@ def online_lse_update(m, s, t, z):
 
 
 @triton.jit
-def lse_entropy_finalize(m, s, t):
-    """(m, s, t) -> (lse, entropy). A row of only -inf gives lse = -inf, a row with NaN or +inf lse = NaN; the
-    log-prob and entropy of either are NaN, as in the reference."""
-    lse = m + tl.log(s)
-    ent = tl.log(s) - t / s
-    return lse, ent
+def log_sum_entropy(s, t):
+    """(s, t) of the final state -> (log s, entropy). The row's statistics are (m, log s), never lse = m + log s:
+    rounding that sum to fp32 costs ulp(m) (docs/loss.md section 2). A row of only -inf gives m = log s = -inf, a
+    row with NaN or +inf log s = NaN; the log-prob and entropy of either are NaN, as in the reference."""
+    log_s = tl.log(s)
+    return log_s, log_s - t / s
 
 
 @triton.jit
-def target_logprob(zt, m, s):
-    """The target's log-prob from the final state (zt the scaled target logit): (zt - m) - log s, relative to the row
-    max, so that its error scales with |zt - m|, not with |m| (zt - lse would round lse = m + log s to fp32 first:
-    an error of ulp(m), 1e-3 at |m| = 1e4). A row of only -inf gives -inf - -inf = NaN, as the lse rule says."""
-    return (zt - m) - tl.log(s)
+def row_logprob(z, m, log_s):
+    """log p of the scaled logits z (a block, or the target's one logit) from the row's (m, log s): (z - m) - log s,
+    relative to the row max, so that its error scales with |z - m|, not with |m| (z - lse would round
+    lse = m + log s to fp32 first: an error of ulp(m), 1e-3 at |m| = 1e4). A row of only -inf gives -inf - -inf =
+    NaN, as log_sum_entropy says."""
+    return (z - m) - log_s
 
 
 @triton.jit
-def logprob_entropy_grad(z, is_target, lse, ent, g_lp, g_ent, inv_temp, WITH_ENTROPY: tl.constexpr):
-    """d(g_lp * logp + g_ent * H)/d(logits) for one block, with z the temperature-scaled logits (fp32).
+def is_finite(x):
+    """x is neither NaN nor +-inf."""
+    return (x == x) & (tl.abs(x) != float("inf"))
 
-    grad = (g_lp * (onehot - p) - g_ent * p * (log p + H)) / T. Lanes with p = 0 (-inf logits, padding) get no
-    entropy term, which would otherwise be 0 * -inf; a row with a non-finite lse gets 0.
+
+@triton.jit
+def logprob_entropy_grad(z, is_target, m, log_s, ent, g_lp, g_ent, inv_temp, WITH_ENTROPY: tl.constexpr):
+    """d(g_lp * logp + g_ent * H)/d(logits) for one block, with z the temperature-scaled logits (fp32) and (m, log s)
+    the row's statistics saved by the forward.
+
+    grad = (g_lp * (onehot - p) - g_ent * p * (log p + H)) / T with log p = row_logprob(z, m, log s), so that p, like
+    the forward, carries no error of size ulp(m). Lanes with p = 0 (-inf logits, padding) get no entropy term, which
+    would otherwise be 0 * -inf; a row whose m or log s is not finite gets 0.
     """
-    logp = z - lse
+    logp = row_logprob(z=z, m=m, log_s=log_s)
     p = tl.exp(logp)
     grad = g_lp * (is_target.to(tl.float32) - p)
     if WITH_ENTROPY:
         grad -= g_ent * p * tl.where(p > 0.0, logp + ent, 0.0)
-    # A row whose lse is not finite (only -inf: a padding row; any NaN or +inf) has NaN log-prob and entropy and an
-    # exactly-zero gradient, as in the reference: a masked padding row must not put NaN into the optimiser step
-    # through 0 * NaN (docs/loss.md section 2).
-    row_ok = (lse == lse) & (lse != float("inf")) & (lse != float("-inf"))
+    # A row whose lse = m + log s is not finite (only -inf: a padding row; any NaN or +inf) has NaN log-prob and
+    # entropy and an exactly-zero gradient, as in the reference: a masked padding row must not put NaN into the
+    # optimiser step through 0 * NaN (docs/loss.md section 2). log s <= log V, so lse is finite exactly when both are.
+    row_ok = is_finite(m) & is_finite(log_s)
     return tl.where(row_ok, grad * inv_temp, 0.0)

@@ -77,11 +77,11 @@ def _logprobs(backward: bool):
     block, warps = launch_cfg(152064)
     if backward:
         fn, consts = K.token_logprobs_bwd_kernel, dict(HAS_BIAS=False, WITH_ENTROPY=True, BLOCK_V=block)
-        types = ["*bf16", "*bf16", "*i64", "*bf16"] + ["*fp32"] * 4 + ["i32"] * 6 + ["fp32"]
+        types = ["*bf16", "*bf16", "*i64", "*bf16"] + ["*fp32"] * 5 + ["i32"] * 6 + ["fp32"]
     else:
         fn, consts = K.token_logprobs_fwd_kernel, dict(INIT=True, FINAL=True, HAS_BIAS=False, WITH_ENTROPY=True)
         consts["BLOCK_V"] = block
-        types = ["*bf16", "*i64", "*bf16"] + ["*fp32"] * 7 + ["i32"] * 5 + ["fp32"]
+        types = ["*bf16", "*i64", "*bf16"] + ["*fp32"] * 8 + ["i32"] * 5 + ["fp32"]
     ptrs = [i for i, t in enumerate(types) if t.startswith("*")]
     # The ints the JIT sees at N = 16384, V = 152064 (each a multiple of 16; stride_outer 0 and v_start 0 are not
     # marked: Triton 3.9 specialises only divisibility and 1).

@@ -15,10 +15,10 @@ import triton.language as tl
 
 from rapo_fast.kernels.triton_helpers import (
     load_scaled_logits,
+    log_sum_entropy,
     logprob_entropy_grad,
-    lse_entropy_finalize,
     online_lse_update,
-    target_logprob,
+    row_logprob,
 )
 
 
@@ -38,7 +38,8 @@ def token_logprobs_fwd_kernel(
     t_ptr,
     zt_ptr,  # [rows] fp32 scaled target logit seen so far
     logp_ptr,  # [rows] fp32 outputs, written when FINAL
-    lse_ptr,
+    row_max_ptr,  # the row's statistics (m, log s) that the backward reads
+    log_s_ptr,
     ent_ptr,
     rows_inner,
     stride_outer,
@@ -52,7 +53,8 @@ def token_logprobs_fwd_kernel(
     WITH_ENTROPY: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    """z = (logits + b) / T;  m, s, t <- online update over the row;  logp = (z[y] - m) - log s,  H = log s - t / s."""
+    """z = (logits + b) / T;  m, s, t <- online update over the row;  logp = (z[y] - m) - log s,  H = log s - t / s.
+    Saves (m, log s) for the backward, not their sum lse, whose fp32 rounding would cost ulp(m)."""
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + _row_offset(row=row, rows_inner=rows_inner, stride_outer=stride_outer, stride_inner=stride_inner)
     y = tl.load(tgt_ptr + row).to(tl.int64)
@@ -86,9 +88,10 @@ def token_logprobs_fwd_kernel(
         m, s, t = online_lse_update(m=m, s=s, t=t, z=z)
 
     if FINAL:
-        lse, ent = lse_entropy_finalize(m=m, s=s, t=t)
-        tl.store(logp_ptr + row, target_logprob(zt=zt, m=m, s=s))
-        tl.store(lse_ptr + row, lse)
+        log_s, ent = log_sum_entropy(s=s, t=t)
+        tl.store(logp_ptr + row, row_logprob(z=zt, m=m, log_s=log_s))
+        tl.store(row_max_ptr + row, m)
+        tl.store(log_s_ptr + row, log_s)
         if WITH_ENTROPY:
             tl.store(ent_ptr + row, ent)
     else:
@@ -104,7 +107,8 @@ def token_logprobs_bwd_kernel(
     gz_ptr,  # [rows, n_cols] grad of the logits block, row stride stride_gz, may alias z_ptr (in place)
     tgt_ptr,
     bias_ptr,
-    lse_ptr,  # [rows] fp32 saved by the forward
+    row_max_ptr,  # [rows] fp32 (m, log s) saved by the forward
+    log_s_ptr,
     ent_ptr,  # [rows] fp32 saved by the forward (unused unless WITH_ENTROPY)
     glp_ptr,  # [rows] fp32 upstream gradient of logp
     gent_ptr,  # [rows] fp32 upstream gradient of the entropy (unused unless WITH_ENTROPY)
@@ -119,12 +123,14 @@ def token_logprobs_bwd_kernel(
     WITH_ENTROPY: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    """grad_logits = (g_lp * (onehot_y - p) - g_H * p * (log p + H)) / T, p recomputed block by block from lse."""
+    """grad_logits = (g_lp * (onehot_y - p) - g_H * p * (log p + H)) / T, p = exp((z - m) - log s) recomputed block
+    by block from the saved (m, log s)."""
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + _row_offset(row=row, rows_inner=rows_inner, stride_outer=stride_outer, stride_inner=stride_inner)
     gz_row = gz_ptr + row * stride_gz
     y = tl.load(tgt_ptr + row).to(tl.int64)
-    lse = tl.load(lse_ptr + row)
+    m = tl.load(row_max_ptr + row)
+    log_s = tl.load(log_s_ptr + row)
     g_lp = tl.load(glp_ptr + row)
     if WITH_ENTROPY:
         ent = tl.load(ent_ptr + row)
@@ -144,7 +150,8 @@ def token_logprobs_bwd_kernel(
         grad = logprob_entropy_grad(
             z=z,
             is_target=c == local,
-            lse=lse,
+            m=m,
+            log_s=log_s,
             ent=ent,
             g_lp=g_lp,
             g_ent=g_ent,

@@ -38,7 +38,7 @@ def tile_shape(n: int, v: int, elem: int, device: torch.device) -> tuple[int, in
 
 class _Tiles:
     """The logits tiles of one call: shape, the reused tile buffer, and the [rows] fp32 vectors of one token tile
-    (online state, logp, lse, entropy)."""
+    (online state, logp, the (m, log s) stats, entropy)."""
 
     def __init__(self, hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float, with_ent: bool):
         n, dev = hidden.shape[0], hidden.device
@@ -49,7 +49,7 @@ class _Tiles:
         self.buf = tiles.tile_buffer(self.rows, self.cols, hidden)
         self.state = torch.empty(4, self.rows, dtype=_F32, device=dev)  # m, s, t, scaled target logit
         self.logp = torch.empty(self.rows, dtype=_F32, device=dev)
-        self.lse = torch.empty(self.rows, dtype=_F32, device=dev)
+        self.stats = torch.empty(2, self.rows, dtype=_F32, device=dev)
         self.ent = torch.empty(self.rows if with_ent else 0, dtype=_F32, device=dev)
         self.ones = torch.ones(self.rows, dtype=_F32, device=dev)
 
@@ -58,25 +58,25 @@ class _Tiles:
 
     def logprob_sweep(self, hc: Tensor, tgt: Tensor) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
         """Sweep 1: the online LSE / entropy of the token tile hc over its vocabulary tiles (one when the row fits).
-        Returns (logp, lse, entropy or None) [rows] and the last logits tile."""
+        Returns logp [rows], stats [2, rows], entropy [rows] or None, and the last logits tile."""
         rows = hc.shape[0]
-        lp, lse = self.logp[:rows], self.lse[:rows]
+        lp, stats = self.logp[:rows], self.stats[:, :rows]
         ent = self.ent[:rows] if self.with_ent else None
         for v0, v1 in self.vocab_ranges():
             z = tiles.logits_tile(self.buf, hc, self.weight, v0, v1)
             tiles.tile_fwd(
-                z, tgt, self.bias, self.state[:, :rows], lp, lse, ent, v0=v0, vocab=self.vocab, inv_temp=self.inv_t
+                z, tgt, self.bias, self.state[:, :rows], lp, stats, ent, v0=v0, vocab=self.vocab, inv_temp=self.inv_t
             )
-        return lp, lse, ent, z
+        return lp, stats, ent, z
 
-    def gradient_sweep(self, hc: Tensor, tgt: Tensor, z: Tensor, lse: Tensor, ent: Tensor | None, g_lp: Tensor,
+    def gradient_sweep(self, hc: Tensor, tgt: Tensor, z: Tensor, stats: Tensor, ent: Tensor | None, g_lp: Tensor,
                        g_ent: Tensor | None, grads: _Grads, r0: int) -> None:  # fmt: skip
         """Sweep 2: grad_z of each logits tile in place, then its gradient GEMMs. The tile is still in memory when
         the whole row fitted, else it is recomputed (the fallback of the module docstring)."""
         for v0, v1 in self.vocab_ranges():
             if self.n_vtiles > 1:
                 z = tiles.logits_tile(self.buf, hc, self.weight, v0, v1)
-            tiles.tile_grad(z, tgt, self.bias, lse, g_lp, v0=v0, inv_temp=self.inv_t, entropy=ent, g_entropy=g_ent)
+            tiles.tile_grad(z, tgt, self.bias, stats, g_lp, v0=v0, inv_temp=self.inv_t, entropy=ent, g_entropy=g_ent)
             grads.add_tile(z, hc, self.weight[v0:v1], r0, v0, v1)
         grads.end_token_tile(r0, r0 + hc.shape[0])
 
@@ -168,10 +168,10 @@ def _fused_impl(
     for r0 in range(0, n, tiling.rows):
         r1 = min(n, r0 + tiling.rows)
         # a row holding NaN/inf is zeroed for the GEMMs (grad_W = grad_z^T h would meet 0 * NaN) and given NaN
-        # log-prob, lse and entropy: undefined if in the loss, inert (zero grad_z row) if masked (tiles.finite_rows)
+        # log-prob, stats and entropy: undefined if in the loss, inert (zero grad_z row) if masked (tiles.finite_rows)
         hc, bad = tiles.finite_rows(hidden[r0:r1])
-        lp, lse, ent, z = tiling.logprob_sweep(hc, tgt[r0:r1])
-        tiles.mark_rows_undefined(bad, lp, lse, ent)
+        lp, stats, ent, z = tiling.logprob_sweep(hc, tgt[r0:r1])
+        tiles.mark_rows_undefined(bad, lp, stats, ent)
         torch.logical_and(torch.isnan(lp), in_loss[r0:r1], out=undefined[r0:r1])
         logp_all[r0:r1].copy_(lp)
         # the per-token loss and its coefficients dL/dlogp, dL/dH (upstream gradient 1), from policy_op's launchers
@@ -182,7 +182,7 @@ def _fused_impl(
         if any(need):
             g_lp, g_ent = policy_loss_bwd(tiling.ones[: r1 - r0], lp, tile, present, scalars, g_ent_on)
             tiling.gradient_sweep(
-                hc, tgt[r0:r1], z, lse, ent if g_ent_on else None, g_lp, g_ent if g_ent_on else None, grads, r0
+                hc, tgt[r0:r1], z, stats, ent if g_ent_on else None, g_lp, g_ent if g_ent_on else None, grads, r0
             )
     return (loss, sums, *grads.results(hidden, weight, bias), undefined, logp_all)
 

@@ -23,15 +23,16 @@ __all__ = ["linear_token_logprobs_fwd"]
 def _lin_fwd_impl(
     hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float, with_entropy: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """hidden [N, H], weight [V, H], bias [V] or None, targets [N] -> (logp, lse, entropy) fp32 [N] ([0] entropy
-    when not with_entropy), without materialising [N, V]: tiles of [rows, V_chunk] and an online state per row."""
+    """hidden [N, H], weight [V, H], bias [V] or None, targets [N] -> (logp [N], stats [2, N], entropy [N]) fp32
+    ([0] entropy when not with_entropy; stats the rows' (max m, log s) that the backward forms p from), without
+    materialising [N, V]: tiles of [rows, V_chunk] and an online state per row."""
     n, v = hidden.shape[0], weight.shape[0]
     dev = hidden.device
     logp = torch.empty(n, dtype=torch.float32, device=dev)
-    lse = torch.empty(n, dtype=torch.float32, device=dev)
+    stats = torch.empty(2, n, dtype=torch.float32, device=dev)
     ent = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=dev)
     if n == 0:
-        return logp, lse, ent
+        return logp, stats, ent
     hidden, bad = tiles.finite_rows(hidden)  # a NaN/inf row: zeroed for the GEMMs, its outputs NaN (tiles.py)
     nc, vc = tiles.vocab_tiles(n, v, hidden.element_size(), dev)
     buf = tiles.tile_buffer(nc, vc, hidden)
@@ -48,19 +49,19 @@ def _lin_fwd_impl(
                 bias,
                 state[:, r0:r1],
                 logp[r0:r1],
-                lse[r0:r1],
+                stats[:, r0:r1],
                 ent[r0:r1] if with_entropy else None,
                 v0=v0,
                 vocab=v,
                 inv_temp=1.0 / temperature,
             )
-    tiles.mark_rows_undefined(bad, logp, lse, ent)
-    return logp, lse, ent
+    tiles.mark_rows_undefined(bad, logp, stats, ent)
+    return logp, stats, ent
 
 
 def _lin_fwd_fake(hidden, weight, bias, targets, temperature, with_entropy):
     n = hidden.shape[0]
-    return tuple(hidden.new_empty(m, dtype=torch.float32) for m in (n, n, n if with_entropy else 0))
+    return tuple(hidden.new_empty(m, dtype=torch.float32) for m in (n, (2, n), n if with_entropy else 0))
 
 
 class _LinearGrads:
@@ -129,7 +130,7 @@ class _LinearGrads:
 
 
 def _lin_bwd_impl(
-    hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, lse: Tensor, entropy: Tensor,
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, stats: Tensor, entropy: Tensor,
     grad_logp: Tensor, grad_entropy: Tensor, temperature: float, with_entropy: bool,
     need_hidden: bool, need_weight: bool, need_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
@@ -142,7 +143,7 @@ def _lin_bwd_impl(
             torch.zeros_like(weight) if need_weight else hidden.new_empty(0),
             torch.zeros_like(bias) if (need_bias and bias is not None) else hidden.new_empty(0),
         )
-    # the rows the forward found non-finite have NaN lse, hence a zero grad_z row: zeroed here too, so that grad_W =
+    # the rows the forward found non-finite have NaN stats, hence a zero grad_z row: zeroed here too, so that grad_W =
     # grad_z^T h never meets 0 * NaN (tiles.finite_rows)
     hidden = tiles.finite_rows(hidden)[0]
     nc, vc = tiles.vocab_tiles(n, v, hidden.element_size(), hidden.device)
@@ -159,7 +160,7 @@ def _lin_bwd_impl(
             hc = hidden[r0:r1]
             z = tiles.logits_tile(buf, hc, weight, v0, v1)
             tiles.tile_grad(
-                z, tgt[r0:r1], bias, lse[r0:r1], g_lp[r0:r1], v0=v0, inv_temp=1.0 / temperature,
+                z, tgt[r0:r1], bias, stats[:, r0:r1], g_lp[r0:r1], v0=v0, inv_temp=1.0 / temperature,
                 entropy=entropy[r0:r1] if with_entropy else None, g_entropy=g_ent[r0:r1] if with_entropy else None,
             )  # fmt: skip
             grads.add_tile(z, hc, weight[v0:v1], r0, v0)  # z now holds grad_z (input dtype) for this tile
@@ -181,20 +182,20 @@ _linear_token_logprobs_bwd = register_op("linear_token_logprobs_bwd", _lin_bwd_i
 
 def _lin_setup_context(ctx, inputs, output):
     hidden, weight, bias, targets, temperature, with_entropy = inputs
-    _, lse, ent = output
-    ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
+    _, stats, ent = output
+    ctx.save_for_backward(hidden, weight, bias, targets, stats, ent)
     ctx.temperature, ctx.with_entropy = temperature, with_entropy
 
 
-def _lin_backward(ctx, g_logp, g_lse, g_ent):
-    # g_lse is ignored: lse is an internal output of the op and never leaves token_logprobs.
-    hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
+def _lin_backward(ctx, g_logp, g_stats, g_ent):
+    # g_stats is ignored: stats is an internal output of the op and never leaves token_logprobs.
+    hidden, weight, bias, targets, stats, ent = ctx.saved_tensors
     if g_logp is None:
-        g_logp = torch.zeros_like(lse)
+        g_logp = torch.zeros_like(stats[0])
     with_ent = ctx.with_entropy and g_ent is not None
     need_h, need_w, need_b = ctx.needs_input_grad[:3]
     gh, gw, gb = _linear_token_logprobs_bwd(
-        hidden, weight, bias, targets, lse, ent, g_logp, g_ent if with_ent else g_logp, ctx.temperature, with_ent,
+        hidden, weight, bias, targets, stats, ent, g_logp, g_ent if with_ent else g_logp, ctx.temperature, with_ent,
         need_h, need_w, need_b and bias is not None,
     )  # fmt: skip
     return (

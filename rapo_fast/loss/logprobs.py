@@ -43,37 +43,40 @@ def _lp_fwd_impl(
     logits: Tensor, targets: Tensor, temperature: float, with_entropy: bool, inplace_backward: bool = False
 ) -> tuple[Tensor, Tensor, Tensor]:
     """logits [N, V] or [B, T, V] (last dim contiguous), targets shaped like logits.shape[:-1] ->
-    (logp, lse, entropy) fp32 shaped like targets (entropy is [0] when not with_entropy). inplace_backward only
-    tells the backward (_lp_backward) where to write the logits gradient."""
+    (logp, stats, entropy) fp32: logp and entropy shaped like targets (entropy is [0] when not with_entropy), stats
+    [2, *targets.shape] the rows' (max m, log s) that the backward forms p from (docs/loss.md section 2).
+    inplace_backward only tells the backward (_lp_backward) where to write the logits gradient."""
     shape = targets.shape
     n, v = targets.numel(), logits.shape[-1]
     dev = logits.device
     logp = torch.empty(shape, dtype=torch.float32, device=dev)
-    lse = torch.empty(shape, dtype=torch.float32, device=dev)
+    stats = torch.empty((2, *shape), dtype=torch.float32, device=dev)
     ent = torch.empty(shape if with_entropy else (0,), dtype=torch.float32, device=dev)
     if n == 0:
-        return logp, lse, ent
+        return logp, stats, ent
     rows_inner, s_outer, s_inner = _row_strides(logits)
     block, warps = tiles.launch_cfg(v)
-    # the whole row in one launch (INIT and FINAL): the online state needs no storage, lse stands in for it
+    row_max, log_s = stats.view(2, n)
+    # the whole row in one launch (INIT and FINAL): the online state needs no storage, stats stand in for it
     with device_guard(logits):
         tiles.logprob_kernels().token_logprobs_fwd_kernel[(n,)](
-            z_ptr=logits, tgt_ptr=targets.reshape(-1), bias_ptr=logits, m_ptr=lse, s_ptr=lse, t_ptr=lse, zt_ptr=lse,
-            logp_ptr=logp, lse_ptr=lse, ent_ptr=ent if with_entropy else lse,
+            z_ptr=logits, tgt_ptr=targets.reshape(-1), bias_ptr=logits, m_ptr=stats, s_ptr=stats, t_ptr=stats,
+            zt_ptr=stats, logp_ptr=logp, row_max_ptr=row_max, log_s_ptr=log_s, ent_ptr=ent if with_entropy else stats,
             rows_inner=rows_inner, stride_outer=s_outer, stride_inner=s_inner, n_cols=v, v_start=0,
             inv_temp=1.0 / temperature, INIT=True, FINAL=True, HAS_BIAS=False, WITH_ENTROPY=with_entropy,
             BLOCK_V=block, num_warps=warps,
         )  # fmt: skip
-    return logp, lse, ent
+    return logp, stats, ent
 
 
 def _lp_fwd_fake(logits, targets, temperature, with_entropy, inplace_backward=False):
     shape = targets.shape
-    return tuple(logits.new_empty(m, dtype=torch.float32) for m in (shape, shape, shape if with_entropy else (0,)))
+    sizes = (shape, (2, *shape), shape if with_entropy else (0,))
+    return tuple(logits.new_empty(m, dtype=torch.float32) for m in sizes)
 
 
 def _lp_bwd_launch(
-    logits: Tensor, grad: Tensor, stride_gz: int, targets: Tensor, lse: Tensor, entropy: Tensor, grad_logp: Tensor,
+    logits: Tensor, grad: Tensor, stride_gz: int, targets: Tensor, stats: Tensor, entropy: Tensor, grad_logp: Tensor,
     grad_entropy: Tensor, temperature: float, with_entropy: bool,
 ) -> None:  # fmt: skip
     """The backward kernel over every row: grad row r at grad + r * stride_gz (grad may be logits itself)."""
@@ -84,10 +87,11 @@ def _lp_bwd_launch(
     block, warps = tiles.launch_cfg(v)
     g_lp = grad_logp.reshape(-1).to(torch.float32).contiguous()
     g_ent = grad_entropy.reshape(-1).to(torch.float32).contiguous() if with_entropy else g_lp
+    row_max, log_s = stats.reshape(2, n)
     with device_guard(logits):
         tiles.logprob_kernels().token_logprobs_bwd_kernel[(n,)](
-            z_ptr=logits, gz_ptr=grad, tgt_ptr=targets.reshape(-1), bias_ptr=logits, lse_ptr=lse.reshape(-1),
-            ent_ptr=entropy.reshape(-1) if with_entropy else lse, glp_ptr=g_lp, gent_ptr=g_ent,
+            z_ptr=logits, gz_ptr=grad, tgt_ptr=targets.reshape(-1), bias_ptr=logits, row_max_ptr=row_max,
+            log_s_ptr=log_s, ent_ptr=entropy.reshape(-1) if with_entropy else g_lp, glp_ptr=g_lp, gent_ptr=g_ent,
             rows_inner=rows_inner, stride_outer=s_outer, stride_inner=s_inner, stride_gz=stride_gz, n_cols=v,
             v_start=0, inv_temp=1.0 / temperature, HAS_BIAS=False, WITH_ENTROPY=with_entropy, BLOCK_V=block,
             num_warps=warps,
@@ -95,12 +99,12 @@ def _lp_bwd_launch(
 
 
 def _lp_bwd_impl(
-    logits: Tensor, targets: Tensor, lse: Tensor, entropy: Tensor, grad_logp: Tensor, grad_entropy: Tensor,
+    logits: Tensor, targets: Tensor, stats: Tensor, entropy: Tensor, grad_logp: Tensor, grad_entropy: Tensor,
     temperature: float, with_entropy: bool,
 ) -> Tensor:  # fmt: skip
     """grad_logits (contiguous, logits' dtype and shape) from the upstream fp32 grads of logp and entropy."""
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    _lp_bwd_launch(logits, grad, logits.shape[-1], targets, lse, entropy, grad_logp, grad_entropy, temperature,
+    _lp_bwd_launch(logits, grad, logits.shape[-1], targets, stats, entropy, grad_logp, grad_entropy, temperature,
                    with_entropy)  # fmt: skip
     return grad
 
@@ -115,19 +119,19 @@ def _rows_evenly_spaced(x: Tensor) -> bool:
 
 
 def _lp_bwd_inplace_impl(
-    logits: Tensor, targets: Tensor, lse: Tensor, entropy: Tensor, grad_logp: Tensor, grad_entropy: Tensor,
+    logits: Tensor, targets: Tensor, stats: Tensor, entropy: Tensor, grad_logp: Tensor, grad_entropy: Tensor,
     temperature: float, with_entropy: bool,
 ) -> None:  # fmt: skip
     """_lp_bwd_impl writing grad_logits over logits itself (rows evenly spaced: _rows_evenly_spaced)."""
-    _lp_bwd_launch(logits, logits, logits.stride(-2), targets, lse, entropy, grad_logp, grad_entropy, temperature,
+    _lp_bwd_launch(logits, logits, logits.stride(-2), targets, stats, entropy, grad_logp, grad_entropy, temperature,
                    with_entropy)  # fmt: skip
 
 
-def _lp_bwd_inplace_fake(logits, targets, lse, entropy, grad_logp, grad_entropy, temperature, with_entropy):
+def _lp_bwd_inplace_fake(logits, targets, stats, entropy, grad_logp, grad_entropy, temperature, with_entropy):
     return None
 
 
-def _lp_bwd_fake(logits, targets, lse, entropy, grad_logp, grad_entropy, temperature, with_entropy):
+def _lp_bwd_fake(logits, targets, stats, entropy, grad_logp, grad_entropy, temperature, with_entropy):
     return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
 
 
@@ -139,21 +143,21 @@ _token_logprobs_bwd_inplace = register_op(
 
 def _lp_setup_context(ctx, inputs, output):
     logits, targets, temperature, with_entropy = inputs[:4]
-    _, lse, ent = output
-    ctx.save_for_backward(logits, targets, lse, ent)
+    _, stats, ent = output
+    ctx.save_for_backward(logits, targets, stats, ent)
     ctx.temperature, ctx.with_entropy = temperature, with_entropy
     # in place only where the gradient can take the logits' storage: evenly spaced rows (else the kernel's gradient
     # addressing does not fit), and not a leaf (its .grad must be a tensor of its own: AccumulateGrad would copy)
     ctx.inplace = len(inputs) > 4 and bool(inputs[4]) and _rows_evenly_spaced(logits) and not logits.is_leaf
 
 
-def _lp_backward(ctx, g_logp, g_lse, g_ent):
-    # g_lse is ignored: lse is an internal output of the op and never leaves token_logprobs.
-    logits, targets, lse, ent = ctx.saved_tensors
+def _lp_backward(ctx, g_logp, g_stats, g_ent):
+    # g_stats is ignored: stats is an internal output of the op and never leaves token_logprobs.
+    logits, targets, stats, ent = ctx.saved_tensors
     if g_logp is None:
-        g_logp = torch.zeros_like(lse)
+        g_logp = torch.zeros_like(stats[0])
     with_ent = ctx.with_entropy and g_ent is not None
-    args = (targets, lse, ent, g_logp, g_ent if with_ent else g_logp, ctx.temperature, with_ent)
+    args = (targets, stats, ent, g_logp, g_ent if with_ent else g_logp, ctx.temperature, with_ent)
     if ctx.inplace:
         # inplace_backward=True: the gradient overwrites the logits (the caller said they are not needed again);
         # this bumps their version counter, so any other use of them saved for backward fails loudly in its own

@@ -49,9 +49,9 @@ TARGET_DTYPES = C.TARGET_DTYPES
 # The ignore index of torch's cross-entropy and of Hugging Face labels: accepted as a target where loss_mask is 0 (such
 # a token never enters the loss; it is given target 0 before any kernel reads it), refused where loss_mask is set.
 IGNORE_INDEX = -100
-# Largest old_logp accepted at a token in the loss. A log-prob is <= 0; a kernel's z_y - lse can round a few ulp above
-# 0 (and bf16 storage keeps that tiny), so 1e-4 tolerates rounding, while probabilities passed by mistake (p in
-# (0, 1], above 1e-4 at nearly every sampled token) are refused.
+# Largest old_logp accepted at a token in the loss. A log-prob is <= 0; one computed as z_y - lse (by the rollout
+# engine, say) can round a few ulp above 0 (and bf16 storage keeps that tiny), so 1e-4 tolerates rounding, while
+# probabilities passed by mistake (p in (0, 1], above 1e-4 at nearly every sampled token) are refused.
 OLD_LOGP_MAX = 1e-4
 
 OFFPOLICY_MODES = ("none", "shaped", "truncated")
@@ -367,11 +367,11 @@ def check_logits_rows_defined(logp: torch.Tensor, loss_mask: torch.Tensor, logit
 
     Decided from the forward's own output rather than from a pass of its own over the [N, V] logits (which cost
     about 2 ms of a 5.5 ms loss at N=16k, V=152k): `logp` is token_logprobs' log-prob, and every path of it (the
-    Triton kernel, whose logp = z_y - lse; the chunked reference and the fp64 reference, which write NaN where the
-    lse is not finite) gives NaN exactly where the row's lse is not finite (docs/loss.md section 2; a finite lse gives
-    a finite or -inf logp). So: one [N] comparison and one sync, after the log-prob launch and before the policy op
-    and any backward; skipped while tracing under torch.compile (as check_loss_logp_defined). The error path alone
-    reads one logits row, for the message."""
+    Triton kernel, whose logp = (z_y - m) - log s with lse = m + log s; the chunked reference and the fp64
+    reference, which write NaN where the lse is not finite) gives NaN exactly where the row's lse is not finite
+    (docs/loss.md section 2; a finite lse gives a finite or -inf logp). So: one [N] comparison and one sync, after
+    the log-prob launch and before the policy op and any backward; skipped while tracing under torch.compile (as
+    check_loss_logp_defined). The error path alone reads one logits row, for the message."""
     if logp.numel() == 0 or torch.compiler.is_compiling():
         return
     bad = torch.isnan(logp.detach()).reshape(loss_mask.shape) & (loss_mask != 0)

@@ -172,19 +172,20 @@ def logits_tile(buf: Tensor, hc: Tensor, weight: Tensor, v0: int, v1: int) -> Te
 
 
 def tile_fwd(
-    z: Tensor, targets: Tensor, bias: Tensor | None, state: Tensor, logp: Tensor, lse: Tensor,
+    z: Tensor, targets: Tensor, bias: Tensor | None, state: Tensor, logp: Tensor, stats: Tensor,
     entropy: Tensor | None, *, v0: int, vocab: int, inv_temp: float,
 ) -> None:  # fmt: skip
     """Fold the logits tile z [rows, cols] (vocabulary columns v0 .. v0 + cols of `vocab`) into the online state
     [4, rows] (m, s, t, scaled target logit) of its rows; the first vocabulary tile starts the state, the last one
-    writes logp, lse and, unless entropy is None, the entropy ([rows] fp32 each)."""
+    writes logp [rows], stats [2, rows] (the rows' max m and log s, what tile_grad reads) and, unless entropy is None,
+    the entropy [rows] (fp32 each)."""
     rows, cols = z.shape
     block, warps = launch_cfg(cols)
     with device_guard(z):
         logprob_kernels().token_logprobs_fwd_kernel[(rows,)](
             z_ptr=z, tgt_ptr=targets, bias_ptr=z if bias is None else bias,
             m_ptr=state[0], s_ptr=state[1], t_ptr=state[2], zt_ptr=state[3],
-            logp_ptr=logp, lse_ptr=lse, ent_ptr=lse if entropy is None else entropy,
+            logp_ptr=logp, row_max_ptr=stats[0], log_s_ptr=stats[1], ent_ptr=logp if entropy is None else entropy,
             rows_inner=rows, stride_outer=0, stride_inner=cols, n_cols=cols, v_start=v0, inv_temp=inv_temp,
             INIT=v0 == 0, FINAL=v0 + cols == vocab, HAS_BIAS=bias is not None, WITH_ENTROPY=entropy is not None,
             BLOCK_V=block, num_warps=warps,
@@ -192,18 +193,20 @@ def tile_fwd(
 
 
 def tile_grad(
-    z: Tensor, targets: Tensor, bias: Tensor | None, lse: Tensor, g_logp: Tensor, *, v0: int, inv_temp: float,
+    z: Tensor, targets: Tensor, bias: Tensor | None, stats: Tensor, g_logp: Tensor, *, v0: int, inv_temp: float,
     entropy: Tensor | None = None, g_entropy: Tensor | None = None,
 ) -> None:  # fmt: skip
     """Overwrite the logits tile z [rows, cols] (vocabulary columns from v0) with grad_z, the gradient of
-    sum_t g_logp_t logp_t (+ g_entropy_t H_t when both entropy and g_entropy are given); lse etc. are [rows] fp32."""
+    sum_t g_logp_t logp_t (+ g_entropy_t H_t when both entropy and g_entropy are given); stats [2, rows] (tile_fwd's),
+    the others [rows], all fp32."""
     rows, cols = z.shape
     block, warps = launch_cfg(cols)
     with_entropy = entropy is not None and g_entropy is not None
     with device_guard(z):
         logprob_kernels().token_logprobs_bwd_kernel[(rows,)](
-            z_ptr=z, gz_ptr=z, tgt_ptr=targets, bias_ptr=z if bias is None else bias, lse_ptr=lse,
-            ent_ptr=entropy if with_entropy else lse, glp_ptr=g_logp, gent_ptr=g_entropy if with_entropy else g_logp,
+            z_ptr=z, gz_ptr=z, tgt_ptr=targets, bias_ptr=z if bias is None else bias, row_max_ptr=stats[0],
+            log_s_ptr=stats[1], ent_ptr=entropy if with_entropy else g_logp, glp_ptr=g_logp,
+            gent_ptr=g_entropy if with_entropy else g_logp,
             rows_inner=rows, stride_outer=0, stride_inner=cols, stride_gz=cols, n_cols=cols, v_start=v0,
             inv_temp=inv_temp, HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, BLOCK_V=block, num_warps=warps,
         )  # fmt: skip
@@ -214,14 +217,15 @@ def finite_rows(hidden: Tensor) -> tuple[Tensor, Tensor]:
 
     grad_W = grad_z^T h sums over every row, so a masked row of NaN would put 0 * NaN = NaN into grad_W although its
     grad_z row is zero: the GEMMs take the zeroed rows instead, and mark_rows_undefined makes those rows' log-prob,
-    lse and entropy NaN afterwards (what the row would have given; its lse NaN makes tile_grad write a zero grad_z
+    stats and entropy NaN afterwards (what the row would have given; its NaN stats make tile_grad write a zero grad_z
     row). One elementwise pass over [rows, H], small next to the [rows, H] x [H, V] GEMM that follows."""
     bad = ~torch.isfinite(hidden).all(-1)
     return torch.where(bad.unsqueeze(-1), torch.zeros((), dtype=hidden.dtype, device=hidden.device), hidden), bad
 
 
 def mark_rows_undefined(bad: Tensor, *vectors: Tensor | None) -> None:
-    """Write NaN into each [rows] vector (log-prob, lse, entropy) where bad is set, in place (None skipped)."""
+    """Write NaN into each [rows] or [k, rows] tensor (log-prob, stats, entropy) where bad [rows] is set, in place
+    (None skipped)."""
     for v in vectors:
         if v is not None and v.numel():
             v.masked_fill_(bad, float("nan"))

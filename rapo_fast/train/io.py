@@ -1,8 +1,9 @@
 """Trainer I/O: the CSV metrics log (optionally mirrored to TensorBoard) and checkpoint save/resume.
 
 What this is: `MetricsLogger` (one CSV row per step; when a new metric appears the file is rewritten with the wider
-header, so columns never shift) and `save_checkpoint` / `load_checkpoint` (model and optimiser state, step count,
-the trainer's Python and torch RNG states, torch's global RNG, the config, and the step buffer with its K/V store
+header, so columns never shift; the file is the record, the logger holds only the row count and the columns) and
+`save_checkpoint` / `load_checkpoint` (model and optimiser state, step count, the trainer's Python and torch RNG
+states, torch's global RNG, the logger's row count and columns, the config, and the step buffer with its K/V store
 through StepTraces.save), saved as a new version of a versioned directory (rapo_fast/_atomic.py: every file
 checksummed in one manifest, switched to atomically, the previous checkpoint removed only after the switch), so a
 crash leaves the previous checkpoint or the new one, never half of one; docs/formats.md section 4.
@@ -15,6 +16,7 @@ import csv
 import io
 import math
 import random
+import warnings
 from pathlib import Path
 
 import torch
@@ -22,19 +24,24 @@ import torch
 from rapo_fast._atomic import FormatError, VersionWriter, check_int, read_version, write_file_atomic
 from rapo_fast.train.config import TrainerConfig
 
-# version 1: "rapo_fast.train.trainer.checkpoint/1", one directory renamed into place (not crash-safe, no checksums)
-CHECKPOINT_FORMAT, CHECKPOINT_VERSION = "rapo_fast.train.checkpoint", 2
+# version 1: "rapo_fast.train.trainer.checkpoint/1", one directory renamed into place (not crash-safe, no checksums);
+# version 2: the metrics logger's state held every logged row ({"rows", "columns"}), growing with the run
+CHECKPOINT_FORMAT, CHECKPOINT_VERSION = "rapo_fast.train.checkpoint", 3
 _PREFIX = "checkpoint"
 
 
 class MetricsLogger:
-    """Append per-step metric dicts to a CSV (None: keep in memory only) and optionally to TensorBoard. `restore`
-    (a resume) rewrites the CSV with the restored rows: the steps the killed run logged after its checkpoint, which
-    the resumed run does again, are not repeated."""
+    """Append per-step metric dicts to a CSV and optionally to TensorBoard, holding no rows in memory: the CSV is the
+    record, and the logger keeps only the number of rows logged and the columns (its `state()`, what a checkpoint
+    stores, of a size that does not grow with the run). `restore` (a resume) cuts the CSV back to the checkpoint's
+    rows: the steps the killed run logged after its checkpoint, which the resumed run does again, are not repeated.
+
+    csv_path None: no record is kept (only the count and the columns; TensorBoard, when given, still gets every
+    step). A caller that wants the metrics in memory has them from RAPOTrainer.step() / train(), which return them."""
 
     def __init__(self, csv_path: str | Path | None, tensorboard_dir: str | Path | None = None):
         self.path = Path(csv_path) if csv_path else None
-        self.rows: list[dict] = []
+        self.n_rows = 0
         self.columns: list[str] = []
         self.tb, self.tb_dir = None, tensorboard_dir
         if tensorboard_dir:
@@ -48,45 +55,85 @@ class MetricsLogger:
             self.tb = SummaryWriter(str(tensorboard_dir))
 
     def log(self, metrics: dict) -> None:
-        self.rows.append(dict(metrics))
+        self.n_rows += 1
         new = [k for k in metrics if k not in self.columns]
         self.columns += new
         if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
             if new or not self.path.exists():
-                self._rewrite()
+                self._rewrite(self.n_rows - 1, metrics)
             else:
                 with self.path.open("a", newline="", encoding="utf-8") as f:
                     csv.DictWriter(f, fieldnames=self.columns).writerow(metrics)
         if self.tb is not None:
-            step = int(metrics.get("step", len(self.rows)))
+            step = int(metrics.get("step", self.n_rows))
             for k, v in metrics.items():
                 if isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v)):
                     self.tb.add_scalar(k, v, step)
 
     def state(self) -> dict:
-        return {"rows": self.rows, "columns": self.columns}
+        return {"n_rows": self.n_rows, "columns": list(self.columns)}
 
     def restore(self, state: dict) -> None:
-        """The rows of a checkpoint; the CSV is rewritten with them and TensorBoard drops the later steps' events
-        (purge_step), so that the resumed run's files equal the uninterrupted run's."""
-        self.rows, self.columns = list(state["rows"]), list(state["columns"])
+        """A checkpoint's state: the CSV keeps its first n_rows rows under the checkpoint's columns (rewritten
+        atomically) and TensorBoard drops the later steps' events (purge_step), so that the resumed run's files equal
+        the uninterrupted run's. A CSV with fewer rows than that (a resume that logs to a new file) keeps the rows it
+        has, with a warning: the rows it lacks are in no checkpoint."""
+        self.n_rows, self.columns = int(state["n_rows"]), list(state["columns"])
         if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._rewrite()
+            kept = self._rewrite(self.n_rows)
+            if kept < self.n_rows:
+                warnings.warn(
+                    f"MetricsLogger.restore: {self.path} holds {kept} of the checkpoint's {self.n_rows} rows; the "
+                    "resumed run appends to those",
+                    stacklevel=2,
+                )
         if self.tb is not None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb.close()  # one row per step: the next step is len(rows) + 1
-            self.tb = SummaryWriter(str(self.tb_dir), purge_step=len(self.rows) + 1)
+            self.tb.close()  # one row per step: the next step is n_rows + 1
+            self.tb = SummaryWriter(str(self.tb_dir), purge_step=self.n_rows + 1)
 
-    def _rewrite(self) -> None:
-        """The whole CSV (header, every row), replacing the file atomically."""
-        text = io.StringIO()
-        w = csv.DictWriter(text, fieldnames=self.columns)
-        w.writeheader()
-        w.writerows(self.rows)
-        write_file_atomic(self.path, lambda f: f.write(text.getvalue().encode("utf-8")))
+    def _rewrite(self, limit: int, extra: dict | None = None) -> int:
+        """Replace the CSV atomically with the header `columns`, its first `limit` rows and then `extra` (a new row);
+        returns the old rows kept. Streamed from the old file in pieces of about _CSV_PIECE bytes, so the rewrite
+        holds no more than that in memory; values are copied as the file holds them (each column's text unchanged)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept = 0
+
+        def write(f) -> None:
+            nonlocal kept
+            text = io.StringIO()
+            w = csv.DictWriter(text, fieldnames=self.columns, extrasaction="ignore")
+            w.writeheader()
+            for row in _csv_rows(self.path):
+                if kept == limit:
+                    break
+                w.writerow(row)
+                kept += 1
+                if text.tell() >= _CSV_PIECE:
+                    f.write(text.getvalue().encode("utf-8"))
+                    text.seek(0)
+                    text.truncate()
+            if extra is not None:
+                w.writerow(extra)
+            f.write(text.getvalue().encode("utf-8"))
+
+        write_file_atomic(self.path, write)
+        return kept
+
+
+# bytes of CSV text a rewrite gathers before writing them out
+_CSV_PIECE = 1 << 20
+
+
+def _csv_rows(path: Path):
+    """The rows of the CSV at `path` as dicts (none when there is no file yet), read one at a time."""
+    try:
+        f = path.open(newline="", encoding="utf-8")
+    except FileNotFoundError:
+        return
+    with f:
+        yield from csv.DictReader(f)
 
 
 class CheckpointFormatError(FormatError):
@@ -144,9 +191,10 @@ def _check_trainer_state(state, path: Path, step_count: int) -> None:
         except Exception as exc:  # random and torch raise TypeError, ValueError or RuntimeError
             raise CheckpointFormatError(f"{path}: field {field!r} is not a generator state ({exc})") from exc
     log = state["logger"]
-    ok = isinstance(log, dict) and set(log) == {"rows", "columns"} and isinstance(log["rows"], list)
-    if not ok or not isinstance(log["columns"], list) or not all(isinstance(r, dict) for r in log["rows"]):
-        raise CheckpointFormatError(f"{path}: field 'logger' must be {{'rows': [dict], 'columns': [str]}}")
+    ok = isinstance(log, dict) and set(log) == {"n_rows", "columns"} and isinstance(log["columns"], list)
+    if not ok or not all(isinstance(c, str) for c in log["columns"]):
+        raise CheckpointFormatError(f"{path}: field 'logger' must be {{'n_rows': int, 'columns': [str]}}")
+    check_int(log, "n_rows", f"{path}: field 'logger'", CheckpointFormatError)
 
 
 def _check_like(saved, current, path: Path, what: str) -> None:

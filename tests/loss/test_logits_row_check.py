@@ -166,18 +166,19 @@ def _rows_of_every_kind():
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
 def test_logp_is_nan_exactly_where_the_lse_is_not_finite(temperature):
     """The invariant check_logits_rows_defined rests on: logp is NaN exactly on the rows whose lse is not finite, in
-    the kernel (its own lse output) and in the reference (the lse of logits / temperature); -inf logp of a finite
-    row is not NaN."""
+    the kernel (its own (m, log s) output, lse = m + log s) and in the reference (the lse of logits / temperature);
+    -inf logp of a finite row is not NaN."""
     z, y = _rows_of_every_kind()
     ref = token_logprobs_ref(z, y, temperature)
     bad = ~torch.isfinite(torch.logsumexp(z / temperature, -1))
     assert torch.equal(torch.isnan(ref), bad) and bool(bad[:5].all()) and not bool(bad[[5, 7, 8]].any())
     assert bool(bad[6]) == (temperature != 1.0)
     if use_triton(TRITON_DEVICE):
-        logp, lse, _ = torch.ops.rapo_fast.token_logprobs_fwd(
+        logp, stats, _ = torch.ops.rapo_fast.token_logprobs_fwd(
             z.to(TRITON_DEVICE), y.to(TRITON_DEVICE), temperature, False
         )
-        assert torch.equal(torch.isnan(logp).cpu(), (~torch.isfinite(lse)).cpu())
+        # stats = (row max m, log s): the row's lse = m + log s is finite exactly when both are
+        assert torch.equal(torch.isnan(logp).cpu(), (~torch.isfinite(stats).all(0)).cpu())
         assert torch.equal(torch.isnan(logp).cpu(), bad)
 
 

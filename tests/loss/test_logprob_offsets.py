@@ -6,8 +6,11 @@ without Triton, hence the trainer's step entropies), and the Triton kernels (bac
 the CPU), on the logits and hidden-state paths. The float64 answer is computed from the dtype-rounded logits shifted
 by their row max (exact in float64). Before every formula was taken relative to the row max, logp = z_y - lse and
 H = lse - E_p[z] rounded lse ~ c first: errors of ulp(c) (1e-3 at c = 1e4), and logp 0.0 instead of -log V for an
-all-equal row at bf16's max. Gradients: the reference's autograd at large offsets against float64 (the Triton
-backward forms p = exp(z - lse) from the saved lse, whose rounding scales with |c|: docs/loss.md section 2).
+all-equal row at bf16's max. Gradients at offsets 20, 1e4 and the dtype's max against float64, within 4e-6 plus
+the dtype's eps times the largest entry: the reference's autograd, and the Triton backward on the logits and hidden
+paths, which forms p = exp((z - m) - log s) from the saved (m, log s); from the saved fp32 lse = m + log s, as it
+once did, its gradient was off by 2.5e-5 at c = 1e4 in fp32 and by O(1) for an all-equal row near the float range's
+end (docs/loss.md section 2).
 Not here: the kernels against the reference at ordinary logits (test_logprobs.py).
 """
 
@@ -107,3 +110,38 @@ def test_reference_gradient_at_large_offsets(backend, dtype, offset):
     # the gradient comes back in the logits' dtype: its rounding, relative to the largest entry, on top of fp32's
     tol = 4e-6 + torch.finfo(dt).eps * float(g64.abs().max())
     assert err <= tol, f"{backend} {dtype} offset {offset}: gradient error {err:.3g} > {tol:.3g}"
+
+
+def _offset_rows(dt: torch.dtype, offset: float) -> torch.Tensor:
+    """Three rows of 257 logits at `offset` (capped at the dtype's max): two spread by 2, one of equal logits."""
+    offset = min(offset, torch.finfo(dt).max)
+    z = _logits(torch.float64, offset, 2.0, 257, 1)
+    z[2] = offset
+    fmax = torch.finfo(dt).max
+    return z.clamp(-fmax, fmax).to(dt)
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="Triton does not run here")
+@pytest.mark.parametrize("path", ["logits", "hidden"])
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("offset", [20.0, 1e4, 3e38])
+def test_triton_gradient_at_large_offsets(path, dtype, offset):
+    """d(logp + H)/dz of the Triton backward equals float64's (of the shifted logits) at any offset, on the logits
+    path and on the hidden path (hidden = the logits, weight = the identity: z = h W^T = h exactly, and
+    grad_h = grad_z W = grad_z, so grad_h is the kernel's logits gradient)."""
+    dt = DTYPES[dtype]
+    z = _offset_rows(dt, offset)
+    y = torch.tensor([0, 5, 256])
+    leaf = z.clone().requires_grad_(True)
+    if path == "logits":
+        logp, ent = rapo_fast.token_logprobs(leaf, targets=y, return_entropy=True, backend="triton")
+    else:
+        eye = torch.eye(z.shape[-1], dtype=dt)
+        logp, ent = rapo_fast.token_logprobs(hidden=leaf, weight=eye, targets=y, return_entropy=True, backend="triton")
+    (g,) = torch.autograd.grad((logp + ent).sum(), [leaf])
+    z64 = (z.double() - z.double().amax(-1, keepdim=True)).requires_grad_(True)
+    (g64,) = torch.autograd.grad(sum(_exact(z64, y)).sum(), [z64])
+    err = float((g.double() - g64).abs().max())
+    # as for the reference: fp32's error, plus the rounding of the gradient to the logits' dtype
+    tol = 4e-6 + torch.finfo(dt).eps * float(g64.abs().max())
+    assert err <= tol, f"{path} {dtype} offset {offset}: gradient error {err:.3g} > {tol:.3g}"

@@ -250,9 +250,9 @@ ints = ["i32", "i64", "i64"]
 for cap, zt, tgt in [(90, "*bf16", "*i64"), (80, "*fp16", "*i32")]:
     for init, final, hb, we in [(True, True, False, True), (True, False, True, False), (False, True, True, True)]:
         consts = dict(INIT=init, FINAL=final, HAS_BIAS=hb, WITH_ENTROPY=we, BLOCK_V=4096)
-        build(K.token_logprobs_fwd_kernel, [zt, tgt, zt] + ["*fp32"] * 7 + ints + ["i32", "i32", "fp32"], consts, cap)
+        build(K.token_logprobs_fwd_kernel, [zt, tgt, zt] + ["*fp32"] * 8 + ints + ["i32", "i32", "fp32"], consts, cap)
     consts = dict(HAS_BIAS=True, WITH_ENTROPY=True, BLOCK_V=4096)
-    types = [zt, zt, tgt, zt] + ["*fp32"] * 4 + ints + ["i64", "i32", "i32", "fp32"]
+    types = [zt, zt, tgt, zt] + ["*fp32"] * 5 + ints + ["i64", "i32", "i32", "fp32"]
     build(K.token_logprobs_bwd_kernel, types, consts, cap)
 print("compiled")
 """
