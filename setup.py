@@ -1,4 +1,4 @@
-"""Build script: packages rapo_fast (+ kernels/ as rapo_fast.kernels) and builds the rapo_fast._C extension with CMake.
+"""Build script: packages rapo_fast and builds the rapo_fast._C extension with CMake.
 
 Not a place for logic beyond the build: which backends get compiled is decided in CMakeLists.txt from these switches
 (flash-attn style): RAPO_FAST_CUDA=0 skips CUDA, 1 requires it, AUTO compiles it when nvcc is found; unset, it is AUTO
@@ -67,11 +67,7 @@ class CMakeBuild(build_ext):
 
 if __name__ == "__main__":  # setuptools runs this file as __main__; tests import cuda_switch without building
     setup(
-        # every subpackage of rapo_fast/, plus kernels/ (and its subpackages) installed as rapo_fast.kernels
-        packages=find_packages(include=["rapo_fast", "rapo_fast.*"])
-        + ["rapo_fast.kernels"]
-        + [f"rapo_fast.kernels.{p}" for p in find_packages("kernels")],
-        package_dir={"rapo_fast": "rapo_fast", "rapo_fast.kernels": "kernels"},
+        packages=find_packages(include=["rapo_fast", "rapo_fast.*"]),
         # PEP 561: the marker that tells type checkers to read rapo_fast's inline type hints (it covers the subpackages)
         package_data={"rapo_fast": ["py.typed"]},
         ext_modules=[CMakeExtension("rapo_fast._C")],

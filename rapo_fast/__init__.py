@@ -10,13 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from rapo_fast import _source_tree
-
 __version__ = "0.1.0"
-
-# From a checkout without an install (PYTHONPATH only, as on the GPU validation machine), `rapo_fast.kernels` must
-# still resolve to the repository's kernels/ folder (rapo_fast/_source_tree.py says why and how).
-_source_tree.install()
 
 # public name -> module that defines it
 _PUBLIC: dict[str, str] = {

@@ -51,7 +51,7 @@ CPU_ISA_AVX512 = 2
 KV_REQUEST_FIELDS = 5
 
 # Triton search only (not in the header): the int64 candidate key of an empty place, below every eligible key
-# (-FLT_MAX encodes to about -9.187e18; this is -9.223e18). kernels/retrieval/search.py and triton_search.py.
+# (-FLT_MAX encodes to about -9.187e18; this is -9.223e18). rapo_fast/kernels/retrieval/search.py and triton_search.py.
 TRITON_EMPTY_KEY = -0x7FFFFFFFFFFFFFFF
 
 # The generated header's contents (tools/gen_constants.py). Enums: (C++ type, scoped, ((enumerator, Python name),

@@ -1,5 +1,5 @@
 """The repository's layout rules (tools/check_layout.py): no import cycle, no module over 800 lines (a warning over
-500), no function over 80 lines, no module docstring over 12 lines in rapo_fast/ or kernels/, the library never
+500), no function over 80 lines, no module docstring over 12 lines in rapo_fast/, the library never
 imports the demo, no `_private` name used across packages, and no tracked file changed by a `--quick` benchmark
 run. The first tests
 check that the checker itself catches each rule on a small made-up tree, so that a passing layout test means the
@@ -48,7 +48,7 @@ def test_checker_finds_a_cycle_through_an_import_inside_a_function(tmp_path):
             "rapo_fast/loss/a.py": "from rapo_fast.loss import b\n",
             "rapo_fast/loss/b.py": "def f():\n    from .a import thing\n    return thing\n",
             "rapo_fast/loss/c.py": "import rapo_fast.loss.a\nfrom rapo_fast.loss import b\n",  # no cycle through c
-            "kernels/__init__.py": "",
+            "rapo_fast/kernels/__init__.py": "",
         },
     )
     found = CL.static_findings(root)
@@ -68,8 +68,8 @@ def test_checker_resolves_packages_and_skips_implicit_parent_imports(tmp_path):
             "rapo_fast/__init__.py": "from rapo_fast.loss.a import f\n",
             "rapo_fast/loss/__init__.py": "",
             "rapo_fast/loss/a.py": "import rapo_fast.kernels.x\n\ndef f():\n    from rapo_fast import g\n",
-            "kernels/__init__.py": "",
-            "kernels/x.py": "",
+            "rapo_fast/kernels/__init__.py": "",
+            "rapo_fast/kernels/x.py": "",
         },
     )
     cycles = [f for f in CL.static_findings(root) if f.startswith("import-cycle")]
@@ -94,7 +94,7 @@ def test_checker_finds_demo_imports_private_names_and_sizes(tmp_path):
             "rapo_fast/demo/tiny.py": "def helper(): pass\n",
             "rapo_fast/demo/long.py": "\n" * 801,
             "rapo_fast/demo/longish.py": "\n" * 501,  # a warning only
-            "kernels/__init__.py": "",
+            "rapo_fast/kernels/__init__.py": "",
             "tools/long_fn.py": long_fn,
         },
     )
@@ -122,14 +122,16 @@ def test_checker_finds_long_module_docstrings_in_the_library_only(tmp_path):
             "rapo_fast/__init__.py": "",
             "rapo_fast/long_doc.py": doc,
             "rapo_fast/ok_doc.py": '"""' + "line\n" * 11 + '"""\n',
-            "kernels/__init__.py": doc,
+            "rapo_fast/kernels/__init__.py": doc,
             "tools/long_doc.py": doc,  # outside the library: not checked
         },
     )
     found = [f for f in CL.static_findings(root) if f.startswith("module-docstring-too-long")]
     assert len(found) == 2, found
     assert any(f.startswith("module-docstring-too-long: rapo_fast/long_doc.py:1: 13 lines") for f in found), found
-    assert any(f.startswith("module-docstring-too-long: kernels/__init__.py:1: 13 lines") for f in found), found
+    assert any(f.startswith("module-docstring-too-long: rapo_fast/kernels/__init__.py:1: 13 lines") for f in found), (
+        found
+    )
 
 
 def test_layout_holds():

@@ -173,7 +173,7 @@ def test_copy_patterns_catch_the_old_copies():
 def test_no_literal_copy_in_the_sources():
     sources = {"rapo_fast/_constants.py", "csrc/include/rapo/constants.h"}
     found = []
-    files = [*(ROOT / "rapo_fast").rglob("*.py"), *(ROOT / "kernels").rglob("*.py")]
+    files = list((ROOT / "rapo_fast").rglob("*.py"))
     files += [p for p in (ROOT / "csrc").rglob("*") if p.suffix in (".h", ".cpp", ".cu", ".cuh")]
     for path in files:
         rel = path.relative_to(ROOT).as_posix()

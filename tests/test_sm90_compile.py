@@ -2,7 +2,8 @@
 headline shapes, on a machine without a GPU: registers, spilled bytes and shared memory read from each cubin and held
 to the bounds stated in CASES. Compiling runs the real Triton front end, LLVM and Triton's bundled ptxas in a fresh
 process without TRITON_INTERPRET; `cuobjdump -res-usage` (bundled too) reads REG and STACK, the same numbers Triton's
-loader turns into `n_regs` and `n_spills` (local bytes / 4) on a GPU. A kernel of kernels/ without a case fails.
+loader turns into `n_regs` and `n_spills` (local bytes / 4) on a GPU. A kernel of rapo_fast/kernels/
+without a case fails.
 `python tests/test_sm90_compile.py` (without TRITON_INTERPRET) prints each case's numbers as JSON lines.
 What this is not: a run of any kernel (the gpu-marked tests), a timing, or the sm_80 compile checks of each op's tests.
 """
@@ -155,7 +156,7 @@ def _compile(case: str) -> dict:
 
 
 def _library_kernels() -> set[str]:
-    """Every @triton.jit kernel (name ending in _kernel) of the modules under kernels/."""
+    """Every @triton.jit kernel (name ending in _kernel) of the modules under rapo_fast/kernels/."""
     import importlib
     import pkgutil
 

@@ -6,7 +6,7 @@ and folds each tile into a per-row online state; the backward recomputes each ti
 feeds three GEMMs (grad_h, grad_W, grad_b), vocabulary tiles outer so that grad_W of one vocabulary tile is finished
 before the next. Only [N] fp32 vectors are saved for backward.
 What this is not: the public function, its checks and its CPU fallback (rapo_fast/loss/logprobs.py), the logits= path
-(also there), or the kernels (kernels/loss/token_logprobs.py).
+(also there), or the kernels (rapo_fast/kernels/loss/token_logprobs.py).
 """
 
 from __future__ import annotations

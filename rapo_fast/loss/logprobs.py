@@ -1,11 +1,11 @@
 """token_logprobs: the public fused per-token log-prob (+ full-vocabulary entropy), its launchers and autograd wiring.
 
-What this is: argument checks, running the path that rapo_fast/loss/path_plan.py picks, the Triton launchers of
-kernels/loss/token_logprobs.py registered as torch.library ops `rapo_fast::token_logprobs_{fwd,bwd}` (logits path;
-the hidden-state path's `rapo_fast::linear_token_logprobs_{fwd,bwd}` are in rapo_fast/loss/linear_logprobs.py), and
-the chunked reference fallback. Both paths, their tiles and the non-finite rows are described in docs/loss.md
+What this is: argument checks, running the path that rapo_fast/loss/path_plan.py picks, the Triton launchers
+of rapo_fast/kernels/loss/token_logprobs.py registered as torch.library ops `rapo_fast::token_logprobs_{fwd,bwd}`
+(logits path; the hidden-state path's `rapo_fast::linear_token_logprobs_{fwd,bwd}` are in
+rapo_fast/loss/linear_logprobs.py), and the chunked reference fallback. Both paths, their tiles and the non-finite rows are described in docs/loss.md
 section 2; the path table in docs/architecture.md, "Log-prob and loss paths".
-What this is not: the math (kernels/triton_helpers.py, and the spec in rapo_fast/reference/logprobs.py).
+What this is not: the math (rapo_fast/kernels/triton_helpers.py, and the spec in rapo_fast/reference/logprobs.py).
 """
 
 from __future__ import annotations

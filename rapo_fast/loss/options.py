@@ -7,8 +7,8 @@ TRL / verl adapters and the reference all build; the option vocabularies; `OPTIO
 validation of the tensors before any kernel (it may sync with the device once); and the two checks run after the
 log-prob pass from its [N] output (check_logits_rows_defined, check_loss_logp_defined), so that no check reads the
 [N, V] logits. The options table is docs/loss.md section 7.
-What it is not: the loss math (docs/loss.md; rapo_fast/loss/policy_loss.py and kernels/loss/policy_loss.py compute
-it) or generic checks (rapo_fast/_checks.py, which this module uses).
+What it is not: the loss math (docs/loss.md; rapo_fast/loss/policy_loss.py and rapo_fast/kernels/loss/policy_loss.py
+compute it) or generic checks (rapo_fast/_checks.py, which this module uses).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "se
 # ---------------------------------------------------------------------------------------------------------- options
 @dataclass(frozen=True)
 class KernelArg:
-    """How an option reaches the policy-loss kernels (kernels/loss/policy_loss.py), which take it as a keyword
+    """How an option reaches the policy-loss kernels (rapo_fast/kernels/loss/policy_loss.py), which take it as a keyword
     argument of the same name: `encode` (option value -> number), `decode` (its inverse), and `kind`, the argument's
     Python type (float: a runtime scalar; int / bool: a constexpr of the kernel)."""
 

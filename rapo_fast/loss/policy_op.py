@@ -1,5 +1,5 @@
 """The per-token policy-loss op `rapo_fast::policy_loss` (backward: `rapo_fast::policy_loss_bwd`): the launchers of
-kernels/loss/policy_loss.py, their torch fallback, the op's fake and its autograd formula.
+rapo_fast/kernels/loss/policy_loss.py, their torch fallback, the op's fake and its autograd formula.
 
 What this is: elementwise work over N tokens. Inputs: logp and entropy (the differentiable ones), the other per-token
 inputs stacked as one tensor with a presence mask (stack_token_inputs; rows: policy_layout.TokenInput) and the options

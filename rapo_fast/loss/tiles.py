@@ -6,7 +6,7 @@ launch configuration and kernel loader.
 What this is: the tile budget (`tile_budget`, TILE_BYTES, MAX_VOCAB_TILE: module dicts that tests shrink), the
 launches that fold a [rows, V_chunk] logits tile into the per-row online state or overwrite it with grad_z, and
 `accumulate_fp32`. How the budget is set and how fp32 sums are made: docs/loss.md section 2, "Hidden path".
-What this is not: the kernels (kernels/loss/token_logprobs.py), the logits= path's launches
+What this is not: the kernels (rapo_fast/kernels/loss/token_logprobs.py), the logits= path's launches
 (rapo_fast/loss/logprobs.py), or a place for autograd.
 """
 

@@ -5,7 +5,7 @@ What this is: `triton_search(...)`, with the signature and contract of `rapo_fas
 (rapo_fast/retrieval/op.py), on CUDA tensors and on CPU tensors under TRITON_INTERPRET=1; and `select_backend`
 (RAPO_FAST_RETRIEVAL_BACKEND, else CROSSOVERS, whose rows are PREDICTED, not measured: replaced by the GPU run's
 figures), the "auto" choice of rapo_fast/retrieval/backends.py. Both are described in docs/retrieval.md, "Triton path".
-What this is not: the kernel (kernels/retrieval/search.py), StepBuffer's argument checks (rapo_fast/retrieval/
+What this is not: the kernel (rapo_fast/kernels/retrieval/search.py), StepBuffer's argument checks (rapo_fast/retrieval/
 buffer.py), or the CUDA backend (csrc/retrieval_cuda.cu).
 """
 
@@ -35,7 +35,7 @@ __all__ = [
 BACKEND_ENV = "RAPO_FAST_RETRIEVAL_BACKEND"
 _MAX_C = 2**31 - 2**20  # the kernel's int32 key indices (a split's end: C + splits x BLOCK_C) stay below 2^31
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-SENTINEL = TRITON_EMPTY_KEY  # an empty candidate (kernels/retrieval/search.py reads the same constant)
+SENTINEL = TRITON_EMPTY_KEY  # an empty candidate (rapo_fast/kernels/retrieval/search.py reads the same constant)
 
 
 @dataclass(frozen=True)

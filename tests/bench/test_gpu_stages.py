@@ -56,7 +56,7 @@ def _copy_repo(dest: Path) -> Path:
         if src.is_file():
             (dest / f.decode()).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / f.decode())
-    assert not list(dest.glob("rapo_fast/_C*.so")) and (dest / "kernels" / "__init__.py").is_file()
+    assert not list(dest.glob("rapo_fast/_C*.so")) and (dest / "rapo_fast" / "kernels" / "__init__.py").is_file()
     return dest
 
 

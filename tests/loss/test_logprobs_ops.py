@@ -277,8 +277,8 @@ def _dot_kernel(a_ptr, b_ptr, c_ptr, M: tl.constexpr, K: tl.constexpr, N: tl.con
 
 
 def test_dot_operand_switch_gives_right_bf16_dot():
-    # kernels/triton_helpers.py's interpreter switch: bf16 tl.dot operands are upcast under the interpreter (where bf16
-    # tl.dot is wrong, docs/interpreter.md) and left alone on a GPU.
+    # rapo_fast/kernels/triton_helpers.py's interpreter switch: bf16 tl.dot operands are upcast under the interpreter
+    # (where bf16 tl.dot is wrong, docs/interpreter.md) and left alone on a GPU.
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     a = torch.randn(16, 32, device=dev).bfloat16()
     b = torch.randn(32, 16, device=dev).bfloat16()
