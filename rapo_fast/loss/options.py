@@ -294,7 +294,7 @@ def head_in_hidden_dtype(
 def _check_model_inputs(a: Mapping[str, Any]) -> tuple[torch.Tensor, tuple, int]:
     """rapo_loss's logits / hidden + weight + bias / targets checks (rapo_fast/_checks.py, shared with
     token_logprobs); returns (targets, targets' shape, V)."""
-    vocab = C.check_model_inputs(a["logits"], a["hidden"], a["weight"], a["bias"], a["targets"], style="rapo_loss")
+    vocab = C.check_model_inputs(a["logits"], a["hidden"], a["weight"], a["bias"], a["targets"])
     return a["targets"], tuple(a["targets"].shape), vocab
 
 
@@ -364,8 +364,8 @@ def _check_values(a: Mapping[str, Any], opts: LossOptions, targets: torch.Tensor
     if opts.offpolicy_train == "none" and a["retrieved_mask"] is not None:
         in_loss = in_loss & (a["retrieved_mask"] == 0)
     adv = a["advantages"]
-    _check_finite_in_loss("advantages", adv, in_loss if adv.shape == in_loss.shape else None)
-    _check_finite_in_loss("old_logp", a["old_logp"], in_loss, allow_inf=True)
+    C.check_finite("advantages", adv, in_loss=in_loss if adv.shape == in_loss.shape else None)
+    C.check_finite("old_logp", a["old_logp"], allow_inf=True, in_loss=in_loss)
     _check_logp_not_positive("old_logp", a["old_logp"], in_loss)
     if opts.offpolicy_train == "truncated" and a["behav_logp"] is None:
         raise ValueError(
@@ -377,23 +377,8 @@ def _check_values(a: Mapping[str, Any], opts: LossOptions, targets: torch.Tensor
         raise ValueError(f"ref_logp: required when beta != 0 (beta={opts.beta})")
     for k in ("behav_logp", "ref_logp"):
         if a[k] is not None:
-            _check_finite_in_loss(k, a[k], in_loss, allow_inf=True)
+            C.check_finite(k, a[k], allow_inf=True, in_loss=in_loss)
     return ignored
-
-
-def _check_finite_in_loss(name: str, t: torch.Tensor, in_loss: torch.Tensor | None, *, allow_inf: bool = False):
-    """No NaN (and no inf unless allowed) in `t` where in_loss is set (everywhere when in_loss is None: per-sequence
-    advantages). One sync; skipped while tracing under torch.compile."""
-    if t.numel() == 0 or not t.is_floating_point() or torch.compiler.is_compiling():
-        return
-    bad = torch.isnan(t) if allow_inf else ~torch.isfinite(t)
-    if in_loss is not None:
-        bad = bad & in_loss.to(bad.device)
-    if bool(bad.any()):
-        first = tuple(torch.nonzero(bad)[0].tolist())
-        what = "NaN" if allow_inf else "NaN or inf"
-        where = " at tokens in the loss" if in_loss is not None else ""
-        raise ValueError(f"{name}: contains {what}{where} ({int(bad.sum())} elements, first at index {first})")
 
 
 def check_logits_rows_defined(logp: torch.Tensor, loss_mask: torch.Tensor, logits: torch.Tensor) -> None:
