@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from rapo_fast import _checks as C
-from rapo_fast._atomic import FormatError, VersionWriter, check_int, read_json_object, read_version
+from rapo_fast._atomic import FormatError, VersionWriter, read_json_object, read_version
 from rapo_fast._tokens import encode_plain
 
 OFFPOLICY_GROUP_BASE = 1 << 40
@@ -80,9 +80,7 @@ class StepTraces:
         self.num_onpolicy = 0
         if kv_store is not None and model is None:
             raise ValueError("StepTraces: kv_store needs the model that computes the segments' K/V (model=None given)")
-        if not isinstance(pin_offpolicy, bool):
-            raise TypeError(f"StepTraces: pin_offpolicy must be a bool, got {type(pin_offpolicy).__name__}")
-        self.pin_offpolicy = pin_offpolicy
+        self.pin_offpolicy = C.check_bool("StepTraces: pin_offpolicy", pin_offpolicy)
         enc_dim, buf_dim = getattr(encoder, "dim", None), getattr(buffer, "dim", None)
         if isinstance(enc_dim, int) and isinstance(buf_dim, int) and enc_dim != buf_dim:
             # caught here rather than at the first add or search, where the error names only `embeddings`
@@ -283,8 +281,7 @@ class StepTraces:
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """add_steps with the histories already encoded: keys [M, D] fp32 (`encode`'s output, made wherever the
         histories are). Same checks, result and all-or-nothing rule as add_steps."""
-        if not isinstance(return_slots, bool):
-            raise TypeError(f"add_steps: return_slots must be a bool, got {type(return_slots).__name__}")
+        C.check_bool("add_steps: return_slots", return_slots)
         if isinstance(steps, str) or not isinstance(steps, Sequence):
             raise TypeError(f"add_steps: steps must be a list of str, got {type(steps).__name__}")
         for i, x in enumerate(steps):
@@ -443,11 +440,10 @@ class StepTracesFormatError(FormatError):
 
 def _read_traces_json(path: Path) -> tuple[dict[int, list[int]], int, int, bool]:
     meta = read_json_object(path, StepTracesFormatError)
-    n_off = check_int(meta, "num_offpolicy", path, StepTracesFormatError)
-    n_on = check_int(meta, "num_onpolicy", path, StepTracesFormatError)
-    pin = meta.get("pin_offpolicy", True)  # absent from saves before the field: the default
-    if not isinstance(pin, bool):
-        raise StepTracesFormatError(f"{path}: field 'pin_offpolicy' must be a bool, got {pin!r}")
+    n_off = C.check_field(meta, "num_offpolicy", path, StepTracesFormatError, C.check_int, lo=0)
+    n_on = C.check_field(meta, "num_onpolicy", path, StepTracesFormatError, C.check_int, lo=0)
+    # absent from saves before the field: the default
+    pin = C.check_field({"pin_offpolicy": True, **meta}, "pin_offpolicy", path, StepTracesFormatError, C.check_bool)
     payloads, pids = meta.get("payloads"), meta.get("payload_ids")
     if not isinstance(payloads, list) or not all(
         isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p)
@@ -473,11 +469,11 @@ def _cross_check(v, payloads: dict[int, list[int]], buffer, kv_state: dict | Non
     """The parts of one save must agree: counts in the manifest, the buffer's payload ids = the saved payloads' (the
     live ones: a save holds no other), K/V for exactly those with the payloads' tokens."""
     where = v.path / "meta.json"
-    if check_int(v.meta, "num_payloads", where, StepTracesFormatError) != len(payloads):
+    if C.check_field(v.meta, "num_payloads", where, StepTracesFormatError, C.check_int, lo=0) != len(payloads):
         raise StepTracesFormatError(
             f"{where}: field 'num_payloads' is {v.meta['num_payloads']}, traces.json holds {len(payloads)}"
         )
-    if check_int(v.meta, "buffer_size", where, StepTracesFormatError) != len(buffer):
+    if C.check_field(v.meta, "buffer_size", where, StepTracesFormatError, C.check_int, lo=0) != len(buffer):
         raise StepTracesFormatError(
             f"{where}: field 'buffer_size' is {v.meta['buffer_size']}, the buffer holds {len(buffer)}"
         )

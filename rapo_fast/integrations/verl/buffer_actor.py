@@ -26,14 +26,12 @@ from typing import Any
 
 import torch
 
-from rapo_fast._atomic import FormatError, VersionWriter, check_int, read_version
-from rapo_fast._checks import check_float
-from rapo_fast._checks import check_int as check_int_arg
+from rapo_fast._atomic import FormatError, VersionWriter, read_version
+from rapo_fast._checks import check_field, check_float, check_int, check_min_score
 from rapo_fast.integrations.verl.buffer_requests import (
     Coalescer,
     check_groups,
     check_histories,
-    check_min_score,
     check_scores,
 )
 from rapo_fast.retrieval.encoders import make_encoder
@@ -194,7 +192,7 @@ class StepBufferActor:
         keys = self.traces.check_keys(keys, name="retrieve: keys")
         n = len(keys)
         excl = [-1] * n if exclude_groups is None else check_groups(exclude_groups, n, "exclude_groups", "retrieve")
-        min_score = check_min_score(min_score)
+        min_score = check_min_score("retrieve: min_score", min_score)
         self.counters["requests"] += 1
         return await self._searches.submit((keys, excl, min_score), n, min_score)
 
@@ -275,7 +273,7 @@ class StepBufferClient:
         if not handles:
             raise ValueError("StepBufferClient: handles must hold at least one actor handle, got none")
         window_s = check_float("StepBufferClient: window_s", window_s, min_value=0.0, max_value=10.0)
-        max_batch = check_int_arg("StepBufferClient: max_batch", max_batch, lo=1)
+        max_batch = check_int("StepBufferClient: max_batch", max_batch, lo=1)
         self.handles, self.encoder_spec = list(handles), encoder
         self.window_s, self.max_batch = float(window_s), max_batch
         self._encoder: Callable | None = None
@@ -317,7 +315,7 @@ class StepBufferClient:
         histories = check_histories(histories, "retrieve")
         n = len(histories)
         excl = [-1] * n if exclude_groups is None else check_groups(exclude_groups, n, "exclude_groups", "retrieve")
-        min_score = check_min_score(min_score)
+        min_score = check_min_score("retrieve: min_score", min_score)
         if not histories:
             return []
         return await self._retrieves.submit((histories, excl, min_score), n, min_score)
@@ -387,7 +385,7 @@ class StepBufferClient:
             ray.get(self.handles[0].load.remote(str(path)))
             return
         with read_version(path, _PREFIX, SAVE_FORMAT, SAVE_VERSION, StepBufferSaveError) as v:
-            n = check_int(v.meta, "num_shards", v.path / "meta.json", StepBufferSaveError, lo=1)
+            n = check_field(v.meta, "num_shards", v.path / "meta.json", StepBufferSaveError, check_int, lo=1)
             if n != self.num_shards:
                 raise StepBufferSaveError(f"{v.path}: field 'num_shards' is {n}, the buffer has {self.num_shards}")
             ray.get([h.load.remote(str(v.path / f"shard_{i}")) for i, h in enumerate(self.handles)])
@@ -459,7 +457,7 @@ def get_or_create_step_buffer(
             raise ValueError(f"get_or_create_step_buffer: {src} is a one-shard save, num_shards={num_shards} given")
         return create([None if src is None else str(src)] * num_shards)
     with read_version(src, _PREFIX, SAVE_FORMAT, SAVE_VERSION, StepBufferSaveError) as v:
-        n = check_int(v.meta, "num_shards", v.path / "meta.json", StepBufferSaveError, lo=1)
+        n = check_field(v.meta, "num_shards", v.path / "meta.json", StepBufferSaveError, check_int, lo=1)
         if n != num_shards:
             raise ValueError(f"get_or_create_step_buffer: {src} holds {n} shards, num_shards={num_shards} given")
         return create([str(v.path / f"shard_{i}") for i in range(n)])
