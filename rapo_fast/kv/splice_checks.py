@@ -97,8 +97,7 @@ def check_op_tensors(keys, values, k_pool, v_pool, requests, inv_freq, block_tab
         raise ValueError(
             f"requests must be int64 [R, {KV_REQUEST_FIELDS}], got {requests.dtype} {tuple(requests.shape)}"
         )
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
-        raise TypeError(f"max_tokens must be an int >= 0, got {brief(max_tokens)}")
+    check_int("max_tokens", max_tokens, lo=0)
     if k_pool.dim() != 4 or v_pool.shape != k_pool.shape or v_pool.dtype != k_pool.dtype:
         raise ValueError(f"k_pool/v_pool must share one 4-d shape, got {tuple(k_pool.shape)}, {tuple(v_pool.shape)}")
     if k_pool.dtype not in (torch.float32, torch.float16, torch.bfloat16) or k_pool.stride(-1) != 1:

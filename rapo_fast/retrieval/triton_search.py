@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rapo_fast._checks import check_int
 from rapo_fast._constants import COSINE_EPS, MAX_K, METRIC_COSINE, METRIC_IP, METRIC_L2, TRITON_EMPTY_KEY
 from rapo_fast._dispatch import device_guard, interpret_mode
 
@@ -200,8 +201,7 @@ def _check(keys, key_aux, groups, queries, exclude, k, metric, min_score, centre
             raise ValueError(f"{name} is on {t.device}, queries on {queries.device}")
     if queries.device.type == "cpu" and not interpret_mode():
         raise ValueError("triton_search runs on CUDA tensors, or on CPU tensors only under TRITON_INTERPRET=1")
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_K:
-        raise ValueError(f"k must be an int in [1, {MAX_K}], got {k!r}")
+    k = check_int("k", k, lo=1, hi=MAX_K)
     if metric not in (METRIC_IP, METRIC_COSINE, METRIC_L2):
         raise ValueError(f"metric must be 0 (ip), 1 (cosine) or 2 (l2), got {metric!r}")
     if min_score != min_score:
