@@ -200,6 +200,16 @@ def check_field(meta: Mapping[str, Any], key: str, where: Any, error: type[Value
         raise error(str(exc)) from None
 
 
+def check_str_list(name: str, values) -> list[str]:
+    """A sequence (not a str itself) of str: histories, steps, texts to encode."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise TypeError(f"{name}: expected a list of str, got {type(values).__name__}")
+    for i, v in enumerate(values):
+        if not isinstance(v, str):
+            raise TypeError(f"{name}[{i}]: expected a str, got {type(v).__name__} {brief(v)}")
+    return list(values)
+
+
 def check_index_range(name: str, t: torch.Tensor, high: int) -> None:
     """Every value of the integer tensor `t` in [0, high). Reads values (one sync; skipped while tracing under
     torch.compile, where it would break the graph)."""
