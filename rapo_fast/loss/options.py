@@ -304,7 +304,7 @@ def _check_logp_inputs(a: Mapping[str, Any], opts: LossOptions) -> tuple:
     tshape = tuple(logp.shape)
     C.check_optional_tensor("entropy", a["entropy"], shape=tshape, dtypes=C.FLOAT_DTYPES)
     if opts.entropy_coef != 0.0 and a["entropy"] is None:
-        raise ValueError(f"entropy: required when entropy_coef != 0 (entropy_coef={opts.entropy_coef})")
+        raise ValueError(f"entropy: expected a tensor when entropy_coef != 0 ({opts.entropy_coef}), got None")
     return tshape
 
 
@@ -314,7 +314,7 @@ def _check_per_token(a: Mapping[str, Any], tshape: tuple) -> None:
     for k in ("loss_mask", "retrieved_mask", "response_mask"):
         C.check_optional_tensor(k, a[k], shape=tshape, dtypes=C.MASK_DTYPES)
     if a["old_logp"] is None or a["loss_mask"] is None:
-        raise ValueError("old_logp/loss_mask: required")
+        raise ValueError("old_logp/loss_mask: expected tensors, got None")
 
 
 def _check_targets(targets: torch.Tensor, loss_mask: torch.Tensor, vocab: int) -> bool:
@@ -369,12 +369,13 @@ def _check_values(a: Mapping[str, Any], opts: LossOptions, targets: torch.Tensor
     _check_logp_not_positive("old_logp", a["old_logp"], in_loss)
     if opts.offpolicy_train == "truncated" and a["behav_logp"] is None:
         raise ValueError(
-            "behav_logp: required when offpolicy_train='truncated' (the behaviour log-probs of the retrieved tokens)"
+            "behav_logp: expected the behaviour log-probs of the retrieved tokens when offpolicy_train='truncated', "
+            "got None"
         )
     if opts.tis_cap is not None and a["behav_logp"] is None:
-        raise ValueError("behav_logp: required when tis_cap is set (truncated importance sampling)")
+        raise ValueError("behav_logp: expected a tensor when tis_cap is set (truncated importance sampling), got None")
     if opts.beta != 0.0 and a["ref_logp"] is None:
-        raise ValueError(f"ref_logp: required when beta != 0 (beta={opts.beta})")
+        raise ValueError(f"ref_logp: expected a tensor when beta != 0 ({opts.beta}), got None")
     for k in ("behav_logp", "ref_logp"):
         if a[k] is not None:
             C.check_finite(k, a[k], allow_inf=True, in_loss=in_loss)
@@ -453,7 +454,9 @@ def check_inputs(a: Mapping[str, Any], opts: LossOptions) -> InputFacts:
     _check_per_token(a, tshape)
     cu, flat = a["cu_seqlens"], len(tshape) == 1  # rows: the sequences of padded [B, T] or flat [N] (+ cu_seqlens)
     if cu is not None and not flat:
-        raise ValueError(f"cu_seqlens: only for flat inputs (targets / logp [N]); got shape {tshape}")
+        raise ValueError(
+            f"cu_seqlens: expected None with padded inputs (it is for flat targets / logp [N]), got shape {tshape}"
+        )
     rows = C.check_cu_seqlens("cu_seqlens", cu, tshape[0]) if cu is not None else (1 if flat else tshape[0])
     adv = C.check_tensor("advantages", a["advantages"], dtypes=C.FLOAT_DTYPES)
     if tuple(adv.shape) not in (tshape, (rows,)):

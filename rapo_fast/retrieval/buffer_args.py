@@ -24,10 +24,10 @@ def as_tensor(x: Any, device: torch.device) -> Any:
 
 def check_rows(name: str, x: Any, dim: int) -> torch.Tensor:
     """embeddings / queries: a float tensor [M, dim] (any float dtype: rounded to the buffer's)."""
-    C.check_tensor(name, x, ndim=2)
+    C.check_tensor(name, x)
     if not x.is_floating_point():
         raise TypeError(f"{name}: expected a float tensor [M, {dim}], got dtype {x.dtype}")
-    if x.shape[1] != dim:
+    if x.dim() != 2 or x.shape[1] != dim:
         raise ValueError(f"{name}: expected shape [M, {dim}], got {tuple(x.shape)}")
     return x
 
