@@ -184,7 +184,7 @@ class StepBuffer:
         embeddings, payload_ids, group_ids, scores, pinned = (
             as_tensor(x, self.device) for x in (embeddings, payload_ids, group_ids, scores, pinned)
         )
-        M = check_rows("embeddings", embeddings, self.dim).shape[0]
+        M = check_rows("embeddings", embeddings, self.dim, "M").shape[0]
         payload = None if payload_ids is None else check_ids("payload_ids", payload_ids, M).to(self.device)
         group = None if group_ids is None else check_ids("group_ids", group_ids, M).to(self.device)
         if scores is None:
@@ -324,7 +324,7 @@ class StepBuffer:
         """search's argument checks, shared with ShardedStepBuffer: (queries rounded to the buffer's dtype, k,
         exclude as int64 or None, the score threshold). `backend` is checked to run on the buffer's device."""
         check_backend(backend, self.device)
-        check_rows("queries", queries, self.dim)
+        check_rows("queries", queries, self.dim, "Q")
         C.check_same_device(buffer=self._keys, queries=queries)
         k = C.check_int("k", k, lo=1, hi=MAX_K)
         thr = C.check_min_score("min_score", min_score)

@@ -22,13 +22,14 @@ def as_tensor(x: Any, device: torch.device) -> Any:
     return torch.as_tensor(x, device=device)
 
 
-def check_rows(name: str, x: Any, dim: int) -> torch.Tensor:
-    """embeddings / queries: a float tensor [M, dim] (any float dtype: rounded to the buffer's)."""
+def check_rows(name: str, x: Any, dim: int, rows: str) -> torch.Tensor:
+    """embeddings [M, dim] / queries [Q, dim] (`rows`: the letter): a float tensor (any float dtype: rounded to the
+    buffer's)."""
     C.check_tensor(name, x)
     if not x.is_floating_point():
-        raise TypeError(f"{name}: expected a float tensor [M, {dim}], got dtype {x.dtype}")
+        raise TypeError(f"{name}: expected a float tensor [{rows}, {dim}], got dtype {x.dtype}")
     if x.dim() != 2 or x.shape[1] != dim:
-        raise ValueError(f"{name}: expected shape [M, {dim}], got {tuple(x.shape)}")
+        raise ValueError(f"{name}: expected shape [{rows}, {dim}], got {tuple(x.shape)}")
     return x
 
 
