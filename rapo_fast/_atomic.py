@@ -5,7 +5,7 @@ atomically and removes the old version) and `read_version` (checks CURRENT, the 
 the caller reads anything). Every write goes through raw os calls, and nothing planted in the folder is followed.
 The layout, the crash guarantees and the hostile-folder guarantees are in docs/formats.md ("Versioned directories",
 "Guarantees on a crash", "Guarantees against what else is in the folder").
-What this is not: a format's own schema (each owner checks its fields, with `check_int` / `check_choice`), nor a
+What this is not: a format's own schema (each owner checks its fields, with rapo_fast._checks.check_field), nor a
 database: two processes saving into one directory are serialised by LOCK, not merged.
 """
 
@@ -462,22 +462,3 @@ def read_version(
             if digest_of(p) != entry["sha256"]:
                 raise error(f"{p} is corrupt (its SHA-256 differs from the one in {mpath})")
         yield Version(vdir, m["meta"], m["files"])
-
-
-def check_int(
-    meta: dict[str, Any], key: str, where: Any, error: type[FormatError], lo: int = 0, hi: int = 2**63 - 1
-) -> int:
-    """meta[key] as an int in [lo, hi] (bool refused), else `error` naming `where` and the field."""
-    v = meta.get(key, "<missing>")
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise error(f"{where}: field {key!r} must be an int in [{lo}, {hi}], got {brief(v)}")
-    return v
-
-
-def check_choice(meta: dict[str, Any], key: str, choices, where: Any, error: type[FormatError]) -> Any:
-    """meta[key] if it is one of `choices` (of the same type: 1 is not True), else `error` naming `where` and the
-    field."""
-    v = meta.get(key, "<missing>")
-    if not any(type(v) is type(c) and v == c for c in choices):
-        raise error(f"{where}: field {key!r} must be one of {tuple(choices)}, got {brief(v)}")
-    return v

@@ -4,13 +4,14 @@ Each helper raises TypeError (wrong kind or dtype) or ValueError (wrong shape, v
 that names the argument and says what was expected and what was given, so that bad input fails before any kernel is
 launched. Some checks read tensor values (targets range, NaN, cu_seqlens): they sync with the device once, on the
 validation side, never in the hot path. `check_model_inputs` is the one check of the model-side arguments (logits, or
-hidden + lm_head weight + bias, and targets) of token_logprobs and rapo_loss, in each one's wording.
+hidden + lm_head weight + bias, and targets) of token_logprobs and rapo_loss.
 What this is not: a place for op math, nor the choice of the path that runs (rapo_fast/loss/path_plan.py).
 """
 
 from __future__ import annotations
 
 import itertools
+import numbers
 import operator
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -114,6 +115,13 @@ def check_choice(name: str, value, choices: Sequence[str]) -> str:
     return value
 
 
+def check_bool(name: str, value) -> bool:
+    """A bool (not an int, nor a 0-d tensor: a flag that picks code paths is a Python bool)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__} {brief(value)}")
+    return value
+
+
 def check_float(
     name: str,
     value,
@@ -123,10 +131,10 @@ def check_float(
     min_inclusive: bool = True,
     allow_none: bool = False,
 ) -> float | None:
-    """A finite real number (bool refused) within the bounds; returned as a Python float."""
+    """A finite real number (bool refused; NumPy's count) within the bounds; returned as a Python float."""
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name}: expected a real number, got {type(value).__name__} {brief(value)}")
     try:
         v = float(value)
@@ -140,6 +148,13 @@ def check_float(
     if max_value is not None and v > max_value:
         raise ValueError(f"{name}: expected <= {max_value}, got {v}")
     return v
+
+
+def check_min_score(name: str, value) -> float | None:
+    """A search's score threshold: None (no threshold) or a finite number, for StepBuffer and the verl step buffer
+    alike. NaN matches nothing and would never equal another request's threshold (the verl buffer batches searches by
+    it); an infinite one is a mistake: -inf is no threshold (None), +inf no result."""
+    return check_float(name, value, allow_none=True)
 
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -173,6 +188,28 @@ def check_int_list(name: str, values, n: int | None = None, *, lo: int = INT64_M
     return [check_int(f"{name}[{i}]", v, lo=lo, hi=hi) for i, v in enumerate(values)]
 
 
+def check_field(meta: Mapping[str, Any], key: str, where: Any, error: type[ValueError], check, *args, **kw) -> Any:
+    """A saved field: meta[key] through `check` (check_int, check_choice, check_bool...), named `<where>: field
+    '<key>'`; its refusal (or the field's absence) is raised as `error`, the format's FormatError."""
+    name = f"{where}: field {key!r}"
+    if key not in meta:
+        raise error(f"{name}: expected a value, got none (missing)")
+    try:
+        return check(name, meta[key], *args, **kw)
+    except (TypeError, ValueError) as exc:
+        raise error(str(exc)) from None
+
+
+def check_str_list(name: str, values) -> list[str]:
+    """A sequence (not a str itself) of str: histories, steps, texts to encode."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise TypeError(f"{name}: expected a list of str, got {type(values).__name__}")
+    for i, v in enumerate(values):
+        if not isinstance(v, str):
+            raise TypeError(f"{name}[{i}]: expected a str, got {type(v).__name__} {brief(v)}")
+    return list(values)
+
+
 def check_index_range(name: str, t: torch.Tensor, high: int) -> None:
     """Every value of the integer tensor `t` in [0, high). Reads values (one sync; skipped while tracing under
     torch.compile, where it would break the graph)."""
@@ -180,18 +217,22 @@ def check_index_range(name: str, t: torch.Tensor, high: int) -> None:
         return
     lo, hi = int(t.min()), int(t.max())
     if lo < 0 or hi >= high:
-        raise ValueError(f"{name}: values must lie in [0, {high}), got min {lo} max {hi}")
+        raise ValueError(f"{name}: expected values in [0, {high}), got min {lo} max {hi}")
 
 
-def check_finite(name: str, t: torch.Tensor, *, allow_inf: bool = False) -> None:
-    """No NaN (and no inf unless allowed) in `t`. Reads values (one sync)."""
-    if t.numel() == 0 or not t.is_floating_point():
+def check_finite(name: str, t: torch.Tensor, *, allow_inf: bool = False, in_loss: torch.Tensor | None = None) -> None:
+    """No NaN (and no inf unless allowed) in `t`, or only where the mask `in_loss` is set (the tokens in a loss).
+    Reads values (one sync): skipped while tracing under torch.compile, where it would break the graph."""
+    if t.numel() == 0 or not t.is_floating_point() or torch.compiler.is_compiling():
         return
     bad = torch.isnan(t) if allow_inf else ~torch.isfinite(t)
+    if in_loss is not None:
+        bad = bad & in_loss.to(bad.device)
     if bool(bad.any()):
         first = tuple(torch.nonzero(bad)[0].tolist())
-        what = "NaN" if allow_inf else "NaN or inf"
-        raise ValueError(f"{name}: contains {what} ({int(bad.sum())} elements, first at index {first})")
+        want, got = ("no NaN", "NaN") if allow_inf else ("finite values", "NaN/inf")
+        where = " at tokens in the loss" if in_loss is not None else ""
+        raise ValueError(f"{name}: expected {want}{where}, got {int(bad.sum())} {got}, the first at index {first}")
 
 
 def check_cu_seqlens(name: str, cu: torch.Tensor, total: int) -> int:
@@ -216,131 +257,49 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, total: int) -> int:
 # The integer dtypes accepted for targets, by rapo_loss and by token_logprobs: torch's index dtypes. Narrower integers
 # (int8/int16/uint8) are refused rather than widened: they cannot hold a real vocabulary's ids.
 TARGET_DTYPES = (torch.int64, torch.int32)
-_LOW_FLOATS = (torch.float32, torch.float16, torch.bfloat16)  # token_logprobs: no fp64 (rapo_loss sends it elsewhere)
-
-# The wording of each refusal, per entry point: token_logprobs says "<arg> must ...", rapo_loss "<arg>: expected ...";
-# the checks themselves are one (check_model_inputs).
-_MODEL_MESSAGES = {
-    "token_logprobs": {
-        "one_of": "pass exactly one of logits or hidden (with weight), got {got}",
-        "head_with_logits": "weight and bias go with hidden, not with logits",
-        "vocab_logits": "logits must have a vocabulary dimension V >= 1, got shape {shape}",
-        "no_weight": "weight (the lm_head weight, [V, H]) is required with hidden",
-        "weight_shape": "weight must have shape [V, H] = [V, {h}] with V >= 1, got {shape}",
-        "x_shape": "targets must have shape {src}.shape[:-1] = {lead}, got {got}",
-    },
-    "rapo_loss": {
-        "one_of": "logits/hidden: pass exactly one of logits [..., V] or hidden [..., H] (+ weight [V, H]), got {got}",
-        "head_with_logits": "weight/bias: only with hidden=, not with logits",
-        "vocab_logits": "logits/weight: vocabulary size must be >= 1",
-        "no_weight": "weight: required with hidden= (the lm_head weight [V, H])",
-        "weight_shape": "weight: expected shape (V, {h}), got {shape}",
-        "x_shape": "{src}: expected shape {want} (targets' shape + {what}), got {got}",
-    },
-}
+# The float dtypes of token_logprobs' kernels: no fp64 (rapo_loss takes it too, and sends it to its reference path).
+KERNEL_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _float_arg(name: str, x, ndims: tuple[int, ...] | None, style: str) -> None:
-    """A float tensor (fp32/fp16/bf16 for token_logprobs, also fp64 for rapo_loss) with one of `ndims` dims."""
-    if style == "rapo_loss":
-        check_tensor(name, x, ndim=ndims, dtypes=FLOAT_DTYPES)
-        return
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _LOW_FLOATS:
-        raise TypeError(f"{name} must have dtype float32, float16 or bfloat16, got {x.dtype}")
-    if ndims is not None and x.dim() not in ndims:
-        want = " or ".join(f"{d}-D" for d in ndims)
-        raise ValueError(f"{name} must be {want}, got shape {tuple(x.shape)}")
-
-
-def _head_dtype(name: str, t: torch.Tensor, hidden: torch.Tensor, style: str) -> None:
-    """weight / bias in hidden's dtype; the message names the fixes (an explicit cast, or autocast)."""
-    if t.dtype == hidden.dtype:
-        return
-    if style == "rapo_loss":
-        got, want = str(t.dtype).replace("torch.", ""), str(hidden.dtype).replace("torch.", "")
-        raise TypeError(
-            f"{name}: expected hidden's dtype {want}, got {got}; pass {name}.to(hidden.dtype), or call under "
-            f"torch.autocast, where rapo_loss / token_logprobs cast it to hidden's dtype themselves"
-        )
-    if name == "bias":
-        raise TypeError(f"bias must have hidden's dtype {hidden.dtype}, got {t.dtype}")
-    raise TypeError(
-        f"weight must have hidden's dtype {hidden.dtype}, got {t.dtype}; pass weight.to(hidden.dtype), "
-        "or call under torch.autocast, where it is cast to hidden's dtype here"
-    )
-
-
-def _check_head(hidden, weight, bias, style: str) -> int:
+def _check_head(hidden, weight, bias, float_dtypes: Sequence[torch.dtype]) -> int:
     """weight [V, H] (and bias [V]) of the hidden-state path, in hidden's dtype; returns V."""
-    m = _MODEL_MESSAGES[style]
     if weight is None:
-        raise ValueError(m["no_weight"])
-    _float_arg("weight", weight, (2,), style)
-    hd, v = hidden.shape[-1], weight.shape[0]
-    _head_dtype("weight", weight, hidden, style)
-    if weight.shape[1] != hd or (v < 1 and style == "token_logprobs"):
-        raise ValueError(m["weight_shape"].format(h=hd, shape=tuple(weight.shape)))
-    if bias is None:
-        return v
-    if style == "rapo_loss":
-        check_tensor("bias", bias, shape=(v,), dtypes=FLOAT_DTYPES)
-        _head_dtype("bias", bias, hidden, style)
-        return v
-    _float_arg("bias", bias, (1,), style)
-    _head_dtype("bias", bias, hidden, style)
-    if tuple(bias.shape) != (v,):
-        raise ValueError(f"bias must have shape [V] = [{v}], got {tuple(bias.shape)}")
+        raise ValueError("weight: expected the lm_head weight [V, H] with hidden=, got None")
+    check_tensor("weight", weight, ndim=2, dtypes=float_dtypes)
+    v = weight.shape[0]
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight: expected shape (V, {hidden.shape[-1]}), got {tuple(weight.shape)}")
+    check_optional_tensor("bias", bias, shape=(v,), dtypes=float_dtypes)
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.dtype != hidden.dtype:  # the message names the fixes: an explicit cast, or autocast
+            got, want = str(t.dtype).replace("torch.", ""), str(hidden.dtype).replace("torch.", "")
+            raise TypeError(
+                f"{name}: expected hidden's dtype {want}, got {got}; pass {name}.to(hidden.dtype), or call under "
+                f"torch.autocast, where rapo_loss / token_logprobs cast it to hidden's dtype themselves"
+            )
     return v
 
 
-def _check_targets_arg(targets, style: str) -> None:
-    if style == "rapo_loss":
-        check_tensor("targets", targets, ndim=(1, 2), dtypes=TARGET_DTYPES)
-        return
-    if not isinstance(targets, torch.Tensor):
-        raise TypeError(f"targets must be a torch.Tensor, got {type(targets).__name__}")
-    if targets.dtype not in TARGET_DTYPES:
-        raise TypeError(f"targets must have dtype int64 or int32, got {targets.dtype}")
-
-
-def check_model_inputs(logits, hidden, weight, bias, targets, *, style: str) -> int:
+def check_model_inputs(
+    logits, hidden, weight, bias, targets, *, float_dtypes: Sequence[torch.dtype] = FLOAT_DTYPES
+) -> int:
     """The model-side arguments of token_logprobs and rapo_loss: exactly one of logits [..., V] or hidden [..., H]
-    with weight [V, H] (+ bias [V]) in hidden's dtype, integer targets shaped like the leading dims; returns V.
-    `style` ("token_logprobs" or "rapo_loss") picks the entry point's wording and its float dtypes (rapo_loss also
-    takes fp64); token_logprobs also checks here that the tensors share one device (rapo_loss checks all of its
-    tensors at once). Values (the targets' range) are the callers' (rapo_loss allows the ignore index)."""
-    m = _MODEL_MESSAGES[style]
+    with weight [V, H] (+ bias [V]) in hidden's dtype, integer targets shaped like the leading dims (1 or 2 of them),
+    all on one device; returns V. `float_dtypes`: those the entry point takes (token_logprobs: KERNEL_FLOAT_DTYPES).
+    Values (the targets' range) are the callers' (rapo_loss allows the ignore index)."""
     if (logits is None) == (hidden is None):
-        raise ValueError(m["one_of"].format(got="both" if logits is not None else "neither"))
-    rapo = style == "rapo_loss"
-    if logits is not None and (weight is not None or bias is not None) and not rapo:
-        raise ValueError(m["head_with_logits"])
+        got = "both" if logits is not None else "neither"
+        raise ValueError(f"logits/hidden: expected exactly one of logits [..., V] or hidden [..., H], got {got}")
+    if logits is not None and (weight is not None or bias is not None):
+        raise ValueError("weight/bias: expected only with hidden=, got them with logits=")
     x, src = (logits, "logits") if logits is not None else (hidden, "hidden")
-    if rapo:
-        _check_targets_arg(targets, style)  # rapo_loss's shapes are stated from the targets'
-    _float_arg(src, x, None if rapo else (2, 3), style)
-    if logits is not None and not rapo and logits.shape[-1] < 1:
-        raise ValueError(m["vocab_logits"].format(shape=tuple(logits.shape)))
-    if rapo and (x.dim() != targets.dim() + 1 or tuple(x.shape[:-1]) != tuple(targets.shape)):
-        want = tuple(targets.shape) + ("V" if logits is not None else "H",)
-        what = "vocab" if logits is not None else "hidden"
-        raise ValueError(m["x_shape"].format(src=src, want=want, what=what, got=tuple(x.shape)))
-    if logits is not None and rapo and (weight is not None or bias is not None):
-        raise ValueError(m["head_with_logits"])
-    vocab = logits.shape[-1] if logits is not None else _check_head(hidden, weight, bias, style)
-    if rapo:
-        if vocab < 1:
-            raise ValueError(m["vocab_logits"])
-        return vocab
-    _check_targets_arg(targets, style)
-    lead = list(x.shape[:-1])
-    if list(targets.shape) != lead:
-        raise ValueError(m["x_shape"].format(src=src, lead=lead, got=list(targets.shape)))
-    tensors = {src: x, "weight": weight, "bias": bias, "targets": targets}
-    tensors = {k: t for k, t in tensors.items() if t is not None}
-    for name, t in tensors.items():
-        if t.device != x.device:
-            raise ValueError(f"{name} is on {t.device} but {src} is on {x.device}: all tensors must share one device")
+    check_tensor(src, x, ndim=(2, 3), dtypes=float_dtypes)
+    check_tensor("targets", targets, dtypes=TARGET_DTYPES)
+    if tuple(targets.shape) != tuple(x.shape[:-1]):
+        want = tuple(x.shape[:-1])
+        raise ValueError(f"targets: expected shape {src}.shape[:-1] = {want}, got {tuple(targets.shape)}")
+    vocab = logits.shape[-1] if logits is not None else _check_head(hidden, weight, bias, float_dtypes)
+    if vocab < 1:
+        raise ValueError(f"{src if logits is not None else 'weight'}: expected a vocabulary size V >= 1, got 0")
+    check_same_device(**{src: x, "weight": weight, "bias": bias, "targets": targets})
     return vocab

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from rapo_fast._checks import check_bool
 from rapo_fast.integrations.trl_setup import ChatEnv, ChatFormat, check_rapo_tags
 from rapo_fast.retrieval.step_traces import StepTraces
 from rapo_fast.rollouts.batch import KIND_GEN, KIND_RET, RolloutBatch
@@ -124,8 +125,7 @@ class RAPORolloutFunc:
         if success_fn is not None and not callable(success_fn):
             raise TypeError(f"make_rollout_func: success_fn must be callable or None, got {type(success_fn).__name__}")
         for name, flag in (("retrieve_at_eval", retrieve_at_eval), ("chat_tool_turns", chat_tool_turns)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"make_rollout_func: {name} must be a bool, got {type(flag).__name__}")
+            check_bool(f"make_rollout_func: {name}", flag)
         if tokenizer is None and traces is not None:
             tokenizer = traces.tokenizer  # the payloads' token ids are this tokenizer's: the policy must share it
         if tokenizer is not None:

@@ -40,14 +40,16 @@ def check_block_table_int32(block_table: torch.Tensor, host: torch.Tensor) -> No
 def as_requests(requests: Any) -> list[tuple[int, int, int]]:
     if isinstance(requests, torch.Tensor):
         if requests.dim() != 2 or requests.shape[1] != 3:
-            raise ValueError(f"requests must be [R, 3] (payload_id, batch_row, position), got {tuple(requests.shape)}")
+            raise ValueError(
+                f"requests: expected shape [R, 3] (payload_id, batch_row, position), got {tuple(requests.shape)}"
+            )
         if requests.is_floating_point() or requests.is_complex() or requests.dtype == torch.bool:
-            raise TypeError(f"requests must be an integer tensor [R, 3], got dtype {requests.dtype}")
+            raise TypeError(f"requests: expected an integer tensor [R, 3], got dtype {requests.dtype}")
         return [tuple(int(x) for x in r) for r in requests.tolist()]
     out = []
     for i, r in enumerate(requests):
         if len(r) != 3:
-            raise ValueError(f"requests[{i}] must be (payload_id, batch_row, position), got {brief(r)}")
+            raise ValueError(f"requests[{i}]: expected (payload_id, batch_row, position), got {brief(r)}")
         names = (f"requests[{i}] payload_id", f"requests[{i}] batch_row", f"requests[{i}] position")
         out.append(tuple(as_int(n, x) for n, x in zip(names, r)))
     return out
@@ -97,8 +99,7 @@ def check_op_tensors(keys, values, k_pool, v_pool, requests, inv_freq, block_tab
         raise ValueError(
             f"requests must be int64 [R, {KV_REQUEST_FIELDS}], got {requests.dtype} {tuple(requests.shape)}"
         )
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
-        raise TypeError(f"max_tokens must be an int >= 0, got {brief(max_tokens)}")
+    check_int("max_tokens", max_tokens, lo=0)
     if k_pool.dim() != 4 or v_pool.shape != k_pool.shape or v_pool.dtype != k_pool.dtype:
         raise ValueError(f"k_pool/v_pool must share one 4-d shape, got {tuple(k_pool.shape)}, {tuple(v_pool.shape)}")
     if k_pool.dtype not in (torch.float32, torch.float16, torch.bfloat16) or k_pool.stride(-1) != 1:

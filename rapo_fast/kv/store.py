@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from rapo_fast._checks import brief, check_int, check_int_list
+from rapo_fast._checks import KERNEL_FLOAT_DTYPES, brief, check_int, check_int_list
 from rapo_fast.kv import hf_cache as hfc
 
 
@@ -80,10 +80,11 @@ class StepKVStore:
         device: torch.device | str = "cpu",
         capacity_tokens: int = 1024,
     ) -> None:
-        if min(num_layers, num_kv_heads, head_dim, capacity_tokens) < 1:
-            raise ValueError("num_layers, num_kv_heads, head_dim and capacity_tokens must be >= 1")
-        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+        for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            check_int(name, v, lo=1)
+        check_int("capacity_tokens", capacity_tokens, lo=1)
+        if dtype not in KERNEL_FLOAT_DTYPES:
+            raise TypeError(f"dtype: expected one of float32/float16/bfloat16, got {brief(dtype)}")
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
         shape = (num_layers, capacity_tokens, num_kv_heads, head_dim)
@@ -287,14 +288,16 @@ class StepKVStore:
             for nm, t in (("keys", k), ("values", v)):
                 if not isinstance(t, torch.Tensor) or not t.is_floating_point():
                     got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
-                    raise TypeError(f"{nm}[{i}] must be a float tensor [num_layers, L, H_kv, D], got {got}")
+                    raise TypeError(f"{nm}[{i}]: expected a float tensor [num_layers, L, H_kv, D], got {got}")
                 if t.dim() != 4 or (t.shape[0], t.shape[2], t.shape[3]) != want:
                     raise ValueError(
-                        f"{nm}[{i}] must be [num_layers={want[0]}, L, H_kv={want[1]}, D={want[2]}], "
+                        f"{nm}[{i}]: expected shape [num_layers={want[0]}, L, H_kv={want[1]}, D={want[2]}], "
                         f"got {tuple(t.shape)}"
                     )
                 if not bool(torch.isfinite(t.to(self.dtype)).all()):
-                    raise ValueError(f"{nm}[{i}] must be finite in {self.dtype} (NaN/inf found, or out of range)")
+                    raise ValueError(
+                        f"{nm}[{i}]: expected finite values in {self.dtype}, got NaN/inf (or out of range)"
+                    )
             if k.shape != v.shape:
                 raise ValueError(f"keys[{i}] {tuple(k.shape)} and values[{i}] {tuple(v.shape)} differ")
             if pid in self._where and not replace:

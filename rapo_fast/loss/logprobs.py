@@ -10,9 +10,6 @@ What this is not: the math (rapo_fast/kernels/triton_helpers.py, and the spec in
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
@@ -182,29 +179,19 @@ def _validate(logits, hidden, weight, bias, targets, temperature, return_entropy
     """Checks every argument before any kernel runs (the tensors: rapo_fast/_checks.py, shared with rapo_loss);
     returns V."""
     if (logits is None) == (hidden is None):  # first, as the tensor checks would say it
-        C.check_model_inputs(logits, hidden, weight, bias, targets, style="token_logprobs")
-    if not isinstance(return_entropy, bool):
-        raise TypeError(f"return_entropy must be a bool, got {type(return_entropy).__name__}")
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
-        raise TypeError(f"temperature must be a real number, got {type(temperature).__name__}")
-    if not (math.isfinite(float(temperature)) and float(temperature) > 0):
-        raise ValueError(f"temperature must be a finite positive number, got {temperature}")
-    v = C.check_model_inputs(logits, hidden, weight, bias, targets, style="token_logprobs")
-    # One host sync for the range check; skipped while tracing under torch.compile, where it would break the graph.
-    if targets.numel() > 0 and not torch.compiler.is_compiling():
-        lo, hi = (int(x) for x in torch.aminmax(targets))
-        if lo < 0 or hi >= v:
-            raise ValueError(f"targets must lie in [0, V) = [0, {v}), got values in [{lo}, {hi}]")
+        C.check_model_inputs(logits, hidden, weight, bias, targets, float_dtypes=C.KERNEL_FLOAT_DTYPES)
+    C.check_bool("return_entropy", return_entropy)
+    C.check_float("temperature", temperature, min_value=0.0, min_inclusive=False)
+    v = C.check_model_inputs(logits, hidden, weight, bias, targets, float_dtypes=C.KERNEL_FLOAT_DTYPES)
+    C.check_index_range("targets", targets, v)
     return v
 
 
 def check_inplace_backward(inplace_backward, logits: Tensor | None) -> None:
     """token_logprobs' / rapo_loss's inplace_backward: a bool, True only with logits= (the hidden-state paths never
     hold a logits gradient of [N, V] to save)."""
-    if not isinstance(inplace_backward, bool):
-        raise TypeError(f"inplace_backward must be a bool, got {type(inplace_backward).__name__}")
-    if inplace_backward and logits is None:
-        raise ValueError("inplace_backward=True applies to logits= only (the hidden= path has no [N, V] gradient)")
+    if C.check_bool("inplace_backward", inplace_backward) and logits is None:
+        raise ValueError("inplace_backward: expected False with hidden= (that path has no [N, V] gradient), got True")
 
 
 def _row_slices(x: torch.Tensor, rows: int):
@@ -309,8 +296,7 @@ def token_logprobs(
     weight, bias = head_in_hidden_dtype(hidden, weight, bias)  # under autocast: cast to hidden's dtype, with grad
     _validate(logits, hidden, weight, bias, targets, temperature, return_entropy)
     check_inplace_backward(inplace_backward, logits)
-    if not isinstance(return_path, bool):
-        raise TypeError(f"return_path must be a bool, got {type(return_path).__name__}")
+    C.check_bool("return_path", return_path)
     x = logits if logits is not None else hidden
     plan = plan_path(
         "token_logprobs", backend, device=x.device, dtype=x.dtype, hidden=hidden is not None,

@@ -258,7 +258,7 @@ def head_in_hidden_dtype(
 def _check_model_inputs(a: Mapping[str, Any]) -> tuple[torch.Tensor, tuple, int]:
     """rapo_loss's logits / hidden + weight + bias / targets checks (rapo_fast/_checks.py, shared with
     token_logprobs); returns (targets, targets' shape, V)."""
-    vocab = C.check_model_inputs(a["logits"], a["hidden"], a["weight"], a["bias"], a["targets"], style="rapo_loss")
+    vocab = C.check_model_inputs(a["logits"], a["hidden"], a["weight"], a["bias"], a["targets"])
     return a["targets"], tuple(a["targets"].shape), vocab
 
 
@@ -268,7 +268,7 @@ def _check_logp_inputs(a: Mapping[str, Any], opts: LossOptions) -> tuple:
     tshape = tuple(logp.shape)
     C.check_optional_tensor("entropy", a["entropy"], shape=tshape, dtypes=C.FLOAT_DTYPES)
     if opts.entropy_coef != 0.0 and a["entropy"] is None:
-        raise ValueError(f"entropy: required when entropy_coef != 0 (entropy_coef={opts.entropy_coef})")
+        raise ValueError(f"entropy: expected a tensor when entropy_coef != 0 ({opts.entropy_coef}), got None")
     return tshape
 
 
@@ -278,7 +278,7 @@ def _check_per_token(a: Mapping[str, Any], tshape: tuple) -> None:
     for k in ("loss_mask", "retrieved_mask", "response_mask"):
         C.check_optional_tensor(k, a[k], shape=tshape, dtypes=C.MASK_DTYPES)
     if a["old_logp"] is None or a["loss_mask"] is None:
-        raise ValueError("old_logp/loss_mask: required")
+        raise ValueError("old_logp/loss_mask: expected tensors, got None")
 
 
 def _check_targets(targets: torch.Tensor, loss_mask: torch.Tensor, vocab: int) -> bool:
@@ -328,36 +328,22 @@ def _check_values(a: Mapping[str, Any], opts: LossOptions, targets: torch.Tensor
     if opts.offpolicy_train == "none" and a["retrieved_mask"] is not None:
         in_loss = in_loss & (a["retrieved_mask"] == 0)
     adv = a["advantages"]
-    _check_finite_in_loss("advantages", adv, in_loss if adv.shape == in_loss.shape else None)
-    _check_finite_in_loss("old_logp", a["old_logp"], in_loss, allow_inf=True)
+    C.check_finite("advantages", adv, in_loss=in_loss if adv.shape == in_loss.shape else None)
+    C.check_finite("old_logp", a["old_logp"], allow_inf=True, in_loss=in_loss)
     _check_logp_not_positive("old_logp", a["old_logp"], in_loss)
     if opts.offpolicy_train == "truncated" and a["behav_logp"] is None:
         raise ValueError(
-            "behav_logp: required when offpolicy_train='truncated' (the behaviour log-probs of the retrieved tokens)"
+            "behav_logp: expected the behaviour log-probs of the retrieved tokens when offpolicy_train='truncated', "
+            "got None"
         )
     if opts.tis_cap is not None and a["behav_logp"] is None:
-        raise ValueError("behav_logp: required when tis_cap is set (truncated importance sampling)")
+        raise ValueError("behav_logp: expected a tensor when tis_cap is set (truncated importance sampling), got None")
     if opts.beta != 0.0 and a["ref_logp"] is None:
-        raise ValueError(f"ref_logp: required when beta != 0 (beta={opts.beta})")
+        raise ValueError(f"ref_logp: expected a tensor when beta != 0 ({opts.beta}), got None")
     for k in ("behav_logp", "ref_logp"):
         if a[k] is not None:
-            _check_finite_in_loss(k, a[k], in_loss, allow_inf=True)
+            C.check_finite(k, a[k], allow_inf=True, in_loss=in_loss)
     return ignored
-
-
-def _check_finite_in_loss(name: str, t: torch.Tensor, in_loss: torch.Tensor | None, *, allow_inf: bool = False):
-    """No NaN (and no inf unless allowed) in `t` where in_loss is set (everywhere when in_loss is None: per-sequence
-    advantages). One sync; skipped while tracing under torch.compile."""
-    if t.numel() == 0 or not t.is_floating_point() or torch.compiler.is_compiling():
-        return
-    bad = torch.isnan(t) if allow_inf else ~torch.isfinite(t)
-    if in_loss is not None:
-        bad = bad & in_loss.to(bad.device)
-    if bool(bad.any()):
-        first = tuple(torch.nonzero(bad)[0].tolist())
-        what = "NaN" if allow_inf else "NaN or inf"
-        where = " at tokens in the loss" if in_loss is not None else ""
-        raise ValueError(f"{name}: contains {what}{where} ({int(bad.sum())} elements, first at index {first})")
 
 
 def check_logits_rows_defined(logp: torch.Tensor, loss_mask: torch.Tensor, logits: torch.Tensor) -> None:
@@ -432,7 +418,9 @@ def check_inputs(a: Mapping[str, Any], opts: LossOptions) -> InputFacts:
     _check_per_token(a, tshape)
     cu, flat = a["cu_seqlens"], len(tshape) == 1  # rows: the sequences of padded [B, T] or flat [N] (+ cu_seqlens)
     if cu is not None and not flat:
-        raise ValueError(f"cu_seqlens: only for flat inputs (targets / logp [N]); got shape {tshape}")
+        raise ValueError(
+            f"cu_seqlens: expected None with padded inputs (it is for flat targets / logp [N]), got shape {tshape}"
+        )
     rows = C.check_cu_seqlens("cu_seqlens", cu, tshape[0]) if cu is not None else (1 if flat else tshape[0])
     adv = C.check_tensor("advantages", a["advantages"], dtypes=C.FLOAT_DTYPES)
     if tuple(adv.shape) not in (tshape, (rows,)):

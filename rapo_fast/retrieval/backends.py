@@ -31,7 +31,7 @@ def check_backend(backend: object, device: torch.device) -> str:
     """`backend` checked to be one of BACKENDS and, when explicit, able to run on tensors of `device`; returns it.
     ValueError naming `backend`, the value and the reason otherwise."""
     if not isinstance(backend, str) or backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {brief(backend)}")
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {brief(backend)}")
     if backend == "auto":
         return backend
     if backend in ("cpu", "cuda") and device.type != backend:

@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rapo_fast import _checks as C
 from rapo_fast._checks import brief
 from rapo_fast._constants import MAX_KEYS
 from rapo_fast.reference.retrieval import key_aux_ref
 from rapo_fast.retrieval.backends import check_backend
-from rapo_fast.retrieval.buffer_args import as_tensor, check_int_vector, check_k, check_min_score
-from rapo_fast.retrieval.buffer_args import shape as _shape
+from rapo_fast.retrieval.buffer_args import as_tensor, check_ids, check_rows
 from rapo_fast.retrieval.io import FORMAT_VERSION, StepBufferFormatError, read_snapshot, write_snapshot
 from rapo_fast.retrieval.l2_chunks import chunked_l2_search, l2_chunk_rows
 from rapo_fast.retrieval.l2_exact import certified_l2_search, rescored_l2_search
@@ -74,16 +74,12 @@ class StepBuffer:
         metric: str = "ip",
         eviction: str = "fifo",
     ) -> None:
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or not 1 <= capacity <= MAX_KEYS:
-            raise ValueError(f"capacity must be an int in [1, 2^31), got {brief(capacity)}")
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
-            raise ValueError(f"dim must be a positive int, got {brief(dim)}")
+        capacity = C.check_int("capacity", capacity, lo=1, hi=MAX_KEYS)
+        dim = C.check_int("dim", dim, lo=1)
         if dtype not in _KEY_DTYPES:
-            raise TypeError(f"dtype must be one of {_KEY_DTYPES}, got {dtype}")
-        if metric not in METRIC_CODES:
-            raise ValueError(f"metric must be one of {tuple(METRIC_CODES)}, got {brief(metric)}")
-        if eviction not in _EVICTIONS:
-            raise ValueError(f"eviction must be one of {_EVICTIONS}, got {brief(eviction)}")
+            raise TypeError(f"dtype: expected one of {_KEY_DTYPES}, got {brief(dtype)}")
+        C.check_choice("metric", metric, tuple(METRIC_CODES))
+        C.check_choice("eviction", eviction, _EVICTIONS)
         self._setup(capacity, dim, dtype, device, metric, eviction, rows=capacity)
 
     def _setup(self, capacity: int, dim: int, dtype, device, metric: str, eviction: str, rows: int) -> None:
@@ -158,11 +154,7 @@ class StepBuffer:
         """Replace the pin flags of the occupied slots: mask [len(self)] bool (slot order, as the views above)."""
         with self._lock.write():  # the size checked is the size written
             n = self._size
-            if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-                got = getattr(mask, "dtype", type(mask).__name__)
-                raise TypeError(f"mask must be a bool tensor of shape [{n}], got {got}")
-            if mask.dim() != 1 or mask.shape[0] != n:
-                raise ValueError(f"mask must have shape [{n}] (one flag per stored step), got {_shape(mask)}")
+            C.check_tensor("mask", mask, shape=(n,), dtypes=(torch.bool,))  # one flag per stored step
             self._pinned[:n] = mask.to(self.device)
             self._has_pins = bool(mask.any())
 
@@ -192,37 +184,24 @@ class StepBuffer:
         embeddings, payload_ids, group_ids, scores, pinned = (
             as_tensor(x, self.device) for x in (embeddings, payload_ids, group_ids, scores, pinned)
         )
-        if not isinstance(embeddings, torch.Tensor):
-            raise TypeError(f"embeddings must be a torch.Tensor [M, {self.dim}], got {type(embeddings).__name__}")
-        if not embeddings.is_floating_point():
-            raise TypeError(f"embeddings must be a float tensor [M, {self.dim}], got dtype {embeddings.dtype}")
-        if embeddings.dim() != 2 or embeddings.shape[1] != self.dim:
-            raise ValueError(f"embeddings must have shape [M, {self.dim}], got {_shape(embeddings)}")
-        M = embeddings.shape[0]
-        payload = None if payload_ids is None else check_int_vector("payload_ids", payload_ids, M).to(self.device)
-        group = None if group_ids is None else check_int_vector("group_ids", group_ids, M).to(self.device)
+        M = check_rows("embeddings", embeddings, self.dim, "M").shape[0]
+        payload = None if payload_ids is None else check_ids("payload_ids", payload_ids, M).to(self.device)
+        group = None if group_ids is None else check_ids("group_ids", group_ids, M).to(self.device)
         if scores is None:
             score = torch.zeros(M, dtype=torch.float32, device=self.device)
         else:
-            if not isinstance(scores, torch.Tensor) or not scores.is_floating_point():
-                got = getattr(scores, "dtype", type(scores).__name__)
-                raise TypeError(f"scores must be a float tensor of shape [{M}] or None, got {got}")
-            if scores.dim() != 1 or scores.shape[0] != M:
-                raise ValueError(f"scores must have shape [{M}], got {_shape(scores)}")
-            score = scores.to(device=self.device, dtype=torch.float32)
+            score = C.check_tensor("scores", scores, shape=(M,), dtypes=C.FLOAT_DTYPES).to(self.device, torch.float32)
         pin = self._check_pinned(pinned, M)
         keys = embeddings.to(device=self.device, dtype=self.dtype)
         if M == 0:
             return torch.empty(0, dtype=torch.int64, device=self.device)
         if not bool(torch.isfinite(keys).all()):
-            raise ValueError(f"embeddings must be finite in {self.dtype} (NaN/inf found, or out of range)")
-        if not bool(torch.isfinite(score).all()):
-            raise ValueError("scores must be finite")
-        if group is not None and bool((group < 0).any()):
-            raise ValueError("group_ids must be >= 0 (negative values mean 'no exclusion' in search)")
-        if payload is not None and bool((payload < 0).any()):
-            got = int(payload.min())
-            raise ValueError(f"payload_ids must be >= 0 (-1 pads search results with fewer than k steps), got {got}")
+            raise ValueError(f"embeddings: expected finite values in {self.dtype}, got NaN/inf (or out of its range)")
+        C.check_finite("scores", score)
+        if group is not None and bool((group < 0).any()):  # a negative group means 'no exclusion' in search
+            raise ValueError(f"group_ids: expected values >= 0, got {int(group.min())}")
+        if payload is not None and bool((payload < 0).any()):  # -1 pads search results with fewer than k steps
+            raise ValueError(f"payload_ids: expected values >= 0, got {int(payload.min())}")
         with self._lock.write():
             return self._store(keys, payload, group, score, pin)
 
@@ -232,11 +211,7 @@ class StepBuffer:
             return None
         if pinned is True:
             return torch.ones(M, dtype=torch.bool, device=self.device)
-        if not isinstance(pinned, torch.Tensor) or pinned.dtype != torch.bool:
-            got = getattr(pinned, "dtype", type(pinned).__name__)
-            raise TypeError(f"pinned must be a bool tensor of shape [{M}], a bool or None, got {got}")
-        if pinned.dim() != 1 or pinned.shape[0] != M:
-            raise ValueError(f"pinned must have shape [{M}], got {_shape(pinned)}")
+        C.check_tensor("pinned", pinned, shape=(M,), dtypes=(torch.bool,))
         return pinned.to(self.device) if bool(pinned.any()) else None
 
     def _store(
@@ -349,27 +324,20 @@ class StepBuffer:
         """search's argument checks, shared with ShardedStepBuffer: (queries rounded to the buffer's dtype, k,
         exclude as int64 or None, the score threshold). `backend` is checked to run on the buffer's device."""
         check_backend(backend, self.device)
-        if not isinstance(queries, torch.Tensor):
-            raise TypeError(f"queries must be a torch.Tensor [Q, {self.dim}], got {type(queries).__name__}")
-        if not queries.is_floating_point():
-            raise TypeError(f"queries must be a float tensor [Q, {self.dim}], got dtype {queries.dtype}")
-        if queries.dim() != 2 or queries.shape[1] != self.dim:
-            raise ValueError(f"queries must have shape [Q, {self.dim}], got {_shape(queries)}")
-        if queries.device != self.device:
-            raise ValueError(f"queries must be on the buffer's device {self.device}, got {queries.device}")
-        k = check_k(k)
-        thr = check_min_score(min_score)
+        check_rows("queries", queries, self.dim, "Q")
+        C.check_same_device(buffer=self._keys, queries=queries)
+        k = C.check_int("k", k, lo=1, hi=MAX_K)
+        thr = C.check_min_score("min_score", min_score)
         exclude = None
         if exclude_groups is not None:
-            exclude = check_int_vector("exclude_groups", exclude_groups, queries.shape[0])
-            if exclude.device != self.device:
-                raise ValueError(f"exclude_groups must be on the buffer's device {self.device}, got {exclude.device}")
+            exclude = check_ids("exclude_groups", exclude_groups, queries.shape[0])
+            C.check_same_device(buffer=self._keys, exclude_groups=exclude)
         q = queries.detach().to(self.dtype)  # retrieval is not differentiable: no autograd graph through the op
         # As strict as add: NaN/inf, or out of range once rounded. Not while torch.compile traces (a data-dependent
         # branch would break the graph; docs/retrieval.md, "Thread safety").
         if not torch.compiler.is_compiling() and not bool(torch.isfinite(q).all()):
-            raise ValueError(f"queries must be finite in {self.dtype} (NaN/inf found, or out of range)")
-        return q, k, exclude, thr
+            raise ValueError(f"queries: expected finite values in {self.dtype}, got NaN/inf (or out of its range)")
+        return q, k, exclude, float("-inf") if thr is None else thr
 
     def _search_slots(
         self,

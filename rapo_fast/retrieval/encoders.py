@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from rapo_fast._checks import check_str_list
 from rapo_fast.retrieval.ngram_hash import NgramHasher, window_words
 
 # The retrieval-key windows (docs/retrieval.md, "Retrieval keys"): a history's first words hold the question, its last
@@ -42,12 +43,6 @@ def make_encoder(spec: str | Callable, device: str | torch.device = "cpu") -> Ca
     if spec == "minilm":
         return MiniLMEncoder(device=device)
     raise ValueError(f"encoder: expected 'hashed', 'hashed:<dim>', 'minilm' or a callable, got {spec!r}")
-
-
-def _check_texts(texts: Sequence[str], who: str) -> list[str]:
-    if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
-        raise TypeError(f"{who}: texts must be a sequence of str, got {type(texts).__name__}")
-    return list(texts)
 
 
 class HashedNgramEncoder:
@@ -82,7 +77,7 @@ class HashedNgramEncoder:
         self._hasher = NgramHasher(self.ngrams)
 
     def __call__(self, texts: Sequence[str]) -> torch.Tensor:
-        texts = _check_texts(texts, "HashedNgramEncoder")
+        texts = check_str_list("HashedNgramEncoder: texts", texts)
         counts = np.zeros((len(texts), self.dim), np.float64)
         for i, text in enumerate(texts):
             h = self._hasher.hashes(window_words(text, self.head_words, self.tail_words))
@@ -145,7 +140,7 @@ class MiniLMEncoder:
 
     @torch.no_grad()
     def __call__(self, texts: Sequence[str]) -> torch.Tensor:
-        texts = _check_texts(texts, "MiniLMEncoder")
+        texts = check_str_list("MiniLMEncoder: texts", texts)
         if not texts:
             return torch.zeros(0, self.dim)
         distinct = dict.fromkeys(texts)
@@ -203,7 +198,7 @@ class PolicyHiddenEncoder:
     def __call__(self, texts: Sequence[str]) -> torch.Tensor:
         from rapo_fast.train.hf_model import final_hidden
 
-        texts = _check_texts(texts, "PolicyHiddenEncoder")
+        texts = check_str_list("PolicyHiddenEncoder: texts", texts)
         if not texts:
             return torch.zeros(0, self.dim)
         ids = [self.tokenizer.encode(t) or [self.pad_id] for t in texts]

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from rapo_fast._atomic import FormatError, HashingWriter, VersionWriter, check_choice, check_int, read_version
+from rapo_fast._atomic import FormatError, HashingWriter, VersionWriter, read_version
+from rapo_fast._checks import check_choice, check_field, check_int
 from rapo_fast._constants import MAX_KEYS
 from rapo_fast.retrieval.op import METRIC_CODES
 
@@ -66,15 +67,16 @@ def write_snapshot(directory: str | os.PathLike, tensors: dict[str, torch.Tensor
 
 def _check_meta(meta: dict[str, Any], where: Path) -> dict[str, Any]:
     err = StepBufferFormatError
-    cap = check_int(meta, "capacity", where, err, 1, MAX_CAPACITY)
-    check_int(meta, "dim", where, err, 1, 2**31 - 1)
-    check_choice(meta, "dtype", tuple(_DTYPES), where, err)
-    check_choice(meta, "metric", tuple(METRIC_CODES), where, err)
-    check_choice(meta, "eviction", _EVICTIONS, where, err)
-    size = check_int(meta, "size", where, err, 0, cap)
+    cap = check_field(meta, "capacity", where, err, check_int, lo=1, hi=MAX_CAPACITY)
+    check_field(meta, "dim", where, err, check_int, lo=1, hi=2**31 - 1)
+    check_field(meta, "dtype", where, err, check_choice, tuple(_DTYPES))
+    check_field(meta, "metric", where, err, check_choice, tuple(METRIC_CODES))
+    check_field(meta, "eviction", where, err, check_choice, _EVICTIONS)
+    size = check_field(meta, "size", where, err, check_int, lo=0, hi=cap)
     # fifo: head moves only once the ring is full; lowest_score never moves it
-    check_int(meta, "head", where, err, 0, cap - 1 if size == cap and meta["eviction"] == "fifo" else 0)
-    check_int(meta, "next_seq", where, err, size)
+    head_hi = cap - 1 if size == cap and meta["eviction"] == "fifo" else 0
+    check_field(meta, "head", where, err, check_int, lo=0, hi=head_hi)
+    check_field(meta, "next_seq", where, err, check_int, lo=size)
     return meta
 
 

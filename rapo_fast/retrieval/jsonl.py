@@ -9,13 +9,12 @@ producer of trajectories (an off-policy agent, e.g. the demo's scripted solver) 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from rapo_fast._atomic import write_file_atomic
-from rapo_fast._checks import brief
+from rapo_fast._checks import brief, check_field, check_float, check_int
 
 
 def write_jsonl(records: Iterable[dict], path: str | Path) -> Path:
@@ -67,27 +66,25 @@ def check_record(rec: Any, where: str) -> dict:
     most MAX_HISTORY_CHARS characters; reward a finite number (bool refused); answer, when a str, and every text valid
     Unicode (no lone surrogates)."""
     if not isinstance(rec, dict):
-        raise ValueError(f"read_jsonl: {where} must be a JSON object (one trajectory), got {type(rec).__name__}")
-    q = rec.get("query_id")
-    if isinstance(q, bool) or not isinstance(q, int) or not 0 <= q <= QUERY_ID_MAX:
-        raise ValueError(f"read_jsonl: {where}: 'query_id' must be an int in [0, {QUERY_ID_MAX}], got {brief(q)}")
+        raise ValueError(f"read_jsonl: {where}: expected a JSON object (one trajectory), got {type(rec).__name__}")
+    check_field(rec, "query_id", f"read_jsonl: {where}", ValueError, check_int, lo=0, hi=QUERY_ID_MAX)
     prompt = rec.get("prompt")
     if not isinstance(prompt, str):
-        raise ValueError(f"read_jsonl: {where}: 'prompt' must be a str, got {brief(prompt)}")
+        raise ValueError(f"read_jsonl: {where}: field 'prompt': expected a str, got {brief(prompt)}")
     _check_text(where, "prompt", prompt)
     steps = rec.get("steps")
     if not isinstance(steps, list):
-        raise ValueError(f"read_jsonl: {where}: 'steps' must be a list of str, got {brief(steps)}")
+        raise ValueError(f"read_jsonl: {where}: field 'steps': expected a list of str, got {brief(steps)}")
     for j, st in enumerate(steps):
         if not isinstance(st, str):
-            raise ValueError(f"read_jsonl: {where}: 'steps'[{j}] must be a str, got {type(st).__name__} {brief(st)}")
+            raise ValueError(
+                f"read_jsonl: {where}: field 'steps'[{j}]: expected a str, got {type(st).__name__} {brief(st)}"
+            )
         _check_text(where, f"steps[{j}]", st)
     _check_history_size(where, prompt, steps)
     if isinstance(rec.get("answer"), str):
         _check_text(where, "answer", rec["answer"])
-    r = rec.get("reward")
-    if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r):
-        raise ValueError(f"read_jsonl: {where}: 'reward' must be a finite number, got {brief(r)}")
+    check_field(rec, "reward", f"read_jsonl: {where}", ValueError, check_float)
     return rec
 
 

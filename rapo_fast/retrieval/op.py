@@ -38,7 +38,7 @@ def _check_op_inputs(keys, key_aux, groups, queries, exclude, centre) -> None:
         if t is None:
             continue
         if t.dtype != dt or t.dim() != 1:
-            raise TypeError(f"{name} must be a 1-d {dt} tensor, got {t.dtype} {tuple(t.shape)}")
+            raise TypeError(f"{name}: expected a 1-d {dt} tensor, got {t.dtype} {tuple(t.shape)}")
         if t.device != queries.device:
             raise ValueError(f"{name} is on {t.device}, queries on {queries.device}")
     if keys.device != queries.device:

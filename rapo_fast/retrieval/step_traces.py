@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from rapo_fast import _checks as C
-from rapo_fast._atomic import FormatError, VersionWriter, check_int, read_json_object, read_version
+from rapo_fast._atomic import FormatError, VersionWriter, read_json_object, read_version
 from rapo_fast._tokens import encode_plain
 
 OFFPOLICY_GROUP_BASE = 1 << 40
@@ -80,9 +80,7 @@ class StepTraces:
         self.num_onpolicy = 0
         if kv_store is not None and model is None:
             raise ValueError("StepTraces: kv_store needs the model that computes the segments' K/V (model=None given)")
-        if not isinstance(pin_offpolicy, bool):
-            raise TypeError(f"StepTraces: pin_offpolicy must be a bool, got {type(pin_offpolicy).__name__}")
-        self.pin_offpolicy = pin_offpolicy
+        self.pin_offpolicy = C.check_bool("StepTraces: pin_offpolicy", pin_offpolicy)
         enc_dim, buf_dim = getattr(encoder, "dim", None), getattr(buffer, "dim", None)
         if isinstance(enc_dim, int) and isinstance(buf_dim, int) and enc_dim != buf_dim:
             # caught here rather than at the first add or search, where the error names only `embeddings`
@@ -132,8 +130,7 @@ class StepTraces:
 
         if tokenizer is None:
             raise ValueError("StepTraces.from_jsonl: tokenizer is required (the payloads are token ids)")
-        if not isinstance(top_k, int) or top_k < 1:
-            raise ValueError(f"StepTraces.from_jsonl: top_k must be a positive int, got {top_k!r}")
+        C.check_int("StepTraces.from_jsonl: top_k", top_k, lo=1)
         kept = top_k_by_reward(read_jsonl(path), top_k)
         pairs = [(h, s, int(r["query_id"]), float(r["reward"])) for r in kept for h, s in split_trajectory(r)]
         dim = int(getattr(encoder, "dim", 0)) or int(encoder(["probe"]).shape[-1])
@@ -161,23 +158,22 @@ class StepTraces:
         keys = self.encoder([strip_retrieve_markers(h) for h in histories])
         if not isinstance(keys, torch.Tensor) or keys.dim() != 2 or keys.shape[0] != n:
             got = tuple(keys.shape) if isinstance(keys, torch.Tensor) else type(keys).__name__
-            raise ValueError(f"encode: the encoder must return a [{n}, D] tensor for {n} histories, got {got}")
+            raise ValueError(f"encode: expected a [{n}, D] tensor from the encoder for {n} histories, got {got}")
         keys = keys.detach().float().cpu()
         if not bool(torch.isfinite(keys).all()):
-            raise ValueError("encode: the encoder returned NaN/inf for some histories (keys must be finite)")
+            raise ValueError("encode: expected finite keys from the encoder, got NaN/inf for some histories")
         return keys
 
     def check_keys(self, keys: torch.Tensor, n: int | None = None, name: str = "keys") -> torch.Tensor:
         """`keys` as fp32 [N, D] (D: the buffer's dim; N: n when given), finite; else TypeError/ValueError naming it."""
         if not isinstance(keys, torch.Tensor) or not keys.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point torch.Tensor [N, D], got {type(keys).__name__}")
+            raise TypeError(f"{name}: expected a float torch.Tensor [N, D], got {type(keys).__name__}")
         dim = getattr(self.buffer, "dim", None)  # a buffer-like object without one is trusted to check
         if keys.dim() != 2 or keys.shape[1] != (dim or keys.shape[1]) or (n is not None and keys.shape[0] != n):
             want = f"[{'N' if n is None else n}, {dim}]"
-            raise ValueError(f"{name} must have shape {want} (the buffer's dim), got {tuple(keys.shape)}")
+            raise ValueError(f"{name}: expected shape {want} (the buffer's dim), got {tuple(keys.shape)}")
         keys = keys.detach().float()
-        if not bool(torch.isfinite(keys).all()):
-            raise ValueError(f"{name} must be finite (NaN/inf found)")
+        C.check_finite(name, keys)
         return keys
 
     def _add(
@@ -260,16 +256,10 @@ class StepTraces:
         every evictable one, and a batch larger than the free room overwrites its own first steps (StepBuffer.add).
         return_slots=True returns (payload ids [M], slots [M] int64 on the CPU) instead, slot -1 for a step the
         buffer did not keep, so that a caller can count what was stored: `int((slots >= 0).sum())`."""
-        for name, xs in (("histories", histories), ("steps", steps)):
-            if isinstance(xs, str) or not isinstance(xs, Sequence):
-                raise TypeError(f"add_steps: {name} must be a list of str, got {type(xs).__name__}")
-            for i, x in enumerate(xs):
-                if not isinstance(x, str):
-                    raise TypeError(f"add_steps: {name}[{i}] must be a str, got {type(x).__name__}")
+        histories = C.check_str_list("add_steps: histories", histories)
+        C.check_str_list("add_steps: steps", steps)
         if len(histories) != len(steps):
-            raise ValueError(
-                f"add_steps: histories and steps must have one entry per step, got {len(histories)}, {len(steps)}"
-            )
+            raise ValueError(f"add_steps: steps: expected one entry per history ({len(histories)}), got {len(steps)}")
         return self.add_encoded(self.encode(histories), steps, group_ids, scores, return_slots=return_slots)
 
     def add_encoded(
@@ -283,19 +273,14 @@ class StepTraces:
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """add_steps with the histories already encoded: keys [M, D] fp32 (`encode`'s output, made wherever the
         histories are). Same checks, result and all-or-nothing rule as add_steps."""
-        if not isinstance(return_slots, bool):
-            raise TypeError(f"add_steps: return_slots must be a bool, got {type(return_slots).__name__}")
-        if isinstance(steps, str) or not isinstance(steps, Sequence):
-            raise TypeError(f"add_steps: steps must be a list of str, got {type(steps).__name__}")
-        for i, x in enumerate(steps):
-            if not isinstance(x, str):
-                raise TypeError(f"add_steps: steps[{i}] must be a str, got {type(x).__name__}")
+        C.check_bool("add_steps: return_slots", return_slots)
+        C.check_str_list("add_steps: steps", steps)
         if isinstance(group_ids, torch.Tensor):
             group_ids = group_ids.tolist()
         if not isinstance(keys, torch.Tensor) or len(keys) != len(steps) or len(group_ids) != len(steps):
             got = len(keys) if isinstance(keys, torch.Tensor) else type(keys).__name__
             raise ValueError(
-                f"add_steps: keys, steps and group_ids must have one entry per step, got lengths "
+                f"add_steps: keys, steps and group_ids: expected one entry per step each, got lengths "
                 f"{got}, {len(steps)}, {len(group_ids)}"
             )
         keys = self.check_keys(keys, len(steps), "add_steps: keys")
@@ -307,7 +292,7 @@ class StepTraces:
                 scores = scores.tolist()
             if isinstance(scores, (str, bytes)) or not isinstance(scores, Sequence) or len(scores) != len(steps):
                 raise ValueError(
-                    f"add_steps: scores must be None or a list of {len(steps)} numbers, got {scores!r:.200}"
+                    f"add_steps: scores: expected None or a list of {len(steps)} numbers, got {C.brief(scores)}"
                 )
             sc = [C.check_float(f"add_steps: scores[{i}]", x) for i, x in enumerate(scores)]
         if not steps:
@@ -330,8 +315,7 @@ class StepTraces:
         negative: none excluded). backend: the search backend, as StepBuffer.search ("auto" | "cpu" | "cuda" |
         "triton"); under "auto" the buffer's search is called without it, as before, so any buffer-like object works.
         """
-        if not isinstance(histories, Sequence) or isinstance(histories, str):
-            raise TypeError(f"retrieve: histories must be a list of str, got {type(histories).__name__}")
+        C.check_str_list("retrieve: histories", histories)
         if exclude_groups is not None:  # int64's range (ValueError naming the entry), before any work is done
             if isinstance(exclude_groups, torch.Tensor):
                 exclude_groups = exclude_groups.tolist()
@@ -443,11 +427,10 @@ class StepTracesFormatError(FormatError):
 
 def _read_traces_json(path: Path) -> tuple[dict[int, list[int]], int, int, bool]:
     meta = read_json_object(path, StepTracesFormatError)
-    n_off = check_int(meta, "num_offpolicy", path, StepTracesFormatError)
-    n_on = check_int(meta, "num_onpolicy", path, StepTracesFormatError)
-    pin = meta.get("pin_offpolicy", True)  # absent from saves before the field: the default
-    if not isinstance(pin, bool):
-        raise StepTracesFormatError(f"{path}: field 'pin_offpolicy' must be a bool, got {pin!r}")
+    n_off = C.check_field(meta, "num_offpolicy", path, StepTracesFormatError, C.check_int, lo=0)
+    n_on = C.check_field(meta, "num_onpolicy", path, StepTracesFormatError, C.check_int, lo=0)
+    # absent from saves before the field: the default
+    pin = C.check_field({"pin_offpolicy": True, **meta}, "pin_offpolicy", path, StepTracesFormatError, C.check_bool)
     payloads, pids = meta.get("payloads"), meta.get("payload_ids")
     if not isinstance(payloads, list) or not all(
         isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p)
@@ -473,11 +456,11 @@ def _cross_check(v, payloads: dict[int, list[int]], buffer, kv_state: dict | Non
     """The parts of one save must agree: counts in the manifest, the buffer's payload ids = the saved payloads' (the
     live ones: a save holds no other), K/V for exactly those with the payloads' tokens."""
     where = v.path / "meta.json"
-    if check_int(v.meta, "num_payloads", where, StepTracesFormatError) != len(payloads):
+    if C.check_field(v.meta, "num_payloads", where, StepTracesFormatError, C.check_int, lo=0) != len(payloads):
         raise StepTracesFormatError(
             f"{where}: field 'num_payloads' is {v.meta['num_payloads']}, traces.json holds {len(payloads)}"
         )
-    if check_int(v.meta, "buffer_size", where, StepTracesFormatError) != len(buffer):
+    if C.check_field(v.meta, "buffer_size", where, StepTracesFormatError, C.check_int, lo=0) != len(buffer):
         raise StepTracesFormatError(
             f"{where}: field 'buffer_size' is {v.meta['buffer_size']}, the buffer holds {len(buffer)}"
         )

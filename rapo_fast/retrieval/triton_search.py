@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rapo_fast._checks import brief, check_int, check_same_device, check_tensor
 from rapo_fast._constants import COSINE_EPS, MAX_K, METRIC_COSINE, METRIC_IP, METRIC_L2, TRITON_EMPTY_KEY
 from rapo_fast._dispatch import device_guard, interpret_mode
 
@@ -173,14 +174,11 @@ def plan(
 def _check(keys, key_aux, groups, queries, exclude, k, metric, min_score, centre) -> None:
     """Every argument the kernel reads, checked before any launch (ValueError / TypeError naming it)."""
     for name, t in (("keys", keys), ("queries", queries), ("key_aux", key_aux), ("groups", groups)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        check_tensor(name, t)
     if keys.dim() != 2 or queries.dim() != 2 or keys.shape[1] != queries.shape[1]:
-        raise ValueError(f"keys [C, D] and queries [Q, D] expected, got {tuple(keys.shape)}, {tuple(queries.shape)}")
+        raise ValueError(f"keys/queries: expected [C, D] and [Q, D], got {tuple(keys.shape)}, {tuple(queries.shape)}")
     if keys.dtype not in _DTYPES or queries.dtype != keys.dtype:
-        raise TypeError(
-            f"keys and queries must share a float32/float16/bfloat16 dtype, got {keys.dtype}, {queries.dtype}"
-        )
+        raise TypeError(f"keys/queries: expected one float32/float16/bfloat16 dtype, got {keys.dtype}, {queries.dtype}")
     C, Q, D = keys.shape[0], queries.shape[0], keys.shape[1]
     if C > _MAX_C:
         raise ValueError(f"keys: the Triton path takes at most {_MAX_C} keys, got {C}")
@@ -190,22 +188,15 @@ def _check(keys, key_aux, groups, queries, exclude, k, metric, min_score, centre
     if centre is not None:
         want["centre"] = (centre, torch.float32, D)
     for name, (t, dt, n) in want.items():
-        if not isinstance(t, torch.Tensor) or t.dtype != dt or t.dim() != 1:
-            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise TypeError(f"{name} must be a 1-d {dt} tensor of shape [{n}], got {got}")
-        if t.shape[0] != n:
-            raise ValueError(f"{name} must have shape [{n}], got {tuple(t.shape)}")
-    for name, t in (("keys", keys), *((n, v[0]) for n, v in want.items())):
-        if t.device != queries.device:
-            raise ValueError(f"{name} is on {t.device}, queries on {queries.device}")
+        check_tensor(name, t, shape=(n,), dtypes=(dt,))
+    check_same_device(queries=queries, keys=keys, **{name: v[0] for name, v in want.items()})
     if queries.device.type == "cpu" and not interpret_mode():
         raise ValueError("triton_search runs on CUDA tensors, or on CPU tensors only under TRITON_INTERPRET=1")
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_K:
-        raise ValueError(f"k must be an int in [1, {MAX_K}], got {k!r}")
+    k = check_int("k", k, lo=1, hi=MAX_K)
     if metric not in (METRIC_IP, METRIC_COSINE, METRIC_L2):
-        raise ValueError(f"metric must be 0 (ip), 1 (cosine) or 2 (l2), got {metric!r}")
-    if min_score != min_score:
-        raise ValueError("min_score must not be NaN")
+        raise ValueError(f"metric: expected 0 (ip), 1 (cosine) or 2 (l2), got {brief(metric)}")
+    if min_score != min_score:  # -inf is the op's "no threshold"
+        raise ValueError("min_score: expected a number or -inf, got NaN")
 
 
 def _prepare(keys, key_aux, queries, metric, centre):

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rapo_fast._checks import brief
+from rapo_fast._checks import check_int
 
 
 class TrainerCallback:
@@ -58,8 +58,7 @@ class EvalCallback(TrainerCallback):
     ):
         if not callable(eval_fn):
             raise TypeError(f"EvalCallback: eval_fn must be a callable trainer -> float, got {type(eval_fn).__name__}")
-        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-            raise ValueError(f"EvalCallback: every must be a positive int, got {brief(every)}")
+        every = check_int("EvalCallback: every", every, lo=1)
         if target is not None and not isinstance(target, (int, float)):
             raise TypeError(f"EvalCallback: target must be a number or None, got {type(target).__name__}")
         self.eval_fn, self.every, self.at_start, self.target, self.name = eval_fn, every, at_start, target, name

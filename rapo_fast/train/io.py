@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from rapo_fast._atomic import FormatError, VersionWriter, check_int, read_version, write_file_atomic
+from rapo_fast._atomic import FormatError, VersionWriter, read_version, write_file_atomic
+from rapo_fast._checks import check_field, check_int
 from rapo_fast.train.config import TrainerConfig
 
 # version 1: "rapo_fast.train.trainer.checkpoint/1", one directory renamed into place (not crash-safe, no checksums);
@@ -179,7 +180,7 @@ def _check_trainer_state(state, path: Path, step_count: int) -> None:
     if not isinstance(state, dict) or set(state) != fields:
         got = sorted(state) if isinstance(state, dict) else type(state).__name__
         raise CheckpointFormatError(f"{path}: want a dict of the fields {sorted(fields)}, got {got}")
-    if check_int(state, "step_count", path, CheckpointFormatError) != step_count:
+    if check_field(state, "step_count", path, CheckpointFormatError, check_int, lo=0) != step_count:
         raise CheckpointFormatError(f"{path}: field 'step_count' is {state['step_count']}, meta.json says {step_count}")
     for field, restore in (
         ("py_rng", lambda s: random.Random().setstate(s)),
@@ -242,7 +243,8 @@ def load_checkpoint(trainer, directory: str | Path) -> None:
         if not names <= set(v.files) <= names | {"buffer/CURRENT"}:
             raise CheckpointFormatError(f"{d / 'meta.json'}: field 'files' lists {sorted(v.files)}")
         state = _torch_load(d / "trainer.pt")
-        _check_trainer_state(state, d / "trainer.pt", check_int(v.meta, "step_count", d, CheckpointFormatError))
+        step_count = check_field(v.meta, "step_count", d, CheckpointFormatError, check_int, lo=0)
+        _check_trainer_state(state, d / "trainer.pt", step_count)
         try:
             saved = TrainerConfig.from_json((d / "config.json").read_bytes().decode("utf-8"))
         except (ValueError, TypeError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors

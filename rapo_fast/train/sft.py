@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from rapo_fast._checks import brief
+from rapo_fast._checks import brief, check_choice, check_int
 from rapo_fast._tokens import encode_plain
 from rapo_fast.rollouts.batch import KIND_GEN, KIND_PROMPT, KIND_RET, KIND_TOOL
 from rapo_fast.rollouts.offpolicy import split_step
@@ -29,8 +29,7 @@ def sft_examples(task, tokenizer, problems: Sequence, retrieve_frac: float, rng:
     same relation (`problem.hints[k]`, e.g. rapo_fast.demo.tasks.kb_alias), so the policy learns to take a retrieved
     step's relation and apply it to its own entity. Kinds follow rapo_fast.rollouts.batch (only KIND_GEN is
     trained)."""
-    if style not in RETRIEVE_STYLES:
-        raise ValueError(f"sft_examples: style must be one of {RETRIEVE_STYLES}, got {brief(style)}")
+    check_choice("sft_examples: style", style, RETRIEVE_STYLES)
     out = []
     for p in problems:
         if style == "foreign" and len(getattr(p, "hints", ())) < len(task.solution(p)) - 1:
@@ -81,8 +80,7 @@ def sft_warmup(
 ) -> list[float]:
     """Cross-entropy on the generated tokens of rendered solutions (sft_examples: `retrieve_frac`,
     `retrieve_style`); returns the loss per step."""
-    if not isinstance(steps, int) or steps < 0:
-        raise ValueError(f"sft_warmup: steps must be a non-negative int, got {brief(steps)}")
+    check_int("sft_warmup: steps", steps, lo=0)
     if not problems:
         raise ValueError("sft_warmup: problems is empty")
     rng = random.Random(seed)

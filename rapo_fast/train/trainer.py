@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from rapo_fast._checks import brief
+from rapo_fast._checks import check_bool, check_int
 from rapo_fast.rollouts.batch import KIND_GEN, KIND_RET, RolloutBatch
 from rapo_fast.train.callbacks import EvalCallback, TrainerCallback
 from rapo_fast.train.config import TrainerConfig
@@ -385,12 +385,10 @@ class RAPOTrainer:
         by SIGTERM; a handler of yours runs, and if it returns, training stops as after a callback's stop).
         checkpoint_on_sigterm=False, no checkpoint_dir, or an ignored SIGTERM: SIGTERM is left alone.
         """
-        if not isinstance(num_steps, int) or isinstance(num_steps, bool) or num_steps < 0:
-            raise ValueError(f"train: num_steps must be a non-negative int, got {brief(num_steps)}")
+        num_steps = check_int("train: num_steps", num_steps, lo=0)
         if checkpoint_dir is not None and not isinstance(checkpoint_dir, (str, os.PathLike)):
             raise TypeError(f"train: checkpoint_dir must be a path or None, got {type(checkpoint_dir).__name__}")
-        if not isinstance(checkpoint_on_sigterm, bool):
-            raise TypeError(f"train: checkpoint_on_sigterm must be a bool, got {type(checkpoint_on_sigterm).__name__}")
+        check_bool("train: checkpoint_on_sigterm", checkpoint_on_sigterm)
         callbacks = list(callbacks)
         for cb in callbacks:
             if not isinstance(cb, TrainerCallback):

@@ -167,7 +167,7 @@ def test_argument_checks():
     h, w, y = _lm_head((5,), 4, 29, torch.float32)
     with pytest.raises(ValueError, match="inplace_backward"):
         rapo_fast.token_logprobs(hidden=h, weight=w, targets=y, inplace_backward=True)
-    with pytest.raises(TypeError, match="inplace_backward must be a bool"):
+    with pytest.raises(TypeError, match="inplace_backward: expected a bool"):
         rapo_fast.token_logprobs(h @ w.T, targets=y, inplace_backward=1)
     d = make_batch(2, 4, 29, H=4)
     d.pop("logits", None)

@@ -188,7 +188,7 @@ def test_unknown_backend_is_refused_by_name(bad, exc):
         rapo_fast.rapo_loss(**d, backend=bad)
     with pytest.raises(exc, match="backend"):
         rapo_fast.token_logprobs(d["logits"], targets=d["targets"], backend=bad)
-    with pytest.raises(TypeError, match="return_path must be a bool"):
+    with pytest.raises(TypeError, match="return_path: expected a bool"):
         rapo_fast.token_logprobs(d["logits"], targets=d["targets"], return_path=1)
 
 

@@ -68,13 +68,13 @@ def test_every_file_is_covered_by_a_checksum(kind, tmp_path):
         ("metric", "ip", None),  # a valid value: only the checksum can tell
         ("eviction", "lowest_score", None),
         ("capacity", 65, None),
-        ("head", 1.5, "'head' must be an int"),
-        ("size", 50.7, "'size' must be an int"),
-        ("next_seq", -100, "'next_seq' must be an int"),
+        ("head", 1.5, "'head': expected an int"),
+        ("size", 50.7, "'size': expected an int"),
+        ("next_seq", -100, "'next_seq': expected an int"),
         ("capacity", 2**31 - 1, None),  # consistent, and no allocation: load allocates what is stored
-        ("capacity", 2**31, "'capacity' must be an int"),
-        ("dtype", "float64", "'dtype' must be one of"),
-        ("metric", True, "'metric' must be one of"),
+        ("capacity", 2**31, "'capacity': expected an int"),
+        ("dtype", "float64", "'dtype': expected one of"),
+        ("metric", True, "'metric': expected one of"),
     ],
 )
 def test_edited_buffer_meta_is_refused(tmp_path, field, value, message):

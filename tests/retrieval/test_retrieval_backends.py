@@ -89,7 +89,7 @@ def test_triton_is_refused_on_cpu_without_the_interpreter(monkeypatch):
 def test_unknown_backend_is_refused():
     buf, q, _ = _buffer(torch.float32, "l2")
     for bad in ("gpu", "CPU", None, 1):
-        with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'cpu', 'cuda', 'triton'\)"):
+        with pytest.raises(ValueError, match=r"backend: expected one of \('auto', 'cpu', 'cuda', 'triton'\)"):
             buf.search(q, 3, backend=bad)
     assert BACKENDS == ("auto", "cpu", "cuda", "triton")
 

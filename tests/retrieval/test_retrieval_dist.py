@@ -206,7 +206,7 @@ def _assert_same_error(got: list[dict], cls: str, *fragments: str) -> None:
 
 
 def test_bad_exclude_on_one_rank_raises_on_every_rank(tmp_path):
-    _assert_same_error(_run("bad_exclude_on_rank1", tmp_path), "ValueError", "rank 1", "exclude_groups", "[3]")
+    _assert_same_error(_run("bad_exclude_on_rank1", tmp_path), "ValueError", "rank 1", "exclude_groups", "(3,)")
 
 
 def test_bad_query_dim_on_one_rank_raises_on_every_rank(tmp_path):

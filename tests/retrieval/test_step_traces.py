@@ -173,7 +173,7 @@ def test_bad_arguments(data):
     with pytest.raises(ValueError, match="tokenizer"):
         StepTraces.from_jsonl(path, HashedNgramEncoder(), None)
     traces = StepTraces.from_jsonl(path, HashedNgramEncoder(), tok)
-    with pytest.raises(ValueError, match="one entry per step"):
+    with pytest.raises(ValueError, match="steps: expected one entry per history"):
         traces.add_steps(["a"], ["b", "c"], [1])
     with pytest.raises(TypeError, match="pin_offpolicy"):
         StepTraces.from_jsonl(path, HashedNgramEncoder(), tok, pin_offpolicy="yes")

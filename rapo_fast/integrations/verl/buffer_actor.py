@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from rapo_fast._atomic import VersionWriter, check_int, read_version
+from rapo_fast._atomic import VersionWriter, read_version
+from rapo_fast._checks import check_field, check_int, check_min_score
 from rapo_fast.integrations.verl.buffer_client import (
     SAVE_FORMAT,
     SAVE_PREFIX,
@@ -40,7 +41,6 @@ from rapo_fast.integrations.verl.buffer_requests import (
     Coalescer,
     check_groups,
     check_histories,
-    check_min_score,
     check_scores,
 )
 from rapo_fast.retrieval.encoders import make_encoder
@@ -217,7 +217,7 @@ class StepBufferActor:
         keys = self.traces.check_keys(keys, name="retrieve: keys")
         n = len(keys)
         excl = [-1] * n if exclude_groups is None else check_groups(exclude_groups, n, "exclude_groups", "retrieve")
-        min_score = check_min_score(min_score)
+        min_score = check_min_score("retrieve: min_score", min_score)
         self.counters["requests"] += 1
         return await self._searches.submit((keys, excl, min_score), n, min_score)
 
@@ -413,7 +413,7 @@ def get_or_create_step_buffer(
             raise ValueError(f"get_or_create_step_buffer: {src} is a one-shard save, num_shards={num_shards} given")
         return create([None if src is None else str(src)] * num_shards)
     with read_version(src, SAVE_PREFIX, SAVE_FORMAT, SAVE_VERSION, StepBufferSaveError) as v:
-        n = check_int(v.meta, "num_shards", v.path / "meta.json", StepBufferSaveError, lo=1)
+        n = check_field(v.meta, "num_shards", v.path / "meta.json", StepBufferSaveError, check_int, lo=1)
         if n != num_shards:
             raise ValueError(f"get_or_create_step_buffer: {src} holds {n} shards, num_shards={num_shards} given")
         return create([str(v.path / f"shard_{i}") for i in range(n)])

@@ -20,15 +20,13 @@ from typing import Any
 
 import torch
 
-from rapo_fast._atomic import FormatError, VersionWriter, check_int, read_version
-from rapo_fast._checks import check_float
-from rapo_fast._checks import check_int as check_int_arg
+from rapo_fast._atomic import FormatError, VersionWriter, read_version
+from rapo_fast._checks import check_field, check_float, check_int, check_min_score
 from rapo_fast.integrations.verl.buffer_replicas import Readers
 from rapo_fast.integrations.verl.buffer_requests import (
     Coalescer,
     check_groups,
     check_histories,
-    check_min_score,
     check_scores,
 )
 from rapo_fast.retrieval.encoders import make_encoder
@@ -77,7 +75,7 @@ class StepBufferClient:
                 f"StepBufferClient: replicas must list one entry per shard ({len(handles)}), got {len(replicas)}"
             )
         window_s = check_float("StepBufferClient: window_s", window_s, min_value=0.0, max_value=10.0)
-        max_batch = check_int_arg("StepBufferClient: max_batch", max_batch, lo=1)
+        max_batch = check_int("StepBufferClient: max_batch", max_batch, lo=1)
         self.handles, self.encoder_spec, self.replicas = list(handles), encoder, replicas
         self.window_s, self.max_batch = float(window_s), max_batch
         self._readers = Readers(self.handles, replicas)
@@ -121,7 +119,7 @@ class StepBufferClient:
         histories = check_histories(histories, "retrieve")
         n = len(histories)
         excl = [-1] * n if exclude_groups is None else check_groups(exclude_groups, n, "exclude_groups", "retrieve")
-        min_score = check_min_score(min_score)
+        min_score = check_min_score("retrieve: min_score", min_score)
         if not histories:
             return []
         return await self._retrieves.submit((histories, excl, min_score), n, min_score)
@@ -195,7 +193,7 @@ class StepBufferClient:
             ray.get(self.handles[0].load.remote(str(path)))
             return
         with read_version(path, SAVE_PREFIX, SAVE_FORMAT, SAVE_VERSION, StepBufferSaveError) as v:
-            n = check_int(v.meta, "num_shards", v.path / "meta.json", StepBufferSaveError, lo=1)
+            n = check_field(v.meta, "num_shards", v.path / "meta.json", StepBufferSaveError, check_int, lo=1)
             if n != self.num_shards:
                 raise StepBufferSaveError(f"{v.path}: field 'num_shards' is {n}, the buffer has {self.num_shards}")
             ray.get([h.load.remote(str(v.path / f"shard_{i}")) for i, h in enumerate(self.handles)])

@@ -14,7 +14,7 @@ from typing import Any
 
 from rapo_fast._checks import INT64_MAX, INT64_MIN, check_float, check_int_list
 
-__all__ = ["Coalescer", "LocalHandle", "check_groups", "check_histories", "check_min_score", "check_scores", "settle"]
+__all__ = ["Coalescer", "LocalHandle", "check_groups", "check_histories", "check_scores", "settle"]
 
 
 def check_histories(histories: Any, who: str, name: str = "histories") -> list[str]:
@@ -37,14 +37,6 @@ def check_groups(groups: Any, n: int, name: str, who: str, lo: int = INT64_MIN) 
     if isinstance(groups, (str, bytes)) or not isinstance(groups, Sequence) or len(groups) != n:
         raise ValueError(f"{who}: {name} must be a list of {n} ints (one per history), got {groups!r:.200}")
     return check_int_list(f"{who}: {name}", groups, n, lo=lo, hi=INT64_MAX)
-
-
-def check_min_score(min_score: Any) -> float | None:
-    """None (no threshold) or a finite number: NaN would never equal another request's threshold (it could never be
-    batched), and an infinite threshold is no threshold (-inf) or no result (+inf)."""
-    if min_score is None:
-        return None
-    return check_float("retrieve: min_score", min_score)
 
 
 def check_scores(scores: Any, n: int) -> list[float] | None:
