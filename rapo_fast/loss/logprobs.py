@@ -1,10 +1,12 @@
 """token_logprobs: the public fused per-token log-prob (+ full-vocabulary entropy), its launchers and autograd wiring.
 
-What this is: argument checks, running the path that rapo_fast/loss/path_plan.py picks, the Triton launchers of
-kernels/loss/token_logprobs.py registered as torch.library ops `rapo_fast::token_logprobs_{fwd,bwd}` (logits path;
-the hidden-state path's `rapo_fast::linear_token_logprobs_{fwd,bwd}` are in rapo_fast/loss/linear_logprobs.py), and
-the chunked reference fallback. Both paths, their tiles and the non-finite rows are described in docs/loss.md
-section 2; the path table in docs/architecture.md, "Log-prob and loss paths".
+What this is: token_logprobs' front desk (every argument check, once per call, into one LogprobInputs), the runner
+of the path that rapo_fast/loss/path_plan.py picks (shared with rapo_loss, which has a front desk of its own), the
+Triton launchers of kernels/loss/token_logprobs.py registered as torch.library ops
+`rapo_fast::token_logprobs_{fwd,bwd}` (logits path; the hidden-state path's `rapo_fast::linear_token_logprobs_{fwd,bwd}`
+are in rapo_fast/loss/linear_logprobs.py), and the chunked reference fallback. Both paths, their tiles and the
+non-finite rows are described in docs/loss.md section 2; the path table in docs/architecture.md, "Log-prob and loss
+paths".
 What this is not: the math (kernels/triton_helpers.py, and the spec in rapo_fast/reference/logprobs.py).
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -26,7 +29,7 @@ from rapo_fast.loss.path_plan import Path, PathPlan, log_path, plan_path
 from rapo_fast.loss.torch_linear_ce import linear_logprobs_torch
 from rapo_fast.reference.logprobs import linear_token_logprobs_ref, token_logprobs_ref
 
-__all__ = ["token_logprobs", "TARGET_DTYPES", "check_inplace_backward"]
+__all__ = ["token_logprobs", "TARGET_DTYPES", "check_inplace_backward", "LogprobInputs"]
 
 
 def _row_strides(x: torch.Tensor) -> tuple[int, int, int]:
@@ -168,10 +171,33 @@ _token_logprobs_fwd = register_op(
 )
 
 
-# argument checks, reference fallback, public function
+# the front desk (argument checks, once per public call), the reference fallback, the runner, the public function
 
 # fp32 temporaries of one fallback chunk (the reference holds a handful of [rows, V] fp32 tensors per chunk).
 _FALLBACK_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class LogprobInputs:
+    """One call's checked log-prob inputs, as the runners take them: exactly one of logits or hidden (+ weight, bias,
+    already cast to hidden's dtype under autocast), targets in [0, vocab), the temperature as a float, whether entropy
+    is wanted and whether the logits gradient may overwrite the logits. Built once per public call, by
+    token_logprobs' front desk (_logprob_inputs) or by rapo_loss's (which checks the same tensors its own way)."""
+
+    logits: Tensor | None
+    hidden: Tensor | None
+    weight: Tensor | None
+    bias: Tensor | None
+    targets: Tensor
+    vocab: int
+    temperature: float
+    entropy: bool
+    inplace_backward: bool = False
+
+    @property
+    def x(self) -> Tensor:
+        """The model-side input: logits, or hidden."""
+        return self.logits if self.logits is not None else self.hidden
 
 
 def _validate(logits, hidden, weight, bias, targets, temperature, return_entropy) -> int:
@@ -203,6 +229,18 @@ def check_inplace_backward(inplace_backward, logits: Tensor | None) -> None:
         raise ValueError("inplace_backward=True applies to logits= only (the hidden= path has no [N, V] gradient)")
 
 
+def _logprob_inputs(logits, hidden, weight, bias, targets, temperature, return_entropy, inplace_backward,
+                    return_path) -> LogprobInputs:  # fmt: skip
+    """token_logprobs' front desk: the autocast cast of the head, every check, once; the inputs the runners take."""
+    weight, bias = head_in_hidden_dtype(hidden, weight, bias)  # under autocast: cast to hidden's dtype, with grad
+    vocab = _validate(logits, hidden, weight, bias, targets, temperature, return_entropy)
+    check_inplace_backward(inplace_backward, logits)
+    if not isinstance(return_path, bool):
+        raise TypeError(f"return_path must be a bool, got {type(return_path).__name__}")
+    return LogprobInputs(logits, hidden, weight, bias, targets, vocab, float(temperature), return_entropy,
+                         inplace_backward)  # fmt: skip
+
+
 def _row_slices(x: torch.Tensor, rows: int):
     """Yield views of at most `rows` rows of x ([N, D] or [B, T, D]) in flattened row order, without copying."""
     if x.dim() == 2:
@@ -213,13 +251,13 @@ def _row_slices(x: torch.Tensor, rows: int):
             yield from _row_slices(x[b], rows)
 
 
-def _reference_chunked(logits, hidden, weight, bias, targets, temperature, return_entropy):
+def _reference_chunked(inp: LogprobInputs):
     """The reference over row chunks, each under torch.utils.checkpoint, so that neither forward nor backward holds
     more than one chunk of [rows, V] fp32 temporaries (the CPU path without Triton); in one piece while tracing under
     torch.compile."""
-    x = logits if logits is not None else hidden
-    v = logits.shape[-1] if logits is not None else weight.shape[0]
-    rows = max(1, _FALLBACK_BYTES // (4 * v))
+    logits, weight, bias, targets = inp.logits, inp.weight, inp.bias, inp.targets
+    temperature, return_entropy, x = inp.temperature, inp.entropy, inp.x
+    rows = max(1, _FALLBACK_BYTES // (4 * inp.vocab))
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
     if weight is not None:
         # Upcast the parameters once, outside the chunks, so that their gradients sum over chunks in fp32 and are
@@ -302,46 +340,45 @@ def token_logprobs(
     Raises ValueError / TypeError naming the argument before any kernel runs. The targets range check costs one
     host sync and is skipped under torch.compile tracing.
     """
-    weight, bias = head_in_hidden_dtype(hidden, weight, bias)  # under autocast: cast to hidden's dtype, with grad
-    _validate(logits, hidden, weight, bias, targets, temperature, return_entropy)
-    check_inplace_backward(inplace_backward, logits)
-    if not isinstance(return_path, bool):
-        raise TypeError(f"return_path must be a bool, got {type(return_path).__name__}")
-    x = logits if logits is not None else hidden
+    inp = _logprob_inputs(logits, hidden, weight, bias, targets, temperature, return_entropy, inplace_backward,
+                          return_path)  # fmt: skip
+    x = inp.x
     plan = plan_path(
         "token_logprobs", backend, device=x.device, dtype=x.dtype, hidden=hidden is not None,
         entropy=return_entropy, auto_triton=use_triton(x.device) if backend == "auto" else None,
     )  # fmt: skip
-    out, path, reason = _run_plan(
-        plan, logits, hidden, weight, bias, targets, float(temperature), return_entropy, inplace_backward
-    )
+    out, path, reason = _run_logprobs(inp, plan)
     log_path("token_logprobs", path, reason)
     if not return_path:
         return out
     return (*out, path.value) if return_entropy else (out, path.value)
 
 
-def _run_plan(plan: PathPlan, logits, hidden, weight, bias, targets, temperature: float, return_entropy: bool,
-              inplace_backward: bool):  # fmt: skip
-    """token_logprobs' output on the planned path; returns (output, the path that ran, why). torch's linear CE
-    hands over to the chunked reference when some row's loss is not finite (decided from its output)."""
+def _run_logprobs(inp: LogprobInputs, plan: PathPlan):
+    """The log-probs (and entropy) of checked inputs on the planned path, for token_logprobs and rapo_loss (which
+    plans its own call); returns (logp or (logp, entropy), the path that ran, why). torch's linear CE hands over to
+    the chunked reference when some row's loss is not finite (decided from its output)."""
     path, reason = plan.path, plan.reason
+    logits, hidden, targets, t, ent_on = inp.logits, inp.hidden, inp.targets, inp.temperature, inp.entropy
     if path is Path.TRITON_LOGITS:
         if logits.stride(-1) != 1:
             logits = logits.contiguous()
-        logp, _, ent = _token_logprobs_fwd(logits, targets, temperature, return_entropy, inplace_backward)
-        return ((logp, ent) if return_entropy else logp), path, reason
+        logp, _, ent = _token_logprobs_fwd(logits, targets, t, ent_on, inp.inplace_backward)
+        return ((logp, ent) if ent_on else logp), path, reason
     if path is Path.TRITON_LINEAR:
         h2 = hidden.reshape(-1, hidden.shape[-1])
-        bias = None if bias is None else bias.contiguous()  # the kernel indexes bias[v] densely
-        logp, _, ent = linear_token_logprobs_fwd(h2, weight, bias, targets.reshape(-1), temperature, return_entropy)
+        bias = None if inp.bias is None else inp.bias.contiguous()  # the kernel indexes bias[v] densely
+        logp, _, ent = linear_token_logprobs_fwd(h2, inp.weight, bias, targets.reshape(-1), t, ent_on)
         logp = logp.view(targets.shape)
-        return ((logp, ent.view(targets.shape)) if return_entropy else logp), path, reason
+        return ((logp, ent.view(targets.shape)) if ent_on else logp), path, reason
+    if path is Path.REFERENCE_FP64:  # rapo_loss's checking precision (gradcheck, tests): unchunked, keeps fp64
+        if logits is not None:
+            return token_logprobs_ref(logits, targets, t, ent_on), path, reason
+        return linear_token_logprobs_ref(hidden, inp.weight, targets, inp.bias, t, ent_on), path, reason
     if path is Path.TORCH_LINEAR_CE:
-        logp = linear_logprobs_torch(hidden, weight, bias, targets, temperature)
+        logp = linear_logprobs_torch(hidden, inp.weight, inp.bias, targets, t)
         if bool(torch.isfinite(logp).all()):
             return logp, path, reason
         # a row whose loss is not finite: torch's backward would not give its exactly-zero gradient
         path, reason = Path.REFERENCE_CHUNKED, f"{reason}; a row's loss was not finite, so the exact reference"
-    out = _reference_chunked(logits, hidden, weight, bias, targets, temperature, return_entropy)
-    return out, path, reason
+    return _reference_chunked(inp), path, reason

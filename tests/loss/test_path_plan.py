@@ -204,4 +204,10 @@ def test_debug_line_names_the_path(caplog):
         rapo_fast.rapo_loss(**_batch(hidden=True), importance_sampling_level="sequence")
     msgs = [r.getMessage() for r in caplog.records if r.name == "rapo_fast"]
     assert any(m.startswith("rapo_loss: path triton_linear (") and "GSPO" in m for m in msgs), msgs
+    assert not any(m.startswith("token_logprobs:") for m in msgs), msgs  # one front desk: rapo_loss's line only
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="rapo_fast"):
+        d = _batch(hidden=True)
+        rapo_fast.token_logprobs(hidden=d["hidden"], weight=d["weight"], targets=d["targets"])
+    msgs = [r.getMessage() for r in caplog.records if r.name == "rapo_fast"]
     assert any(m.startswith("token_logprobs: path triton_linear (") for m in msgs), msgs
