@@ -1,12 +1,12 @@
 """token_logprobs: the public fused per-token log-prob (+ full-vocabulary entropy), its launchers and autograd wiring.
 
-What this is: token_logprobs' front desk (every argument check, once per call, into one LogprobInputs), the runner
-of the path that rapo_fast/loss/path_plan.py picks (shared with rapo_loss, which has a front desk of its own), the
-Triton launchers of kernels/loss/token_logprobs.py registered as torch.library ops
-`rapo_fast::token_logprobs_{fwd,bwd}` (logits path; the hidden-state path's `rapo_fast::linear_token_logprobs_{fwd,bwd}`
-are in rapo_fast/loss/linear_logprobs.py), and the chunked reference fallback. Both paths, their tiles and the
-non-finite rows are described in docs/loss.md section 2; the path table in docs/architecture.md, "Log-prob and loss
-paths".
+What this is: token_logprobs' front desk (the head's autocast cast, head_in_hidden_dtype, shared with rapo_loss, and
+every argument check, once per call, into one LogprobInputs), the runner of the path that
+rapo_fast/loss/path_plan.py picks (shared with rapo_loss, which has a front desk of its own), the Triton launchers of
+kernels/loss/token_logprobs.py registered as torch.library ops `rapo_fast::token_logprobs_{fwd,bwd}` (logits path;
+the hidden-state path's `rapo_fast::linear_token_logprobs_{fwd,bwd}` are in rapo_fast/loss/linear_logprobs.py), and
+the chunked reference fallback. Both paths, their tiles and the non-finite rows are described in docs/loss.md
+section 2; the path table in docs/architecture.md, "Log-prob and loss paths".
 What this is not: the math (kernels/triton_helpers.py, and the spec in rapo_fast/reference/logprobs.py).
 """
 
@@ -24,12 +24,12 @@ from rapo_fast import _checks as C
 from rapo_fast._dispatch import device_guard, register_op, use_triton
 from rapo_fast.loss import tiles
 from rapo_fast.loss.linear_logprobs import linear_token_logprobs_fwd
-from rapo_fast.loss.options import TARGET_DTYPES, head_in_hidden_dtype
+from rapo_fast.loss.options import TARGET_DTYPES
 from rapo_fast.loss.path_plan import Path, PathPlan, log_path, plan_path
 from rapo_fast.loss.torch_linear_ce import linear_logprobs_torch
 from rapo_fast.reference.logprobs import linear_token_logprobs_ref, token_logprobs_ref
 
-__all__ = ["token_logprobs", "TARGET_DTYPES", "check_inplace_backward", "LogprobInputs"]
+__all__ = ["token_logprobs", "TARGET_DTYPES", "check_inplace_backward", "head_in_hidden_dtype", "LogprobInputs"]
 
 
 def _row_strides(x: torch.Tensor) -> tuple[int, int, int]:
@@ -218,6 +218,30 @@ def _validate(logits, hidden, weight, bias, targets, temperature, return_entropy
         if lo < 0 or hi >= v:
             raise ValueError(f"targets must lie in [0, V) = [0, {v}), got values in [{lo}, {hi}]")
     return v
+
+
+def head_in_hidden_dtype(
+    hidden: torch.Tensor | None, weight: torch.Tensor | None, bias: torch.Tensor | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(weight, bias) for the hidden-state path: cast to hidden's dtype when autocast is on for hidden's device type
+    and their float dtype differs, else returned as given (a mismatch outside autocast is refused by the checks).
+
+    Why: under `torch.autocast(dtype=bfloat16)` a model's lm_head weight stays fp32 while activations may be bf16, and
+    `lm_head(h)` itself would compute in the low precision; `rapo_loss(hidden=h, weight=model.lm_head.weight)` is
+    what users write there. The cast is a differentiable `.to`: the gradient reaches the given weight (and bias) in
+    their own dtype. The kernels themselves run outside autocast's casting rules, so this is the only cast.
+    """
+    if not (isinstance(hidden, torch.Tensor) and hidden.dtype in C.FLOAT_DTYPES):
+        return weight, bias
+    if not torch.is_autocast_enabled(hidden.device.type):
+        return weight, bias
+
+    def cast(t):
+        if isinstance(t, torch.Tensor) and t.dtype in C.FLOAT_DTYPES and t.dtype != hidden.dtype:
+            return t.to(hidden.dtype)
+        return t
+
+    return cast(weight), cast(bias)
 
 
 def check_inplace_backward(inplace_backward, logits: Tensor | None) -> None:

@@ -2,10 +2,10 @@
 of rapo_loss's tensor arguments.
 
 What this is: `LossOptions`, the frozen dataclass that rapo_loss, RAPOLoss, policy_loss_from_logp, the presets, the
-TRL / verl adapters and the reference all build; the option vocabularies; `OPTION_DEFAULTS`; `check_inputs`, the
-validation of the tensors before any kernel (it may sync with the device once); and the two checks run after the
-log-prob pass from its [N] output (check_logits_rows_defined, check_loss_logp_defined), so that no check reads the
-[N, V] logits. The options table is docs/loss.md section 7.
+TRL / verl adapters and the reference all build; the option vocabularies; `OPTION_DEFAULTS`; `LossInputs`, one loss
+call's arguments by name; `check_inputs`, their validation before any kernel (InputFacts); and the two checks run
+after the log-prob pass from its [N] output (check_logits_rows_defined, check_loss_logp_defined), so that no check
+reads the [N, V] logits. The options table is docs/loss.md section 7.
 What it is not: the loss math (docs/loss.md; rapo_fast/loss/policy_loss.py and kernels/loss/policy_loss.py compute
 it) or generic checks (rapo_fast/_checks.py, which this module uses).
 """
@@ -40,7 +40,6 @@ __all__ = [
     "TARGET_DTYPES",
     "IGNORE_INDEX",
     "OLD_LOGP_MAX",
-    "head_in_hidden_dtype",
 ]
 
 # The integer dtypes accepted for targets, by rapo_loss and token_logprobs (one rule: rapo_fast/_checks.py).
@@ -302,37 +301,6 @@ class LossInputs:
         return self.entry == "policy_loss_from_logp"
 
 
-def head_in_hidden_dtype(
-    hidden: torch.Tensor | None, weight: torch.Tensor | None, bias: torch.Tensor | None
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(weight, bias) for the hidden-state path: cast to hidden's dtype when autocast is on for hidden's device type
-    and their float dtype differs, else returned as given (a mismatch outside autocast is refused by the checks).
-
-    Why: under `torch.autocast(dtype=bfloat16)` a model's lm_head weight stays fp32 while activations may be bf16, and
-    `lm_head(h)` itself would compute in the low precision; `rapo_loss(hidden=h, weight=model.lm_head.weight)` is
-    what users write there. The cast is a differentiable `.to`: the gradient reaches the given weight (and bias) in
-    their own dtype. The kernels themselves run outside autocast's casting rules, so this is the only cast.
-    """
-    if not (isinstance(hidden, torch.Tensor) and hidden.dtype in C.FLOAT_DTYPES):
-        return weight, bias
-    if not torch.is_autocast_enabled(hidden.device.type):
-        return weight, bias
-
-    def cast(t):
-        if isinstance(t, torch.Tensor) and t.dtype in C.FLOAT_DTYPES and t.dtype != hidden.dtype:
-            return t.to(hidden.dtype)
-        return t
-
-    return cast(weight), cast(bias)
-
-
-def _check_model_inputs(a: LossInputs) -> tuple[torch.Tensor, tuple, int]:
-    """rapo_loss's logits / hidden + weight + bias / targets checks (rapo_fast/_checks.py, shared with
-    token_logprobs); returns (targets, targets' shape, V)."""
-    vocab = C.check_model_inputs(a.logits, a.hidden, a.weight, a.bias, a.targets, style="rapo_loss")
-    return a.targets, tuple(a.targets.shape), vocab
-
-
 def _check_logp_inputs(a: LossInputs, opts: LossOptions) -> tuple:
     """policy_loss_from_logp's logp / entropy checks; returns logp's shape."""
     logp = C.check_tensor("logp", a.logp, ndim=(1, 2), dtypes=C.FLOAT_DTYPES)
@@ -500,7 +468,9 @@ def check_inputs(a: LossInputs) -> InputFacts:
     if a.given_logp:  # policy_loss_from_logp: log-probs (and entropy) given, no logits/hidden/targets
         tshape, targets, vocab = _check_logp_inputs(a, opts), None, None
     else:
-        targets, tshape, vocab = _check_model_inputs(a)
+        # the model side: rapo_fast/_checks.py, shared with token_logprobs
+        vocab = C.check_model_inputs(a.logits, a.hidden, a.weight, a.bias, a.targets, style="rapo_loss")
+        targets, tshape = a.targets, tuple(a.targets.shape)
     _check_per_token(a, tshape)
     cu, flat = a.cu_seqlens, len(tshape) == 1  # rows: the sequences of padded [B, T] or flat [N] (+ cu_seqlens)
     if cu is not None and not flat:
@@ -512,22 +482,9 @@ def check_inputs(a: LossInputs) -> InputFacts:
             f"advantages: expected shape {tshape} (per token) or ({rows},) (per sequence), got {tuple(adv.shape)}"
         )
     names = (
-        "logp",
-        "entropy",
-        "targets",
-        "logits",
-        "hidden",
-        "weight",
-        "bias",
-        "old_logp",
-        "advantages",
-        "loss_mask",
-        "retrieved_mask",
-        "response_mask",
-        "behav_logp",
-        "ref_logp",
-        "cu_seqlens",
-    )
+        "logp entropy targets logits hidden weight bias old_logp advantages loss_mask retrieved_mask response_mask "
+        "behav_logp ref_logp cu_seqlens"
+    ).split()
     dev = C.check_same_device(**{k: getattr(a, k) for k in names})
     ignored = _check_values(a, opts, targets, vocab)
     _check_global_num_tokens(a.global_num_tokens, dev)

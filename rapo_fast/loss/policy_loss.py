@@ -13,7 +13,7 @@ What this is not: log-probs (rapo_fast/loss/logprobs.py) or advantage estimation
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Any
 
@@ -23,7 +23,7 @@ from torch import nn
 from rapo_fast._dispatch import use_triton
 from rapo_fast.loss import presets as P
 from rapo_fast.loss.fused_linear import fused_linear_policy_loss
-from rapo_fast.loss.logprobs import LogprobInputs, _run_logprobs, check_inplace_backward
+from rapo_fast.loss.logprobs import LogprobInputs, _run_logprobs, check_inplace_backward, head_in_hidden_dtype
 from rapo_fast.loss.options import (  # noqa: F401  (re-exported: the option vocabularies are public)
     IGNORE_INDEX,
     IS_LEVELS,
@@ -37,14 +37,13 @@ from rapo_fast.loss.options import (  # noqa: F401  (re-exported: the option voc
     check_inputs,
     check_logits_rows_defined,
     check_loss_logp_defined,
-    head_in_hidden_dtype,
     with_option_keywords,
 )
-from rapo_fast.loss.path_plan import LossMetrics, Path, PathPlan, log_path, plan_path
+from rapo_fast.loss.path_plan import Path, PathPlan, log_path, plan_path
 from rapo_fast.loss.policy_layout import Metric, TokenCode
 from rapo_fast.loss.policy_op import policy_loss_op, stack_token_inputs, torch_policy_loss
 
-__all__ = ["rapo_loss", "policy_loss_from_logp", "RAPOLoss", "LossOptions", "OPTION_DEFAULTS"]
+__all__ = ["rapo_loss", "policy_loss_from_logp", "RAPOLoss", "LossMetrics", "LossOptions", "OPTION_DEFAULTS"]
 
 
 # ----------------------------------------------------------------------------------------------------- public entry
@@ -123,12 +122,12 @@ def rapo_loss(
     backend: "auto" (default), "triton", "torch" or "reference" (token_logprobs' meanings; "triton" also takes the
     fused one-pass path for hidden= at token level with a gradient); an explicit backend that cannot run on the inputs
     raises ValueError. docs/architecture.md ("Log-prob and loss paths") lists the paths.
-    Returns a 0-dim fp32 loss (fp64 for fp64 input), or (loss, metrics) with 0-dim detached metrics: clip_frac_low,
-    clip_frac_high, dual_clip_frac, ratio_mean, approx_kl (mean old - logp), kl, entropy (on tokens in the loss),
-    retrieved_frac (retrieved / response tokens), tis_weight_mean, offpolicy_weight_mean, num_tokens,
-    num_offpolicy_tokens; and metrics["path"] (also metrics.path, not among the keys): the name of the path that ran
-    (rapo_fast.loss.path_plan.Path). The "rapo_fast" logger names it at debug level. metrics.token_logp (not a key
-    either): the per-token log-probs the loss used, detached, in the targets' shape.
+    Returns a 0-dim fp32 loss (fp64 for fp64 input), or (loss, metrics), metrics a LossMetrics whose 0-dim detached
+    fields are clip_frac_low, clip_frac_high, dual_clip_frac, ratio_mean, approx_kl (mean old - logp), kl, entropy (on
+    tokens in the loss), retrieved_frac (retrieved / response tokens), tis_weight_mean, offpolicy_weight_mean,
+    num_tokens, num_offpolicy_tokens (metrics.scalars(): these by name); metrics.path: the name of the path that ran
+    (rapo_fast.loss.path_plan.Path; the "rapo_fast" logger names it at debug level); metrics.token_logp: the per-token
+    log-probs the loss used, detached, in the targets' shape.
     Raises ValueError / TypeError naming the argument before any kernel runs, except for a token in the loss whose
     logits row has no finite log-sum-exp (NaN, +inf, only -inf): refused from the log-prob pass's output, before the
     policy op and any backward (docs/loss.md section 3). While tracing under torch.compile the checks that read tensor
@@ -345,31 +344,56 @@ def _loss_from_logp(a: LossInputs, logp: torch.Tensor | None, ent: torch.Tensor 
     return (loss, _metrics(sums, t, opts, path, lp)) if opts.return_metrics else loss
 
 
+@dataclass(frozen=True)
+class LossMetrics:
+    """rapo_loss's metrics (docs/loss.md section 5): twelve 0-dim detached tensors, `path`, the name of the path that
+    ran (rapo_fast.loss.path_plan.Path), and `token_logp`, the per-token log-probs the loss used (detached; the targets'
+    shape; fp32, fp64 for fp64 input). `scalars()` gives the twelve by name, for logging loops."""
+
+    clip_frac_high: torch.Tensor
+    clip_frac_low: torch.Tensor
+    dual_clip_frac: torch.Tensor
+    ratio_mean: torch.Tensor
+    approx_kl: torch.Tensor
+    kl: torch.Tensor
+    entropy: torch.Tensor
+    retrieved_frac: torch.Tensor
+    tis_weight_mean: torch.Tensor
+    offpolicy_weight_mean: torch.Tensor
+    num_tokens: torch.Tensor
+    num_offpolicy_tokens: torch.Tensor
+    path: str
+    token_logp: torch.Tensor
+
+    def scalars(self) -> dict[str, torch.Tensor]:
+        """The 0-dim metrics by name (every field but path and token_logp)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("path", "token_logp")}
+
+
 def _metrics(sums: torch.Tensor, t: _Tokens, opts: LossOptions, path: Path, lp: torch.Tensor) -> LossMetrics:
     """The public metrics (docs/loss.md section 5) from the op's partial sums (rapo_fast/loss/policy_layout.py), and
     the path that ran."""
     cd = t.cd
     s = sums.detach().to(cd)
     n_on, n_off, n_act = (s[m].clamp_min(1) for m in (Metric.N_ON, Metric.N_OFF, Metric.N_ACTIVE))
-    metrics = LossMetrics({
-        "clip_frac_high": s[Metric.CLIP_HIGH] / n_on,
-        "clip_frac_low": s[Metric.CLIP_LOW] / n_on,
-        "dual_clip_frac": s[Metric.DUAL_CLIP] / n_on,
-        "ratio_mean": s[Metric.RATIO] / n_on,
-        "approx_kl": s[Metric.APPROX_KL] / n_on,
-        "kl": s[Metric.KL] / n_act,
-        "entropy": s[Metric.ENTROPY] / n_act,
-        "retrieved_frac": t.ret.sum().to(cd) / t.resp.sum().clamp_min(1).to(cd),
-        "tis_weight_mean": (
+    return LossMetrics(
+        clip_frac_high=s[Metric.CLIP_HIGH] / n_on,
+        clip_frac_low=s[Metric.CLIP_LOW] / n_on,
+        dual_clip_frac=s[Metric.DUAL_CLIP] / n_on,
+        ratio_mean=s[Metric.RATIO] / n_on,
+        approx_kl=s[Metric.APPROX_KL] / n_on,
+        kl=s[Metric.KL] / n_act,
+        entropy=s[Metric.ENTROPY] / n_act,
+        retrieved_frac=t.ret.sum().to(cd) / t.resp.sum().clamp_min(1).to(cd),
+        tis_weight_mean=(
             s[Metric.TIS_WEIGHT] / n_on if opts.tis_cap is not None else torch.ones((), dtype=cd, device=t.device)
         ),
-        "offpolicy_weight_mean": s[Metric.OFFPOLICY_WEIGHT] / n_off,
-        "num_tokens": s[Metric.N_ACTIVE],
-        "num_offpolicy_tokens": s[Metric.N_OFF],
-    })  # fmt: skip
-    metrics.path = path.value
-    metrics.token_logp = lp.detach().reshape(t.facts.shape)
-    return metrics
+        offpolicy_weight_mean=s[Metric.OFFPOLICY_WEIGHT] / n_off,
+        num_tokens=s[Metric.N_ACTIVE],
+        num_offpolicy_tokens=s[Metric.N_OFF],
+        path=path.value,
+        token_logp=lp.detach().reshape(t.facts.shape),
+    )
 
 
 class RAPOLoss(nn.Module):

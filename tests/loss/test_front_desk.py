@@ -11,13 +11,12 @@ import collections
 
 import pytest
 import torch
+from helpers.loss_cases import make_batch
 
 import rapo_fast
 from rapo_fast import _checks as C
 from rapo_fast.loss import logprobs as lp_mod
-from rapo_fast.loss import options as opt_mod
 from rapo_fast.loss import policy_loss as loss_mod
-from tests.helpers.loss_cases import make_batch
 
 
 @pytest.fixture
@@ -44,7 +43,6 @@ def spies(monkeypatch):
     spy(torch, "aminmax", "range")  # token_logprobs' targets range check (its one host sync)
     spy(loss_mod, "_run_logprobs", "run")
     spy(lp_mod, "token_logprobs", "public_token_logprobs")
-    spy(opt_mod, "check_inputs", "options_check_inputs")  # bound in options: must not be reached another way
     return counts
 
 

@@ -95,7 +95,7 @@ def test_empty_offpolicy_mask():
     d = make_batch(3, 6, 8, ret_p=0.0)
     for mode in ("shaped", "truncated"):
         _, _, m = check_case(d, dict(offpolicy_train=mode, shaping_m=0.05))
-        assert m["num_offpolicy_tokens"] == 0 and m["offpolicy_weight_mean"] == 0
+        assert m.num_offpolicy_tokens == 0 and m.offpolicy_weight_mean == 0
     # and with nothing retrieved, the off-policy modes equal "none"
     x = {k: v for k, v in d.items()}
     assert torch.equal(rapo_fast.rapo_loss(**x, offpolicy_train="shaped"), rapo_fast.rapo_loss(**x))
@@ -239,7 +239,7 @@ def test_temperature_applies_to_policy_logprob():
     logp_t = token_logprobs_ref(d["logits"], d["targets"], t)
     d["old_logp"] = logp_t.detach()
     _, m = rapo_fast.rapo_loss(**d, temperature=t, return_metrics=True)
-    assert_close_verbose(m["ratio_mean"], torch.tensor(1.0), atol=1e-5)
+    assert_close_verbose(m.ratio_mean, torch.tensor(1.0), atol=1e-5)
     check_case(d, dict(temperature=t, entropy_coef=0.1))
 
 
@@ -289,7 +289,7 @@ def test_empty_inputs_give_zero_loss_and_empty_grad(shape, cu):
         entropy_coef=0.1,
     )
     (g,) = torch.autograd.grad(loss, logits)
-    assert loss.item() == 0.0 and g.shape == logits.shape and m["num_tokens"] == 0
+    assert loss.item() == 0.0 and g.shape == logits.shape and m.num_tokens == 0
 
 
 _COMPILE_SCRIPT = r"""
