@@ -95,7 +95,7 @@ def test_empty_offpolicy_mask():
     d = make_batch(3, 6, 8, ret_p=0.0)
     for mode in ("shaped", "truncated"):
         _, _, m = check_case(d, dict(offpolicy_train=mode, shaping_m=0.05))
-        assert m.num_offpolicy_tokens == 0 and m.offpolicy_weight_mean == 0
+        assert m["num_offpolicy_tokens"] == 0 and m["offpolicy_weight_mean"] == 0
     # and with nothing retrieved, the off-policy modes equal "none"
     x = {k: v for k, v in d.items()}
     assert torch.equal(rapo_fast.rapo_loss(**x, offpolicy_train="shaped"), rapo_fast.rapo_loss(**x))
