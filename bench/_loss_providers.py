@@ -85,9 +85,15 @@ def _ours(targets, old_logp, adv, mask, **inputs):
     import rapo_fast
 
     return rapo_fast.rapo_loss(
-        targets=targets, old_logp=old_logp, advantages=adv, loss_mask=mask, eps_low=EPS, eps_high=EPS,
-        loss_agg="token-mean", **inputs,
-    )  # fmt: skip
+        targets=targets,
+        old_logp=old_logp,
+        advantages=adv,
+        loss_mask=mask,
+        eps_low=EPS,
+        eps_high=EPS,
+        loss_agg="token-mean",
+        **inputs,
+    )
 
 
 def _ours_hidden(hidden, weight, targets, old_logp, adv, mask):
@@ -141,9 +147,13 @@ def _liger(device: torch.device) -> Callable:
     except ImportError as exc:
         raise Unavailable(f"liger_kernel not importable ({exc!r})") from exc
     liger = LigerFusedLinearGRPOLoss(
-        beta=0.0, use_ref_model=False, epsilon_low=EPS, epsilon_high=EPS, loss_type="dapo",
+        beta=0.0,
+        use_ref_model=False,
+        epsilon_low=EPS,
+        epsilon_high=EPS,
+        loss_type="dapo",
         compiled=device.type == "cuda",
-    )  # fmt: skip
+    )
 
     def liger_fn(hidden, weight, targets, old_logp, adv, mask):
         out = liger(hidden, weight, targets, mask.long(), adv, old_per_token_logps=old_logp)

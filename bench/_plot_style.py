@@ -129,8 +129,15 @@ def figure_legend(fig, providers: list[str], title: str) -> None:
     handles = [plt.Rectangle((0, 0), 1, 1, color=color(p)) for p in providers]
     inch = 1.0 / fig.get_figheight()
     fig.suptitle(title, fontsize=10, y=1.0 - 0.05 * inch)
-    fig.legend(handles, providers, loc="upper center", ncol=min(len(providers), 6), fontsize=8, frameon=False,
-               bbox_to_anchor=(0.5, 1.0 - 0.3 * inch))  # fmt: skip
+    fig.legend(
+        handles,
+        providers,
+        loc="upper center",
+        ncol=min(len(providers), 6),
+        fontsize=8,
+        frameon=False,
+        bbox_to_anchor=(0.5, 1.0 - 0.3 * inch),
+    )
     rows = -(-len(providers) // 6)
     fig.tight_layout(rect=(0, 0, 1, 1.0 - (0.45 + 0.22 * rows) * inch))
 

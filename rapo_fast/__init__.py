@@ -20,7 +20,7 @@ _source_tree.install()
 
 # public name -> module that defines it
 _PUBLIC: dict[str, str] = {
-    # fused log-prob and policy loss (loss issue)
+    # fused log-prob and policy loss
     "token_logprobs": "rapo_fast.loss.logprobs",
     "rapo_loss": "rapo_fast.loss.policy_loss",
     "RAPOLoss": "rapo_fast.loss.policy_loss",
@@ -28,14 +28,14 @@ _PUBLIC: dict[str, str] = {
     "step_entropy": "rapo_fast.loss.advantages",
     "retrieval_reward": "rapo_fast.loss.advantages",
     "rapo_advantages": "rapo_fast.loss.advantages",
-    # step buffer and retrieval (retrieval issue)
+    # step buffer and retrieval
     "StepBuffer": "rapo_fast.retrieval.buffer",
     "ShardedStepBuffer": "rapo_fast.retrieval.sharded",
-    # KV splicing (KV-splice issue)
+    # KV splicing
     "StepKVStore": "rapo_fast.kv.store",
     "splice_kv": "rapo_fast.kv.splice",
     "RopeSpec": "rapo_fast.kv.rope",
-    # rollout, trainer (trainer issue)
+    # rollout, trainer
     "StepTraces": "rapo_fast.retrieval.step_traces",
     "rollout": "rapo_fast.rollouts.loop",
     "RolloutConfig": "rapo_fast.rollouts.config",

@@ -1,4 +1,4 @@
-"""Issue 28, class 4: saves and loads never follow what someone else put in the folder, never block, and a full disk
+"""Saves and loads never follow what someone else put in the folder, never block, and a full disk
 inside torch.save is an OSError naming the file.
 
 A planted `.PENDING.tmp` / `.CURRENT.tmp` symlink once made a save truncate the file it points to (the temporary was

@@ -66,9 +66,14 @@ def _setup_module():
 
 @pytest.mark.parametrize(
     "env, gpu, want",
-    [({}, False, "0"), ({}, True, "AUTO"), ({"RAPO_FAST_CUDA": "AUTO"}, False, "AUTO"),
-     ({"RAPO_FAST_CUDA": "1"}, False, "1"), ({"RAPO_FAST_CUDA": "0"}, True, "0")],
-)  # fmt: skip
+    [
+        ({}, False, "0"),
+        ({}, True, "AUTO"),
+        ({"RAPO_FAST_CUDA": "AUTO"}, False, "AUTO"),
+        ({"RAPO_FAST_CUDA": "1"}, False, "1"),
+        ({"RAPO_FAST_CUDA": "0"}, True, "0"),
+    ],
+)
 def test_cuda_is_compiled_where_a_gpu_is_visible_or_when_asked(env, gpu, want):
     assert _setup_module()["cuda_switch"](env, lambda: gpu) == want
 

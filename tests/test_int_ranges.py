@@ -1,4 +1,4 @@
-"""Issue 28 class 5: no silent narrowing. Every integer argument is range-checked for the width it is cast to, with a
+"""No silent narrowing. Every integer argument is range-checked for the width it is cast to, with a
 ValueError naming it; ids that collide with a sentinel are refused.
 
 - `rapo_fast::kv_splice_` (rapo_fast/kv/splice.py) reads the block table as int32: an int64 table with a value past

@@ -1,6 +1,7 @@
-"""The repository's layout rules (tools/check_layout.py): no import cycle, no module over 500 lines, no function over
-80 lines, no module docstring over 12 lines in rapo_fast/ or kernels/, the library never imports the demo, no
-`_private` name used across packages, and no tracked file changed by a `--quick` benchmark run. The first tests
+"""The repository's layout rules (tools/check_layout.py): no import cycle, no module over 800 lines (a warning over
+500), no function over 80 lines, no module docstring over 12 lines in rapo_fast/ or kernels/, the library never
+imports the demo, no `_private` name used across packages, and no tracked file changed by a `--quick` benchmark
+run. The first tests
 check that the checker itself catches each rule on a small made-up tree, so that a passing layout test means the
 rules hold, not that the checker is blind.
 What this is not: a behaviour test of any op.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -90,7 +92,8 @@ def test_checker_finds_demo_imports_private_names_and_sizes(tmp_path):
             "rapo_fast/loss/b.py": "from rapo_fast.loss.a import _secret\n",  # same package: fine
             "rapo_fast/demo/__init__.py": "",
             "rapo_fast/demo/tiny.py": "def helper(): pass\n",
-            "rapo_fast/demo/long.py": "\n" * 501,
+            "rapo_fast/demo/long.py": "\n" * 801,
+            "rapo_fast/demo/longish.py": "\n" * 501,  # a warning only
             "kernels/__init__.py": "",
             "tools/long_fn.py": long_fn,
         },
@@ -104,7 +107,9 @@ def test_checker_finds_demo_imports_private_names_and_sizes(tmp_path):
     assert "private-name: rapo_fast/train/u.py:1: rapo_fast.train.u imports _secret from rapo_fast.loss.a" in text
     assert "private-name: rapo_fast/train/u.py:3: rapo_fast.train.u uses rapo_fast.loss.a._other" in text
     assert "rapo_fast/loss/b.py" not in text
-    assert "module-too-long: rapo_fast/demo/long.py: 501 lines" in text
+    assert "module-too-long: rapo_fast/demo/long.py: 801 lines" in text and "longish" not in text
+    warned = CL.module_size_warnings(CL.python_files(root), root)
+    assert warned == ["module-long: rapo_fast/demo/longish.py: 501 lines (over 500; at most 800)"], warned
     assert "function-too-long: tools/long_fn.py:1: big() has 82 lines without its docstring" in text
     assert len(found) == 6, found
 
@@ -128,7 +133,10 @@ def test_checker_finds_long_module_docstrings_in_the_library_only(tmp_path):
 
 
 def test_layout_holds():
-    """The rules hold on this repository (each finding names the rule, the file and the line)."""
+    """The rules hold on this repository (each finding names the rule, the file and the line); a module over 500
+    lines is a warning."""
+    for w in CL.module_size_warnings(CL.python_files()):
+        warnings.warn(w, stacklevel=1)
     findings = CL.static_findings()
     assert not findings, "tools/check_layout.py found:\n" + "\n".join(findings)
 

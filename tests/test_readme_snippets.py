@@ -68,8 +68,12 @@ def test_trl_snippet_parses_and_names_exist():
     assert {k.arg for k in call.keywords} >= {"model", "reward_funcs", "args", "rapo_options", "rollout_func"}
     import rapo_fast.integrations.trl as trl_path
 
-    imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == trl_path.__name__
-                for a in n.names]  # fmt: skip
+    imported = [
+        a.name
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom) and n.module == trl_path.__name__
+        for a in n.names
+    ]
     assert "add_rapo_tags" in imported and all(name in trl_path.__all__ for name in imported), imported
 
 

@@ -51,8 +51,19 @@ def _retrieval(dtype: str, fp32: bool, metric: int, excl: bool, k: int, aligned:
     bq, bc, bd, warps, stages = gpu_tiles(fp32, aligned)
     kp, w, rows = workspace_layout(k, bq, bc, on_gpu=True)
     types = [dtype, dtype, "*fp32", "*fp32", "*i64", "*i64", "*i64", "*i64", "*i32"] + ["i32"] * 6 + ["fp32"]
-    consts = dict(K_TOP=k, KP=kp, W=w, METRIC=metric, HAS_EXCL=excl, FP32_KEYS=fp32, UPCAST_DOT=False, BLOCK_Q=bq,
-                  BLOCK_C=bc, BLOCK_D=bd, ROWS=rows)  # fmt: skip
+    consts = dict(
+        K_TOP=k,
+        KP=kp,
+        W=w,
+        METRIC=metric,
+        HAS_EXCL=excl,
+        FP32_KEYS=fp32,
+        UPCAST_DOT=False,
+        BLOCK_Q=bq,
+        BLOCK_C=bc,
+        BLOCK_D=bd,
+        ROWS=rows,
+    )
     # What the JIT marks divisible by 16: every pointer (torch allocations), and Q, C, keys_per_split; D and the row
     # strides only when aligned (D = 768 vs 37).
     divisible = list(range(9)) + [9, 10, 14] + ([11, 12, 13] if aligned else [])
@@ -129,9 +140,18 @@ def _compile(case: str) -> dict:
     m = re.search(r"REG:(\d+) STACK:(\d+)", usage.stdout)
     assert m, usage.stdout + usage.stderr
     md = kernel.metadata
-    return dict(case=case, kernel=fn.__name__, n_regs=int(m[1]), stack_bytes=int(m[2]), n_spills=int(m[2]) // 4,
-                shared=md.shared, num_warps=md.num_warps, num_stages=md.num_stages,
-                pipelined="async_copy_global_to_local" in kernel.asm["ttgir"], consts=consts)  # fmt: skip
+    return dict(
+        case=case,
+        kernel=fn.__name__,
+        n_regs=int(m[1]),
+        stack_bytes=int(m[2]),
+        n_spills=int(m[2]) // 4,
+        shared=md.shared,
+        num_warps=md.num_warps,
+        num_stages=md.num_stages,
+        pipelined="async_copy_global_to_local" in kernel.asm["ttgir"],
+        consts=consts,
+    )
 
 
 def _library_kernels() -> set[str]:

@@ -138,8 +138,14 @@ def main(argv=None) -> int:
         trainer, _, _ = build_trainer(args, out)
         result = trainer.train()
         for row in trainer.state.log_history:
-            keys = ("loss", "reward", "clip_ratio/region_mean", "rapo/retrieval_rate", "rapo/retrieval_reward",
-                    "rapo/buffer_size")  # fmt: skip
+            keys = (
+                "loss",
+                "reward",
+                "clip_ratio/region_mean",
+                "rapo/retrieval_rate",
+                "rapo/retrieval_reward",
+                "rapo/buffer_size",
+            )
             print({k: round(v, 4) for k, v in row.items() if k in keys and isinstance(v, float | int)})
         print(f"trained {trainer.state.global_step} steps, mean loss {result.training_loss:.4f}")
     return 0

@@ -98,8 +98,10 @@ def build_trainer(args: argparse.Namespace, out: Path, model_and_tok=None):
         return by_text[prompt[-1]["content"]]
 
     def correct(prompts, completions, **_):
-        return [task.verify(problem_of(p), c[0]["content"] if isinstance(c, list) else c)
-                for p, c in zip(prompts, completions)]  # fmt: skip
+        return [
+            task.verify(problem_of(p), c[0]["content"] if isinstance(c, list) else c)
+            for p, c in zip(prompts, completions)
+        ]
 
     rollout_func = make_rollout_func(
         task,
@@ -152,8 +154,10 @@ def main(argv=None) -> int:
         for row in trainer.state.log_history:
             keys = ("loss", "reward", "rapo/retrieval_rate", "rapo/buffer_size")
             print({k: round(v, 4) for k, v in row.items() if k in keys and isinstance(v, float | int)})
-        print(f"trained {trainer.state.global_step} steps, mean loss {result.training_loss:.4f}, "
-              f"buffer {size0} -> {len(rollout_func.traces)} steps")  # fmt: skip
+        print(
+            f"trained {trainer.state.global_step} steps, mean loss {result.training_loss:.4f}, "
+            f"buffer {size0} -> {len(rollout_func.traces)} steps"
+        )
     return 0
 
 

@@ -55,11 +55,31 @@ _M_OFFPOLICY_WEIGHT = tl.constexpr(int(Metric.OFFPOLICY_WEIGHT))
 
 @triton.jit
 def _policy_token(
-    logp, old, adv, scale, seqlr, behav, ref, ent, is_on, is_off,
-    offpolicy_train: tl.constexpr, gamma, is_cap, tis_cap, eps_low, eps_high, dual_clip, beta,
-    kl_estimator: tl.constexpr, kl_clamp: tl.constexpr, entropy_coef,
-    SEQ: tl.constexpr, HAS_REF: tl.constexpr, HAS_ENT: tl.constexpr,
-):  # fmt: skip
+    logp,
+    old,
+    adv,
+    scale,
+    seqlr,
+    behav,
+    ref,
+    ent,
+    is_on,
+    is_off,
+    offpolicy_train: tl.constexpr,
+    gamma,
+    is_cap,
+    tis_cap,
+    eps_low,
+    eps_high,
+    dual_clip,
+    beta,
+    kl_estimator: tl.constexpr,
+    kl_clamp: tl.constexpr,
+    entropy_coef,
+    SEQ: tl.constexpr,
+    HAS_REF: tl.constexpr,
+    HAS_ENT: tl.constexpr,
+):
     """Loss of one token block and its derivative w.r.t. logp (and the metric terms). All fp32. dual_clip and tis_cap
     are 0 when off (LossOptions' encoding); the branches they select are where()s, not constexprs."""
     is_act = is_on | is_off
@@ -88,13 +108,15 @@ def _policy_token(
     loss = tl.where(is_on, pg, 0.0)
     dlogp = tl.where(is_on, dpg, 0.0)
 
-    l_off, d_off, off_w = _offpolicy_token(logp, adv, behav, gamma, is_cap, offpolicy_train)
+    l_off, d_off, off_w = _offpolicy_token(
+        logp=logp, adv=adv, behav=behav, gamma=gamma, is_cap=is_cap, offpolicy_train=offpolicy_train
+    )
     if offpolicy_train != _OFF_NONE:
         loss += tl.where(is_off, l_off, 0.0)
         dlogp += tl.where(is_off, d_off, 0.0)
     kl = tl.zeros(logp.shape, tl.float32)
     if HAS_REF:
-        kl, dkl = _kl_token(logp, ref, kl_estimator, kl_clamp)
+        kl, dkl = _kl_token(logp=logp, ref=ref, kl_estimator=kl_estimator, kl_clamp=kl_clamp)
         loss += tl.where(is_act, beta * kl, 0.0)
         dlogp += tl.where(is_act, beta * dkl, 0.0)
     if HAS_ENT:
@@ -194,51 +216,141 @@ def _load_token_inputs(tok_ptr, tok_stride, offs, m, logp, PRESENT: tl.constexpr
 
 @triton.jit
 def policy_loss_fwd_kernel(
-    logp_ptr, ent_ptr, tok_ptr, out_ptr, part_ptr, N, tok_stride,
-    offpolicy_train: tl.constexpr, gamma, is_cap, tis_cap, eps_low, eps_high, dual_clip, beta,
-    kl_estimator: tl.constexpr, kl_clamp: tl.constexpr, entropy_coef,
-    PRESENT: tl.constexpr, HAS_ENT: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    logp_ptr,
+    ent_ptr,
+    tok_ptr,
+    out_ptr,
+    part_ptr,
+    N,
+    tok_stride,
+    offpolicy_train: tl.constexpr,
+    gamma,
+    is_cap,
+    tis_cap,
+    eps_low,
+    eps_high,
+    dual_clip,
+    beta,
+    kl_estimator: tl.constexpr,
+    kl_clamp: tl.constexpr,
+    entropy_coef,
+    PRESENT: tl.constexpr,
+    HAS_ENT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # int64: docs/pitfalls.md #5
     m = offs < N
     logp = tl.load(logp_ptr + offs, mask=m, other=0.0).to(tl.float32)
     is_on, is_off, old, adv, w, scale, seqlr, behav, ref = _load_token_inputs(
-        tok_ptr, tok_stride, offs, m, logp, PRESENT
+        tok_ptr=tok_ptr, tok_stride=tok_stride, offs=offs, m=m, logp=logp, PRESENT=PRESENT
     )
     ent = logp
     if HAS_ENT:
         ent = tl.load(ent_ptr + offs, mask=m, other=0.0).to(tl.float32)
     loss, dlogp, r, clip_hi, clip_lo, dual, kl, tis_w, off_w = _policy_token(
-        logp, old, adv, scale, seqlr, behav, ref, ent, is_on, is_off,
-        offpolicy_train, gamma, is_cap, tis_cap, eps_low, eps_high, dual_clip, beta, kl_estimator, kl_clamp,
-        entropy_coef, (_HAS_SEQLR & PRESENT) != 0, (_HAS_REF & PRESENT) != 0, HAS_ENT,
-    )  # fmt: skip
+        logp=logp,
+        old=old,
+        adv=adv,
+        scale=scale,
+        seqlr=seqlr,
+        behav=behav,
+        ref=ref,
+        ent=ent,
+        is_on=is_on,
+        is_off=is_off,
+        offpolicy_train=offpolicy_train,
+        gamma=gamma,
+        is_cap=is_cap,
+        tis_cap=tis_cap,
+        eps_low=eps_low,
+        eps_high=eps_high,
+        dual_clip=dual_clip,
+        beta=beta,
+        kl_estimator=kl_estimator,
+        kl_clamp=kl_clamp,
+        entropy_coef=entropy_coef,
+        SEQ=(_HAS_SEQLR & PRESENT) != 0,
+        HAS_REF=(_HAS_REF & PRESENT) != 0,
+        HAS_ENT=HAS_ENT,
+    )
     tl.store(out_ptr + offs, w * loss, mask=m)
-    _store_metric_sums(part_ptr, pid, is_on, is_off, clip_hi, clip_lo, dual, r, old - logp, kl, ent, tis_w, off_w)
+    _store_metric_sums(
+        part_ptr=part_ptr,
+        pid=pid,
+        is_on=is_on,
+        is_off=is_off,
+        clip_hi=clip_hi,
+        clip_lo=clip_lo,
+        dual=dual,
+        r=r,
+        approx_kl=old - logp,
+        kl=kl,
+        ent=ent,
+        tis_w=tis_w,
+        off_w=off_w,
+    )
 
 
 @triton.jit
 def policy_loss_bwd_kernel(
-    grad_ptr, logp_ptr, tok_ptr, dlogp_ptr, dent_ptr, N, tok_stride,
-    offpolicy_train: tl.constexpr, gamma, is_cap, tis_cap, eps_low, eps_high, dual_clip, beta,
-    kl_estimator: tl.constexpr, kl_clamp: tl.constexpr, entropy_coef,
-    PRESENT: tl.constexpr, HAS_ENT: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    grad_ptr,
+    logp_ptr,
+    tok_ptr,
+    dlogp_ptr,
+    dent_ptr,
+    N,
+    tok_stride,
+    offpolicy_train: tl.constexpr,
+    gamma,
+    is_cap,
+    tis_cap,
+    eps_low,
+    eps_high,
+    dual_clip,
+    beta,
+    kl_estimator: tl.constexpr,
+    kl_clamp: tl.constexpr,
+    entropy_coef,
+    PRESENT: tl.constexpr,
+    HAS_ENT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < N
     logp = tl.load(logp_ptr + offs, mask=m, other=0.0).to(tl.float32)
     is_on, is_off, old, adv, w, scale, seqlr, behav, ref = _load_token_inputs(
-        tok_ptr, tok_stride, offs, m, logp, PRESENT
+        tok_ptr=tok_ptr, tok_stride=tok_stride, offs=offs, m=m, logp=logp, PRESENT=PRESENT
     )
     # the upstream gradient is per token (docs/pitfalls.md #7): never assume a scalar 1
     gw = tl.load(grad_ptr + offs, mask=m, other=0.0).to(tl.float32) * w
     loss, dlogp, r, clip_hi, clip_lo, dual, kl, tis_w, off_w = _policy_token(
-        logp, old, adv, scale, seqlr, behav, ref, logp, is_on, is_off,
-        offpolicy_train, gamma, is_cap, tis_cap, eps_low, eps_high, dual_clip, beta, kl_estimator, kl_clamp,
-        entropy_coef, (_HAS_SEQLR & PRESENT) != 0, (_HAS_REF & PRESENT) != 0, False,
-    )  # fmt: skip
+        logp=logp,
+        old=old,
+        adv=adv,
+        scale=scale,
+        seqlr=seqlr,
+        behav=behav,
+        ref=ref,
+        ent=logp,
+        is_on=is_on,
+        is_off=is_off,
+        offpolicy_train=offpolicy_train,
+        gamma=gamma,
+        is_cap=is_cap,
+        tis_cap=tis_cap,
+        eps_low=eps_low,
+        eps_high=eps_high,
+        dual_clip=dual_clip,
+        beta=beta,
+        kl_estimator=kl_estimator,
+        kl_clamp=kl_clamp,
+        entropy_coef=entropy_coef,
+        SEQ=(_HAS_SEQLR & PRESENT) != 0,
+        HAS_REF=(_HAS_REF & PRESENT) != 0,
+        HAS_ENT=False,
+    )
     tl.store(dlogp_ptr + offs, gw * dlogp, mask=m)
     if HAS_ENT:
         tl.store(dent_ptr + offs, tl.where(is_on | is_off, -entropy_coef * gw, 0.0), mask=m)

@@ -54,7 +54,7 @@ def token_logprobs_fwd_kernel(
 ):
     """z = (logits + b) / T;  m, s, t <- online update over the row;  logp = (z[y] - m) - log s,  H = log s - t / s."""
     row = tl.program_id(0).to(tl.int64)
-    z_row = z_ptr + _row_offset(row, rows_inner, stride_outer, stride_inner)
+    z_row = z_ptr + _row_offset(row=row, rows_inner=rows_inner, stride_outer=stride_outer, stride_inner=stride_inner)
     y = tl.load(tgt_ptr + row).to(tl.int64)
 
     if INIT:
@@ -80,12 +80,14 @@ def token_logprobs_fwd_kernel(
     for start in range(0, n_cols, BLOCK_V):
         c = start + cols
         mask = c < n_cols
-        z = load_scaled_logits(z_row, bias_ptr, v_start, c, mask, inv_temp, HAS_BIAS)
-        m, s, t = online_lse_update(m, s, t, z)
+        z = load_scaled_logits(
+            z_row=z_row, bias_ptr=bias_ptr, v_start=v_start, c=c, mask=mask, inv_temp=inv_temp, HAS_BIAS=HAS_BIAS
+        )
+        m, s, t = online_lse_update(m=m, s=s, t=t, z=z)
 
     if FINAL:
-        lse, ent = lse_entropy_finalize(m, s, t)
-        tl.store(logp_ptr + row, target_logprob(zt, m, s))
+        lse, ent = lse_entropy_finalize(m=m, s=s, t=t)
+        tl.store(logp_ptr + row, target_logprob(zt=zt, m=m, s=s))
         tl.store(lse_ptr + row, lse)
         if WITH_ENTROPY:
             tl.store(ent_ptr + row, ent)
@@ -119,7 +121,7 @@ def token_logprobs_bwd_kernel(
 ):
     """grad_logits = (g_lp * (onehot_y - p) - g_H * p * (log p + H)) / T, p recomputed block by block from lse."""
     row = tl.program_id(0).to(tl.int64)
-    z_row = z_ptr + _row_offset(row, rows_inner, stride_outer, stride_inner)
+    z_row = z_ptr + _row_offset(row=row, rows_inner=rows_inner, stride_outer=stride_outer, stride_inner=stride_inner)
     gz_row = gz_ptr + row * stride_gz
     y = tl.load(tgt_ptr + row).to(tl.int64)
     lse = tl.load(lse_ptr + row)
@@ -136,6 +138,17 @@ def token_logprobs_bwd_kernel(
     for start in range(0, n_cols, BLOCK_V):
         c = start + cols
         mask = c < n_cols
-        z = load_scaled_logits(z_row, bias_ptr, v_start, c, mask, inv_temp, HAS_BIAS)
-        grad = logprob_entropy_grad(z, c == local, lse, ent, g_lp, g_ent, inv_temp, WITH_ENTROPY)
+        z = load_scaled_logits(
+            z_row=z_row, bias_ptr=bias_ptr, v_start=v_start, c=c, mask=mask, inv_temp=inv_temp, HAS_BIAS=HAS_BIAS
+        )
+        grad = logprob_entropy_grad(
+            z=z,
+            is_target=c == local,
+            lse=lse,
+            ent=ent,
+            g_lp=g_lp,
+            g_ent=g_ent,
+            inv_temp=inv_temp,
+            WITH_ENTROPY=WITH_ENTROPY,
+        )
         tl.store(gz_row + c, grad.to(gz_ptr.dtype.element_ty), mask=mask)

@@ -49,7 +49,7 @@ def _mma(q, k, acc, FP32_KEYS: tl.constexpr, UPCAST_DOT: tl.constexpr):
     if FP32_KEYS:
         return tl.dot(q, k, acc, input_precision="ieee")
     else:
-        return tl.dot(dot_operand(q, UPCAST_DOT), dot_operand(k, UPCAST_DOT), acc)
+        return tl.dot(dot_operand(x=q, UPCAST_DOT=UPCAST_DOT), dot_operand(x=k, UPCAST_DOT=UPCAST_DOT), acc)
 
 
 @triton.jit
@@ -85,8 +85,8 @@ def score_tile(
         q = tl.load(q_row + dd[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         k0 = tl.load(k_col0 + dd[:, None], mask=d_ok[:, None] & (cols0 < c_end)[None, :], other=0.0)
         k1 = tl.load(k_col1 + dd[:, None], mask=d_ok[:, None] & (cols1 < c_end)[None, :], other=0.0)
-        acc0 = _mma(q, k0, acc0, FP32_KEYS, UPCAST_DOT)
-        acc1 = _mma(q, k1, acc1, FP32_KEYS, UPCAST_DOT)
+        acc0 = _mma(q=q, k=k0, acc=acc0, FP32_KEYS=FP32_KEYS, UPCAST_DOT=UPCAST_DOT)
+        acc1 = _mma(q=q, k=k1, acc=acc1, FP32_KEYS=FP32_KEYS, UPCAST_DOT=UPCAST_DOT)
     return acc0, acc1
 
 
@@ -145,7 +145,7 @@ def merge_rows(
         ptrs = ws_row + (rr - q0).to(tl.int64)[:, None] * W + cols[None, :]
         live = r_ok[:, None] & (cols[None, :] < KP + n[:, None])
         x = tl.load(ptrs, mask=live, other=SENTINEL)
-        kth = select_kth(x, K_TOP, ROWS)
+        kth = select_kth(x=x, K_TOP=K_TOP, ROWS=ROWS)
         keep = (x >= kth[:, None]) & (x != SENTINEL)  # keys are distinct: exactly min(K_TOP, real entries) kept
         pos = tl.cumsum(keep.to(tl.int32), axis=1) - 1
         n_keep = tl.sum(keep.to(tl.int32), axis=1)
@@ -188,25 +188,69 @@ def admit(s, cols, row_ok, col_ok, grp_ptr, excl, thr, min_score, HAS_EXCL: tl.c
 
 @triton.jit
 def take_survivors(
-    dot, c_start, c_end, rows, row_ok, q0, Q, qaux, excl, thr, cnt, kaux_ptr, grp_ptr, ws_row, thr_ptr, cnt_ptr,
-    min_score, K_TOP: tl.constexpr, KP: tl.constexpr, W: tl.constexpr, METRIC: tl.constexpr, HAS_EXCL: tl.constexpr,
-    BLOCK_Q: tl.constexpr, HALF_C: tl.constexpr, ROWS: tl.constexpr,
-):  # fmt: skip
+    dot,
+    c_start,
+    c_end,
+    rows,
+    row_ok,
+    q0,
+    Q,
+    qaux,
+    excl,
+    thr,
+    cnt,
+    kaux_ptr,
+    grp_ptr,
+    ws_row,
+    thr_ptr,
+    cnt_ptr,
+    min_score,
+    K_TOP: tl.constexpr,
+    KP: tl.constexpr,
+    W: tl.constexpr,
+    METRIC: tl.constexpr,
+    HAS_EXCL: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    HALF_C: tl.constexpr,
+    ROWS: tl.constexpr,
+):
     """One half tile of dot products (keys c_start ..): append the admitted keys to their rows' pending areas, and merge
     when the next half could overflow one. Returns the (thresholds, pending counts) after it."""
     cols = c_start + tl.arange(0, HALF_C)
     col_ok = cols < c_end
     kaux = tl.load(kaux_ptr + cols, mask=col_ok, other=0.0)
-    s = finish_scores(dot, qaux, kaux, METRIC)
-    keep = admit(s, cols, row_ok, col_ok, grp_ptr, excl, thr, min_score, HAS_EXCL)
+    s = finish_scores(dot=dot, qaux=qaux, kaux=kaux, METRIC=METRIC)
+    keep = admit(
+        s=s,
+        cols=cols,
+        row_ok=row_ok,
+        col_ok=col_ok,
+        grp_ptr=grp_ptr,
+        excl=excl,
+        thr=thr,
+        min_score=min_score,
+        HAS_EXCL=HAS_EXCL,
+    )
     n_new = tl.sum(keep.to(tl.int32), axis=1)
     if tl.max(n_new, axis=0) > 0:  # most tiles, once the thresholds have risen, skip this
         pos = cnt[:, None] + tl.cumsum(keep.to(tl.int32), axis=1) - 1
         dst = ws_row + (rows - q0).to(tl.int64)[:, None] * W + KP + pos
-        tl.store(dst, encode_keys(s, cols), mask=keep)
+        tl.store(dst, encode_keys(score=s, slot=cols), mask=keep)
         cnt += n_new
         if tl.max(cnt, axis=0) > W - KP - HALF_C:  # the next half could overflow a pending area
-            thr = merge_rows(ws_row, thr_ptr, cnt_ptr, cnt, q0, Q, K_TOP, KP, W, BLOCK_Q, ROWS)
+            thr = merge_rows(
+                ws_row=ws_row,
+                thr_ptr=thr_ptr,
+                cnt_ptr=cnt_ptr,
+                cnt=cnt,
+                q0=q0,
+                Q=Q,
+                K_TOP=K_TOP,
+                KP=KP,
+                W=W,
+                BLOCK_Q=BLOCK_Q,
+                ROWS=ROWS,
+            )
             cnt = tl.zeros([BLOCK_Q], dtype=tl.int32)
     return thr, cnt
 
@@ -251,7 +295,7 @@ def retrieval_topk_kernel(
     ws_row = ws_ptr + (split.to(tl.int64) * Q + q0) * W
     thr_ptr += split.to(tl.int64) * Q
     cnt_ptr += split.to(tl.int64) * Q
-    clear_rows(ws_row, q0, Q, W, BLOCK_Q, ROWS)
+    clear_rows(ws_row=ws_row, q0=q0, Q=Q, W=W, BLOCK_Q=BLOCK_Q, ROWS=ROWS)
     qaux = tl.load(qaux_ptr + rows, mask=row_ok, other=0.0)
     excl = tl.full([BLOCK_Q], -1, tl.int64)
     if HAS_EXCL:
@@ -265,12 +309,86 @@ def retrieval_topk_kernel(
     # (bench/NOTES_retrieval.md, "Registers and spills"; tests/test_sm90_compile.py holds the bound).
     HALF_C: tl.constexpr = BLOCK_C // 2
     for c0 in range(c_begin, c_end, BLOCK_C):
-        dot0, dot1 = score_tile(q_ptr, k_ptr, rows, c0, c_end, row_ok, D, stride_q, stride_k, BLOCK_Q, HALF_C, BLOCK_D,
-                                FP32_KEYS, UPCAST_DOT)  # fmt: skip
-        thr, cnt = take_survivors(dot0, c0, c_end, rows, row_ok, q0, Q, qaux, excl, thr, cnt, kaux_ptr, grp_ptr, ws_row,
-                                  thr_ptr, cnt_ptr, min_score, K_TOP, KP, W, METRIC, HAS_EXCL, BLOCK_Q, HALF_C,
-                                  ROWS)  # fmt: skip
-        thr, cnt = take_survivors(dot1, c0 + HALF_C, c_end, rows, row_ok, q0, Q, qaux, excl, thr, cnt, kaux_ptr,
-                                  grp_ptr, ws_row, thr_ptr, cnt_ptr, min_score, K_TOP, KP, W, METRIC, HAS_EXCL, BLOCK_Q,
-                                  HALF_C, ROWS)  # fmt: skip
-    merge_rows(ws_row, thr_ptr, cnt_ptr, cnt, q0, Q, K_TOP, KP, W, BLOCK_Q, ROWS)
+        dot0, dot1 = score_tile(
+            q_ptr=q_ptr,
+            k_ptr=k_ptr,
+            rows=rows,
+            c0=c0,
+            c_end=c_end,
+            row_ok=row_ok,
+            D=D,
+            stride_q=stride_q,
+            stride_k=stride_k,
+            BLOCK_Q=BLOCK_Q,
+            HALF_C=HALF_C,
+            BLOCK_D=BLOCK_D,
+            FP32_KEYS=FP32_KEYS,
+            UPCAST_DOT=UPCAST_DOT,
+        )
+        thr, cnt = take_survivors(
+            dot=dot0,
+            c_start=c0,
+            c_end=c_end,
+            rows=rows,
+            row_ok=row_ok,
+            q0=q0,
+            Q=Q,
+            qaux=qaux,
+            excl=excl,
+            thr=thr,
+            cnt=cnt,
+            kaux_ptr=kaux_ptr,
+            grp_ptr=grp_ptr,
+            ws_row=ws_row,
+            thr_ptr=thr_ptr,
+            cnt_ptr=cnt_ptr,
+            min_score=min_score,
+            K_TOP=K_TOP,
+            KP=KP,
+            W=W,
+            METRIC=METRIC,
+            HAS_EXCL=HAS_EXCL,
+            BLOCK_Q=BLOCK_Q,
+            HALF_C=HALF_C,
+            ROWS=ROWS,
+        )
+        thr, cnt = take_survivors(
+            dot=dot1,
+            c_start=c0 + HALF_C,
+            c_end=c_end,
+            rows=rows,
+            row_ok=row_ok,
+            q0=q0,
+            Q=Q,
+            qaux=qaux,
+            excl=excl,
+            thr=thr,
+            cnt=cnt,
+            kaux_ptr=kaux_ptr,
+            grp_ptr=grp_ptr,
+            ws_row=ws_row,
+            thr_ptr=thr_ptr,
+            cnt_ptr=cnt_ptr,
+            min_score=min_score,
+            K_TOP=K_TOP,
+            KP=KP,
+            W=W,
+            METRIC=METRIC,
+            HAS_EXCL=HAS_EXCL,
+            BLOCK_Q=BLOCK_Q,
+            HALF_C=HALF_C,
+            ROWS=ROWS,
+        )
+    merge_rows(
+        ws_row=ws_row,
+        thr_ptr=thr_ptr,
+        cnt_ptr=cnt_ptr,
+        cnt=cnt,
+        q0=q0,
+        Q=Q,
+        K_TOP=K_TOP,
+        KP=KP,
+        W=W,
+        BLOCK_Q=BLOCK_Q,
+        ROWS=ROWS,
+    )

@@ -175,8 +175,10 @@ def _check_runtime(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     can be created, and matplotlib (the curves' plot, drawn at the end) is installed: a failure is argparse's one-line
     error (exit code 2) before any training, not a traceback after it."""
     if importlib.util.find_spec("matplotlib") is None:
-        p.error("the demo plots its curves with matplotlib, which is not installed: pip install matplotlib "
-                "(or, in a rapo_fast checkout, pip install -e '.[demo]')")  # fmt: skip
+        p.error(
+            "the demo plots its curves with matplotlib, which is not installed: pip install matplotlib "
+            "(or, in a rapo_fast checkout, pip install -e '.[demo]')"
+        )
     try:
         dev = torch.device(a.device)
     except (RuntimeError, ValueError):

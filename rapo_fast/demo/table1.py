@@ -28,36 +28,57 @@ from rapo_fast.demo.table1_report import write_outputs
 from rapo_fast.demo.table1_stats import first_reach, mean_ci
 
 METHODS = ("GRPO", "ARPO", "RAPO", "OFFPOLICY_TRAJ")
-# Controls and ablations of issue 24: GRPO with RAPO's on-policy row count (RAPO keeps group_size - n_hybrid on-policy
+# Controls and ablations: GRPO with RAPO's on-policy row count (RAPO keeps group_size - n_hybrid on-policy
 # rows; GRPO keeps all group_size), RAPO without the retrieval reward (ret_coef 0), RAPO without importance shaping
 # (shaping_m 0), and RAPO from a warm-up that never showed a retrieved step (retrieve_frac 0: does RAPO need the
 # warm-up to teach the policy to use one?).
 EXTRA_METHODS = ("GRPO_ONPOLICY_MATCHED", "RAPO_NO_RET_REWARD", "RAPO_NO_SHAPING", "RAPO_SFT_NO_RETRIEVE")
 ALL_METHODS = METHODS + EXTRA_METHODS
 SETTINGS = ("fair", "legacy")
-# The fair setting (issue 24, rapo_fast/demo/table1_families.py AliasFamily) runs every method; the legacy one the four
+# The fair setting (rapo_fast/demo/table1_families.py AliasFamily) runs every method; the legacy one the four
 # of the paper's table. solver_traces: scripted trajectories per source question, traces_top_k: kept per question
 # (the best by reward) for RAPO's step buffer and OFFPOLICY_TRAJ's trajectories. The RL hyper-parameters are the
 # legacy setting's (chosen on GRPO alone, docs/table1_tuning.md), not tuned again on the fair setting.
-FAIR_QUICK = dict(seeds=2, sft_steps=60, rl_steps=4, eval_every=2, n_eval=32, group_size=4, prompts_per_step=2,
-                  n_train=16, lr=3e-4, mini_batch_groups=1, solver_traces=16, traces_top_k=5)  # fmt: skip
-FAIR_FULL = dict(seeds=5, sft_steps=300, rl_steps=100, eval_every=20, n_eval=400, group_size=8, prompts_per_step=8,
-                 n_train=64, lr=3e-4, mini_batch_groups=4, solver_traces=16, traces_top_k=5)  # fmt: skip
-QUICK = dict(seeds=2, sft_steps=60, rl_steps=4, eval_every=2, n_eval=32, group_size=4, prompts_per_step=2,
-             n_train=16, lr=3e-4, mini_batch_groups=1, solver_traces=16, traces_top_k=5)  # fmt: skip
+QUICK = dict(
+    seeds=2,
+    sft_steps=60,
+    rl_steps=4,
+    eval_every=2,
+    n_eval=32,
+    group_size=4,
+    prompts_per_step=2,
+    n_train=16,
+    lr=3e-4,
+    mini_batch_groups=1,
+    solver_traces=16,
+    traces_top_k=5,
+)
 # The legacy full setting was chosen on GRPO alone (docs/table1_tuning.md has every setting tried and what GRPO did):
 # lr 1e-3 or 5e-4 fell below the start, a validation-target warm-up, temperature 1.3 and 16 x 4 groups did not help;
 # 1000 fresh arithmetic problems instead of 64 (the policy memorised the 64) and 100 steps did (GRPO gained more at
 # 100 than at 80 steps on both families; 100 fit in the 45-minute budget once the runs went to 1-thread workers).
 # The knowledge base keeps 64 training problems so that most of its 384 distinct questions stay held out.
-FULL = dict(seeds=5, sft_steps=300, rl_steps=100, eval_every=20, n_eval=625, group_size=8, prompts_per_step=8,
-            n_train={"arith": 1000, "kb": 64}, lr=3e-4, mini_batch_groups=4,
-            solver_traces={"arith": 4, "kb": 16}, traces_top_k={"arith": 1, "kb": 5})  # fmt: skip
+FULL = dict(
+    seeds=5,
+    sft_steps=300,
+    rl_steps=100,
+    eval_every=20,
+    n_eval=625,
+    group_size=8,
+    prompts_per_step=8,
+    n_train={"arith": 1000, "kb": 64},
+    lr=3e-4,
+    mini_batch_groups=4,
+    solver_traces={"arith": 4, "kb": 16},
+    traces_top_k={"arith": 1, "kb": 5},
+)
+FAIR_QUICK = QUICK
+FAIR_FULL = dict(FULL, n_eval=400, n_train=64, solver_traces=16, traces_top_k=5)
 
 
 def families(setting: str = "legacy") -> tuple[str, ...]:
     """The task families of a setting: the fair one has the aliased knowledge base only (the arithmetic family has
-    no version without the issue-24 flaws yet); the legacy one arithmetic and the knowledge base."""
+    no version whose answers cannot leak through retrieval yet); the legacy one arithmetic and the knowledge base."""
     from rapo_fast.demo.table1_families import FAIR_FAMILIES, LEGACY_FAMILIES
 
     return FAIR_FAMILIES if setting == "fair" else LEGACY_FAMILIES
@@ -79,9 +100,14 @@ def _encoder(name: str):
 def _config(method: str, s: dict, seed: int):
     from rapo_fast.train.trainer import TrainerConfig
 
-    common = {"rollout.group_size": s["group_size"], "rollout.max_step_tokens": 16, "seed": seed,
-              "prompts_per_step": s["prompts_per_step"], "optim.lr": s["lr"],
-              "optim.mini_batch_groups": s["mini_batch_groups"]}  # fmt: skip
+    common = {
+        "rollout.group_size": s["group_size"],
+        "rollout.max_step_tokens": 16,
+        "seed": seed,
+        "prompts_per_step": s["prompts_per_step"],
+        "optim.lr": s["lr"],
+        "optim.mini_batch_groups": s["mini_batch_groups"],
+    }
     n_hybrid = s["group_size"] // 2
     hybrid = {"rollout.hybrid.n_hybrid": n_hybrid}
     if method in ("RAPO", "RAPO_SFT_NO_RETRIEVE"):  # the same RL; the second from the warm-up without retrieval
@@ -123,8 +149,11 @@ def prepare(family: str, seed: int, s: dict, out: Path) -> dict[str, Path]:
     fam = get_family(family)
     data = fam.data(seed, s)
     k = per_family(s, "traces_top_k", family)
-    paths = {"warm": out / f"warm_{family}_{seed}.pt", "jsonl": out / f"traces_{family}_{seed}.jsonl",
-             "checks": out / f"warmup_{family}_{seed}.json"}  # fmt: skip
+    paths = {
+        "warm": out / f"warm_{family}_{seed}.pt",
+        "jsonl": out / f"traces_{family}_{seed}.jsonl",
+        "checks": out / f"warmup_{family}_{seed}.json",
+    }
     rapo_src = fam.rapo_source(data, s, seed)
     write_jsonl(rapo_src, paths["jsonl"])
     if fam.same_source:
@@ -151,8 +180,11 @@ def warmup_checks(
     from rapo_fast.demo import table1_diagnostics as D
     from rapo_fast.retrieval.step_traces import StepTraces
 
-    out = {"rapo_source": D.kept_trace_stats(rapo_src, k), "offpolicy_source": D.kept_trace_stats(off_src, k),
-           "chance": fam.chance(data)}  # fmt: skip
+    out = {
+        "rapo_source": D.kept_trace_stats(rapo_src, k),
+        "offpolicy_source": D.kept_trace_stats(off_src, k),
+        "chance": fam.chance(data),
+    }
     if not fam.readable:
         return out
     model = _load_policy(data["tok"], warm, seed)
@@ -214,12 +246,23 @@ def run_one(family: str, method: str, seed: int, s: dict, paths: dict[str, Path]
         tokens.append(tokens[-1] + int(h.get("tokens_generated", 0)))
     curve = held_out.curve
     row = {
-        "task": family, "method": method, "seed": seed, "eval_start": curve[0][1], "eval_final": curve[-1][1],
-        "eval_best": max(v for _, v in curve), "tokens_generated": tokens[-1], "wall_s": math.nan,
-        "encoder": enc, "arpo_rule": cfg.rollout.arpo.rule if method == "ARPO" else "",
-        "leak_frac": math.nan, "hybrid_successes": 0, "unobserved_success_final": math.nan,
-        "eval_with_retrieval_train_final": math.nan, "_curve": curve, "_tokens": tokens,
-    }  # fmt: skip
+        "task": family,
+        "method": method,
+        "seed": seed,
+        "eval_start": curve[0][1],
+        "eval_final": curve[-1][1],
+        "eval_best": max(v for _, v in curve),
+        "tokens_generated": tokens[-1],
+        "wall_s": math.nan,
+        "encoder": enc,
+        "arpo_rule": cfg.rollout.arpo.rule if method == "ARPO" else "",
+        "leak_frac": math.nan,
+        "hybrid_successes": 0,
+        "unobserved_success_final": math.nan,
+        "eval_with_retrieval_train_final": math.nan,
+        "_curve": curve,
+        "_tokens": tokens,
+    }
     if fam.readable:
         reader = callbacks[1]
         row["leak_frac"], row["hybrid_successes"] = reader.leak_frac(), reader.hybrid_successes
@@ -248,22 +291,33 @@ def add_targets(rows: list[dict]) -> None:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rapo-fast table1", description=__doc__.splitlines()[0])
     p.add_argument("--out", default="table1_out", help="output directory (default table1_out)")
-    p.add_argument("--setting", choices=SETTINGS, default="fair",
-                   help="fair (default): the aliased knowledge base of issue 24, every method and control; legacy: "
-                        "the setting before it (arithmetic and the 3-hop knowledge base; answers leak through "
-                        "retrieval, kept for the record)")  # fmt: skip
+    p.add_argument(
+        "--setting",
+        choices=SETTINGS,
+        default="fair",
+        help="fair (default): the aliased knowledge base, every method and control; legacy: "
+        "the setting before it (arithmetic and the 3-hop knowledge base; answers leak through "
+        "retrieval, kept for the record)",
+    )
     p.add_argument("--quick", action="store_true", help="2 seeds, few steps, small sets: a smoke run")
     p.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 (default 5, 2 with --quick)")
     p.add_argument("--rl-steps", type=int, default=None, help="RL steps per run (the same for every method)")
     p.add_argument("--sft-steps", type=int, default=None, help="SFT warm-up steps per (family, seed)")
     p.add_argument("--n-eval", type=int, default=None, help="held-out problems (625: standard error <= 0.02)")
     p.add_argument("--families", default=None, help="comma-separated task families (default: all)")
-    p.add_argument("--methods", default=None,
-                   help=f"comma-separated, from {','.join(ALL_METHODS)} (default: all with --setting fair, "
-                        f"{','.join(METHODS)} with legacy)")  # fmt: skip
-    p.add_argument("--workers", type=int, default=None,
-                   help="1-thread worker processes (default: one per core, at most 8; 0: in this process); the "
-                        "results do not depend on it")  # fmt: skip
+    p.add_argument(
+        "--methods",
+        default=None,
+        help=f"comma-separated, from {','.join(ALL_METHODS)} (default: all with --setting fair, "
+        f"{','.join(METHODS)} with legacy)",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="1-thread worker processes (default: one per core, at most 8; 0: in this process); the "
+        "results do not depend on it",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -289,8 +343,15 @@ def setting_from(a: argparse.Namespace) -> dict:
 # Which ready job a free worker takes first: prepare jobs (each unlocks the method runs), then the longest runs, so
 # that the last ones to finish are short (measured, one legacy full run: RAPO 110-150 s, ARPO and OFFPOLICY_TRAJ 50-75
 # s, GRPO 40-60 s; arithmetic longer than the knowledge base).
-_COST = {"RAPO": 3, "RAPO_NO_RET_REWARD": 3, "RAPO_NO_SHAPING": 3, "RAPO_SFT_NO_RETRIEVE": 3, "ARPO": 2,
-         "OFFPOLICY_TRAJ": 2, "GRPO": 1}  # fmt: skip
+_COST = {
+    "RAPO": 3,
+    "RAPO_NO_RET_REWARD": 3,
+    "RAPO_NO_SHAPING": 3,
+    "RAPO_SFT_NO_RETRIEVE": 3,
+    "ARPO": 2,
+    "OFFPOLICY_TRAJ": 2,
+    "GRPO": 1,
+}
 
 
 def default_workers() -> int:
@@ -405,7 +466,7 @@ def _mean(xs) -> float:
 
 
 def build_checks(rows: list[dict], prepared: dict[tuple[str, int], dict], s: dict) -> dict:
-    """table1_checks.json: issue 24's go/no-go checks (table1_diagnostics.go_no_go) from the figures of the warm-up
+    """table1_checks.json: the go/no-go checks (table1_diagnostics.go_no_go) from the figures of the warm-up
     files and of the runs, per family: no shortcut (the final evaluations' successes with an answer never observed,
     the largest method mean, against the chance of guessing the answer's type), an imperfect source (RAPO's kept
     traces), a policy that can use a retrieved step (the warm-up probe), no answer leak (pooled over RAPO's runs). The
@@ -413,8 +474,16 @@ def build_checks(rows: list[dict], prepared: dict[tuple[str, int], dict], s: dic
     from rapo_fast.demo import table1_diagnostics as D
 
     warm = {f"{f}/{seed}": json.loads(Path(p["checks"]).read_text()) for (f, seed), p in sorted(prepared.items())}
-    figures: dict = {k: {} for k in ("unobserved_answer_success", "kept_trace_correct_frac", "conditioning_probe",
-                                     "hint_probe", "leak_frac")}  # fmt: skip
+    figures: dict = {
+        k: {}
+        for k in (
+            "unobserved_answer_success",
+            "kept_trace_correct_frac",
+            "conditioning_probe",
+            "hint_probe",
+            "leak_frac",
+        )
+    }
     sigs: dict = {}
     for fam in s["families"]:
         ws = [w for key, w in warm.items() if key.split("/")[0] == fam]
@@ -430,9 +499,12 @@ def build_checks(rows: list[dict], prepared: dict[tuple[str, int], dict], s: dic
         per_method = {m: v for m, v in per_method.items() if not math.isnan(v)}
         if per_method:
             worst = max(per_method, key=per_method.get)
-            figures["unobserved_answer_success"][fam] = {"value": per_method[worst], "method": worst,
-                                                         "chance": _mean(w["chance"] for w in ws),
-                                                         "n": s["n_eval"] * s["seeds"]}  # fmt: skip
+            figures["unobserved_answer_success"][fam] = {
+                "value": per_method[worst],
+                "method": worst,
+                "chance": _mean(w["chance"] for w in ws),
+                "n": s["n_eval"] * s["seeds"],
+            }
         rapo = [r for r in fr if r["method"] == "RAPO" and int(r.get("hybrid_successes", 0) or 0) > 0]
         n_hits = sum(int(r["hybrid_successes"]) for r in rapo)
         if any(r["method"] == "RAPO" for r in fr):
@@ -444,10 +516,18 @@ def build_checks(rows: list[dict], prepared: dict[tuple[str, int], dict], s: dic
     for fam, pr in figures["hint_probe"].items():
         # The aliased setting's conditioning probe is the hint probe: its two probabilities under the common name too
         # (the check reads them from hint_probe).
-        figures["conditioning_probe"][fam] = {"probe": "hint", "p_next_given_retrieved": pr["p_next_given_hint"],
-                                              "p_next_without_retrieved": pr["p_next_without_hint"]}  # fmt: skip
-    return {"setting": s.get("setting", "legacy"), "checks": checks, "figures": figures, "warmup": warm,
-            "signatures": sigs}  # fmt: skip
+        figures["conditioning_probe"][fam] = {
+            "probe": "hint",
+            "p_next_given_retrieved": pr["p_next_given_hint"],
+            "p_next_without_retrieved": pr["p_next_without_hint"],
+        }
+    return {
+        "setting": s.get("setting", "legacy"),
+        "checks": checks,
+        "figures": figures,
+        "warmup": warm,
+        "signatures": sigs,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

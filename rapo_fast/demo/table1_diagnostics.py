@@ -244,8 +244,9 @@ def read_greedy(model, tok, task, problems: Sequence, max_step_tokens: int = 16)
     from rapo_fast.rollouts.config import RolloutConfig
     from rapo_fast.rollouts.loop import rollout
 
-    cfg = RolloutConfig(group_size=1, strategy="on_policy", hybrid={"n_hybrid": 0}, temperature=0.0,
-                        max_step_tokens=max_step_tokens)  # fmt: skip
+    cfg = RolloutConfig(
+        group_size=1, strategy="on_policy", hybrid={"n_hybrid": 0}, temperature=0.0, max_step_tokens=max_step_tokens
+    )
     b = rollout(model, tok, task, problems, cfg)
     return read_batch(problems, b)
 
@@ -316,7 +317,7 @@ def kept_trace_stats(records: Sequence[dict], top_k: int) -> dict:
 
 
 # -- go / no-go ----------------------------------------------------------------------------------------------------
-LEAK_MAX = 0.25  # issue 24: the default setting keeps leak_frac at or under this
+LEAK_MAX = 0.25  # the default setting keeps leak_frac at or under this
 KEPT_CORRECT_MAX = 0.8  # an imperfect source: top-k keeps wrong trajectories (98.8% correct was the oracle)
 PROBE_MIN_RATIO = 0.5  # a policy that uses a retrieved step: at least half its success after its own step
 HINT_MIN = 0.5  # the aliased setting: a foreign retrieved step makes the right own hop at least this likely
@@ -333,8 +334,12 @@ def go_no_go(figures: dict) -> dict:
     checks: dict = {}
     for fam, u in figures.get("unobserved_answer_success", {}).items():
         bound = chance_bound(u["chance"], u["n"])
-        checks[f"no_shortcut/{fam}"] = {"value": u["value"], "chance": u["chance"], "bound": bound,
-                                        "pass": bool(u["value"] <= bound)}  # fmt: skip
+        checks[f"no_shortcut/{fam}"] = {
+            "value": u["value"],
+            "chance": u["chance"],
+            "bound": bound,
+            "pass": bool(u["value"] <= bound),
+        }
     for fam, x in figures.get("kept_trace_correct_frac", {}).items():
         checks[f"imperfect_source/{fam}"] = {"value": x, "bound": KEPT_CORRECT_MAX, "pass": bool(x <= KEPT_CORRECT_MAX)}
     for fam, pr in figures.get("conditioning_probe", {}).items():
@@ -346,6 +351,5 @@ def go_no_go(figures: dict) -> dict:
         ok = bool(hint >= HINT_MIN and hint > plain)
         checks[f"uses_retrieved_step/{fam}"] = {"value": hint, "without": plain, "bound": HINT_MIN, "pass": ok}
     for fam, x in figures.get("leak_frac", {}).items():
-        checks[f"no_answer_leak/{fam}"] = {"value": x, "bound": LEAK_MAX,
-                                           "pass": bool(math.isnan(x) or x <= LEAK_MAX)}  # fmt: skip
+        checks[f"no_answer_leak/{fam}"] = {"value": x, "bound": LEAK_MAX, "pass": bool(math.isnan(x) or x <= LEAK_MAX)}
     return checks

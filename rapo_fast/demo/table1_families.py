@@ -60,7 +60,7 @@ def _tiny_policy(tok, seed: int):
 
 
 class AliasFamily:
-    """The fair setting of issue 24 (module docstring)."""
+    """The fair setting (module docstring)."""
 
     name = "kb_alias"
     readable = True
@@ -99,8 +99,18 @@ class AliasFamily:
 
         model = _tiny_policy(data["tok"], seed)
         if s["sft_steps"] > 0:
-            sft_warmup(model, data["tok"], data["task"], self.sft_pool(seed), steps=s["sft_steps"], batch_size=32,
-                       lr=3e-3, seed=seed, retrieve_frac=retrieve_frac, retrieve_style=self.retrieve_style)  # fmt: skip
+            sft_warmup(
+                model,
+                data["tok"],
+                data["task"],
+                self.sft_pool(seed),
+                steps=s["sft_steps"],
+                batch_size=32,
+                lr=3e-3,
+                seed=seed,
+                retrieve_frac=retrieve_frac,
+                retrieve_style=self.retrieve_style,
+            )
         return copy.deepcopy(model.state_dict())
 
     def rapo_source(self, data: dict, s: dict, seed: int) -> list[dict]:
@@ -124,8 +134,9 @@ class AliasFamily:
 
 
 class LegacyFamily:
-    """The setting before issue 24: arithmetic chains, or the knowledge base with 2-hop SFT and 3-hop RL on one
-    draw of the facts. One solver file (error 0.2) is both RAPO's source and OFFPOLICY_TRAJ's."""
+    """The earlier setting (answers leak through retrieval): arithmetic chains, or the knowledge base with 2-hop
+    SFT and 3-hop RL on one draw of the facts. One solver file (error 0.2) is both RAPO's source and
+    OFFPOLICY_TRAJ's."""
 
     retrieve_style = "replace"
     same_source = True
@@ -145,8 +156,12 @@ class LegacyFamily:
     def data(self, seed: int, s: dict) -> dict:
         task = self._tasks()[0]
         train = task.make_problems(per_family(s, "n_train", self.name), seed=seed)
-        return {"task": task, "tok": task.tokenizer(), "train": train,
-                "evals": held_out(task, train, s["n_eval"], seed=seed + 1)}  # fmt: skip
+        return {
+            "task": task,
+            "tok": task.tokenizer(),
+            "train": train,
+            "evals": held_out(task, train, s["n_eval"], seed=seed + 1),
+        }
 
     def warm_up(self, data: dict, s: dict, seed: int, retrieve_frac: float = 0.3) -> dict:
         from rapo_fast.train.sft import sft_warmup
@@ -155,8 +170,18 @@ class LegacyFamily:
         model = _tiny_policy(data["tok"], seed)
         pool = sft_task.make_problems(2000, seed=seed + 2, start_qid=200_000)
         if s["sft_steps"] > 0:
-            sft_warmup(model, data["tok"], sft_task, pool, steps=s["sft_steps"], batch_size=32, lr=3e-3, seed=seed,
-                       retrieve_frac=retrieve_frac, progress=False)  # fmt: skip
+            sft_warmup(
+                model,
+                data["tok"],
+                sft_task,
+                pool,
+                steps=s["sft_steps"],
+                batch_size=32,
+                lr=3e-3,
+                seed=seed,
+                retrieve_frac=retrieve_frac,
+                progress=False,
+            )
         return copy.deepcopy(model.state_dict())
 
     def rapo_source(self, data: dict, s: dict, seed: int) -> list[dict]:
@@ -184,5 +209,14 @@ def get_family(name: str):
 FAIR_FAMILIES = (AliasFamily.name,)
 LEGACY_FAMILIES = ("arith", "kb")
 
-__all__ = ["AliasFamily", "LegacyFamily", "get_family", "held_out", "per_family", "RL_CHAINS", "SOLVER_ERROR_BY_HOP",
-           "FAIR_FAMILIES", "LEGACY_FAMILIES"]  # fmt: skip
+__all__ = [
+    "AliasFamily",
+    "LegacyFamily",
+    "get_family",
+    "held_out",
+    "per_family",
+    "RL_CHAINS",
+    "SOLVER_ERROR_BY_HOP",
+    "FAIR_FAMILIES",
+    "LEGACY_FAMILIES",
+]

@@ -1,6 +1,6 @@
 """The files of `rapo-fast table1`: table1.csv (one row per run), table1.md (the paper-style table, paired
 differences against GRPO and the matched control, efficiency, diagnostics), table1.png (mean held-out curve +- band
-per method, one panel per family) and table1_checks.json (issue 24's go/no-go checks with the figures behind them).
+per method, one panel per family) and table1_checks.json (the go/no-go checks with the figures behind them).
 
 What this is: formatting of rows that rapo_fast/demo/table1.py produced, with the statistics of
 rapo_fast/demo/table1_stats.py. What this is not: the runs, or any claim about them.
@@ -14,16 +14,38 @@ from pathlib import Path
 
 from rapo_fast.demo.table1_stats import fmt, mean_ci, paired_diff
 
-COLORS = {"GRPO": "tab:blue", "ARPO": "tab:green", "RAPO": "tab:red", "OFFPOLICY_TRAJ": "tab:purple",
-          "GRPO_ONPOLICY_MATCHED": "tab:cyan", "RAPO_NO_RET_REWARD": "tab:orange", "RAPO_NO_SHAPING": "tab:brown",
-          "RAPO_SFT_NO_RETRIEVE": "tab:pink"}  # fmt: skip
+COLORS = {
+    "GRPO": "tab:blue",
+    "ARPO": "tab:green",
+    "RAPO": "tab:red",
+    "OFFPOLICY_TRAJ": "tab:purple",
+    "GRPO_ONPOLICY_MATCHED": "tab:cyan",
+    "RAPO_NO_RET_REWARD": "tab:orange",
+    "RAPO_NO_SHAPING": "tab:brown",
+    "RAPO_SFT_NO_RETRIEVE": "tab:pink",
+}
 # leak_frac: over the run's hybrid successes that retrieved (hybrid_successes of them), the fraction whose answer was a
 # retrieved observation; unobserved_success_final: final greedy evaluation, right answers no observation of the
 # row showed; eval_with_retrieval_train_final: the final policy, greedy, on the training questions with retrieval
 # from RAPO's source (NaN where the family's completions cannot be read hop by hop).
-CSV_COLUMNS = ("task", "method", "seed", "eval_start", "eval_final", "eval_best", "steps_to_target",
-               "tokens_to_target", "tokens_generated", "wall_s", "encoder", "arpo_rule", "leak_frac",
-               "hybrid_successes", "unobserved_success_final", "eval_with_retrieval_train_final")  # fmt: skip
+CSV_COLUMNS = (
+    "task",
+    "method",
+    "seed",
+    "eval_start",
+    "eval_final",
+    "eval_best",
+    "steps_to_target",
+    "tokens_to_target",
+    "tokens_generated",
+    "wall_s",
+    "encoder",
+    "arpo_rule",
+    "leak_frac",
+    "hybrid_successes",
+    "unobserved_success_final",
+    "eval_with_retrieval_train_final",
+)
 
 
 def _by(rows: list[dict], task: str, method: str, key: str) -> dict[int, float]:
@@ -65,8 +87,11 @@ def paired_table(rows: list[dict], tasks: list[str], methods: list[str], base: s
 def _reached(rows: list[dict], task: str, method: str, level: float) -> tuple[dict[int, tuple[float, float]], int]:
     """(seed -> (steps, tokens) to reach `level`) over the runs of (task, method) starting below it, and their count."""
     below = [r for r in rows if r["task"] == task and r["method"] == method and float(r["eval_start"]) < level]
-    got = {r["seed"]: (float(r["steps_to_target"]), float(r["tokens_to_target"]))
-           for r in below if r["steps_to_target"] != ""}  # fmt: skip
+    got = {
+        r["seed"]: (float(r["steps_to_target"]), float(r["tokens_to_target"]))
+        for r in below
+        if r["steps_to_target"] != ""
+    }
     return got, len(below)
 
 
@@ -76,8 +101,10 @@ def efficiency_table(rows: list[dict], tasks: list[str], methods: list[str], bas
     method, which says nothing of learning (and, averaged over different seeds per method, made ratios of 0). The
     ratios to GRPO are paired: over the seeds that both the method and GRPO reached, the method's total over GRPO's
     (< 1: faster than GRPO); n is the number of those seeds."""
-    lines = ["| task | method | reached | steps (mean) | tokens (mean) | steps / GRPO | tokens / GRPO | n |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| task | method | reached | steps (mean) | tokens (mean) | steps / GRPO | tokens / GRPO | n |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for t in tasks:
         level = mean_ci([float(r["eval_final"]) for r in rows if r["task"] == t and r["method"] == base])[0]
         b = _reached(rows, t, base, level)[0]
@@ -88,8 +115,10 @@ def efficiency_table(rows: list[dict], tasks: list[str], methods: list[str], bas
             both = sorted(set(got) & set(b))
             rs = sum(got[s][0] for s in both) / sum(b[s][0] for s in both) if both else math.nan
             rt = sum(got[s][1] for s in both) / sum(b[s][1] for s in both) if both else math.nan
-            lines.append(f"| {t} | {m} | {len(got)}/{n} | {fmt(st, math.nan, 1)} | {fmt(tk, math.nan, 0)} "
-                         f"| {fmt(rs, math.nan, 2)} | {fmt(rt, math.nan, 2)} | {len(both)} |")  # fmt: skip
+            lines.append(
+                f"| {t} | {m} | {len(got)}/{n} | {fmt(st, math.nan, 1)} | {fmt(tk, math.nan, 0)} "
+                f"| {fmt(rs, math.nan, 2)} | {fmt(rt, math.nan, 2)} | {len(both)} |"
+            )
     return lines
 
 
@@ -127,21 +156,29 @@ def diagnostics_table(rows: list[dict], tasks: list[str], methods: list[str]) ->
     """Per task and method: generated tokens and wall time (means over seeds), leak_frac pooled over the seeds'
     hybrid successes, the final evaluation's unobserved-answer success and the greedy success with retrieval on the
     training questions (means +- 95% CI)."""
-    lines = ["| task | method | tokens (mean) | wall s (mean) | leak_frac (pooled, n) | unobserved success | "
-             "with retrieval (train) |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| task | method | tokens (mean) | wall s (mean) | leak_frac (pooled, n) | unobserved success | "
+        "with retrieval (train) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for t in tasks:
         for m in methods:
             rs = [r for r in rows if r["task"] == t and r["method"] == m]
             if not rs:
                 continue
             n_hits = sum(int(r.get("hybrid_successes", 0) or 0) for r in rs)
-            leaked = sum(float(r["leak_frac"]) * int(r["hybrid_successes"]) for r in rs
-                         if int(r.get("hybrid_successes", 0) or 0) > 0)  # fmt: skip
+            leaked = sum(
+                float(r["leak_frac"]) * int(r["hybrid_successes"])
+                for r in rs
+                if int(r.get("hybrid_successes", 0) or 0) > 0
+            )
             leak = f"{leaked / n_hits:.3f} ({n_hits})" if n_hits else "- (0)"
             tokens = fmt(mean_ci([float(r["tokens_generated"]) for r in rs])[0], math.nan, 0)
             wall = fmt(mean_ci([float(r["wall_s"]) for r in rs])[0], math.nan, 0)
-            unobs, with_ret = (fmt(*mean_ci([float(r.get(k, math.nan)) for r in rs]))
-                               for k in ("unobserved_success_final", "eval_with_retrieval_train_final"))  # fmt: skip
+            unobs, with_ret = (
+                fmt(*mean_ci([float(r.get(k, math.nan)) for r in rs]))
+                for k in ("unobserved_success_final", "eval_with_retrieval_train_final")
+            )
             lines.append(f"| {t} | {m} | {tokens} | {wall} | {leak} | {unobs} | {with_ret} |")
     return lines
 
@@ -190,8 +227,12 @@ def write_outputs(
         "",
     ]
     if "GRPO_ONPOLICY_MATCHED" in methods:
-        md += ["## Paired difference against GRPO with RAPO's on-policy row count", "",
-               *paired_table(rows, tasks, methods, base="GRPO_ONPOLICY_MATCHED"), ""]  # fmt: skip
+        md += [
+            "## Paired difference against GRPO with RAPO's on-policy row count",
+            "",
+            *paired_table(rows, tasks, methods, base="GRPO_ONPOLICY_MATCHED"),
+            "",
+        ]
     md += ["## Budgets and diagnostics", "", *diagnostics_table(rows, tasks, methods), ""]
     if checks is not None:
         md += ["## Go/no-go checks (table1_checks.json)", "", *checks_lines(checks["checks"]), ""]

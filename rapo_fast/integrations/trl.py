@@ -157,8 +157,9 @@ def _aggregation_plan(loss_type: str) -> TRLLossPlan:
         return TRLLossPlan(options={"loss_agg": "token-mean"}, global_num_tokens="batch_x_max_len")
     if loss_type == "dapo":
         # TRL folds the accumulation steps into its num_items normaliser
-        return TRLLossPlan(options={"loss_agg": "token-mean"}, global_num_tokens="num_items",
-                           divide_by_grad_accum=False)  # fmt: skip
+        return TRLLossPlan(
+            options={"loss_agg": "token-mean"}, global_num_tokens="num_items", divide_by_grad_accum=False
+        )
     # luspo: (per_token_loss * mask).sum(-1).mean(), i.e. a token sum over the row count
     return TRLLossPlan(options={"loss_agg": "token-mean"}, global_num_tokens="batch")
 

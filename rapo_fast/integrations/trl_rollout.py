@@ -222,9 +222,11 @@ class RAPORolloutFunc:
         from rapo_fast.train.trainer import onpolicy_steps
 
         ok = torch.tensor(
-            [float(bool(self.success_fn(problems[int(i)].source, c))) for i, c in
-             zip(batch.prompt_index, batch.completions)]
-        )  # fmt: skip
+            [
+                float(bool(self.success_fn(problems[int(i)].source, c)))
+                for i, c in zip(batch.prompt_index, batch.completions)
+            ]
+        )
         hist, steps, groups = onpolicy_steps(batch, ok, tok)
         if not steps:
             return 0
@@ -260,17 +262,29 @@ def _log(trainer: Any, mode: str, batch: RolloutBatch, z: torch.Tensor, scored: 
     n_ret = batch.num_retrievals()
     resp = ((batch.kinds >= KIND_GEN) & (batch.attention_mask > 0)).sum().clamp_min(1)
     has = scored > 0
-    local = torch.stack([
-        (n_ret > 0).float().mean(),
-        n_ret.float().mean(),
-        (batch.kinds == KIND_RET).sum() / resp,
-        z[has].float().mean() if has.any() else torch.tensor(0.0),
-        torch.tensor(float(added)),
-        torch.tensor(float(len(traces) if traces is not None else 0)),
-    ]).float().to(trainer.accelerator.device)  # fmt: skip
+    local = (
+        torch.stack(
+            [
+                (n_ret > 0).float().mean(),
+                n_ret.float().mean(),
+                (batch.kinds == KIND_RET).sum() / resp,
+                z[has].float().mean() if has.any() else torch.tensor(0.0),
+                torch.tensor(float(added)),
+                torch.tensor(float(len(traces) if traces is not None else 0)),
+            ]
+        )
+        .float()
+        .to(trainer.accelerator.device)
+    )
     values = trainer.accelerator.gather(local.reshape(1, -1)).reshape(-1, local.numel()).mean(0).tolist()
-    names = ("retrieval_rate", "retrievals_per_traj", "retrieved_token_frac", "retrieval_reward", "buffer_added",
-             "buffer_size")  # fmt: skip
+    names = (
+        "retrieval_rate",
+        "retrievals_per_traj",
+        "retrieved_token_frac",
+        "retrieval_reward",
+        "buffer_added",
+        "buffer_size",
+    )
     for name, value in zip(names, values):
         metrics[mode][f"rapo/{name}"].append(value)
 

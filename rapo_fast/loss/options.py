@@ -1,7 +1,8 @@
 """The options of the RAPO policy loss, once: `LossOptions` (every option, its default and its check), and the checks
 of rapo_loss's tensor arguments.
 
-What this is: `LossOptions`, the frozen dataclass that rapo_loss, RAPOLoss, policy_loss_from_logp, the presets, the
+What this is: `LossOptions`, the frozen dataclass (a rapo_fast._sections.Section, whose fields also say how the
+kernels take each option: KernelArg) that rapo_loss, RAPOLoss, policy_loss_from_logp, the presets, the
 TRL / verl adapters and the reference all build; the option vocabularies; `OPTION_DEFAULTS`; `LossInputs`, one loss
 call's arguments by name; `check_inputs`, their validation before any kernel (InputFacts); and the two checks run
 after the log-prob pass from its [N] output (check_logits_rows_defined, check_loss_logp_defined), so that no check
@@ -15,13 +16,14 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Any
 
 import torch
 
 from rapo_fast import _checks as C
+from rapo_fast._sections import Section, option, rule_bool, rule_choice, rule_real
 
 __all__ = [
     "LossOptions",
@@ -59,19 +61,6 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "se
 
 
 # ---------------------------------------------------------------------------------------------------------- options
-def _choice(choices: tuple[str, ...]) -> Callable[[str, Any], None]:
-    return lambda name, value: C.check_choice(name, value, choices)
-
-
-def _real(**bounds: Any) -> Callable[[str, Any], None]:
-    return lambda name, value: C.check_float(name, value, **bounds)
-
-
-def _flag(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name}: expected bool, got {type(value).__name__}")
-
-
 @dataclass(frozen=True)
 class KernelArg:
     """How an option reaches the policy-loss kernels (kernels/loss/policy_loss.py), which take it as a keyword
@@ -94,61 +83,45 @@ def _k_choice(choices: tuple[str, ...]) -> KernelArg:
     return KernelArg(choices.index, lambda x: choices[int(x)], int)
 
 
-def _option(default: Any, check: Callable[[str, Any], None], kernel: KernelArg | None = None) -> Any:
-    """A field of LossOptions: its default, its check (called with the option's name and value) and, for an option of
-    the per-token policy loss, how the kernels take it (None: the option acts on rows, logits or the call)."""
-    return field(default=default, metadata={"check": check, "kernel": kernel})
-
-
 @dataclass(frozen=True)
-class LossOptions:
+class LossOptions(Section):
     """Every keyword option of rapo_loss (everything but the tensors) with its default; the formulas are in
     docs/loss.md. Checked on construction: a bad value raises ValueError / TypeError naming the option.
+
+    A field with `kernel` metadata (a KernelArg) is an option of the per-token policy loss and says how the kernels
+    take it; the others act on rows, logits or the call.
 
     Build one from keywords (`LossOptions(eps_high=0.28)`), from a preset (`LossOptions(**presets.RAPO)`), or from
     another (`opts.replace(beta=0.04)`); pass it as `rapo_loss(..., options=opts)` (keywords given beside it win).
     """
 
     # importance shaping: r_hat = (1 + shaping_m * F_s) r, F_s the row's retrieved / response tokens
-    shaping_m: float = _option(0.0, _real(min_value=-1.0, min_inclusive=False))
+    shaping_m: float = option(0.0, rule_real(-1.0, lo_open=True))
     # retrieved tokens in the loss: "none" (excluded), "shaped" (-A p / (p + gamma)), "truncated" (capped IS weight)
-    offpolicy_train: str = _option("none", _choice(OFFPOLICY_MODES), _k_choice(OFFPOLICY_MODES))
-    gamma: float = _option(0.1, _real(min_value=0.0, min_inclusive=False), _K_REAL)
-    is_cap: float = _option(2.0, _real(min_value=0.0, min_inclusive=False), _K_REAL)
+    offpolicy_train: str = option("none", rule_choice(*OFFPOLICY_MODES), kernel=_k_choice(OFFPOLICY_MODES))
+    gamma: float = option(0.1, rule_real(0.0, lo_open=True), kernel=_K_REAL)
+    is_cap: float = option(2.0, rule_real(0.0, lo_open=True), kernel=_K_REAL)
     # truncated importance sampling of the on-policy tokens: pg *= min(exp(old - behav), tis_cap); needs behav_logp
-    tis_cap: float | None = _option(None, _real(min_value=0.0, min_inclusive=False, allow_none=True), _K_REAL_OR_NONE)
+    tis_cap: float | None = option(None, rule_real(0.0, lo_open=True, allow_none=True), kernel=_K_REAL_OR_NONE)
     # PPO clip of r_hat to [1 - eps_low, 1 + eps_high]; dual clip c (A < 0): min(pg, -A c)
-    eps_low: float = _option(0.2, _real(min_value=0.0, max_value=1.0), _K_REAL)
-    eps_high: float = _option(0.2, _real(min_value=0.0), _K_REAL)
-    dual_clip: float | None = _option(None, _real(min_value=1.0, min_inclusive=False, allow_none=True), _K_REAL_OR_NONE)
+    eps_low: float = option(0.2, rule_real(0.0, 1.0), kernel=_K_REAL)
+    eps_high: float = option(0.2, rule_real(0.0), kernel=_K_REAL)
+    dual_clip: float | None = option(None, rule_real(1.0, lo_open=True, allow_none=True), kernel=_K_REAL_OR_NONE)
     # "token" ratio, or GSPO's "sequence" ratio
-    importance_sampling_level: str = _option("token", _choice(IS_LEVELS))
+    importance_sampling_level: str = option("token", rule_choice(*IS_LEVELS))
     # + beta * KL_k(logp, ref_logp) (needs ref_logp when beta != 0) - entropy_coef * H
-    beta: float = _option(0.0, _real(), _K_REAL)
-    kl_estimator: str = _option("k3", _choice(KL_ESTIMATORS), _k_choice(KL_ESTIMATORS))
+    beta: float = option(0.0, rule_real(), kernel=_K_REAL)
+    kl_estimator: str = option("k3", rule_choice(*KL_ESTIMATORS), kernel=_k_choice(KL_ESTIMATORS))
     # k3 clamped to [-10, 10] as verl's kl_penalty does (zero gradient past it); TRL does not clamp, and its adapter
     # sets False. k1 and k2 are never clamped (as in verl).
-    kl_clamp: bool = _option(True, _flag, _K_FLAG)
-    entropy_coef: float = _option(0.0, _real(), _K_REAL)
+    kl_clamp: bool = option(True, rule_bool(), kernel=_K_FLAG)
+    entropy_coef: float = option(0.0, rule_real(), kernel=_K_REAL)
     # logits / temperature (rapo_loss only: the log-probs given to policy_loss_from_logp have theirs already)
-    temperature: float = _option(1.0, _real(min_value=0.0, min_inclusive=False))
+    temperature: float = option(1.0, rule_real(0.0, lo_open=True))
     # aggregation over tokens and sequences (docs/loss.md section 4)
-    loss_agg: str = _option("token-mean", _choice(LOSS_AGG_MODES))
+    loss_agg: str = option("token-mean", rule_choice(*LOSS_AGG_MODES))
     # also return the metrics (docs/loss.md section 5)
-    return_metrics: bool = _option(False, _flag)
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> LossOptions:
-        """Check every option (each field's check, in field order); return self."""
-        for name, check in _CHECKS:
-            check(name, getattr(self, name))
-        return self
-
-    @classmethod
-    def names(cls) -> tuple[str, ...]:
-        return _NAMES
+    return_metrics: bool = option(False, rule_bool())
 
     # ---- the per-token policy-loss kernels' view: docs/architecture.md ("How an option reaches the kernel")
     @classmethod
@@ -179,17 +152,9 @@ class LossOptions:
         """The option values back from kernel_scalars(), as the reference (policy_token_loss_ref) takes them."""
         return {n: k.decode(x) for (n, k), x in zip(_KERNEL_ARGS.items(), scalars.tolist(), strict=True)}
 
-    def to_dict(self) -> dict[str, Any]:
-        return {n: getattr(self, n) for n in _NAMES}
-
     def overrides(self) -> dict[str, Any]:
         """The options whose value differs from the default."""
         return {n: v for n, v in self.to_dict().items() if v != OPTION_DEFAULTS[n]}
-
-    def replace(self, **changes: Any) -> LossOptions:
-        """A copy with `changes` applied (and checked)."""
-        _refuse_unknown(changes, "LossOptions.replace")
-        return LossOptions(**{**self.to_dict(), **changes})
 
     @classmethod
     def from_call(
@@ -215,12 +180,11 @@ class LossOptions:
 
 
 # The fields read once, here: rapo_loss builds its LossOptions inside a torch.compile'd region, and Dynamo cannot
-# trace dataclasses.fields() (nor dataclasses.replace, which calls it), so no method reads the fields at call time.
+# trace dataclasses.fields(), so Section's plan is made now and no method reads the fields at call time.
+LossOptions.plan()
 _FIELDS = fields(LossOptions)
-_NAMES = tuple(f.name for f in _FIELDS)
-_CHECKS = tuple((f.name, f.metadata["check"]) for f in _FIELDS)
 # the kernel options in field order with their KernelArg (every launch encodes / decodes through it)
-_KERNEL_ARGS = MappingProxyType({f.name: f.metadata["kernel"] for f in _FIELDS if f.metadata["kernel"]})
+_KERNEL_ARGS = MappingProxyType({f.name: f.metadata["kernel"] for f in _FIELDS if "kernel" in f.metadata})
 
 
 def _refuse_unknown(keywords: Mapping[str, Any], caller: str, exclude: Collection[str] = ()) -> None:

@@ -187,8 +187,9 @@ class _Rows:
     width: int
 
 
-def _padded_rows(logp, entropy, old_logp, advantages, behav_logp, ref_logp, loss_mask, retrieved_mask,
-                 response_mask, cu_seqlens) -> _Rows:  # fmt: skip
+def _padded_rows(
+    logp, entropy, old_logp, advantages, behav_logp, ref_logp, loss_mask, retrieved_mask, response_mask, cu_seqlens
+) -> _Rows:
     """Padded [B, T] inputs as they are; flat [N] inputs padded segment by segment (a Python loop), with one
     advantage per segment broadcast over it."""
     flat = logp.dim() == 1
@@ -206,11 +207,17 @@ def _padded_rows(logp, entropy, old_logp, advantages, behav_logp, ref_logp, loss
             advantages = advantages[:, None].expand_as(logp)
     rows = lambda x, fill=0: _as_rows(x, cu, width, fill)  # noqa: E731
     return _Rows(
-        logp=rows(logp), entropy=rows(entropy), old=rows(old_logp), adv=rows(advantages), behav=rows(behav_logp),
-        ref=rows(ref_logp), lm=rows(loss_mask != 0, False) & valid,
+        logp=rows(logp),
+        entropy=rows(entropy),
+        old=rows(old_logp),
+        adv=rows(advantages),
+        behav=rows(behav_logp),
+        ref=rows(ref_logp),
+        lm=rows(loss_mask != 0, False) & valid,
         ret=valid & (rows(retrieved_mask != 0, False) if retrieved_mask is not None else torch.zeros_like(valid)),
-        resp=valid & (rows(response_mask != 0, False) if response_mask is not None else valid), width=width,
-    )  # fmt: skip
+        resp=valid & (rows(response_mask != 0, False) if response_mask is not None else valid),
+        width=width,
+    )
 
 
 def rapo_loss_ref(
@@ -243,8 +250,9 @@ def rapo_loss_ref(
             logp, entropy = token_logprobs_ref(logits, targets, o.temperature, True)
         else:
             logp, entropy = linear_token_logprobs_ref(hidden, weight, targets, bias, o.temperature, True)
-    r = _padded_rows(logp, entropy, old_logp, advantages, behav_logp, ref_logp, loss_mask, retrieved_mask,
-                     response_mask, cu_seqlens)  # fmt: skip
+    r = _padded_rows(
+        logp, entropy, old_logp, advantages, behav_logp, ref_logp, loss_mask, retrieved_mask, response_mask, cu_seqlens
+    )
     on = r.lm & ~r.ret
     off = r.lm & r.ret if o.offpolicy_train != "none" else torch.zeros_like(on)
     active = on | off

@@ -85,9 +85,16 @@ def _pad(scores: torch.Tensor, slots: torch.Tensor, k: int) -> tuple[torch.Tenso
 
 
 def certified_l2_search(
-    keys: torch.Tensor, groups: torch.Tensor, queries: torch.Tensor, exclude: torch.Tensor | None, k: int,
-    min_score: float, centre: torch.Tensor, raw: RawSearch, max_k: int = CERT_MAX_K,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    keys: torch.Tensor,
+    groups: torch.Tensor,
+    queries: torch.Tensor,
+    exclude: torch.Tensor | None,
+    k: int,
+    min_score: float,
+    centre: torch.Tensor,
+    raw: RawSearch,
+    max_k: int = CERT_MAX_K,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact l2 top-k (scores [Q, k] fp32, slots [Q, k] int64) of queries [Q, D] (already in the keys' dtype) against
     keys [C, D], from the fp32 search `raw` certified per query (module docstring), else the float64 brute force.
     centre [D]: the mean the fp32 search centres on; groups / exclude as in the search op; min_score applied to the

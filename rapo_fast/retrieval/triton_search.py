@@ -56,7 +56,7 @@ class Crossover:
 # The Triton kernel is a pipelined tensor-core GEMM with a filtered top-k: predicted ~2x faster than the CUDA backend's
 # WMMA kernel once the search is compute bound (64 against 32 flop per byte streamed from L2), but each program pays
 # a few merges (~10 tiles' worth each) and needs ~132 programs of >= 64 key tiles to fill an H100, hence Q >= 512 and
-# C >= 1M. Few queries (paper scale, Q <= 64) stay on the CUDA backend (bandwidth bound there; issue 13 item 2), and
+# C >= 1M. Few queries (paper scale, Q <= 64) stay on the CUDA backend (bandwidth bound there), and
 # so do fp32 keys and l2 (both score in fp32 FMA on either path) and large k (the workspace and merges grow with k).
 # bench/gpu/call1_headline.py times `ours_cuda` and `ours_triton` side by side; its numbers replace
 # these rows.
@@ -273,12 +273,36 @@ def triton_search(
     n_qt = -(-Q // p.block_q)
     with device_guard(dev):
         retrieval_topk_kernel[(n_qt * p.splits,)](
-            queries, keys, key_aux, qaux, groups, exclude if exclude is not None else groups,
-            ws, thr, cnt, Q, C, keys.shape[1], queries.stride(0), keys.stride(0), p.keys_per_split,
-            float(min_score), K_TOP=k, KP=p.kp, W=p.w, METRIC=metric, HAS_EXCL=exclude is not None,
-            FP32_KEYS=keys.dtype == torch.float32, UPCAST_DOT=interpreter_upcast(), BLOCK_Q=p.block_q,
-            BLOCK_C=p.block_c, BLOCK_D=p.block_d, ROWS=p.rows, num_warps=p.num_warps, num_stages=p.num_stages,
-        )  # fmt: skip
+            queries,
+            keys,
+            key_aux,
+            qaux,
+            groups,
+            exclude if exclude is not None else groups,
+            ws,
+            thr,
+            cnt,
+            Q,
+            C,
+            keys.shape[1],
+            queries.stride(0),
+            keys.stride(0),
+            p.keys_per_split,
+            float(min_score),
+            K_TOP=k,
+            KP=p.kp,
+            W=p.w,
+            METRIC=metric,
+            HAS_EXCL=exclude is not None,
+            FP32_KEYS=keys.dtype == torch.float32,
+            UPCAST_DOT=interpreter_upcast(),
+            BLOCK_Q=p.block_q,
+            BLOCK_C=p.block_c,
+            BLOCK_D=p.block_d,
+            ROWS=p.rows,
+            num_warps=p.num_warps,
+            num_stages=p.num_stages,
+        )
     # Merge of the splits: the best k of [Q, splits * KP] distinct keys (a descending integer top-k is the order).
     cand = ws[:, :, : p.kp].permute(1, 0, 2).reshape(Q, p.splits * p.kp)
     best = torch.topk(cand, k, dim=1, sorted=True).values

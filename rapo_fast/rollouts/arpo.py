@@ -82,8 +82,17 @@ class ArpoBrancher:
     @staticmethod
     def _fresh_state(h_init: float | None, **extra) -> dict:
         # ents: the paper rule's entropies of the step's first k tokens; seg_sum / seg_n / seg_h: the released rule's
-        return {"h_init": h_init, "ents": [], "step": -1, "checked": False, "snap": None, "logits": None,
-                "seg_sum": 0.0, "seg_n": 0, "seg_h": None} | extra  # fmt: skip
+        return {
+            "h_init": h_init,
+            "ents": [],
+            "step": -1,
+            "checked": False,
+            "snap": None,
+            "logits": None,
+            "seg_sum": 0.0,
+            "seg_n": 0,
+            "seg_h": None,
+        } | extra
 
     def before_sample(self, samp: list[int]) -> None:
         for i in samp:

@@ -2,8 +2,8 @@
 
 What this is: the strategy and mode vocabularies (STRATEGIES, MODES: defined here only), `RolloutConfig` (group size,
 strategy, mode, sampling and step budgets) holding `hybrid: HybridConfig`, `arpo: ARPOConfig` and
-`offpolicy_traj: OffPolicyTrajConfig` (a strategy reads its own; the others are ignored), `STRATEGY_CONFIG_FIELDS`
-(strategy name -> the field of its sub-config) and `LEGACY_KEYWORDS`, the flat keywords rollout() took before.
+`offpolicy_traj: OffPolicyTrajConfig` (a strategy reads its own; the others are ignored) and `STRATEGY_CONFIG_FIELDS`
+(strategy name -> the field of its sub-config).
 Checked on construction: a bad value raises ValueError/TypeError naming the dotted field ("rollout.arpo.beam").
 What this is not: the loop (rapo_fast/rollouts/loop.py), the strategies (rapo_fast/rollouts/strategies.py), or the
 trainer's configuration (rapo_fast/train/config.py, which holds a RolloutConfig as `rollout`). Spec: docs/rollout.md.
@@ -11,14 +11,14 @@ trainer's configuration (rapo_fast/train/config.py, which holds a RolloutConfig 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rapo_fast._sections import Section, option, rule_choice, rule_int, rule_real, rule_type, section
+from rapo_fast._sections import Section, option, rule_bool, rule_choice, rule_int, rule_real, section
 from rapo_fast.rollouts.arpo import RULES as ARPO_RULES
 
-__all__ = ["STRATEGIES", "MODES", "STRATEGY_CONFIG_FIELDS", "LEGACY_KEYWORDS", "RolloutConfig", "HybridConfig",
+__all__ = ["STRATEGIES", "MODES", "STRATEGY_CONFIG_FIELDS", "RolloutConfig", "HybridConfig",
            "ARPOConfig", "OffPolicyTrajConfig"]  # fmt: skip
 
 # strategy name -> the RolloutConfig field of its sub-config (None: the strategy has no settings of its own)
@@ -83,7 +83,7 @@ class RolloutConfig(Section):
     max_steps: int = option(6, rule_int(1))
     max_step_tokens: int = option(24, rule_int(1))
     # None: exclude the row's own group from retrieval exactly when the buffer holds on-policy steps
-    exclude_own_group: bool | None = option(None, rule_type((bool, type(None)), "a bool or None"))
+    exclude_own_group: bool | None = option(None, rule_bool(allow_none=True))
     hybrid: HybridConfig = section(HybridConfig)
     arpo: ARPOConfig = section(ARPOConfig)
     offpolicy_traj: OffPolicyTrajConfig = section(OffPolicyTrajConfig)
@@ -112,25 +112,3 @@ class RolloutConfig(Section):
         if self.strategy != "arpo":
             return self.group_size
         return self.arpo.initial or max(1, self.group_size // 2)
-
-    @classmethod
-    def from_legacy(cls, kw: Mapping[str, Any]) -> RolloutConfig:
-        """The config of rollout()'s former flat keywords (LEGACY_KEYWORDS, e.g. arpo_beam -> arpo.beam)."""
-        unknown = sorted(set(kw) - set(LEGACY_KEYWORDS))
-        if unknown:
-            raise TypeError(f"rollout() got unexpected keyword arguments {unknown}")
-        kw = dict(kw)
-        if kw.get("n_offpolicy") == 0 and kw.get("strategy", "hybrid") != "offpolicy_traj":
-            del kw["n_offpolicy"]  # the former default (no off-policy members), meaningless to other strategies
-        return cls().replace({LEGACY_KEYWORDS[k]: v for k, v in kw.items()})
-
-
-# rollout()'s former flat keywords -> their dotted place in RolloutConfig (also the flat TrainerConfig's names)
-LEGACY_KEYWORDS = {
-    "group_size": "group_size", "strategy": "strategy", "mode": "mode", "temperature": "temperature",
-    "max_steps": "max_steps", "max_step_tokens": "max_step_tokens", "exclude_own_group": "exclude_own_group",
-    "n_hybrid": "hybrid.n_hybrid", "retrieve_prob": "hybrid.retrieve_prob",
-    "arpo_initial": "arpo.initial", "arpo_beam": "arpo.beam", "arpo_k": "arpo.k", "arpo_alpha": "arpo.alpha",
-    "arpo_beta": "arpo.beta", "arpo_rule": "arpo.rule", "arpo_topk": "arpo.topk",
-    "n_offpolicy": "offpolicy_traj.n_offpolicy",
-}  # fmt: skip

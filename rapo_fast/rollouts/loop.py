@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import random
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +20,7 @@ import torch
 
 from rapo_fast._tokens import encode_plain
 from rapo_fast.rollouts.batch import KIND_PAD, KIND_TOOL, RolloutBatch
-from rapo_fast.rollouts.config import LEGACY_KEYWORDS, MODES, STRATEGIES, RolloutConfig
+from rapo_fast.rollouts.config import MODES, STRATEGIES, RolloutConfig
 from rapo_fast.rollouts.engine import DecodeEngine, sample
 from rapo_fast.rollouts.rows import Row, RowState, prompt_ids
 from rapo_fast.rollouts.strategies import RolloutStrategy, strategy_for
@@ -41,7 +40,6 @@ def rollout(
     offpolicy=None,
     generator: torch.Generator | None = None,
     seed: int | None = None,
-    **legacy: Any,
 ) -> RolloutBatch:
     """Roll out `cfg.group_size` trajectories for each problem; see the module docstring.
 
@@ -51,12 +49,9 @@ def rollout(
     and random sources: traces (a StepTraces, for hybrid rows), offpolicy (an OffPolicyTrajectories, for strategy
     "offpolicy_traj": its top-K trajectories of each prompt, drawn by the coin), generator (torch.Generator for token
     sampling), seed (seeds the retrieval/branching coin; default: a draw from the generator). Returns a RolloutBatch
-    on the CPU. The former flat keywords (group_size=..., n_hybrid=..., arpo_beam=...: RolloutConfig's
-    LEGACY_KEYWORDS) still work without cfg, with a DeprecationWarning; a bad one raises ValueError as before.
+    on the CPU.
     """
-    if legacy:
-        cfg = _legacy_config(cfg, legacy)
-    elif cfg is None:
+    if cfg is None:
         cfg = RolloutConfig()
     elif not isinstance(cfg, RolloutConfig):
         raise TypeError(f"rollout: cfg must be a RolloutConfig, got {type(cfg).__name__}")
@@ -79,25 +74,6 @@ def rollout(
         if was_training:
             model.train()
     return _finish(rows, tokenizer, cfg.mode, loop.timings | {"total": time.perf_counter() - t_start})
-
-
-def _legacy_config(cfg: RolloutConfig | None, legacy: dict[str, Any]) -> RolloutConfig:
-    """The RolloutConfig of rollout()'s former flat keywords (ValueError for a bad value, as rollout() raised)."""
-    unknown = sorted(set(legacy) - set(LEGACY_KEYWORDS))
-    if unknown:
-        raise TypeError(f"rollout() got unexpected keyword arguments {unknown}")
-    if cfg is not None:
-        raise TypeError(f"rollout: pass either cfg or the former keywords {sorted(legacy)}, not both")
-    warnings.warn(
-        f"rollout({', '.join(f'{k}=' for k in legacy)}...): flat keywords are deprecated; pass "
-        "cfg=RolloutConfig(...) (rapo_fast.rollouts.config; e.g. arpo_beam -> RolloutConfig(arpo={'beam': ...}))",
-        DeprecationWarning,
-        stacklevel=4,
-    )
-    try:
-        return RolloutConfig.from_legacy(legacy)
-    except TypeError as e:  # a wrong-typed value: rollout() raised ValueError for every bad argument
-        raise ValueError(str(e)) from None
 
 
 def _random_sources(generator: torch.Generator | None, seed: int | None) -> tuple[torch.Generator, random.Random]:

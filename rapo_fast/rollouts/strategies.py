@@ -19,8 +19,16 @@ from rapo_fast.rollouts.batch import KIND_RET
 from rapo_fast.rollouts.config import STRATEGIES, STRATEGY_CONFIG_FIELDS, RolloutConfig
 from rapo_fast.rollouts.rows import Row, RowState, prompt_ids
 
-__all__ = ["RolloutStrategy", "OnPolicyStrategy", "HybridStrategy", "ARPOStrategy", "OffPolicyTrajStrategy",
-           "STRATEGY_REGISTRY", "register_strategy", "strategy_for"]  # fmt: skip
+__all__ = [
+    "RolloutStrategy",
+    "OnPolicyStrategy",
+    "HybridStrategy",
+    "ARPOStrategy",
+    "OffPolicyTrajStrategy",
+    "STRATEGY_REGISTRY",
+    "register_strategy",
+    "strategy_for",
+]
 
 STRATEGY_REGISTRY: dict[str, type[RolloutStrategy]] = {}
 
@@ -156,9 +164,19 @@ class ARPOStrategy(RolloutStrategy):
 
         a = self.sub
         self.brancher = ArpoBrancher(
-            loop.rows, loop.engine, self.cfg.group_size, self.cfg.n_initial, a.beam, a.k, a.alpha, a.beta, loop.coin,
-            rule=a.rule, topk=a.topk, temperature=self.cfg.temperature,
-        )  # fmt: skip
+            loop.rows,
+            loop.engine,
+            self.cfg.group_size,
+            self.cfg.n_initial,
+            a.beam,
+            a.k,
+            a.alpha,
+            a.beta,
+            loop.coin,
+            rule=a.rule,
+            topk=a.topk,
+            temperature=self.cfg.temperature,
+        )
 
     def before_sample(self, rows: list[int]) -> None:
         self.brancher.before_sample(rows)

@@ -4,15 +4,13 @@ What this is: TrainerConfig = rollout (rapo_fast.rollouts.config.RolloutConfig, 
 advantages, loss (a rapo_fast.loss.options.LossOptions), optim, buffer, logging, prompts_per_step and seed; each bad
 value raises ValueError/TypeError naming its dotted field ("rollout.arpo.beam"). A dict given for a section updates
 it (dotted keys allowed); a section object replaces it. Presets: RAPO (the paper's defaults: G=16, 8 hybrid, p=0.5,
-a=0.2, m=0.05, eps 0.28, seq-mean-token-mean, no KL), GRPO (retrieval off, the same loss), ARPO, OFFPOLICY_TRAJ. The
-former flat format (arpo_beam, n_hybrid, tis_cap, ...) is converted on load with a FutureWarning
-(rapo_fast/train/config_compat.py). What this is not: the trainer (rapo_fast/train/trainer.py). Spec: docs/training.md.
+a=0.2, m=0.05, eps 0.28, seq-mean-token-mean, no KL), GRPO (retrieval off, the same loss), ARPO, OFFPOLICY_TRAJ.
+What this is not: the trainer (rapo_fast/train/trainer.py). Spec: docs/training.md.
 """
 
 from __future__ import annotations
 
 import json
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,18 +18,20 @@ from typing import Any
 
 from rapo_fast._atomic import write_file_atomic
 from rapo_fast._checks import brief
-from rapo_fast._sections import Section, option, rule_choice, rule_int, rule_real, rule_type, section
+from rapo_fast._sections import Section, option, rule_bool, rule_choice, rule_int, rule_real, rule_type, section
 from rapo_fast.loss import presets
 from rapo_fast.loss.advantages import RET_NORMS
-from rapo_fast.loss.options import LossOptions
+from rapo_fast.loss.options import OPTION_DEFAULTS, LossOptions
 from rapo_fast.rollouts.config import RolloutConfig
-from rapo_fast.train.config_compat import _TRAINER_SET, convert_flat_config, is_flat_config, new_name_of
 
 __all__ = ["TrainerConfig", "AdvantageConfig", "OptimConfig", "BufferConfig", "LoggingConfig", "RolloutConfig",
-           "LossOptions", "TRAINER_LOSS", "convert_flat_config"]  # fmt: skip
+           "LossOptions", "TRAINER_LOSS", "TRAINER_SET_LOSS_OPTIONS"]  # fmt: skip
 
 # the default loss of TrainerConfig: the RAPO preset, with tis_cap 2.0 (used in splice mode only: docs/training.md)
 TRAINER_LOSS = LossOptions(**presets.RAPO, tis_cap=2.0)
+# rapo_loss options the trainer sets, not the config (the sampling temperature is rollout.temperature, metrics are
+# always returned): TrainerConfig's `loss` refuses them and does not save them
+TRAINER_SET_LOSS_OPTIONS = ("temperature", "return_metrics")
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class BufferConfig(Section):
     refreshes of the buffer in splice mode."""
 
     PATH = "buffer"
-    add_onpolicy_steps: bool = option(False, rule_type((bool,), "a bool"))
+    add_onpolicy_steps: bool = option(False, rule_bool())
     refresh_kv_every: int = option(1, rule_int(1))
 
 
@@ -80,11 +80,11 @@ def _loss_from(current: LossOptions, d: Mapping) -> LossOptions:
     """A dict given for `loss`: the current options with its keys replaced (names and values checked)."""
     bad_keys = [k for k in d if not isinstance(k, str)]
     if bad_keys:
-        raise TypeError(f"loss: option names must be strings, got {brief(bad_keys)}")
-    allowed = set(LossOptions.names()) - set(_TRAINER_SET)
+        raise TypeError(f"loss: expected option names as strings, got {brief(bad_keys)}")
+    allowed = set(LossOptions.names()) - set(TRAINER_SET_LOSS_OPTIONS)
     unknown = sorted(set(d) - allowed)
     if unknown:
-        raise ValueError(f"loss: unknown rapo_loss options {unknown}; expected a subset of {sorted(allowed)}")
+        raise ValueError(f"loss: expected rapo_loss options among {sorted(allowed)}, got unknown options {unknown}")
     try:
         return current.replace(**d)
     except (TypeError, ValueError) as e:
@@ -94,18 +94,18 @@ def _loss_from(current: LossOptions, d: Mapping) -> LossOptions:
 def _check_loss(name: str, loss: Any) -> None:
     if not isinstance(loss, LossOptions):
         raise TypeError(f"{name}: expected a LossOptions or a dict of rapo_loss options, got {type(loss).__name__}")
-    for k in _TRAINER_SET:
-        if getattr(loss, k) != LossOptions.__dataclass_fields__[k].default:
+    for k in TRAINER_SET_LOSS_OPTIONS:
+        if getattr(loss, k) != OPTION_DEFAULTS[k]:
             raise ValueError(
-                f"{name}.{k}: set by the trainer (rollout.temperature; metrics always), got {brief(getattr(loss, k))}"
+                f"{name}.{k}: expected the default {OPTION_DEFAULTS[k]!r} (the trainer sets it: rollout.temperature; "
+                f"metrics always), got {brief(getattr(loss, k))}"
             )
     if loss.beta != 0.0:
-        raise ValueError(f"{name}.beta: the thin trainer keeps no reference model, so the KL coefficient must be 0, "
-                         f"got {brief(loss.beta)}")  # fmt: skip
+        raise ValueError(f"{name}.beta: expected 0 (the thin trainer keeps no reference model), got {brief(loss.beta)}")
 
 
 def _loss_dict(loss: LossOptions) -> dict[str, Any]:
-    return {k: v for k, v in loss.to_dict().items() if k not in _TRAINER_SET}
+    return {k: v for k, v in loss.to_dict().items() if k not in TRAINER_SET_LOSS_OPTIONS}
 
 
 @dataclass
@@ -129,10 +129,12 @@ class TrainerConfig(Section):
         r = self.rollout
         if r.strategy != "hybrid" and r.hybrid.n_hybrid:
             raise ValueError(
-                f"rollout.hybrid.n_hybrid: must be 0 with strategy={brief(r.strategy)}, got {r.hybrid.n_hybrid}"
+                f"rollout.hybrid.n_hybrid: expected 0 with strategy={brief(r.strategy)}, got {r.hybrid.n_hybrid}"
             )
         if callable(r.hybrid.retrieve_prob):
-            raise TypeError("rollout.hybrid.retrieve_prob: expected a number in [0, 1] (a callable cannot be saved)")
+            raise TypeError(
+                "rollout.hybrid.retrieve_prob: expected a number in [0, 1] (the config is saved), got a callable"
+            )
         rule_real(0.0, lo_open=True)("rollout.temperature", r.temperature)  # the trainer samples: no greedy
 
     # -- presets ----------------------------------------------------------------------------------------------------
@@ -174,25 +176,14 @@ class TrainerConfig(Section):
 
     @classmethod
     def _preset(cls, base: dict, overrides: Mapping[str, Any] | None, sections: dict[str, Any]) -> TrainerConfig:
-        _refuse_flat_keys({**(overrides or {}), **sections})
         return cls().replace(base).replace(overrides).replace(sections)
 
     # -- serialisation ----------------------------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> TrainerConfig:
-        """The defaults updated by `d`, nested ({"rollout": {"arpo": {"beam": 3}}}) or dotted. A config in the
-        former flat format is converted (convert_flat_config) with a FutureWarning."""
+        """The defaults updated by `d`, nested ({"rollout": {"arpo": {"beam": 3}}}) or dotted."""
         if not isinstance(d, Mapping):
             raise TypeError(f"TrainerConfig.from_dict: expected a dict, got {type(d).__name__}")
-        if is_flat_config(d):
-            warnings.warn(
-                "TrainerConfig: a config in the former flat format (keys such as n_hybrid, arpo_beam, tis_cap, lr) "
-                "was converted to the nested one; save it again (TrainerConfig.save) or convert it with "
-                "rapo_fast.train.config.convert_flat_config",
-                FutureWarning,
-                stacklevel=3,
-            )
-            d = convert_flat_config(d)
         try:
             return cls().replace(d)
         except RecursionError:  # a mapping nested thousands deep (dotted keys that collide at every level)
@@ -248,14 +239,3 @@ class TrainerConfig(Section):
             raise ValueError(f"{p}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
         except (ValueError, TypeError) as exc:  # the same kind, with the file named (a message alone names no file)
             raise (ValueError if isinstance(exc, ValueError) else TypeError)(f"{p}: {exc}") from exc
-
-
-def _refuse_flat_keys(kw: Mapping[str, Any]) -> None:
-    """A former flat field name passed to a preset: TypeError saying its nested place."""
-    old = {k: new_name_of(k) for k in kw if new_name_of(k) not in (None, k)}
-    if old:
-        where = ", ".join(f"{k} -> {v!r}" for k, v in old.items())
-        raise TypeError(
-            f"TrainerConfig: {sorted(old)} are former flat fields; pass them nested ({where}), e.g. "
-            f"TrainerConfig.RAPO({{{next(iter(old.values()))!r}: ...}}); flat dicts: convert_flat_config"
-        )

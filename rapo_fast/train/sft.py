@@ -126,8 +126,14 @@ def evaluate(model, tokenizer, task, problems: Sequence, *, max_steps: int = 6, 
     from rapo_fast.rollouts.config import RolloutConfig
     from rapo_fast.rollouts.loop import rollout
 
-    cfg = RolloutConfig(group_size=1, strategy="on_policy", hybrid={"n_hybrid": 0}, temperature=0.0,
-                        max_steps=max_steps, max_step_tokens=max_step_tokens)  # fmt: skip
+    cfg = RolloutConfig(
+        group_size=1,
+        strategy="on_policy",
+        hybrid={"n_hybrid": 0},
+        temperature=0.0,
+        max_steps=max_steps,
+        max_step_tokens=max_step_tokens,
+    )
     batch = rollout(model, tokenizer, task, problems, cfg)
     rewards = [task.verify(p, c) for p, c in zip(problems, batch.completions)]
     return sum(rewards) / max(1, len(rewards))

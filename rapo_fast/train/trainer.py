@@ -286,8 +286,9 @@ class RAPOTrainer:
         # the options as keywords (those that differ from rapo_loss's defaults); tis_cap only where it applies
         opts = {k: v for k, v in cfg.loss.overrides().items() if k != "tis_cap"}
         # per-row tensors of the loss, sliced per mini-batch
-        tensors = {k: s[k] for k in ("input_ids", "attention_mask", "targets", "loss_mask", "retrieved_mask",
-                                     "response_mask")}  # fmt: skip
+        tensors = {
+            k: s[k] for k in ("input_ids", "attention_mask", "targets", "loss_mask", "retrieved_mask", "response_mask")
+        }
         tensors.update(old_logp=old_logp, advantages=adv)
         if cfg.rollout.mode == "splice" and cfg.loss.tis_cap is not None and (batch.kinds == KIND_RET).any():
             opts["tis_cap"] = cfg.loss.tis_cap

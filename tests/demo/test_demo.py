@@ -39,7 +39,7 @@ def test_demo_quick_writes_plot_and_summary(tmp_path, monkeypatch, capsys):
         assert len(steps) == int(rows[m]["rl_steps"]) == 4
     md = (out / "summary.md").read_text()
     assert "| RAPO |" in md and "| GRPO |" in md and "Wall time" in md
-    assert "smoke run (--quick): not a result" in md.splitlines()[0]  # a quick run says what it is (issue 26)
+    assert "smoke run (--quick): not a result" in md.splitlines()[0]  # a quick run says what it is
     # a warm-up that stopped short of --sft-target (default 0.4) says so, in summary.md and on the console
     sft = float(re.search(r"validation greedy success ([0-9.]+)", md).group(1))
     assert ("SFT missed its target" in md) == (sft < 0.4)

@@ -6,7 +6,6 @@ import random
 
 import pytest
 import torch
-from helpers.rollout_calls import rollout_flat
 
 from rapo_fast.demo.tasks import KnowledgeBaseTask, kb_solver_trajectories
 from rapo_fast.demo.tasks.kb import RELATIONS
@@ -15,6 +14,8 @@ from rapo_fast.retrieval.encoders import HashedNgramEncoder
 from rapo_fast.retrieval.jsonl import read_jsonl, write_jsonl
 from rapo_fast.retrieval.step_traces import StepTraces
 from rapo_fast.rollouts.batch import KIND_GEN, KIND_RET, KIND_TOOL
+from rapo_fast.rollouts.config import RolloutConfig
+from rapo_fast.rollouts.loop import rollout
 from rapo_fast.train.sft import sft_examples, sft_warmup
 
 
@@ -149,10 +150,8 @@ def test_rollout_hybrid_and_sft_run_on_the_task(task, tmp_path):
         path = write_jsonl(kb_solver_trajectories(task, problems, 4, 0.2, seed=0), tmp_path / "t.jsonl")
         traces = StepTraces.from_jsonl(path, HashedNgramEncoder(), tok, top_k=3)
         g = torch.Generator().manual_seed(1)
-        b = rollout_flat(
-            model, tok, task, problems, group_size=4, n_hybrid=2, retrieve_prob=1.0, traces=traces,
-            generator=g, max_steps=4, max_step_tokens=12,
-        )  # fmt: skip
+        cfg = RolloutConfig(group_size=4, max_steps=4, max_step_tokens=12, hybrid={"n_hybrid": 2, "retrieve_prob": 1.0})
+        b = rollout(model, tok, task, problems, cfg, traces=traces, generator=g)
         assert b.batch_size == 12 and len(b.completions) == 12
         assert int((b.kinds == KIND_GEN).sum()) > 0
         assert int((b.kinds == KIND_RET).sum()) > 0 and int((b.kinds == KIND_TOOL).sum()) > 0  # not vacuous

@@ -49,8 +49,17 @@ def test_tiny_table1_end_to_end(tmp_path, monkeypatch):
         return real_run_one(family, method, seed, s, paths, enc)
 
     monkeypatch.setattr(table1, "run_one", recording_run_one)
-    s = dict(table1.QUICK, seeds=2, sft_steps=20, rl_steps=2, eval_every=1, n_eval=6, n_train=4,
-             families=["arith"], methods=list(table1.METHODS))  # fmt: skip
+    s = dict(
+        table1.QUICK,
+        seeds=2,
+        sft_steps=20,
+        rl_steps=2,
+        eval_every=1,
+        n_eval=6,
+        n_train=4,
+        families=["arith"],
+        methods=list(table1.METHODS),
+    )
     rows = table1.run(s, tmp_path, progress=False, workers=0)  # in this process, so that the patches hold
     assert torch.get_num_threads() == n  # restored after the run's 1-thread jobs
     assert warmups == [0, 1]  # one SFT warm-up per (family, seed), shared by the 4 methods
@@ -79,8 +88,17 @@ def test_kb_family_runs_from_its_two_hop_warm_up(tmp_path, monkeypatch):
     assert rl.words() == sft.words()
     assert all(p.prompt.split()[1] == "ask" and len(p.prompt.split()) == 6 for p in rl.make_problems(8, seed=0))
     assert all(len(p.prompt.split()) == 5 for p in sft.make_problems(8, seed=0))  # <bos> ask r2 r1 e
-    s = dict(table1.QUICK, seeds=1, sft_steps=10, rl_steps=1, eval_every=1, n_eval=4, n_train=4,
-             families=["kb"], methods=["GRPO", "OFFPOLICY_TRAJ"])  # fmt: skip
+    s = dict(
+        table1.QUICK,
+        seeds=1,
+        sft_steps=10,
+        rl_steps=1,
+        eval_every=1,
+        n_eval=4,
+        n_train=4,
+        families=["kb"],
+        methods=["GRPO", "OFFPOLICY_TRAJ"],
+    )
     rows = table1.run(s, tmp_path, progress=False, workers=0)
     assert [(r["task"], r["method"]) for r in rows] == [("kb", "GRPO"), ("kb", "OFFPOLICY_TRAJ")]
 
@@ -89,16 +107,27 @@ def test_results_do_not_depend_on_the_number_of_workers(tmp_path, monkeypatch):
     """Every job runs at one thread, in this process (workers 0) or in worker processes that finish in any order:
     the CSV is the same apart from wall times, rows in (family, seed, method) order."""
     monkeypatch.setenv("RAPO_FAST_DISABLE_TRITON", "1")  # inherited by the spawned workers
-    s = dict(table1.QUICK, seeds=2, sft_steps=10, rl_steps=2, eval_every=1, n_eval=6, n_train=4,
-             families=["arith", "kb"], methods=list(table1.METHODS))  # fmt: skip
+    s = dict(
+        table1.QUICK,
+        seeds=2,
+        sft_steps=10,
+        rl_steps=2,
+        eval_every=1,
+        n_eval=6,
+        n_train=4,
+        families=["arith", "kb"],
+        methods=list(table1.METHODS),
+    )
     got, returned = {}, {}
 
     def same(v):  # NaN (a figure the family does not have) compares equal to NaN here
         return "nan" if isinstance(v, float) and math.isnan(v) else v
 
     for w in (0, 2):
-        returned[w] = [{k: same(v) for k, v in r.items() if k != "wall_s"}
-                       for r in table1.run(s, tmp_path / f"w{w}", progress=False, workers=w)]  # fmt: skip
+        returned[w] = [
+            {k: same(v) for k, v in r.items() if k != "wall_s"}
+            for r in table1.run(s, tmp_path / f"w{w}", progress=False, workers=w)
+        ]
         with open(tmp_path / f"w{w}" / "table1.csv") as f:
             got[w] = [{k: v for k, v in r.items() if k != "wall_s"} for r in csv.DictReader(f)]
     assert len(got[0]) == 16 and got[0] == got[2]
@@ -116,8 +145,18 @@ def test_results_do_not_depend_on_the_number_of_workers(tmp_path, monkeypatch):
 
 def test_a_failed_job_names_itself_and_ends_the_workers(tmp_path, monkeypatch):
     monkeypatch.setenv("RAPO_FAST_DISABLE_TRITON", "1")
-    s = dict(table1.QUICK, seeds=1, sft_steps=2, rl_steps=1, eval_every=1, n_eval=4, n_train=4, group_size=0,
-             families=["arith"], methods=["GRPO", "RAPO"])  # fmt: skip
+    s = dict(
+        table1.QUICK,
+        seeds=1,
+        sft_steps=2,
+        rl_steps=1,
+        eval_every=1,
+        n_eval=4,
+        n_train=4,
+        group_size=0,
+        families=["arith"],
+        methods=["GRPO", "RAPO"],
+    )
     for w in (0, 2):
         with pytest.raises(RuntimeError, match=r"the run job of arith/(GRPO|RAPO)/seed 0 failed: .*group_size"):
             table1.run(s, tmp_path / f"w{w}", progress=False, workers=w)
@@ -161,8 +200,15 @@ def test_efficiency_table_by_hand():
     from rapo_fast.demo.table1_report import efficiency_table
 
     def row(method, seed, start, final, steps, tokens):
-        return {"task": "t", "method": method, "seed": seed, "eval_start": start, "eval_final": final,
-                "steps_to_target": steps, "tokens_to_target": tokens}  # fmt: skip
+        return {
+            "task": "t",
+            "method": method,
+            "seed": seed,
+            "eval_start": start,
+            "eval_final": final,
+            "steps_to_target": steps,
+            "tokens_to_target": tokens,
+        }
 
     rows = [  # GRPO's final mean: (0.7 + 0.5 + 0.6) / 3 = 0.6; seed 2 starts at 0.65, above it
         row("GRPO", 0, 0.3, 0.7, 40, 400), row("GRPO", 1, 0.4, 0.5, "", ""), row("GRPO", 2, 0.65, 0.6, 0, 0),
@@ -175,7 +221,7 @@ def test_efficiency_table_by_hand():
 
 
 def test_controls_and_ablations_configs():
-    """Issue 24's controls: GRPO with RAPO's on-policy row count, RAPO without the retrieval reward, RAPO without
+    """The controls: GRPO with RAPO's on-policy row count, RAPO without the retrieval reward, RAPO without
     importance shaping; every other option equal to the method they control."""
     s = dict(table1.QUICK, group_size=8)
     rapo, grpo = table1._config("RAPO", s, 0), table1._config("GRPO", s, 0)
@@ -202,8 +248,17 @@ def _without(cfg, field: str) -> dict:
 
 def test_extra_methods_run(tmp_path, monkeypatch):
     monkeypatch.setenv("RAPO_FAST_DISABLE_TRITON", "1")
-    s = dict(table1.QUICK, seeds=1, sft_steps=10, rl_steps=1, eval_every=1, n_eval=4, n_train=4,
-             families=["kb"], methods=list(table1.EXTRA_METHODS))  # fmt: skip
+    s = dict(
+        table1.QUICK,
+        seeds=1,
+        sft_steps=10,
+        rl_steps=1,
+        eval_every=1,
+        n_eval=4,
+        n_train=4,
+        families=["kb"],
+        methods=list(table1.EXTRA_METHODS),
+    )
     rows = table1.run(s, tmp_path, progress=False, workers=0)
     assert [r["method"] for r in rows] == list(table1.EXTRA_METHODS)
     assert len({r["eval_start"] for r in rows}) == 1  # one warm-up for every method

@@ -1,5 +1,5 @@
 """Tests of rapo_fast/demo/table1_diagnostics.py: completions read against hand-written cases, the leak and
-shortcut fractions, the kept-trace statistics and the go/no-go logic on constructed figures (issue 24)."""
+shortcut fractions, the kept-trace statistics and the go/no-go logic on constructed figures."""
 
 from __future__ import annotations
 
@@ -89,12 +89,12 @@ def test_go_no_go_constructed_cases():
         "unobserved_answer_success": {
             "a": {"value": 0.02, "chance": 0.03, "n": 625},
             "b": {"value": 0.20, "chance": 0.03, "n": 625},
-        },  # fmt: skip
+        },
         "kept_trace_correct_frac": {"a": 0.6, "b": 0.99},
         "conditioning_probe": {
             "a": {"p_next_given_retrieved": 0.5, "p_next_given_own": 0.8},
             "b": {"p_next_given_retrieved": 0.1, "p_next_given_own": 0.8},
-        },  # fmt: skip
+        },
         "leak_frac": {"a": 0.25, "b": 0.9, "c": math.nan},
     }
     c = D.go_no_go(figures)

@@ -1,4 +1,4 @@
-"""table1's fair setting (issue 24): the aliased knowledge base, its warm-up style, the hint probe on a scripted
+"""table1's fair setting: the aliased knowledge base, its warm-up style, the hint probe on a scripted
 policy, the rollout reader, the run end to end in quick form (every file written) and the legacy flag.
 
 The setting's claims checked here are structural (what is held out from what, which knowledge base each source
@@ -150,9 +150,12 @@ def test_rollout_reader_counts_leaks_by_hand():
     own = " ".join(sol)
     leaked = " ".join([sol[0], f"<retrieve> {sol[1]} </retrieve>", f"<retrieve> {sol[2]} </retrieve>", sol[-1]])
     hinted = " ".join([sol[0], f"<retrieve> {p.hints[1]} </retrieve>", *sol[1:]])
-    batch = SimpleNamespace(completions=[own, leaked, hinted, own], prompt_index=torch.zeros(4, dtype=torch.long),
-                            hybrid=torch.tensor([False, True, True, False]),
-                            offpolicy_rows=torch.tensor([False, False, False, True]))  # fmt: skip
+    batch = SimpleNamespace(
+        completions=[own, leaked, hinted, own],
+        prompt_index=torch.zeros(4, dtype=torch.long),
+        hybrid=torch.tensor([False, True, True, False]),
+        offpolicy_rows=torch.tensor([False, False, False, True]),
+    )
     reader = D.RolloutReader()
     reader.on_step_end(SimpleNamespace(last_batch=batch, last_problems=[p]), 1, {})
     assert reader.hybrid_successes == 2 and reader.leak_frac() == 0.5  # the row off-policy is not the policy's
@@ -166,8 +169,20 @@ def test_quick_fair_run_writes_every_file(tmp_path, monkeypatch):
     the matched control and the checks, table1_checks.json with the four checks and the per-seed warm-up figures."""
     monkeypatch.setenv("RAPO_FAST_DISABLE_TRITON", "1")
     methods = ["GRPO", "GRPO_ONPOLICY_MATCHED", "RAPO", "OFFPOLICY_TRAJ", "RAPO_SFT_NO_RETRIEVE"]
-    s = dict(table1.FAIR_QUICK, seeds=1, sft_steps=4, rl_steps=1, eval_every=1, n_eval=6, n_train=4,
-             solver_traces=4, families=["kb_alias"], methods=methods, setting="fair", encoder="hashed")  # fmt: skip
+    s = dict(
+        table1.FAIR_QUICK,
+        seeds=1,
+        sft_steps=4,
+        rl_steps=1,
+        eval_every=1,
+        n_eval=6,
+        n_train=4,
+        solver_traces=4,
+        families=["kb_alias"],
+        methods=methods,
+        setting="fair",
+        encoder="hashed",
+    )
     rows = table1.run(s, tmp_path, progress=False, workers=0)
     assert [r["method"] for r in rows] == methods
     with open(tmp_path / "table1.csv") as f:
@@ -177,8 +192,9 @@ def test_quick_fair_run_writes_every_file(tmp_path, monkeypatch):
     assert all(0.0 <= float(r["unobserved_success_final"]) <= 1.0 for r in got)
     assert (tmp_path / "warm_plain_kb_alias_0.pt").exists() and (tmp_path / "offpolicy_kb_alias_0.jsonl").exists()
     checks = json.loads((tmp_path / "table1_checks.json").read_text())
-    assert set(checks["checks"]) == {f"{c}/kb_alias" for c in ("no_shortcut", "imperfect_source",
-                                                             "uses_retrieved_step", "no_answer_leak")}  # fmt: skip
+    assert set(checks["checks"]) == {
+        f"{c}/kb_alias" for c in ("no_shortcut", "imperfect_source", "uses_retrieved_step", "no_answer_leak")
+    }
     assert checks["setting"] == "fair" and "kb_alias/0" in checks["warmup"]
     cond = checks["figures"]["conditioning_probe"]["kb_alias"]  # the hint probe's two probabilities, common name
     assert {"p_next_given_retrieved", "p_next_without_retrieved"} <= set(cond)

@@ -44,8 +44,12 @@ def test_readme_quotes_the_recorded_run():
     for title in ("## Final held-out success", "## Paired difference against GRPO", "## Efficiency"):
         table = md.split(title, 1)[1].split("\n\n", 2)[1]  # the table right under the title
         assert table.strip() in section, title
-    out = subprocess.run([sys.executable, str(ROOT / "tools" / "table1_readme.py"), str(RUN), "c0ffee", "a CPU"],
-                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "table1_readme.py"), str(RUN), "c0ffee", "a CPU"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     wall = md.split("wall time ", 1)[1].split(" s", 1)[0]
     assert f"**{int(wall) // 60} min {int(wall) % 60} s**" in section
     verdict = out.split("What it shows: ")[1].split(" This is a miniature")[0].replace("\n", " ")
@@ -67,13 +71,20 @@ def test_readme_quotes_the_recorded_fair_run():
     assert {r["method"] for r in rows} == set(ALL_METHODS)
     checks = json.loads((FAIR / "table1_checks.json").read_text())
     assert {c.split("/")[0] for c in checks["checks"]} == {
-        "no_shortcut", "imperfect_source", "uses_retrieved_step", "no_answer_leak"
-    }  # fmt: skip
+        "no_shortcut",
+        "imperfect_source",
+        "uses_retrieved_step",
+        "no_answer_leak",
+    }
     readme = (ROOT / "README.md").read_text()
     section = readme.split("## Comparing methods: `rapo-fast table1`", 1)[1].split("\n## ", 1)[0]
     md = (FAIR / "table1.md").read_text()
-    for title in ("## Final held-out success", "## Paired difference against GRPO (same seeds)",
-                  "## Paired difference against GRPO with RAPO's on-policy row count", "## Budgets and diagnostics",
-                  "## Go/no-go checks"):  # fmt: skip
+    for title in (
+        "## Final held-out success",
+        "## Paired difference against GRPO (same seeds)",
+        "## Paired difference against GRPO with RAPO's on-policy row count",
+        "## Budgets and diagnostics",
+        "## Go/no-go checks",
+    ):
         table = md.split(title, 1)[1].split("\n\n", 2)[1]
         assert table.strip() in section, title

@@ -38,7 +38,7 @@ GOOD = {
     "rollout.arpo.topk": [1, 10],
     "optim.mini_batch_groups": [None, 1, 3],
 }
-# field -> values each of which must be refused naming the field (issue 11's list, and more of each kind)
+# field -> values each of which must be refused naming the field (every kind of bad value, several of each)
 BAD = {
     "optim.lr": [NAN, INF, -1.0, "1e-3", True],
     "rollout.temperature": [NAN, INF, 0.0, -1.0, None],

@@ -111,7 +111,7 @@ def test_masked_tokens_contribute_nothing_whatever_their_logits(B, T, V, dtype, 
         x = case["logits"].to(dtype).requires_grad_(True)
         try:
             loss = rapo_fast.rapo_loss(**{**case, "logits": x}, **opts)
-        except ValueError as exc:  # +inf logits may be refused (the issue: "refused or handled, never NaN")
+        except ValueError as exc:  # +inf logits may be refused (the contract: "refused or handled, never NaN")
             assert fill == math.inf and case is d and "logits" in str(exc), exc
             return
         (grad,) = torch.autograd.grad(loss, [x])

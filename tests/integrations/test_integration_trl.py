@@ -14,6 +14,7 @@ Not tested here: multi-process (DDP/FSDP) runs, bf16 models, and TRL's vLLM path
 from __future__ import annotations
 
 import copy
+import tempfile
 
 import pytest
 import torch
@@ -76,7 +77,7 @@ def _build(rapo_options=None, **config):
     model = LlamaForCausalLM(cfg)
     ds = Dataset.from_dict({"prompt": ["t1 t2 t3", "t4 t5"] * 2})
     args = GRPOConfig(
-        output_dir="/tmp/rapo_fast_test_trl",
+        output_dir=tempfile.mkdtemp(prefix="rapo_fast_test_trl"),  # one per trainer: tests may run in parallel
         per_device_train_batch_size=4,
         num_generations=4,
         max_completion_length=MAX_COMPLETION,

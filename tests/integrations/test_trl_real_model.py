@@ -76,11 +76,23 @@ def test_tags_that_are_not_single_tokens_are_refused_with_the_remedy(raw, tmp_pa
     with pytest.raises(ValueError, match=r"</tool> is not in the vocabulary.*add_rapo_tags\(tokenizer, model\)"):
         make_rollout_func(TASK, tokenizer=tok)
     # the tokenizer left to the trainer: refused when the trainer is built, before any step
-    config = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, use_cpu=True,
-                        report_to="none", max_steps=1)  # fmt: skip
+    config = GRPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        use_cpu=True,
+        report_to="none",
+        max_steps=1,
+    )
     with pytest.raises(ValueError, match="add_rapo_tags"):
-        RAPOGRPOTrainer(model=model, reward_funcs=[_zero], args=config, train_dataset=_dataset(),
-                        processing_class=tok, rollout_func=make_rollout_func(TASK))  # fmt: skip
+        RAPOGRPOTrainer(
+            model=model,
+            reward_funcs=[_zero],
+            args=config,
+            train_dataset=_dataset(),
+            processing_class=tok,
+            rollout_func=make_rollout_func(TASK),
+        )
 
 
 def test_a_tag_mapped_to_unk_is_refused():
@@ -145,8 +157,9 @@ def test_chat_prompts_end_to_end_two_steps(built, tmp_path):
         # retrieved tokens and tool turns are out of the loss (tool_mask = the rollout's env_mask)
         assert not (b["tool_mask"].bool() & b["retrieved_mask"]).any()
         # the prompt ids are TRL's own tokenization of the chat prompt
-        want = tok.apply_chat_template(conversation=[inputs[0]["prompt"]], add_generation_prompt=True, tokenize=True,
-                                       return_dict=True)["input_ids"][0]  # fmt: skip
+        want = tok.apply_chat_template(
+            conversation=[inputs[0]["prompt"]], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"][0]
         row = b["prompt_ids"][0][b["prompt_mask"][0].bool()].tolist()
         assert row == list(want)
     assert len(rollout_func.traces) > size0, "the buffer did not grow"
@@ -221,10 +234,23 @@ def test_unimplemented_sampling_options_are_refused_at_construction(built, tmp_p
     from rapo_fast.integrations.trl import RAPOGRPOTrainer
 
     trainer, rollout_func = _trainer(tmp_path, built)
-    config = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, use_cpu=True,
-                        report_to="none", max_steps=1, **option)  # fmt: skip
-    kwargs = dict(model=trainer.model, reward_funcs=trainer.reward_funcs, args=config, train_dataset=_dataset(),
-                  processing_class=trainer.processing_class, rollout_func=rollout_func)  # fmt: skip
+    config = GRPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        use_cpu=True,
+        report_to="none",
+        max_steps=1,
+        **option,
+    )
+    kwargs = dict(
+        model=trainer.model,
+        reward_funcs=trainer.reward_funcs,
+        args=config,
+        train_dataset=_dataset(),
+        processing_class=trainer.processing_class,
+        rollout_func=rollout_func,
+    )
     name = next(iter(option))
     with pytest.raises(ValueError, match=name):
         RAPOGRPOTrainer(**kwargs)
@@ -250,8 +276,15 @@ def test_make_rollout_func_signature_is_typed_and_the_names_come_from_one_module
     params = inspect.signature(trl_path.make_rollout_func).parameters
     assert all(p.kind is not inspect.Parameter.VAR_KEYWORD for p in params.values())
     assert all(p.annotation is not inspect.Parameter.empty for p in params.values())
-    for name in ("RAPOGRPOTrainer", "make_rollout_func", "StepTraces", "HashedNgramEncoder", "MiniLMEncoder",
-                 "add_rapo_tags", "StepTracesCheckpoint"):  # fmt: skip
+    for name in (
+        "RAPOGRPOTrainer",
+        "make_rollout_func",
+        "StepTraces",
+        "HashedNgramEncoder",
+        "MiniLMEncoder",
+        "add_rapo_tags",
+        "StepTracesCheckpoint",
+    ):
         assert name in trl_path.__all__ and getattr(trl_path, name) is not None
     with pytest.raises(TypeError, match="unexpected keyword"):
         trl_path.make_rollout_func(TASK, top_p=0.9)

@@ -63,9 +63,21 @@ def test_table_is_well_formed():
 
 @pytest.mark.parametrize(
     "version, ok",
-    [("0.9.1", True), ("0.9.2", True), ("0.9.1.post1", True), ("0.9.99", True), ("0.9.0", False), ("0.8.0", False),
-     ("0.10.0", False), ("0.10.0.dev0", False), ("1.0", False), ("0.9", False), ("", False), ("main", False)],
-)  # fmt: skip
+    [
+        ("0.9.1", True),
+        ("0.9.2", True),
+        ("0.9.1.post1", True),
+        ("0.9.99", True),
+        ("0.9.0", False),
+        ("0.8.0", False),
+        ("0.10.0", False),
+        ("0.10.0.dev0", False),
+        ("1.0", False),
+        ("0.9", False),
+        ("", False),
+        ("main", False),
+    ],
+)
 def test_version_range(version, ok):
     assert vc.version_supported(version) is ok
 

@@ -81,9 +81,7 @@ def test_cli_turns_a_verl_dump_into_traces_that_build_a_step_buffer(tmp_path, ca
     out = tmp_path / "traces.jsonl"
     assert cli.main(["verl-traces", "--dump", str(_dump(tmp_path)), "--out", str(out)]) == 0
     stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert stats == {
-        "rows": 6, "kept": 2, "low_score": 2, "no_step": 1, "duplicate": 1, "steps": 3, "out": str(out)
-    }  # fmt: skip
+    assert stats == {"rows": 6, "kept": 2, "low_score": 2, "no_step": 1, "duplicate": 1, "steps": 3, "out": str(out)}
     recs = read_jsonl(out)
     p1, p2 = PROMPT.format(q=Q1), PROMPT.format(q=Q2)
     assert [(r["prompt"], r["steps"], r["answer"], r["reward"]) for r in recs] == [

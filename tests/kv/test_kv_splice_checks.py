@@ -1,4 +1,4 @@
-"""Regression tests of the KV splice's input checks (issue 11): the registered op `rapo_fast::kv_splice_` called
+"""Regression tests of the KV splice's input checks: the registered op `rapo_fast::kv_splice_` called
 directly refuses every index outside the pools, the caches or the block table (IndexError / ValueError from the
 extension, which checks them itself, not a segfault); splice_kv refuses float (truncatable) integer arguments with a
 TypeError naming the argument, and paged caches whose written slots share one physical slot.

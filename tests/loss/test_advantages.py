@@ -259,10 +259,17 @@ def test_trainer_passes_ret_norm_and_the_scored_retrieval_mask(tmp_path, monkeyp
 
     for norm in ("group", "retrieved"):
         model = build_tiny_policy(tok.vocab_size, hidden_size=32, num_heads=2, num_kv_heads=1, seed=0)
-        cfg = TrainerConfig.RAPO({
-            "rollout.group_size": 4, "rollout.hybrid.n_hybrid": 4, "rollout.hybrid.retrieve_prob": 1.0,
-            "prompts_per_step": 2, "rollout.max_steps": 4, "rollout.max_step_tokens": 12, "advantages.ret_norm": norm,
-        })  # fmt: skip
+        cfg = TrainerConfig.RAPO(
+            {
+                "rollout.group_size": 4,
+                "rollout.hybrid.n_hybrid": 4,
+                "rollout.hybrid.retrieve_prob": 1.0,
+                "prompts_per_step": 2,
+                "rollout.max_steps": 4,
+                "rollout.max_step_tokens": 12,
+                "advantages.ret_norm": norm,
+            }
+        )
         trainer = RAPOTrainer(model, tok, task, traces, cfg, problems, advantage_fn=adv_fn)
         trainer.step()
     assert calls[0] == {} and calls[1]["ret_norm"] == "retrieved"

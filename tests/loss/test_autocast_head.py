@@ -1,4 +1,4 @@
-"""The hidden-state path under torch.autocast (issue 26 item 8): `rapo_loss(hidden=h, weight=model.lm_head.weight)`
+"""The hidden-state path under torch.autocast: `rapo_loss(hidden=h, weight=model.lm_head.weight)`
 with bf16 hidden and the fp32 lm_head weight that autocast leaves in fp32. Under autocast the weight (and bias) are
 cast to hidden's dtype inside, differentiably: the loss equals that of the explicit cast, is within bf16 error of the
 float64 reference on the bf16-rounded inputs, and the gradient reaches the fp32 weight as an fp32 tensor of its

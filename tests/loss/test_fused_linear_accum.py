@@ -189,9 +189,13 @@ def test_one_token_tile_allocates_no_fp32_grad_w():
     y = torch.randint(0, v, (n,))
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         loss = rapo_fast.rapo_loss(
-            hidden=hid, weight=w, targets=y, old_logp=torch.full((n,), -8.0), advantages=torch.randn(n),
+            hidden=hid,
+            weight=w,
+            targets=y,
+            old_logp=torch.full((n,), -8.0),
+            advantages=torch.randn(n),
             loss_mask=torch.ones(n, dtype=torch.bool),
-        )  # fmt: skip
+        )
         loss.backward()
     largest = max(e.self_cpu_memory_usage for e in prof.events())
     assert largest < v * h * 4, f"largest allocation {largest} B: an fp32 [V, H] ({v * h * 4} B) was made"

@@ -47,8 +47,9 @@ def fused_calls(monkeypatch):
 
 
 def _grads(d, opts, dtype=torch.float32, scale=1.0):
-    x = {k: (v.detach().to(dtype).requires_grad_(True) if k in ("hidden", "weight", "bias") else v)
-         for k, v in d.items()}  # fmt: skip
+    x = {
+        k: (v.detach().to(dtype).requires_grad_(True) if k in ("hidden", "weight", "bias") else v) for k, v in d.items()
+    }
     loss, m = rapo_fast.rapo_loss(**x, **opts, return_metrics=True)
     (loss * scale).backward()
     return loss.detach(), m, {k: x[k].grad for k in ("hidden", "weight", "bias") if k in x}
@@ -200,14 +201,41 @@ def test_opcheck_fused_op():
     f = torch.float32
     code = (d["loss_mask"].reshape(n)).to(f)
     tok, present = stack_token_inputs(
-        old=d["old_logp"].reshape(n), adv=d["advantages"].reshape(n), w=torch.full((n,), 1.0 / n, dtype=f),
-        scale=torch.ones(n, dtype=f), code=code, behav=d["behav_logp"].reshape(n), ref=d["ref_logp"].reshape(n),
-    )  # fmt: skip
-    opts = LossOptions(eps_low=0.2, eps_high=0.2, dual_clip=3.0, gamma=0.1, is_cap=2.0, tis_cap=1.5, beta=0.1,
-                       entropy_coef=0.01, offpolicy_train="none", kl_estimator="k3")  # fmt: skip
-    args = (d["hidden"].reshape(n, 6).requires_grad_(True), d["weight"].requires_grad_(True),
-            d["bias"].requires_grad_(True), d["targets"].reshape(n), tok, present, opts.kernel_scalars(),
-            0.9, True, True, True, True, True)  # fmt: skip
+        old=d["old_logp"].reshape(n),
+        adv=d["advantages"].reshape(n),
+        w=torch.full((n,), 1.0 / n, dtype=f),
+        scale=torch.ones(n, dtype=f),
+        code=code,
+        behav=d["behav_logp"].reshape(n),
+        ref=d["ref_logp"].reshape(n),
+    )
+    opts = LossOptions(
+        eps_low=0.2,
+        eps_high=0.2,
+        dual_clip=3.0,
+        gamma=0.1,
+        is_cap=2.0,
+        tis_cap=1.5,
+        beta=0.1,
+        entropy_coef=0.01,
+        offpolicy_train="none",
+        kl_estimator="k3",
+    )
+    args = (
+        d["hidden"].reshape(n, 6).requires_grad_(True),
+        d["weight"].requires_grad_(True),
+        d["bias"].requires_grad_(True),
+        d["targets"].reshape(n),
+        tok,
+        present,
+        opts.kernel_scalars(),
+        0.9,
+        True,
+        True,
+        True,
+        True,
+        True,
+    )
     torch.library.opcheck(torch.ops.rapo_fast.fused_linear_policy_loss.default, args)
 
 

@@ -131,9 +131,17 @@ OP_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # the options of the op tests (as LossOptions; the op takes them as LossOptions.kernel_scalars())
 _OP_OPTIONS = LossOptions(
-    eps_low=0.2, eps_high=0.28, dual_clip=3.0, gamma=0.1, is_cap=2.0, tis_cap=1.5, beta=0.1, entropy_coef=0.01,
-    offpolicy_train="truncated", kl_estimator="k3",
-)  # fmt: skip
+    eps_low=0.2,
+    eps_high=0.28,
+    dual_clip=3.0,
+    gamma=0.1,
+    is_cap=2.0,
+    tis_cap=1.5,
+    beta=0.1,
+    entropy_coef=0.01,
+    offpolicy_train="truncated",
+    kl_estimator="k3",
+)
 
 
 def _op_args(n=37, seq=True, with_ent=True, seed=0, device=OP_DEVICE):

@@ -114,8 +114,10 @@ def test_hidden_path_refuses_undefined_logp_in_loss(fused, dtype, poison, monkey
     (test above). fp64 does not overflow at 1e38, so the overflow case there is checked to give the finite answer."""
     monkeypatch.setenv("RAPO_FAST_FUSED_LINEAR_LOSS", fused)
     d = make_batch(2, 4, 29, H=8, masked_rows=(), seed=6)
-    d = {k: (v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() and k in ("hidden", "weight", "bias")
-             else v) for k, v in d.items()}  # fmt: skip
+    d = {
+        k: (v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() and k in ("hidden", "weight", "bias") else v)
+        for k, v in d.items()
+    }
     opts = {k: v for k, v in OPTIONS.items() if k != "return_metrics"}
     h, wt = d["hidden"].clone(), d["weight"].clone()
     in_loss = d["loss_mask"].reshape(-1) != 0

@@ -1,4 +1,4 @@
-"""Issue 28, class 3: a token out of the loss is inert whatever its hidden row, logits row or per-token inputs hold.
+"""A token out of the loss is inert whatever its hidden row, logits row or per-token inputs hold.
 
 A masked hidden row holding NaN/inf once put NaN into the weight gradient on every path, the reference included:
 grad_W = grad_z^T h sums over every row, and 0 * NaN = NaN although the row's grad_z is zero. And a NaN in a masked
@@ -169,9 +169,15 @@ def test_token_logprobs_hidden_nonfinite_row(path, poison, monkeypatch):
     else:
         hp[2] = POISONS[poison]
     keep = [0, 1, 3, 4]
-    fn = (lambda *a: linear_token_logprobs_ref(*a[:4], return_entropy=True)) if path == "reference" else (
-        lambda hh, ww, yy, bb: rapo_fast.token_logprobs(hidden=hh, weight=ww, bias=bb, targets=yy, return_entropy=True)
-    )  # fmt: skip
+    fn = (
+        (lambda *a: linear_token_logprobs_ref(*a[:4], return_entropy=True))
+        if path == "reference"
+        else (
+            lambda hh, ww, yy, bb: rapo_fast.token_logprobs(
+                hidden=hh, weight=ww, bias=bb, targets=yy, return_entropy=True
+            )
+        )
+    )
 
     def run(hid, rows):
         leaves = [t.clone().requires_grad_(True) for t in (hid, w, b)]
@@ -185,8 +191,13 @@ def test_token_logprobs_hidden_nonfinite_row(path, poison, monkeypatch):
     assert torch.isfinite(gw).all() and torch.isfinite(gb).all() and torch.isfinite(gh).all()
     assert bool((gh[2] == 0).all())
     lp0, ent0, (gh0, gw0, gb0) = run(h[keep], keep)
-    for a, b0, name in ((lp[keep], lp0, "logp"), (ent[keep], ent0, "entropy"), (gh[keep], gh0, "grad_hidden"),
-                        (gw, gw0, "grad_weight"), (gb, gb0, "grad_bias")):  # fmt: skip
+    for a, b0, name in (
+        (lp[keep], lp0, "logp"),
+        (ent[keep], ent0, "entropy"),
+        (gh[keep], gh0, "grad_hidden"),
+        (gw, gw0, "grad_weight"),
+        (gb, gb0, "grad_bias"),
+    ):
         torch.testing.assert_close(a, b0, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 

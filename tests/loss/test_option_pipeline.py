@@ -70,8 +70,9 @@ def test_the_reference_takes_the_kernel_options_and_only_those():
     elsewhere), so what the kernels take the reference takes."""
     assert set(ref_mod._ROW_OPTIONS) == set(LossOptions.names()) - set(LossOptions.kernel_names())
     with pytest.raises(TypeError, match="shaping_m"):
-        ref_mod.policy_token_loss_ref(torch.zeros(2), torch.zeros(2), torch.zeros(2), on_mask=torch.ones(2, dtype=bool),
-                                      shaping_m=0.1)  # fmt: skip
+        ref_mod.policy_token_loss_ref(
+            torch.zeros(2), torch.zeros(2), torch.zeros(2), on_mask=torch.ones(2, dtype=bool), shaping_m=0.1
+        )
 
 
 _options = st.builds(

@@ -76,7 +76,7 @@ def _auto_cases(mp, caplog):
         Path.REFERENCE_CHUNKED: (False, lambda: _no_triton(mp) or _loss_path(_batch())),
         Path.REFERENCE_FP64: (False, lambda: _loss_path(_batch(dtype=f64))),
         Path.TORCH_POLICY: (False, lambda: lp(logp(d := _batch(dtype=f64)), **kw(d), return_metrics=True)[1].path),
-    }  # fmt: skip
+    }
 
 
 def test_every_path_has_a_case(monkeypatch, caplog):
@@ -176,8 +176,9 @@ def test_triton_refused_where_it_cannot_run(monkeypatch):
     d = _batch()
     logp = torch.log_softmax(d["logits"].detach(), -1).gather(-1, d["targets"][..., None])[..., 0]
     with pytest.raises(ValueError, match=r"backend: 'triton'"):
-        policy_loss_from_logp(logp, old_logp=d["old_logp"], advantages=d["advantages"], loss_mask=d["loss_mask"],
-                              backend="triton")  # fmt: skip
+        policy_loss_from_logp(
+            logp, old_logp=d["old_logp"], advantages=d["advantages"], loss_mask=d["loss_mask"], backend="triton"
+        )
 
 
 @pytest.mark.parametrize("bad,exc", [("cuda", ValueError), ("Triton", ValueError), (1, TypeError), (None, TypeError)])

@@ -154,9 +154,17 @@ def trainer_case(tmp_path: Path, with_kv: bool = False) -> Case:
     task = ChainArithmeticTask()
     tok, problems = task.tokenizer(), task.make_problems(4, seed=0)
     path = write_jsonl(solver_trajectories(task, problems, 2, 0.2, seed=0), tmp_path / "t.jsonl")
-    cfg = TrainerConfig.RAPO({"rollout.group_size": 2, "rollout.hybrid.n_hybrid": 1, "prompts_per_step": 1,
-                              "rollout.max_step_tokens": 4, "rollout.max_steps": 2, "optim.lr": 5e-3,
-                              "buffer.add_onpolicy_steps": True})  # fmt: skip
+    cfg = TrainerConfig.RAPO(
+        {
+            "rollout.group_size": 2,
+            "rollout.hybrid.n_hybrid": 1,
+            "prompts_per_step": 1,
+            "rollout.max_step_tokens": 4,
+            "rollout.max_steps": 2,
+            "optim.lr": 5e-3,
+            "buffer.add_onpolicy_steps": True,
+        }
+    )
     if with_kv:
         cfg = cfg.replace({"rollout.mode": "splice", "buffer.refresh_kv_every": 3, "loss.tis_cap": 2.0})
 

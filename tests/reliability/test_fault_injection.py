@@ -1,4 +1,4 @@
-"""Fault injection (issue 11, item 2): every save format killed with SIGKILL before each of its filesystem writes in
+"""Fault injection: every save format killed with SIGKILL before each of its filesystem writes in
 turn, halfway through each of its os.write calls, and at random moments of a larger save.
 
 A forked child moves nothing but its own save: it wraps os.open (for writing), os.write, os.fsync, os.replace,

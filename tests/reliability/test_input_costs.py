@@ -119,8 +119,13 @@ exec(sys.argv[2])
 def _under_memory_limit(setup: str, run: str, d: Path) -> None:
     """exec(setup), then exec(run) with the address space allowed to grow by 2 GB at most, in a new interpreter
     (`d`: the test's directory); fails with the child's error."""
-    res = subprocess.run([sys.executable, "-c", _LIMITED, setup, run, str(d)], capture_output=True, text=True,
-                         timeout=300, env=os.environ)  # fmt: skip
+    res = subprocess.run(
+        [sys.executable, "-c", _LIMITED, setup, run, str(d)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=os.environ,
+    )
     assert res.returncode == 0, f"under a 2 GB limit: {res.stderr[-2000:]}"
 
 
@@ -134,8 +139,16 @@ def test_a_snapshot_declaring_huge_sizes_loads_in_what_it_stores(tmp_path):
     manifest["meta"]["capacity"] = 2**31 - 1
     manifest_path.write_text(json.dumps(manifest))
     rs.reseal(tmp_path / "cap")
-    meta = {"capacity": 1, "dim": 2**31 - 1, "dtype": "float32", "metric": "ip", "eviction": "fifo", "size": 0,
-            "head": 0, "next_seq": 0}  # fmt: skip
+    meta = {
+        "capacity": 1,
+        "dim": 2**31 - 1,
+        "dtype": "float32",
+        "metric": "ip",
+        "eviction": "fifo",
+        "size": 0,
+        "head": 0,
+        "next_seq": 0,
+    }
     empty = {"keys": torch.empty(0, 2**31 - 1), "scores": torch.empty(0)}
     empty.update({k: torch.empty(0, dtype=torch.int64) for k in ("payload_ids", "group_ids", "seq")})
     write_snapshot(tmp_path / "dim", empty, meta)

@@ -25,8 +25,17 @@ from rapo_fast.retrieval.encoders import HashedNgramEncoder
 from rapo_fast.retrieval.step_traces import StepTraces
 from rapo_fast.train.trainer import RAPOTrainer, TrainerConfig
 
-TIMINGS = {"tokens_per_s", "t_rollout", "t_retrieval", "t_splice", "t_buffer", "t_step", "t_logprob", "t_loss",
-           "t_optimizer"}  # fmt: skip
+TIMINGS = {
+    "tokens_per_s",
+    "t_rollout",
+    "t_retrieval",
+    "t_splice",
+    "t_buffer",
+    "t_step",
+    "t_logprob",
+    "t_loss",
+    "t_optimizer",
+}
 
 
 @pytest.fixture(autouse=True)
@@ -43,9 +52,18 @@ def _make(work: Path, csv_name: str, seed: int = 0, sigterm_at_call: int = 0) ->
     path = work / "t.jsonl"
     if not path.exists():
         write_jsonl(solver_trajectories(task, problems, 3, 0.2, seed=0), path)
-    cfg = TrainerConfig.RAPO({"rollout.group_size": 4, "rollout.hybrid.n_hybrid": 2, "prompts_per_step": 2,
-                              "rollout.max_step_tokens": 6, "rollout.max_steps": 2, "optim.lr": 5e-3,
-                              "buffer.add_onpolicy_steps": True, "logging.log_csv": str(work / csv_name)})  # fmt: skip
+    cfg = TrainerConfig.RAPO(
+        {
+            "rollout.group_size": 4,
+            "rollout.hybrid.n_hybrid": 2,
+            "prompts_per_step": 2,
+            "rollout.max_step_tokens": 6,
+            "rollout.max_steps": 2,
+            "optim.lr": 5e-3,
+            "buffer.add_onpolicy_steps": True,
+            "logging.log_csv": str(work / csv_name),
+        }
+    )
     calls = []
 
     def reward(env, probs, batch):
@@ -119,8 +137,9 @@ def test_sigterm_checkpoints_the_step_in_progress_then_ends_the_process(work):
     """SIGTERM during step 3 of a 10-step train: step 3 completes, the checkpoint holds 3 steps, the process ends by
     SIGTERM; resumed for 2 more steps, the CSV is the uninterrupted 5-step run's."""
     want = _uninterrupted(work, 5)
-    status = _in_child(lambda: _make(work, "run.csv", sigterm_at_call=3).train(10, progress=False,
-                                                                            checkpoint_dir=work / "ckpt"))  # fmt: skip
+    status = _in_child(
+        lambda: _make(work, "run.csv", sigterm_at_call=3).train(10, progress=False, checkpoint_dir=work / "ckpt")
+    )
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, status
     assert [r["step"] for r in _rows(work / "run.csv")] == ["1", "2", "3"]
 

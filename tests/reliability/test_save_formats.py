@@ -1,4 +1,4 @@
-"""Save formats at rest (issue 11, "data lost or corrupted on a crash" and the StepKVStore.load_state_dict crash):
+"""Save formats at rest, so that no data is lost or corrupted on a crash:
 every file of every format is covered by a checksum (a flipped byte, a truncation or an extra byte anywhere gives the
 format's own error), edited fields behind the checksums are refused by the schema checks, the parts of a StepTraces
 or checkpoint save are cross-checked, a bad save leaves the loading object as it was, StepKVStore.load_state_dict
@@ -78,7 +78,7 @@ def test_every_file_is_covered_by_a_checksum(kind, tmp_path):
     ],
 )
 def test_edited_buffer_meta_is_refused(tmp_path, field, value, message):
-    """issue 11: an edited meta.json loaded silently. Now the checksum in CURRENT refuses any edit; and an edit with
+    """An edited meta.json does not load silently: the checksum in CURRENT refuses any edit; and an edit with
     the checksums recomputed (a writer's bug, not a crash) meets the schema check naming the field."""
     d = tmp_path / "b"
     rs.buffer_case().obj.save(d)
@@ -97,7 +97,8 @@ def test_edited_buffer_meta_is_refused(tmp_path, field, value, message):
 
 
 def test_current_not_utf8_and_truncated_traces_json(tmp_path):
-    """issue 11: a non-UTF-8 CURRENT gave UnicodeDecodeError, a truncated traces.json a raw JSONDecodeError."""
+    """A non-UTF-8 CURRENT and a truncated traces.json give the format's own error (not UnicodeDecodeError or a raw
+    JSONDecodeError)."""
     buf = rs.buffer_case().obj
     buf.save(tmp_path / "b")
     (tmp_path / "b" / "CURRENT").write_bytes(b"\xff\xfe\x00snapshot")
@@ -115,8 +116,8 @@ def test_current_not_utf8_and_truncated_traces_json(tmp_path):
 
 
 def test_step_traces_parts_are_cross_checked(tmp_path):
-    """issue 11: the buffer, the payload list and the K/V of different saves loaded together, and the first retrieve
-    raised IndexError. Parts of two saves, each checksum valid, are refused naming the field."""
+    """The buffer, the payload list and the K/V of different saves are not loaded together (the first retrieve would
+    raise IndexError): parts of two saves, each checksum valid, are refused naming the field."""
     small, big = rs.traces_case(with_kv=True, n_old=4), rs.traces_case(with_kv=True, n_old=12)
     small.save(tmp_path / "s")
     big.save(tmp_path / "b")
@@ -234,8 +235,8 @@ def _edit(state: dict, how: str) -> dict:
     ],
 )
 def test_kv_load_state_dict_refuses_bad_offsets_and_fields(how):
-    """issue 11: load_state_dict accepted offsets outside the pools (offset 10**6 then segfaulted in splice_kv).
-    Every bad state raises ValueError naming the field, and the store keeps its contents."""
+    """load_state_dict refuses offsets outside the pools (offset 10**6 would segfault in splice_kv): every bad
+    state raises ValueError naming the field, and the store keeps its contents."""
     src, dst = _kv_store(), StepKVStore(2, 1, 4, dtype=torch.float32)
     dst.add([5], [torch.ones(2, 2, 1, 4)], [torch.ones(2, 2, 1, 4)], tokens=[[5, 5]])
     before = dst.state_dict()

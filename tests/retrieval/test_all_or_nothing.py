@@ -1,4 +1,4 @@
-"""Issue 28 class 2: mutations are all or nothing, and what `add` accepts its own loader accepts.
+"""Mutations are all or nothing, and what `add` accepts its own loader accepts.
 
 Hypothesis drives `StepTraces.add_steps` (rapo_fast/retrieval/step_traces.py) and `StepKVStore.add`
 (rapo_fast/kv/store.py) with arguments mixing good values and bad ones (negative, past-int64, bool and float ids,
@@ -110,7 +110,7 @@ def test_step_traces_add_steps_all_or_nothing(jsonl, tmp_path_factory, calls):
 
 
 def test_step_traces_refused_group_id_leaves_nothing_behind(jsonl, tmp_path):
-    """The instance of the issue: a negative or past-int64 group id used to leave its payload appended (the object
+    """A negative or past-int64 group id used to leave its payload appended (the object
     then saved but never loaded again)."""
     traces = StepTraces.from_jsonl(jsonl, _Encoder(), WordTokenizer(WORDS), top_k=2)
     before = _traces_state(traces)

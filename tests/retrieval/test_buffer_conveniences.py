@@ -1,4 +1,4 @@
-"""StepBuffer as a faiss user reaches for it (issue 26 item 10): `add(x)` with automatic ids, NumPy arrays in `add`
+"""StepBuffer as a faiss user reaches for it: `add(x)` with automatic ids, NumPy arrays in `add`
 and `search`, a 1-D query as one query, `reset()`, and the l2 score's sign (the negative squared distance, so the
 opposite of faiss's IndexFlatL2 distances; checked against faiss where it is installed).
 

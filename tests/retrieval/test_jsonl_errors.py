@@ -1,4 +1,4 @@
-"""Issue 28 class 8: formats and configs whose errors name the file, the line and the field.
+"""Formats and configs whose errors name the file, the line and the field.
 
 Trajectory JSONL (rapo_fast/retrieval/jsonl.py, read by StepTraces.from_jsonl): a line that is an array, a string, a
 number or null, non-string steps, `query_id: true` / `reward: true`, a query id past what the buffer's int64 group ids

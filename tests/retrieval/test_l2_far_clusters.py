@@ -1,4 +1,4 @@
-"""Issue 28, class 7: l2 search is exact on far-apart clusters.
+"""l2 search is exact on far-apart clusters.
 
 Two clusters at +-1e4 put the keys' mean near the origin again, so centring on it (docs/retrieval.md) no longer saves
 the fp32 expanded form |q'|^2 + |k'|^2 - 2 q'.k': the scores cancelled to 0.0, were clamped, and ties went to the
@@ -80,8 +80,9 @@ def test_error_bound_covers_the_fp32_scores():
 
     centre = keys.double().mean(0).float()
     q = keys[:20] + torch.randn(20, 32, generator=g)
-    s32, slots = retrieval_search(keys, buf._aux[:100], buf._group[:100], q, None, 30, METRIC_CODES["l2"],
-                                  float("-inf"), centre)  # fmt: skip
+    s32, slots = retrieval_search(
+        keys, buf._aux[:100], buf._group[:100], q, None, 30, METRIC_CODES["l2"], float("-inf"), centre
+    )
     d = ((q.double()[:, None] - keys.double()[slots]) ** 2).sum(-1)
     q_sq = ((q.double() - centre.double()) ** 2).sum(1)
     r = ((keys.double()[slots] - centre.double()) ** 2).sum(-1).sqrt()

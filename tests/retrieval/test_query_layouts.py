@@ -1,4 +1,4 @@
-"""Issue 28 class 6: every query layout handed to a search is accepted and searched exactly as its dense copy.
+"""Every query layout handed to a search is accepted and searched exactly as its dense copy.
 
 Expanded (stride-0) query views used to reach the extension and be refused as "a row stride is smaller than D", an
 error naming no argument (rapo_fast/retrieval/op.py made a view contiguous only when its last stride was not 1). Now
@@ -74,7 +74,7 @@ def test_any_query_layout_searches_as_its_dense_copy(buffers, kind, q, metric, k
     assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
 
 
-def test_expanded_queries_the_issue_instance(buffers):
+def test_expanded_queries_of_one_row(buffers):
     torch.manual_seed(0)
     one = torch.randn(1, D)
     view = one.expand(4, D)

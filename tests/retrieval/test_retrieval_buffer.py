@@ -141,8 +141,8 @@ def test_crash_mid_save_keeps_previous(tmp_path, monkeypatch):
         buf.save(d)
     monkeypatch.undo()
     assert len(StepBuffer.load(d)) == 3  # the previous save is intact and current
-    # Entries the saves did not write are harmless to a load, and a save leaves them alone (issue 11: it used to
-    # delete every snapshot-* and .*.tmp entry of the directory).
+    # Entries the saves did not write are harmless to a load, and a save leaves them alone (not deleting
+    # every snapshot-* and .*.tmp entry of the directory).
     (d / "snapshot-deadbeef").mkdir()
     (d / ".snapshot-x.tmp").mkdir()
     assert len(StepBuffer.load(d)) == 3
@@ -327,7 +327,7 @@ def _op_inputs(C=100, D=16, Q=50):
 )
 def test_search_op_called_directly_checks_every_extent(change, exc, match):
     """The registered op bypasses StepBuffer's validation: the extension itself refuses what would read out of bounds
-    (issue 11; before, a mismatched D or a short exclude list read past the buffers)."""
+    (a mismatched D or a short exclude list would read past the buffers)."""
     keys, aux, groups, q = _op_inputs()
     args = {"keys": keys, "key_aux": aux, "groups": groups, "queries": q, "exclude": None, "k": 5, "metric": 0}
     args.update(change)
@@ -346,7 +346,7 @@ def test_search_op_called_directly_checks_every_extent(change, exc, match):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_search_refuses_nonfinite_queries(dtype):
-    """Queries are validated as strictly as keys (issue 11): NaN/inf, or a finite value that overflows the buffer's
+    """Queries are validated as strictly as keys: NaN/inf, or a finite value that overflows the buffer's
     dtype (1e5 in fp16), is a ValueError naming queries, not an empty or garbage result."""
     buf = StepBuffer(20, 4, dtype=dtype)
     buf.add(torch.randn(20, 4), torch.arange(20), torch.zeros(20, dtype=torch.int64))

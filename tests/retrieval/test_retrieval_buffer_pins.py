@@ -59,9 +59,12 @@ def _batches(seed, sizes, p_pin=0.35):
 def _add(buf, payloads, scores, pins):
     m = len(payloads)
     return buf.add(
-        torch.randn(m, 3), torch.tensor(payloads, dtype=torch.int64), torch.zeros(m, dtype=torch.int64),
-        torch.tensor(scores), torch.tensor(pins, dtype=torch.bool),
-    )  # fmt: skip
+        torch.randn(m, 3),
+        torch.tensor(payloads, dtype=torch.int64),
+        torch.zeros(m, dtype=torch.int64),
+        torch.tensor(scores),
+        torch.tensor(pins, dtype=torch.bool),
+    )
 
 
 @pytest.mark.parametrize("eviction", ["fifo", "lowest_score"])

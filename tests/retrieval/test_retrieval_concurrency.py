@@ -1,4 +1,4 @@
-"""Concurrent use of the step buffer (issue 11): searches from several threads while one thread adds past the ring's
+"""Concurrent use of the step buffer: searches from several threads while one thread adds past the ring's
 wrap. Every returned (score, payload id) pair must be one the buffer held at some moment: payload ids encode their key
 (key = TABLE[payload id]), so a score paired with the wrong payload id is caught exactly. Before StepBuffer took a
 reader-writer lock, a search paired a slot's old score with its new payload id once the ring wrapped. On a small

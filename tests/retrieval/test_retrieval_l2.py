@@ -1,4 +1,4 @@
-"""Exactness of metric="l2" for keys far from the origin relative to their spread (issue 11): the expanded form
+"""Exactness of metric="l2" for keys far from the origin relative to their spread: the expanded form
 |q|^2 - 2 q.k + |k|^2 cancels there (2,000 keys 1000 + 0.01 randn(32): 49 of 50 top-1 ids were wrong), so the
 backends score l2 about the stored keys' mean. Checked against the float64 brute force (check_search, whose l2
 tolerance is measured about the keys' mean, so it does not widen with the offset) under every CPU micro-kernel.
@@ -31,7 +31,7 @@ def _far_buffer(n=2000, d=32, offset=1000.0, spread=0.01, dtype=torch.float32, c
 
 @pytest.mark.parametrize("Q", [50, 3])  # the tiled kernels and (Q <= 6) the few-query mode
 def test_far_from_origin_top1_is_exact(isa, Q):
-    """The issue's reproduction: queries near 50 of the keys must find them."""
+    """Queries near 50 of the keys must find them."""
     buf, keys, g = _far_buffer()
     near = torch.randperm(2000, generator=g)[:Q]
     q = keys[near] + 1e-4 * torch.randn(Q, 32, generator=g)

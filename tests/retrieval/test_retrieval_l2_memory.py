@@ -1,4 +1,4 @@
-"""The chunked l2 search of StepBuffer on CUDA (rapo_fast/retrieval/l2_chunks.py, issue 23 defect 7), run on the CPU
+"""The chunked l2 search of StepBuffer on CUDA (rapo_fast/retrieval/l2_chunks.py), run on the CPU
 with the CPU backend: its result equals one unchunked search exactly (ties, padding, exclusion and min_score
 included), and it never holds more than about one chunk of centred keys, where the old search made full fp32 and
 fp64 copies of every stored key.

@@ -1,4 +1,4 @@
-"""Pieces that go in the middle of a sequence are encoded without special tokens (issue 26 item 2): with a
+"""Pieces that go in the middle of a sequence are encoded without special tokens: with a
 Llama-style Hugging Face tokenizer, whose `encode(text)` starts every piece with `<s>`, a retrieved step, an
 off-policy step and a tool output must not carry a BOS. The tokenizer is a real transformers class
 (PreTrainedTokenizerFast over a WordLevel model with a BOS template), built offline here.

@@ -216,7 +216,7 @@ def test_onpolicy_steps_past_capacity_keep_every_offpolicy_step(data, eviction):
 @pytest.mark.parametrize("eviction", ["fifo", "lowest_score"])
 def test_add_steps_return_slots_says_which_steps_were_stored(data, eviction):
     """return_slots=True: (payload ids, slots) with slot -1 for a step the buffer did not keep, e.g. every step once
-    pinned off-policy steps fill every slot (issue 24: the trainer counts what was stored from it)."""
+    pinned off-policy steps fill every slot (the trainer counts what was stored from it)."""
     task, tok, problems, recs, path = data
     n_off = sum(len(r["steps"]) for r in _kept(recs, 5))
     hs, ss, gs = _onpolicy(problems, 5)

@@ -183,11 +183,11 @@ def test_rules_inside_a_rollout(rule):
     """Both rules in a real rollout of a warmed-up tiny policy: the budget holds, branches share their parent's prefix
     and restart right after a tool result; with branching off (alpha 0, beta 0) the released rule fills the slots
     with fresh rollouts, one at a time."""
-    from helpers.rollout_calls import rollout_flat
-
     from rapo_fast.demo.tasks import ChainArithmeticTask
     from rapo_fast.demo.tiny_policy import build_tiny_policy
     from rapo_fast.rollouts.batch import KIND_TOOL
+    from rapo_fast.rollouts.config import RolloutConfig
+    from rapo_fast.rollouts.loop import rollout
     from rapo_fast.train.sft import sft_warmup
 
     n = torch.get_num_threads()
@@ -199,9 +199,14 @@ def test_rules_inside_a_rollout(rule):
         sft_warmup(model, tok, task, task.make_problems(200, seed=5, start_qid=5000), steps=40, batch_size=16, seed=0)
         problems = task.make_problems(3, seed=0)
         G = 5
-        kw = dict(group_size=G, strategy="arpo", n_hybrid=0, arpo_initial=2, arpo_beam=2, arpo_k=4, arpo_rule=rule,
-                  max_step_tokens=16, generator=torch.Generator().manual_seed(0), seed=0)  # fmt: skip
-        b = rollout_flat(model, tok, task, problems, arpo_alpha=1.0, arpo_beta=0.0, **kw)
+        cfg = RolloutConfig(
+            group_size=G,
+            strategy="arpo",
+            hybrid={"n_hybrid": 0},
+            max_step_tokens=16,
+            arpo={"initial": 2, "beam": 2, "k": 4, "rule": rule, "alpha": 1.0, "beta": 0.0},
+        )
+        b = rollout(model, tok, task, problems, cfg, generator=torch.Generator().manual_seed(0), seed=0)
         counts = torch.bincount(b.prompt_index, minlength=3)
         assert (counts <= G).all() and (counts >= 2).all()
         branched = torch.nonzero(b.parent >= 0).squeeze(1).tolist()
@@ -211,8 +216,8 @@ def test_rules_inside_a_rollout(rule):
             assert torch.equal(b.input_ids[i, :at], b.input_ids[p, :at])
             assert b.kinds[i, at - 1] == KIND_TOOL
         if rule == "released":
-            kw["generator"] = torch.Generator().manual_seed(0)
-            b0 = rollout_flat(model, tok, task, problems, arpo_alpha=0.0, arpo_beta=0.0, **kw)
+            off = cfg.replace({"arpo.alpha": 0.0})
+            b0 = rollout(model, tok, task, problems, off, generator=torch.Generator().manual_seed(0), seed=0)
             assert (b0.parent == -1).all()
             assert torch.bincount(b0.prompt_index, minlength=3).tolist() == [G] * 3  # fresh ones filled every slot
     finally:

@@ -1,4 +1,4 @@
-"""Trajectory-level off-policy (LUFFY-style, issue 14's baseline): whole solver trajectories rendered in the rollout's
+"""Trajectory-level off-policy (LUFFY-style, the baseline): whole solver trajectories rendered in the rollout's
 token format (model tokens KIND_OFF, tool output KIND_TOOL), placed as n_offpolicy members of each group by
 `rollout(strategy="offpolicy_traj")`, and the trainer's loss on such a batch equal to a hand computation of the shaped
 objective: on-policy tokens -A r (r = 1 at the first update), off-policy tokens -A p / (p + gamma), seq-mean-token-mean.
@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.rollout_calls import rollout_flat
 
 from rapo_fast.demo.tasks import ChainArithmeticTask, solver_trajectories, write_jsonl
 from rapo_fast.demo.tiny_policy import build_tiny_policy, final_hidden, lm_head_weight
 from rapo_fast.rollouts.batch import KIND_GEN, KIND_OFF, KIND_PROMPT, KIND_TOOL
+from rapo_fast.rollouts.config import RolloutConfig
+from rapo_fast.rollouts.loop import rollout
 from rapo_fast.rollouts.offpolicy import OffPolicyTrajectories, trajectory_tokens
 from rapo_fast.train.trainer import RAPOTrainer, TrainerConfig, default_rewards
 
@@ -50,8 +51,15 @@ def test_rollout_places_whole_trajectories_in_each_group(world):
     assert sorted(off.by_query) == [int(p.qid) for p in problems[:2]]  # problem 3 has no trajectory
     model = build_tiny_policy(tok.vocab_size, hidden_size=32, seed=0)
     gen = torch.Generator().manual_seed(0)
-    b = rollout_flat(model, tok, task, problems, group_size=4, strategy="offpolicy_traj", n_hybrid=0, n_offpolicy=2,
-                offpolicy=off, max_step_tokens=6, max_steps=2, generator=gen, seed=3)  # fmt: skip
+    cfg = RolloutConfig(
+        group_size=4,
+        strategy="offpolicy_traj",
+        hybrid={"n_hybrid": 0},
+        offpolicy_traj={"n_offpolicy": 2},
+        max_step_tokens=6,
+        max_steps=2,
+    )
+    b = rollout(model, tok, task, problems, cfg, offpolicy=off, generator=gen, seed=3)
     per_group = {int(q): int(n) for q, n in zip(*torch.unique(b.group_ids, return_counts=True))}
     assert per_group == {int(p.qid): 4 for p in problems}  # G members per group, off-policy ones included
     offq = b.group_ids[b.offpolicy_rows].tolist()
@@ -70,12 +78,12 @@ def test_bad_offpolicy_arguments(world):
     task, tok, problems, path = world
     model = build_tiny_policy(tok.vocab_size, hidden_size=32, seed=0)
     off = OffPolicyTrajectories.from_jsonl(path)
-    kw = dict(group_size=4, strategy="offpolicy_traj", n_hybrid=0)
+    kw = dict(group_size=4, strategy="offpolicy_traj", hybrid={"n_hybrid": 0})
     with pytest.raises(ValueError, match="offpolicy"):
-        rollout_flat(model, tok, task, problems, n_offpolicy=1, **kw)
-    for bad in (0, 4, True, 1.5):
-        with pytest.raises(ValueError, match="n_offpolicy"):
-            rollout_flat(model, tok, task, problems, n_offpolicy=bad, offpolicy=off, **kw)
+        rollout(model, tok, task, problems, RolloutConfig(**kw))
+    for bad, err in ((0, ValueError), (4, ValueError), (True, TypeError), (1.5, TypeError)):
+        with pytest.raises(err, match="n_offpolicy"):
+            rollout(model, tok, task, problems, RolloutConfig(**kw, offpolicy_traj={"n_offpolicy": bad}), offpolicy=off)
     with pytest.raises(ValueError, match="top_k"):
         OffPolicyTrajectories([], top_k=0)
     with pytest.raises(ValueError, match="n_offpolicy"):
@@ -89,12 +97,20 @@ def test_trainer_loss_equals_the_shaped_objective_by_hand(world, monkeypatch):
     task, tok, problems, path = world
     off = OffPolicyTrajectories.from_jsonl(path, top_k=3)
     model = build_tiny_policy(tok.vocab_size, hidden_size=32, seed=1)
-    cfg = TrainerConfig.OFFPOLICY_TRAJ({"rollout.group_size": 4, "rollout.offpolicy_traj.n_offpolicy": 1,
-                                        "prompts_per_step": 2, "rollout.max_step_tokens": 6, "rollout.max_steps": 2,
-                                        "optim.lr": 1e-3, "seed": 0})  # fmt: skip
-    fixed = rollout_flat(model, tok, task, problems[:2], group_size=4, strategy="offpolicy_traj", n_hybrid=0,
-                    n_offpolicy=1, offpolicy=off, max_step_tokens=6, max_steps=2,
-                    generator=torch.Generator().manual_seed(1), seed=1)  # fmt: skip
+    cfg = TrainerConfig.OFFPOLICY_TRAJ(
+        {
+            "rollout.group_size": 4,
+            "rollout.offpolicy_traj.n_offpolicy": 1,
+            "prompts_per_step": 2,
+            "rollout.max_step_tokens": 6,
+            "rollout.max_steps": 2,
+            "optim.lr": 1e-3,
+            "seed": 0,
+        }
+    )
+    fixed = rollout(
+        model, tok, task, problems[:2], cfg.rollout, offpolicy=off, generator=torch.Generator().manual_seed(1), seed=1
+    )
     rewards = default_rewards(task, problems[:2], fixed)
     assert rewards[fixed.offpolicy_rows].eq(1).all() and rewards[~fixed.offpolicy_rows].lt(1).any()
     # the hand computation, in fp64, from the model as it is before the step
@@ -121,8 +137,9 @@ def test_trainer_loss_equals_the_shaped_objective_by_hand(world, monkeypatch):
         seen.append(float(out[0].detach()))
         return out
 
-    trainer = RAPOTrainer(model, tok, task, None, cfg, problems[:2], rollout_fn=lambda *a, **k: fixed,
-                          loss_fn=loss_fn, offpolicy=off)  # fmt: skip
+    trainer = RAPOTrainer(
+        model, tok, task, None, cfg, problems[:2], rollout_fn=lambda *a, **k: fixed, loss_fn=loss_fn, offpolicy=off
+    )
     trainer.sample_problems = lambda: problems[:2]
     trainer.step()
     assert len(seen) == 1

@@ -3,7 +3,6 @@ a full-attention re-score (exact mode), splice == exact at position 0 under gree
 
 import pytest
 import torch
-from helpers.rollout_calls import rollout_flat
 
 from rapo_fast.demo.tasks import ChainArithmeticTask, solver_trajectories, write_jsonl
 from rapo_fast.demo.tiny_policy import build_tiny_policy, final_hidden
@@ -55,17 +54,14 @@ def test_token_kinds_and_f_ret(setup):
     task, tok, model, problems, path = setup
     traces = _traces(tok, path)
     g = torch.Generator().manual_seed(1)
-    b = rollout_flat(
+    b = rollout(
         model,
         tok,
         task,
         problems,
-        group_size=4,
-        n_hybrid=2,
-        retrieve_prob=1.0,
+        RolloutConfig(group_size=4, max_step_tokens=16, hybrid={"n_hybrid": 2, "retrieve_prob": 1.0}),
         traces=traces,
         generator=g,
-        max_step_tokens=16,
     )
     assert b.batch_size == 24
     assert int((b.kinds == KIND_RET).sum()) > 0 and int((b.kinds == KIND_TOOL).sum()) > 0  # not vacuous
@@ -101,17 +97,14 @@ def test_step0_never_retrieves(setup):
     task, tok, model, problems, path = setup
     traces = _traces(tok, path)
     for seed in range(3):
-        b = rollout_flat(
+        b = rollout(
             model,
             tok,
             task,
             problems,
-            group_size=4,
-            n_hybrid=4,
-            retrieve_prob=1.0,
+            RolloutConfig(group_size=4, max_step_tokens=16, hybrid={"n_hybrid": 4, "retrieve_prob": 1.0}),
             traces=traces,
             generator=torch.Generator().manual_seed(seed),
-            max_step_tokens=16,
         )
         tool_end = tok.convert_tokens_to_ids("</tool>")
         for i in range(b.batch_size):
@@ -142,17 +135,14 @@ def test_excludes_own_group_when_buffer_has_onpolicy_steps(setup):
     pids = traces.add_steps([h for h, _, _ in onp], [s for _, s, _ in onp], [q for *_, q in onp])
     group_of = {int(pid): q for pid, (_, _, q) in zip(pids, onp)}
     assert traces.has_on_policy
-    b = rollout_flat(
+    b = rollout(
         model,
         tok,
         task,
         problems,
-        group_size=4,
-        n_hybrid=4,
-        retrieve_prob=1.0,
+        RolloutConfig(group_size=4, max_step_tokens=16, hybrid={"n_hybrid": 4, "retrieve_prob": 1.0}),
         traces=traces,
         generator=torch.Generator().manual_seed(0),
-        max_step_tokens=16,
     )
     assert b.retrievals.numel()
     for row, _, _, pid, _ in b.retrievals.tolist():
@@ -172,17 +162,14 @@ def test_excludes_own_group_when_buffer_has_onpolicy_steps(setup):
 def test_behaviour_logp_matches_full_attention_in_exact_mode(setup):
     task, tok, model, problems, path = setup
     traces = _traces(tok, path)
-    b = rollout_flat(
+    b = rollout(
         model,
         tok,
         task,
         problems[:3],
-        group_size=4,
-        n_hybrid=2,
-        retrieve_prob=0.7,
+        RolloutConfig(group_size=4, max_step_tokens=16, hybrid={"n_hybrid": 2, "retrieve_prob": 0.7}),
         traces=traces,
         generator=torch.Generator().manual_seed(2),
-        max_step_tokens=16,
     )
     with torch.no_grad():
         logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits.float()
@@ -230,18 +217,14 @@ def test_splice_equals_exact_at_position_zero_greedy(setup):
 def test_splice_mode_rollout_runs_and_records_mismatch(setup):
     task, tok, model, problems, path = setup
     traces = _traces(tok, path, model=model, kv=True)
-    b = rollout_flat(
+    b = rollout(
         model,
         tok,
         task,
         problems[:3],
-        group_size=4,
-        n_hybrid=4,
-        retrieve_prob=1.0,
+        RolloutConfig(group_size=4, mode="splice", max_step_tokens=16, hybrid={"n_hybrid": 4, "retrieve_prob": 1.0}),
         traces=traces,
-        mode="splice",
         generator=torch.Generator().manual_seed(3),
-        max_step_tokens=16,
     )
     assert b.mode == "splice" and b.retrievals.numel() > 0
     payloads = {tuple(p) for p in traces.payloads.values()}
@@ -262,21 +245,19 @@ def test_splice_mode_rollout_runs_and_records_mismatch(setup):
 def test_arpo_branching_within_budget(setup):
     task, tok, model, problems, _ = setup
     G = 6
-    b = rollout_flat(
+    b = rollout(
         model,
         tok,
         task,
         problems[:4],
-        group_size=G,
-        strategy="arpo",
-        n_hybrid=0,
-        arpo_initial=2,
-        arpo_beam=2,
-        arpo_k=4,
-        arpo_alpha=1.0,
-        arpo_beta=0.0,
+        RolloutConfig(
+            group_size=G,
+            strategy="arpo",
+            max_step_tokens=16,
+            hybrid={"n_hybrid": 0},
+            arpo={"initial": 2, "beam": 2, "k": 4, "alpha": 1.0, "beta": 0.0},
+        ),
         generator=torch.Generator().manual_seed(0),
-        max_step_tokens=16,
     )
     counts = torch.bincount(b.prompt_index, minlength=4)
     assert (counts <= G).all() and (counts >= 2).all()
@@ -294,22 +275,29 @@ def test_arpo_branching_within_budget(setup):
 def test_bad_arguments(setup):
     task, tok, model, problems, _ = setup
     with pytest.raises(ValueError, match="strategy"):
-        rollout_flat(model, tok, task, problems, strategy="beam")
+        rollout(model, tok, task, problems, RolloutConfig(strategy="beam"))
     with pytest.raises(ValueError, match="n_hybrid"):
-        rollout_flat(model, tok, task, problems, group_size=4, n_hybrid=5, traces=object())
+        rollout(model, tok, task, problems, RolloutConfig(group_size=4, hybrid={"n_hybrid": 5}), traces=object())
     with pytest.raises(ValueError, match="traces"):
-        rollout_flat(model, tok, task, problems, group_size=4, n_hybrid=2)
+        rollout(model, tok, task, problems, RolloutConfig(group_size=4, hybrid={"n_hybrid": 2}))
     with pytest.raises(ValueError, match="mode"):
-        rollout_flat(model, tok, task, problems, strategy="on_policy", n_hybrid=0, mode="fast")
+        rollout(model, tok, task, problems, RolloutConfig(strategy="on_policy", mode="fast", hybrid={"n_hybrid": 0}))
     with pytest.raises(ValueError, match="retrieve_prob"):
-        rollout_flat(model, tok, task, problems, n_hybrid=1, group_size=2, retrieve_prob=1.5, traces=object())
+        rollout(
+            model,
+            tok,
+            task,
+            problems,
+            RolloutConfig(group_size=2, hybrid={"n_hybrid": 1, "retrieve_prob": 1.5}),
+            traces=object(),
+        )
     with pytest.raises(ValueError, match="problems"):
-        rollout_flat(model, tok, task, [], strategy="on_policy", n_hybrid=0)
+        rollout(model, tok, task, [], RolloutConfig(strategy="on_policy", hybrid={"n_hybrid": 0}))
 
 
 @pytest.mark.parametrize("mode", ["exact", "splice", "arpo"])
 def test_rollout_uses_the_cache_api_without_deprecation_warnings(setup, mode):
-    """Issue 26 item 11: the decode engine and the splice hand transformers a DynamicCache (the Cache API of
+    """The decode engine and the splice hand transformers a DynamicCache (the Cache API of
     transformers 5.x), never a legacy tuple cache, so a rollout raises no DeprecationWarning / FutureWarning and logs
     no transformers warning. The filters are scoped to the rollout call; transformers' warning_once memo is cleared
     first so that a warning already given earlier in the process would be given again here."""
@@ -337,9 +325,14 @@ def test_rollout_uses_the_cache_api_without_deprecation_warnings(setup, mode):
                 cfg = dict(hybrid=dict(n_hybrid=2, retrieve_prob=1.0), mode=mode)
                 kw = dict(traces=traces)
             b = rollout(
-                model, tok, task, problems[:2], RolloutConfig(group_size=4, max_step_tokens=8, **cfg),
-                generator=torch.Generator().manual_seed(0), **kw,
-            )  # fmt: skip
+                model,
+                tok,
+                task,
+                problems[:2],
+                RolloutConfig(group_size=4, max_step_tokens=8, **cfg),
+                generator=torch.Generator().manual_seed(0),
+                **kw,
+            )
     finally:
         logger.removeHandler(handler)
     assert b.batch_size == 8

@@ -79,9 +79,24 @@ def test_bad_field_value_raises_naming_it(name, value):
 
 
 def test_good_values_pass():
-    TrainerConfig.RAPO({"loss.tis_cap": None, "optim.max_grad_norm": None, "optim.lr": 0.0,
-                        "rollout.exclude_own_group": True, "seed": 2**63 - 1})  # fmt: skip
-    TrainerConfig.ARPO({"rollout.arpo.initial": 16, "rollout.arpo.beta": -0.5, "logging.log_csv": "x.csv",
-                        "logging.tensorboard_dir": "runs"})  # fmt: skip
-    TrainerConfig.GRPO({"rollout.hybrid.retrieve_prob": 1, "rollout.temperature": 0.7},
-                       loss={"eps_high": 0.28, "loss_agg": "token-mean"})  # fmt: skip
+    TrainerConfig.RAPO(
+        {
+            "loss.tis_cap": None,
+            "optim.max_grad_norm": None,
+            "optim.lr": 0.0,
+            "rollout.exclude_own_group": True,
+            "seed": 2**63 - 1,
+        }
+    )
+    TrainerConfig.ARPO(
+        {
+            "rollout.arpo.initial": 16,
+            "rollout.arpo.beta": -0.5,
+            "logging.log_csv": "x.csv",
+            "logging.tensorboard_dir": "runs",
+        }
+    )
+    TrainerConfig.GRPO(
+        {"rollout.hybrid.retrieve_prob": 1, "rollout.temperature": 0.7},
+        loss={"eps_high": 0.28, "loss_agg": "token-mean"},
+    )

@@ -181,8 +181,9 @@ def test_mini_batches_make_the_clip_bind_and_each_loss_equals_the_reference(worl
     task, tok, problems, path = world
     model = build_tiny_policy(tok.vocab_size, hidden_size=32, num_heads=2, num_kv_heads=1, seed=0)
     traces = StepTraces.from_jsonl(path, HashedNgramEncoder(), tok)
-    fixed = rollout(model, tok, task, problems[:2], _cfg().rollout, traces=traces,
-                    generator=torch.Generator().manual_seed(0))  # fmt: skip
+    fixed = rollout(
+        model, tok, task, problems[:2], _cfg().rollout, traces=traces, generator=torch.Generator().manual_seed(0)
+    )
     calls = []
 
     def loss_fn(**kw):
@@ -190,10 +191,26 @@ def test_mini_batches_make_the_clip_bind_and_each_loss_equals_the_reference(worl
         calls.append(({k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in kw.items()}, loss, m))
         return loss, m
 
-    cfg = _cfg(overrides={"optim.mini_batch_groups": 1, "optim.updates_per_step": 2, "optim.lr": 0.05,
-                          "loss.eps_low": 0.02, "loss.eps_high": 0.02})  # fmt: skip
-    trainer = RAPOTrainer(model, tok, task, traces, cfg, problems, rollout_fn=lambda *a, **k: fixed,
-                          reward_fn=_rewards_from_tokens, loss_fn=loss_fn)  # fmt: skip
+    cfg = _cfg(
+        overrides={
+            "optim.mini_batch_groups": 1,
+            "optim.updates_per_step": 2,
+            "optim.lr": 0.05,
+            "loss.eps_low": 0.02,
+            "loss.eps_high": 0.02,
+        }
+    )
+    trainer = RAPOTrainer(
+        model,
+        tok,
+        task,
+        traces,
+        cfg,
+        problems,
+        rollout_fn=lambda *a, **k: fixed,
+        reward_fn=_rewards_from_tokens,
+        loss_fn=loss_fn,
+    )
     m = trainer.step()
     assert len(calls) == 4
     rows = mini_batch_rows(fixed.group_ids, 1)
@@ -205,8 +222,9 @@ def test_mini_batches_make_the_clip_bind_and_each_loss_equals_the_reference(worl
     for kw, loss, _ in calls:
         opts = {k: v for k, v in kw.items() if k in LossOptions.names() and k != "return_metrics"}
         t = {k: v for k, v in kw.items() if torch.is_tensor(v)}
-        want = rapo_loss_ref(**{k: (v.double() if v.is_floating_point() else v) for k, v in t.items()},
-                             options=LossOptions(**opts))  # fmt: skip
+        want = rapo_loss_ref(
+            **{k: (v.double() if v.is_floating_point() else v) for k, v in t.items()}, options=LossOptions(**opts)
+        )
         torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-6)
 
 
@@ -277,7 +295,7 @@ def test_grpo_and_arpo_presets_train(world):
     for cfg in (
         TrainerConfig.GRPO(
             {"rollout.group_size": 4, "prompts_per_step": 2, "rollout.max_step_tokens": 6, "rollout.max_steps": 2}
-        ),  # fmt: skip
+        ),
         TrainerConfig.ARPO(
             {
                 "rollout.group_size": 4,
@@ -287,7 +305,7 @@ def test_grpo_and_arpo_presets_train(world):
                 "rollout.arpo.k": 2,
                 "advantages.advantage_attribution": "hard",
             }
-        ),  # fmt: skip
+        ),
     ):
         model = build_tiny_policy(tok.vocab_size, hidden_size=32, num_heads=2, num_kv_heads=1, seed=0)
         trainer = RAPOTrainer(model, tok, task, None, cfg, problems, reward_fn=_rewards_from_tokens)
@@ -402,8 +420,9 @@ def test_train_callbacks_run_every_step_can_stop_and_evaluate_inside_the_loop(wo
 
     task, tok, problems, _ = world
     model = build_tiny_policy(tok.vocab_size, hidden_size=32, num_heads=2, num_kv_heads=1, seed=0)
-    cfg = TrainerConfig.GRPO({"rollout.group_size": 2, "prompts_per_step": 1, "rollout.max_step_tokens": 4,
-                              "rollout.max_steps": 1})  # fmt: skip
+    cfg = TrainerConfig.GRPO(
+        {"rollout.group_size": 2, "prompts_per_step": 1, "rollout.max_step_tokens": 4, "rollout.max_steps": 1}
+    )
     trainer = RAPOTrainer(model, tok, task, None, cfg, problems, reward_fn=_rewards_from_tokens)
     events = []
 

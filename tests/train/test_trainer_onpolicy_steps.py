@@ -25,8 +25,15 @@ def world(tmp_path):
 
 
 def _cfg(overrides=None):
-    base = {"rollout.group_size": 4, "rollout.hybrid.n_hybrid": 2, "prompts_per_step": 2, "rollout.max_step_tokens": 6,
-            "rollout.max_steps": 2, "optim.lr": 5e-3, "logging.log_csv": None}  # fmt: skip
+    base = {
+        "rollout.group_size": 4,
+        "rollout.hybrid.n_hybrid": 2,
+        "prompts_per_step": 2,
+        "rollout.max_step_tokens": 6,
+        "rollout.max_steps": 2,
+        "optim.lr": 5e-3,
+        "logging.log_csv": None,
+    }
     return TrainerConfig.RAPO(base | (overrides or {}))
 
 
@@ -40,7 +47,7 @@ def _tool_steps_rollout(*args, **kwargs):
 
 @pytest.mark.parametrize("pin", [True, False])
 def test_onpolicy_metrics_count_the_steps_the_buffer_stored(world, pin):
-    """Issue 24: onpolicy_steps_added counts the steps the buffer stored, not the steps offered. A buffer its
+    """onpolicy_steps_added counts the steps the buffer stored, not the steps offered. A buffer its
     off-policy source fills (capacity = the source's steps) keeps every source step by default (pinned) and drops
     the on-policy steps (onpolicy_steps_dropped); with pin_offpolicy=False the on-policy steps evict the source."""
     task, tok, problems, path = world
@@ -48,9 +55,15 @@ def test_onpolicy_metrics_count_the_steps_the_buffer_stored(world, pin):
     traces = StepTraces.from_jsonl(path, HashedNgramEncoder(), tok, capacity=n_off, pin_offpolicy=pin)
     model = build_tiny_policy(tok.vocab_size, hidden_size=32, num_heads=2, num_kv_heads=1, seed=0)
     trainer = RAPOTrainer(
-        model, tok, task, traces, _cfg({"buffer.add_onpolicy_steps": True}), problems,
-        rollout_fn=_tool_steps_rollout, reward_fn=lambda env, probs, batch: torch.ones(batch.batch_size),
-    )  # fmt: skip
+        model,
+        tok,
+        task,
+        traces,
+        _cfg({"buffer.add_onpolicy_steps": True}),
+        problems,
+        rollout_fn=_tool_steps_rollout,
+        reward_fn=lambda env, probs, batch: torch.ones(batch.batch_size),
+    )
     added = 0
     for _ in range(2):
         before = traces.num_onpolicy
@@ -74,8 +87,14 @@ def test_offpolicy_trajectories_are_not_added_as_onpolicy_steps(world):
     task, tok, problems, path = world
     traces = StepTraces.from_jsonl(path, HashedNgramEncoder(), tok)
     model = build_tiny_policy(tok.vocab_size, hidden_size=32, num_heads=2, num_kv_heads=1, seed=0)
-    cfg = _cfg({"buffer.add_onpolicy_steps": True, "rollout.strategy": "offpolicy_traj", "rollout.hybrid.n_hybrid": 0,
-                "rollout.offpolicy_traj.n_offpolicy": 1})  # fmt: skip
+    cfg = _cfg(
+        {
+            "buffer.add_onpolicy_steps": True,
+            "rollout.strategy": "offpolicy_traj",
+            "rollout.hybrid.n_hybrid": 0,
+            "rollout.offpolicy_traj.n_offpolicy": 1,
+        }
+    )
     seen = {}
 
     def rollout_fn(*args, **kwargs):
@@ -85,9 +104,17 @@ def test_offpolicy_trajectories_are_not_added_as_onpolicy_steps(world):
         seen["off"] = sum(1 for r, s, e in spans if bool(batch.offpolicy_rows[r]))
         return batch
 
-    trainer = RAPOTrainer(model, tok, task, traces, cfg, problems, rollout_fn=rollout_fn,
-                          offpolicy=OffPolicyTrajectories.from_jsonl(path, top_k=2),
-                          reward_fn=lambda env, probs, batch: torch.ones(batch.batch_size))  # fmt: skip
+    trainer = RAPOTrainer(
+        model,
+        tok,
+        task,
+        traces,
+        cfg,
+        problems,
+        rollout_fn=rollout_fn,
+        offpolicy=OffPolicyTrajectories.from_jsonl(path, top_k=2),
+        reward_fn=lambda env, probs, batch: torch.ones(batch.batch_size),
+    )
     before = traces.num_onpolicy
     trainer.step()
     assert seen["off"] > 0  # the batch did hold off-policy trajectories with steps

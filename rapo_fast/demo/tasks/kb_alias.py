@@ -92,7 +92,7 @@ class AliasKBTask(KnowledgeBaseTask):
                 p.path,
                 self.alias_of[p.relations] if self.by_alias else None,
                 self._hints(p, rng),
-            )  # fmt: skip
+            )
             for p in super().make_problems(n, seed, start_qid, starts)
         ]
 

@@ -15,17 +15,21 @@ from __future__ import annotations
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
+from rapo_fast._checks import brief
+from rapo_fast._sections import Section, option, rule_bool, rule_choice, rule_int, section
 from rapo_fast.integrations.verl import verl_compat
+from rapo_fast.rollouts.config import HybridConfig
 
 AgentState = verl_compat.get("verl.experimental.agent_loop.tool_agent_loop:AgentState")
 ToolAgentLoop = verl_compat.get("verl.experimental.agent_loop.tool_agent_loop:ToolAgentLoop")
 
 __all__ = [
     "AGENT_LOOP_NAME",
+    "LOOP_KEYS",
     "RapoLoopConfig",
     "RAPOToolAgentLoop",
     "register",
@@ -46,29 +50,44 @@ _IN_FLIGHT = 0  # buffer searches this process is awaiting (the queue depth one 
 _CLIENTS: dict[str, Any] = {}
 
 
+def _nonempty_str(name: str, v: Any) -> None:
+    if not isinstance(v, str):
+        raise TypeError(f"{name}: expected a non-empty str, got {type(v).__name__} {brief(v)}")
+    if not v:
+        raise ValueError(f"{name}: expected a non-empty str, got ''")
+
+
 @dataclass(frozen=True)
-class RapoLoopConfig:
-    """The RAPO knobs of the agent loop (see the module docstring); `resolve_loop_config` builds and checks one."""
+class _LoopHybrid(HybridConfig):
+    """rapo_fast's HybridConfig (n_hybrid, retrieve_prob) as the loop reads it: at the top of the `rapo` section."""
 
-    retrieve_prob: float | Callable[[int], float] = 0.5
-    n_hybrid: int | None = None
-    group_size: int | None = None
-    exclude_own_group: bool = True
-    buffer_name: str = "rapo_step_buffer"
-    max_retrieve_tokens: int | None = None
-    hybrid_selection: str = "count"
-    group_key: str = "index"
-    seed: int | None = None
-    history_skip_special_tokens: bool = True
+    PATH = "rapo"
 
 
-def _check_int(name: str, v: Any, low: int, allow_none: bool) -> None:
-    if v is None and allow_none:
-        return
-    if isinstance(v, bool) or not isinstance(v, int) or v < low:
-        raise ValueError(
-            f"rapo agent loop: {name} must be an int >= {low}{' or None' if allow_none else ''}, got {v!r}"
-        )
+@dataclass(frozen=True)
+class RapoLoopConfig(Section):
+    """The RAPO settings of the agent loop (see the module docstring): which members are hybrid and how often they
+    retrieve (`hybrid`, rapo_fast's HybridConfig), the buffer and the group ids. `resolve_loop_config` builds one."""
+
+    PATH = "rapo"
+    hybrid: HybridConfig = section(_LoopHybrid)
+    group_size: int = option(16, rule_int(1))
+    exclude_own_group: bool = option(True, rule_bool())
+    buffer_name: str = option("rapo_step_buffer", _nonempty_str)
+    max_retrieve_tokens: int | None = option(None, rule_int(1, allow_none=True))
+    hybrid_selection: str = option("count", rule_choice(*HYBRID_SELECTIONS))
+    group_key: str = option("index", _nonempty_str)
+    seed: int | None = option(None, rule_int(0, allow_none=True))
+    history_skip_special_tokens: bool = option(True, rule_bool())
+
+    def check_together(self) -> None:
+        G, n_hybrid = self.group_size, self.hybrid.n_hybrid
+        if n_hybrid > G:
+            raise ValueError(f"rapo.n_hybrid: expected an int in [0, group_size={G}], got {n_hybrid}")
+
+
+# The keys the loop reads from its YAML entry and the trainer config's `rapo` section: flat (rapo.n_hybrid).
+LOOP_KEYS = (*HybridConfig.names(), *(n for n in RapoLoopConfig.names() if n != "hybrid"))
 
 
 def resolve_loop_config(
@@ -76,39 +95,18 @@ def resolve_loop_config(
 ) -> RapoLoopConfig:
     """The loop's RapoLoopConfig: defaults <- trainer config's `rapo` section <- YAML kwargs (`overrides`, None values
     ignored); unknown keys of the trainer section are ignored (the loss and the buffer read the same section).
-    n_hybrid None -> group_size // 2; group_size None -> rollout_n. Raises ValueError on a bad value."""
-    names = {f.name for f in fields(RapoLoopConfig)}
+    n_hybrid None -> group_size // 2; group_size None -> rollout_n. A bad value raises ValueError (TypeError for a
+    wrong type) naming its key ("rapo.n_hybrid")."""
     values: dict[str, Any] = {}
     for source in (trainer_section or {}), overrides:
-        for k in names:
+        for k in LOOP_KEYS:
             v = source.get(k) if hasattr(source, "get") else None
             if v is not None:
                 values[k] = v
-    cfg = RapoLoopConfig(**values)
-    g = cfg.group_size if cfg.group_size is not None else rollout_n
-    _check_int("group_size", g, 1, False)
-    n_h = cfg.n_hybrid if cfg.n_hybrid is not None else g // 2
-    _check_int("n_hybrid", n_h, 0, False)
-    if n_h > g:
-        raise ValueError(f"rapo agent loop: n_hybrid must be <= group_size={g}, got {n_h}")
-    p = cfg.retrieve_prob
-    if not callable(p) and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= float(p) <= 1.0):
-        raise ValueError(f"rapo agent loop: retrieve_prob must be a float in [0, 1] or a callable, got {p!r}")
-    _check_int("max_retrieve_tokens", cfg.max_retrieve_tokens, 1, True)
-    _check_int("seed", cfg.seed, 0, True)
-    if cfg.hybrid_selection not in HYBRID_SELECTIONS:
-        raise ValueError(
-            f"rapo agent loop: hybrid_selection must be one of {HYBRID_SELECTIONS}, got {cfg.hybrid_selection!r}"
-        )
-    for name in ("exclude_own_group", "history_skip_special_tokens"):
-        if not isinstance(getattr(cfg, name), bool):
-            raise ValueError(f"rapo agent loop: {name} must be a bool, got {getattr(cfg, name)!r}")
-    if not isinstance(cfg.buffer_name, str) or not cfg.buffer_name:
-        raise ValueError(f"rapo agent loop: buffer_name must be a non-empty str, got {cfg.buffer_name!r}")
-    if not isinstance(cfg.group_key, str) or not cfg.group_key:
-        raise ValueError(f"rapo agent loop: group_key must be a non-empty str, got {cfg.group_key!r}")
-    p = p if callable(p) else float(p)
-    return RapoLoopConfig(**{**cfg.__dict__, "group_size": g, "n_hybrid": n_h, "retrieve_prob": p})
+    hybrid = {k: values.pop(k) for k in HybridConfig.names() if k in values}
+    g = values.setdefault("group_size", rollout_n)
+    hybrid.setdefault("n_hybrid", g // 2 if type(g) is int else 0)  # a bad group_size is refused below, by name
+    return RapoLoopConfig(hybrid=hybrid, **values)
 
 
 def set_step_buffer_client(name: str, client: Any | None) -> None:
@@ -188,8 +186,7 @@ class RAPOToolAgentLoop(ToolAgentLoop):
     hydra like every agent loop; the RAPO knobs are keyword arguments (YAML) or the trainer config's `rapo` section."""
 
     def __init__(self, *args: Any, **kwargs: Any):
-        names = {f.name for f in fields(RapoLoopConfig)}
-        overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+        overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in LOOP_KEYS}
         super().__init__(*args, **kwargs)
         section = self.config.get("rapo") if hasattr(self.config, "get") else None
         self.rapo = resolve_loop_config(section, overrides, int(self.rollout_config.n))
@@ -218,11 +215,12 @@ class RAPOToolAgentLoop(ToolAgentLoop):
         seed = None if cfg.seed is None else f"{cfg.seed}:{key}:{member}"
         coin = random.Random(seed)
         if cfg.hybrid_selection == "count":
-            hybrid = member % cfg.group_size < cfg.n_hybrid
+            hybrid = member % cfg.group_size < cfg.hybrid.n_hybrid
         else:
-            hybrid = coin.random() < cfg.n_hybrid / cfg.group_size
+            hybrid = coin.random() < cfg.hybrid.n_hybrid / cfg.group_size
         hybrid = hybrid and not validate
-        active = hybrid and (callable(cfg.retrieve_prob) or cfg.retrieve_prob > 0.0)
+        p = cfg.hybrid.retrieve_prob
+        active = hybrid and (callable(p) or p > 0.0)
         group = None
         if active and cfg.exclude_own_group:
             if kwargs.get(cfg.group_key) is None:
@@ -255,7 +253,7 @@ class RAPOToolAgentLoop(ToolAgentLoop):
         st = self._rapo_state
         if state != AgentState.GENERATING or st is None or not st.active:
             return state
-        p = self.rapo.retrieve_prob
+        p = self.rapo.hybrid.retrieve_prob
         p = p(len(st.steps)) if callable(p) else p
         if st.coin.random() < p:
             await self._retrieve_into(agent_data, st)

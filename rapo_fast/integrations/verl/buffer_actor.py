@@ -1,14 +1,14 @@
 """The RAPO step buffer served by Ray actors to verl's agent-loop workers, saved and restored with verl's checkpoints.
 
 What this is: `StepBufferActor` (an async Ray actor holding one StepTraces; it searches and stores keys, concurrent
-retrieves gathered into one search), `StepBufferClient` (what an agent loop or reward worker holds; picklable, async,
-sharded over several actors; it encodes the histories where they are, coalescing its process's concurrent calls),
-`get_or_create_step_buffer` / `get_step_buffer`, and `build_step_buffer_from_jsonl` (the one-time build; its command
-line, the config keys and verl's checkpoint hook are in buffer_setup.py). Batching, sharding and the save layout are
-in docs/verl.md section 4.
+retrieves gathered into one search; a shard's primary, or a read replica replaying its primary's writes in order),
+`get_or_create_step_buffer` / `get_step_buffer` (the actors, their replicas, and a StepBufferClient over them: the
+client is buffer_client.py's, re-exported here), and `build_step_buffer_from_jsonl` (the one-time build; its command
+line, the config keys and verl's checkpoint hook are in buffer_setup.py). Batching, sharding, replicas and the save
+layout are in docs/verl.md section 4.
 What it is not: the nearest-neighbour search (rapo_fast.retrieval.buffer), the agent loop that inserts the steps
 (agent_loop.py), or an approximate index. Importing it imports neither ray nor verl (they are imported when an actor
-or client is made), so it is importable anywhere.
+or client is made).
 """
 
 from __future__ import annotations
@@ -19,16 +19,23 @@ import contextlib
 import math
 import os
 import tempfile
-import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from rapo_fast._atomic import FormatError, VersionWriter, check_int, read_version
-from rapo_fast._checks import check_float
-from rapo_fast._checks import check_int as check_int_arg
+from rapo_fast._atomic import VersionWriter, check_int, read_version
+from rapo_fast.integrations.verl.buffer_client import (
+    SAVE_FORMAT,
+    SAVE_PREFIX,
+    SAVE_VERSION,
+    StepBufferClient,
+    StepBufferSaveError,
+    is_bare_traces,
+)
+from rapo_fast.integrations.verl.buffer_replicas import InOrder, check_replicas_per_node, on_node, replica_nodes
 from rapo_fast.integrations.verl.buffer_requests import (
     Coalescer,
     check_groups,
@@ -44,6 +51,7 @@ __all__ = [
     "StepBufferActor",
     "StepBufferClient",
     "StepBufferSaveError",
+    "StepBufferReplicaError",
     "get_or_create_step_buffer",
     "get_step_buffer",
     "build_step_buffer_from_jsonl",
@@ -52,11 +60,10 @@ __all__ = [
 
 DEFAULT_NAME = "rapo_step_buffer"
 CHECKPOINT_SUBDIR = "rapo_step_buffer"  # inside verl's global_step_N/
-SAVE_FORMAT, SAVE_VERSION, _PREFIX = "rapo_fast.verl.StepBuffer", 1, "stepbuf"
 
 
-class StepBufferSaveError(FormatError):
-    """A saved step buffer (this module's sharded layout) is missing, corrupt or does not fit the actors."""
+class StepBufferReplicaError(RuntimeError):
+    """A write was sent to a read replica, or a replica failed or stored otherwise than its primary."""
 
 
 def register() -> None:
@@ -100,21 +107,14 @@ def _build_shard(
         return StepTraces.from_jsonl(part, encoder, tokenizer, capacity=cap, device=device, **build)
 
 
-def _is_bare_traces(path: Path) -> bool:
-    """A directory saved by StepTraces.save itself (one shard), rather than this module's sharded layout."""
-    try:
-        return (path / "CURRENT").read_text().startswith("traces-")
-    except OSError:
-        return False
-
-
 class StepBufferActor:
     """One shard of the step buffer (made a Ray actor by `get_or_create_step_buffer`; usable in-process too).
 
     Args: source (a .jsonl of off-policy traces, a directory saved by StepTraces.save, or None for an empty buffer of
     `capacity`), tokenizer (HF path or an object with encode), encoder (see make_encoder: it encodes a JSONL source;
     the clients make the same one from `encoder_spec()` and send keys), shard / num_shards (which part of a JSONL this
-    shard keeps), window_s (how long a search waits for more requests), max_batch (most queries per search), build
+    shard keeps), window_s (how long a search waits for more requests), max_batch (most queries per search), replica
+    (a read replica: built from its primary's source, it takes writes only as `replay` from the primary), build
     (top_k, capacity, metric, eviction, dtype: StepTraces.from_jsonl's options).
     """
 
@@ -129,6 +129,7 @@ class StepBufferActor:
         window_s: float = 0.002,
         max_batch: int = 4096,
         trust_remote_code: bool = False,
+        replica: bool = False,
         **build: Any,
     ):
         self.device = "cuda" if _gpu_ids() else "cpu"
@@ -157,6 +158,11 @@ class StepBufferActor:
         self._searches = Coalescer(self._serve, window_s, max_batch)
         names = ("requests", "queries", "search_calls", "add_calls", "steps_added", "steps_dropped")
         self.counters = dict.fromkeys(names, 0)
+        self._window = _new_window()
+        self.replica = bool(replica)
+        self._replicas: list[tuple[str, Any]] = []  # a primary's (node id, handle): where its writes are replayed
+        self._next_write = 0  # a primary's: the sequence number of its next add or load
+        self._in_order = InOrder()  # a replica's: its primary's writes, applied by sequence number
 
     def _load_traces(self, path: str) -> StepTraces:
         traces = StepTraces.load(path, self.encoder, self.tokenizer)
@@ -174,7 +180,24 @@ class StepBufferActor:
         return self.num_shards
 
     async def stats(self) -> dict:
-        return {**self.counters, "size": len(self.traces.buffer), "payloads": len(self.traces), "device": self.device}
+        """The counters (cumulative), and since the previous stats() call (verl's metrics route calls it once a step):
+        step_queries (queries searched), search_ms_sum / search_ms_max (over those queries, the duration of the search
+        that answered each: one search answers a batch), pending_max (most retrieve requests waiting for a search at
+        once); pending: those waiting now. role: "primary" or "replica"."""
+        window, self._window = self._window, _new_window()
+        queue = {"pending": self._searches.pending, "pending_max": self._searches.take_peak()}
+        state = {"size": len(self.traces.buffer), "payloads": len(self.traces), "device": self.device}
+        return {**self.counters, **window, **queue, **state, "role": "replica" if self.replica else "primary"}
+
+    async def attach_replicas(self, replicas: list[tuple[str, Any]]) -> None:
+        """(node id, handle) of this primary's replicas, built from its source: from now on every add and load is
+        replayed on them in this actor's order. Before the first write only (they must hold this state)."""
+        if self.replica or self._next_write:
+            raise StepBufferReplicaError("attach_replicas: a primary's replicas are attached before its first write")
+        self._replicas = list(replicas)
+
+    async def replicas(self) -> list[tuple[str, Any]]:
+        return list(self._replicas)
 
     async def encoder_spec(self) -> str | Callable:
         """The encoder this buffer's keys were made with, as given (a make_encoder spec or a callable): the clients
@@ -199,21 +222,28 @@ class StepBufferActor:
         return await self._searches.submit((keys, excl, min_score), n, min_score)
 
     async def _serve(self, batch: list) -> list:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._search, batch)
+        out, seconds = await asyncio.get_running_loop().run_in_executor(self._pool, self._search, batch)
+        q, ms, w = sum(len(req[0]) for req in batch), 1000.0 * seconds, self._window
+        self.counters["search_calls"] += 1  # counted on the event loop: stats() reads and resets them there
+        self.counters["queries"] += q
+        w["step_queries"] += q
+        w["search_ms_sum"] += ms * q
+        w["search_ms_max"] = max(w["search_ms_max"], ms)
+        return out
 
-    def _search(self, batch: list) -> list[tuple[list, list[int], list[float]]]:
+    def _search(self, batch: list) -> tuple[list[tuple[list, list[int], list[float]]], float]:
         keys = torch.cat([req[0] for req in batch])
         excl = [g for req in batch for g in req[1]]
+        t0 = time.perf_counter()
         segs, pids, scores = self.traces.search(keys, excl, batch[0][2])
-        self.counters["search_calls"] += 1
-        self.counters["queries"] += len(keys)
+        seconds = time.perf_counter() - t0
         pids, scores = pids.tolist(), scores.tolist()
         out, i = [], 0
         for req in batch:
             j = i + len(req[0])
             out.append((segs[i:j], pids[i:j], scores[i:j]))
             i = j
-        return out
+        return out, seconds
 
     async def add_steps(
         self, keys: torch.Tensor, steps: list[str], group_ids: list[int], scores: list[float] | None = None
@@ -221,26 +251,77 @@ class StepBufferActor:
         """The policy's own steps under their prompts' group ids (StepTraces.add_encoded; keys: their histories
         encoded by the caller); returns how many the buffer stored (a buffer whose every slot holds a pinned
         off-policy step drops new ones: counted in steps_dropped). group_ids in [0, 2^63 - 1], scores None or finite;
-        a refused call changes nothing."""
+        a refused call changes nothing. Returns once the replicas stored it too."""
+        self._refuse_on_replica("add_steps")
         steps = check_histories(steps, "add_steps", "steps")
         keys = self.traces.check_keys(keys, len(steps), "add_steps: keys")
         group_ids = check_groups(group_ids, len(steps), "group_ids", "add_steps", lo=0)
         scores = check_scores(scores, len(steps))
-        fut = self._pool.submit(self.traces.add_encoded, keys, steps, group_ids, scores, return_slots=True)
-        _, slots = await asyncio.wrap_future(fut)
-        stored = int((slots >= 0).sum())
-        self.counters["add_calls"] += 1
-        self.counters["steps_added"] += stored
-        self.counters["steps_dropped"] += len(steps) - stored
-        return stored
+        return await self._write("add", keys, steps, group_ids, scores)
 
     async def save(self, path: str) -> None:
-        """StepTraces.save (atomic, versioned) on the thread that adds, so never beside an add."""
+        """StepTraces.save (atomic, versioned) on the thread that adds, so never beside an add. A primary's only: its
+        replicas hold the same state."""
+        self._refuse_on_replica("save")
         await asyncio.get_running_loop().run_in_executor(self._pool, self.traces.save, path)
 
     async def load(self, path: str) -> None:
-        traces = await asyncio.get_running_loop().run_in_executor(self._pool, self._load_traces, path)
-        self.traces = traces
+        """Replace the state by a save (its replicas load it too, at the same point of the write order)."""
+        self._refuse_on_replica("load")
+        await self._write("load", path)
+
+    async def replay(self, seq: int, op: str, *args: Any) -> Any:
+        """A replica's: its primary's write number `seq` (checked there), applied after writes 0 .. seq - 1."""
+        if not self.replica:
+            raise StepBufferReplicaError("replay: only a replica replays its primary's writes")
+        await self._in_order.wait(seq)
+        try:
+            fut = self._pool.submit(self._apply, op, args)  # the one worker thread keeps the submission order
+        finally:
+            self._in_order.advance()
+        return self._count(op, args, await asyncio.wrap_future(fut))
+
+    def _refuse_on_replica(self, what: str) -> None:
+        if self.replica:
+            raise StepBufferReplicaError(f"{what}: this actor is a read replica; writes and saves go to its primary")
+
+    async def _write(self, op: str, *args: Any) -> Any:
+        """Apply an add or load here and replay it on every replica. Its number is taken and its work queued on the
+        one worker thread with no await between, so the numbers follow the order this actor applies its writes in."""
+        seq, self._next_write = self._next_write, self._next_write + 1
+        here = asyncio.wrap_future(self._pool.submit(self._apply, op, args))
+        there = [h.replay.remote(seq, op, *args) for _, h in self._replicas]
+        out, *theirs = await asyncio.gather(here, *there, return_exceptions=True)
+        if isinstance(out, BaseException):
+            raise out
+        out = self._count(op, args, out)
+        for (node, _), got in zip(self._replicas, theirs):
+            if isinstance(got, BaseException):
+                raise StepBufferReplicaError(f"{op}: the replica on node {node} failed: {got!r}") from got
+            if got != out:
+                raise StepBufferReplicaError(f"{op}: the replica on node {node} returned {got!r}, the primary {out!r}")
+        return out
+
+    def _apply(self, op: str, args: tuple) -> Any:
+        """One write on the worker thread: an add (returns the steps stored) or a load."""
+        if op == "add":
+            _, slots = self.traces.add_encoded(*args, return_slots=True)
+            return int((slots >= 0).sum())
+        if op == "load":
+            self.traces = self._load_traces(args[0])
+            return None
+        raise ValueError(f"StepBufferActor: unknown write {op!r}")
+
+    def _count(self, op: str, args: tuple, stored: Any) -> Any:
+        if op == "add":
+            self.counters["add_calls"] += 1
+            self.counters["steps_added"] += stored
+            self.counters["steps_dropped"] += len(args[1]) - stored
+        return stored
+
+
+def _new_window() -> dict:
+    return {"step_queries": 0, "search_ms_sum": 0.0, "search_ms_max": 0.0}
 
 
 def _gpu_ids() -> list:
@@ -256,148 +337,6 @@ def _shard_name(name: str, i: int) -> str:
     return name if i == 0 else f"{name}.{i}"
 
 
-class StepBufferClient:
-    """The agent loop's view of the buffer: async retrieve/add_steps, sync save/load/stats (driver side).
-
-    It encodes the histories in the caller's process (with `encoder`, the spec the actors were built with) and sends
-    keys; a process's retrieves that arrive while a call is being served (or within window_s of the first one, when
-    window_s > 0), up to max_batch histories, share the next encoding and call per shard. Picklable: a copy holds the
-    handles and settings, and makes its encoder when first used."""
-
-    def __init__(
-        self,
-        handles: Sequence[Any],
-        encoder: str | Callable = "hashed",
-        *,
-        window_s: float = 0.0,
-        max_batch: int = 1024,
-    ):
-        if not handles:
-            raise ValueError("StepBufferClient: handles must hold at least one actor handle, got none")
-        window_s = check_float("StepBufferClient: window_s", window_s, min_value=0.0, max_value=10.0)
-        max_batch = check_int_arg("StepBufferClient: max_batch", max_batch, lo=1)
-        self.handles, self.encoder_spec = list(handles), encoder
-        self.window_s, self.max_batch = float(window_s), max_batch
-        self._encoder: Callable | None = None
-        self._lock = threading.Lock()
-        self._retrieves = Coalescer(self._serve_retrieve, self.window_s, max_batch)
-
-    def __getstate__(self) -> dict:
-        return {
-            "handles": self.handles,
-            "encoder": self.encoder_spec,
-            "window_s": self.window_s,
-            "max_batch": self.max_batch,
-        }
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(state.pop("handles"), **state)
-
-    @property
-    def num_shards(self) -> int:
-        return len(self.handles)
-
-    def encode(self, histories: list[str]) -> torch.Tensor:
-        """fp32 [N, D] keys of `histories`, as the actors' StepTraces.encode would make them (markers stripped)."""
-        from rapo_fast.retrieval.step_traces import strip_retrieve_markers
-
-        with self._lock:  # one encoder per client, made on first use (a MiniLM load must not happen twice)
-            if self._encoder is None:
-                self._encoder = make_encoder(self.encoder_spec)
-        keys = self._encoder([strip_retrieve_markers(h) for h in histories])
-        if not isinstance(keys, torch.Tensor) or keys.dim() != 2 or keys.shape[0] != len(histories):
-            raise ValueError(f"encoder: expected a [{len(histories)}, D] tensor, got {getattr(keys, 'shape', keys)!r}")
-        return keys.detach().float().cpu()
-
-    async def retrieve(
-        self, histories: list[str], exclude_groups: list[int] | None = None, min_score: float | None = None
-    ) -> list[tuple[list[int] | None, int, float]]:
-        """Per history: (token ids of the retrieved segment incl. <retrieve> delimiters or None, payload id or -1,
-        score or -inf). exclude_groups: per history, the group whose steps must not be returned (negative: none)."""
-        histories = check_histories(histories, "retrieve")
-        n = len(histories)
-        excl = [-1] * n if exclude_groups is None else check_groups(exclude_groups, n, "exclude_groups", "retrieve")
-        min_score = check_min_score(min_score)
-        if not histories:
-            return []
-        return await self._retrieves.submit((histories, excl, min_score), n, min_score)
-
-    async def _serve_retrieve(self, batch: list) -> list[list[tuple[list[int] | None, int, float]]]:
-        """One encoding and one call per shard for the batch's histories; each request gets its rows."""
-        hist = [h for req in batch for h in req[0]]
-        excl = [g for req in batch for g in req[1]]
-        keys = await asyncio.get_running_loop().run_in_executor(None, self.encode, hist)
-        parts = await asyncio.gather(*(h.retrieve.remote(keys, excl, batch[0][2]) for h in self.handles))
-        n, rows = self.num_shards, []
-        for q in range(len(hist)):
-            best = (None, -1, float("-inf"))
-            for s, (segs, pids, scores) in enumerate(parts):  # strict >: a tie keeps the lower shard
-                if pids[q] >= 0 and (best[1] < 0 or scores[q] > best[2]):
-                    best = (segs[q], pids[q] * n + s, scores[q])
-            rows.append(best)
-        out, i = [], 0
-        for req in batch:
-            out.append(rows[i : i + len(req[0])])
-            i += len(req[0])
-        return out
-
-    async def add_steps(
-        self, histories: list[str], steps: list[str], group_ids: list[int], scores: list[float] | None = None
-    ) -> int:
-        """Add the policy's own steps (one entry per step) under their prompts' group ids; returns how many the shards
-        stored (a shard full of pinned off-policy steps drops new ones: its stats() count them in steps_dropped). The
-        histories are encoded here; each shard gets the keys of its groups."""
-        histories = check_histories(histories, "add_steps")
-        group_ids = check_groups(group_ids, len(histories), "group_ids", "add_steps", lo=0)
-        steps = check_histories(steps, "add_steps", "steps")
-        if len(steps) != len(histories):
-            raise ValueError(f"add_steps: steps must be a list of {len(histories)} str, got {len(steps)} entries")
-        scores = check_scores(scores, len(histories))
-        if not histories:
-            return 0
-        keys = await asyncio.get_running_loop().run_in_executor(None, self.encode, histories)
-        n, calls = self.num_shards, []
-        for s, h in enumerate(self.handles):
-            idx = [i for i, g in enumerate(group_ids) if g % n == s]
-            if idx:
-                part = [None if xs is None else [xs[i] for i in idx] for xs in (steps, group_ids, scores)]
-                calls.append(h.add_steps.remote(keys[idx], *part))
-        return int(sum(await asyncio.gather(*calls)))
-
-    def save(self, path: str | os.PathLike) -> None:
-        """Save every shard into one versioned directory (rapo_fast._atomic): shard_i/ are StepTraces saves, listed
-        with their checksums in one manifest that CURRENT switches to atomically. `path` must be reachable from the
-        actors' nodes (a shared filesystem on a multi-node cluster)."""
-        import ray
-
-        with VersionWriter(path, _PREFIX, SAVE_FORMAT, SAVE_VERSION) as w:
-            ray.get([h.save.remote(str(w.path / f"shard_{i}")) for i, h in enumerate(self.handles)])
-            for i in range(self.num_shards):
-                w.add_nested(f"shard_{i}")
-            w.commit({"num_shards": self.num_shards})
-
-    def load(self, path: str | os.PathLike) -> None:
-        """Replace every shard's state by a save of `save` (or, with one shard, of StepTraces.save)."""
-        import ray
-
-        path = Path(path)
-        if _is_bare_traces(path):
-            if self.num_shards != 1:
-                raise StepBufferSaveError(f"{path}: a one-shard StepTraces save, the buffer has {self.num_shards}")
-            ray.get(self.handles[0].load.remote(str(path)))
-            return
-        with read_version(path, _PREFIX, SAVE_FORMAT, SAVE_VERSION, StepBufferSaveError) as v:
-            n = check_int(v.meta, "num_shards", v.path / "meta.json", StepBufferSaveError, lo=1)
-            if n != self.num_shards:
-                raise StepBufferSaveError(f"{v.path}: field 'num_shards' is {n}, the buffer has {self.num_shards}")
-            ray.get([h.load.remote(str(v.path / f"shard_{i}")) for i, h in enumerate(self.handles)])
-
-    def stats(self) -> list[dict]:
-        import ray
-
-        return ray.get([h.stats.remote() for h in self.handles])
-
-
 def get_step_buffer(name: str = DEFAULT_NAME, namespace: str | None = None) -> StepBufferClient:
     """A client for the existing actor(s) `name` (ValueError when there is none)."""
     import ray
@@ -405,7 +344,7 @@ def get_step_buffer(name: str = DEFAULT_NAME, namespace: str | None = None) -> S
     first = ray.get_actor(name, namespace=namespace)
     n, encoder = ray.get([first.ready.remote(), first.encoder_spec.remote()])
     handles = [first] + [ray.get_actor(_shard_name(name, i), namespace=namespace) for i in range(1, n)]
-    return StepBufferClient(handles, encoder)
+    return StepBufferClient(handles, encoder, replicas=ray.get([h.replicas.remote() for h in handles]))
 
 
 def get_or_create_step_buffer(
@@ -415,6 +354,7 @@ def get_or_create_step_buffer(
     tokenizer: Any = None,
     encoder: str | Callable = "hashed",
     num_shards: int = 1,
+    replicas_per_node: int = 0,
     num_cpus: float = 1,
     num_gpus: float = 0,
     lifetime: str | None = None,
@@ -427,7 +367,9 @@ def get_or_create_step_buffer(
     `build_step_buffer_from_jsonl` / StepTraces.save, or None (empty; needs capacity=). The creating process owns the
     actors (they die with it unless lifetime="detached"): create them from the driver, e.g. through the checkpoint
     callback. num_cpus / num_gpus are held for the actor's lifetime; num_gpus > 0 puts each shard's StepBuffer on CUDA.
-    ready_timeout_s: how long to wait for the actors to be placed and built (then ray's GetTimeoutError).
+    replicas_per_node: read replicas of every shard on each alive node with CPUs (0: none; each holds what its
+    primary holds, with the same num_cpus / num_gpus; the clients search there). ready_timeout_s: how long to wait
+    for the actors to be placed and built (then ray's GetTimeoutError).
     options: window_s, max_batch, trust_remote_code, top_k, capacity, metric, eviction, dtype."""
     import ray
 
@@ -435,30 +377,42 @@ def get_or_create_step_buffer(
         return get_step_buffer(name, namespace)
     if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
         raise ValueError(f"get_or_create_step_buffer: num_shards must be a positive int, got {num_shards!r}")
+    replicas_per_node = check_replicas_per_node(replicas_per_node)
     if tokenizer is None:
         raise ValueError(f"get_or_create_step_buffer: no actor {name!r} exists, and creating one needs tokenizer=")
     actor_cls = ray.remote(StepBufferActor)
     opts = {"num_cpus": num_cpus, "num_gpus": num_gpus, "get_if_exists": True, "lifetime": lifetime}
     opts = {**opts, "namespace": namespace, "max_concurrency": 1000}
     src = None if source is None else Path(source)
+    nodes = replica_nodes() if replicas_per_node else []
 
     def create(paths: list[str | None]) -> StepBufferClient:
-        handles = [
-            actor_cls.options(name=_shard_name(name, i), **opts).remote(
-                p, tokenizer, encoder, shard=i, num_shards=num_shards, **options
+        def actor(i: int, path: str | None, replica: str = "", **placement: Any) -> Any:
+            return actor_cls.options(name=_shard_name(name, i) + replica, **opts, **placement).remote(
+                path, tokenizer, encoder, shard=i, num_shards=num_shards, replica=bool(replica), **options
             )
+
+        handles = [actor(i, p) for i, p in enumerate(paths)]
+        replicas = [
+            [
+                (node, actor(i, p, f".replica.{node}.{k}", scheduling_strategy=on_node(node)))
+                for node in nodes
+                for k in range(replicas_per_node)
+            ]
             for i, p in enumerate(paths)
         ]
-        ray.get([h.ready.remote() for h in handles], timeout=ready_timeout_s)  # a failed constructor raises here
-        return StepBufferClient(handles, encoder)
+        every = handles + [h for reps in replicas for _, h in reps]
+        ray.get([h.ready.remote() for h in every], timeout=ready_timeout_s)  # a failed constructor raises here
+        ray.get([h.attach_replicas.remote(reps) for h, reps in zip(handles, replicas)])
+        return StepBufferClient(handles, encoder, replicas=replicas)
 
     if src is not None and not src.exists():
         raise ValueError(f"get_or_create_step_buffer: source must be a .jsonl file or a saved buffer, got {str(src)!r}")
-    if src is None or str(src).endswith(".jsonl") or _is_bare_traces(src):
-        if src is not None and _is_bare_traces(src) and num_shards != 1:
+    if src is None or str(src).endswith(".jsonl") or is_bare_traces(src):
+        if src is not None and is_bare_traces(src) and num_shards != 1:
             raise ValueError(f"get_or_create_step_buffer: {src} is a one-shard save, num_shards={num_shards} given")
         return create([None if src is None else str(src)] * num_shards)
-    with read_version(src, _PREFIX, SAVE_FORMAT, SAVE_VERSION, StepBufferSaveError) as v:
+    with read_version(src, SAVE_PREFIX, SAVE_FORMAT, SAVE_VERSION, StepBufferSaveError) as v:
         n = check_int(v.meta, "num_shards", v.path / "meta.json", StepBufferSaveError, lo=1)
         if n != num_shards:
             raise ValueError(f"get_or_create_step_buffer: {src} holds {n} shards, num_shards={num_shards} given")
@@ -484,7 +438,7 @@ def build_step_buffer_from_jsonl(
     if not Path(jsonl).is_file():
         raise ValueError(f"build_step_buffer_from_jsonl: jsonl must be an existing file, got {str(jsonl)!r}")
     enc, tok = make_encoder(encoder), _load_tokenizer(tokenizer, trust_remote_code)
-    with VersionWriter(out_dir, _PREFIX, SAVE_FORMAT, SAVE_VERSION) as w:
+    with VersionWriter(out_dir, SAVE_PREFIX, SAVE_FORMAT, SAVE_VERSION) as w:
         sizes = []
         for i in range(num_shards):
             traces = _build_shard(jsonl, tok, enc, i, num_shards, "cpu", **build)

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from rapo_fast._sections import Section, option, rule_bool, rule_real
 from rapo_fast.integrations.verl import verl_compat
 from rapo_fast.integrations.verl.agent_loop import _client, resolve_loop_config
 from rapo_fast.integrations.verl.buffer_setup import onpolicy_steps
@@ -36,16 +37,25 @@ _log = logging.getLogger(__name__)
 _WARNED: set[str] = set()
 
 
+def _inner_manager(name: str, v: Any) -> None:
+    if not isinstance(v, str):
+        raise TypeError(f"{name}: expected the name of another registered reward manager, got {type(v).__name__}")
+    if not v or v == REWARD_MANAGER_NAME:
+        raise ValueError(f"{name}: expected the name of another registered reward manager, got {v!r}")
+
+
 @dataclass(frozen=True)
-class GrowthConfig:
+class GrowthConfig(Section):
     """The buffer-growth keys of the trainer config's `rapo` section (see the module docstring)."""
 
-    add_onpolicy_steps: bool = False
-    onpolicy_reward_threshold: float = 0.5
-    inner_reward_manager: str = "naive"
-    onpolicy_add_window_s: float = 0.05
-    buffer_name: str = "rapo_step_buffer"  # the agent loop's key (rapo.buffer_name)
-    history_skip_special_tokens: bool = True  # decode as the agent loop decodes its retrieval queries
+    PATH = "rapo"
+    add_onpolicy_steps: bool = option(False, rule_bool())
+    onpolicy_reward_threshold: float = option(0.5, rule_real())
+    inner_reward_manager: str = option("naive", _inner_manager)
+    onpolicy_add_window_s: float = option(0.05, rule_real(0.0))
+    # the agent loop's keys (rapo.buffer_name), resolved by its rule: decode as it decodes its retrieval queries
+    buffer_name: str = "rapo_step_buffer"
+    history_skip_special_tokens: bool = True
 
 
 def _section(config: Any) -> Mapping:
@@ -56,25 +66,14 @@ def _section(config: Any) -> Mapping:
 def growth_config(config: Any) -> GrowthConfig:
     """The GrowthConfig of a verl trainer config. buffer_name and history_skip_special_tokens are resolved by the agent
     loop's own rule from the same `rapo` section (set them there, not only in an agent-loop YAML entry, when the buffer
-    grows). Raises ValueError on a bad value."""
+    grows). Raises ValueError (TypeError for a wrong type) naming the key."""
     rapo = _section(config)
-    d = GrowthConfig()
-    add = rapo.get("add_onpolicy_steps", d.add_onpolicy_steps)
-    thr = rapo.get("onpolicy_reward_threshold", d.onpolicy_reward_threshold)
-    inner = rapo.get("inner_reward_manager", d.inner_reward_manager)
-    window = rapo.get("onpolicy_add_window_s", d.onpolicy_add_window_s)
-    if not isinstance(add, bool):
-        raise ValueError(f"rapo.add_onpolicy_steps must be a bool, got {add!r}")
-    if isinstance(thr, bool) or not isinstance(thr, (int, float)):
-        raise ValueError(f"rapo.onpolicy_reward_threshold must be a float, got {thr!r}")
-    if not isinstance(inner, str) or not inner or inner == REWARD_MANAGER_NAME:
-        raise ValueError(f"rapo.inner_reward_manager must name another registered reward manager, got {inner!r}")
-    if isinstance(window, bool) or not isinstance(window, (int, float)) or window < 0:
-        raise ValueError(f"rapo.onpolicy_add_window_s must be a float >= 0, got {window!r}")
-    n = int(config.actor_rollout_ref.rollout.n)
-    loop_cfg = resolve_loop_config(rapo, {}, n)
+    keys = ("add_onpolicy_steps", "onpolicy_reward_threshold", "inner_reward_manager", "onpolicy_add_window_s")
+    loop_cfg = resolve_loop_config(rapo, {}, int(config.actor_rollout_ref.rollout.n))
     return GrowthConfig(
-        add, float(thr), inner, float(window), loop_cfg.buffer_name, loop_cfg.history_skip_special_tokens
+        **{k: rapo.get(k) for k in keys if k in rapo},
+        buffer_name=loop_cfg.buffer_name,
+        history_skip_special_tokens=loop_cfg.history_skip_special_tokens,
     )
 
 

@@ -69,17 +69,29 @@ class Coalescer:
     """Requests submitted within `window_s` of the first pending one are served together: `serve(payloads)` gets the
     payloads of requests with one `key` (e.g. a min_score: one search takes one threshold), at most `max_rows` rows in
     all, and returns one result per payload. A served call that raises is retried request by request, so only the
-    failing caller gets the error; a cancelled caller is not served. One drain task runs per event loop at a time."""
+    failing caller gets the error; a cancelled caller is not served. One drain task runs per event loop at a time.
+    `pending` is how many requests wait for a call now, `take_peak()` the most that waited at once since it was last
+    taken (the actor's queue length in verl's metrics)."""
 
     def __init__(self, serve: Callable[[list[Any]], Awaitable[list[Any]]], window_s: float, max_rows: int):
         self.serve, self.window_s, self.max_rows = serve, window_s, max_rows
         self._pending: list[tuple[Any, int, Any, asyncio.Future]] = []
         self._drainer: asyncio.Task | None = None
+        self._peak = 0
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def take_peak(self) -> int:
+        peak, self._peak = self._peak, len(self._pending)
+        return peak
 
     async def submit(self, payload: Any, rows: int, key: Any = None) -> Any:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._pending.append((payload, rows, key, fut))
+        self._peak = max(self._peak, len(self._pending))
         if self._drainer is None or self._drainer.done():
             self._drainer = loop.create_task(self._drain())
         return await fut

@@ -106,9 +106,9 @@ def onpolicy_steps(
 def step_buffer_options(config: Any) -> dict:
     """The buffer's settings from the trainer config's `rapo.step_buffer` (added with `+rapo.step_buffer.<key>=`):
     name (default: rapo.buffer_name, the agent loop's key, else "rapo_step_buffer"), path (the built buffer or a
-    JSONL), encoder, num_shards, num_cpus, num_gpus, tokenizer (default: the policy's, actor_rollout_ref.model.
-    tokenizer_path or .path), capacity/top_k/metric/eviction (JSONL source only), window_s, max_batch,
-    allow_missing_on_resume."""
+    JSONL), encoder, num_shards, replicas_per_node (read replicas of each shard per node; default 0: none),
+    num_cpus, num_gpus, tokenizer (default: the policy's, actor_rollout_ref.model.tokenizer_path or .path),
+    capacity/top_k/metric/eviction (JSONL source only), window_s, max_batch, allow_missing_on_resume."""
     rapo = config.get("rapo", None) or {}
     sb = dict(rapo.get("step_buffer", None) or {})
     model = config.actor_rollout_ref.model
@@ -191,8 +191,9 @@ def check_growth_config(config: Any) -> None:
 class StepBufferCheckpointCallback:
     """verl's `trainer.checkpoint_callback_class` (verl/trainer/ppo/checkpoint_callback.py, v1 trainer): built on the
     driver in PPOTrainer.__init__, before any rollout, it creates the job's buffer (`step_buffer_from_config`, so the
-    driver owns the actors); `on_save` saves it into `<global_step_N>/rapo_step_buffer` after verl's own checkpoint.
-    Duck-typed to verl's CheckpointCallback (verl only instantiates it by name and calls on_save)."""
+    driver owns the actors); `on_save` saves it (its shards' primaries: read replicas hold the same state) into
+    `<global_step_N>/rapo_step_buffer` after verl's own checkpoint. Duck-typed to verl's CheckpointCallback (verl
+    only instantiates it by name and calls on_save)."""
 
     def __init__(self, config: Any = None):
         check_growth_config(config)  # rapo.add_onpolicy_steps needs the "rapo" reward manager: fail before training

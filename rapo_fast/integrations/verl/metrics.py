@@ -5,8 +5,8 @@ work, the figures recorded on the driver meanwhile are merged into that step's `
 `tools/*`: `rapo/rollout/*` (from the training batch's agent-loop extra_fields: retrievals, searches, skipped
 insertions by reason, hybrid fraction, F, scores, latency, searches in flight, the steps the buffer grows by),
 `rapo/adv/*` (Z and A_ret statistics, recorded by the `rapo` estimator) and `rapo/buffer/*` (the buffer actors'
-counters). The list of figures and their meaning: docs/verl.md section 10. The loss's figures take verl's own
-actor-metric route (`actor/rapo/*`, policy_loss.py).
+counters, queue length and search time). The list of figures and their meaning: docs/verl.md section 10. The
+loss's figures take verl's own actor-metric route (`actor/rapo/*`, policy_loss.py).
 What it is not: a logger (verl logs), or the legacy trainer's route (its fit loop has no method to wrap).
 Importable without verl; `register()` imports it.
 """
@@ -39,6 +39,8 @@ _log = logging.getLogger(__name__)
 _PENDING: dict[str, float] = {}  # recorded on the driver during a step, merged into verl's metrics at its end
 _ROWS: list[tuple[Sequence[Any], Sequence[float] | None]] = []  # the step's extra_fields rows and rewards
 _clients: dict[str, Any] = {}
+_HELD = ("size", "payloads", "add_calls", "steps_added", "steps_dropped")  # a replica's equal its primary's
+_PEAKS = {"pending_max": "pending_max", "search_ms_max": "search_ms/max"}  # stats() key -> figure, max over actors
 
 
 def record(figures: Mapping[str, float]) -> None:
@@ -128,12 +130,27 @@ def advantage_metrics(z: Any, a_ret: Any, hybrid: Sequence[bool] | None) -> dict
 
 
 def buffer_metrics(stats: Sequence[Mapping[str, Any]]) -> dict:
-    """`rapo/buffer/*`: the numeric counters of each shard's `stats()`, summed over the shards."""
-    out: dict[str, float] = {"rapo/buffer/shards": float(len(stats))}
-    for shard in stats:
-        for key, value in shard.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                out[f"rapo/buffer/{key}"] = out.get(f"rapo/buffer/{key}", 0.0) + float(value)
+    """`rapo/buffer/*` from each actor's `stats()`: the numbers summed over the actors, except what a replica holds
+    (its primary's steps again: counted once), the peaks (the most over the actors), and `search_ms/mean` (over the
+    step's queries, from search_ms_sum)."""
+    p = "rapo/buffer/"
+    replicas = sum(s.get("role") == "replica" for s in stats)
+    out: dict[str, float] = {p + "shards": float(len(stats) - replicas), p + "replicas": float(replicas)}
+    for actor in stats:
+        for key, value in actor.items():
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                continue
+            if key in _HELD and actor.get("role") == "replica":
+                continue
+            if key in _PEAKS:
+                out[p + _PEAKS[key]] = max(out.get(p + _PEAKS[key], 0.0), float(value))
+            else:
+                out[p + key] = out.get(p + key, 0.0) + float(value)
+    total = out.pop(p + "search_ms_sum", 0.0)
+    if out.get(p + "step_queries", 0.0) > 0:
+        out[p + "search_ms/mean"] = total / out[p + "step_queries"]
+    else:  # no search this step: no search time to report
+        out.pop(p + "search_ms/max", None)
     return out
 
 

@@ -82,6 +82,11 @@ AGENT_LOOPS = """
   n_hybrid: 2
 """
 PROMPTS = [("what is x", "b"), ("what is y", "c"), ("what is z", "b"), ("what is w", "c")]
+# The mini-batch run rewards a response that went on from a retrieved step ("think2" follows only `</retrieve>`): each
+# group's 2 hybrid rows retrieve and its 2 others cannot, so every mini-batch has non-zero advantages and the first
+# one's update moves the second one's ratios. (With the answers above, a mini-batch of one group sometimes had no
+# success at all, hence zero advantages, no update, ratios of exactly 1 and no clip: a flaky test.)
+PROMPTS_RETRIEVAL_REWARD = [(q, "think2") for q, _ in PROMPTS]
 TIMEOUT_S = 900  # a run takes 1.5 to 7 minutes, depending on how loaded the machine is (process start-ups)
 
 
@@ -125,9 +130,9 @@ def _bigram_model(d: Path) -> None:
     model.generation_config.save_pretrained(d)
 
 
-def _job_dir(root: Path) -> Path:
-    """The files a verl user would have: model directory, parquet data, tool, reward, agent-loop YAML, step-buffer
-    seed JSONL."""
+def _job_dir(root: Path, prompts: list[tuple[str, str]]) -> Path:
+    """The files a verl user would have: model directory, parquet data (`prompts`: question, ground truth), tool,
+    reward, agent-loop YAML, step-buffer seed JSONL."""
     import pandas as pd
 
     model = root / "model"
@@ -139,7 +144,7 @@ def _job_dir(root: Path) -> Path:
     (root / "agent_loops.yaml").write_text(AGENT_LOOPS)
     seed = {"query_id": 100, "prompt": "what is v", "steps": ["think a fact two"], "answer": "a", "reward": 1.0}
     (root / "seed.jsonl").write_text(json.dumps(seed) + "\n")
-    for split, rows in (("train", PROMPTS), ("val", PROMPTS[:2])):
+    for split, rows in (("train", prompts), ("val", prompts[:2])):
         recs = [
             {
                 "data_source": "rapo_tiny",
@@ -154,7 +159,7 @@ def _job_dir(root: Path) -> Path:
     return root
 
 
-def _overrides(root: Path, *, mini_batch: int, ranks: int, val_before_train: bool) -> list[str]:
+def _overrides(root: Path, *, mini_batch: int, ranks: int, val_before_train: bool, replicas: int = 0) -> list[str]:
     micro = 4 * mini_batch // ranks  # trajectories per rank in a mini-batch (rollout.n = 4): one micro-batch
     return [
         f"data.train_files={root / 'train.parquet'}",
@@ -212,6 +217,7 @@ def _overrides(root: Path, *, mini_batch: int, ranks: int, val_before_train: boo
         "+rapo.buffer_name=rapo_step_buffer",
         f"+rapo.step_buffer.path={root / 'seed.jsonl'}",
         "+rapo.step_buffer.num_cpus=0",
+        f"+rapo.step_buffer.replicas_per_node={replicas}",
         "trainer.checkpoint_callback_class=rapo_fast.integrations.verl.buffer_setup.StepBufferCheckpointCallback",
         "trainer.total_training_steps=2",
         "trainer.total_epochs=1",
@@ -252,10 +258,10 @@ def _env(root: Path) -> dict[str, str]:
     return env
 
 
-def run_main_ppo(root: Path, **kw) -> tuple[list[dict], str, float]:
+def run_main_ppo(root: Path, prompts: list[tuple[str, str]] = PROMPTS, **kw) -> tuple[list[dict], str, float]:
     """Runs `python -m verl.trainer.main_ppo` on the job in `root`; returns the logged steps' metrics, the output and
     the wall time. Fails the test with the output's tail when the run fails."""
-    _job_dir(root)
+    _job_dir(root, prompts)
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *_overrides(root, **kw)]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=root, env=_env(root), capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
@@ -308,18 +314,39 @@ def test_main_ppo_two_rapo_steps_with_validation(tmp_path):
     assert last["rapo/buffer/size"] > steps[0]["rapo/buffer/size"] - steps[0]["rapo/buffer/steps_added"]
     # step 2's prompts retrieve step 1's steps (same task family, own group excluded): far nearer than the seed step
     assert steps[1]["rapo/rollout/retrieval_score/mean"] > steps[0]["rapo/rollout/retrieval_score/mean"]
+    _assert_buffer_actor_figures(steps, replicas=0)
+
+
+def _assert_buffer_actor_figures(steps: list[dict], *, replicas: int) -> None:
+    """The buffer actors' own figures, read after each step's rollouts: every caller's query searched there once,
+    nothing left waiting (the trainer is synchronous), the actor's search time inside the caller's latency."""
+    for m in steps:
+        assert m["rapo/buffer/replicas"] == replicas and m["rapo/buffer/shards"] == 1
+        assert m["rapo/buffer/step_queries"] == m["rapo/rollout/retrieve_calls"] > 0
+        assert m["rapo/buffer/pending"] == 0 and m["rapo/buffer/pending_max"] >= 1
+        assert 0 < m["rapo/buffer/search_ms/mean"] <= m["rapo/buffer/search_ms/max"]
+        assert m["rapo/buffer/search_ms/max"] <= m["rapo/rollout/search_latency_ms/max"]
+    assert sum(m["rapo/buffer/step_queries"] for m in steps) == steps[-1]["rapo/buffer/queries"]
 
 
 def test_main_ppo_two_minibatches_two_fsdp_ranks(tmp_path):
     """2 PPO mini-batches per step over 2 FSDP ranks (gloo): the second mini-batch runs after an update, so its
-    ratios differ from 1 and the clip and the importance shaping act."""
-    records, out, wall = run_main_ppo(tmp_path, mini_batch=1, ranks=2, val_before_train=False)
+    ratios differ from 1 and the clip and the importance shaping act. The buffer has a read replica: searches go to
+    it, adds are fanned out to it."""
+    records, out, wall = run_main_ppo(
+        tmp_path, PROMPTS_RETRIEVAL_REWARD, mini_batch=1, ranks=2, val_before_train=False, replicas=1
+    )
     print(f"main_ppo wall time: {wall:.1f} s")
     steps = _train_steps(records)
     assert [s["training/global_step"] for s in steps] == [1, 2]
     for m in steps:
         print(m["training/global_step"], {k: round(v, 5) for k, v in m.items() if k.startswith("actor/")})
+    # every group has both rewards, so every mini-batch updates: each step's second mini-batch sees moved ratios
+    assert all(m["rapo/adv/z_nonzero_frac/hybrid"] == 1.0 for m in steps)
+    assert all(m["actor/grad_norm"] > 0 for m in steps)
     assert max(abs(m["actor/rapo/approx_kl"]) for m in steps) > 0  # signed: the sampled mean of log(ratio)
     assert max(abs(m["actor/rapo/ratio_mean"] - 1.0) for m in steps) > 0
     assert max(m["actor/pg_clipfrac"] for m in steps) > 0
     assert all(m["rapo/rollout/retrieved_frac"] > 0 for m in steps)
+    # searches served by a read replica of the buffer (adds fanned out to it): the same counts as without one
+    _assert_buffer_actor_figures(steps, replicas=1)

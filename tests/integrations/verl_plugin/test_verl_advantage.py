@@ -137,7 +137,7 @@ def test_retrieval_equals_rapo_fast_helpers(a):
 
 
 def test_ret_norm_retrieved_equals_rapo_fast_helpers():
-    """algorithm.rapo_ret_norm="retrieved" (issue 24): A_ret is normalised over the rows with a scored retrieval
+    """algorithm.rapo_ret_norm="retrieved": A_ret is normalised over the rows with a scored retrieval
     only, as rapo_advantages(ret_norm="retrieved"); a row without one keeps GRPO's advantage exactly, also in a group
     where others retrieved. "group" is the default and differs from it on this batch."""
     b = _batch(seed=2)
@@ -172,8 +172,10 @@ def test_v1_route_reads_extra_fields_from_transfer_queue(monkeypatch):
     adv_mod.register()  # trainer_base is imported now: wrap its name too
     b = _batch(seed=3)
     keys = [f"{u}_{i}_0" for i, u in enumerate(b["uids"])]
-    store = {k: {"extra_fields": {"rapo_h_before": hb, "rapo_h_after": ha, "other": 1}}
-             for k, hb, ha in zip(keys, b["hb"], b["ha"])}  # fmt: skip
+    store = {
+        k: {"extra_fields": {"rapo_h_before": hb, "rapo_h_after": ha, "other": 1}}
+        for k, hb, ha in zip(keys, b["hb"], b["ha"])
+    }
     calls = []
 
     def kv_batch_get(keys, partition_id, select_fields=None):

@@ -402,17 +402,19 @@ def test_edges_truncation_no_room_none_and_options(env):
 def test_config_resolution_and_errors(env):
     mod = env["mod"]
     cfg = mod.resolve_loop_config({"retrieve_prob": 0.25, "n_hybrid": 3, "other": 1}, {"n_hybrid": 2}, 8)
-    assert (cfg.retrieve_prob, cfg.n_hybrid, cfg.group_size, cfg.exclude_own_group) == (0.25, 2, 8, True)
-    assert mod.resolve_loop_config(None, {}, 16).n_hybrid == 8
+    assert (cfg.hybrid.retrieve_prob, cfg.hybrid.n_hybrid, cfg.group_size, cfg.exclude_own_group) == (0.25, 2, 8, True)
+    assert mod.resolve_loop_config(None, {}, 16).hybrid.n_hybrid == 8
     bad = [
-        ({"retrieve_prob": 1.5}, "retrieve_prob"),
-        ({"n_hybrid": 9}, "n_hybrid"),
-        ({"hybrid_selection": "first"}, "hybrid_selection"),
-        ({"max_retrieve_tokens": 0}, "max_retrieve_tokens"),
-        ({"exclude_own_group": "yes"}, "exclude_own_group"),
+        ({"retrieve_prob": 1.5}, ValueError, "rapo.retrieve_prob"),
+        ({"n_hybrid": 9}, ValueError, "rapo.n_hybrid"),
+        ({"group_size": 0}, ValueError, "rapo.group_size"),
+        ({"hybrid_selection": "first"}, ValueError, "rapo.hybrid_selection"),
+        ({"max_retrieve_tokens": 0}, ValueError, "rapo.max_retrieve_tokens"),
+        ({"exclude_own_group": "yes"}, TypeError, "rapo.exclude_own_group"),
+        ({"buffer_name": ""}, ValueError, "rapo.buffer_name"),
     ]
-    for kw, name in bad:
-        with pytest.raises(ValueError, match=name):
+    for kw, err, name in bad:
+        with pytest.raises(err, match=name):
             mod.resolve_loop_config(None, kw, 8)
     with pytest.raises(TypeError, match="client"):
         mod.set_step_buffer_client("x", object())

@@ -2,7 +2,9 @@
 CPU cluster: several clients searching while one adds (past the ring's wrap), every result equal to a float64 brute
 force (rapo_fast.reference.retrieval.search_ref) of one of the states the buffer held; concurrent requests coalesced
 into fewer requests and searches; save -> new actor -> load identical; two shards against the brute force over their
-union; verl's checkpoint callback saving into global_step_N/ and a new job restoring from it.
+union; read replicas (2 on the one node) answering every search as their primary after concurrent adds from two
+processes, and the clients' searches served by them; verl's checkpoint callback saving into global_step_N/ from the
+primary and a new job restoring from it, both with a replica.
 
 Skipped without ray (the main environment); the callback test also needs verl.
 """
@@ -56,7 +58,7 @@ def _kill_actors():
     """Every test's actors go at its end (each holds its CPU share while it lives)."""
     yield
     for c in _CREATED:
-        for h in c.handles:
+        for h in c.handles + [h for reps in c.replicas for _, h in reps]:
             ray.kill(h)
     _CREATED.clear()
 
@@ -193,6 +195,32 @@ def test_concurrent_search_while_adding_matches_a_held_state(data):
     assert st["queries"] == sum(2 if i < len(qs) or i >= len(results) - len(qs) else 1 for i in range(len(results)))
 
 
+def test_replicas_answer_every_search_as_the_primary(data):
+    """Two replicas on the node; two processes add concurrently (the primary numbers the writes, the replicas apply
+    them in that order) while two search; then every replica answers every query as the primary does."""
+    name = "rapo_test_replicas"
+    client = _make(name, data["jsonl"], tokenizer=data["tok"], top_k=TOP_K, capacity=CAP, replicas_per_node=2)
+    (reps,) = client.replicas
+    assert [n for n, _ in reps] == [ray.get_runtime_context().get_node_id()] * 2
+    assert len(get_step_buffer(name).replicas[0]) == 2  # the workers' lookup finds them through the primary
+    qs, half = data["queries"], len(data["adds"]) // 2
+    searchers = [_searcher.remote(name, qs, _excls(qs, i), 2) for i in range(2)]
+    adders = [_adder.remote(name, data["adds"][:half]), _adder.remote(name, data["adds"][half:])]
+    assert sum(ray.get(adders)) == len(data["adds"])
+    ray.get(searchers)
+    keys, ex = data["enc"](qs), _excls(qs, 11)
+    want = ray.get(client.handles[0].retrieve.remote(keys, ex))
+    assert ray.get([h.retrieve.remote(keys, ex) for _, h in reps]) == [want, want]
+    primary, *replica_stats = client.stats()
+    assert primary["steps_added"] == 48 and primary["size"] == CAP  # the ring wrapped
+    for st in replica_stats:
+        assert st["role"] == "replica" and {k: st[k] for k in ("size", "payloads", "steps_added")} == {
+            k: primary[k] for k in ("size", "payloads", "steps_added")
+        }
+    # the searchers' retrieves went to the replicas; the primary served only the comparison above
+    assert primary["requests"] == 1 and sum(st["requests"] for st in replica_stats) >= 2 + 2
+
+
 def test_save_new_actor_load_gives_identical_results(data, tmp_path):
     a = _make("rapo_test_save", data["jsonl"], tokenizer=data["tok"], top_k=TOP_K, capacity=CAP)
     for hs, steps, groups in data["adds"][:5]:
@@ -278,6 +306,7 @@ def test_verl_checkpoint_callback_saves_and_a_new_job_restores(data, tmp_path):
                         "path": str(tmp_path / "built"),
                         "encoder": f"hashed:{DIM}",
                         "num_cpus": 0,
+                        "replicas_per_node": 1,  # saved from the primary: a replica refuses save
                     },
                 },
             }
@@ -285,6 +314,7 @@ def test_verl_checkpoint_callback_saves_and_a_new_job_restores(data, tmp_path):
 
     cb = build_checkpoint_callback(config("rapo_test_job1"))  # verl's own loader, by the configured name
     _CREATED.append(cb.client)
+    assert len(cb.client.replicas[0]) == 1
     asyncio.run(cb.client.add_steps(*data["adds"][0]))
     step_dir = tmp_path / "ckpts" / "global_step_3"
     step_dir.mkdir(parents=True)
@@ -296,8 +326,8 @@ def test_verl_checkpoint_callback_saves_and_a_new_job_restores(data, tmp_path):
 
     cb2 = build_checkpoint_callback(config("rapo_test_job2"))  # a resumed job: restored from global_step_3
     _CREATED.append(cb2.client)
-    assert asyncio.run(cb2.client.retrieve(qs, ex)) == want
-    assert cb2.client.stats()[0]["payloads"] == cb.client.stats()[0]["payloads"]
+    assert asyncio.run(cb2.client.retrieve(qs, ex)) == want  # searched on job 2's replica, built from the save
+    assert [s["payloads"] for s in cb2.client.stats()] == [cb.client.stats()[0]["payloads"]] * 2
 
     (tmp_path / "ckpts" / "global_step_5").mkdir()
     (tmp_path / "ckpts" / "latest_checkpointed_iteration.txt").write_text("5")
@@ -318,7 +348,7 @@ def test_onpolicy_steps_follow_the_trainers_rule():
 
 
 def test_add_steps_counts_what_a_full_pinned_buffer_dropped(data):
-    """Issue 24: a buffer its off-policy source fills (36 pinned steps, capacity 36) keeps the source and drops the
+    """A buffer its off-policy source fills (36 pinned steps, capacity 36) keeps the source and drops the
     policy's new steps: add_steps returns 0 stored and the actor's counters say steps_dropped, not steps_added."""
     c = _make("rapo_test_full_pinned", data["jsonl"], tokenizer=data["tok"], top_k=TOP_K, capacity=36)
     hs, steps, groups = data["adds"][0]

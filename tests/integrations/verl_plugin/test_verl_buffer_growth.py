@@ -278,8 +278,9 @@ def test_under_ray_with_verls_reward_loop_manager(model_dir):
     from rapo_fast.integrations.verl.buffer_setup import check_growth_config
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    client = get_or_create_step_buffer("grow-ray", None, tokenizer=str(model_dir), capacity=64, num_cpus=0,
-                                       ready_timeout_s=120, encoder="hashed")  # fmt: skip
+    client = get_or_create_step_buffer(
+        "grow-ray", None, tokenizer=str(model_dir), capacity=64, num_cpus=0, ready_timeout_s=120, encoder="hashed"
+    )
     cfg = _config(model_dir, "grow-ray", importlib=True)
     check_growth_config(cfg)
     mgr = RewardLoopManager(cfg)
@@ -324,16 +325,16 @@ def test_config_checks_and_errors(model_dir):
     colocated.reward.reward_model.enable_resource_pool = True
     check_growth_config(colocated)
     bad_values = {
-        "add_onpolicy_steps": "yes",
-        "onpolicy_reward_threshold": "x",
-        "inner_reward_manager": "rapo",
-        "onpolicy_add_window_s": -1.0,
+        "add_onpolicy_steps": ("yes", TypeError),
+        "onpolicy_reward_threshold": ("x", TypeError),
+        "inner_reward_manager": ("rapo", ValueError),
+        "onpolicy_add_window_s": (-1.0, ValueError),
     }
-    for key, bad in bad_values.items():
+    for key, (bad, err) in bad_values.items():
         c = _config(model_dir, "grow-cfg")
         with open_dict(c):
             c.rapo[key] = bad
-        with pytest.raises(ValueError, match=key):
+        with pytest.raises(err, match=f"rapo.{key}"):
             buffer_growth.growth_config(c)
 
 

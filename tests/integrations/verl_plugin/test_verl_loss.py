@@ -74,10 +74,20 @@ def _batch(seed: int, retrieval: bool = True):
     retrieved = [[int(k == 3) for k in kinds[i, :n].tolist()] for i, n in enumerate(r_lens)]
     f_ret = [sum(r) / len(r) for r in retrieved]
     return dict(
-        prompts=prompts, responses=responses, attention_mask=attn, response_mask=response_mask,
-        old_log_probs=old, advantages=adv, logits=logits, kinds=kinds, retrieved=retrieved, f_ret=f_ret,
-        p_lens=p_lens, r_lens=r_lens, P=P,
-    )  # fmt: skip
+        prompts=prompts,
+        responses=responses,
+        attention_mask=attn,
+        response_mask=response_mask,
+        old_log_probs=old,
+        advantages=adv,
+        logits=logits,
+        kinds=kinds,
+        retrieved=retrieved,
+        f_ret=f_ret,
+        p_lens=p_lens,
+        r_lens=r_lens,
+        P=P,
+    )
 
 
 def _tensordict(b, route: str = "legacy"):
@@ -115,10 +125,17 @@ def _model_output(b, logp_resp):
 def _config(mode, loss_mode="rapo", **kw):
     """verl's actor config (the dataclass verl's worker builds from actor_rollout_ref.actor)."""
     return FSDPActorConfig(
-        strategy="fsdp", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=4, rollout_n=1,
-        clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode=mode,
-        policy_loss=PolicyLossConfig(loss_mode=loss_mode), **kw,
-    )  # fmt: skip
+        strategy="fsdp",
+        ppo_mini_batch_size=4,
+        ppo_micro_batch_size_per_gpu=4,
+        rollout_n=1,
+        clip_ratio=0.2,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        loss_agg_mode=mode,
+        policy_loss=PolicyLossConfig(loss_mode=loss_mode),
+        **kw,
+    )
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -162,10 +179,20 @@ def _rapo_loss(b, mode, dual_clip=3.0, shaping_m=0.05, trajectory=None):
     else:
         agg, norm = "token-mean", B * R  # sum / (global_batch_size * T)
     loss = rapo_fast.rapo_loss(
-        logits, targets=b["responses"], old_logp=b["old_log_probs"], advantages=b["advantages"], loss_mask=mask,
-        retrieved_mask=retrieved, response_mask=traj, eps_low=0.2, eps_high=0.28, dual_clip=dual_clip,
-        shaping_m=shaping_m, loss_agg=agg, global_num_tokens=norm,
-    )  # fmt: skip
+        logits,
+        targets=b["responses"],
+        old_logp=b["old_log_probs"],
+        advantages=b["advantages"],
+        loss_mask=mask,
+        retrieved_mask=retrieved,
+        response_mask=traj,
+        eps_low=0.2,
+        eps_high=0.28,
+        dual_clip=dual_clip,
+        shaping_m=shaping_m,
+        loss_agg=agg,
+        global_num_tokens=norm,
+    )
     (grad,) = torch.autograd.grad(loss, logits)
     return loss.detach(), grad
 
@@ -300,9 +327,12 @@ def test_bad_fields_raise():
         )
     with pytest.raises(ValueError, match="trajectory_mask"):
         policy_loss.rapo_policy_loss(
-            b["old_log_probs"], b["old_log_probs"], b["advantages"], b["response_mask"],
+            b["old_log_probs"],
+            b["old_log_probs"],
+            b["advantages"],
+            b["response_mask"],
             trajectory_mask=b["response_mask"][:, :3],
-        )  # fmt: skip
+        )
 
 
 def test_registered_loss_outside_the_route_warns_once(monkeypatch):
@@ -334,9 +364,15 @@ def test_fused_logprobs_in_verls_model_forward(monkeypatch):
 
     torch.manual_seed(0)
     cfg = Qwen2Config(
-        vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     model = Qwen2ForCausalLM(cfg).float()
     ids = torch.randint(0, 61, (2, 11))
 

@@ -1,10 +1,13 @@
 """RAPO's `rapo/*` step figures (rapo_fast/integrations/verl/metrics.py) on hand-made agent-loop rows: the rollout,
-advantage and buffer figures have the values counted by hand, and the wrapped v1 `_compute_advantage` merges what was
+advantage and buffer figures have the values counted by hand (the buffer's over a primary and its replica, and the
+queue length and search time of an in-process actor's step), and the wrapped v1 `_compute_advantage` merges what was
 recorded during it into verl's metrics dict (and nothing for a job without RAPO's fields). The figures of a real run:
 tests/integrations/verl_e2e. Skipped without verl.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 
@@ -44,7 +47,7 @@ def test_rollout_figures_counted_by_hand():
             obs=(13, 26, 32),
             f=0.2,
             h=1,
-        ),  # fmt: skip
+        ),
         _row(False, spans=((0, 6), (13, 19)), obs=(13, 19)),
         {"other_loop": 1},  # a row of another agent loop: ignored
     ]
@@ -68,7 +71,47 @@ def test_advantage_and_buffer_figures():
     assert m["rapo/adv/z/mean"] == 0.0 and m["rapo/adv/z/std"] == pytest.approx(0.125**0.5)  # population std
     shards = [{"size": 3, "steps_added": 2, "device": "cpu"}, {"size": 4, "steps_added": 1, "device": "cpu"}]
     b = metrics.buffer_metrics(shards)
-    assert b == {"rapo/buffer/shards": 2.0, "rapo/buffer/size": 7.0, "rapo/buffer/steps_added": 3.0}
+    p = "rapo/buffer/"
+    assert b == {p + "shards": 2.0, p + "replicas": 0.0, p + "size": 7.0, p + "steps_added": 3.0}
+    step = {"pending": 1, "pending_max": 4, "step_queries": 2, "search_ms_sum": 10.0, "search_ms_max": 6.0}
+    replica = {"size": 3, "steps_added": 2, "queries": 5, "pending": 0, "pending_max": 7, "step_queries": 3}
+    replica |= {"search_ms_sum": 6.0, "search_ms_max": 2.0, "role": "replica"}
+    b = metrics.buffer_metrics([{**shards[0], **step, "queries": 2, "role": "primary"}, replica])
+    assert b == {
+        **{p + "shards": 1.0, p + "replicas": 1.0, p + "size": 3.0, p + "steps_added": 2.0},  # held: the primary's
+        **{p + "queries": 7.0, p + "step_queries": 5.0, p + "pending": 1.0},  # summed over the actors
+        **{p + "pending_max": 7.0, p + "search_ms/max": 6.0, p + "search_ms/mean": 16.0 / 5},  # peaks; per query
+    }
+    assert p + "search_ms/mean" not in metrics.buffer_metrics([{"step_queries": 0, "search_ms_max": 0.0}])
+
+
+def test_the_buffer_actors_queue_length_and_search_time():
+    """Five retrieves reach an in-process actor at once (its 2 s window gathers them): five waited together, one
+    search (made to take >= 30 ms) answered all 15 queries, its duration, not the window's wait, is each query's search
+    time; the next step's window starts empty."""
+    import time
+
+    from rapo_fast.demo.tiny_policy import WordTokenizer
+    from rapo_fast.integrations.verl.buffer_actor import StepBufferActor, StepBufferClient
+
+    words = [f"w{i}" for i in range(50)]
+    actor = StepBufferActor(None, WordTokenizer(words), "hashed:16", capacity=8, window_s=2.0)
+    search = actor.traces.search
+    actor.traces.search = lambda *a: time.sleep(0.03) or search(*a)
+    keys = StepBufferClient(["h"], "hashed:16").encode([" ".join(words[i : i + 5]) for i in range(15)])
+
+    async def step():
+        await actor.add_steps(keys[:8], words[:8], list(range(8)))
+        await asyncio.gather(*(actor.retrieve(keys[i : i + 3]) for i in range(0, 15, 3)))
+        return metrics.buffer_metrics([await actor.stats()]), metrics.buffer_metrics([await actor.stats()])
+
+    first, second = asyncio.run(step())
+    p = "rapo/buffer/"
+    assert first[p + "requests"] == 5 and first[p + "search_calls"] == 1 and first[p + "step_queries"] == 15
+    assert first[p + "pending_max"] == 5 and first[p + "pending"] == 0
+    assert 30 <= first[p + "search_ms/mean"] == first[p + "search_ms/max"] < 2000
+    assert second[p + "step_queries"] == 0 and second[p + "pending_max"] == 0 and second[p + "queries"] == 15
+    assert p + "search_ms/mean" not in second and p + "search_ms/max" not in second
 
 
 def test_wrapped_compute_advantage_merges_the_recorded_figures(monkeypatch):

@@ -10,7 +10,6 @@ server); nothing here pretends to. Not here: the parts' behaviour (the other tes
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import re
@@ -92,7 +91,7 @@ def test_smoke_recipe_is_the_base_with_small_overrides_and_passes_verl_validatio
     assert rollout.name == "vllm" and rollout.n == 4 and smoke.data.train_batch_size == 2
     assert list(smoke.trainer.logger) == ["console"]
     resolved = resolve_loop_config(smoke.rapo, {}, rollout.n)  # the loop's knobs: G = 4, half hybrid as the base
-    assert (resolved.group_size, resolved.n_hybrid, resolved.retrieve_prob) == (4, 2, 0.5)
+    assert (resolved.group_size, resolved.hybrid.n_hybrid, resolved.hybrid.retrieve_prob) == (4, 2, 0.5)
     # every RAPO and loss knob is the base's: the override file changes sizes only
     same = ["algorithm", "actor_rollout_ref.actor.policy_loss", "reward", "trainer.checkpoint_callback_class"]
     same += [
@@ -133,8 +132,11 @@ def test_launch_scripts_hand_the_rapo_variables_to_every_ray_worker():
     env = {"PATH": os.environ["PATH"], "RAPO_SEARCH_URL": "http://10.0.0.7:8000/retrieve", "RAPO_DATA_DIR": "/nfs/a b"}
     got = subprocess.run(
         ["bash", "-c", f'source "{RECIPE / "ray_env.sh"}"; printf "%s\\n" "${{RAPO_RAY_ENV[@]}}"'],
-        env=env, capture_output=True, text=True, check=True,
-    ).stdout.splitlines()  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
     assert len(got) == 2
     # what the scripts pass composes into verl's ray.init runtime_env (main_ppo merges it over verl's defaults)
     env_vars = _compose(["+recipe=smoke_1gpu", *got]).ray_kwargs.ray_init.runtime_env.env_vars
@@ -157,16 +159,16 @@ def test_agent_loop_yaml_sets_only_the_loops_own_knobs(cfg):
     import hydra
     from omegaconf import OmegaConf
 
-    from rapo_fast.integrations.verl.agent_loop import RapoLoopConfig, resolve_loop_config
+    from rapo_fast.integrations.verl.agent_loop import LOOP_KEYS, resolve_loop_config
 
     entries = OmegaConf.load(cfg.actor_rollout_ref.rollout.agent.agent_loop_config_path)
     (entry,) = [e for e in entries if e.name == "rapo_tool_agent"]
     cls = hydra.utils.get_class(entry._target_)
     assert cls.__name__ == "RAPOToolAgentLoop"
     knobs = {k: v for k, v in entry.items() if k not in ("name", "_target_")}
-    assert set(knobs) <= {f.name for f in dataclasses.fields(RapoLoopConfig)}, knobs
+    assert set(knobs) <= set(LOOP_KEYS), knobs
     resolved = resolve_loop_config(cfg.rapo, knobs, int(cfg.actor_rollout_ref.rollout.n))  # raises on a bad value
-    assert (resolved.retrieve_prob, resolved.n_hybrid, resolved.exclude_own_group) == (0.5, 8, True)
+    assert (resolved.hybrid.retrieve_prob, resolved.hybrid.n_hybrid, resolved.exclude_own_group) == (0.5, 8, True)
 
 
 def test_tool_and_reward_load_as_verl_loads_them(cfg):
