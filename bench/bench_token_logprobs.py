@@ -41,6 +41,7 @@ What this is not: a correctness test (tests/loss/test_logprobs*.py), nor the pol
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import warnings
@@ -77,6 +78,7 @@ GRID_GPU = [(n, 4096, v) for n in (4096, 16384) for v in (32768, 152064)]
 GRID_CPU = [(512, 256, 8192), (1024, 256, 32768)]
 GRID_CPU_QUICK = [(64, 32, 500), (96, 48, 1031)]
 MODES = ("fwd", "fwd+bwd")
+PARITY_REPEATS, PARITY_REPEATS_QUICK = 400, 60  # --parity: calls of each side per shape and mode
 MIN_SAMPLES = 5  # CPU: timed blocks per provider and mode at least (slow providers get exactly this many)
 # provider -> the input it takes, in the default order of a run
 INPUT = {
@@ -313,6 +315,72 @@ def run(writer: RowWriter, shapes, names: list[str], dtype, device, reps_ms: int
         _shape(writer, names, n, h, v, dtype, device, reps_ms, bw)
 
 
+@contextlib.contextmanager
+def _triton_off(device: torch.device):
+    """RAPO_FAST_DISABLE_TRITON=1 while timing on the CPU (its fallback, not Triton's interpreter), then as before."""
+    saved = os.environ.get("RAPO_FAST_DISABLE_TRITON")
+    if device.type == "cpu":
+        os.environ["RAPO_FAST_DISABLE_TRITON"] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("RAPO_FAST_DISABLE_TRITON", None)
+        else:
+            os.environ["RAPO_FAST_DISABLE_TRITON"] = saved
+
+
+def _parity(shapes, repeats: int) -> int:
+    """token_logprobs(hidden=...) on the CPU against the torch op it wraps there (F.linear_cross_entropy with the same
+    chunk rows, rapo_fast/loss/torch_linear_ce.py), in fp32: both in one loop, alternating which goes first, each
+    call timed on its own; prints the median of each and the ratio ours / torch's per shape and mode. What the ratio
+    measures is the cost of our front desk (checks, plan, the targets range check and the finite-loss check). Timed as
+    the CPU time of this thread with torch on one thread, so that a loaded machine (other processes taking the cores)
+    does not enter the numbers; torch's thread count is restored after."""
+    from rapo_fast import token_logprobs
+    from rapo_fast.loss.torch_linear_ce import chunk_rows, torch_linear_ce_available
+
+    if not torch_linear_ce_available():
+        print(f"--parity: torch {torch.__version__} has no F.linear_cross_entropy options")
+        return 1
+    lce = torch.nn.functional.linear_cross_entropy
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _parity_rows(shapes, repeats, lce, chunk_rows, token_logprobs)
+    finally:
+        torch.set_num_threads(threads)
+    return 0
+
+
+def _parity_rows(shapes, repeats: int, lce, chunk_rows, token_logprobs) -> None:
+    import statistics
+    import time
+
+    print(f"{'N':>6} {'H':>5} {'V':>6} {'mode':>8} {'torch ms':>10} {'ours ms':>10} {'ratio':>6}  ({repeats} repeats)")
+    for n, h, v in shapes:
+        t = _inputs(n, h, v, torch.float32, torch.device("cpu"), logits=False)
+        opts = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=chunk_rows(n, v), chunking_method=None)
+        fns = {
+            "torch": lambda t, opts=opts: -lce(t["hidden"], t["weight"], t["targets"], reduction="none", options=opts),
+            "ours": lambda t: token_logprobs(hidden=t["hidden"], weight=t["weight"], targets=t["targets"]),
+        }
+        for mode in MODES:
+            leaves = {k: t[k].detach().requires_grad_(mode == "fwd+bwd") for k in ("hidden", "weight")}
+            rest = {k: x for k, x in t.items() if k not in leaves}
+            steps = {k: _step_fn(fn, leaves, rest, mode) for k, fn in fns.items()}
+            times: dict = {k: [] for k in steps}
+            for k in steps:  # warm-up
+                steps[k]()
+            for r in range(repeats):
+                for k in steps if r % 2 == 0 else reversed(steps):
+                    t0 = time.thread_time_ns()
+                    steps[k]()
+                    times[k].append(time.thread_time_ns() - t0)
+            a, b = (statistics.median(times[k]) * 1e-6 for k in ("torch", "ours"))
+            print(f"{n:>6} {h:>5} {v:>6} {mode:>8} {a:>10.4f} {b:>10.4f} {b / a:>6.3f}")
+
+
 def _parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p = argparse.ArgumentParser(prog="rapo-fast bench logprobs", description=__doc__.splitlines()[0])
     p.add_argument(
@@ -332,6 +400,12 @@ def _parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Na
         choices=["bfloat16", "float16", "float32"],
         help="dtype of logits, hidden states and lm_head weight (default bfloat16 with --gpu, float32 on the CPU)",
     )
+    p.add_argument(
+        "--parity",
+        action="store_true",
+        help="only time token_logprobs(hidden=...) against the torch op it wraps on the CPU, interleaved, and print "
+        "the medians and their ratio (with --quick: tiny shapes; --shape picks others; nothing is written)",
+    )
     add_plot_args(p, "token_logprobs.png")
     add_grid_args(p, "N,H,V")
     add_plan_arg(p)
@@ -349,6 +423,9 @@ def main(argv: list[str] | None = None) -> int:
         # bf16 matmul on the CPU is emulated and slow: the CPU default is fp32 (numbers are CPU numbers either way)
         device, dtype = torch.device("cpu"), torch.float32
         shapes, reps = (GRID_CPU_QUICK, 20) if args.quick else (GRID_CPU, 500)
+    if args.parity:  # the CPU path without Triton: torch's op is what runs there
+        with _triton_off(torch.device("cpu")):
+            return _parity(args.shape or shapes, PARITY_REPEATS_QUICK if args.quick else PARITY_REPEATS)
     if args.dtype:
         dtype = getattr(torch, args.dtype)
     shapes, reps = args.shape or shapes, args.rep_ms or reps
@@ -361,17 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     out = output_dir(args, "logprobs")
     writer = RowWriter("token_logprobs", out, device, keys, COLUMNS)
     base_dtype = str(dtype).replace("torch.", "")
-    saved = os.environ.get("RAPO_FAST_DISABLE_TRITON")
-    if device.type == "cpu":
-        os.environ["RAPO_FAST_DISABLE_TRITON"] = "1"  # time the CPU fallback, not Triton's interpreter
-    try:
-        with python_warnings_ignored(args.quick):
-            rc = run_rows(writer, lambda: run(writer, shapes, names, dtype, device, reps), dtype=base_dtype)
-    finally:
-        if saved is None:
-            os.environ.pop("RAPO_FAST_DISABLE_TRITON", None)
-        else:
-            os.environ["RAPO_FAST_DISABLE_TRITON"] = saved
+    with _triton_off(device), python_warnings_ignored(args.quick):
+        rc = run_rows(writer, lambda: run(writer, shapes, names, dtype, device, reps), dtype=base_dtype)
     if rc != INTERRUPTED_RC and not args.no_plot:
         draw_after_run(plot, out / "token_logprobs.csv", out / "token_logprobs.png", args.quick)
     dev = writer.meta["device"]

@@ -35,8 +35,9 @@ def rule_int(lo: int, hi: int | None = None, allow_none: bool = False) -> Rule:
     return check
 
 
-def rule_real(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False,
-              allow_none: bool = False) -> Rule:  # fmt: skip
+def rule_real(
+    lo: float | None = None, hi: float | None = None, *, lo_open: bool = False, allow_none: bool = False
+) -> Rule:
     """A finite real number (bool refused) in [lo, hi], or (lo, hi] with lo_open: rapo_fast._checks.check_float."""
     bounds = dict(min_value=lo, max_value=hi, min_inclusive=not lo_open, allow_none=allow_none)
     return lambda name, v: C.check_float(name, v, **bounds)

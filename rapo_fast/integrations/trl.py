@@ -299,8 +299,8 @@ def _install_rapo_forward(model: torch.nn.Module, cast_lm_head_to_fp32: bool) ->
             loss, metrics = rapo_fast.rapo_loss(
                 hidden=hidden, weight=weight, bias=bias, return_metrics=True, **loss_kwargs
             )
-            metrics["seq_clip"] = _sequence_clip_fractions(metrics.token_logp, loss_kwargs, given_old)
-            return loss, metrics
+            seq_clip = _sequence_clip_fractions(metrics.token_logp, loss_kwargs, given_old)
+            return loss, {**metrics.scalars(), "seq_clip": seq_clip}
 
     model.forward = types.MethodType(_forward, model)
     model._rapo_fast_forward_installed = True

@@ -69,8 +69,18 @@ class _Tiles:
             )
         return lp, stats, ent, z
 
-    def gradient_sweep(self, hc: Tensor, tgt: Tensor, z: Tensor, stats: Tensor, ent: Tensor | None, g_lp: Tensor,
-                       g_ent: Tensor | None, grads: _Grads, r0: int) -> None:  # fmt: skip
+    def gradient_sweep(
+        self,
+        hc: Tensor,
+        tgt: Tensor,
+        z: Tensor,
+        stats: Tensor,
+        ent: Tensor | None,
+        g_lp: Tensor,
+        g_ent: Tensor | None,
+        grads: _Grads,
+        r0: int,
+    ) -> None:
         """Sweep 2: grad_z of each logits tile in place, then its gradient GEMMs. The tile is still in memory when
         the whole row fitted, else it is recomputed (the fallback of the module docstring)."""
         for v0, v1 in self.vocab_ranges():
@@ -88,8 +98,7 @@ class _Grads:
     in fp32 and rounds once) or summed over token tiles in an fp32 [V, H] accumulator by the GEMM itself
     (tiles.accumulate_fp32) and rounded to the input dtype once."""
 
-    def __init__(self, hidden: Tensor, weight: Tensor, need: tuple[bool, bool, bool], tile_rows: int,
-                 n_vtiles: int):  # fmt: skip
+    def __init__(self, hidden: Tensor, weight: Tensor, need: tuple[bool, bool, bool], tile_rows: int, n_vtiles: int):
         need_h, need_w, need_b = need
         n, h, v, dev = hidden.shape[0], hidden.shape[1], weight.shape[0], hidden.device
         self.need_h = need_h
@@ -138,9 +147,20 @@ class _Grads:
 
 
 def _fused_impl(
-    hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, tok: Tensor, present: int, scalars: Tensor,
-    temperature: float, with_ent: bool, grad_ent: bool, need_h: bool, need_w: bool, need_b: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    tok: Tensor,
+    present: int,
+    scalars: Tensor,
+    temperature: float,
+    with_ent: bool,
+    grad_ent: bool,
+    need_h: bool,
+    need_w: bool,
+    need_b: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """hidden [N, H], weight [V, H], bias [V] or None, targets [N], the stacked per-token fp32 inputs of the policy op
     (tok [NUM_INPUTS, N], present) and its options (scalars) -> (loss 0-dim fp32, metric sums [NUM_METRICS] fp32,
     grad_hidden, grad_weight, grad_bias, undefined [N] bool) with the gradients of the loss (upstream gradient 1) in
@@ -234,9 +254,17 @@ _fused_op = register_op(
 
 
 def fused_linear_policy_loss(
-    hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, tok: Tensor, present: int,
-    scalars: Tensor, temperature: float, with_ent: bool, grad_ent: bool,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    tok: Tensor,
+    present: int,
+    scalars: Tensor,
+    temperature: float,
+    with_ent: bool,
+    grad_ent: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
     """(loss, metric sums, log-probs [N] fp32 without gradient) of rapo_fast.rapo_loss's token-level policy loss from
     hidden [..., H] @ weight [V, H]^T (+ bias), differentiable w.r.t. hidden / weight / bias; tok / present / scalars
     are the policy op's (policy_op.py). Raises ValueError (after the pass, before any backward) when a token in the

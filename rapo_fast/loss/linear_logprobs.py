@@ -69,8 +69,9 @@ class _LinearGrads:
     row tiles inner). Sums over several tiles accumulate in fp32 (one rounding to the input dtype at the end), not in
     bf16. Outputs of a custom op may not alias each other: a fresh [0] tensor for each gradient not needed."""
 
-    def __init__(self, hidden: Tensor, weight: Tensor, bias: Tensor | None, nc: int, vc: int,
-                 need: tuple[bool, bool, bool]):  # fmt: skip
+    def __init__(
+        self, hidden: Tensor, weight: Tensor, bias: Tensor | None, nc: int, vc: int, need: tuple[bool, bool, bool]
+    ):
         (n, h), v, dev = hidden.shape, weight.shape[0], hidden.device
         need_h, need_w, need_b = need
         self.n_vtiles, self.n_rtiles = -(-v // vc), -(-n // nc)
@@ -78,16 +79,18 @@ class _LinearGrads:
         self.need_h, self.need_w = need_h, need_w
         self.grad_h = torch.empty_like(hidden) if need_h else hidden.new_empty(0)
         self.acc_h = (
-            torch.zeros(n, h, dtype=torch.float32, device=dev) if need_h and self.n_vtiles > 1 and low_precision
+            torch.zeros(n, h, dtype=torch.float32, device=dev)
+            if need_h and self.n_vtiles > 1 and low_precision
             else None
-        )  # fmt: skip
+        )
         if self.acc_h is None and need_h and self.n_vtiles > 1:
             self.grad_h.zero_()
         self.grad_w = torch.empty_like(weight) if need_w else hidden.new_empty(0)
         self.acc_w = (
-            torch.empty(vc, h, dtype=torch.float32, device=dev) if need_w and self.n_rtiles > 1 and low_precision
+            torch.empty(vc, h, dtype=torch.float32, device=dev)
+            if need_w and self.n_rtiles > 1 and low_precision
             else None
-        )  # fmt: skip
+        )
         self.grad_b32 = torch.zeros(v, dtype=torch.float32, device=dev) if need_b and bias is not None else None
         self.bias_dtype = None if bias is None else bias.dtype
 
@@ -130,10 +133,20 @@ class _LinearGrads:
 
 
 def _lin_bwd_impl(
-    hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, stats: Tensor, entropy: Tensor,
-    grad_logp: Tensor, grad_entropy: Tensor, temperature: float, with_entropy: bool,
-    need_hidden: bool, need_weight: bool, need_bias: bool,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    stats: Tensor,
+    entropy: Tensor,
+    grad_logp: Tensor,
+    grad_entropy: Tensor,
+    temperature: float,
+    with_entropy: bool,
+    need_hidden: bool,
+    need_weight: bool,
+    need_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
     """(grad_hidden [N, H], grad_weight [V, H], grad_bias [V]) in the inputs' dtypes; a [0] tensor for each one not
     needed. Vocabulary tiles outer, row tiles inner: grad_W of one vocabulary tile is finished before the next."""
     n, v = hidden.shape[0], weight.shape[0]
@@ -160,9 +173,16 @@ def _lin_bwd_impl(
             hc = hidden[r0:r1]
             z = tiles.logits_tile(buf, hc, weight, v0, v1)
             tiles.tile_grad(
-                z, tgt[r0:r1], bias, stats[:, r0:r1], g_lp[r0:r1], v0=v0, inv_temp=1.0 / temperature,
-                entropy=entropy[r0:r1] if with_entropy else None, g_entropy=g_ent[r0:r1] if with_entropy else None,
-            )  # fmt: skip
+                z,
+                tgt[r0:r1],
+                bias,
+                stats[:, r0:r1],
+                g_lp[r0:r1],
+                v0=v0,
+                inv_temp=1.0 / temperature,
+                entropy=entropy[r0:r1] if with_entropy else None,
+                g_entropy=g_ent[r0:r1] if with_entropy else None,
+            )
             grads.add_tile(z, hc, weight[v0:v1], r0, v0)  # z now holds grad_z (input dtype) for this tile
         grads.end_vocab_tile(v0, v1)
     return grads.results()
@@ -195,9 +215,20 @@ def _lin_backward(ctx, g_logp, g_stats, g_ent):
     with_ent = ctx.with_entropy and g_ent is not None
     need_h, need_w, need_b = ctx.needs_input_grad[:3]
     gh, gw, gb = _linear_token_logprobs_bwd(
-        hidden, weight, bias, targets, stats, ent, g_logp, g_ent if with_ent else g_logp, ctx.temperature, with_ent,
-        need_h, need_w, need_b and bias is not None,
-    )  # fmt: skip
+        hidden,
+        weight,
+        bias,
+        targets,
+        stats,
+        ent,
+        g_logp,
+        g_ent if with_ent else g_logp,
+        ctx.temperature,
+        with_ent,
+        need_h,
+        need_w,
+        need_b and bias is not None,
+    )
     return (
         gh if need_h else None,
         gw if need_w else None,

@@ -1,14 +1,18 @@
 """token_logprobs: the public fused per-token log-prob (+ full-vocabulary entropy), its launchers and autograd wiring.
 
-What this is: argument checks, running the path that rapo_fast/loss/path_plan.py picks, the Triton launchers
-of rapo_fast/kernels/loss/token_logprobs.py registered as torch.library ops `rapo_fast::token_logprobs_{fwd,bwd}`
-(logits path; the hidden-state path's `rapo_fast::linear_token_logprobs_{fwd,bwd}` are in
-rapo_fast/loss/linear_logprobs.py), and the chunked reference fallback. Both paths, their tiles and the non-finite rows are described in docs/loss.md
+What this is: token_logprobs' front desk (the head's autocast cast, head_in_hidden_dtype, shared with rapo_loss, and
+every argument check, once per call, into one LogprobInputs), the runner of the path that rapo_fast/loss/path_plan.py
+picks (shared with rapo_loss, which has a front desk of its own), the Triton launchers of
+rapo_fast/kernels/loss/token_logprobs.py registered as torch.library ops `rapo_fast::token_logprobs_{fwd,bwd}` (logits
+path; the hidden-state path's `rapo_fast::linear_token_logprobs_{fwd,bwd}` are in rapo_fast/loss/linear_logprobs.py),
+and the chunked reference fallback. Both paths, their tiles and the non-finite rows are described in docs/loss.md
 section 2; the path table in docs/architecture.md, "Log-prob and loss paths".
 What this is not: the math (rapo_fast/kernels/triton_helpers.py, and the spec in rapo_fast/reference/logprobs.py).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -18,12 +22,12 @@ from rapo_fast import _checks as C
 from rapo_fast._dispatch import device_guard, register_op, use_triton
 from rapo_fast.loss import tiles
 from rapo_fast.loss.linear_logprobs import linear_token_logprobs_fwd
-from rapo_fast.loss.options import TARGET_DTYPES, head_in_hidden_dtype
+from rapo_fast.loss.options import TARGET_DTYPES
 from rapo_fast.loss.path_plan import Path, PathPlan, log_path, plan_path
 from rapo_fast.loss.torch_linear_ce import linear_logprobs_torch
 from rapo_fast.reference.logprobs import linear_token_logprobs_ref, token_logprobs_ref
 
-__all__ = ["token_logprobs", "TARGET_DTYPES", "check_inplace_backward"]
+__all__ = ["token_logprobs", "TARGET_DTYPES", "check_inplace_backward", "head_in_hidden_dtype", "LogprobInputs"]
 
 
 def _row_strides(x: torch.Tensor) -> tuple[int, int, int]:
@@ -57,12 +61,30 @@ def _lp_fwd_impl(
     # the whole row in one launch (INIT and FINAL): the online state needs no storage, stats stand in for it
     with device_guard(logits):
         tiles.logprob_kernels().token_logprobs_fwd_kernel[(n,)](
-            z_ptr=logits, tgt_ptr=targets.reshape(-1), bias_ptr=logits, m_ptr=stats, s_ptr=stats, t_ptr=stats,
-            zt_ptr=stats, logp_ptr=logp, row_max_ptr=row_max, log_s_ptr=log_s, ent_ptr=ent if with_entropy else stats,
-            rows_inner=rows_inner, stride_outer=s_outer, stride_inner=s_inner, n_cols=v, v_start=0,
-            inv_temp=1.0 / temperature, INIT=True, FINAL=True, HAS_BIAS=False, WITH_ENTROPY=with_entropy,
-            BLOCK_V=block, num_warps=warps,
-        )  # fmt: skip
+            z_ptr=logits,
+            tgt_ptr=targets.reshape(-1),
+            bias_ptr=logits,
+            m_ptr=stats,
+            s_ptr=stats,
+            t_ptr=stats,
+            zt_ptr=stats,
+            logp_ptr=logp,
+            row_max_ptr=row_max,
+            log_s_ptr=log_s,
+            ent_ptr=ent if with_entropy else stats,
+            rows_inner=rows_inner,
+            stride_outer=s_outer,
+            stride_inner=s_inner,
+            n_cols=v,
+            v_start=0,
+            inv_temp=1.0 / temperature,
+            INIT=True,
+            FINAL=True,
+            HAS_BIAS=False,
+            WITH_ENTROPY=with_entropy,
+            BLOCK_V=block,
+            num_warps=warps,
+        )
     return logp, stats, ent
 
 
@@ -73,9 +95,17 @@ def _lp_fwd_fake(logits, targets, temperature, with_entropy, inplace_backward=Fa
 
 
 def _lp_bwd_launch(
-    logits: Tensor, grad: Tensor, stride_gz: int, targets: Tensor, stats: Tensor, entropy: Tensor, grad_logp: Tensor,
-    grad_entropy: Tensor, temperature: float, with_entropy: bool,
-) -> None:  # fmt: skip
+    logits: Tensor,
+    grad: Tensor,
+    stride_gz: int,
+    targets: Tensor,
+    stats: Tensor,
+    entropy: Tensor,
+    grad_logp: Tensor,
+    grad_entropy: Tensor,
+    temperature: float,
+    with_entropy: bool,
+) -> None:
     """The backward kernel over every row: grad row r at grad + r * stride_gz (grad may be logits itself)."""
     n, v = targets.numel(), logits.shape[-1]
     if n == 0:
@@ -87,22 +117,44 @@ def _lp_bwd_launch(
     row_max, log_s = stats.reshape(2, n)
     with device_guard(logits):
         tiles.logprob_kernels().token_logprobs_bwd_kernel[(n,)](
-            z_ptr=logits, gz_ptr=grad, tgt_ptr=targets.reshape(-1), bias_ptr=logits, row_max_ptr=row_max,
-            log_s_ptr=log_s, ent_ptr=entropy.reshape(-1) if with_entropy else g_lp, glp_ptr=g_lp, gent_ptr=g_ent,
-            rows_inner=rows_inner, stride_outer=s_outer, stride_inner=s_inner, stride_gz=stride_gz, n_cols=v,
-            v_start=0, inv_temp=1.0 / temperature, HAS_BIAS=False, WITH_ENTROPY=with_entropy, BLOCK_V=block,
+            z_ptr=logits,
+            gz_ptr=grad,
+            tgt_ptr=targets.reshape(-1),
+            bias_ptr=logits,
+            row_max_ptr=row_max,
+            log_s_ptr=log_s,
+            ent_ptr=entropy.reshape(-1) if with_entropy else g_lp,
+            glp_ptr=g_lp,
+            gent_ptr=g_ent,
+            rows_inner=rows_inner,
+            stride_outer=s_outer,
+            stride_inner=s_inner,
+            stride_gz=stride_gz,
+            n_cols=v,
+            v_start=0,
+            inv_temp=1.0 / temperature,
+            HAS_BIAS=False,
+            WITH_ENTROPY=with_entropy,
+            BLOCK_V=block,
             num_warps=warps,
-        )  # fmt: skip
+        )
 
 
 def _lp_bwd_impl(
-    logits: Tensor, targets: Tensor, stats: Tensor, entropy: Tensor, grad_logp: Tensor, grad_entropy: Tensor,
-    temperature: float, with_entropy: bool,
-) -> Tensor:  # fmt: skip
+    logits: Tensor,
+    targets: Tensor,
+    stats: Tensor,
+    entropy: Tensor,
+    grad_logp: Tensor,
+    grad_entropy: Tensor,
+    temperature: float,
+    with_entropy: bool,
+) -> Tensor:
     """grad_logits (contiguous, logits' dtype and shape) from the upstream fp32 grads of logp and entropy."""
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    _lp_bwd_launch(logits, grad, logits.shape[-1], targets, stats, entropy, grad_logp, grad_entropy, temperature,
-                   with_entropy)  # fmt: skip
+    _lp_bwd_launch(
+        logits, grad, logits.shape[-1], targets, stats, entropy, grad_logp, grad_entropy, temperature, with_entropy
+    )
     return grad
 
 
@@ -116,12 +168,19 @@ def _rows_evenly_spaced(x: Tensor) -> bool:
 
 
 def _lp_bwd_inplace_impl(
-    logits: Tensor, targets: Tensor, stats: Tensor, entropy: Tensor, grad_logp: Tensor, grad_entropy: Tensor,
-    temperature: float, with_entropy: bool,
-) -> None:  # fmt: skip
+    logits: Tensor,
+    targets: Tensor,
+    stats: Tensor,
+    entropy: Tensor,
+    grad_logp: Tensor,
+    grad_entropy: Tensor,
+    temperature: float,
+    with_entropy: bool,
+) -> None:
     """_lp_bwd_impl writing grad_logits over logits itself (rows evenly spaced: _rows_evenly_spaced)."""
-    _lp_bwd_launch(logits, logits, logits.stride(-2), targets, stats, entropy, grad_logp, grad_entropy, temperature,
-                   with_entropy)  # fmt: skip
+    _lp_bwd_launch(
+        logits, logits, logits.stride(-2), targets, stats, entropy, grad_logp, grad_entropy, temperature, with_entropy
+    )
 
 
 def _lp_bwd_inplace_fake(logits, targets, stats, entropy, grad_logp, grad_entropy, temperature, with_entropy):
@@ -169,10 +228,33 @@ _token_logprobs_fwd = register_op(
 )
 
 
-# argument checks, reference fallback, public function
+# the front desk (argument checks, once per public call), the reference fallback, the runner, the public function
 
 # fp32 temporaries of one fallback chunk (the reference holds a handful of [rows, V] fp32 tensors per chunk).
 _FALLBACK_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class LogprobInputs:
+    """One call's checked log-prob inputs, as the runners take them: exactly one of logits or hidden (+ weight, bias,
+    already cast to hidden's dtype under autocast), targets in [0, vocab), the temperature as a float, whether entropy
+    is wanted and whether the logits gradient may overwrite the logits. Built once per public call, by
+    token_logprobs' front desk (_logprob_inputs) or by rapo_loss's (which checks the same tensors its own way)."""
+
+    logits: Tensor | None
+    hidden: Tensor | None
+    weight: Tensor | None
+    bias: Tensor | None
+    targets: Tensor
+    vocab: int
+    temperature: float
+    entropy: bool
+    inplace_backward: bool = False
+
+    @property
+    def x(self) -> Tensor:
+        """The model-side input: logits, or hidden."""
+        return self.logits if self.logits is not None else self.hidden
 
 
 def _validate(logits, hidden, weight, bias, targets, temperature, return_entropy) -> int:
@@ -187,11 +269,48 @@ def _validate(logits, hidden, weight, bias, targets, temperature, return_entropy
     return v
 
 
+def head_in_hidden_dtype(
+    hidden: torch.Tensor | None, weight: torch.Tensor | None, bias: torch.Tensor | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(weight, bias) for the hidden-state path: cast to hidden's dtype when autocast is on for hidden's device type
+    and their float dtype differs, else returned as given (a mismatch outside autocast is refused by the checks).
+
+    Why: under `torch.autocast(dtype=bfloat16)` a model's lm_head weight stays fp32 while activations may be bf16, and
+    `lm_head(h)` itself would compute in the low precision; `rapo_loss(hidden=h, weight=model.lm_head.weight)` is
+    what users write there. The cast is a differentiable `.to`: the gradient reaches the given weight (and bias) in
+    their own dtype. The kernels themselves run outside autocast's casting rules, so this is the only cast.
+    """
+    if not (isinstance(hidden, torch.Tensor) and hidden.dtype in C.FLOAT_DTYPES):
+        return weight, bias
+    if not torch.is_autocast_enabled(hidden.device.type):
+        return weight, bias
+
+    def cast(t):
+        if isinstance(t, torch.Tensor) and t.dtype in C.FLOAT_DTYPES and t.dtype != hidden.dtype:
+            return t.to(hidden.dtype)
+        return t
+
+    return cast(weight), cast(bias)
+
+
 def check_inplace_backward(inplace_backward, logits: Tensor | None) -> None:
     """token_logprobs' / rapo_loss's inplace_backward: a bool, True only with logits= (the hidden-state paths never
     hold a logits gradient of [N, V] to save)."""
     if C.check_bool("inplace_backward", inplace_backward) and logits is None:
         raise ValueError("inplace_backward: expected False with hidden= (that path has no [N, V] gradient), got True")
+
+
+def _logprob_inputs(
+    logits, hidden, weight, bias, targets, temperature, return_entropy, inplace_backward, return_path
+) -> LogprobInputs:
+    """token_logprobs' front desk: the autocast cast of the head, every check, once; the inputs the runners take."""
+    weight, bias = head_in_hidden_dtype(hidden, weight, bias)  # under autocast: cast to hidden's dtype, with grad
+    vocab = _validate(logits, hidden, weight, bias, targets, temperature, return_entropy)
+    check_inplace_backward(inplace_backward, logits)
+    C.check_bool("return_path", return_path)
+    return LogprobInputs(
+        logits, hidden, weight, bias, targets, vocab, float(temperature), return_entropy, inplace_backward
+    )
 
 
 def _row_slices(x: torch.Tensor, rows: int):
@@ -204,13 +323,13 @@ def _row_slices(x: torch.Tensor, rows: int):
             yield from _row_slices(x[b], rows)
 
 
-def _reference_chunked(logits, hidden, weight, bias, targets, temperature, return_entropy):
+def _reference_chunked(inp: LogprobInputs):
     """The reference over row chunks, each under torch.utils.checkpoint, so that neither forward nor backward holds
     more than one chunk of [rows, V] fp32 temporaries (the CPU path without Triton); in one piece while tracing under
     torch.compile."""
-    x = logits if logits is not None else hidden
-    v = logits.shape[-1] if logits is not None else weight.shape[0]
-    rows = max(1, _FALLBACK_BYTES // (4 * v))
+    logits, weight, bias, targets = inp.logits, inp.weight, inp.bias, inp.targets
+    temperature, return_entropy, x = inp.temperature, inp.entropy, inp.x
+    rows = max(1, _FALLBACK_BYTES // (4 * inp.vocab))
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
     if weight is not None:
         # Upcast the parameters once, outside the chunks, so that their gradients sum over chunks in fp32 and are
@@ -293,45 +412,51 @@ def token_logprobs(
     Raises ValueError / TypeError naming the argument before any kernel runs. The targets range check costs one
     host sync and is skipped under torch.compile tracing.
     """
-    weight, bias = head_in_hidden_dtype(hidden, weight, bias)  # under autocast: cast to hidden's dtype, with grad
-    _validate(logits, hidden, weight, bias, targets, temperature, return_entropy)
-    check_inplace_backward(inplace_backward, logits)
-    C.check_bool("return_path", return_path)
-    x = logits if logits is not None else hidden
-    plan = plan_path(
-        "token_logprobs", backend, device=x.device, dtype=x.dtype, hidden=hidden is not None,
-        entropy=return_entropy, auto_triton=use_triton(x.device) if backend == "auto" else None,
-    )  # fmt: skip
-    out, path, reason = _run_plan(
-        plan, logits, hidden, weight, bias, targets, float(temperature), return_entropy, inplace_backward
+    inp = _logprob_inputs(
+        logits, hidden, weight, bias, targets, temperature, return_entropy, inplace_backward, return_path
     )
+    x = inp.x
+    plan = plan_path(
+        "token_logprobs",
+        backend,
+        device=x.device,
+        dtype=x.dtype,
+        hidden=hidden is not None,
+        entropy=return_entropy,
+        auto_triton=use_triton(x.device) if backend == "auto" else None,
+    )
+    out, path, reason = _run_logprobs(inp, plan)
     log_path("token_logprobs", path, reason)
     if not return_path:
         return out
     return (*out, path.value) if return_entropy else (out, path.value)
 
 
-def _run_plan(plan: PathPlan, logits, hidden, weight, bias, targets, temperature: float, return_entropy: bool,
-              inplace_backward: bool):  # fmt: skip
-    """token_logprobs' output on the planned path; returns (output, the path that ran, why). torch's linear CE
-    hands over to the chunked reference when some row's loss is not finite (decided from its output)."""
+def _run_logprobs(inp: LogprobInputs, plan: PathPlan):
+    """The log-probs (and entropy) of checked inputs on the planned path, for token_logprobs and rapo_loss (which
+    plans its own call); returns (logp or (logp, entropy), the path that ran, why). torch's linear CE hands over to
+    the chunked reference when some row's loss is not finite (decided from its output)."""
     path, reason = plan.path, plan.reason
+    logits, hidden, targets, t, ent_on = inp.logits, inp.hidden, inp.targets, inp.temperature, inp.entropy
     if path is Path.TRITON_LOGITS:
         if logits.stride(-1) != 1:
             logits = logits.contiguous()
-        logp, _, ent = _token_logprobs_fwd(logits, targets, temperature, return_entropy, inplace_backward)
-        return ((logp, ent) if return_entropy else logp), path, reason
+        logp, _, ent = _token_logprobs_fwd(logits, targets, t, ent_on, inp.inplace_backward)
+        return ((logp, ent) if ent_on else logp), path, reason
     if path is Path.TRITON_LINEAR:
         h2 = hidden.reshape(-1, hidden.shape[-1])
-        bias = None if bias is None else bias.contiguous()  # the kernel indexes bias[v] densely
-        logp, _, ent = linear_token_logprobs_fwd(h2, weight, bias, targets.reshape(-1), temperature, return_entropy)
+        bias = None if inp.bias is None else inp.bias.contiguous()  # the kernel indexes bias[v] densely
+        logp, _, ent = linear_token_logprobs_fwd(h2, inp.weight, bias, targets.reshape(-1), t, ent_on)
         logp = logp.view(targets.shape)
-        return ((logp, ent.view(targets.shape)) if return_entropy else logp), path, reason
+        return ((logp, ent.view(targets.shape)) if ent_on else logp), path, reason
+    if path is Path.REFERENCE_FP64:  # rapo_loss's checking precision (gradcheck, tests): unchunked, keeps fp64
+        if logits is not None:
+            return token_logprobs_ref(logits, targets, t, ent_on), path, reason
+        return linear_token_logprobs_ref(hidden, inp.weight, targets, inp.bias, t, ent_on), path, reason
     if path is Path.TORCH_LINEAR_CE:
-        logp = linear_logprobs_torch(hidden, weight, bias, targets, temperature)
+        logp = linear_logprobs_torch(hidden, inp.weight, inp.bias, targets, t)
         if bool(torch.isfinite(logp).all()):
             return logp, path, reason
         # a row whose loss is not finite: torch's backward would not give its exactly-zero gradient
         path, reason = Path.REFERENCE_CHUNKED, f"{reason}; a row's loss was not finite, so the exact reference"
-    out = _reference_chunked(logits, hidden, weight, bias, targets, temperature, return_entropy)
-    return out, path, reason
+    return _reference_chunked(inp), path, reason

@@ -3,12 +3,12 @@ of rapo_loss's tensor arguments.
 
 What this is: `LossOptions`, the frozen dataclass (a rapo_fast._sections.Section, whose fields also say how the
 kernels take each option: KernelArg) that rapo_loss, RAPOLoss, policy_loss_from_logp, the presets, the
-TRL / verl adapters and the reference all build; the option vocabularies; `OPTION_DEFAULTS`; `check_inputs`, the
-validation of the tensors before any kernel (it may sync with the device once); and the two checks run after the
-log-prob pass from its [N] output (check_logits_rows_defined, check_loss_logp_defined), so that no check reads the
-[N, V] logits. The options table is docs/loss.md section 7.
-What it is not: the loss math (docs/loss.md; rapo_fast/loss/policy_loss.py and rapo_fast/kernels/loss/policy_loss.py
-compute it) or generic checks (rapo_fast/_checks.py, which this module uses).
+TRL / verl adapters and the reference all build; the option vocabularies; `OPTION_DEFAULTS`; `LossInputs`, one loss
+call's arguments by name; `check_inputs`, their validation before any kernel (InputFacts); and the two checks run
+after the log-prob pass from its [N] output (check_logits_rows_defined, check_loss_logp_defined), so that no check
+reads the [N, V] logits. The options table is docs/loss.md section 7.
+What it is not: the loss math (docs/loss.md; rapo_fast/loss/policy_loss.py and
+rapo_fast/kernels/loss/policy_loss.py compute it) or generic checks (rapo_fast/_checks.py, which this module uses).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ __all__ = [
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "InputFacts",
+    "LossInputs",
     "check_inputs",
     "check_logits_rows_defined",
     "check_loss_logp_defined",
@@ -41,7 +42,6 @@ __all__ = [
     "TARGET_DTYPES",
     "IGNORE_INDEX",
     "OLD_LOGP_MAX",
-    "head_in_hidden_dtype",
 ]
 
 # The integer dtypes accepted for targets, by rapo_loss and token_logprobs (one rule: rapo_fast/_checks.py).
@@ -158,9 +158,13 @@ class LossOptions(Section):
 
     @classmethod
     def from_call(
-        cls, options: LossOptions | Mapping[str, Any] | None, keywords: Mapping[str, Any], *, caller: str,
+        cls,
+        options: LossOptions | Mapping[str, Any] | None,
+        keywords: Mapping[str, Any],
+        *,
+        caller: str,
         exclude: Collection[str] = (),
-    ) -> LossOptions:  # fmt: skip
+    ) -> LossOptions:
         """The options of one call of `caller`: `options` (a LossOptions, a mapping such as a preset, or None) with
         the call's option `keywords` on top. A keyword that is not an option (or is in `exclude`) raises TypeError,
         as Python does for an unexpected keyword argument."""
@@ -221,63 +225,66 @@ def with_option_keywords(exclude: Collection[str] = ()) -> Callable[[Callable], 
 @dataclass(frozen=True)
 class InputFacts:
     """What check_inputs learnt: the targets' (or logp's) shape, flat layout or not, rows (sequences), the device,
-    and whether some targets may be IGNORE_INDEX (at tokens outside loss_mask only; always True while tracing under
-    torch.compile, where the targets are not read)."""
+    the vocabulary size V (None for policy_loss_from_logp), and whether some targets may be IGNORE_INDEX (at tokens
+    outside loss_mask only; always True while tracing under torch.compile, where the targets are not read)."""
 
     shape: tuple[int, ...]
     flat: bool
     rows: int
     device: torch.device | None
+    vocab: int | None = None
     ignored_targets: bool = False
 
 
-def head_in_hidden_dtype(
-    hidden: torch.Tensor | None, weight: torch.Tensor | None, bias: torch.Tensor | None
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(weight, bias) for the hidden-state path: cast to hidden's dtype when autocast is on for hidden's device type
-    and their float dtype differs, else returned as given (a mismatch outside autocast is refused by the checks).
+@dataclass
+class LossInputs:
+    """One rapo_loss / policy_loss_from_logp call's arguments, by name, as the loss steps take them: the model side
+    (logits, or hidden + weight + bias, with targets; or the given logp and entropy), the per-token tensors, the
+    options, and `facts` once check_inputs has read them. Built once per call by the entry point's front desk
+    (rapo_fast/loss/policy_loss.py); `entry` names the entry point."""
 
-    Why: under `torch.autocast(dtype=bfloat16)` a model's lm_head weight stays fp32 while activations may be bf16, and
-    `lm_head(h)` itself would compute in the low precision; `rapo_loss(hidden=h, weight=model.lm_head.weight)` is
-    what users write there. The cast is a differentiable `.to`: the gradient reaches the given weight (and bias) in
-    their own dtype. The kernels themselves run outside autocast's casting rules, so this is the only cast.
-    """
-    if not (isinstance(hidden, torch.Tensor) and hidden.dtype in C.FLOAT_DTYPES):
-        return weight, bias
-    if not torch.is_autocast_enabled(hidden.device.type):
-        return weight, bias
+    entry: str
+    opts: LossOptions
+    old_logp: torch.Tensor
+    advantages: torch.Tensor
+    loss_mask: torch.Tensor
+    retrieved_mask: torch.Tensor | None = None
+    response_mask: torch.Tensor | None = None
+    behav_logp: torch.Tensor | None = None
+    ref_logp: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None
+    global_num_tokens: Any = None
+    logits: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+    weight: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    targets: torch.Tensor | None = None
+    logp: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    facts: InputFacts | None = None
 
-    def cast(t):
-        if isinstance(t, torch.Tensor) and t.dtype in C.FLOAT_DTYPES and t.dtype != hidden.dtype:
-            return t.to(hidden.dtype)
-        return t
-
-    return cast(weight), cast(bias)
+    @property
+    def given_logp(self) -> bool:
+        """policy_loss_from_logp: log-probs given, no logits / hidden / targets."""
+        return self.entry == "policy_loss_from_logp"
 
 
-def _check_model_inputs(a: Mapping[str, Any]) -> tuple[torch.Tensor, tuple, int]:
-    """rapo_loss's logits / hidden + weight + bias / targets checks (rapo_fast/_checks.py, shared with
-    token_logprobs); returns (targets, targets' shape, V)."""
-    vocab = C.check_model_inputs(a["logits"], a["hidden"], a["weight"], a["bias"], a["targets"])
-    return a["targets"], tuple(a["targets"].shape), vocab
-
-
-def _check_logp_inputs(a: Mapping[str, Any], opts: LossOptions) -> tuple:
+def _check_logp_inputs(a: LossInputs, opts: LossOptions) -> tuple:
     """policy_loss_from_logp's logp / entropy checks; returns logp's shape."""
-    logp = C.check_tensor("logp", a["logp"], ndim=(1, 2), dtypes=C.FLOAT_DTYPES)
+    logp = C.check_tensor("logp", a.logp, ndim=(1, 2), dtypes=C.FLOAT_DTYPES)
     tshape = tuple(logp.shape)
-    C.check_optional_tensor("entropy", a["entropy"], shape=tshape, dtypes=C.FLOAT_DTYPES)
-    if opts.entropy_coef != 0.0 and a["entropy"] is None:
+    C.check_optional_tensor("entropy", a.entropy, shape=tshape, dtypes=C.FLOAT_DTYPES)
+    if opts.entropy_coef != 0.0 and a.entropy is None:
         raise ValueError(f"entropy: expected a tensor when entropy_coef != 0 ({opts.entropy_coef}), got None")
     return tshape
 
 
-def _check_per_token(a: Mapping[str, Any], tshape: tuple) -> None:
+def _check_per_token(a: LossInputs, tshape: tuple) -> None:
     for k in ("old_logp", "behav_logp", "ref_logp"):
-        C.check_optional_tensor(k, a[k], shape=tshape, dtypes=C.FLOAT_DTYPES)
+        C.check_optional_tensor(k, getattr(a, k), shape=tshape, dtypes=C.FLOAT_DTYPES)
     for k in ("loss_mask", "retrieved_mask", "response_mask"):
-        C.check_optional_tensor(k, a[k], shape=tshape, dtypes=C.MASK_DTYPES)
-    if a["old_logp"] is None or a["loss_mask"] is None:
+        C.check_optional_tensor(k, getattr(a, k), shape=tshape, dtypes=C.MASK_DTYPES)
+    if a.old_logp is None or a.loss_mask is None:
         raise ValueError("old_logp/loss_mask: expected tensors, got None")
 
 
@@ -316,33 +323,33 @@ def _check_logp_not_positive(name: str, t: torch.Tensor, in_loss: torch.Tensor) 
         )
 
 
-def _check_values(a: Mapping[str, Any], opts: LossOptions, targets: torch.Tensor | None, vocab: int | None) -> bool:
+def _check_values(a: LossInputs, opts: LossOptions, targets: torch.Tensor | None, vocab: int | None) -> bool:
     """Value checks (one sync each) and the tensors some options need; returns whether some targets are
     IGNORE_INDEX (all outside loss_mask)."""
-    ignored = _check_targets(targets, a["loss_mask"], vocab) if targets is not None else False
+    ignored = _check_targets(targets, a.loss_mask, vocab) if targets is not None else False
     # logits rows are not checked here: that would be one more pass over [N, V]; check_logits_rows_defined does it
     # from the forward's output instead (after the log-prob launch, before anything else)
     # per-token values are read only where the token enters the loss: a masked token's old/behav/ref log-prob and
     # advantage may hold anything (NaN, inf), as its logits may; the loss never reads them (docs/loss.md section 3)
-    in_loss = a["loss_mask"] != 0
-    if opts.offpolicy_train == "none" and a["retrieved_mask"] is not None:
-        in_loss = in_loss & (a["retrieved_mask"] == 0)
-    adv = a["advantages"]
+    in_loss = a.loss_mask != 0
+    if opts.offpolicy_train == "none" and a.retrieved_mask is not None:
+        in_loss = in_loss & (a.retrieved_mask == 0)
+    adv = a.advantages
     C.check_finite("advantages", adv, in_loss=in_loss if adv.shape == in_loss.shape else None)
-    C.check_finite("old_logp", a["old_logp"], allow_inf=True, in_loss=in_loss)
-    _check_logp_not_positive("old_logp", a["old_logp"], in_loss)
-    if opts.offpolicy_train == "truncated" and a["behav_logp"] is None:
+    C.check_finite("old_logp", a.old_logp, allow_inf=True, in_loss=in_loss)
+    _check_logp_not_positive("old_logp", a.old_logp, in_loss)
+    if opts.offpolicy_train == "truncated" and a.behav_logp is None:
         raise ValueError(
             "behav_logp: expected the behaviour log-probs of the retrieved tokens when offpolicy_train='truncated', "
             "got None"
         )
-    if opts.tis_cap is not None and a["behav_logp"] is None:
+    if opts.tis_cap is not None and a.behav_logp is None:
         raise ValueError("behav_logp: expected a tensor when tis_cap is set (truncated importance sampling), got None")
-    if opts.beta != 0.0 and a["ref_logp"] is None:
+    if opts.beta != 0.0 and a.ref_logp is None:
         raise ValueError(f"ref_logp: expected a tensor when beta != 0 ({opts.beta}), got None")
     for k in ("behav_logp", "ref_logp"):
-        if a[k] is not None:
-            C.check_finite(k, a[k], allow_inf=True, in_loss=in_loss)
+        if getattr(a, k) is not None:
+            C.check_finite(k, getattr(a, k), allow_inf=True, in_loss=in_loss)
     return ignored
 
 
@@ -407,44 +414,34 @@ def _check_global_num_tokens(g: Any, dev: torch.device | None) -> None:
     C.check_float("global_num_tokens", g, min_value=0.0, min_inclusive=False)
 
 
-def check_inputs(a: Mapping[str, Any], opts: LossOptions) -> InputFacts:
-    """Check every tensor argument of rapo_loss (`a` holds them by name: logits/hidden/weight/bias/targets, or
-    logp/entropy for policy_loss_from_logp, and the per-token tensors, cu_seqlens, global_num_tokens) against the
-    (already checked) options; return the facts the launcher needs."""
-    if "logp" in a:  # policy_loss_from_logp: log-probs (and entropy) given, no logits/hidden/targets
+def check_inputs(a: LossInputs) -> InputFacts:
+    """Check every tensor argument of rapo_loss or policy_loss_from_logp (logits/hidden/weight/bias/targets, or
+    logp/entropy, and the per-token tensors, cu_seqlens, global_num_tokens) against the (already checked) options
+    `a.opts`; return the facts the launcher needs."""
+    opts = a.opts
+    if a.given_logp:  # policy_loss_from_logp: log-probs (and entropy) given, no logits/hidden/targets
         tshape, targets, vocab = _check_logp_inputs(a, opts), None, None
     else:
-        targets, tshape, vocab = _check_model_inputs(a)
+        # the model side: rapo_fast/_checks.py, shared with token_logprobs
+        vocab = C.check_model_inputs(a.logits, a.hidden, a.weight, a.bias, a.targets)
+        targets, tshape = a.targets, tuple(a.targets.shape)
     _check_per_token(a, tshape)
-    cu, flat = a["cu_seqlens"], len(tshape) == 1  # rows: the sequences of padded [B, T] or flat [N] (+ cu_seqlens)
+    cu, flat = a.cu_seqlens, len(tshape) == 1  # rows: the sequences of padded [B, T] or flat [N] (+ cu_seqlens)
     if cu is not None and not flat:
         raise ValueError(
             f"cu_seqlens: expected None with padded inputs (it is for flat targets / logp [N]), got shape {tshape}"
         )
     rows = C.check_cu_seqlens("cu_seqlens", cu, tshape[0]) if cu is not None else (1 if flat else tshape[0])
-    adv = C.check_tensor("advantages", a["advantages"], dtypes=C.FLOAT_DTYPES)
+    adv = C.check_tensor("advantages", a.advantages, dtypes=C.FLOAT_DTYPES)
     if tuple(adv.shape) not in (tshape, (rows,)):
         raise ValueError(
             f"advantages: expected shape {tshape} (per token) or ({rows},) (per sequence), got {tuple(adv.shape)}"
         )
     names = (
-        "logp",
-        "entropy",
-        "targets",
-        "logits",
-        "hidden",
-        "weight",
-        "bias",
-        "old_logp",
-        "advantages",
-        "loss_mask",
-        "retrieved_mask",
-        "response_mask",
-        "behav_logp",
-        "ref_logp",
-        "cu_seqlens",
-    )
-    dev = C.check_same_device(**{k: a.get(k) for k in names})
+        "logp entropy targets logits hidden weight bias old_logp advantages loss_mask retrieved_mask response_mask "
+        "behav_logp ref_logp cu_seqlens"
+    ).split()
+    dev = C.check_same_device(**{k: getattr(a, k) for k in names})
     ignored = _check_values(a, opts, targets, vocab)
-    _check_global_num_tokens(a["global_num_tokens"], dev)
-    return InputFacts(shape=tshape, flat=flat, rows=rows, device=dev, ignored_targets=ignored)
+    _check_global_num_tokens(a.global_num_tokens, dev)
+    return InputFacts(shape=tshape, flat=flat, rows=rows, device=dev, vocab=vocab, ignored_targets=ignored)

@@ -3,8 +3,8 @@
 What this is: the rule behind the `backend=` argument of token_logprobs, rapo_loss and policy_loss_from_logp ("auto",
 "triton", "torch", "reference"), the environment switches that steer "auto" only (RAPO_FAST_DISABLE_TRITON=1,
 RAPO_FAST_FUSED_LINEAR_LOSS=0; TRITON_INTERPRET=1 is what lets CPU tensors run Triton at all), the refusal of an
-explicit backend that cannot run on the inputs (ValueError naming backend, its value and why), `LossMetrics`
-(rapo_loss's metrics with the path that ran) and the debug line on the "rapo_fast" logger. docs/architecture.md
+explicit backend that cannot run on the inputs (ValueError naming backend, its value and why), and the debug line on
+the "rapo_fast" logger naming the path that ran. docs/architecture.md
 ("Log-prob and loss paths") lists the paths. The plan is made in Python before any op runs; no op sees it.
 What this is not: the paths themselves (rapo_fast/loss/logprobs.py, linear_logprobs.py, fused_linear.py,
 torch_linear_ce.py, policy_op.py) nor the per-device rule of a single op (rapo_fast/_dispatch.py).
@@ -23,7 +23,7 @@ from rapo_fast import _checks as C
 from rapo_fast import _dispatch
 from rapo_fast.loss.torch_linear_ce import torch_linear_ce_available
 
-__all__ = ["BACKENDS", "ENTRIES", "Path", "PathPlan", "LossMetrics", "plan_path", "log_path"]
+__all__ = ["BACKENDS", "ENTRIES", "Path", "PathPlan", "plan_path", "log_path"]
 
 BACKENDS = ("auto", "triton", "torch", "reference")
 ENTRIES = ("token_logprobs", "rapo_loss", "policy_loss_from_logp")
@@ -54,21 +54,6 @@ class PathPlan(NamedTuple):
     path: Path
     reason: str
     backend: str
-
-
-class LossMetrics(dict):
-    """rapo_loss's metrics: a dict of 0-dim tensors (its keys: docs/loss.md section 5) plus `path`, the name of the
-    path that ran, readable as `metrics.path` or `metrics["path"]`, and `token_logp`, the per-token log-probs the loss
-    used (detached; the targets' shape; fp32, fp64 for fp64 input). Neither is among the keys, so that code looping
-    over the metrics (logging, .item()) sees 0-dim tensors only."""
-
-    path: str = ""
-    token_logp: torch.Tensor | None = None
-
-    def __missing__(self, key):
-        if key == "path":
-            return self.path
-        raise KeyError(key)
 
 
 def _refuse(backend: str, why: str) -> ValueError:
@@ -121,9 +106,17 @@ def _triton_path(entry: str, hidden: bool, needs_grad: bool, sequence_level: boo
 
 
 def plan_path(
-    entry: str, backend: str, *, device: torch.device, dtype: torch.dtype, hidden: bool = False,
-    entropy: bool = False, needs_grad: bool = False, sequence_level: bool = False, auto_triton: bool | None = None,
-) -> PathPlan:  # fmt: skip
+    entry: str,
+    backend: str,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    hidden: bool = False,
+    entropy: bool = False,
+    needs_grad: bool = False,
+    sequence_level: bool = False,
+    auto_triton: bool | None = None,
+) -> PathPlan:
     """The path `entry` (one of ENTRIES) takes for inputs on `device` in `dtype` (logits' / hidden's / logp's),
     given hidden states or not, entropy wanted, a gradient needed, GSPO's sequence level; `auto_triton` is the
     caller's use_triton(device) (default: rapo_fast._dispatch.use_triton). Raises ValueError for a backend outside

@@ -1,6 +1,7 @@
 """rapo_fast.rapo_loss and rapo_fast.RAPOLoss: the drop-in RAPO / GRPO / DAPO / GSPO / PPO policy loss.
 
-What this is: the flow validate -> log-probs (rapo_fast.token_logprobs) -> the check that every token in the loss has
+What this is: the flow front desk (cast, check and plan once, into one LossInputs) -> log-probs (token_logprobs'
+private runner, not the public function: nothing is checked twice) -> the check that every token in the loss has
 a finite log-sum-exp -> per-sequence quantities (shaping factor F, GSPO sequence log-ratio, aggregation weights) on
 [N]/[S] vectors -> the elementwise policy op `rapo_fast::policy_loss` (or, on the hidden path, the one-pass
 rapo_fast/loss/fused_linear.py). No host sync after that check. The per-token formulas are docs/loss.md section 3,
@@ -12,7 +13,7 @@ What this is not: log-probs (rapo_fast/loss/logprobs.py) or advantage estimation
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Any
 
@@ -22,7 +23,7 @@ from torch import nn
 from rapo_fast._dispatch import use_triton
 from rapo_fast.loss import presets as P
 from rapo_fast.loss.fused_linear import fused_linear_policy_loss
-from rapo_fast.loss.logprobs import check_inplace_backward, token_logprobs
+from rapo_fast.loss.logprobs import LogprobInputs, _run_logprobs, check_inplace_backward, head_in_hidden_dtype
 from rapo_fast.loss.options import (  # noqa: F401  (re-exported: the option vocabularies are public)
     IGNORE_INDEX,
     IS_LEVELS,
@@ -31,19 +32,18 @@ from rapo_fast.loss.options import (  # noqa: F401  (re-exported: the option voc
     OFFPOLICY_MODES,
     OPTION_DEFAULTS,
     InputFacts,
+    LossInputs,
     LossOptions,
     check_inputs,
     check_logits_rows_defined,
     check_loss_logp_defined,
-    head_in_hidden_dtype,
     with_option_keywords,
 )
-from rapo_fast.loss.path_plan import LossMetrics, Path, PathPlan, log_path, plan_path
+from rapo_fast.loss.path_plan import Path, PathPlan, log_path, plan_path
 from rapo_fast.loss.policy_layout import Metric, TokenCode
 from rapo_fast.loss.policy_op import policy_loss_op, stack_token_inputs, torch_policy_loss
-from rapo_fast.reference.logprobs import linear_token_logprobs_ref, token_logprobs_ref
 
-__all__ = ["rapo_loss", "policy_loss_from_logp", "RAPOLoss", "LossOptions", "OPTION_DEFAULTS"]
+__all__ = ["rapo_loss", "policy_loss_from_logp", "RAPOLoss", "LossMetrics", "LossOptions", "OPTION_DEFAULTS"]
 
 
 # ----------------------------------------------------------------------------------------------------- public entry
@@ -54,17 +54,32 @@ def _use_fused(plan: PathPlan) -> bool:
     return plan.path is Path.TRITON_FUSED_LINEAR
 
 
-def _plan(a: dict, opts: LossOptions, backend: str, want_ent: bool) -> PathPlan:
-    """rapo_loss's path for the (checked) tensors in `a` (rapo_fast/loss/path_plan.py)."""
-    hidden = a["hidden"]
-    x = a["logits"] if a["logits"] is not None else hidden
-    grad_in = (hidden, a["weight"], a["bias"]) if hidden is not None else (x,)
+def _plan(a: LossInputs, backend: str, want_ent: bool) -> PathPlan:
+    """rapo_loss's path for its checked inputs (rapo_fast/loss/path_plan.py)."""
+    hidden = a.hidden
+    x = a.logits if a.logits is not None else hidden
+    grad_in = (hidden, a.weight, a.bias) if hidden is not None else (x,)
     return plan_path(
-        "rapo_loss", backend, device=x.device, dtype=x.dtype, hidden=hidden is not None, entropy=want_ent,
+        "rapo_loss",
+        backend,
+        device=x.device,
+        dtype=x.dtype,
+        hidden=hidden is not None,
+        entropy=want_ent,
         needs_grad=torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in grad_in),
-        sequence_level=opts.importance_sampling_level == "sequence",
+        sequence_level=a.opts.importance_sampling_level == "sequence",
         auto_triton=use_triton(x.device) if backend == "auto" else None,
-    )  # fmt: skip
+    )
+
+
+def _loss_inputs(a: LossInputs) -> LossInputs:
+    """The front desk's checks of rapo_loss / policy_loss_from_logp, once: `a.facts` filled in, and (rapo_loss) the
+    ignore index replaced where the loss never reads it."""
+    a.facts = check_inputs(a)
+    # -100 only outside loss_mask (checked): any id in [0, V) there, the loss never reads it
+    if a.facts.ignored_targets:
+        a.targets = a.targets.masked_fill(a.targets == IGNORE_INDEX, 0)
+    return a
 
 
 @with_option_keywords()
@@ -112,53 +127,59 @@ def rapo_loss(
     backend: "auto" (default), "triton", "torch" or "reference" (token_logprobs' meanings; "triton" also takes the
     fused one-pass path for hidden= at token level with a gradient); an explicit backend that cannot run on the inputs
     raises ValueError. docs/architecture.md ("Log-prob and loss paths") lists the paths.
-    Returns a 0-dim fp32 loss (fp64 for fp64 input), or (loss, metrics) with 0-dim detached metrics: clip_frac_low,
-    clip_frac_high, dual_clip_frac, ratio_mean, approx_kl (mean old - logp), kl, entropy (on tokens in the loss),
-    retrieved_frac (retrieved / response tokens), tis_weight_mean, offpolicy_weight_mean, num_tokens,
-    num_offpolicy_tokens; and metrics["path"] (also metrics.path, not among the keys): the name of the path that ran
-    (rapo_fast.loss.path_plan.Path). The "rapo_fast" logger names it at debug level. metrics.token_logp (not a key
-    either): the per-token log-probs the loss used, detached, in the targets' shape.
+    Returns a 0-dim fp32 loss (fp64 for fp64 input), or (loss, metrics), metrics a LossMetrics whose 0-dim detached
+    fields are clip_frac_low, clip_frac_high, dual_clip_frac, ratio_mean, approx_kl (mean old - logp), kl, entropy (on
+    tokens in the loss), retrieved_frac (retrieved / response tokens), tis_weight_mean, offpolicy_weight_mean,
+    num_tokens, num_offpolicy_tokens (metrics.scalars(): these by name); metrics.path: the name of the path that ran
+    (rapo_fast.loss.path_plan.Path; the "rapo_fast" logger names it at debug level); metrics.token_logp: the per-token
+    log-probs the loss used, detached, in the targets' shape.
     Raises ValueError / TypeError naming the argument before any kernel runs, except for a token in the loss whose
     logits row has no finite log-sum-exp (NaN, +inf, only -inf): refused from the log-prob pass's output, before the
     policy op and any backward (docs/loss.md section 3). While tracing under torch.compile the checks that read tensor
     values are skipped (docs/loss.md section 6, "Under torch.compile"); the call compiles with fullgraph=True.
     """
-    a = dict(locals())
-    backend = a.pop("backend")
-    opts = LossOptions.from_call(a.pop("options"), a.pop("option_kwargs"), caller="rapo_loss")
-    check_inplace_backward(a.pop("inplace_backward"), logits)
-    weight, bias = a["weight"], a["bias"] = head_in_hidden_dtype(hidden, weight, bias)  # autocast: cast, with grad
-    facts = check_inputs(a, opts)
-    if facts.ignored_targets:  # -100 only outside loss_mask (checked): any id in [0, V) there, the loss never reads it
-        targets = a["targets"] = targets.masked_fill(targets == IGNORE_INDEX, 0)
-    want_ent = opts.entropy_coef != 0.0 or opts.return_metrics
-    plan = _plan(a, opts, backend, want_ent)
-    if _use_fused(plan):
-        # log-probs, loss and gradients in one pass: rapo_fast/loss/fused_linear.py
-        return _loss_from_logp(a, opts, facts, None, None, plan, plan.path, fused=True)
-    if plan.path is Path.REFERENCE_FP64:  # a checking precision (gradcheck, tests): the reference, which keeps fp64
-        path = plan.path
-        out = (
-            token_logprobs_ref(logits, targets, opts.temperature, want_ent)
-            if logits is not None
-            else linear_token_logprobs_ref(hidden, weight, targets, bias, opts.temperature, want_ent)
-        )
-    else:
-        *out, path = token_logprobs(
-            logits,
+    opts = LossOptions.from_call(options, option_kwargs, caller="rapo_loss")
+    check_inplace_backward(inplace_backward, logits)
+    weight, bias = head_in_hidden_dtype(hidden, weight, bias)  # autocast: cast to hidden's dtype, with grad
+    a = _loss_inputs(
+        LossInputs(
+            "rapo_loss",
+            opts,
+            old_logp,
+            advantages,
+            loss_mask,
+            retrieved_mask,
+            response_mask,
+            behav_logp,
+            ref_logp,
+            cu_seqlens,
+            global_num_tokens,
+            logits=logits,
             hidden=hidden,
             weight=weight,
             bias=bias,
             targets=targets,
-            temperature=opts.temperature,
-            return_entropy=want_ent,
-            inplace_backward=inplace_backward,
-            backend=backend,
-            return_path=True,
         )
-        out, path = (tuple(out) if want_ent else out[0]), Path(path)
+    )
+    want_ent = opts.entropy_coef != 0.0 or opts.return_metrics
+    plan = _plan(a, backend, want_ent)
+    if _use_fused(plan):
+        # log-probs, loss and gradients in one pass: rapo_fast/loss/fused_linear.py
+        return _loss_from_logp(a, None, None, plan, plan.path, fused=True)
+    lp_in = LogprobInputs(
+        a.logits,
+        a.hidden,
+        a.weight,
+        a.bias,
+        a.targets,
+        a.facts.vocab,
+        float(opts.temperature),
+        want_ent,
+        inplace_backward,
+    )
+    out, path, _ = _run_logprobs(lp_in, plan)  # checked and planned here: not token_logprobs' front desk again
     logp, ent = out if want_ent else (out, None)
-    return _loss_from_logp(a, opts, facts, logp, ent, plan, path)
+    return _loss_from_logp(a, logp, ent, plan, path)
 
 
 @with_option_keywords(exclude=("temperature",))
@@ -188,22 +209,37 @@ def policy_loss_from_logp(
     function otherwise; backend: "auto", "triton" (path "triton_policy"), "torch" or "reference" (both
     "torch_policy")).
     """
-    a = dict(locals())
-    backend = a.pop("backend")
-    opts = LossOptions.from_call(
-        a.pop("options"), a.pop("option_kwargs"), caller="policy_loss_from_logp", exclude=("temperature",)
-    )
+    opts = LossOptions.from_call(options, option_kwargs, caller="policy_loss_from_logp", exclude=("temperature",))
     if opts.temperature != 1.0:
         raise ValueError(
             f"options: temperature={opts.temperature} has no meaning for policy_loss_from_logp (logp is "
             "taken at its temperature already); leave it at 1.0"
         )
-    facts = check_inputs(a, opts)
+    a = _loss_inputs(
+        LossInputs(
+            "policy_loss_from_logp",
+            opts,
+            old_logp,
+            advantages,
+            loss_mask,
+            retrieved_mask,
+            response_mask,
+            behav_logp,
+            ref_logp,
+            cu_seqlens,
+            global_num_tokens,
+            logp=logp,
+            entropy=entropy,
+        )
+    )
     plan = plan_path(
-        "policy_loss_from_logp", backend, device=logp.device, dtype=logp.dtype,
+        "policy_loss_from_logp",
+        backend,
+        device=logp.device,
+        dtype=logp.dtype,
         auto_triton=use_triton(logp.device) if backend == "auto" else None,
-    )  # fmt: skip
-    return _loss_from_logp(a, opts, facts, logp, entropy, plan, plan.path)
+    )
+    return _loss_from_logp(a, logp, entropy, plan, plan.path)
 
 
 # ---------------------------------------------------------------------------------- the steps after the log-probs
@@ -235,11 +271,11 @@ class _Tokens:
         return torch.zeros(f.rows, dtype=self.cd, device=self.device).index_add_(0, self.seg, x.to(self.cd))
 
 
-def _tokens(a: dict, opts: LossOptions, facts: InputFacts, logp: torch.Tensor | None, ent: torch.Tensor | None,
-            fused: bool) -> _Tokens:  # fmt: skip
+def _tokens(a: LossInputs, logp: torch.Tensor | None, ent: torch.Tensor | None, fused: bool) -> _Tokens:
+    opts, facts = a.opts, a.facts
     n = math.prod(facts.shape)
     if fused:
-        lp, cd, dev = None, torch.float32, a["hidden"].device
+        lp, cd, dev = None, torch.float32, a.hidden.device
     else:
         if ent is not None and opts.entropy_coef == 0.0:
             ent = ent.detach()  # for the metric only: no backward through the entropy
@@ -250,13 +286,13 @@ def _tokens(a: dict, opts: LossOptions, facts: InputFacts, logp: torch.Tensor | 
     def vec(x):
         return None if x is None else x.reshape(n).to(cd).contiguous()
 
-    lm = a["loss_mask"].reshape(n) != 0
-    ret = a["retrieved_mask"].reshape(n) != 0 if a["retrieved_mask"] is not None else torch.zeros_like(lm)
-    resp = a["response_mask"].reshape(n) != 0 if a["response_mask"] is not None else torch.ones_like(lm)
+    lm = a.loss_mask.reshape(n) != 0
+    ret = a.retrieved_mask.reshape(n) != 0 if a.retrieved_mask is not None else torch.zeros_like(lm)
+    resp = a.response_mask.reshape(n) != 0 if a.response_mask is not None else torch.ones_like(lm)
     on = lm & ~ret
     off = lm & ret if opts.offpolicy_train != "none" else torch.zeros_like(lm)
     # segment id of each token; padded rows are segments of length T
-    cu = a["cu_seqlens"]
+    cu = a.cu_seqlens
     if facts.flat and cu is not None:
         seg = torch.searchsorted(cu[1:].to(torch.int64), torch.arange(n, device=dev), right=True)
     elif facts.flat:
@@ -269,9 +305,9 @@ def _tokens(a: dict, opts: LossOptions, facts: InputFacts, logp: torch.Tensor | 
         facts=facts,
         lp=lp,
         ent=vec(ent),
-        old=vec(a["old_logp"]),
-        behav=vec(a["behav_logp"]),
-        ref=vec(a["ref_logp"]),
+        old=vec(a.old_logp),
+        behav=vec(a.behav_logp),
+        ref=vec(a.ref_logp),
         on=on,
         off=off,
         act=on | off,
@@ -316,14 +352,16 @@ def _agg_weights(t: _Tokens, loss_agg: str, global_num_tokens) -> torch.Tensor:
     return w.contiguous()
 
 
-def _loss_from_logp(a: dict, opts: LossOptions, facts: InputFacts, logp: torch.Tensor | None,
-                    ent: torch.Tensor | None, plan: PathPlan, path: Path, fused: bool = False):  # fmt: skip
+def _loss_from_logp(
+    a: LossInputs, logp: torch.Tensor | None, ent: torch.Tensor | None, plan: PathPlan, path: Path, fused: bool = False
+):
     """Everything of rapo_loss after the log-probs: per-sequence quantities, aggregation weights, the policy op (Triton
     when `plan` is a Triton path, else torch; or, with fused=True and logp None, the fused hidden-state op) and the
-    metrics, which name `path`, the path that ran. `a` holds rapo_loss's tensors."""
-    t = _tokens(a, opts, facts, logp, ent, fused)
-    scale, seqlr, adv = _sequence_terms(t, opts, a["advantages"])
-    w = _agg_weights(t, opts.loss_agg, a["global_num_tokens"])
+    metrics, which name `path`, the path that ran. `a`: the call's checked inputs."""
+    opts = a.opts
+    t = _tokens(a, logp, ent, fused)
+    scale, seqlr, adv = _sequence_terms(t, opts, a.advantages)
+    w = _agg_weights(t, opts.loss_agg, a.global_num_tokens)
     code = t.on.to(t.cd) * int(TokenCode.ON) + t.off.to(t.cd) * int(TokenCode.OFF)
     behav = t.behav if (opts.tis_cap is not None or opts.offpolicy_train == "truncated") else None
     tok, present = stack_token_inputs(
@@ -332,16 +370,24 @@ def _loss_from_logp(a: dict, opts: LossOptions, facts: InputFacts, logp: torch.T
     scalars = opts.kernel_scalars()
     if fused:
         loss, sums, lp = fused_linear_policy_loss(
-            a["hidden"], a["weight"], a["bias"], a["targets"], tok, present, scalars, float(opts.temperature),
-            opts.entropy_coef != 0.0 or opts.return_metrics, opts.entropy_coef != 0.0,
-        )  # fmt: skip
+            a.hidden,
+            a.weight,
+            a.bias,
+            a.targets,
+            tok,
+            present,
+            scalars,
+            float(opts.temperature),
+            opts.entropy_coef != 0.0 or opts.return_metrics,
+            opts.entropy_coef != 0.0,
+        )
     else:
         # a token in the loss whose logits row has no finite log-sum-exp: refused here, from the log-probs (NaN
         # exactly there), before the policy op and any backward; no pass of its own over the [N, V] logits
-        if a.get("hidden") is not None:
+        if a.hidden is not None:
             check_loss_logp_defined(torch.isnan(t.lp) & (code != 0))
-        elif a.get("logits") is not None:
-            check_logits_rows_defined(t.lp, a["loss_mask"], a["logits"])
+        elif a.logits is not None:
+            check_logits_rows_defined(t.lp, a.loss_mask, a.logits)
         # fp64 (a checking precision) and devices without Triton: the same math in torch, differentiated by autograd
         if plan.path.triton and t.cd == torch.float32:
             tok_loss, sums = policy_loss_op(t.lp.contiguous(), t.ent, tok, present, scalars)
@@ -349,8 +395,34 @@ def _loss_from_logp(a: dict, opts: LossOptions, facts: InputFacts, logp: torch.T
             tok_loss, sums = torch_policy_loss(t.lp.contiguous(), t.ent, tok, present, opts.kernel_values())
         loss = tok_loss.sum()
         lp = t.lp
-    log_path("policy_loss_from_logp" if "logp" in a else "rapo_loss", path, plan.reason)
+    log_path(a.entry, path, plan.reason)
     return (loss, _metrics(sums, t, opts, path, lp)) if opts.return_metrics else loss
+
+
+@dataclass(frozen=True)
+class LossMetrics:
+    """rapo_loss's metrics (docs/loss.md section 5): twelve 0-dim detached tensors, `path`, the name of the path that
+    ran (rapo_fast.loss.path_plan.Path), and `token_logp`, the per-token log-probs the loss used (detached; the targets'
+    shape; fp32, fp64 for fp64 input). `scalars()` gives the twelve by name, for logging loops."""
+
+    clip_frac_high: torch.Tensor
+    clip_frac_low: torch.Tensor
+    dual_clip_frac: torch.Tensor
+    ratio_mean: torch.Tensor
+    approx_kl: torch.Tensor
+    kl: torch.Tensor
+    entropy: torch.Tensor
+    retrieved_frac: torch.Tensor
+    tis_weight_mean: torch.Tensor
+    offpolicy_weight_mean: torch.Tensor
+    num_tokens: torch.Tensor
+    num_offpolicy_tokens: torch.Tensor
+    path: str
+    token_logp: torch.Tensor
+
+    def scalars(self) -> dict[str, torch.Tensor]:
+        """The 0-dim metrics by name (every field but path and token_logp)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("path", "token_logp")}
 
 
 def _metrics(sums: torch.Tensor, t: _Tokens, opts: LossOptions, path: Path, lp: torch.Tensor) -> LossMetrics:
@@ -359,25 +431,24 @@ def _metrics(sums: torch.Tensor, t: _Tokens, opts: LossOptions, path: Path, lp: 
     cd = t.cd
     s = sums.detach().to(cd)
     n_on, n_off, n_act = (s[m].clamp_min(1) for m in (Metric.N_ON, Metric.N_OFF, Metric.N_ACTIVE))
-    metrics = LossMetrics({
-        "clip_frac_high": s[Metric.CLIP_HIGH] / n_on,
-        "clip_frac_low": s[Metric.CLIP_LOW] / n_on,
-        "dual_clip_frac": s[Metric.DUAL_CLIP] / n_on,
-        "ratio_mean": s[Metric.RATIO] / n_on,
-        "approx_kl": s[Metric.APPROX_KL] / n_on,
-        "kl": s[Metric.KL] / n_act,
-        "entropy": s[Metric.ENTROPY] / n_act,
-        "retrieved_frac": t.ret.sum().to(cd) / t.resp.sum().clamp_min(1).to(cd),
-        "tis_weight_mean": (
+    return LossMetrics(
+        clip_frac_high=s[Metric.CLIP_HIGH] / n_on,
+        clip_frac_low=s[Metric.CLIP_LOW] / n_on,
+        dual_clip_frac=s[Metric.DUAL_CLIP] / n_on,
+        ratio_mean=s[Metric.RATIO] / n_on,
+        approx_kl=s[Metric.APPROX_KL] / n_on,
+        kl=s[Metric.KL] / n_act,
+        entropy=s[Metric.ENTROPY] / n_act,
+        retrieved_frac=t.ret.sum().to(cd) / t.resp.sum().clamp_min(1).to(cd),
+        tis_weight_mean=(
             s[Metric.TIS_WEIGHT] / n_on if opts.tis_cap is not None else torch.ones((), dtype=cd, device=t.device)
         ),
-        "offpolicy_weight_mean": s[Metric.OFFPOLICY_WEIGHT] / n_off,
-        "num_tokens": s[Metric.N_ACTIVE],
-        "num_offpolicy_tokens": s[Metric.N_OFF],
-    })  # fmt: skip
-    metrics.path = path.value
-    metrics.token_logp = lp.detach().reshape(t.facts.shape)
-    return metrics
+        offpolicy_weight_mean=s[Metric.OFFPOLICY_WEIGHT] / n_off,
+        num_tokens=s[Metric.N_ACTIVE],
+        num_offpolicy_tokens=s[Metric.N_OFF],
+        path=path.value,
+        token_logp=lp.detach().reshape(t.facts.shape),
+    )
 
 
 class RAPOLoss(nn.Module):

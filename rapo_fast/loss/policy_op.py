@@ -74,9 +74,18 @@ def torch_policy_loss(
     on, off = r["code"] == int(TokenCode.ON), r["code"] == int(TokenCode.OFF)
     act = on | off
     loss, terms = policy_token_loss_ref(
-        logp, r["old"], r["adv"], on_mask=on, off_mask=off, ratio_scale=r["scale"], seq_log_ratio=r["seqlr"],
-        behav_logp=r["behav"], ref_logp=r["ref"], entropy=ent, **options,
-    )  # fmt: skip
+        logp,
+        r["old"],
+        r["adv"],
+        on_mask=on,
+        off_mask=off,
+        ratio_scale=r["scale"],
+        seq_log_ratio=r["seqlr"],
+        behav_logp=r["behav"],
+        ref_logp=r["ref"],
+        entropy=ent,
+        **options,
+    )
     z = torch.zeros_like(logp).detach()
 
     def msum(x, m):
@@ -127,9 +136,13 @@ def policy_loss_fwd(
     if n > 0:
         with device_guard(logp):
             _kernels().policy_loss_fwd_kernel[(nb,)](
-                logp_ptr=logp, ent_ptr=logp if ent is None else ent, out_ptr=out, part_ptr=part,
-                HAS_ENT=ent is not None, **_launch_args(tok, present, scalars, n),
-            )  # fmt: skip
+                logp_ptr=logp,
+                ent_ptr=logp if ent is None else ent,
+                out_ptr=out,
+                part_ptr=part,
+                HAS_ENT=ent is not None,
+                **_launch_args(tok, present, scalars, n),
+            )
     return out, part.sum(0)
 
 
@@ -159,9 +172,13 @@ def policy_loss_bwd(
     if n > 0:
         with device_guard(logp):
             _kernels().policy_loss_bwd_kernel[(max(1, -(-n // _BLOCK)),)](
-                grad_ptr=grad.contiguous(), logp_ptr=logp, dlogp_ptr=dlogp, dent_ptr=dent if has_ent else dlogp,
-                HAS_ENT=has_ent, **_launch_args(tok, present, scalars, n),
-            )  # fmt: skip
+                grad_ptr=grad.contiguous(),
+                logp_ptr=logp,
+                dlogp_ptr=dlogp,
+                dent_ptr=dent if has_ent else dlogp,
+                HAS_ENT=has_ent,
+                **_launch_args(tok, present, scalars, n),
+            )
     return dlogp, dent
 
 

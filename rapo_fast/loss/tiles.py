@@ -172,9 +172,18 @@ def logits_tile(buf: Tensor, hc: Tensor, weight: Tensor, v0: int, v1: int) -> Te
 
 
 def tile_fwd(
-    z: Tensor, targets: Tensor, bias: Tensor | None, state: Tensor, logp: Tensor, stats: Tensor,
-    entropy: Tensor | None, *, v0: int, vocab: int, inv_temp: float,
-) -> None:  # fmt: skip
+    z: Tensor,
+    targets: Tensor,
+    bias: Tensor | None,
+    state: Tensor,
+    logp: Tensor,
+    stats: Tensor,
+    entropy: Tensor | None,
+    *,
+    v0: int,
+    vocab: int,
+    inv_temp: float,
+) -> None:
     """Fold the logits tile z [rows, cols] (vocabulary columns v0 .. v0 + cols of `vocab`) into the online state
     [4, rows] (m, s, t, scaled target logit) of its rows; the first vocabulary tile starts the state, the last one
     writes logp [rows], stats [2, rows] (the rows' max m and log s, what tile_grad reads) and, unless entropy is None,
@@ -183,19 +192,44 @@ def tile_fwd(
     block, warps = launch_cfg(cols)
     with device_guard(z):
         logprob_kernels().token_logprobs_fwd_kernel[(rows,)](
-            z_ptr=z, tgt_ptr=targets, bias_ptr=z if bias is None else bias,
-            m_ptr=state[0], s_ptr=state[1], t_ptr=state[2], zt_ptr=state[3],
-            logp_ptr=logp, row_max_ptr=stats[0], log_s_ptr=stats[1], ent_ptr=logp if entropy is None else entropy,
-            rows_inner=rows, stride_outer=0, stride_inner=cols, n_cols=cols, v_start=v0, inv_temp=inv_temp,
-            INIT=v0 == 0, FINAL=v0 + cols == vocab, HAS_BIAS=bias is not None, WITH_ENTROPY=entropy is not None,
-            BLOCK_V=block, num_warps=warps,
-        )  # fmt: skip
+            z_ptr=z,
+            tgt_ptr=targets,
+            bias_ptr=z if bias is None else bias,
+            m_ptr=state[0],
+            s_ptr=state[1],
+            t_ptr=state[2],
+            zt_ptr=state[3],
+            logp_ptr=logp,
+            row_max_ptr=stats[0],
+            log_s_ptr=stats[1],
+            ent_ptr=logp if entropy is None else entropy,
+            rows_inner=rows,
+            stride_outer=0,
+            stride_inner=cols,
+            n_cols=cols,
+            v_start=v0,
+            inv_temp=inv_temp,
+            INIT=v0 == 0,
+            FINAL=v0 + cols == vocab,
+            HAS_BIAS=bias is not None,
+            WITH_ENTROPY=entropy is not None,
+            BLOCK_V=block,
+            num_warps=warps,
+        )
 
 
 def tile_grad(
-    z: Tensor, targets: Tensor, bias: Tensor | None, stats: Tensor, g_logp: Tensor, *, v0: int, inv_temp: float,
-    entropy: Tensor | None = None, g_entropy: Tensor | None = None,
-) -> None:  # fmt: skip
+    z: Tensor,
+    targets: Tensor,
+    bias: Tensor | None,
+    stats: Tensor,
+    g_logp: Tensor,
+    *,
+    v0: int,
+    inv_temp: float,
+    entropy: Tensor | None = None,
+    g_entropy: Tensor | None = None,
+) -> None:
     """Overwrite the logits tile z [rows, cols] (vocabulary columns from v0) with grad_z, the gradient of
     sum_t g_logp_t logp_t (+ g_entropy_t H_t when both entropy and g_entropy are given); stats [2, rows] (tile_fwd's),
     the others [rows], all fp32."""
@@ -204,12 +238,27 @@ def tile_grad(
     with_entropy = entropy is not None and g_entropy is not None
     with device_guard(z):
         logprob_kernels().token_logprobs_bwd_kernel[(rows,)](
-            z_ptr=z, gz_ptr=z, tgt_ptr=targets, bias_ptr=z if bias is None else bias, row_max_ptr=stats[0],
-            log_s_ptr=stats[1], ent_ptr=entropy if with_entropy else g_logp, glp_ptr=g_logp,
+            z_ptr=z,
+            gz_ptr=z,
+            tgt_ptr=targets,
+            bias_ptr=z if bias is None else bias,
+            row_max_ptr=stats[0],
+            log_s_ptr=stats[1],
+            ent_ptr=entropy if with_entropy else g_logp,
+            glp_ptr=g_logp,
             gent_ptr=g_entropy if with_entropy else g_logp,
-            rows_inner=rows, stride_outer=0, stride_inner=cols, stride_gz=cols, n_cols=cols, v_start=v0,
-            inv_temp=inv_temp, HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, BLOCK_V=block, num_warps=warps,
-        )  # fmt: skip
+            rows_inner=rows,
+            stride_outer=0,
+            stride_inner=cols,
+            stride_gz=cols,
+            n_cols=cols,
+            v_start=v0,
+            inv_temp=inv_temp,
+            HAS_BIAS=bias is not None,
+            WITH_ENTROPY=with_entropy,
+            BLOCK_V=block,
+            num_warps=warps,
+        )
 
 
 def finite_rows(hidden: Tensor) -> tuple[Tensor, Tensor]:

@@ -18,8 +18,15 @@ from typing import Any
 from rapo_fast._sections import Section, option, rule_bool, rule_choice, rule_int, rule_real, section
 from rapo_fast.rollouts.arpo import RULES as ARPO_RULES
 
-__all__ = ["STRATEGIES", "MODES", "STRATEGY_CONFIG_FIELDS", "RolloutConfig", "HybridConfig",
-           "ARPOConfig", "OffPolicyTrajConfig"]  # fmt: skip
+__all__ = [
+    "STRATEGIES",
+    "MODES",
+    "STRATEGY_CONFIG_FIELDS",
+    "RolloutConfig",
+    "HybridConfig",
+    "ARPOConfig",
+    "OffPolicyTrajConfig",
+]
 
 # strategy name -> the RolloutConfig field of its sub-config (None: the strategy has no settings of its own)
 STRATEGY_CONFIG_FIELDS: dict[str, str | None] = {

@@ -24,8 +24,17 @@ from rapo_fast.loss.advantages import RET_NORMS
 from rapo_fast.loss.options import OPTION_DEFAULTS, LossOptions
 from rapo_fast.rollouts.config import RolloutConfig
 
-__all__ = ["TrainerConfig", "AdvantageConfig", "OptimConfig", "BufferConfig", "LoggingConfig", "RolloutConfig",
-           "LossOptions", "TRAINER_LOSS", "TRAINER_SET_LOSS_OPTIONS"]  # fmt: skip
+__all__ = [
+    "TrainerConfig",
+    "AdvantageConfig",
+    "OptimConfig",
+    "BufferConfig",
+    "LoggingConfig",
+    "RolloutConfig",
+    "LossOptions",
+    "TRAINER_LOSS",
+    "TRAINER_SET_LOSS_OPTIONS",
+]
 
 # the default loss of TrainerConfig: the RAPO preset, with tis_cap 2.0 (used in splice mode only: docs/training.md)
 TRAINER_LOSS = LossOptions(**presets.RAPO, tis_cap=2.0)
@@ -147,15 +156,21 @@ class TrainerConfig(Section):
     @classmethod
     def GRPO(cls, overrides: Mapping[str, Any] | None = None, /, **sections: Any) -> TrainerConfig:
         """RAPO with retrieval off (no hybrid rows, no retrieval reward, no shaping): the same loss otherwise."""
-        base = {"rollout": {"strategy": "on_policy", "hybrid": {"n_hybrid": 0}}, "advantages": {"ret_coef": 0.0},
-                "loss": TRAINER_LOSS.replace(shaping_m=0.0)}  # fmt: skip
+        base = {
+            "rollout": {"strategy": "on_policy", "hybrid": {"n_hybrid": 0}},
+            "advantages": {"ret_coef": 0.0},
+            "loss": TRAINER_LOSS.replace(shaping_m=0.0),
+        }
         return cls._preset(base, overrides, sections)
 
     @classmethod
     def ARPO(cls, overrides: Mapping[str, Any] | None = None, /, **sections: Any) -> TrainerConfig:
         """Entropy-adaptive branching, soft attribution, ARPO's loss preset."""
-        base = {"rollout": {"strategy": "arpo", "hybrid": {"n_hybrid": 0}}, "advantages": {"ret_coef": 0.0},
-                "loss": LossOptions(**presets.ARPO, tis_cap=2.0)}  # fmt: skip
+        base = {
+            "rollout": {"strategy": "arpo", "hybrid": {"n_hybrid": 0}},
+            "advantages": {"ret_coef": 0.0},
+            "loss": LossOptions(**presets.ARPO, tis_cap=2.0),
+        }
         return cls._preset(base, overrides, sections)
 
     @classmethod
@@ -163,8 +178,11 @@ class TrainerConfig(Section):
         """Trajectory-level off-policy (LUFFY-style): rollout.offpolicy_traj.n_offpolicy members of each group are
         whole off-policy trajectories, their tokens trained with the shaped weight p / (p + gamma); no step
         retrieval, no shaping."""
-        base = {"rollout": {"strategy": "offpolicy_traj", "hybrid": {"n_hybrid": 0}}, "advantages": {"ret_coef": 0.0},
-                "loss": TRAINER_LOSS.replace(shaping_m=0.0, offpolicy_train="shaped")}  # fmt: skip
+        base = {
+            "rollout": {"strategy": "offpolicy_traj", "hybrid": {"n_hybrid": 0}},
+            "advantages": {"ret_coef": 0.0},
+            "loss": TRAINER_LOSS.replace(shaping_m=0.0, offpolicy_train="shaped"),
+        }
         return cls._preset(base, overrides, sections)
 
     @classmethod

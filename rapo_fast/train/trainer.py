@@ -310,7 +310,7 @@ class RAPOTrainer:
                 self.optimizer.step()
                 t_opt += time.perf_counter() - t_o
                 loss_val, n_updates = float(loss.detach()), n_updates + 1
-                for k, v in lm.items():
+                for k, v in lm.scalars().items():
                     sums[k] = sums.get(k, 0.0) + float(v)
         lm = {k: v / n_updates for k, v in sums.items()}  # loss metrics: mean over the optimiser steps
         t2 = time.perf_counter()

@@ -88,7 +88,8 @@ def run_case(fn, d, dtype, opts):
     x, leaves = inputs_for(d, dtype)
     loss, metrics = fn(**x, **opts, return_metrics=True)
     grads = torch.autograd.grad(loss, [x[k] for k in leaves], allow_unused=True)
-    return loss, dict(zip(leaves, grads)), metrics
+    # the metrics by name: the reference's dict, or our LossMetrics' 0-dim fields
+    return loss, dict(zip(leaves, grads)), metrics if isinstance(metrics, dict) else metrics.scalars()
 
 
 def check_case(d, opts, dtype=torch.float32, *, fn=None, metrics_atol=1e-5, device="cpu"):

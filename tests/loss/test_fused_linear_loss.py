@@ -64,8 +64,9 @@ def _two_pass(monkeypatch, d, opts, dtype=torch.float32, scale=1.0):
 
 def _assert_same(a, b, atol=1e-5, name=""):
     assert_close_verbose(a[0], b[0], atol=atol, rtol=1e-5, name=f"{name} loss")
-    for k in a[1]:
-        assert_close_verbose(a[1][k], b[1][k], atol=atol, rtol=1e-5, name=f"{name} metric {k}")
+    ma, mb = (m if isinstance(m, dict) else m.scalars() for m in (a[1], b[1]))  # the reference's dict, or LossMetrics
+    for k in ma:
+        assert_close_verbose(ma[k], mb[k], atol=atol, rtol=1e-5, name=f"{name} metric {k}")
     assert set(a[2]) == set(b[2])
     for k in a[2]:
         assert a[2][k].dtype == b[2][k].dtype

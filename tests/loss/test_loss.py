@@ -247,7 +247,7 @@ def test_temperature_applies_to_policy_logprob():
     logp_t = token_logprobs_ref(d["logits"], d["targets"], t)
     d["old_logp"] = logp_t.detach()
     _, m = rapo_fast.rapo_loss(**d, temperature=t, return_metrics=True)
-    assert_close_verbose(m["ratio_mean"], torch.tensor(1.0), atol=1e-5)
+    assert_close_verbose(m.ratio_mean, torch.tensor(1.0), atol=1e-5)
     check_case(d, dict(temperature=t, entropy_coef=0.1))
 
 
@@ -297,7 +297,7 @@ def test_empty_inputs_give_zero_loss_and_empty_grad(shape, cu):
         entropy_coef=0.1,
     )
     (g,) = torch.autograd.grad(loss, logits)
-    assert loss.item() == 0.0 and g.shape == logits.shape and m["num_tokens"] == 0
+    assert loss.item() == 0.0 and g.shape == logits.shape and m.num_tokens == 0
 
 
 _COMPILE_SCRIPT = r"""

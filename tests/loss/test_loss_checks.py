@@ -24,7 +24,7 @@ def tripwire(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("a kernel ran before validation finished")
 
-    monkeypatch.setattr(loss_mod, "token_logprobs", boom)
+    monkeypatch.setattr(loss_mod, "_run_logprobs", boom)
     monkeypatch.setattr(loss_mod, "policy_loss_op", boom)
 
 

@@ -38,13 +38,13 @@ def test_ratio_one_is_minus_mean_advantage_and_metrics():
     logits, targets, logp, adv, lm = _setup()
     loss, m = _loss(logits, targets, logp, adv, lm, return_metrics=True)
     assert_close_verbose(loss, -adv.double().mean(), atol=1e-6)
-    assert_close_verbose(m["ratio_mean"], torch.tensor(1.0), atol=1e-6)
+    assert_close_verbose(m.ratio_mean, torch.tensor(1.0), atol=1e-6)
     for k in ("clip_frac_low", "clip_frac_high", "dual_clip_frac", "kl", "retrieved_frac", "num_offpolicy_tokens"):
-        assert m[k] == 0, k
-    assert_close_verbose(m["approx_kl"], torch.tensor(0.0), atol=1e-6)
-    assert m["num_tokens"] == B * T and m["tis_weight_mean"] == 1
+        assert getattr(m, k) == 0, k
+    assert_close_verbose(m.approx_kl, torch.tensor(0.0), atol=1e-6)
+    assert m.num_tokens == B * T and m.tis_weight_mean == 1
     p = torch.softmax(logits.detach().double(), -1)
-    assert_close_verbose(m["entropy"], -(p * p.log()).sum(-1).mean(), atol=1e-5)
+    assert_close_verbose(m.entropy, -(p * p.log()).sum(-1).mean(), atol=1e-5)
     # gradient: d(-A r)/dlogits = -A/N (onehot - softmax) at ratio 1
     (g,) = torch.autograd.grad(loss, logits)
     onehot = torch.nn.functional.one_hot(targets, V).double()
@@ -58,19 +58,19 @@ def test_ratio_two_clip_high_pessimistic_low_and_dual_clip():
     loss, m = _loss(logits, targets, old, adv, lm, eps_low=0.2, eps_high=0.28, return_metrics=True)
     want = torch.where(a > 0, -1.28 * a, -2.0 * a).mean()
     assert_close_verbose(loss, want, atol=1e-5)
-    assert_close_verbose(m["clip_frac_high"], (a > 0).double().mean(), atol=1e-6)
-    assert m["clip_frac_low"] == 0 and m["dual_clip_frac"] == 0
-    assert_close_verbose(m["ratio_mean"], torch.tensor(2.0), atol=1e-5)
-    assert_close_verbose(m["approx_kl"], torch.tensor(-math.log(2.0)), atol=1e-5)  # mean(old - logp)
+    assert_close_verbose(m.clip_frac_high, (a > 0).double().mean(), atol=1e-6)
+    assert m.clip_frac_low == 0 and m.dual_clip_frac == 0
+    assert_close_verbose(m.ratio_mean, torch.tensor(2.0), atol=1e-5)
+    assert_close_verbose(m.approx_kl, torch.tensor(-math.log(2.0)), atol=1e-5)  # mean(old - logp)
     loss, m = _loss(logits, targets, old, adv, lm, eps_low=0.2, eps_high=0.28, dual_clip=1.5, return_metrics=True)
     assert_close_verbose(loss, torch.where(a > 0, -1.28 * a, -1.5 * a).mean(), atol=1e-5)
-    assert_close_verbose(m["dual_clip_frac"], (a < 0).double().mean(), atol=1e-6)
+    assert_close_verbose(m.dual_clip_frac, (a < 0).double().mean(), atol=1e-6)
     # ratio 1/2: A < 0 tokens clip at 1 - eps_low. old_logp = logp + log 2 is a log-prob (<= 0, as rapo_loss
     # requires) only where p <= 1/2: those tokens form the loss
     old, ok = logp + math.log(2.0), logp + math.log(2.0) <= 0
     loss, m = _loss(logits, targets, old, adv, ok, eps_low=0.2, return_metrics=True)
     assert_close_verbose(loss, torch.where(a > 0, -0.5 * a, -0.8 * a)[ok].mean(), atol=1e-5)
-    assert_close_verbose(m["clip_frac_low"], (a < 0)[ok].double().mean(), atol=1e-6)
+    assert_close_verbose(m.clip_frac_low, (a < 0)[ok].double().mean(), atol=1e-6)
 
 
 def test_rapo_shaping_scales_ratio_by_retrieved_fraction():
@@ -94,7 +94,7 @@ def test_rapo_shaping_scales_ratio_by_retrieved_fraction():
     )
     want = (-(adv.double() * (1 + 0.5 * F))[on]).sum() / on.sum()
     assert_close_verbose(loss, want, atol=1e-6)
-    assert_close_verbose(m["retrieved_frac"], torch.tensor(3 / (B * T)), atol=1e-7)
+    assert_close_verbose(m.retrieved_frac, torch.tensor(3 / (B * T)), atol=1e-7)
     # response_mask changes F's denominator only
     resp = torch.ones(B, T, dtype=torch.bool)
     resp[0, 3:] = False  # row 0: F = 2/3
@@ -154,8 +154,8 @@ def test_offpolicy_modes_by_hand(mode):
         want = (-a * wgt * logp)[ret].sum() / n
         dlogp = -a * wgt / n  # the weight is detached
     assert_close_verbose(loss, want, atol=1e-5)
-    assert_close_verbose(m["offpolicy_weight_mean"], wgt[ret].mean(), atol=1e-5)
-    assert m["num_offpolicy_tokens"] == n and m["num_tokens"] == n
+    assert_close_verbose(m.offpolicy_weight_mean, wgt[ret].mean(), atol=1e-5)
+    assert m.num_offpolicy_tokens == n and m.num_tokens == n
     (g,) = torch.autograd.grad(loss, logits)
     sm = torch.softmax(logits.detach().double(), -1)
     onehot = torch.nn.functional.one_hot(targets, V).double()
@@ -169,7 +169,7 @@ def test_tis_weight_multiplies_policy_term():
     w = torch.exp(logp - behav).clamp(max=1.2)
     loss, m = _loss(logits, targets, logp, adv, lm, tis_cap=1.2, behav_logp=behav.float(), return_metrics=True)
     assert_close_verbose(loss, (-adv.double() * w).mean(), atol=1e-5)
-    assert_close_verbose(m["tis_weight_mean"], w.mean(), atol=1e-5)
+    assert_close_verbose(m.tis_weight_mean, w.mean(), atol=1e-5)
 
 
 @pytest.mark.parametrize("est", ["k1", "k2", "k3"])
@@ -183,7 +183,7 @@ def test_kl_estimators_by_hand(est):
         logits, targets, logp, zero, lm, beta=0.3, kl_estimator=est, ref_logp=ref.float(), return_metrics=True
     )
     assert_close_verbose(loss, 0.3 * kl.mean(), atol=1e-5)
-    assert_close_verbose(m["kl"], kl.mean(), atol=1e-5)
+    assert_close_verbose(m.kl, kl.mean(), atol=1e-5)
 
 
 def test_k3_is_clamped_and_log_ratios_are_clamped():
@@ -191,8 +191,8 @@ def test_k3_is_clamped_and_log_ratios_are_clamped():
     far = logp + 50.0  # exp(50) would overflow fp32 without verl's +-20 clamps
     # old_logp 50 below logp (a log-prob must be <= 0): log-ratio +50 for the ratio, -50 for the KL's ref - logp
     loss, m = _loss(logits, targets, logp - 50.0, adv, lm, beta=1.0, ref_logp=far.float(), return_metrics=True)
-    assert torch.isfinite(loss) and all(torch.isfinite(v) for v in m.values())
-    assert_close_verbose(m["kl"], torch.tensor(10.0), atol=0)  # k3 clamped at 10
+    assert torch.isfinite(loss) and all(torch.isfinite(v) for v in m.scalars().values())
+    assert_close_verbose(m.kl, torch.tensor(10.0), atol=0)  # k3 clamped at 10
     (g,) = torch.autograd.grad(loss, logits)
     assert torch.isfinite(g).all()
     check_case(make_batch(2, 4, 5, spread=40.0), dict(beta=0.2, kl_estimator="k3", tis_cap=3.0))
@@ -209,7 +209,7 @@ def test_k3_unclamped_is_trls_k3():
         loss, m = _loss(
             lg, targets, logp, zero, lm, beta=0.3, ref_logp=ref.float(), kl_clamp=clamp, return_metrics=True
         )
-        assert_close_verbose(m["kl"], kl.mean(), atol=1e-4, rtol=1e-5, name=f"kl clamp={clamp}")
+        assert_close_verbose(m.kl, kl.mean(), atol=1e-4, rtol=1e-5, name=f"kl clamp={clamp}")
         (g,) = torch.autograd.grad(loss, lg)
         assert (g.abs().max() > 0) != clamp  # clamped: no gradient through the KL past 10
     for est in ("k3", "k1"):  # k1 / k2 ignore kl_clamp
@@ -223,7 +223,7 @@ def test_entropy_bonus_by_hand():
     p = torch.softmax(logits.detach().double(), -1)
     H = -(p * p.log()).sum(-1)
     assert_close_verbose(loss, -0.05 * H[lm].mean(), atol=1e-6)
-    assert_close_verbose(m["entropy"], H[lm].mean(), atol=1e-5)
+    assert_close_verbose(m.entropy, H[lm].mean(), atol=1e-5)
     (g,) = torch.autograd.grad(loss, logits)
     assert torch.count_nonzero(g[~lm]) == 0
 
@@ -335,7 +335,7 @@ def test_module_equals_functional_and_overrides():
     want = rapo_fast.rapo_loss(**d, **dict(presets.RAPO, eps_high=0.3))
     assert torch.equal(mod(**d), want)
     loss, metrics = mod(**d, return_metrics=True)
-    assert torch.equal(loss, want) and "clip_frac_high" in metrics
+    assert torch.equal(loss, want) and "clip_frac_high" in metrics.scalars()
     mod2 = rapo_fast.RAPOLoss(preset=dict(presets.GSPO), return_metrics=True)
     assert isinstance(mod2(**d), tuple)
     with pytest.raises(TypeError, match="unknown option"):

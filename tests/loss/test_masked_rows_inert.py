@@ -86,7 +86,8 @@ def _run(d, path, opts):
     fn = rapo_loss_ref if path == "reference" else rapo_fast.rapo_loss
     loss, metrics = fn(**x, **opts, return_metrics=True)
     loss.backward()
-    return loss.detach(), metrics, {k: x[k].grad for k in leaves}
+    # the metrics by name: the reference's dict, or LossMetrics' 0-dim fields
+    return loss.detach(), metrics if isinstance(metrics, dict) else metrics.scalars(), {k: x[k].grad for k in leaves}
 
 
 def _assert_same(clean, poisoned, d, offpolicy):

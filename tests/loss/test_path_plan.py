@@ -1,5 +1,5 @@
 """The named log-prob / loss paths (rapo_fast/loss/path_plan.py): for every path, inputs on which backend="auto" takes
-it, with the path reported by rapo_loss's metrics["path"] / token_logprobs(return_path=True) / the "rapo_fast"
+it, with the path reported by rapo_loss's metrics.path / token_logprobs(return_path=True) / the "rapo_fast"
 logger; explicit backends; the environment switches that steer "auto" only; the refusals (ValueError naming backend,
 its value and why) of a backend that cannot run on the inputs. Under TRITON_INTERPRET=1 the Triton paths run on the CPU.
 Not here: each path's numerics (test_logprobs*.py, test_loss.py, test_fused_linear_loss.py, ...).
@@ -37,8 +37,8 @@ def _batch(hidden=False, grad=True, dtype=torch.float32):
 def _loss_path(d, **kw):
     loss, m = rapo_fast.rapo_loss(**d, return_metrics=True, **kw)
     assert torch.isfinite(loss)
-    assert m["path"] == m.path and "path" not in m and all(torch.is_tensor(v) for v in m.values())
-    return m["path"]
+    assert isinstance(m.path, str) and all(torch.is_tensor(v) for v in m.scalars().values())
+    return m.path
 
 
 def _lp_path(d, **kw):
@@ -71,11 +71,11 @@ def _auto_cases(mp, caplog):
         Path.TRITON_LOGITS: (True, lambda: _loss_path(_batch())),
         Path.TRITON_LINEAR: (True, lambda: _loss_path(_batch(hidden=True), importance_sampling_level="sequence")),
         Path.TRITON_FUSED_LINEAR: (True, lambda: _loss_path(_batch(hidden=True))),
-        Path.TRITON_POLICY: (True, lambda: lp(logp(d := _batch()), **kw(d), return_metrics=True)[1]["path"]),
+        Path.TRITON_POLICY: (True, lambda: lp(logp(d := _batch()), **kw(d), return_metrics=True)[1].path),
         Path.TORCH_LINEAR_CE: (False, lambda: _no_triton(mp) or _loss_logged_path(caplog, _batch(hidden=True))),
         Path.REFERENCE_CHUNKED: (False, lambda: _no_triton(mp) or _loss_path(_batch())),
         Path.REFERENCE_FP64: (False, lambda: _loss_path(_batch(dtype=f64))),
-        Path.TORCH_POLICY: (False, lambda: lp(logp(d := _batch(dtype=f64)), **kw(d), return_metrics=True)[1]["path"]),
+        Path.TORCH_POLICY: (False, lambda: lp(logp(d := _batch(dtype=f64)), **kw(d), return_metrics=True)[1].path),
     }
 
 
@@ -134,7 +134,7 @@ def test_explicit_backends_on_a_triton_device():
         ("reference", "reference_chunked"),
     ]:
         loss, m = rapo_fast.rapo_loss(**d, return_metrics=True, backend=backend)
-        assert m["path"] == want
+        assert m.path == want
         torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
     h = _batch(hidden=True)
     assert _loss_path(h, backend="triton") == "triton_fused_linear"
@@ -142,7 +142,7 @@ def test_explicit_backends_on_a_triton_device():
     assert _loss_path(h, backend="torch") == "reference_chunked"  # metrics ask for entropy: not torch's linear CE
     assert _lp_path(_batch(), backend="triton") == "triton_logits"
     assert _lp_path(h, backend="torch", return_entropy=True) == "reference_chunked"
-    assert rapo_fast.RAPOLoss(return_metrics=True)(**d, backend="torch")[1]["path"] == "reference_chunked"
+    assert rapo_fast.RAPOLoss(return_metrics=True)(**d, backend="torch")[1].path == "reference_chunked"
 
 
 @needs_lce
@@ -205,4 +205,10 @@ def test_debug_line_names_the_path(caplog):
         rapo_fast.rapo_loss(**_batch(hidden=True), importance_sampling_level="sequence")
     msgs = [r.getMessage() for r in caplog.records if r.name == "rapo_fast"]
     assert any(m.startswith("rapo_loss: path triton_linear (") and "GSPO" in m for m in msgs), msgs
+    assert not any(m.startswith("token_logprobs:") for m in msgs), msgs  # one front desk: rapo_loss's line only
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="rapo_fast"):
+        d = _batch(hidden=True)
+        rapo_fast.token_logprobs(hidden=d["hidden"], weight=d["weight"], targets=d["targets"])
+    msgs = [r.getMessage() for r in caplog.records if r.name == "rapo_fast"]
     assert any(m.startswith("token_logprobs: path triton_linear (") for m in msgs), msgs

@@ -1,9 +1,9 @@
 """The Triton search path (rapo_fast/retrieval/triton_search.py, rapo_fast/kernels/retrieval/search.py) against the
 float64 brute force, under TRITON_INTERPRET=1 on CPU tensors: every dtype and metric (l2 about the keys' mean),
 exclusion groups, min_score, k > C padding, ties to the smaller slot (duplicate keys, +0.0 / -0.0 scores), k up to
-1024, Q=1 and odd Q, D not a multiple of the tile, C=1 and an empty buffer; the merges inside a split (small tiles force them)
-and across splits. Also: the dispatch table and its override, the GPU tiles, the argument checks (before any launch),
-and the kernel compiled to an sm_80 cubin without a GPU (sm_90a, with its register and spill bounds:
+1024, Q=1 and odd Q, D not a multiple of the tile, C=1 and an empty buffer; the merges inside a split (small tiles
+force them) and across splits. Also: the dispatch table and its override, the GPU tiles, the argument checks (before any
+launch), and the kernel compiled to an sm_80 cubin without a GPU (sm_90a, with its register and spill bounds:
 tests/test_sm90_compile.py). On a GPU, the Triton path against the CUDA backend.
 
 Not here: the CUDA backend's own exactness (test_retrieval_gpu.py) or the CPU backend's (test_retrieval.py).

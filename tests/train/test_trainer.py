@@ -216,7 +216,7 @@ def test_mini_batches_make_the_clip_bind_and_each_loss_equals_the_reference(worl
     rows = mini_batch_rows(fixed.group_ids, 1)
     assert [r.tolist() for r in rows] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # whole groups, in order
     assert [c[0]["hidden"].shape[0] for c in calls] == [4, 4, 4, 4]
-    fracs = [float(c[2]["clip_frac_low"] + c[2]["clip_frac_high"]) for c in calls]
+    fracs = [float(c[2].clip_frac_low + c[2].clip_frac_high) for c in calls]
     assert fracs[0] == 0.0 and max(fracs[1:]) > 0.0, fracs  # r = 1 only before the first update
     assert m["clip_frac_low"] + m["clip_frac_high"] == pytest.approx(sum(fracs) / 4, rel=1e-5)
     for kw, loss, _ in calls:

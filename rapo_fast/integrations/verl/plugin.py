@@ -35,9 +35,15 @@ def register() -> tuple[str, ...]:
         trl_clash,
     )
 
-    parts = (("actor_loss", actor_loss), ("advantage", advantage), ("agent_loop", agent_loop),
-             ("buffer_actor", buffer_actor), ("buffer_growth", buffer_growth), ("metrics", metrics),
-             ("trl_clash", trl_clash))  # fmt: skip
+    parts = (
+        ("actor_loss", actor_loss),
+        ("advantage", advantage),
+        ("agent_loop", agent_loop),
+        ("buffer_actor", buffer_actor),
+        ("buffer_growth", buffer_growth),
+        ("metrics", metrics),
+        ("trl_clash", trl_clash),
+    )
     for _, module in parts:
         module.register()
     return tuple(name for name, _ in parts)

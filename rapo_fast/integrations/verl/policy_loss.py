@@ -23,7 +23,7 @@ import torch
 
 from rapo_fast.integrations.verl import verl_compat
 from rapo_fast.loss.options import LossOptions
-from rapo_fast.loss.policy_loss import policy_loss_from_logp
+from rapo_fast.loss.policy_loss import LossMetrics, policy_loss_from_logp
 
 __all__ = [
     "rapo_policy_loss",
@@ -156,8 +156,14 @@ def rapo_policy_loss(
     loss_agg, g, dp_size = _verl_aggregation(config, response_mask, loss_agg_mode)
     adv = advantages if rollout_is_weights is None else advantages * rollout_is_weights.detach()
     behav, rapo_options = _behaviour_logp(config, rollout_log_probs, rapo_options)
-    opts = LossOptions(eps_low=eps_low, eps_high=eps_high, dual_clip=clip_ratio_c, loss_agg=loss_agg,
-                       return_metrics=True, **rapo_options)  # fmt: skip
+    opts = LossOptions(
+        eps_low=eps_low,
+        eps_high=eps_high,
+        dual_clip=clip_ratio_c,
+        loss_agg=loss_agg,
+        return_metrics=True,
+        **rapo_options,
+    )
     loss, m = policy_loss_from_logp(
         log_prob,
         old_logp=old_log_prob,
@@ -231,17 +237,17 @@ def _behaviour_logp(
     return None, opts
 
 
-def _verl_metrics(m: Mapping[str, torch.Tensor]) -> dict[str, float]:
+def _verl_metrics(m: LossMetrics) -> dict[str, float]:
     """rapo_loss's metrics under verl's keys (floats: one host sync, as verl's own loss does)."""
     return {
-        "actor/pg_clipfrac": (m["clip_frac_high"] + m["clip_frac_low"]).item(),
-        "actor/ppo_kl": m["approx_kl"].item(),
-        "actor/pg_clipfrac_lower": m["dual_clip_frac"].item(),
-        "rapo/ratio_mean": m["ratio_mean"].item(),
-        "rapo/retrieved_frac": m["retrieved_frac"].item(),
-        "rapo/clip_frac_high": m["clip_frac_high"].item(),
-        "rapo/clip_frac_low": m["clip_frac_low"].item(),
-        "rapo/approx_kl": m["approx_kl"].item(),
+        "actor/pg_clipfrac": (m.clip_frac_high + m.clip_frac_low).item(),
+        "actor/ppo_kl": m.approx_kl.item(),
+        "actor/pg_clipfrac_lower": m.dual_clip_frac.item(),
+        "rapo/ratio_mean": m.ratio_mean.item(),
+        "rapo/retrieved_frac": m.retrieved_frac.item(),
+        "rapo/clip_frac_high": m.clip_frac_high.item(),
+        "rapo/clip_frac_low": m.clip_frac_low.item(),
+        "rapo/approx_kl": m.approx_kl.item(),
     }
 
 
