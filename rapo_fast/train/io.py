@@ -195,7 +195,7 @@ def _check_trainer_state(state, path: Path, step_count: int) -> None:
     ok = isinstance(log, dict) and set(log) == {"n_rows", "columns"} and isinstance(log["columns"], list)
     if not ok or not all(isinstance(c, str) for c in log["columns"]):
         raise CheckpointFormatError(f"{path}: field 'logger' must be {{'n_rows': int, 'columns': [str]}}")
-    check_int(log, "n_rows", f"{path}: field 'logger'", CheckpointFormatError)
+    check_field(log, "n_rows", f"{path}: field 'logger'", CheckpointFormatError, check_int, lo=0)
 
 
 def _check_like(saved, current, path: Path, what: str) -> None:

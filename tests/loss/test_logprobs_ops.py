@@ -225,7 +225,7 @@ def test_argument_checks_fuzz(path, lead, dtype, mutation):
         assert all(s.call_count == 0 for s in spies.values()), "a kernel ran before the argument check"
     assert name in str(info.value), f"{mutation}: message does not name {name!r}: {info.value}"
     if "shape" in mutation:
-        assert "[" in str(info.value), "shape errors give the expected and the given shape"
+        assert "expected shape" in str(info.value) and "got (" in str(info.value), "shape errors give both shapes"
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -228,9 +228,11 @@ def test_fuzz_search_arguments(q_shape, q_dtype, k, ex_len, ex_dtype, min_score)
     except (TypeError, ValueError) as exc:
         assert any(w in str(exc) for w in ("queries", "k ", "k:", "exclude_groups", "min_score")), str(exc)
         return
-    # Accepted: then the arguments really were valid, and the result has the promised shapes.
-    assert q.dim() == 2 and q.shape[1] == 4 and q.is_floating_point() and 1 <= k <= 1024
-    assert s.shape == (q.shape[0], k) and p.shape == (q.shape[0], k)
+    # Accepted: then the arguments really were valid, and the result has the promised shapes ([Q, k]; [k] for a 1-D
+    # query [D], which is one query)
+    assert q.dim() in (1, 2) and q.shape[-1] == 4 and q.is_floating_point() and 1 <= k <= 1024
+    want = (q.shape[0], k) if q.dim() == 2 else (k,)
+    assert s.shape == want and p.shape == want
 
 
 @settings(max_examples=60, deadline=None)
