@@ -408,7 +408,10 @@ class StepBuffer:
         # hold a Python lock: it runs without it (docs/retrieval.md, "Thread safety").
         with contextlib.nullcontext() if torch.compiler.is_compiling() else self._lock.read():
             scores, slots = self._search_slots(queries, k, exclude_groups, min_score, backend)
-            payload = torch.where(slots >= 0, self._payload[slots.clamp_min(0)], torch.full_like(slots, -1))
+            if self._payload.numel() == 0:  # a loaded empty buffer holds no rows to gather from (every slot is -1)
+                payload = torch.full_like(slots, -1)
+            else:
+                payload = torch.where(slots >= 0, self._payload[slots.clamp_min(0)], torch.full_like(slots, -1))
         return (scores[0], payload[0]) if one else (scores, payload)
 
     def reset(self) -> None:

@@ -89,6 +89,9 @@ def _in_child(fn) -> int:
     if pid == 0:  # the child: never returns into pytest
         code = 0
         try:
+            # SIGTERM's default disposition, as a scheduler's process has (a pytest-xdist worker's handler would
+            # otherwise be inherited and turn the signal into an exit code)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             torch.set_num_threads(1)
             fn()
         except SystemExit as exc:
