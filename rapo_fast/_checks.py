@@ -215,7 +215,7 @@ def check_index_range(name: str, t: torch.Tensor, high: int) -> None:
     torch.compile, where it would break the graph)."""
     if t.numel() == 0 or torch.compiler.is_compiling():
         return
-    lo, hi = int(t.min()), int(t.max())
+    lo, hi = (int(x) for x in torch.aminmax(t))
     if lo < 0 or hi >= high:
         raise ValueError(f"{name}: expected values in [0, {high}), got min {lo} max {hi}")
 

@@ -12,6 +12,7 @@ What this is not: the math (rapo_fast/kernels/triton_helpers.py, and the spec in
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -455,7 +456,9 @@ def _run_logprobs(inp: LogprobInputs, plan: PathPlan):
         return linear_token_logprobs_ref(hidden, inp.weight, targets, inp.bias, t, ent_on), path, reason
     if path is Path.TORCH_LINEAR_CE:
         logp = linear_logprobs_torch(hidden, inp.weight, inp.bias, targets, t)
-        if bool(torch.isfinite(logp).all()):
+        # one reduction and one read: a NaN/inf row makes the sum non-finite (a sum that overflows on finite rows
+        # only sends the call to the exact reference too); isfinite().all() costs ~5x more at small N
+        if math.isfinite(logp.sum().item()):
             return logp, path, reason
         # a row whose loss is not finite: torch's backward would not give its exactly-zero gradient
         path, reason = Path.REFERENCE_CHUNKED, f"{reason}; a row's loss was not finite, so the exact reference"

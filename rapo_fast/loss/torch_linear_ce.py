@@ -17,6 +17,7 @@ __all__ = ["linear_logprobs_torch", "torch_linear_ce_available"]
 
 _LCE = getattr(torch.nn.functional, "linear_cross_entropy", None)
 _OPTIONS = getattr(torch.nn, "LinearCrossEntropyOptions", None)
+_OPTIONS_BY_ROWS: dict = {}
 CHUNK_BYTES = 32 << 20  # fp32 logits of one chunk: 256 rows at V = 32768, the anchor the CPU bench compares with
 
 
@@ -48,6 +49,9 @@ def linear_logprobs_torch(
         h = h / temperature
         b = None if b is None else b / temperature
     y = targets.reshape(-1).long()
-    opts = _OPTIONS(batch_chunk_size=chunk_rows(h.shape[0], w.shape[0]), chunking_method=None)
+    rows = chunk_rows(h.shape[0], w.shape[0])
+    opts = _OPTIONS_BY_ROWS.get(rows)
+    if opts is None:  # one immutable options object per chunk size: building it is a visible cost at small N
+        opts = _OPTIONS_BY_ROWS[rows] = _OPTIONS(batch_chunk_size=rows, chunking_method=None)
     loss = _LCE(h, w, y, linear_bias=b, reduction="none", options=opts)
     return (-loss).view(targets.shape)
