@@ -235,7 +235,7 @@ _token_logprobs_fwd = register_op(
 _FALLBACK_BYTES = 64 << 20
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LogprobInputs:
     """One call's checked log-prob inputs, as the runners take them: exactly one of logits or hidden (+ weight, bias,
     already cast to hidden's dtype under autocast), targets in [0, vocab), the temperature as a float, whether entropy
@@ -310,7 +310,15 @@ def _logprob_inputs(
     check_inplace_backward(inplace_backward, logits)
     C.check_bool("return_path", return_path)
     return LogprobInputs(
-        logits, hidden, weight, bias, targets, vocab, float(temperature), return_entropy, inplace_backward
+        logits=logits,
+        hidden=hidden,
+        weight=weight,
+        bias=bias,
+        targets=targets,
+        vocab=vocab,
+        temperature=float(temperature),
+        entropy=return_entropy,
+        inplace_backward=inplace_backward,
     )
 
 

@@ -236,7 +236,7 @@ class InputFacts:
     ignored_targets: bool = False
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LossInputs:
     """One rapo_loss / policy_loss_from_logp call's arguments, by name, as the loss steps take them: the model side
     (logits, or hidden + weight + bias, with targets; or the given logp and entropy), the per-token tensors, the

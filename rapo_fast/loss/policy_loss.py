@@ -143,17 +143,17 @@ def rapo_loss(
     weight, bias = head_in_hidden_dtype(hidden, weight, bias)  # autocast: cast to hidden's dtype, with grad
     a = _loss_inputs(
         LossInputs(
-            "rapo_loss",
-            opts,
-            old_logp,
-            advantages,
-            loss_mask,
-            retrieved_mask,
-            response_mask,
-            behav_logp,
-            ref_logp,
-            cu_seqlens,
-            global_num_tokens,
+            entry="rapo_loss",
+            opts=opts,
+            old_logp=old_logp,
+            advantages=advantages,
+            loss_mask=loss_mask,
+            retrieved_mask=retrieved_mask,
+            response_mask=response_mask,
+            behav_logp=behav_logp,
+            ref_logp=ref_logp,
+            cu_seqlens=cu_seqlens,
+            global_num_tokens=global_num_tokens,
             logits=logits,
             hidden=hidden,
             weight=weight,
@@ -167,15 +167,15 @@ def rapo_loss(
         # log-probs, loss and gradients in one pass: rapo_fast/loss/fused_linear.py
         return _loss_from_logp(a, None, None, plan, plan.path, fused=True)
     lp_in = LogprobInputs(
-        a.logits,
-        a.hidden,
-        a.weight,
-        a.bias,
-        a.targets,
-        a.facts.vocab,
-        float(opts.temperature),
-        want_ent,
-        inplace_backward,
+        logits=a.logits,
+        hidden=a.hidden,
+        weight=a.weight,
+        bias=a.bias,
+        targets=a.targets,
+        vocab=a.facts.vocab,
+        temperature=float(opts.temperature),
+        entropy=want_ent,
+        inplace_backward=inplace_backward,
     )
     out, path, _ = _run_logprobs(lp_in, plan)  # checked and planned here: not token_logprobs' front desk again
     logp, ent = out if want_ent else (out, None)
@@ -217,17 +217,17 @@ def policy_loss_from_logp(
         )
     a = _loss_inputs(
         LossInputs(
-            "policy_loss_from_logp",
-            opts,
-            old_logp,
-            advantages,
-            loss_mask,
-            retrieved_mask,
-            response_mask,
-            behav_logp,
-            ref_logp,
-            cu_seqlens,
-            global_num_tokens,
+            entry="policy_loss_from_logp",
+            opts=opts,
+            old_logp=old_logp,
+            advantages=advantages,
+            loss_mask=loss_mask,
+            retrieved_mask=retrieved_mask,
+            response_mask=response_mask,
+            behav_logp=behav_logp,
+            ref_logp=ref_logp,
+            cu_seqlens=cu_seqlens,
+            global_num_tokens=global_num_tokens,
             logp=logp,
             entropy=entropy,
         )
