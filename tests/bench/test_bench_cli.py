@@ -44,9 +44,3 @@ def test_info_help(capsys):
     out = _help(capsys, ["info", "--help"])
     assert out.startswith("usage: rapo-fast info")
     assert "JSON" in out
-
-
-def test_bench_without_a_name_is_an_error(capsys):
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["bench"])
-    assert exc.value.code == 2
