@@ -45,6 +45,8 @@ def _bad_argvs(a_file, tmp_path):
         ["demo", "--rl-steps", "-1"],
         ["bench"],
         ["bench", "nope"],
+        ["nonsense"],
+        ["bench", "retrieval", "--quick", "--metric", "cos", *out],
         ["bench", "retrieval", "--quick", "--repeats", "-3", *out],
         ["bench", "retrieval", "--quick", "--repeats", "0", *out],
         ["bench", "retrieval", "--quick", "--repeats", "two", *out],
