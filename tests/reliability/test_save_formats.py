@@ -188,52 +188,34 @@ def _kv_store() -> StepKVStore:
     return store
 
 
+# how -> an edit of a StepKVStore state (s) whose payload 2 sits at (off, n)
+EDITS = {
+    "offset 10**6": lambda s, off, n: s["where"].__setitem__(2, (10**6, n)),
+    "one bit flipped in an offset": lambda s, off, n: s["where"].__setitem__(2, (off ^ (1 << 12), n)),
+    "length past the pool": lambda s, off, n: s["where"].__setitem__(2, (off, n + 100)),
+    "negative offset": lambda s, off, n: s["where"].__setitem__(2, (-1, n)),
+    "overlap": lambda s, off, n: s["where"].__setitem__(7, (off, 2)),
+    "bool offset": lambda s, off, n: s["where"].__setitem__(2, (True, n)),
+    "float length": lambda s, off, n: s["where"].__setitem__(2, (off, float(n))),
+    "keys of another dtype": lambda s, off, n: s.__setitem__("keys", s["keys"].double()),
+    "values of another shape": lambda s, off, n: s.__setitem__("values", s["values"][:, :-1]),
+    "NaN in the keys": lambda s, off, n: s.__setitem__("keys", s["keys"].clone().fill_(float("nan"))),
+    "tokens of another length": lambda s, off, n: s["tokens"].__setitem__(2, [2] * (n + 1)),
+    "tokens of an unknown payload": lambda s, off, n: s["tokens"].__setitem__(99, [1]),
+    "capacity below the used tokens": lambda s, off, n: s.__setitem__("capacity_tokens", 1),
+    "capacity of 2**40 tokens": lambda s, off, n: s.__setitem__("capacity_tokens", 2**40),
+    "missing field": lambda s, off, n: s.pop("where"),
+    "where not a dict": lambda s, off, n: s.__setitem__("where", [(0, 3)]),
+}
+
+
 def _edit(state: dict, how: str) -> dict:
     s = {k: (dict(v) if isinstance(v, dict) else v) for k, v in state.items()}
-    off, n = s["where"][2]
-    edits = {
-        "offset 10**6": lambda: s["where"].__setitem__(2, (10**6, n)),
-        "one bit flipped in an offset": lambda: s["where"].__setitem__(2, (off ^ (1 << 12), n)),
-        "length past the pool": lambda: s["where"].__setitem__(2, (off, n + 100)),
-        "negative offset": lambda: s["where"].__setitem__(2, (-1, n)),
-        "overlap": lambda: s["where"].__setitem__(7, (off, 2)),
-        "bool offset": lambda: s["where"].__setitem__(2, (True, n)),
-        "float length": lambda: s["where"].__setitem__(2, (off, float(n))),
-        "keys of another dtype": lambda: s.__setitem__("keys", s["keys"].double()),
-        "values of another shape": lambda: s.__setitem__("values", s["values"][:, :-1]),
-        "NaN in the keys": lambda: s.__setitem__("keys", s["keys"].clone().fill_(float("nan"))),
-        "tokens of another length": lambda: s["tokens"].__setitem__(2, [2] * (n + 1)),
-        "tokens of an unknown payload": lambda: s["tokens"].__setitem__(99, [1]),
-        "capacity below the used tokens": lambda: s.__setitem__("capacity_tokens", 1),
-        "capacity of 2**40 tokens": lambda: s.__setitem__("capacity_tokens", 2**40),
-        "missing field": lambda: s.pop("where"),
-        "where not a dict": lambda: s.__setitem__("where", [(0, 3)]),
-    }
-    edits[how]()
+    EDITS[how](s, *s["where"][2])
     return s
 
 
-@pytest.mark.parametrize(
-    "how",
-    [
-        "offset 10**6",
-        "one bit flipped in an offset",
-        "length past the pool",
-        "negative offset",
-        "overlap",
-        "bool offset",
-        "float length",
-        "keys of another dtype",
-        "values of another shape",
-        "NaN in the keys",
-        "tokens of another length",
-        "tokens of an unknown payload",
-        "capacity below the used tokens",
-        "capacity of 2**40 tokens",
-        "missing field",
-        "where not a dict",
-    ],
-)
+@pytest.mark.parametrize("how", list(EDITS))
 def test_kv_load_state_dict_refuses_bad_offsets_and_fields(how):
     """load_state_dict refuses offsets outside the pools (offset 10**6 would segfault in splice_kv): every bad
     state raises ValueError naming the field, and the store keeps its contents."""
