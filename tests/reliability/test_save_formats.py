@@ -12,7 +12,6 @@ import hashlib
 import json
 import shutil
 import threading
-from pathlib import Path
 
 import pytest
 import reliability_states as rs
@@ -25,14 +24,6 @@ from rapo_fast.retrieval.io import StepBufferFormatError
 from rapo_fast.retrieval.step_traces import StepTraces, StepTracesFormatError
 
 
-def _case(kind: str, tmp_path: Path) -> rs.Case:
-    return {
-        "StepBuffer": rs.buffer_case,
-        "StepTraces+StepKVStore": lambda: rs.traces_case(with_kv=True),
-        "checkpoint": lambda: rs.trainer_case(tmp_path),
-    }[kind]()
-
-
 def _corruptions(data: bytes) -> dict[str, bytes]:
     flipped = bytearray(data)
     if flipped:
@@ -43,7 +34,7 @@ def _corruptions(data: bytes) -> dict[str, bytes]:
 @pytest.mark.parametrize("kind", ["StepBuffer", "StepTraces+StepKVStore", "checkpoint"])
 def test_every_file_is_covered_by_a_checksum(kind, tmp_path):
     """Each file of a save (nested ones too; LOCK holds nothing), corrupted three ways, gives the format's error."""
-    case = _case(kind, tmp_path)
+    case = rs.case(kind, tmp_path)
     d = tmp_path / "save"
     case.save(d)
     want = case.fp(case.load(d))
@@ -180,14 +171,6 @@ def test_old_layouts_are_refused_clearly(tmp_path):
     assert issubclass(case.error, FormatError) and issubclass(StepTracesFormatError, FormatError)
 
 
-def _kv_store() -> StepKVStore:
-    store = StepKVStore(2, 1, 4, dtype=torch.float32, capacity_tokens=16)
-    g = torch.Generator().manual_seed(0)
-    segs = [torch.randn(2, n, 1, 4, generator=g) for n in (3, 5, 2)]
-    store.add([1, 2, 7], segs, [-s for s in segs], tokens=[[1] * 3, [2] * 5, [7] * 2])
-    return store
-
-
 # how -> an edit of a StepKVStore state (s) whose payload 2 sits at (off, n)
 EDITS = {
     "offset 10**6": lambda s, off, n: s["where"].__setitem__(2, (10**6, n)),
@@ -219,7 +202,7 @@ def _edit(state: dict, how: str) -> dict:
 def test_kv_load_state_dict_refuses_bad_offsets_and_fields(how):
     """load_state_dict refuses offsets outside the pools (offset 10**6 would segfault in splice_kv): every bad
     state raises ValueError naming the field, and the store keeps its contents."""
-    src, dst = _kv_store(), StepKVStore(2, 1, 4, dtype=torch.float32)
+    src, dst = rs.kv_store(), StepKVStore(2, 1, 4, dtype=torch.float32)
     dst.add([5], [torch.ones(2, 2, 1, 4)], [torch.ones(2, 2, 1, 4)], tokens=[[5, 5]])
     before = dst.state_dict()
     with pytest.raises(ValueError, match="StepKVStore.load_state_dict"):
