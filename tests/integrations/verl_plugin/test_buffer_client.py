@@ -31,7 +31,7 @@ from rapo_fast.retrieval.encoders import HashedNgramEncoder
 from rapo_fast.retrieval.jsonl import write_jsonl
 from rapo_fast.retrieval.step_traces import StepTraces
 
-WORDS = [f"w{i}" for i in range(40)]
+WORDS = [f"w{i}" for i in range(200)]
 DIM = 32
 TIMEOUT_S = 30.0  # a hang fails the test instead of stalling the suite
 
@@ -190,12 +190,8 @@ def test_any_threshold_and_groups_settle_and_spare_the_good_caller(shared, ms, g
     assert _idle(client)
 
 
-KEY_WORDS = [f"w{i}" for i in range(200)]
-KEY_DIM = 48
-
-
 def _text(rng: random.Random, n: int) -> str:
-    return " ".join(rng.choice(KEY_WORDS) for _ in range(n))
+    return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
 def _data(tmp_path):
@@ -217,7 +213,7 @@ def _data(tmp_path):
 
 def test_keys_in_equal_text_in(tmp_path):
     jsonl, adds, queries = _data(tmp_path)
-    tok, spec = WordTokenizer(KEY_WORDS), f"hashed:{KEY_DIM}"
+    tok, spec = WordTokenizer(WORDS), f"hashed:{DIM}"
     ref = StepTraces.from_jsonl(jsonl, StepBufferClient([object()], spec).encode, tok, top_k=5, capacity=64)
     ref.add_steps(*adds)
     excl = [random.Random(i).choice([-1, 0, 2]) for i in range(len(queries))]
