@@ -1,12 +1,14 @@
 """The `rapo-fast` command line refuses every bad flag with argparse's one-line error and exit code 2, for every
 subcommand, before any work starts: once `info --garbage` exited 0, `demo --device cuda` without CUDA, `--device tpu`
 and `--out FILE/x` gave tracebacks, `bench retrieval --repeats -3` failed with "no median for empty data", and
-`--repeats 0` / `--threads 0` were accepted. Not here: what the demo or a benchmark computes (tests/demo,
-tests/bench).
+`--repeats 0` / `--threads 0` were accepted. `bench|info --help` exits 0, names the subcommand in the usage line, lists
+the benchmarks and describes every option; `--version` and `info` report the versions. Not here: what the demo or a
+benchmark computes (tests/demo, tests/bench).
 """
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -45,6 +47,8 @@ def _bad_argvs(a_file, tmp_path):
         ["demo", "--rl-steps", "-1"],
         ["bench"],
         ["bench", "nope"],
+        ["nonsense"],
+        ["bench", "retrieval", "--quick", "--metric", "cos", *out],
         ["bench", "retrieval", "--quick", "--repeats", "-3", *out],
         ["bench", "retrieval", "--quick", "--repeats", "0", *out],
         ["bench", "retrieval", "--quick", "--repeats", "two", *out],
@@ -77,13 +81,46 @@ def test_info_garbage_exits_2_as_a_process():
     assert r.stderr.strip().splitlines()[-1].startswith("rapo-fast: error:"), r.stderr
 
 
+def _help(capsys, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 0, argv
+    return capsys.readouterr().out
+
+
+def test_bench_help_lists_every_benchmark(capsys):
+    out = _help(capsys, ["bench", "--help"])
+    assert out.startswith("usage: rapo-fast bench")
+    for name in cli.BENCHES:
+        assert re.search(rf"^\s+{name}\b", out, re.M), (name, out)
+
+
+@pytest.mark.parametrize("name", sorted(cli.BENCHES))
+def test_each_bench_help_names_itself_and_describes_every_option(capsys, name):
+    out = _help(capsys, ["bench", name, "--help"])
+    assert out.startswith(f"usage: rapo-fast bench {name} "), out.splitlines()[0]
+    assert "--out DIR" in out and "--record" in out and "--quick" in out
+    assert not re.search(r"\b(item|issue) \d", out), out  # no internal item or issue numbers
+    options = out.split("options:", 1)[1]
+    # every option line ("  --flag [METAVAR]") is followed on the same line or the next by words of help
+    lines = options.splitlines()
+    for i, line in enumerate(lines):
+        m = re.match(r"^  (-[^\s,]+(?:, -[^\s,]+)?)(?: [A-Z{][^ ]*)?(.*)$", line)
+        if m:
+            text = m.group(2).strip() or (lines[i + 1].strip() if i + 1 < len(lines) else "")
+            assert text and not text.startswith("-"), (name, line)
+
+
+def test_info_help(capsys):
+    out = _help(capsys, ["info", "--help"])
+    assert out.startswith("usage: rapo-fast info")
+    assert "JSON" in out
+
+
 def test_version_flag_prints_the_package_version(capsys):
     import rapo_fast
 
-    with pytest.raises(SystemExit) as e:
-        cli.main(["--version"])
-    assert e.value.code == 0
-    assert capsys.readouterr().out.strip() == f"rapo-fast {rapo_fast.__version__}"
+    assert _help(capsys, ["--version"]).strip() == f"rapo-fast {rapo_fast.__version__}"
 
 
 def test_info_reports_version_commit_and_library_versions(capsys):

@@ -8,7 +8,6 @@ Not a benchmark run (tests/bench/test_bench_*.py run the benches' --quick).
 from __future__ import annotations
 
 import csv
-import importlib.util
 import os
 import subprocess
 import sys
@@ -21,14 +20,6 @@ RESULTS = BENCH / "results"
 PLOTS = ["plot_loss.py", "plot_retrieval.py", "plot_logprobs.py", "plot_kv.py"]
 
 
-def _load(monkeypatch, script: str):
-    monkeypatch.syspath_prepend(str(BENCH))
-    spec = importlib.util.spec_from_file_location(f"plots_{script[:-3]}", BENCH / script)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.mark.parametrize("script", PLOTS)
 def test_plot_script_help_exits_0_with_a_description(script):
     res = subprocess.run([sys.executable, str(BENCH / script), "--help"], capture_output=True, text=True, timeout=120)
@@ -37,15 +28,15 @@ def test_plot_script_help_exits_0_with_a_description(script):
     assert "better" in res.stdout, res.stdout  # the description says which way is better
 
 
-def test_one_colour_per_provider_distinct_within_each_bench(monkeypatch):
-    style = _load(monkeypatch, "_plot_style.py")
-    lp = _load(monkeypatch, "_loss_providers.py")
+def test_one_colour_per_provider_distinct_within_each_bench(load_bench, monkeypatch):
+    style = load_bench("_plot_style.py")
+    lp = load_bench("_loss_providers.py")
     lists = {
         "loss": lp.ALL,
-        "logprobs": list(_load(monkeypatch, "bench_token_logprobs.py").INPUT),
-        "retrieval_cpu": _load(monkeypatch, "bench_retrieval.py").CPU_PROVIDERS,
-        "retrieval_gpu": _load(monkeypatch, "bench_retrieval.py").GPU_PROVIDERS,
-        "kv": _load(monkeypatch, "bench_kv_splice.py").PROVIDERS,
+        "logprobs": list(load_bench("bench_token_logprobs.py").INPUT),
+        "retrieval_cpu": load_bench("bench_retrieval.py").CPU_PROVIDERS,
+        "retrieval_gpu": load_bench("bench_retrieval.py").GPU_PROVIDERS,
+        "kv": load_bench("bench_kv_splice.py").PROVIDERS,
     }
     for bench, names in lists.items():
         assert all(n in style.COLORS for n in names), (bench, [n for n in names if n not in style.COLORS])
@@ -76,8 +67,8 @@ def _figures(monkeypatch) -> list:
         ("plot_kv.py", "kv_splice.csv", "x"),
     ],
 )
-def test_committed_csv_plots_with_lower_is_better_axes(monkeypatch, tmp_path, script, csv_name, time_axis):
-    mod = _load(monkeypatch, script)
+def test_committed_csv_plots_with_lower_is_better_axes(load_bench, monkeypatch, tmp_path, script, csv_name, time_axis):
+    mod = load_bench(script)
     figs = _figures(monkeypatch)
     out = mod.plot(RESULTS / csv_name, tmp_path / "out.png")
     assert out.stat().st_size > 10_000
@@ -87,8 +78,8 @@ def test_committed_csv_plots_with_lower_is_better_axes(monkeypatch, tmp_path, sc
     assert any("memory" in text for text in labels) or script == "plot_kv.py", labels
 
 
-def test_retrieval_plot_is_split_into_panels_higher_is_better(monkeypatch, tmp_path):
-    mod = _load(monkeypatch, "plot_retrieval.py")
+def test_retrieval_plot_is_split_into_panels_higher_is_better(load_bench, monkeypatch, tmp_path):
+    mod = load_bench("plot_retrieval.py")
     figs = _figures(monkeypatch)
     mod.plot(RESULTS / "retrieval_cpu.csv", tmp_path / "r.png")
     axes = [ax for ax in figs[0].axes if ax.get_visible()]
@@ -122,8 +113,8 @@ def test_table1_plot_has_a_y_label_and_bands_inside_0_1(monkeypatch, tmp_path):
     assert min(ys) >= 0.0 and max(ys) <= 1.0, (min(ys), max(ys))
 
 
-def test_native_output_is_dropped_unless_the_block_raises(monkeypatch, capfd):
-    quiet = _load(monkeypatch, "_quiet.py")
+def test_native_output_is_dropped_unless_the_block_raises(load_bench, monkeypatch, capfd):
+    quiet = load_bench("_quiet.py")
     with quiet.native_output_captured():
         os.write(1, b"USDT: profiler_start\n")
         os.write(2, b"[W CPUAllocator.cpp] Memory block of unknown size\n")

@@ -12,7 +12,6 @@ Not a performance test: tiny CPU shapes, times mean nothing.
 from __future__ import annotations
 
 import csv
-import importlib.util
 import os
 import signal
 import subprocess
@@ -25,14 +24,6 @@ import torch
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 PROVIDERS = ["torch_eager", "rapo_fast_hidden", "rapo_fast_logits", "torch_linear_ce"]
-
-
-def _load(monkeypatch, script: str):
-    monkeypatch.syspath_prepend(str(BENCH))
-    spec = importlib.util.spec_from_file_location(f"rows_{script[:-3]}", BENCH / script)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _rows(path: Path) -> list[dict]:
@@ -90,9 +81,9 @@ def test_a_run_stopped_mid_way_keeps_its_finished_rows(tmp_path, sig):
     assert done and all(r["status"] == "ok" and float(r["median_ms"]) > 0 for r in done), rows
 
 
-def test_an_erroring_provider_gets_its_row_and_its_neighbours_theirs(tmp_path, monkeypatch):
+def test_an_erroring_provider_gets_its_row_and_its_neighbours_theirs(load_bench, tmp_path, monkeypatch):
     monkeypatch.setenv("RAPO_FAST_DISABLE_TRITON", "1")
-    mod = _load(monkeypatch, "bench_loss.py")
+    mod = load_bench("bench_loss.py")
     real = mod.lp.make_provider
 
     def make(name, device):
@@ -119,8 +110,8 @@ def test_an_erroring_provider_gets_its_row_and_its_neighbours_theirs(tmp_path, m
         assert rows[name]["status"] == "ok" and float(rows[name]["median_ms"]) > 0, rows[name]
 
 
-def test_logprobs_error_while_timing_keeps_the_check_columns(tmp_path, monkeypatch):
-    mod = _load(monkeypatch, "bench_token_logprobs.py")
+def test_logprobs_error_while_timing_keeps_the_check_columns(load_bench, tmp_path, monkeypatch):
+    mod = load_bench("bench_token_logprobs.py")
     monkeypatch.setattr(mod, "MIN_SAMPLES", 2)
     real = mod._provider
 
@@ -153,9 +144,9 @@ def test_logprobs_error_while_timing_keeps_the_check_columns(tmp_path, monkeypat
     assert all(r["status"] == "ok" for r in rows if r["provider"] == "rapo_fast_hidden"), rows
 
 
-def test_retrieval_gpu_loop_survives_a_failing_triton_backend(tmp_path, monkeypatch):
+def test_retrieval_gpu_loop_survives_a_failing_triton_backend(load_bench, tmp_path, monkeypatch):
     """The GPU loop on CPU tensors (its state made here): `ours_triton` raising becomes its own row."""
-    mod = _load(monkeypatch, "bench_retrieval.py")
+    mod = load_bench("bench_retrieval.py")
     from _common import RowWriter
     from rapo_fast import StepBuffer
 
@@ -185,9 +176,9 @@ def test_retrieval_gpu_loop_survives_a_failing_triton_backend(tmp_path, monkeypa
     assert float(rows["ours_cuda"]["frac_ids_equal_to_ours"]) == 1.0
 
 
-def test_retrieval_cpu_provider_failing_in_the_round_robin(tmp_path, monkeypatch):
+def test_retrieval_cpu_provider_failing_in_the_round_robin(load_bench, tmp_path, monkeypatch):
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
-    mod = _load(monkeypatch, "bench_retrieval.py")
+    mod = load_bench("bench_retrieval.py")
     real = mod._cpu_fn
 
     def cpu_fn(name, *args):

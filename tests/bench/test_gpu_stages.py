@@ -9,6 +9,10 @@
 - `validate.py --dry-run` prints two commands with their deadlines, the lease arithmetic (both calls and two starts
   within 15 minutes), every row in the order taken, and call 1 alone brings back a graded row of every path.
 - `--record` refuses a smoke run and stamps a GPU run's rows; `pytest --collect-only -m gpu` survives a missing trl.
+- A call honours its `--deadline-s` (a step that cannot finish before it is skipped and recorded, later steps that fit
+  still run); a call killed from outside keeps the rows it measured and its summary says which step was in flight and
+  which never ran; the test step's table counts a test stopped mid-way as interrupted and the tests that never started
+  as not run (with and without xdist).
 
 What this is not: a GPU test (nothing here needs a device) nor a test of the benches' numbers (tests/bench/ others).
 """
@@ -19,6 +23,7 @@ import csv
 import os
 import re
 import shutil
+import signal
 import site
 import subprocess
 import sys
@@ -28,6 +33,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+GPU = ROOT / "bench" / "gpu"
 CALLS = sorted(p.stem for p in (ROOT / "bench" / "gpu").glob("call*.py"))
 BUDGET_S, MAX_FILES, LEASE_S = 540, 8, 900
 
@@ -38,12 +44,22 @@ def _run(args: list[str], timeout: int = 120, env: dict | None = None, cwd: Path
     )
 
 
-def _stage(name: str):
-    sys.path.insert(0, str(ROOT / "bench" / "gpu"))
+def _gpu(name: str):
+    """The module `name` of bench/gpu/ (not a package: imported from its folder)."""
+    sys.path.insert(0, str(GPU))
     try:
-        return __import__(name).STAGE
+        return __import__(name)
     finally:
-        sys.path.remove(str(ROOT / "bench" / "gpu"))
+        sys.path.remove(str(GPU))
+
+
+def _stage(name: str):
+    return _gpu(name).STAGE
+
+
+def _rows(path: Path) -> list[dict]:
+    with path.open() as f:
+        return list(csv.DictReader(f))
 
 
 def _copy_repo(dest: Path) -> Path:
@@ -117,11 +133,7 @@ def test_call1_alone_grades_every_path_and_call2_holds_the_long_compiles():
 def test_extension_budget_follows_a_carried_build(tmp_path, monkeypatch):
     """A carried .so is copied and imported (a short budget); without one the step builds for sm_90a (35-60 s on a
     fresh 16-core machine), and gets a build's budget."""
-    sys.path.insert(0, str(ROOT / "bench" / "gpu"))
-    try:
-        import _steps
-    finally:
-        sys.path.remove(str(ROOT / "bench" / "gpu"))
+    _steps = _gpu("_steps")
     monkeypatch.setattr(_steps, "ROOT", tmp_path)
     built = _steps.extension(copy_back=False).budget_s
     (tmp_path / ".carry" / "ext").mkdir(parents=True)
@@ -206,26 +218,23 @@ def test_cpu_smoke_from_a_copy_runs_end_to_end(name, smoke):
 def test_a_step_stopped_at_its_budget_keeps_its_rows(tmp_path):
     """The runner's own stop: a bench step and a pytest step each get SIGINT at their budget. The bench keeps the
     rows it finished and writes an interrupted row; pytest writes its junit XML with the test that passed."""
-    sys.path.insert(0, str(ROOT / "bench" / "gpu"))
-    try:
-        from _stage import Stage, Step, run
-    finally:
-        sys.path.remove(str(ROOT / "bench" / "gpu"))
+    st = _gpu("_stage")
     (tmp_path / "test_slow.py").write_text(
         "import time\n\ndef test_fast():\n    assert 1 + 1 == 2\n\ndef test_slow():\n    time.sleep(120)\n"
     )
     providers = "torch_eager,rapo_fast_hidden,rapo_fast_logits,torch_linear_ce,rapo_fast_hidden_2pass"
     bench = f"{{py}} bench/bench_loss.py --out {{out}} --shape 48,16,64 --rep-ms 6000 --providers {providers}"
     pytest_cmd = f"{{py}} -m pytest -q -p no:cacheprovider --junitxml={{out}}/junit.xml {tmp_path}/test_slow.py"
-    stage = Stage("killed", "a bench and pytest stopped at their budgets", [], [], {"loss.csv": ["provider", "status"]})
-    steps = [Step("bench", bench, 25, ("loss.csv",)), Step("pytest", pytest_cmd, 20, ("junit.xml",))]
+    stage = st.Stage(
+        "killed", "a bench and pytest stopped at their budgets", [], [], {"loss.csv": ["provider", "status"]}
+    )
+    steps = [st.Step("bench", bench, 25, ("loss.csv",)), st.Step("pytest", pytest_cmd, 20, ("junit.xml",))]
     t0 = time.perf_counter()
-    rc = run(stage, steps, tmp_path / "out", smoke=True)
+    rc = st.run(stage, steps, tmp_path / "out", smoke=True)
     assert rc == 1 and time.perf_counter() - t0 < 25 + 20 + 2 * 15 + 20
     summary = (tmp_path / "out" / "killed_summary.txt").read_text()
     assert re.search(r"step bench\s+TIMEOUT", summary) and re.search(r"step pytest\s+TIMEOUT", summary), summary
-    with (tmp_path / "out" / "loss.csv").open() as f:
-        rows = list(csv.DictReader(f))
+    rows = _rows(tmp_path / "out" / "loss.csv")
     statuses = [r["status"] for r in rows]
     assert statuses[-1].startswith("interrupted"), statuses
     assert statuses[:-1] and all(s == "ok" for s in statuses[:-1]), statuses  # finished rows kept, well formed
@@ -287,3 +296,129 @@ def test_collect_only_gpu_survives_missing_optional_imports(hidden, tmp_path):
     assert res.returncode == 0, tail
     assert "error" not in res.stdout.splitlines()[-1].lower(), tail
     assert re.search(r"SKIPPED \[1\] tests/integrations/test_integration_trl.py:\d+: .*trl", res.stdout), tail
+
+
+DEADLINE_BENCH = (
+    "{py} bench/bench_loss.py --out {out} --no-plot --shape 48,16,64 --rep-ms 5 --providers torch_eager,torch_linear_ce"
+)
+
+
+def test_deadline_skips_what_cannot_finish_and_runs_what_fits(tmp_path):
+    st = _gpu("_stage")
+    stage = st.Stage("dl", "deadline", [], [], {"loss.csv": ["provider", "status"]})
+    steps = [
+        st.Step("bench", DEADLINE_BENCH, 60, ("loss.csv",)),
+        st.Step("long", "sleep 200", 200, ()),  # cannot finish before the deadline: never started
+        st.Step("short", "echo ran > {out}/short.txt", 5, ("short.txt",)),
+    ]
+    t0 = time.monotonic()
+    rc = st.run(stage, steps, tmp_path / "out", smoke=True, deadline_s=100)
+    took = time.monotonic() - t0
+    assert rc == 1 and took < 100, took
+    summary = (tmp_path / "out" / "dl_summary.txt").read_text()
+    assert re.search(r"step bench\s+ok", summary) and re.search(r"step short\s+ok", summary), summary
+    assert re.search(r"step long\s+SKIPPED \(deadline: \d+ s left\)", summary), summary
+    assert "deadline: 100 s from the start" in summary and (tmp_path / "out" / "short.txt").exists()
+    rows = _rows(tmp_path / "out" / "loss.csv")
+    assert rows and all(r["status"] == "ok" for r in rows), rows
+
+
+KILLED_CALL = """
+import sys
+sys.path.insert(0, {gpu!r})
+import _stage as st
+stage = st.Stage("killed", "killed from outside", [], [], {{"loss.csv": ["provider", "status"]}})
+steps = [
+    st.Step("bench", {bench!r}, 60, ("loss.csv",)),
+    st.Step("stuck", "touch {{out}}/stuck_started; sleep 300", 300, ()),
+    st.Step("after", "true", 5, ()),
+]
+st.run(stage, steps, {out!r}, smoke=True, deadline_s=500)
+"""
+
+
+def test_a_call_killed_at_its_deadline_keeps_rows_and_says_what_did_not_run(tmp_path):
+    """The device tool's limit kills the whole call (SIGKILL to its process group): the bench's rows stay, the
+    summary names the step in flight as running and the next as not run."""
+    out = tmp_path / "out"
+    code = KILLED_CALL.format(gpu=str(GPU), bench=DEADLINE_BENCH, out=str(out))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "stuck_started").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the call ended or hung before its 2nd step"
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    summary = (out / "killed_summary.txt").read_text()
+    assert re.search(r"step bench\s+ok", summary), summary
+    assert re.search(r"step stuck\s+running", summary) and re.search(r"step after\s+not run", summary), summary
+    rows = _rows(out / "loss.csv")
+    assert len(rows) == 2 and all(r["status"] == "ok" for r in rows), rows
+
+
+TESTS = """
+import time
+
+def test_a():
+    pass
+
+def test_b_slow():
+    time.sleep(300)
+
+def test_c():
+    pass
+
+def test_d():
+    pass
+"""
+
+
+@pytest.mark.parametrize("xdist", [False, True], ids=["serial", "xdist"])
+def test_junit_table_counts_interrupted_and_not_run(tmp_path, xdist):
+    """pytest stopped by SIGINT while test_b_slow runs, as a step at its budget is: the XML calls that test passed
+    (or leaves it out); the table says interrupted, and counts the tests that never started as not run."""
+    if xdist:
+        pytest.importorskip("xdist")
+    (tmp_path / "test_sample.py").write_text(TESTS)
+    progress, xml = tmp_path / "progress.jsonl", tmp_path / "junit.xml"
+    env = dict(
+        os.environ, RAPO_FAST_PYTEST_PROGRESS=str(progress), PYTHONPATH=f"{GPU}:{os.environ.get('PYTHONPATH', '')}"
+    )
+    args = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "pytest_progress",
+        "-p",
+        "no:randomly",
+    ]
+    args += ["-n", "2"] if xdist else []
+    args += [f"--junitxml={xml}", str(tmp_path / "test_sample.py")]
+    proc = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while '"start", "nodeid": "test_sample.py::test_b_slow"' not in (progress.read_text() if progress.exists() else ""):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()[-2000:]
+        time.sleep(0.2)
+    time.sleep(1.0)  # let the other tests run where they can
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=60)
+    junit_table = _gpu("junit_table")
+    table = junit_table.rows(xml, progress)
+    counts = {r["outcome"]: int(r["count"]) for r in table if r.get("count") not in (None, "")}
+    assert sum(counts.values()) == 4, table  # every collected test counted once
+    assert counts.get("interrupted") == 1, table
+    slow = [r for r in table if r.get("test", "").endswith("test_b_slow")]
+    assert len(slow) == 1 and slow[0]["outcome"] == "interrupted", table
+    if not xdist:  # in order: a passed, b interrupted, c and d never started
+        assert counts == {"passed": 1, "interrupted": 1, "not run": 2}, table
+    # Without the progress file the same XML cannot tell: the table says so instead of counting.
+    blind = junit_table.rows(xml, None)
+    assert any(r["outcome"] == "progress unknown" for r in blind), blind

@@ -243,18 +243,18 @@ def test_matches_trl_loss_and_grads(trainer, name):
         _configure(trainer, {})
 
 
-def test_matches_trl_under_bf16_autocast():
-    """GRPOConfig's default (bf16=True): the adapter runs under the same autocast as TRL's log-prob pass."""
-    trainer = _build(bf16=True)
-    _configure(trainer, {"loss_type": "dapo", "epsilon_high": 0.28})
-    _compare(trainer, _inputs(trainer, seed=7), loss_tol=BF16_LOSS_TOL, grad_tol=BF16_GRAD_TOL)
-
-
-def test_matches_trl_with_fp32_lm_head_under_bf16_autocast():
-    """cast_lm_head_to_fp32=True: TRL runs the head in fp32 outside autocast; so does the adapter."""
-    trainer = _build(bf16=True, cast_lm_head_to_fp32=True)
-    _configure(trainer, {"loss_type": "bnpo"})
-    _compare(trainer, _inputs(trainer, seed=8), loss_tol=BF16_LOSS_TOL, grad_tol=BF16_GRAD_TOL)
+@pytest.mark.parametrize(
+    "config, case, seed",
+    [
+        ({}, {"loss_type": "dapo", "epsilon_high": 0.28}, 7),  # GRPOConfig's default: TRL's log-prob pass autocast
+        ({"cast_lm_head_to_fp32": True}, {"loss_type": "bnpo"}, 8),  # TRL's head in fp32 outside autocast
+    ],
+    ids=["autocast", "fp32-lm-head"],
+)
+def test_matches_trl_under_bf16_autocast(config, case, seed):
+    trainer = _build(bf16=True, **config)
+    _configure(trainer, case)
+    _compare(trainer, _inputs(trainer, seed=seed), loss_tol=BF16_LOSS_TOL, grad_tol=BF16_GRAD_TOL)
 
 
 def test_eval_mode_has_no_grad_accum_division(trainer):

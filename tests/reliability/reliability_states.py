@@ -269,3 +269,35 @@ def jsonl_case() -> Case:
         advance=advance,
         error=(ValueError, FileNotFoundError),  # type: ignore[arg-type]
     )
+
+
+def case(kind: str, work: Path) -> Case:
+    """The Case of a save format by name (`work`: where a trainer checkpoint's run keeps its files)."""
+    return {
+        "StepBuffer": buffer_case,
+        "StepTraces": lambda: traces_case(with_kv=False),
+        "StepTraces+StepKVStore": lambda: traces_case(with_kv=True),
+        "checkpoint": lambda: trainer_case(work),
+        "TrainerConfig": config_case,
+        "trajectory JSONL": jsonl_case,
+    }[kind]()
+
+
+def loaded_fp(case: Case, d: Path) -> bytes | None:
+    """Fingerprint of what `load` gives, or None when it raised the format's own error (any other error fails)."""
+    try:
+        obj = case.load(d)
+    except case.error:
+        return None
+    return case.fp(obj)
+
+
+def kv_store():
+    """A StepKVStore (2 layers, 1 head, dim 4, 16 tokens) holding payloads 1, 2, 7 of 3, 5, 2 tokens."""
+    from rapo_fast.kv.store import StepKVStore
+
+    store = StepKVStore(2, 1, 4, dtype=torch.float32, capacity_tokens=16)
+    g = torch.Generator().manual_seed(0)
+    segs = [torch.randn(2, n, 1, 4, generator=g) for n in (3, 5, 2)]
+    store.add([1, 2, 7], segs, [-s for s in segs], tokens=[[1] * 3, [2] * 5, [7] * 2])
+    return store

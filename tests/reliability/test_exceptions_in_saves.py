@@ -17,7 +17,6 @@ import contextlib
 import errno
 import os
 import shutil
-from pathlib import Path
 
 import pytest
 import reliability_states as rs
@@ -62,24 +61,6 @@ def _faults(at: int, how: str, log: list[str]):
             setattr(os, name, f)
 
 
-def _loaded_fp(case: rs.Case, d: Path) -> bytes | None:
-    try:
-        return case.fp(case.load(d))
-    except case.error:
-        return None
-
-
-def _case(kind: str, work: Path) -> rs.Case:
-    return {
-        "StepBuffer": rs.buffer_case,
-        "StepTraces": lambda: rs.traces_case(with_kv=False),
-        "StepTraces+StepKVStore": lambda: rs.traces_case(with_kv=True),
-        "checkpoint": lambda: rs.trainer_case(work),
-        "TrainerConfig": rs.config_case,
-        "trajectory JSONL": rs.jsonl_case,
-    }[kind]()
-
-
 @pytest.mark.parametrize(
     "kind", [*VERSIONED[:3], pytest.param("checkpoint", marks=pytest.mark.slow), "TrainerConfig", "trajectory JSONL"]
 )
@@ -87,11 +68,11 @@ def test_an_exception_at_any_call_of_a_save_keeps_a_loadable_state(kind, work):
     """Each call of the save in turn: an OSError instead of it, and a KeyboardInterrupt or SystemExit after it; for
     the formats whose save is small also an OSError from every call from then on (the cleanup fails too)."""
     tmp_path = work
-    case = _case(kind, tmp_path)
+    case = rs.case(kind, tmp_path)
     template = tmp_path / "template"
     old_fp = case.fp(case.obj)
     case.save(template)
-    assert _loaded_fp(case, template) == old_fp
+    assert rs.loaded_fp(case, template) == old_fp
     case.advance()
     new_fp = case.fp(case.obj)
     assert new_fp != old_fp
@@ -107,12 +88,12 @@ def test_an_exception_at_any_call_of_a_save_keeps_a_loadable_state(kind, work):
             shutil.copytree(template, d)
             with contextlib.suppress(OSError, KeyboardInterrupt, SystemExit), _faults(at, how, []):
                 case.save(d)
-            got = _loaded_fp(case, d)
+            got = rs.loaded_fp(case, d)
             where = f"{case.name}: {how} at call {at} ({calls[at - 1]})"
             assert got is not None, f"{where}: neither the previous nor the new state loads"
             assert got in (old_fp, new_fp), f"{where}: a state that is neither the previous nor the new one"
             case.save(d)  # the next save works and cleans up after the stopped one
-            assert _loaded_fp(case, d) == new_fp, where
+            assert rs.loaded_fp(case, d) == new_fp, where
             if kind in VERSIONED:
                 ours = {p.name for p in d.iterdir()}
                 assert ours == {"CURRENT", "LOCK", rs.live(d).name}, f"{where}: left behind {ours}"

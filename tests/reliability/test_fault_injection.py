@@ -101,15 +101,6 @@ def _in_child(save, directory: Path, kill_at: int = 0, torn: bool = False, delay
     return {"killed": False, "log": json.loads(out)}
 
 
-def _loaded_fp(case: rs.Case, d: Path) -> bytes | None:
-    """Fingerprint of what `load` gives, or None when it raised the format's own error (any other error fails)."""
-    try:
-        obj = case.load(d)
-    except case.error:
-        return None
-    return case.fp(obj)
-
-
 def _ours(d: Path) -> set[str]:
     return {p.name for p in d.iterdir()} - set(FOREIGN)
 
@@ -117,7 +108,7 @@ def _ours(d: Path) -> set[str]:
 def _check_next_save(case: rs.Case, d: Path, new_fp: bytes) -> None:
     """The save after a kill works, and leaves CURRENT, LOCK and the live version (and the foreign entries)."""
     case.save(d)
-    assert _loaded_fp(case, d) == new_fp
+    assert rs.loaded_fp(case, d) == new_fp
     assert _ours(d) == {"CURRENT", "LOCK", rs.live(d).name}, f"left behind: {_ours(d)}"
     assert all((d / n).exists() for n in FOREIGN if (d.parent / "template" / n).exists())
 
@@ -127,7 +118,7 @@ def _prepare(case: rs.Case, tmp_path: Path) -> tuple[Path, bytes, bytes]:
     template = tmp_path / "template"
     old_fp = case.fp(case.obj)
     case.save(template)
-    assert _loaded_fp(case, template) == old_fp  # the round trip is exact
+    assert rs.loaded_fp(case, template) == old_fp  # the round trip is exact
     (template / FOREIGN[0]).mkdir()
     (template / FOREIGN[1]).write_text("not ours")
     (template / FOREIGN[2]).write_text("not ours either")
@@ -155,7 +146,7 @@ def _kill_everywhere(case: rs.Case, tmp_path: Path, over_old: bool) -> int:
             shutil.copytree(template, d)
         res = _in_child(case.save, d, kill_at=n, torn=torn)
         assert res["killed"], f"write {n} ({writes[n - 1]}) was not reached"
-        got = _loaded_fp(case, d)
+        got = rs.loaded_fp(case, d)
         allowed = {old_fp, new_fp} if over_old else {None, new_fp}
         assert got in allowed, f"{case.name}: killed before write {n} ({writes[n - 1]}, torn={torn}): " + (
             "no loadable version" if got is None else "a state that is neither the old nor the new one"
@@ -168,13 +159,7 @@ def _kill_everywhere(case: rs.Case, tmp_path: Path, over_old: bool) -> int:
 
 @pytest.mark.parametrize("kind", ["StepBuffer", "StepTraces", "StepTraces+StepKVStore", "checkpoint"])
 def test_kill_before_each_write(kind, work):
-    case = {
-        "StepBuffer": rs.buffer_case,
-        "StepTraces": lambda: rs.traces_case(with_kv=False),
-        "StepTraces+StepKVStore": lambda: rs.traces_case(with_kv=True),
-        "checkpoint": lambda: rs.trainer_case(work),
-    }[kind]()
-    assert _kill_everywhere(case, work / "over", over_old=True) > 10
+    assert _kill_everywhere(rs.case(kind, work), work / "over", over_old=True) > 10
 
 
 def test_kill_during_a_first_save(work):
@@ -200,7 +185,7 @@ def test_kill_at_random_moments_of_a_larger_save(kind, work):
         d = work / f"r{i}"
         shutil.copytree(template, d)
         killed += _in_child(case.save, d, delay=rng.uniform(0.0, 1.2 * took))["killed"]
-        assert _loaded_fp(case, d) in {old_fp, new_fp}, f"{case.name}: random kill {i}"
+        assert rs.loaded_fp(case, d) in {old_fp, new_fp}, f"{case.name}: random kill {i}"
         _check_next_save(case, d, new_fp)
         shutil.rmtree(d)
     assert killed >= 2, f"only {killed} of 8 saves were killed before they finished (the save took {took:.3f} s)"

@@ -12,7 +12,6 @@ import hashlib
 import json
 import shutil
 import threading
-from pathlib import Path
 
 import pytest
 import reliability_states as rs
@@ -25,14 +24,6 @@ from rapo_fast.retrieval.io import StepBufferFormatError
 from rapo_fast.retrieval.step_traces import StepTraces, StepTracesFormatError
 
 
-def _case(kind: str, tmp_path: Path) -> rs.Case:
-    return {
-        "StepBuffer": rs.buffer_case,
-        "StepTraces+StepKVStore": lambda: rs.traces_case(with_kv=True),
-        "checkpoint": lambda: rs.trainer_case(tmp_path),
-    }[kind]()
-
-
 def _corruptions(data: bytes) -> dict[str, bytes]:
     flipped = bytearray(data)
     if flipped:
@@ -43,7 +34,7 @@ def _corruptions(data: bytes) -> dict[str, bytes]:
 @pytest.mark.parametrize("kind", ["StepBuffer", "StepTraces+StepKVStore", "checkpoint"])
 def test_every_file_is_covered_by_a_checksum(kind, tmp_path):
     """Each file of a save (nested ones too; LOCK holds nothing), corrupted three ways, gives the format's error."""
-    case = _case(kind, tmp_path)
+    case = rs.case(kind, tmp_path)
     d = tmp_path / "save"
     case.save(d)
     want = case.fp(case.load(d))
@@ -180,64 +171,38 @@ def test_old_layouts_are_refused_clearly(tmp_path):
     assert issubclass(case.error, FormatError) and issubclass(StepTracesFormatError, FormatError)
 
 
-def _kv_store() -> StepKVStore:
-    store = StepKVStore(2, 1, 4, dtype=torch.float32, capacity_tokens=16)
-    g = torch.Generator().manual_seed(0)
-    segs = [torch.randn(2, n, 1, 4, generator=g) for n in (3, 5, 2)]
-    store.add([1, 2, 7], segs, [-s for s in segs], tokens=[[1] * 3, [2] * 5, [7] * 2])
-    return store
+# how -> an edit of a StepKVStore state (s) whose payload 2 sits at (off, n)
+EDITS = {
+    "offset 10**6": lambda s, off, n: s["where"].__setitem__(2, (10**6, n)),
+    "one bit flipped in an offset": lambda s, off, n: s["where"].__setitem__(2, (off ^ (1 << 12), n)),
+    "length past the pool": lambda s, off, n: s["where"].__setitem__(2, (off, n + 100)),
+    "negative offset": lambda s, off, n: s["where"].__setitem__(2, (-1, n)),
+    "overlap": lambda s, off, n: s["where"].__setitem__(7, (off, 2)),
+    "bool offset": lambda s, off, n: s["where"].__setitem__(2, (True, n)),
+    "float length": lambda s, off, n: s["where"].__setitem__(2, (off, float(n))),
+    "keys of another dtype": lambda s, off, n: s.__setitem__("keys", s["keys"].double()),
+    "values of another shape": lambda s, off, n: s.__setitem__("values", s["values"][:, :-1]),
+    "NaN in the keys": lambda s, off, n: s.__setitem__("keys", s["keys"].clone().fill_(float("nan"))),
+    "tokens of another length": lambda s, off, n: s["tokens"].__setitem__(2, [2] * (n + 1)),
+    "tokens of an unknown payload": lambda s, off, n: s["tokens"].__setitem__(99, [1]),
+    "capacity below the used tokens": lambda s, off, n: s.__setitem__("capacity_tokens", 1),
+    "capacity of 2**40 tokens": lambda s, off, n: s.__setitem__("capacity_tokens", 2**40),
+    "missing field": lambda s, off, n: s.pop("where"),
+    "where not a dict": lambda s, off, n: s.__setitem__("where", [(0, 3)]),
+}
 
 
 def _edit(state: dict, how: str) -> dict:
     s = {k: (dict(v) if isinstance(v, dict) else v) for k, v in state.items()}
-    off, n = s["where"][2]
-    edits = {
-        "offset 10**6": lambda: s["where"].__setitem__(2, (10**6, n)),
-        "one bit flipped in an offset": lambda: s["where"].__setitem__(2, (off ^ (1 << 12), n)),
-        "length past the pool": lambda: s["where"].__setitem__(2, (off, n + 100)),
-        "negative offset": lambda: s["where"].__setitem__(2, (-1, n)),
-        "overlap": lambda: s["where"].__setitem__(7, (off, 2)),
-        "bool offset": lambda: s["where"].__setitem__(2, (True, n)),
-        "float length": lambda: s["where"].__setitem__(2, (off, float(n))),
-        "keys of another dtype": lambda: s.__setitem__("keys", s["keys"].double()),
-        "values of another shape": lambda: s.__setitem__("values", s["values"][:, :-1]),
-        "NaN in the keys": lambda: s.__setitem__("keys", s["keys"].clone().fill_(float("nan"))),
-        "tokens of another length": lambda: s["tokens"].__setitem__(2, [2] * (n + 1)),
-        "tokens of an unknown payload": lambda: s["tokens"].__setitem__(99, [1]),
-        "capacity below the used tokens": lambda: s.__setitem__("capacity_tokens", 1),
-        "capacity of 2**40 tokens": lambda: s.__setitem__("capacity_tokens", 2**40),
-        "missing field": lambda: s.pop("where"),
-        "where not a dict": lambda: s.__setitem__("where", [(0, 3)]),
-    }
-    edits[how]()
+    EDITS[how](s, *s["where"][2])
     return s
 
 
-@pytest.mark.parametrize(
-    "how",
-    [
-        "offset 10**6",
-        "one bit flipped in an offset",
-        "length past the pool",
-        "negative offset",
-        "overlap",
-        "bool offset",
-        "float length",
-        "keys of another dtype",
-        "values of another shape",
-        "NaN in the keys",
-        "tokens of another length",
-        "tokens of an unknown payload",
-        "capacity below the used tokens",
-        "capacity of 2**40 tokens",
-        "missing field",
-        "where not a dict",
-    ],
-)
+@pytest.mark.parametrize("how", list(EDITS))
 def test_kv_load_state_dict_refuses_bad_offsets_and_fields(how):
     """load_state_dict refuses offsets outside the pools (offset 10**6 would segfault in splice_kv): every bad
     state raises ValueError naming the field, and the store keeps its contents."""
-    src, dst = _kv_store(), StepKVStore(2, 1, 4, dtype=torch.float32)
+    src, dst = rs.kv_store(), StepKVStore(2, 1, 4, dtype=torch.float32)
     dst.add([5], [torch.ones(2, 2, 1, 4)], [torch.ones(2, 2, 1, 4)], tokens=[[5, 5]])
     before = dst.state_dict()
     with pytest.raises(ValueError, match="StepKVStore.load_state_dict"):

@@ -1,5 +1,7 @@
 """Tests of rapo_fast.rollouts.loop: token kinds, step 0 never retrieves, group exclusion, behaviour log-probs equal to
-a full-attention re-score (exact mode), splice == exact at position 0 under greedy decoding, ARPO branching."""
+a full-attention re-score (exact mode), splice == exact at position 0 under greedy decoding, ARPO branching, bad
+arguments (a cfg that is no RolloutConfig, a settings keyword), the row states. Not here: the ARPO rules
+(test_arpo_rules.py), off-policy trajectories (test_offpolicy_traj.py), the config's fields (tests/train/)."""
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from rapo_fast.rollouts.batch import KIND_GEN, KIND_PROMPT, KIND_RET, KIND_TOOL
 from rapo_fast.rollouts.config import RolloutConfig
 from rapo_fast.rollouts.engine import DecodeEngine, sample
 from rapo_fast.rollouts.loop import rollout
+from rapo_fast.rollouts.rows import Row, RowState
 from rapo_fast.train.sft import sft_warmup
 
 
@@ -293,6 +296,21 @@ def test_bad_arguments(setup):
         )
     with pytest.raises(ValueError, match="problems"):
         rollout(model, tok, task, [], RolloutConfig(strategy="on_policy", hybrid={"n_hybrid": 0}))
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        rollout(model, tok, task, problems, RolloutConfig(), group_size=4)
+    with pytest.raises(TypeError, match="RolloutConfig"):
+        rollout(model, tok, task, problems, {"group_size": 4})
+
+
+def test_row_states():
+    r = Row([1, 2], group=0, pidx=0, hybrid=False, state=RowState.IDLE)
+    assert not r.active and not r.live and not r.done
+    r.start()
+    assert r.active and r.live and r.state is RowState.RUNNING
+    r.state = RowState.BOUNDARY
+    assert r.live and not r.done
+    r.state = RowState.DONE
+    assert r.done and r.active and not r.live
 
 
 @pytest.mark.parametrize("mode", ["exact", "splice", "arpo"])

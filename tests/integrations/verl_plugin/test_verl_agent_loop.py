@@ -422,29 +422,19 @@ def test_config_resolution_and_errors(env):
     assert mod.step_entropy_estimate([-1.0, -3.0], [1, 0], 0, 2) == 1.0
 
 
-class _InProcessHandle:
-    """Stands in for a Ray actor handle of rapo_fast's StepBufferActor: `h.method.remote(...)` -> awaitable."""
-
-    def __init__(self, actor):
-        self.actor = actor
-
-    def __getattr__(self, name):
-        method = getattr(self.actor, name)
-        return type("_Remote", (), {"remote": staticmethod(method)})
-
-
 @pytest.mark.parametrize("exclude", [True, False])
 def test_with_rapo_fast_step_buffer_client(env, exclude):
     """The buffer side is rapo_fast's own StepBufferClient over a StepBufferActor (in-process, no Ray) holding an
     on-policy step of the prompt's own group (index 3) and an off-policy step (OFFPOLICY_GROUP_BASE + 3): the own
     group's step matches the history better, so it is inserted only when exclude_own_group is false."""
     from rapo_fast.integrations.verl.buffer_actor import StepBufferActor, StepBufferClient
+    from rapo_fast.integrations.verl.buffer_requests import LocalHandle
     from rapo_fast.retrieval.step_traces import OFFPOLICY_GROUP_BASE
 
     tok = env["tok"]
     actor = StepBufferActor(None, tok, "hashed", capacity=16, window_s=0.0)
     own = "user what is x assistant think a b tool fact one assistant"
-    client = StepBufferClient([_InProcessHandle(actor)])  # encodes the histories, the actor stores keys
+    client = StepBufferClient([LocalHandle(actor)])  # encodes the histories, the actor stores keys
     asyncio.run(client.add_steps([own, "system is"], ["fact one", "fact two"], [3, OFFPOLICY_GROUP_BASE + 3]))
     _with_client(env, client, name=f"buf-{exclude}")
     kw = {"retrieve_prob": 1.0, "n_hybrid": 4, "buffer_name": f"buf-{exclude}", "exclude_own_group": exclude}

@@ -28,6 +28,8 @@ import torch  # noqa: E402
 from helpers.ray_local import local_ray  # noqa: E402
 from helpers.verl_tiny import chat_word_tokenizer  # noqa: E402
 
+from rapo_fast.integrations.verl.buffer_requests import LocalHandle  # noqa: E402
+
 CALL = '{"name":"lookup","arguments":{}}'
 WORDS = (
     "<pad> <unk> <|im_start|> <|im_end|> system user assistant tool what is x y think a b c d "
@@ -152,16 +154,6 @@ def _batch(tag: str, validate: bool, indices=(5, 6)):
     )
 
 
-class _Local:
-    """Stands in for a Ray actor handle: `h.method.remote(...)` -> awaitable (the object runs in-process)."""
-
-    def __init__(self, obj):
-        self.obj = obj
-
-    def __getattr__(self, name):
-        return type("_Remote", (), {"remote": staticmethod(getattr(self.obj, name))})
-
-
 def _rollout(cfg, batch, reward_handles=None):
     """verl's real AgentLoopWorker (real constructor: model config, tokenizer, tools from cfg) generating `batch`;
     reward_handles None: verl's real RewardLoopWorker, built in-process from cfg, scores every trajectory."""
@@ -169,7 +161,7 @@ def _rollout(cfg, batch, reward_handles=None):
     from verl.experimental.reward_loop import RewardLoopWorker
 
     async def go():
-        handles = reward_handles or [_Local(RewardLoopWorker(cfg, None))]
+        handles = reward_handles or [LocalHandle(RewardLoopWorker(cfg, None))]
         worker = AgentLoopWorker(cfg, ScriptedServer(), reward_loop_worker_handles=handles)
         return await worker.generate_sequences(batch)
 
@@ -201,7 +193,7 @@ def _in_process_buffer(model_dir, name: str):
     from rapo_fast.integrations.verl.buffer_actor import StepBufferActor, StepBufferClient
 
     actor = StepBufferActor(None, str(model_dir), "hashed", capacity=64, window_s=0.0)
-    client = StepBufferClient([_Local(actor)])
+    client = StepBufferClient([LocalHandle(actor)])
     agent_loop.set_step_buffer_client(name, client)
     return actor, client
 
