@@ -49,8 +49,6 @@ from rapo_fast.retrieval.step_traces import StepTraces
 
 __all__ = [
     "StepBufferActor",
-    "StepBufferClient",
-    "StepBufferSaveError",
     "StepBufferReplicaError",
     "get_or_create_step_buffer",
     "get_step_buffer",

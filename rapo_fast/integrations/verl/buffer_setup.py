@@ -21,11 +21,11 @@ from rapo_fast.integrations.verl import verl_compat
 from rapo_fast.integrations.verl.buffer_actor import (
     CHECKPOINT_SUBDIR,
     DEFAULT_NAME,
-    StepBufferClient,
     build_step_buffer_from_jsonl,
     get_or_create_step_buffer,
     get_step_buffer,
 )
+from rapo_fast.integrations.verl.buffer_client import StepBufferClient
 
 __all__ = [
     "main",

@@ -25,7 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rapo_fast.demo.tiny_policy import WordTokenizer
-from rapo_fast.integrations.verl.buffer_actor import StepBufferActor, StepBufferClient
+from rapo_fast.integrations.verl.buffer_actor import StepBufferActor
+from rapo_fast.integrations.verl.buffer_client import StepBufferClient
 from rapo_fast.integrations.verl.buffer_requests import LocalHandle
 from rapo_fast.retrieval.encoders import HashedNgramEncoder
 from rapo_fast.retrieval.jsonl import write_jsonl

@@ -14,7 +14,8 @@ import random
 import pytest
 
 from rapo_fast.demo.tiny_policy import WordTokenizer
-from rapo_fast.integrations.verl.buffer_actor import StepBufferActor, StepBufferClient, StepBufferReplicaError
+from rapo_fast.integrations.verl.buffer_actor import StepBufferActor, StepBufferReplicaError
+from rapo_fast.integrations.verl.buffer_client import StepBufferClient
 from rapo_fast.integrations.verl.buffer_replicas import check_replicas_per_node
 from rapo_fast.integrations.verl.buffer_requests import LocalHandle
 from rapo_fast.retrieval.jsonl import write_jsonl

@@ -427,7 +427,8 @@ def test_with_rapo_fast_step_buffer_client(env, exclude):
     """The buffer side is rapo_fast's own StepBufferClient over a StepBufferActor (in-process, no Ray) holding an
     on-policy step of the prompt's own group (index 3) and an off-policy step (OFFPOLICY_GROUP_BASE + 3): the own
     group's step matches the history better, so it is inserted only when exclude_own_group is false."""
-    from rapo_fast.integrations.verl.buffer_actor import StepBufferActor, StepBufferClient
+    from rapo_fast.integrations.verl.buffer_actor import StepBufferActor
+    from rapo_fast.integrations.verl.buffer_client import StepBufferClient
     from rapo_fast.integrations.verl.buffer_requests import LocalHandle
     from rapo_fast.retrieval.step_traces import OFFPOLICY_GROUP_BASE
 

@@ -190,7 +190,8 @@ def _scores(out) -> list[float]:
 def _in_process_buffer(model_dir, name: str):
     """rapo_fast's StepBufferClient over an in-process StepBufferActor (empty, 64 slots), installed for `name`."""
     from rapo_fast.integrations.verl import agent_loop
-    from rapo_fast.integrations.verl.buffer_actor import StepBufferActor, StepBufferClient
+    from rapo_fast.integrations.verl.buffer_actor import StepBufferActor
+    from rapo_fast.integrations.verl.buffer_client import StepBufferClient
 
     actor = StepBufferActor(None, str(model_dir), "hashed", capacity=64, window_s=0.0)
     client = StepBufferClient([LocalHandle(actor)])

@@ -92,7 +92,8 @@ def test_the_buffer_actors_queue_length_and_search_time():
     import time
 
     from rapo_fast.demo.tiny_policy import WordTokenizer
-    from rapo_fast.integrations.verl.buffer_actor import StepBufferActor, StepBufferClient
+    from rapo_fast.integrations.verl.buffer_actor import StepBufferActor
+    from rapo_fast.integrations.verl.buffer_client import StepBufferClient
 
     words = [f"w{i}" for i in range(50)]
     actor = StepBufferActor(None, WordTokenizer(words), "hashed:16", capacity=8, window_s=2.0)
