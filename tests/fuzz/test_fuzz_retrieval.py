@@ -163,7 +163,7 @@ def test_non_finite_or_out_of_range_query_is_refused(dtype, bad, where):
         if abs(bad) < 1e30:  # beyond, q.k may overflow the fp32 score: inf, the correct rounding, not garbage
             assert torch.isfinite(scores).all()
     else:
-        with pytest.raises(ValueError, match="quer"):
+        with pytest.raises(ValueError, match="queries: expected finite values"):
             buf.search(q, 2)
 
 
