@@ -28,9 +28,11 @@ CPU_BACKENDS = ["auto", "cpu"] + (["triton"] if INTERPRETED else [])
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _buffer(dtype, metric, C=150, D=24):
+def _buffer(dtype, metric, C=300, D=24):
     # Small integers: every dot product, norm and difference is exact in fp32 whatever the summation order, so the
-    # backends must agree bit for bit (ties included: many equal scores, each to the smaller slot).
+    # backends must agree bit for bit (ties included: many equal scores, each to the smaller slot). Triton (interpreted
+    # tiles of 32 keys, 16 queries, 16 dims): 2 splits of 5 key tiles, a merge inside each split and across them, a
+    # partial query tile (Q = 7) and a partial D tile.
     g = torch.Generator().manual_seed(7)
     buf = StepBuffer(C, D, dtype=dtype, metric=metric)
     keys = torch.randint(-3, 4, (C, D), generator=g).float()
@@ -71,7 +73,9 @@ def test_cuda_is_refused_on_cpu_tensors():
     with pytest.raises(ValueError, match=r"backend='cuda' cannot run: the CUDA backend needs cuda tensors.*cpu"):
         buf.search(q, 3, backend="cuda")
     with pytest.raises(ValueError, match=r"backend='cuda' cannot run"):  # the op called directly checks as well
-        op.retrieval_search(buf.embeddings, buf._aux[:150], buf.group_ids, q, None, 3, 0, float("-inf"), None, "cuda")
+        op.retrieval_search(
+            buf.embeddings, buf._aux[: len(buf)], buf.group_ids, q, None, 3, 0, float("-inf"), None, "cuda"
+        )
     empty = StepBuffer(4, 24, dtype=torch.float32)
     with pytest.raises(ValueError, match=r"backend='cuda'"):  # refused before looking at the (empty) buffer
         empty.search(q, 3, backend="cuda")
