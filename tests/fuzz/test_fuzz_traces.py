@@ -17,20 +17,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rapo_fast import StepBuffer, StepTraces
+from rapo_fast.demo.tiny_policy import WordTokenizer
 from rapo_fast.reference.retrieval import scores_ref
 from rapo_fast.retrieval.encoders import HashedNgramEncoder
 
 WORDS = ["calc", "add", "mul", "1", "2", "3", "x", "y", "=", "tool"]
-
-
-class WordTokenizer:
-    """Token id = index in a growing vocabulary of whitespace-separated words."""
-
-    def __init__(self) -> None:
-        self.vocab: dict[str, int] = {}
-
-    def encode(self, text: str) -> list[int]:
-        return [self.vocab.setdefault(w, len(self.vocab)) for w in text.split()]
 
 
 texts = st.lists(st.sampled_from(WORDS), min_size=1, max_size=6).map(" ".join)
@@ -38,7 +29,7 @@ texts = st.lists(st.sampled_from(WORDS), min_size=1, max_size=6).map(" ".join)
 
 def _traces(capacity: int = 16) -> StepTraces:
     enc = HashedNgramEncoder(dim=16)
-    return StepTraces(StepBuffer(capacity, 16, dtype=torch.float32, metric="cosine"), enc, WordTokenizer())
+    return StepTraces(StepBuffer(capacity, 16, dtype=torch.float32, metric="cosine"), enc, WordTokenizer(WORDS))
 
 
 @fuzz_settings(30)
