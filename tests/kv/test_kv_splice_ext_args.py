@@ -3,7 +3,7 @@ argument of kv_splice_cpu and (in CUDA builds; no GPU needed) kv_splice_cuda, gi
 device or strides, raises TypeError (dtype, not a tensor) or ValueError (the rest) naming the entry point and the
 argument (a cache layer by its index), before any write: the caches are left as they were. The checks live in
 csrc/kv_splice_bindings.cpp and csrc/include/rapo/tensor_arg.h (docs/extension.md). Not here: the splice's results
-(test_kv_splice.py, test_kv_splice_op.py) or the index checks of the requests (test_kv_splice_checks.py)."""
+(test_kv_splice.py) or the index checks of the requests (test_kv_splice_op.py)."""
 
 from __future__ import annotations
 

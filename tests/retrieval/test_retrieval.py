@@ -1,8 +1,9 @@
 """Exactness of StepBuffer.search (C++ CPU backend, every SIMD micro-kernel) against the float64 brute force
 rapo_fast.reference.retrieval.search_ref, and of that reference against a direct float64 loop.
 
-Not here: eviction, persistence, argument fuzzing, torch.compile (test_retrieval_buffer.py), distributed
-(test_retrieval_dist.py), CUDA (test_retrieval_gpu.py). `check_search` lives in tests/helpers/retrieval_cases.py.
+Not here: eviction, persistence, argument fuzzing (test_retrieval_buffer.py), torch.compile (test_retrieval_op.py),
+l2 far from the origin (test_retrieval_l2.py), distributed (test_retrieval_dist.py), CUDA (test_retrieval_gpu.py).
+`check_search` lives in tests/helpers/retrieval_cases.py.
 """
 
 from __future__ import annotations
