@@ -131,18 +131,14 @@ def test_store_add_get_evict_and_grow():
     store = StepKVStore(2, 1, 4, dtype=torch.float32, capacity_tokens=4)
     segs = {pid: torch.randn(2, n, 1, 4) for pid, n in [(1, 3), (2, 5), (3, 2)]}
     store.add(list(segs), list(segs.values()), [s * 2 for s in segs.values()], tokens=[[1] * 3, [2] * 5, [3] * 2])
+    # what get returns after adds, evictions and replacements: tests/fuzz/test_fuzz_kv.py
     assert store.capacity_tokens >= 10 and len(store) == 3 and store.tokens(2) == [2] * 5
-    for pid, s in segs.items():
-        k, v = store.get(pid)
-        assert torch.equal(k, s) and torch.equal(v, 2 * s)
     store.evict([2, 99])
     assert 2 not in store and store.tokens(2) is None
     store.add([4], [torch.ones(2, 4, 1, 4)], [torch.ones(2, 4, 1, 4)])  # reuses the freed range first-fit
     assert store.locate(4)[0] == store.locate(1)[1] + store.locate(1)[0] or store.locate(4)[1] == 4
     with pytest.raises(ValueError, match="already stored"):
         store.add([1], [segs[1]], [segs[1]])
-    store.add([1], [segs[3]], [segs[3]], replace=True)
-    assert torch.equal(store.get(1)[0], segs[3]) and torch.equal(store.get(3)[0], segs[3])
     with pytest.raises(ValueError, match="num_layers"):
         store.add([5], [torch.randn(3, 2, 1, 4)], [torch.randn(3, 2, 1, 4)])
 
