@@ -2,10 +2,12 @@
 tests/helpers/strategies.py).
 
 Properties: after any sequence of adds and evictions the store returns exactly what was added last for each live id,
-and state_dict/load_state_dict round-trips it; a state whose offsets leave the pools is refused; splice_kv with the
-compiled CPU backend equals the reference backend (values bit-exact, keys within the tolerance rule of the float64
-rotation, docs/testing.md rule 1) and writes nothing outside the target slots; bad requests get a ValueError/TypeError
-naming the argument before any write. Not here: models and RoPE variants (tests/kv/).
+and state_dict/load_state_dict round-trips it; a state whose offsets leave the pools is refused; an add mixing good
+and bad arguments (negative, past-int64, bool and float ids, NaN/inf K/V, negative or non-int token ids) is refused
+with ValueError/TypeError and leaves the store as it was, and whatever add accepted, load_state_dict accepts;
+splice_kv with the compiled CPU backend equals the reference backend (values bit-exact, keys within the tolerance rule
+of the float64 rotation, docs/testing.md rule 1) and writes nothing outside the target slots; an out-of-range request
+gets a ValueError before any write. Not here: models and RoPE variants (tests/kv/).
 """
 
 from __future__ import annotations
@@ -139,26 +141,90 @@ def test_splice_bad_request_is_refused_before_any_write(pid, row, pos, n):
         out = splice_kv(cache, store, [(pid, row, pos)], rope, lengths=[n])
         assert out == max(10, pos + n) == cache.get_seq_length()
     else:
-        with pytest.raises((ValueError, TypeError)):
+        with pytest.raises(ValueError):
             splice_kv(cache, store, [(pid, row, pos)], rope, lengths=[n])
         assert all(torch.equal(a.keys, b) for a, b in zip(cache.layers, before))
 
 
-@fuzz_settings(20)
-@given(
-    which=st.sampled_from(["pid", "row", "pos", "length"]),
-    value=st.booleans() | st.floats(min_value=0.0, max_value=4.0, allow_nan=False),
+# ---- StepKVStore.add is all or nothing, and its loader accepts what it accepted --------------------------------------
+
+
+def _kv(n: int, bad: str | None = None) -> torch.Tensor:
+    t = torch.randn(L, n, H, D)
+    if bad == "nan" and n:
+        t[0, 0, 0, 0] = float("nan")
+    if bad == "inf" and n:
+        t[-1, -1, -1, -1] = float("inf")
+    if bad == "big" and n:  # finite in fp32, inf once cast to the store's fp16
+        t[0, 0, 0, 0] = 1e6
+    return t
+
+
+_pid = st.one_of(
+    st.integers(0, 20), st.integers(-(2**70), 2**70), st.booleans(), st.floats(allow_nan=True), st.just(3.0)
 )
-def test_splice_non_int_arguments_are_refused(which, value):
-    g = torch.Generator().manual_seed(0)
-    store = StepKVStore(L, H, D, dtype=torch.float32, capacity_tokens=4)
-    store.add([1], [_segment(g, 3, torch.float32)], [_segment(g, 3, torch.float32)])
-    cache = _cache(g, 3, 10, torch.float32)
-    req = {"pid": 1, "row": 0, "pos": 1}
-    lengths = [2]
-    if which == "length":
-        lengths = [value]
-    else:
-        req[which] = value
-    with pytest.raises((ValueError, TypeError)):
-        splice_kv(cache, store, [(req["pid"], req["row"], req["pos"])], RopeSpec.from_theta(D), lengths=lengths)
+_tok = st.one_of(st.integers(0, 1000), st.integers(-5, -1), st.floats(0, 5), st.booleans(), st.just(2**70))
+
+
+@st.composite
+def _store_add_args(draw):
+    n = draw(st.integers(0, 3))
+    pids = draw(st.lists(st.one_of(st.integers(0, 20), _pid), min_size=n, max_size=n))
+    lens = draw(st.lists(st.integers(1, 3), min_size=n, max_size=n))
+    bads = draw(st.lists(st.sampled_from([None, None, None, "nan", "inf", "big"]), min_size=n, max_size=n))
+    keys = [_kv(m, b) for m, b in zip(lens, bads)]
+    values = [_kv(m, draw(st.sampled_from([None, None, "nan"]))) for m in lens]
+    tokens = draw(
+        st.one_of(
+            st.none(),
+            st.tuples(*[st.lists(st.one_of(st.integers(0, 99), _tok), min_size=m, max_size=m) for m in lens]).map(list),
+        )
+    )
+    return pids, keys, values, tokens, draw(st.booleans())
+
+
+def _same_state(a: dict, b: dict) -> bool:
+    """Two StepKVStore states hold the same payloads in the same places."""
+    return (
+        a["where"] == b["where"]
+        and a["tokens"] == b["tokens"]
+        and a["capacity_tokens"] == b["capacity_tokens"]
+        and torch.equal(a["keys"], b["keys"])
+        and torch.equal(a["values"], b["values"])
+    )
+
+
+@fuzz_settings(40)
+@given(calls=st.lists(_store_add_args(), min_size=1, max_size=4))
+def test_kv_store_add_all_or_nothing(calls):
+    torch.manual_seed(0)
+    store = StepKVStore(L, H, D, dtype=torch.float16, capacity_tokens=4)
+    for pids, keys, values, tokens, replace in calls:
+        before = store.state_dict()
+        try:
+            store.add(pids, keys, values, tokens=tokens, replace=replace)
+        except (ValueError, TypeError):
+            assert _same_state(store.state_dict(), before)
+        # whatever add accepted, the loader accepts
+        fresh = StepKVStore(L, H, D, dtype=torch.float16)
+        fresh.load_state_dict(store.state_dict())
+        assert _same_state(fresh.state_dict(), store.state_dict())
+
+
+def test_kv_store_add_refuses_what_load_refuses():
+    torch.manual_seed(0)
+    store = StepKVStore(L, H, D, dtype=torch.float32)
+    k = torch.randn(L, 2, H, D)
+    for args, kw, err, name in (
+        (([1.7], [k], [k]), {}, TypeError, r"payload_ids\[0\]"),
+        (([True], [k], [k]), {}, TypeError, r"payload_ids\[0\]"),
+        (([-1], [k], [k]), {}, ValueError, r"payload_ids\[0\]"),
+        (([2**64], [k], [k]), {}, ValueError, r"payload_ids\[0\]"),
+        (([1], [_kv(2, "nan")], [k]), {}, ValueError, r"keys\[0\]"),
+        (([1], [k], [_kv(2, "inf")]), {}, ValueError, r"values\[0\]"),
+        (([1], [k], [k]), {"tokens": [[3, -1]]}, ValueError, r"tokens\[0\]\[1\]"),
+        (([1], [k], [k]), {"tokens": [[3, 2.0]]}, TypeError, r"tokens\[0\]\[1\]"),
+    ):
+        with pytest.raises(err, match=name):
+            store.add(*args, **kw)
+        assert len(store) == 0

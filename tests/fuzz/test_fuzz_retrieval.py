@@ -4,8 +4,9 @@ single-process gloo group (hypothesis; budget in tests/helpers/strategies.py).
 Properties: after any sequence of adds, search equals the float64 brute force up to ties within rounding
 (tests/helpers/retrieval_cases.check_search); save then load gives a buffer that searches identically and keeps
 adding identically; a bad query, k, min_score or exclude list gets a ValueError/TypeError naming it; a world_size-1
-ShardedStepBuffer answers exactly as its StepBuffer. Not here: eviction order models and crash safety
-(tests/retrieval/test_retrieval_buffer.py), 2-rank groups (tests/retrieval/test_retrieval_dist.py).
+ShardedStepBuffer answers exactly as its StepBuffer. Not here: eviction order models
+(tests/retrieval/test_retrieval_buffer.py), crash safety (tests/reliability/), 2-rank groups
+(tests/retrieval/test_retrieval_dist.py).
 """
 
 from __future__ import annotations
@@ -163,7 +164,7 @@ def test_non_finite_or_out_of_range_query_is_refused(dtype, bad, where):
         if abs(bad) < 1e30:  # beyond, q.k may overflow the fp32 score: inf, the correct rounding, not garbage
             assert torch.isfinite(scores).all()
     else:
-        with pytest.raises(ValueError, match="quer"):
+        with pytest.raises(ValueError, match="queries: expected finite values"):
             buf.search(q, 2)
 
 

@@ -1,5 +1,6 @@
 """Shared check of the retrieval tests: `check_search` asserts that a StepBuffer search equals the float64 brute force
-(rapo_fast.reference.retrieval.search_ref) up to ties within rounding. Not a test file.
+(rapo_fast.reference.retrieval.search_ref) up to ties within rounding; `filled_buffer` makes the random buffer it is
+run on; `cpu_isas` / `force_isa` select each CPU micro-kernel. Not a test file.
 
 Tolerance: per query, 4 * D * 2^-23 times the score's scale (|q| max|k| for ip, 1 for cosine, (|q - m| + max|k - m|)^2
 for l2, m the mean of the stored keys), plus 1e-6: a worst case of fp32 accumulation. The l2 scale is measured about
@@ -50,6 +51,17 @@ def force_isa(monkeypatch, name: str) -> str:
     else:
         monkeypatch.delenv("RAPO_FAST_CPU_KC", raising=False)
     return name
+
+
+def filled_buffer(C, D, dtype, metric, n=None, groups=5, device="cpu") -> StepBuffer:
+    """A StepBuffer of capacity C holding n (default C) random steps on `device`: payload id = insertion number + 1000,
+    random groups in [0, groups) and random scores."""
+    buf = StepBuffer(C, D, dtype=dtype, metric=metric, device=device)
+    n = C if n is None else n
+    keys = torch.randn(n, D, device=device)
+    pids, group_ids = torch.arange(n, device=device) + 1000, torch.randint(0, groups, (n,), device=device)
+    buf.add(keys, pids, group_ids, torch.randn(n, device=device))
+    return buf
 
 
 def check_search(buf: StepBuffer, queries, k, scores, payload, exclude=None, min_score=None, slots=None):

@@ -3,9 +3,11 @@ argument of kv_splice_cpu and (in CUDA builds; no GPU needed) kv_splice_cuda, gi
 device or strides, raises TypeError (dtype, not a tensor) or ValueError (the rest) naming the entry point and the
 argument (a cache layer by its index), before any write: the caches are left as they were. The checks live in
 csrc/kv_splice_bindings.cpp and csrc/include/rapo/tensor_arg.h (docs/extension.md). Not here: the splice's results
-(test_kv_splice.py, test_kv_splice_op.py) or the index checks of the requests (test_kv_splice_checks.py)."""
+(test_kv_splice.py) or the index checks of the requests (test_kv_splice_op.py)."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -41,132 +43,75 @@ def _splice_cpu(case: dict, **over) -> None:
     _ext.extension().kv_splice_cpu(**args, interleaved=False, max_tokens=3)
 
 
-def _layers(case, kind, i, make):
-    ts = [_ext.dlpack(t) for t in case[kind]]
-    ts[i] = make(case[kind][i])
-    return {kind: ts}
+def _over(case: dict, name: str, make) -> dict:
+    """The keyword arguments replacing argument `name` ("keys[1]": one cache layer) by make(its tensor) (a tensor is
+    passed as a capsule, anything else as it is)."""
+    kind, i = name.rstrip("]").split("[") if name.endswith("]") else (name, None)
+    bad = make(case[kind] if i is None else case[kind][int(i)])
+    bad = _ext.dlpack(bad) if isinstance(bad, torch.Tensor) else bad
+    if i is None:
+        return {kind: bad}
+    layers = [_ext.dlpack(t) for t in case[kind]]
+    layers[int(i)] = bad
+    return {kind: layers}
 
 
-# (paged, argument as named in the message, override maker (case -> kwargs), error, message after the name)
+def _strides_swapped(t):
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+# (paged, argument as named in the message, maker of the bad argument from the good one, error, message after the name)
 BAD = [
-    (
-        False,
-        "k_pool",
-        lambda c: dict(k_pool=_ext.dlpack(c["k_pool"].long())),
-        TypeError,
-        " must be float32, float16 or",
-    ),
-    (False, "k_pool", lambda c: dict(k_pool=_ext.dlpack(c["k_pool"][0])), ValueError, " must be 4-d"),
-    (
-        False,
-        "k_pool",
-        lambda c: dict(k_pool=_ext.dlpack(inner_strided(c["k_pool"]))),
-        ValueError,
-        " must have a contiguous",
-    ),
+    (False, "k_pool", lambda t: t.long(), TypeError, " must be float32, float16 or"),
+    (False, "k_pool", lambda t: t[0], ValueError, " must be 4-d"),
+    (False, "k_pool", inner_strided, ValueError, " must have a contiguous"),
+    (False, "v_pool", lambda t: t.half(), TypeError, r" must have the dtype of k_p"),
+    (False, "v_pool", lambda t: t[:, :5], ValueError, " must have the shape of k_p"),
     (
         False,
         "v_pool",
-        lambda c: dict(v_pool=_ext.dlpack(c["v_pool"].half())),
-        TypeError,
-        r" must have the dtype of k_p",
-    ),
-    (
-        False,
-        "v_pool",
-        lambda c: dict(v_pool=_ext.dlpack(c["v_pool"][:, :5])),
-        ValueError,
-        " must have the shape of k_p",
-    ),
-    (
-        False,
-        "v_pool",
-        lambda c: dict(v_pool=_ext.dlpack(c["v_pool"].transpose(1, 2).contiguous().transpose(1, 2))),
+        _strides_swapped,
         ValueError,
         r" must have the strides of k_pool \(\[160, 16, 8, 1\]\), got \[160, 8, 80, 1\]",
     ),
-    (False, "keys[1]", lambda c: _layers(c, "keys", 1, lambda t: _ext.dlpack(t.half())), TypeError, " must have the d"),
-    (False, "keys[1]", lambda c: _layers(c, "keys", 1, lambda t: _ext.dlpack(t[:1])), ValueError, " must have the sha"),
-    (
-        False,
-        "keys[0]",
-        lambda c: _layers(c, "keys", 0, lambda t: _ext.dlpack(inner_strided(t))),
-        ValueError,
-        " must have a",
-    ),
-    (
-        False,
-        "keys[1]",
-        lambda c: _layers(c, "keys", 1, lambda t: _ext.dlpack(t.transpose(1, 2).contiguous().transpose(1, 2))),
-        ValueError,
-        r" must have the strides of keys\[0\]",
-    ),
-    (False, "values[0]", lambda c: _layers(c, "values", 0, lambda t: _ext.dlpack(t[0])), ValueError, " must be 4-d"),
-    (False, "values[1]", lambda c: _layers(c, "values", 1, lambda t: [1.0]), TypeError, " must be a tensor"),
-    (False, "keys", lambda c: dict(keys=_ext.dlpack(c["keys"][0])), TypeError, " must be a list of tensors"),
-    (False, "keys", lambda c: dict(keys=[_ext.dlpack(c["keys"][0])]), ValueError, " and values must hold one tensor"),
-    (
-        False,
-        "requests",
-        lambda c: dict(requests=_ext.dlpack(c["requests"].int())),
-        TypeError,
-        " must be int64, got int32",
-    ),
-    (
-        False,
-        "requests",
-        lambda c: dict(requests=_ext.dlpack(torch.cat([c["requests"]] * 2).T.contiguous().T)),
-        ValueError,
-        " must be contiguous",
-    ),
-    (
-        False,
-        "requests",
-        lambda c: dict(requests=_ext.dlpack(c["requests"][:, :4].contiguous())),
-        ValueError,
-        " must have fields per request = 5 in dim 1",
-    ),
-    (False, "inv_freq", lambda c: dict(inv_freq=_ext.dlpack(c["inv_freq"].double())), TypeError, " must be float32"),
-    (False, "inv_freq", lambda c: dict(inv_freq=_ext.dlpack(c["inv_freq"][None])), ValueError, " must be 1-d"),
-    (
-        True,
-        "block_table",
-        lambda c: dict(block_table=_ext.dlpack(c["block_table"].long())),
-        TypeError,
-        " must be int32",
-    ),
-    (True, "block_table", lambda c: dict(block_table=_ext.dlpack(c["block_table"][0])), ValueError, " must be 2-d"),
-    (True, "block_table", lambda c: dict(block_table=_ext.dlpack(c["block_table"].T)), ValueError, " must have a cont"),
+    (False, "keys[1]", lambda t: t.half(), TypeError, " must have the d"),
+    (False, "keys[1]", lambda t: t[:1], ValueError, " must have the sha"),
+    (False, "keys[0]", inner_strided, ValueError, " must have a"),
+    (False, "keys[1]", _strides_swapped, ValueError, r" must have the strides of keys\[0\]"),
+    (False, "values[0]", lambda t: t[0], ValueError, " must be 4-d"),
+    (False, "values[1]", lambda t: [1.0], TypeError, " must be a tensor"),
+    (False, "keys", lambda ts: ts[0], TypeError, " must be a list of tensors"),
+    (False, "keys", lambda ts: [_ext.dlpack(ts[0])], ValueError, " and values must hold one tensor"),
+    (False, "requests", lambda t: t.int(), TypeError, " must be int64, got int32"),
+    (False, "requests", lambda t: torch.cat([t] * 2).T.contiguous().T, ValueError, " must be contiguous"),
+    (False, "requests", lambda t: t[:, :4].contiguous(), ValueError, " must have fields per request = 5 in dim 1"),
+    (False, "inv_freq", lambda t: t.double(), TypeError, " must be float32"),
+    (False, "inv_freq", lambda t: t[None], ValueError, " must be 1-d"),
+    (True, "block_table", lambda t: t.long(), TypeError, " must be int32"),
+    (True, "block_table", lambda t: t[0], ValueError, " must be 2-d"),
+    (True, "block_table", lambda t: t.T, ValueError, " must have a cont"),
 ]
 
 
 @pytest.mark.parametrize(
-    ("paged", "name", "over", "error", "message"), BAD, ids=[f"{b[1]}-{i}" for i, b in enumerate(BAD)]
+    ("paged", "name", "make", "error", "message"), BAD, ids=[f"{b[1]}-{i}" for i, b in enumerate(BAD)]
 )
-def test_splice_cpu_refuses_each_wrong_tensor_naming_it(paged, name, over, error, message):
+def test_splice_cpu_refuses_each_wrong_tensor_naming_it(paged, name, make, error, message):
     case = _case(paged)
     _splice_cpu(case)  # the good call writes
     assert any(bool(t.abs().sum()) for t in case["keys"])
     for t in case["keys"] + case["values"]:
         t.fill_(3.0)
-    with pytest.raises(error, match="^kv_splice_cpu: " + name.replace("[", r"\[").replace("]", r"\]") + message):
-        _splice_cpu(case, **over(case))
+    with pytest.raises(error, match="^kv_splice_cpu: " + re.escape(name) + message):
+        _splice_cpu(case, **_over(case, name, make))
     assert all(bool((t == 3.0).all()) for t in case["keys"] + case["values"]), "written before the check"
 
 
-def _device_cases():
-    for name in TENSORS:
-        yield name, name, lambda c, n=name: {n: on_cuda(c[n]).capsule()}
-    for kind in ("keys", "values"):
-        yield kind, f"{kind}[1]", lambda c, k=kind: _layers(c, k, 1, lambda t: on_cuda(t).capsule())
-
-
-@pytest.mark.parametrize(("arg", "name", "over"), list(_device_cases()), ids=[c[1] for c in _device_cases()])
-def test_splice_cpu_refuses_a_tensor_on_another_device(arg, name, over):
+@pytest.mark.parametrize("name", TENSORS + ["keys[1]", "values[1]"])
+def test_splice_cpu_refuses_a_tensor_on_another_device(name):
     case = _case(paged=True)
-    pattern = "^kv_splice_cpu: " + name.replace("[", r"\[").replace("]", r"\]") + " must be on cpu, got cuda:0"
-    with pytest.raises(ValueError, match=pattern):
-        _splice_cpu(case, **over(case))
+    with pytest.raises(ValueError, match="^kv_splice_cpu: " + re.escape(name) + " must be on cpu, got cuda:0"):
+        _splice_cpu(case, **_over(case, name, lambda t: on_cuda(t).capsule()))
     assert all(bool((t == 0).all()) for t in case["keys"] + case["values"])
 
 

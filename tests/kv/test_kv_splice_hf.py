@@ -35,57 +35,23 @@ V = 97
 BACKEND = "cpu" if _ext.has_extension() else "reference"
 
 
+_DECODER = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, vocab_size=V)
+_MODELS = {  # (model class, config class, config fields past the common ones)
+    "llama": (LlamaForCausalLM, LlamaConfig, dict(_DECODER, num_key_value_heads=2)),
+    "qwen2": (Qwen2ForCausalLM, Qwen2Config, dict(_DECODER, num_key_value_heads=1, rope_theta=1e6)),
+    "neox": (GPTNeoXForCausalLM, GPTNeoXConfig, dict(_DECODER, rotary_pct=0.25)),
+    "gptj": (GPTJForCausalLM, GPTJConfig, dict(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, vocab_size=V)),
+}
+
+
 def _model(kind: str, dtype=torch.float32):
     torch.manual_seed(1)
-    common = dict(vocab_size=V, max_position_embeddings=512)
-    if kind == "llama":
-        m = LlamaForCausalLM(
-            LlamaConfig(
-                hidden_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                intermediate_size=128,
-                **common,
-            )
-        )
-    elif kind == "qwen2":
-        m = Qwen2ForCausalLM(
-            Qwen2Config(
-                hidden_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=1,
-                intermediate_size=128,
-                rope_theta=1e6,
-                **common,
-            )
-        )
-    elif kind == "neox":
-        m = GPTNeoXForCausalLM(
-            GPTNeoXConfig(
-                hidden_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                intermediate_size=128,
-                rotary_pct=0.25,
-                **common,
-            )
-        )
+    model_cls, config_cls, fields = _MODELS[kind]
+    if kind == "gptj":
+        cfg = config_cls(n_positions=512, bos_token_id=0, eos_token_id=0, **fields)
     else:
-        m = GPTJForCausalLM(
-            GPTJConfig(
-                n_embd=64,
-                n_layer=2,
-                n_head=4,
-                rotary_dim=8,
-                vocab_size=V,
-                n_positions=512,
-                bos_token_id=0,
-                eos_token_id=0,
-            )
-        )
-    return m.eval().to(dtype)
+        cfg = config_cls(max_position_embeddings=512, **fields)
+    return model_cls(cfg).eval().to(dtype)
 
 
 def _prefill(model, ids, cache=None):

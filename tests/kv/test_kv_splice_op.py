@@ -2,8 +2,11 @@
 
 Checks: torch.library.opcheck (schema, fake, mutation declarations, autograd registration, AOT dispatch) for the HF
 and paged layouts; a torch.compile(fullgraph=True) function calling the op on plain tensors leaves the same caches as
-eager and as splice_kv's reference backend. Not here: splice_kv's argument checks and numerics
-(tests/kv/test_kv_splice.py), models (tests/kv/test_kv_splice_hf.py), CUDA (tests/kv/test_kv_splice_gpu.py).
+eager; the op called directly refuses every index outside the pools, the caches or the block table, and mismatched
+shapes (IndexError / ValueError from the extension, which checks them itself, not a segfault), writing nothing.
+Not here: the op's numerics (splice_kv's CPU backend is this op: tests/kv/test_kv_splice.py), splice_kv's own
+argument checks (test_kv_splice.py), the extension's tensor checks (test_kv_splice_ext_args.py), CUDA
+(tests/kv/test_kv_splice_gpu.py).
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ import torch
 
 from rapo_fast import _ext
 from rapo_fast.kv.splice import kv_splice_
-from rapo_fast.reference.kv_splice import rotate_keys_ref
 
 pytestmark = pytest.mark.skipif(
     not (_ext.has_extension() and hasattr(_ext.extension(), "kv_splice_cpu")), reason="rapo_fast._C without kv_splice"
@@ -41,36 +43,10 @@ def _inputs(dtype=torch.float32, paged=False, interleaved=False):
     return keys, values, k_pool, v_pool, requests, inv_freq, block_table, interleaved, 4
 
 
-def _expected_hf(args):
-    keys, values, k_pool, v_pool, requests, inv_freq, _bt, interleaved, _mt = args
-    ek, ev = [k.clone() for k in keys], [v.clone() for v in values]
-    for off, n, row, slot, delta in requests.tolist():
-        for layer in range(LAYERS):
-            rk = rotate_keys_ref(
-                k_pool[layer, off : off + n],
-                delta,
-                inv_freq,
-                rotary_dim=2 * inv_freq.numel(),
-                layout="interleaved" if interleaved else "rotate_half",
-            )
-            ek[layer][row, :, slot : slot + n] = rk.transpose(0, 1).to(ek[layer].dtype)
-            ev[layer][row, :, slot : slot + n] = v_pool[layer, off : off + n].transpose(0, 1)
-    return ek, ev
-
-
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_opcheck(paged, interleaved):
     torch.library.opcheck(torch.ops.rapo_fast.kv_splice_.default, _inputs(paged=paged, interleaved=interleaved))
-
-
-def test_eager_op_matches_reference():
-    args = _inputs()
-    ek, ev = _expected_hf(args)
-    kv_splice_(*args)
-    for layer in range(LAYERS):
-        torch.testing.assert_close(args[0][layer], ek[layer], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(args[1][layer], ev[layer], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("paged", [False, True])
@@ -89,3 +65,55 @@ def test_compile_fullgraph_matches_eager(paged, dtype):
     for a, b in zip(eager[0] + eager[1], comp[0] + comp[1]):
         assert torch.equal(a, b)
     torch.testing.assert_close(out_c, out_e)
+
+
+def _refused(err, match, *, request, block_table=None, **change):
+    """The op on _inputs with `request` after a good one (and `change`d keys/values) raises err and writes nothing."""
+    keys, values, k_pool, v_pool, _, inv, _, _, _ = _inputs(paged=block_table is not None)
+    keys, values = change.get("keys", keys), change.get("values", values)
+    before = [t.clone() for t in keys + values]
+    requests = torch.tensor([[0, 2, 1, 0, 0], request], dtype=torch.int64)
+    with pytest.raises(err, match=match):
+        kv_splice_(keys, values, k_pool, v_pool, requests, inv, block_table, False, 4)
+    assert all(torch.equal(a, b) for a, b in zip(keys + values, before)), "a refused call wrote"
+
+
+# (pool offset, tokens, batch row, slot, rope delta); pool of 10 tokens, caches [3, H, 12, D], max_tokens 4
+@pytest.mark.parametrize(
+    ("req", "match"),
+    [
+        ([0, 4, 10**6, 0, 0], "batch row"),
+        ([0, 4, -1, 0, 0], "batch row"),
+        ([10**6, 4, 0, 0, 0], "pool tokens"),
+        ([-3, 4, 0, 0, 0], "pool tokens"),
+        ([8, 4, 0, 0, 0], "pool tokens"),  # runs past the pool's end
+        ([0, 4, 0, 10, 0], "slots"),  # runs past the cache's end
+        ([0, 4, 0, -5, 0], "slots"),
+        ([0, 9, 0, 0, 0], "max_tokens"),
+        ([0, -1, 0, 0, 0], "token count"),
+    ],
+)
+def test_hf_indices_out_of_range_raise(req, match):
+    _refused(IndexError, match, request=req)
+
+
+@pytest.mark.parametrize(
+    ("req", "table", "match"),
+    [
+        ([0, 4, 5, 0, 0], [[0, 1], [2, 3]], "batch row"),
+        ([0, 4, 0, 6, 0], [[0, 1], [2, 3]], "slots"),  # past the block table's 2 blocks of 4
+        ([0, 4, 1, 2, 0], [[0, 1], [2, 10**6]], "block_table"),
+        ([0, 4, 0, 0, 0], [[-7, 1], [2, 3]], "block_table"),
+    ],
+)
+def test_paged_indices_out_of_range_raise(req, table, match):
+    _refused(IndexError, match, request=req, block_table=torch.tensor(table, dtype=torch.int32))
+
+
+def test_shape_mismatches_raise():
+    few_heads = [torch.zeros(B, 1, S, D) for _ in range(LAYERS)]
+    _refused(ValueError, "heads", request=[0, 2, 0, 0, 0], keys=few_heads, values=[t.clone() for t in few_heads])
+    _refused(ValueError, "share one 4-d shape", request=[0, 2, 0, 0, 0], values=[torch.zeros(1, HEADS, S, D)] * LAYERS)
+    keys, values, k_pool, v_pool, _, inv, _, _, _ = _inputs()
+    with pytest.raises(ValueError, match="requests"):
+        kv_splice_(keys, values, k_pool, v_pool, torch.tensor([[0, 2, 0, 0, 0]]).int(), inv, None, False, 4)

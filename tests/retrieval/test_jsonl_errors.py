@@ -52,12 +52,13 @@ BAD_LINES = {
     "answer_surrogate": _rec(answer="\ud83d"),
     "not_json": '{"query_id": 1,',
     "prompt_missing": json.dumps({k: v for k, v in GOOD.items() if k != "prompt"}),
+    "invalid_utf8": b'{"query_id": 1, "prompt": "\xff"}',
 }
 
 
-def _write(tmp_path, lines: list[str], name: str = "t.jsonl"):
+def _write(tmp_path, lines: list[str | bytes], name: str = "t.jsonl"):
     p = tmp_path / name
-    p.write_text("\n".join(lines) + "\n")
+    p.write_bytes(b"".join((line.encode() if isinstance(line, str) else line) + b"\n" for line in lines))
     return p
 
 
@@ -74,14 +75,6 @@ def test_each_bad_line_names_file_and_line(tmp_path, kind):
     with pytest.raises(ValueError) as ei:
         StepTraces.from_jsonl(p, HashedNgramEncoder(16), WordTokenizer([f"w{i}" for i in range(8)]))
     assert _names_file_and_line(ei.value, p, 4), str(ei.value)
-
-
-def test_invalid_utf8_names_file_and_line(tmp_path):
-    p = tmp_path / "b.jsonl"
-    p.write_bytes((_rec() + "\n").encode() + b'{"query_id": 1, "prompt": "\xff"}\n')
-    with pytest.raises(ValueError) as ei:
-        read_jsonl(p)
-    assert _names_file_and_line(ei.value, p, 2), str(ei.value)
 
 
 def test_largest_query_id_fits_the_offpolicy_group(tmp_path):
@@ -132,10 +125,3 @@ def test_malformed_config_names_the_file(tmp_path, suffix, text):
 def test_malformed_yaml_text_is_value_error():
     with pytest.raises(ValueError, match="malformed YAML"):
         TrainerConfig.from_yaml("group_size: [1, 2\n")
-
-
-def test_good_config_still_loads(tmp_path):
-    cfg = TrainerConfig.RAPO()
-    for suffix in (".yaml", ".json"):
-        cfg.save(tmp_path / f"c{suffix}")
-        assert TrainerConfig.load(tmp_path / f"c{suffix}") == cfg

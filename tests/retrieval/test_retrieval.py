@@ -1,8 +1,9 @@
 """Exactness of StepBuffer.search (C++ CPU backend, every SIMD micro-kernel) against the float64 brute force
 rapo_fast.reference.retrieval.search_ref, and of that reference against a direct float64 loop.
 
-Not here: eviction, persistence, argument fuzzing, torch.compile (test_retrieval_buffer.py), distributed
-(test_retrieval_dist.py), CUDA (test_retrieval_gpu.py). `check_search` lives in tests/helpers/retrieval_cases.py.
+Not here: eviction, persistence, argument fuzzing (test_retrieval_buffer.py), torch.compile (test_retrieval_op.py),
+l2 far from the origin (test_retrieval_l2.py), distributed (test_retrieval_dist.py), CUDA (test_retrieval_gpu.py).
+`check_search` lives in tests/helpers/retrieval_cases.py.
 """
 
 from __future__ import annotations
@@ -12,21 +13,13 @@ import os
 
 import pytest
 import torch
-from helpers.retrieval_cases import check_search, cpu_isas, force_isa
+from helpers.retrieval_cases import check_search, cpu_isas, filled_buffer, force_isa
 
 from rapo_fast import StepBuffer
 from rapo_fast.reference.retrieval import search_ref
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 METRICS = ["ip", "cosine", "l2"]
-
-
-def _filled(C, D, dtype, metric, n=None, groups=5, device="cpu"):
-    buf = StepBuffer(C, D, dtype=dtype, metric=metric, device=device)
-    n = C if n is None else n
-    x = torch.randn(n, D)
-    buf.add(x, torch.arange(n) + 1000, torch.randint(0, groups, (n,)), torch.randn(n))
-    return buf
 
 
 @pytest.fixture(params=cpu_isas())
@@ -55,7 +48,7 @@ def isa(request, monkeypatch):
     ],
 )
 def test_matches_fp64(isa, metric, dtype, C, D, Q, k):
-    buf = _filled(C, D, dtype, metric)
+    buf = filled_buffer(C, D, dtype, metric)
     q = torch.randn(Q, D)
     s, p = buf.search(q, k)
     check_search(buf, q, k, s, p)
@@ -63,7 +56,7 @@ def test_matches_fp64(isa, metric, dtype, C, D, Q, k):
 
 @pytest.mark.parametrize("metric", METRICS)
 def test_filters_match_fp64(isa, metric):
-    buf = _filled(777, 29, torch.float16, metric, groups=3)
+    buf = filled_buffer(777, 29, torch.float16, metric, groups=3)
     q = torch.randn(40, 29)
     ex = torch.randint(-1, 3, (40,))
     min_score = {"ip": 0.0, "cosine": 0.05, "l2": -60.0}[metric]
@@ -73,11 +66,11 @@ def test_filters_match_fp64(isa, metric):
 
 
 def test_k1024_partial_fill_and_padding(isa):
-    buf = _filled(2000, 24, torch.float32, "ip", n=1500)
+    buf = filled_buffer(2000, 24, torch.float32, "ip", n=1500)
     q = torch.randn(9, 24)
     s, p = buf.search(q, 1024)
     check_search(buf, q, 1024, s, p)
-    small = _filled(50, 24, torch.float32, "l2", n=13)
+    small = filled_buffer(50, 24, torch.float32, "l2", n=13)
     s, p = small.search(q, 20)
     check_search(small, q, 20, s, p)
     assert torch.all(p[:, 13:] == -1) and torch.all(s[:, 13:] == float("-inf"))
@@ -136,7 +129,7 @@ def test_reference_against_loop():
 
 
 def test_threads_do_not_change_results(isa):
-    buf = _filled(5000, 33, torch.float16, "ip")
+    buf = filled_buffer(5000, 33, torch.float16, "ip")
     q = torch.randn(70, 33)
     n = torch.get_num_threads()
     try:
@@ -151,7 +144,7 @@ def test_threads_do_not_change_results(isa):
 
 def test_isa_env_rejects_unknown(monkeypatch):
     monkeypatch.setenv("RAPO_FAST_CPU_ISA", "sse9")
-    buf = _filled(10, 4, torch.float32, "ip")
+    buf = filled_buffer(10, 4, torch.float32, "ip")
     with pytest.raises(ValueError, match="RAPO_FAST_CPU_ISA"):
         buf.search(torch.randn(2, 4), 1)
     monkeypatch.delenv("RAPO_FAST_CPU_ISA")
@@ -163,6 +156,6 @@ def test_block_env_rejects_non_positive(monkeypatch, value):
     monkeypatch.setenv("RAPO_FAST_CPU_ISA", "scalar")
     monkeypatch.setenv("RAPO_FAST_CPU_DOT", "0")
     monkeypatch.setenv("RAPO_FAST_CPU_KC", value)
-    buf = _filled(10, 4, torch.float32, "ip")
+    buf = filled_buffer(10, 4, torch.float32, "ip")
     with pytest.raises(ValueError, match="RAPO_FAST_CPU_KC"):
         buf.search(torch.randn(2, 4), 1)

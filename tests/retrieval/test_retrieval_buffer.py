@@ -1,8 +1,10 @@
-"""StepBuffer semantics besides exactness: slot assignment and eviction (fifo, lowest_score) against a sequential
-simulation, save/load round trip, crash safety and corruption errors, hypothesis-fuzzed argument checks, the
-registered op under opcheck and torch.compile, and the rebuild error for CUDA tensors without a CUDA build.
+"""StepBuffer semantics besides search exactness: slot assignment and eviction (fifo, lowest_score, with and without
+pinned steps) against a sequential model; the faiss-like conveniences (automatic ids, NumPy arrays, a 1-D query,
+reset, the l2 score's sign against faiss); save/load (round trip, pins not saved, a missing or newer save);
+argument checks of the constructor, add, search and the pins (hypothesis-fuzzed for add and search).
 
-Not here: search exactness (test_retrieval.py), distributed (test_retrieval_dist.py), CUDA (test_retrieval_gpu.py).
+Not here: search exactness (test_retrieval.py), the op below StepBuffer (test_retrieval_op.py), crashes and corruption
+of saves (tests/reliability/), distributed (test_retrieval_dist.py), CUDA (test_retrieval_gpu.py).
 """
 
 from __future__ import annotations
@@ -10,84 +12,122 @@ from __future__ import annotations
 import hashlib
 import json
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import rapo_fast.retrieval.io as rio
 from rapo_fast import StepBuffer
-from rapo_fast._ext import extension, require_backend
 from rapo_fast.retrieval.buffer import StepBufferFormatError
-from rapo_fast.retrieval.op import retrieval_search
+
+# ---- slot assignment and eviction ------------------------------------------------------------------------------------
 
 
-def _sim_fifo(C, batches):
-    """Sequential model: each step goes to the next slot in ring order; returns slot -> payload."""
-    store, nxt, size = {}, 0, 0
-    for payloads in batches:
-        for p in payloads:
-            slot = size if size < C else nxt
-            if size < C:
-                size += 1
-            else:
-                nxt = (nxt + 1) % C
-            store[slot] = p
-    return store
+def _sim(C, eviction, batches):
+    """Sequential model, one step at a time. Full: a new step evicts among the unpinned steps by the policy (fifo: the
+    oldest; lowest_score: the lowest score, oldest among equals, and only if the new score is >= it, except that a
+    pinned newcomer always takes it); with no unpinned step left, an unpinned newcomer is dropped and a pinned one
+    applies the policy to all. Returns (slot -> (payload, pinned), the slot of every step in order, -1 = dropped)."""
+    store, seq, placed = {}, 0, []  # slot -> (score, seq, payload, pinned)
+    fifo = eviction == "fifo"
 
+    def key(j):
+        return store[j][1] if fifo else (store[j][0], store[j][1])
 
-def _sim_lowest(C, batches):
-    """Sequential model: when full, a step replaces the lowest-scored (oldest among equals) if its score is >= it."""
-    store, seq = {}, 0  # slot -> (score, seq, payload)
-    for payloads, scores in batches:
-        for p, s in zip(payloads, scores):
+    for payloads, scores, pins in batches:
+        for p, s, pin in zip(payloads, scores, pins):
+            new, slot = (s, seq, p, pin), -1
             if len(store) < C:
-                store[len(store)] = (s, seq, p)
+                slot = len(store)
             else:
-                slot = min(store, key=lambda j: (store[j][0], store[j][1]))
-                if s >= store[slot][0]:
-                    store[slot] = (s, seq, p)
+                unpinned = [j for j in store if not store[j][3]]
+                if unpinned:
+                    j = min(unpinned, key=key)
+                    slot = j if fifo or pin or s >= store[j][0] else -1
+                elif pin:
+                    j = min(store, key=key)
+                    slot = j if fifo or s >= store[j][0] else -1
+            if slot >= 0:
+                store[slot] = new
+            placed.append(slot)
             seq += 1
-    return {j: v[2] for j, v in store.items()}
+    return {j: (v[2], v[3]) for j, v in store.items()}, placed
 
 
-@pytest.mark.parametrize("C", [1, 7, 16])
-def test_fifo_eviction_order(C):
-    buf = StepBuffer(C, 4, dtype=torch.float32, eviction="fifo")
-    batches, pid = [], 0
-    for m in [3, 0, 5, 1, 20, 2, 7]:
-        payload = list(range(pid, pid + m))
+def _batches(seed, sizes, p_pin):
+    g = torch.Generator().manual_seed(seed)
+    out, pid = [], 0
+    for m in sizes:
+        pins = (torch.rand(m, generator=g) < p_pin).tolist()
+        scores = torch.randint(0, 4, (m,), generator=g).float().tolist()  # equal scores: the age tie-break
+        out.append((list(range(pid, pid + m)), scores, pins))
         pid += m
-        batches.append(payload)
-        slots = buf.add(torch.randn(m, 4), torch.tensor(payload, dtype=torch.int64), torch.zeros(m, dtype=torch.int64))
+    return out
+
+
+def _add(buf, payloads, scores, pins):
+    m = len(payloads)
+    return buf.add(
+        torch.randn(m, 3),
+        torch.tensor(payloads, dtype=torch.int64),
+        torch.zeros(m, dtype=torch.int64),
+        torch.tensor(scores),
+        torch.tensor(pins, dtype=torch.bool),
+    )
+
+
+@pytest.mark.parametrize("p_pin", [0.0, 0.35])
+@pytest.mark.parametrize("eviction", ["fifo", "lowest_score"])
+@pytest.mark.parametrize("C", [1, 4, 9])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_eviction_matches_the_sequential_model(p_pin, eviction, C, seed):
+    """Batched adds (some past the capacity, some empty) keep exactly the model's steps with their pin flags, fifo
+    without pins in the model's slots (all-False pins are no pins: the plain ring); one-by-one adds take the model's
+    slots."""
+    batches = _batches(seed + 10 * C, [3, 0, 5, 1, 12, 2, 7, 4], p_pin)
+    want, placed = _sim(C, eviction, batches)
+    buf = StepBuffer(C, 3, dtype=torch.float32, eviction=eviction)
+    for payloads, scores, pins in batches:
+        slots = _add(buf, payloads, scores, pins)
         kept = slots[slots >= 0]
         assert len(set(kept.tolist())) == kept.numel()
-        assert buf.payload_ids[kept].tolist() == [p for p, s in zip(payload, slots.tolist()) if s >= 0]
-    want = _sim_fifo(C, batches)
-    assert len(buf) == len(want)
-    assert {j: int(buf.payload_ids[j]) for j in range(len(buf))} == want
+        assert buf.payload_ids[kept].tolist() == [p for p, s in zip(payloads, slots.tolist()) if s >= 0]
+    assert {int(p): bool(f) for p, f in zip(buf.payload_ids, buf.pinned)} == dict(want.values())
+    if eviction == "fifo" and p_pin == 0:
+        assert {j: (int(buf.payload_ids[j]), False) for j in range(len(buf))} == want
+    one = StepBuffer(C, 3, dtype=torch.float32, eviction=eviction)
+    slots = [int(_add(one, [p], [s], [f])[0]) for b in batches for p, s, f in zip(*b)]
+    assert slots == placed
+    assert {j: (int(one.payload_ids[j]), bool(one.pinned[j])) for j in range(len(one))} == want
 
 
-@pytest.mark.parametrize("C", [1, 5, 12])
-def test_lowest_score_eviction(C):
-    buf = StepBuffer(C, 3, dtype=torch.float32, eviction="lowest_score")
-    batches, pid = [], 0
-    g = torch.Generator().manual_seed(C)
-    for m in [4, 9, 1, 6, 15, 3]:
-        payload = list(range(pid, pid + m))
+def test_every_slot_pinned_drops_a_new_unpinned_step():
+    buf = StepBuffer(3, 2, dtype=torch.float32, eviction="fifo")
+    buf.add(torch.randn(3, 2), torch.arange(3), torch.zeros(3, dtype=torch.int64), pinned=True)
+    slots = buf.add(torch.randn(2, 2), torch.arange(10, 12), torch.zeros(2, dtype=torch.int64))
+    assert slots.tolist() == [-1, -1] and buf.payload_ids.tolist() == [0, 1, 2]
+    # a pinned newcomer evicts the oldest pinned step (plain fifo among them)
+    one = buf.add(torch.randn(1, 2), torch.tensor([20]), torch.zeros(1, dtype=torch.int64), pinned=True)
+    assert one.tolist() == [0]
+    assert buf.payload_ids.tolist() == [20, 1, 2] and bool(buf.pinned.all())
+
+
+def test_unpinned_steps_cycle_around_the_pinned_ones():
+    """The StepTraces case at buffer level: a pinned source, then unpinned steps added past capacity in batches."""
+    C, n_src = 10, 4
+    buf = StepBuffer(C, 4, dtype=torch.float32, metric="l2", eviction="fifo")
+    src = torch.randn(n_src, 4)
+    buf.add(src, torch.arange(n_src), torch.zeros(n_src, dtype=torch.int64), pinned=True)
+    pid = n_src
+    for m in (5, 3, 9, 1, 6):
+        buf.add(torch.randn(m, 4), torch.arange(pid, pid + m), torch.ones(m, dtype=torch.int64))
         pid += m
-        scores = torch.randint(0, 4, (m,), generator=g).float()  # many equal scores: exercises the age tie-break
-        batches.append((payload, scores.tolist()))
-        slots = buf.add(torch.randn(m, 3), torch.tensor(payload), torch.zeros(m, dtype=torch.int64), scores)
-        assert buf.payload_ids[slots[slots >= 0]].tolist() == [p for p, s in zip(payload, slots.tolist()) if s >= 0]
-    want = _sim_lowest(C, batches)
-    # Batched adds keep exactly the sequential model's steps (kept new steps take the freed slots in ascending order).
-    assert sorted(buf.payload_ids.tolist()) == sorted(want.values())
-    one = StepBuffer(C, 3, dtype=torch.float32, eviction="lowest_score")
-    for payloads, scores in batches:  # one step at a time: the slots match the model too
-        for p, s in zip(payloads, scores):
-            one.add(torch.randn(1, 3), torch.tensor([p]), torch.zeros(1, dtype=torch.int64), torch.tensor([s]))
-    assert {j: int(one.payload_ids[j]) for j in range(len(one))} == want
+        ids = sorted(buf.payload_ids.tolist())
+        assert ids[:n_src] == list(range(n_src))  # the source stays
+        assert ids[n_src:] == list(range(n_src, pid))[-(len(buf) - n_src) :]  # the newest unpinned ones
+    _, p = buf.search(src, 1)
+    assert p.flatten().tolist() == list(range(n_src))  # and stays retrievable
 
 
 def test_slots_stable_and_embeddings_searchable_after_eviction():
@@ -100,23 +140,115 @@ def test_slots_stable_and_embeddings_searchable_after_eviction():
     assert torch.all(s <= 0) and torch.all(s.flatten() >= -1e-5 * x[12:20].norm(dim=1) ** 2)
 
 
+# ---- conveniences ----------------------------------------------------------------------------------------------------
+
+
+def _buf(metric="ip", capacity=8, dim=4, **kw):
+    return StepBuffer(capacity, dim, dtype=torch.float32, metric=metric, **kw)
+
+
+def test_add_without_ids_numbers_the_steps_and_gives_each_its_own_group():
+    buf = _buf()
+    x = torch.randn(3, 4)
+    assert buf.add(x).tolist() == [0, 1, 2]
+    assert buf.payload_ids.tolist() == [0, 1, 2] and buf.group_ids.tolist() == [0, 1, 2]
+    buf.add(torch.randn(2, 4))  # the numbering goes on across adds
+    assert buf.payload_ids.tolist() == [0, 1, 2, 3, 4] and buf.group_ids.tolist() == [0, 1, 2, 3, 4]
+    # own group: excluding a step's group skips exactly that step (e.g. a query's own entry)
+    _, ids = buf.search(x[1:2], k=5, exclude_groups=torch.tensor([1]))
+    assert 1 not in ids[0].tolist() and sorted(ids[0].tolist()) == [-1, 0, 2, 3, 4]
+    # given payload ids, no group ids: the group is the payload id; given group ids, automatic payload ids
+    buf.add(torch.randn(1, 4), payload_ids=torch.tensor([40]))
+    buf.add(torch.randn(1, 4), group_ids=torch.tensor([7]))
+    assert buf.payload_ids.tolist()[-2:] == [40, 6] and buf.group_ids.tolist()[-2:] == [40, 7]
+    # the insertion number of a step the eviction policy dropped is not reused (ids stay unique)
+    buf = _buf(capacity=2, eviction="lowest_score")
+    buf.add(torch.randn(2, 4), scores=torch.tensor([1.0, 1.0]))
+    assert buf.add(torch.randn(1, 4), scores=torch.tensor([0.0])).tolist() == [-1]  # dropped: id 2 is spent
+    buf.add(torch.randn(1, 4), scores=torch.tensor([5.0]))
+    assert sorted(buf.payload_ids.tolist()) == [1, 3]
+
+
+def test_numpy_arrays_in_add_and_search():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((6, 4))  # float64, as NumPy makes them: rounded to the buffer's dtype
+    a, b = _buf("l2"), _buf("l2")
+    a.add(x, payload_ids=np.arange(10, 16), group_ids=np.zeros(6, dtype=np.int64), scores=np.ones(6))
+    b.add(torch.from_numpy(x), torch.arange(10, 16), torch.zeros(6, dtype=torch.int64), torch.ones(6))
+    q = rng.standard_normal((3, 4)).astype(np.float32)
+    got, want = a.search(q, k=2, exclude_groups=np.full(3, -1)), b.search(torch.from_numpy(q), k=2)
+    assert isinstance(got[0], torch.Tensor) and got[0].shape == (3, 2) and got[1].shape == (3, 2)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(TypeError, match="payload_ids"):  # a list is not an array: its dtype would be a guess
+        a.add(x[:1], payload_ids=[1])
+
+
+@pytest.mark.parametrize("as_numpy", [False, True], ids=["tensor", "numpy"])
+def test_a_1d_query_is_one_query(as_numpy):
+    buf = _buf("cosine")
+    buf.add(torch.randn(5, 4))
+    q = torch.randn(4)
+    scores, ids = buf.search(q.numpy() if as_numpy else q, k=3)
+    assert scores.shape == (3,) and ids.shape == (3,) and scores.dtype == torch.float32 and ids.dtype == torch.int64
+    rows = buf.search(q[None], k=3)
+    assert torch.equal(scores, rows[0][0]) and torch.equal(ids, rows[1][0])
+    # its exclusion: an int, or a 0-d tensor
+    best = int(ids[0])
+    for ex in (best, torch.tensor(best)):
+        assert best not in buf.search(q, k=3, exclude_groups=ex)[1].tolist()
+
+
+@pytest.mark.parametrize("metric", ["ip", "l2"])
+def test_reset_empties_and_keeps_the_configuration(metric):
+    buf = _buf(metric, capacity=4, eviction="fifo")
+    far = torch.randn(6, 4) + 1000.0  # l2: the running key sum (centring) must restart too
+    buf.add(far, pinned=torch.tensor([True, False, False, False, False, False]))
+    buf.reset()
+    assert len(buf) == 0 and not buf.pinned.any()
+    assert (buf.capacity, buf.dim, buf.dtype, buf.metric, buf.eviction) == (4, 4, torch.float32, metric, "fifo")
+    scores, ids = buf.search(torch.randn(1, 4), k=2)
+    assert ids.tolist() == [[-1, -1]] and torch.isinf(scores).all()
+    x = torch.randn(5, 4)
+    assert buf.add(x[:4]).tolist() == [0, 1, 2, 3]  # slots from 0 again
+    assert buf.add(x[4:]).tolist() == [0]  # and the fifo ring from its start: the 5th step overwrites slot 0
+    assert buf.payload_ids.tolist() == [4, 1, 2, 3]  # automatic ids from 0 again
+    scores, ids = buf.search(x[2], k=1)
+    assert ids.tolist() == [2]
+    if metric == "l2":
+        assert scores.tolist() == [0.0]
+
+
+def test_l2_scores_are_faiss_distances_negated():
+    """The l2 score is the negative squared distance (tests/helpers/retrieval_cases.py checks it against the float64
+    spec): the opposite of faiss's IndexFlatL2 distances, with the same ids."""
+    faiss = pytest.importorskip("faiss")
+    buf = _buf("l2")
+    keys = torch.randn(6, 4)
+    buf.add(keys)
+    q = torch.randn(2, 4)
+    scores, ids = buf.search(q, k=6)
+    index = faiss.IndexFlatL2(4)
+    index.add(keys.numpy())
+    dist, fids = index.search(q.numpy(), 6)
+    assert torch.equal(torch.from_numpy(fids), ids)
+    torch.testing.assert_close(torch.from_numpy(dist), -scores, atol=1e-5, rtol=1e-5)
+
+
+# ---- save / load -----------------------------------------------------------------------------------------------------
+
+
+def _config(b: StepBuffer) -> tuple:
+    return b.capacity, b.dim, b.dtype, b.metric, b.eviction, len(b)
+
+
 @pytest.mark.parametrize("eviction", ["fifo", "lowest_score"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_save_load_round_trip(tmp_path, eviction, dtype):
     buf = StepBuffer(30, 9, dtype=dtype, metric="cosine", eviction=eviction)
     buf.add(torch.randn(40, 9), torch.arange(40), torch.randint(0, 3, (40,)), torch.randn(40))
     buf.save(tmp_path / "b")
-    buf.save(tmp_path / "b")  # a second save replaces the first and cleans it up
-    assert len([p for p in (tmp_path / "b").iterdir() if p.name.startswith("snapshot-")]) == 1
     back = StepBuffer.load(tmp_path / "b")
-    assert (back.capacity, back.dim, back.dtype, back.metric, back.eviction, len(back)) == (
-        30,
-        9,
-        dtype,
-        "cosine",
-        eviction,
-        30,
-    )
+    assert _config(back) == _config(buf) == (30, 9, dtype, "cosine", eviction, 30)
     for name in ("embeddings", "payload_ids", "group_ids", "scores"):
         assert torch.equal(getattr(back, name), getattr(buf, name)), name
     q = torch.randn(5, 9)
@@ -126,60 +258,45 @@ def test_save_load_round_trip(tmp_path, eviction, dtype):
     assert torch.equal(back.payload_ids, buf.payload_ids)
 
 
-def test_crash_mid_save_keeps_previous(tmp_path, monkeypatch):
-    d = tmp_path / "b"
-    buf = StepBuffer(10, 4, dtype=torch.float32)
-    buf.add(torch.randn(3, 4), torch.arange(3), torch.zeros(3, dtype=torch.int64))
-    buf.save(d)
-    buf.add(torch.randn(3, 4), torch.arange(3, 6), torch.zeros(3, dtype=torch.int64))
-
-    def boom(*a, **k):
-        raise OSError("simulated crash before CURRENT is replaced")
-
-    monkeypatch.setattr(rio.os, "replace", boom)
-    with pytest.raises(OSError, match="simulated crash"):
-        buf.save(d)
-    monkeypatch.undo()
-    assert len(StepBuffer.load(d)) == 3  # the previous save is intact and current
-    # Entries the saves did not write are harmless to a load, and a save leaves them alone (not deleting
-    # every snapshot-* and .*.tmp entry of the directory).
-    (d / "snapshot-deadbeef").mkdir()
-    (d / ".snapshot-x.tmp").mkdir()
-    assert len(StepBuffer.load(d)) == 3
-    buf.save(d)
-    assert len(StepBuffer.load(d)) == 6 and (d / "snapshot-deadbeef").is_dir() and (d / ".snapshot-x.tmp").is_dir()
-    ours = {p.name for p in d.iterdir()} - {"snapshot-deadbeef", ".snapshot-x.tmp"}
-    assert ours == {"CURRENT", "LOCK", (d / "CURRENT").read_text().split()[0]}  # the older snapshot is gone
+def test_pins_are_not_saved_and_set_pinned_restores_them(tmp_path):
+    buf = StepBuffer(4, 3, dtype=torch.float32, eviction="fifo")
+    g1 = torch.zeros(1, dtype=torch.int64)
+    buf.add(torch.randn(2, 3), torch.tensor([0, 1]), torch.zeros(2, dtype=torch.int64), pinned=True)
+    for p in range(2, 7):  # unpinned 2..6 cycle through slots 2 and 3: slot 2 ends newer than slot 3
+        buf.add(torch.randn(1, 3), torch.tensor([p]), g1)
+    assert buf.payload_ids.tolist() == [0, 1, 6, 5]
+    buf.save(tmp_path / "b")
+    back = StepBuffer.load(tmp_path / "b")
+    assert not bool(back.pinned.any())  # the snapshot has no pin flags
+    same = StepBuffer.load(tmp_path / "b")
+    same.set_pinned(buf.pinned.clone())
+    more = (torch.randn(3, 3), torch.tensor([7, 8, 9]), torch.zeros(3, dtype=torch.int64))
+    assert torch.equal(same.add(*more), buf.add(*more)) and torch.equal(same.payload_ids, buf.payload_ids)
+    # without pins, fifo evicts by age (0, 1, then 5 in slot 3), not by the ring from slot 0 (0, 1, then 6 in slot 2)
+    assert back.add(*more).tolist() == [0, 1, 3]
+    assert back.payload_ids.tolist() == [7, 8, 6, 9]
 
 
-def test_corrupt_and_wrong_version(tmp_path):
-    buf = StepBuffer(10, 4, dtype=torch.float16)
-    buf.add(torch.randn(5, 4), torch.arange(5), torch.zeros(5, dtype=torch.int64))
+def test_missing_save_and_newer_format_version(tmp_path):
+    """Corrupted and edited saves: tests/reliability/test_save_formats.py."""
     with pytest.raises(StepBufferFormatError, match="not a saved StepBuffer"):
         StepBuffer.load(tmp_path / "missing")
+    buf = StepBuffer(10, 4, dtype=torch.float16)
+    buf.add(torch.randn(5, 4), torch.arange(5), torch.zeros(5, dtype=torch.int64))
     d = tmp_path / "b"
-    buf.save(d)
-    snap = d / (d / "CURRENT").read_text().split()[0]
-    data = bytearray((snap / "tensors.safetensors").read_bytes())
-    data[-3] ^= 0xFF
-    (snap / "tensors.safetensors").write_bytes(bytes(data))
-    with pytest.raises(StepBufferFormatError, match="corrupt"):
-        StepBuffer.load(d)
     buf.save(d)
     snap = d / (d / "CURRENT").read_text().split()[0]
     meta = json.loads((snap / "meta.json").read_text())
     meta["format_version"] = 99
     (snap / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(StepBufferFormatError, match="corrupt"):  # meta.json's SHA-256 is in CURRENT
-        StepBuffer.load(d)
     # as a newer rapo_fast would write it: CURRENT names the new meta.json's checksum
     (d / "CURRENT").write_text(f"{snap.name} {hashlib.sha256((snap / 'meta.json').read_bytes()).hexdigest()}\n")
     with pytest.raises(StepBufferFormatError, match="format version 99"):
         StepBuffer.load(d)
-    (snap / "meta.json").write_text("{not json")
-    with pytest.raises(StepBufferFormatError, match="corrupt"):
-        StepBuffer.load(d)
     assert issubclass(StepBufferFormatError, ValueError)
+
+
+# ---- argument checks -------------------------------------------------------------------------------------------------
 
 
 def test_constructor_checks():
@@ -199,11 +316,30 @@ def test_add_rejects_nonfinite_and_negative_groups():
     buf = StepBuffer(4, 2)
     with pytest.raises(ValueError, match="finite"):
         buf.add(torch.tensor([[1.0, float("nan")]]), torch.tensor([0]), torch.tensor([0]))
-    with pytest.raises(ValueError, match="finite"):  # overflows float16
-        buf.add(torch.tensor([[1e6, 0.0]]), torch.tensor([0]), torch.tensor([0]))
+    with pytest.raises(ValueError, match="embeddings: expected finite values"):  # overflows float16
+        buf.add(torch.tensor([[1e5, 0.0]]), torch.tensor([0]), torch.tensor([0]))
     with pytest.raises(ValueError, match="group_ids"):
         buf.add(torch.ones(1, 2), torch.tensor([0]), torch.tensor([-2]))
     assert len(buf) == 0
+
+
+def test_pin_argument_checks():
+    buf = StepBuffer(4, 2, dtype=torch.float32)
+    x, pid, g = torch.randn(2, 2), torch.arange(2), torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(TypeError, match="pinned"):
+        buf.add(x, pid, g, pinned=torch.ones(2))
+    with pytest.raises(TypeError, match="pinned"):
+        buf.add(x, pid, g, pinned=[True, False])
+    with pytest.raises(ValueError, match="pinned"):
+        buf.add(x, pid, g, pinned=torch.ones(3, dtype=torch.bool))
+    assert len(buf) == 0  # nothing stored by a refused add
+    buf.add(x, pid, g)
+    with pytest.raises(TypeError, match="mask"):
+        buf.set_pinned(torch.ones(2))
+    with pytest.raises(ValueError, match="mask"):
+        buf.set_pinned(torch.ones(3, dtype=torch.bool))
+    buf.set_pinned(torch.tensor([True, False]))
+    assert buf.pinned.tolist() == [True, False]
 
 
 _dtypes = st.sampled_from([torch.float32, torch.float16, torch.int64, torch.int32, torch.bool, torch.float64])
@@ -221,7 +357,7 @@ _dtypes = st.sampled_from([torch.float32, torch.float16, torch.int64, torch.int3
 def test_fuzz_search_arguments(q_shape, q_dtype, k, ex_len, ex_dtype, min_score):
     buf = StepBuffer(8, 4, dtype=torch.float32)
     buf.add(torch.randn(8, 4), torch.arange(8), torch.zeros(8, dtype=torch.int64))
-    q = torch.zeros(q_shape, dtype=q_dtype) if q_dtype != torch.bool else torch.zeros(q_shape, dtype=torch.bool)
+    q = torch.zeros(q_shape, dtype=q_dtype)
     ex = None if ex_len is None else torch.zeros(ex_len, dtype=ex_dtype)
     try:
         s, p = buf.search(q, k, exclude_groups=ex, min_score=min_score)
@@ -261,30 +397,6 @@ def test_fuzz_add_arguments(m, d, e_dtype, p_len, p_dtype, g_len, g_dtype, s_len
     assert slots.shape == (m,) and len(buf) == min(m, 3)
 
 
-def test_opcheck_and_compile():
-    buf = StepBuffer(300, 24, dtype=torch.float16, metric="l2")
-    buf.add(torch.randn(300, 24), torch.arange(300), torch.randint(0, 4, (300,)))
-    q = torch.randn(11, 24)
-    ex = torch.randint(-1, 4, (11,))
-    args = (buf._keys, buf._aux, buf._group, q.half(), ex, 5, 2, -100.0)
-    torch.library.opcheck(retrieval_search.op, args)  # the registered op (eager calls skip the dispatcher)
-
-    def fn(queries, exclude):
-        s, p = buf.search(queries * 1.0, 5, exclude_groups=exclude, min_score=-100.0)
-        return s + 0.0, p
-
-    eager = fn(q, ex)
-    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")(q, ex)
-    assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
-
-
-def test_cuda_tensor_without_cuda_build_says_how_to_rebuild(monkeypatch):
-    info = dict(extension().BUILD_INFO, cuda=False)
-    monkeypatch.setattr(extension(), "BUILD_INFO", info)
-    with pytest.raises(RuntimeError, match="pip install -e"):
-        require_backend(torch.device("cuda", 0))
-
-
 def test_search_is_not_differentiable():
     buf = StepBuffer(10, 4, dtype=torch.float32)
     buf.add(torch.randn(10, 4), torch.arange(10), torch.zeros(10, dtype=torch.int64))
@@ -298,71 +410,3 @@ def test_search_on_wrong_device_is_rejected():
     buf = StepBuffer(4, 2)
     with pytest.raises(ValueError, match="device"):
         buf.search(torch.zeros(1, 2, device="meta"), 1)
-
-
-def _op_inputs(C=100, D=16, Q=50):
-    keys = torch.randn(C, D)
-    return keys, torch.ones(C), torch.zeros(C, dtype=torch.int64), torch.randn(Q, D)
-
-
-@pytest.mark.parametrize(
-    ("change", "exc", "match"),
-    [
-        ({"queries": torch.randn(50, 4096)}, ValueError, "keys have D = 16, queries D = 4096"),  # read past every key
-        ({"keys": torch.randn(100, 4)}, ValueError, "keys have D = 4, queries D = 16"),
-        ({"exclude": torch.zeros(1, dtype=torch.int64)}, IndexError, "exclude has 1 entries for 50 queries"),
-        ({"key_aux": torch.ones(1), "metric": 1}, IndexError, "key_aux has 1 entries for 100 keys"),
-        (
-            {"groups": torch.zeros(3, dtype=torch.int64), "exclude": torch.zeros(50, dtype=torch.int64)},
-            IndexError,
-            "groups",
-        ),
-        ({"queries": torch.randn(50, 16).half()}, TypeError, "share a float32/float16/bfloat16 dtype"),
-        (
-            {"groups": torch.zeros(100, dtype=torch.int32), "exclude": torch.zeros(50, dtype=torch.int64)},
-            TypeError,
-            "groups",
-        ),
-        ({"k": 5000}, ValueError, "k must be in"),
-        ({"metric": 7}, ValueError, "unknown metric"),
-    ],
-)
-def test_search_op_called_directly_checks_every_extent(change, exc, match):
-    """The registered op bypasses StepBuffer's validation: the extension itself refuses what would read out of bounds
-    (a mismatched D or a short exclude list would read past the buffers)."""
-    keys, aux, groups, q = _op_inputs()
-    args = {"keys": keys, "key_aux": aux, "groups": groups, "queries": q, "exclude": None, "k": 5, "metric": 0}
-    args.update(change)
-    with pytest.raises(exc, match=match):
-        retrieval_search(
-            args["keys"],
-            args["key_aux"],
-            args["groups"],
-            args["queries"],
-            args["exclude"],
-            args["k"],
-            args["metric"],
-            0.0,
-        )
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_search_refuses_nonfinite_queries(dtype):
-    """Queries are validated as strictly as keys: NaN/inf, or a finite value that overflows the buffer's
-    dtype (1e5 in fp16), is a ValueError naming queries, not an empty or garbage result."""
-    buf = StepBuffer(20, 4, dtype=dtype)
-    buf.add(torch.randn(20, 4), torch.arange(20), torch.zeros(20, dtype=torch.int64))
-    for bad in (float("nan"), float("inf"), -float("inf")):
-        q = torch.randn(3, 4)
-        q[1, 2] = bad
-        with pytest.raises(ValueError, match="queries: expected finite values"):
-            buf.search(q, 2)
-    q = torch.randn(3, 4)
-    q[0, 0] = 1e5
-    if dtype == torch.float16:
-        with pytest.raises(ValueError, match="queries: expected finite values in torch.float16"):
-            buf.search(q, 2)
-        with pytest.raises(ValueError, match="embeddings: expected finite values"):  # the same value is refused by add
-            buf.add(q[:1], torch.tensor([0]), torch.tensor([0]))
-    else:
-        assert torch.isfinite(buf.search(q, 2)[0]).all()

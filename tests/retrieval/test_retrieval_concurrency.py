@@ -88,56 +88,42 @@ def _run_threads(write, read, readers=READERS):
     return errors, sum(counts)
 
 
-def _check_pairs(q, scores, pids, k):
-    """Every (score, id) pair is q . TABLE[id] (the key that id was stored with), rows sorted, padding last."""
+def _check_pairs(q, scores, pids, metric):
+    """Every (score, id) pair is the score of q against TABLE[id] (the key that id was stored with), rows sorted,
+    padding last."""
     valid = pids >= 0
     assert torch.all(scores[~valid] == float("-inf"))
     assert torch.all((pids >= -1) & (pids < N_KEYS)), "a payload id that was never stored"
-    want = torch.einsum("qd,qkd->qk", q.double(), TABLE[pids.clamp_min(0)].double())
+    keys = TABLE[pids.clamp_min(0)].double()
+    if metric == "ip":
+        want, rtol = torch.einsum("qd,qkd->qk", q.double(), keys), 1e-4
+    else:
+        want, rtol = -(q[:, None, :].double() - keys).square().sum(-1), 1e-3
     err = (scores.double() - want).abs()[valid]
-    bad = int((err > 1e-4 * (1 + want.abs()[valid])).sum())
+    bad = int((err > rtol * (1 + want.abs()[valid])).sum())
     assert bad == 0, f"{bad} of {int(valid.sum())} (score, payload id) pairs do not belong together"
     assert torch.all(scores[:, :-1] >= scores[:, 1:]), "a row is not sorted best first"
 
 
-def test_search_while_adding_past_the_wrap():
-    buf = StepBuffer(CAP, D, dtype=torch.float32, metric="ip")
+@pytest.mark.parametrize(("metric", "eviction"), [("ip", "fifo"), ("l2", "lowest_score")])
+def test_search_while_adding_past_the_wrap(metric, eviction):
+    """l2: the centre (a running key sum) and lowest_score eviction under the same concurrency."""
+    buf = StepBuffer(CAP, D, dtype=torch.float32, metric=metric, eviction=eviction)
     q = torch.randn(8, D)
 
     def write():
         for start in range(0, N_ADDED, 16):  # wraps the 64-slot ring about 23 times
             ids = torch.arange(start, min(start + 16, N_ADDED))
-            buf.add(TABLE[ids], ids, torch.zeros(len(ids), dtype=torch.int64))
-            _count_add()
-
-    def read():
-        s, p = buf.search(q, 16)
-        _check_pairs(q, s, p, 16)
-
-    errors, searches = _run_threads(write, read)
-    assert not errors, f"{len(errors)} inconsistent searches of {searches}; first: {errors[0]}"
-    assert len(buf) == CAP and searches > 0
-
-
-def test_l2_and_lowest_score_search_while_adding():
-    """The l2 centre (a running key sum) and lowest_score eviction under the same concurrency."""
-    buf = StepBuffer(CAP, D, dtype=torch.float32, metric="l2", eviction="lowest_score")
-    q = torch.randn(5, D)
-
-    def write():
-        for start in range(0, N_ADDED, 16):
-            ids = torch.arange(start, min(start + 16, N_ADDED))
             buf.add(TABLE[ids], ids, torch.zeros(len(ids), dtype=torch.int64), torch.rand(len(ids)))
             _count_add()
 
     def read():
-        s, p = buf.search(q, 8)
-        valid = p >= 0
-        want = -(q[:, None, :].double() - TABLE[p.clamp_min(0)].double()).square().sum(-1)
-        assert torch.all((s.double() - want).abs()[valid] <= 1e-3 * (1 + want.abs()[valid])), "l2 pair mismatch"
+        s, p = buf.search(q, 16)
+        _check_pairs(q, s, p, metric)
 
     errors, searches = _run_threads(write, read)
     assert not errors, f"{len(errors)} inconsistent searches of {searches}; first: {errors[0]}"
+    assert len(buf) == CAP and searches > 0
     key_sum = getattr(buf, "_key_sum", None)  # the running sum the l2 centre comes from, when there is one
     assert key_sum is None or torch.allclose(key_sum, buf.embeddings.double().sum(0), rtol=1e-9, atol=1e-6)
 

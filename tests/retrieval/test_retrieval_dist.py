@@ -1,7 +1,7 @@
 """ShardedStepBuffer over 2 gloo processes on the CPU: every rank's search equals the float64 brute force over the union
-of the shards, with global slot ids rank * capacity + slot deciding ties; a bad argument on one rank, or a k that
-differs between ranks, makes every rank raise the same error (no rank blocked in a collective, no gloo abort), and the
-group stays usable afterwards.
+of the shards, with global slot ids rank * capacity + slot deciding ties; a bad argument on one rank, or a k or
+min_score that differs between ranks, makes every rank raise the same error (no rank blocked in a collective, no gloo
+abort), and the group stays usable after each (the bad arguments run one after another in one group).
 
 Harness: the test process hosts the TCPStore on a port the OS picks (port 0, so no collision with another run), the
 ranks are spawned processes joining it; every wait is bounded (the process group's timeout, and a deadline after which
@@ -18,6 +18,7 @@ import signal
 import time
 import traceback
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -51,7 +52,7 @@ def _filled_buffer(rank: int):
     return buf
 
 
-def _scenario_exact(rank: int) -> dict:
+def _exact(rank: int) -> dict:
     _, _, queries, excl = _data()
     buf = _filled_buffer(rank)
     assert buf.global_len() == WORLD * CAP
@@ -60,54 +61,36 @@ def _scenario_exact(rank: int) -> dict:
     return {"s": s, "p": p, "s2": s2, "p2": p2}
 
 
-def _expect_error(buf, rank: int, **kw) -> dict:
-    """Calls search with kw (rank-specific bad arguments), records the error, then checks the group still works."""
+def _errors(rank: int) -> dict:
+    """Each bad argument in turn (rank-specific), its error recorded, then a valid search: every rank is still in step
+    after each error."""
     _, _, queries, _ = _data()
-    args = {"queries": queries[rank], "k": K, **kw}
-    try:
-        buf.search(**args)
-        error = None
-    except (ValueError, TypeError) as exc:
-        error = (type(exc).__name__, str(exc))
-    s, p = buf.search(queries[rank], K)  # every rank is still in step: a valid search after the error
-    return {"error": error, "s": s, "p": p}
-
-
-def _scenario_bad_exclude_on_rank1(rank: int) -> dict:
     buf = _filled_buffer(rank)
-    excl = torch.zeros(2 if rank == 1 else _data()[2][rank].shape[0], dtype=torch.int64)  # wrong length on rank 1
-    return _expect_error(buf, rank, exclude_groups=excl)
+    bad_exclude = torch.zeros(2 if rank == 1 else queries[rank].shape[0], dtype=torch.int64)  # wrong length on rank 1
+    cases = {
+        "bad_exclude_on_rank1": {"exclude_groups": bad_exclude},
+        "bad_dim_on_rank1": {"queries": torch.randn(3, D + 1 if rank == 1 else D)},
+        "k_differs": {"k": K + rank},
+        "min_score_differs": {"min_score": 0.5 * rank},
+    }
+    out = {}
+    for name, kw in cases.items():
+        try:
+            buf.search(**{"queries": queries[rank], "k": K, **kw})
+            error = None
+        except (ValueError, TypeError) as exc:
+            error = (type(exc).__name__, str(exc))
+        s, p = buf.search(queries[rank], K)
+        out[name] = {"error": error, "s": s, "p": p}
+    return out
 
 
-def _scenario_bad_dim_on_rank1(rank: int) -> dict:
-    buf = _filled_buffer(rank)
-    q = torch.randn(3, D + 1 if rank == 1 else D)
-    return _expect_error(buf, rank, queries=q)
+def _scenario(rank: int) -> dict:
+    """What one rank does: the exact searches, then the bad arguments, in one process group."""
+    return {"exact": _exact(rank), "errors": _errors(rank)}
 
 
-def _scenario_k_differs(rank: int) -> dict:
-    buf = _filled_buffer(rank)
-    return _expect_error(buf, rank, k=K + rank)
-
-
-def _scenario_min_score_differs(rank: int) -> dict:
-    buf = _filled_buffer(rank)
-    return _expect_error(buf, rank, min_score=0.5 * rank)
-
-
-_SCENARIOS = {
-    f.__name__.removeprefix("_scenario_"): f
-    for f in (
-        _scenario_exact,
-        _scenario_bad_exclude_on_rank1,
-        _scenario_bad_dim_on_rank1,
-        _scenario_k_differs,
-        _scenario_min_score_differs,
-    )
-}
-
-
-def _worker(rank: int, port: int, out_dir: str, scenario: str) -> None:
+def _worker(rank: int, port: int, out_dir: str) -> None:
     """One rank: joins the test's store, runs the scenario, writes its result or its traceback."""
     # A rank killed by a signal (SIGABRT from a C++ std::terminate, SIGSEGV) leaves no Python traceback; faulthandler
     # writes every thread's Python stack to r{rank}.fault so the report says in which phase the rank died.
@@ -121,7 +104,7 @@ def _worker(rank: int, port: int, out_dir: str, scenario: str) -> None:
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=PG_TIMEOUT_S)
         )
-        result = _SCENARIOS[scenario](rank)
+        result = _scenario(rank)
         dist.barrier()  # every rank has read all it was sent before any rank exits (an exit with unread data resets)
         torch.save(result, os.path.join(out_dir, f"r{rank}.pt"))
     except BaseException:
@@ -145,11 +128,11 @@ def _exit_text(code: int | None) -> str:
     return f"exit code {code}"
 
 
-def _run(scenario: str, tmp_path) -> list[dict]:
-    """Spawns the WORLD ranks on `scenario`; returns each rank's result, or fails with every rank's error."""
+def _run(tmp_path) -> list[dict]:
+    """Spawns the WORLD ranks on `_scenario`; returns each rank's result, or fails with every rank's error."""
     store = dist.TCPStore("127.0.0.1", 0, WORLD + 1, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, store.port, str(tmp_path), scenario)) for r in range(WORLD)]
+    procs = [ctx.Process(target=_worker, args=(r, store.port, str(tmp_path))) for r in range(WORLD)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + DEADLINE_S
@@ -167,7 +150,7 @@ def _run(scenario: str, tmp_path) -> list[dict]:
             detail = "".join(t.read_text() for t in texts if t.exists())
             done = "result written" if (tmp_path / f"r{r}.pt").exists() else "no result written"
             report.append(f"--- rank {r}: {_exit_text(c)}, {done}\n{detail}")
-        raise AssertionError(f"scenario {scenario!r} failed:\n" + "\n".join(report))
+        raise AssertionError("the ranks failed:\n" + "\n".join(report))
     return [torch.load(tmp_path / f"r{r}.pt") for r in range(WORLD)]
 
 
@@ -187,35 +170,34 @@ def _assert_matches(s, p, rank: int, **kw) -> None:
     torch.testing.assert_close(s.double(), ref_s, atol=1e-4, rtol=1e-5)
 
 
-def test_sharded_search_two_gloo_ranks(tmp_path):
-    got = _run("exact", tmp_path)
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    """Every rank's results: the ranks run once for the module's tests."""
+    return _run(tmp_path_factory.mktemp("ranks"))
+
+
+def test_sharded_search_two_gloo_ranks(ranks):
     excl = _data()[3]
-    for rank in range(WORLD):
-        _assert_matches(got[rank]["s"], got[rank]["p"], rank, exclude_groups=excl[rank])
-        _assert_matches(got[rank]["s2"], got[rank]["p2"], rank, min_score=1.0)
+    for rank, got in enumerate(r["exact"] for r in ranks):
+        _assert_matches(got["s"], got["p"], rank, exclude_groups=excl[rank])
+        _assert_matches(got["s2"], got["p2"], rank, min_score=1.0)
 
 
-def _assert_same_error(got: list[dict], cls: str, *fragments: str) -> None:
-    errors = [g["error"] for g in got]
-    assert errors[0] is not None and errors[0][0] == cls, errors
-    assert all(e == errors[0] for e in errors), errors  # the same class and text on every rank
+@pytest.mark.parametrize(
+    ("case", "fragments"),
+    [
+        ("bad_exclude_on_rank1", ("rank 1", "exclude_groups", "(3,)")),
+        ("bad_dim_on_rank1", ("rank 1", "queries", f"[Q, {D}]")),
+        ("k_differs", ("k must be the same on every rank", f"[{K}, {K + 1}]")),
+        ("min_score_differs", ("min_score must be the same on every rank",)),
+    ],
+)
+def test_bad_argument_on_one_rank_raises_the_same_error_on_every_rank(ranks, case, fragments):
+    got = [r["errors"][case] for r in ranks]
+    errs = [g["error"] for g in got]
+    assert errs[0] is not None and errs[0][0] == "ValueError", errs
+    assert all(e == errs[0] for e in errs), errs  # the same class and text on every rank
     for fragment in fragments:
-        assert fragment in errors[0][1], errors[0]
+        assert fragment in errs[0][1], errs[0]
     for rank, g in enumerate(got):  # and the group was still in step for the next search
         _assert_matches(g["s"], g["p"], rank)
-
-
-def test_bad_exclude_on_one_rank_raises_on_every_rank(tmp_path):
-    _assert_same_error(_run("bad_exclude_on_rank1", tmp_path), "ValueError", "rank 1", "exclude_groups", "(3,)")
-
-
-def test_bad_query_dim_on_one_rank_raises_on_every_rank(tmp_path):
-    _assert_same_error(_run("bad_dim_on_rank1", tmp_path), "ValueError", "rank 1", "queries", f"[Q, {D}]")
-
-
-def test_k_differing_between_ranks_raises_on_every_rank(tmp_path):
-    _assert_same_error(_run("k_differs", tmp_path), "ValueError", "k must be the same on every rank", f"[{K}, {K + 1}]")
-
-
-def test_min_score_differing_between_ranks_raises_on_every_rank(tmp_path):
-    _assert_same_error(_run("min_score_differs", tmp_path), "ValueError", "min_score must be the same on every rank")

@@ -1,10 +1,11 @@
 """The retrieval entry points of rapo_fast._C called directly (below the Python op) with a wrong tensor: each argument
 of retrieval_search_cpu, retrieval_merge_splits_host and (in CUDA builds; no GPU needed) retrieval_search_cuda, given
-the wrong dtype, rank, shape, device or strides, raises TypeError (dtype, not a tensor) or ValueError (the rest) naming
-the entry point and the argument, before any kernel: the outputs are left as they were. Also the DLPack side: legacy
-and versioned capsules and __dlpack__ objects are read, a capsule is consumed once and its deleter called once, a
-read-only output or another major version is refused. The checks live in csrc/retrieval_bindings.cpp and
-csrc/include/rapo/tensor_arg.h (docs/extension.md). Not here: the search's results (test_retrieval.py)."""
+the wrong dtype, rank, shape, device or strides (overlapping rows too), raises TypeError (dtype, not a tensor) or
+ValueError (the rest) naming the entry point and the argument, before any kernel: the outputs are left as they were.
+Also the DLPack side: legacy and versioned capsules and __dlpack__ objects are read, a capsule is consumed once and its
+deleter called once, a read-only output or another major version is refused. The checks live in
+csrc/retrieval_bindings.cpp and csrc/include/rapo/tensor_arg.h (docs/extension.md). Not here: the search's results
+(test_retrieval.py), the op's checks above the extension (test_retrieval_op.py)."""
 
 from __future__ import annotations
 
@@ -97,6 +98,13 @@ def test_search_cpu_refuses_what_is_not_a_tensor(name):
         _search_cpu(ts, **{name: ts[name].tolist()})
     with pytest.raises(TypeError, match=f"^retrieval_search_cpu: {name} must be a tensor, got None"):
         _search_cpu(ts, **{name: None})
+
+
+def test_search_cpu_names_the_argument_with_overlapping_rows():
+    ts = _tensors()
+    for name, n in (("queries", Q_), ("keys", C_)):
+        with pytest.raises(ValueError, match=rf"{name}: row stride 0 is smaller than D = 8 \(overlapping rows\)"):
+            _search_cpu(ts, **{name: _ext.dlpack(ts[name][:1].expand(n, D_))})
 
 
 def test_versioned_capsules_and_dlpack_objects_give_the_same_result():

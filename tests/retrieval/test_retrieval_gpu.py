@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.retrieval_cases import check_search
+from helpers.retrieval_cases import check_search, filled_buffer
 
 from rapo_fast import StepBuffer
 from rapo_fast._ext import extension
@@ -21,18 +21,6 @@ pytestmark = pytest.mark.gpu
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 METRICS = ["ip", "cosine", "l2"]
-
-
-def _cuda_buffer(C, D, dtype, metric, n=None, groups=5):
-    buf = StepBuffer(C, D, dtype=dtype, metric=metric, device="cuda")
-    n = C if n is None else n
-    buf.add(
-        torch.randn(n, D, device="cuda"),
-        torch.arange(n, device="cuda") + 1000,
-        torch.randint(0, groups, (n,), device="cuda"),
-        torch.randn(n, device="cuda"),
-    )
-    return buf
 
 
 @pytest.mark.parametrize("metric", METRICS)
@@ -48,7 +36,7 @@ def _cuda_buffer(C, D, dtype, metric, n=None, groups=5):
     ],
 )
 def test_cuda_matches_fp64(metric, dtype, C, D, Q, k):
-    buf = _cuda_buffer(C, D, dtype, metric)
+    buf = filled_buffer(C, D, dtype, metric, device="cuda")
     q = torch.randn(Q, D, device="cuda")
     s, p = buf.search(q, k)
     assert s.device.type == "cuda" and p.device.type == "cuda"
@@ -58,7 +46,7 @@ def test_cuda_matches_fp64(metric, dtype, C, D, Q, k):
 @pytest.mark.parametrize("metric", METRICS)
 @pytest.mark.parametrize("k", [1, 64, 1024])
 def test_cuda_filters(metric, k):
-    buf = _cuda_buffer(5000, 48, torch.float16, metric, groups=3)
+    buf = filled_buffer(5000, 48, torch.float16, metric, groups=3, device="cuda")
     q = torch.randn(70, 48, device="cuda")
     ex = torch.randint(-1, 3, (70,), device="cuda")
     thr = {"ip": 0.0, "cosine": 0.05, "l2": -100.0}[metric]
@@ -99,7 +87,7 @@ def test_cuda_empty_and_partial_buffer():
 
 
 def test_cuda_runs_on_current_stream_and_compiles():
-    buf = _cuda_buffer(4000, 64, torch.bfloat16, "cosine")
+    buf = filled_buffer(4000, 64, torch.bfloat16, "cosine", device="cuda")
     q = torch.randn(16, 64, device="cuda")
     q_side = torch.zeros_like(q)
     default, side = torch.cuda.current_stream(), torch.cuda.Stream()
@@ -152,7 +140,7 @@ def _split_counts(monkeypatch, force=None):
 @pytest.mark.parametrize("Q", [1, 3, 64])
 @pytest.mark.parametrize("k", [1, 3, 64, 1024])
 def test_cuda_few_queries_many_splits(monkeypatch, metric, dtype, Q, k):
-    buf = _cuda_buffer(FEW_C, FEW_D, dtype, metric, groups=FEW_GROUPS)
+    buf = filled_buffer(FEW_C, FEW_D, dtype, metric, groups=FEW_GROUPS, device="cuda")
     q = torch.randn(Q, FEW_D, device="cuda")
     ex = torch.randint(-1, FEW_GROUPS, (Q,), device="cuda")
     seen = _split_counts(monkeypatch)
@@ -168,7 +156,7 @@ def test_cuda_few_queries_many_splits(monkeypatch, metric, dtype, Q, k):
 @pytest.mark.parametrize("k", [1, 3, 64, 1024])
 @pytest.mark.parametrize("n_splits", [1, 2, 3, 129, 660, 1056, 1563, 4096])
 def test_cuda_merge_any_split_count(monkeypatch, k, n_splits):
-    buf = _cuda_buffer(FEW_C, FEW_D, torch.float16, "cosine", groups=FEW_GROUPS)
+    buf = filled_buffer(FEW_C, FEW_D, torch.float16, "cosine", groups=FEW_GROUPS, device="cuda")
     q = torch.randn(3, FEW_D, device="cuda")
     ex = torch.tensor([-1, 2, 5], device="cuda")
     natural = _split_counts(monkeypatch)

@@ -1,12 +1,14 @@
 """The Triton search path (rapo_fast/retrieval/triton_search.py, rapo_fast/kernels/retrieval/search.py) against the
-float64 brute force, under TRITON_INTERPRET=1 on CPU tensors: every dtype and metric (l2 about the keys' mean),
-exclusion groups, min_score, k > C padding, ties to the smaller slot (duplicate keys, +0.0 / -0.0 scores), k up to
-1024, Q=1 and odd Q, D not a multiple of the tile, C=1 and an empty buffer; the merges inside a split (small tiles
-force them) and across splits. Also: the dispatch table and its override, the GPU tiles, the argument checks (before any
-launch), and the kernel compiled to an sm_80 cubin without a GPU (sm_90a, with its register and spill bounds:
-tests/test_sm90_compile.py). On a GPU, the Triton path against the CUDA backend.
+float64 brute force, under TRITON_INTERPRET=1 on CPU tensors: exclusion groups and min_score leaving rows short (each
+metric), k > C padding, ties to the smaller slot (duplicate keys, +0.0 / -0.0 scores), k up to 1024, Q=1 and odd Q, D
+not a multiple of the tile, C=1 and an empty buffer; the merges inside a split (small tiles force them) and across
+splits. Also: the GPU tiles and their override, the argument checks (before any launch), and the kernel compiled to an
+sm_80 cubin without a GPU (sm_90a, with its register and spill bounds: tests/test_sm90_compile.py). On a GPU, the
+Triton path against the CUDA backend.
 
-Not here: the CUDA backend's own exactness (test_retrieval_gpu.py) or the CPU backend's (test_retrieval.py).
+Not here: every dtype and metric through StepBuffer.search(backend="triton"), bit for bit equal to the CPU backend,
+the dispatch table and "auto" (test_retrieval_backends.py); the CUDA backend's own exactness (test_retrieval_gpu.py)
+or the CPU backend's (test_retrieval.py).
 """
 
 from __future__ import annotations
@@ -57,18 +59,6 @@ def _check(buf, q, k, exclude=None, min_score=None, splits=None):
     payload = torch.where(slots >= 0, slots + 1000, -1)
     check_search(buf, q, k, s, payload, exclude, min_score, slots=slots)
     return s, slots
-
-
-@needs_interpreter
-@pytest.mark.parametrize("metric", METRICS)
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_matches_reference_every_dtype_and_metric(dtype, metric):
-    # D = 37: not a multiple of the 16-wide D tile; C = 300 in 2 splits of 5 tiles: a merge inside each split (the
-    # pending area fills after 3 tiles) and the merge across splits; Q = 19: a partial query tile; exclusion on.
-    buf = _buffer(300, 37, dtype, metric)
-    q = torch.randn(19, 37)
-    excl = torch.randint(-1, 4, (19,))
-    _check(buf, q, 5, exclude=excl, splits=2)
 
 
 @needs_interpreter
@@ -143,41 +133,7 @@ def test_encode_decode_round_trip_keeps_order():
     assert bool((keys > ts.SENTINEL).all())
 
 
-# ---- dispatch ------------------------------------------------------------------------------------------------------
-
-
-def test_dispatch_table_and_override(monkeypatch):
-    monkeypatch.delenv(ts.BACKEND_ENV, raising=False)
-    pick = ts.select_backend
-    assert pick(4096, 4_000_000, 768, torch.float16, 64, 0) == "triton"  # many queries, fp16: the table's row
-    assert pick(4096, 4_000_000, 768, torch.bfloat16, 64, 1) == "triton"
-    assert pick(64, 4_000_000, 768, torch.float16, 64, 0) == "cuda"  # few queries
-    assert pick(4096, 1000, 768, torch.float16, 64, 0) == "cuda"  # small buffer
-    assert pick(1024, 1_000_000, 768, torch.float16, 64, 0) == "triton"  # stage 3's C=1M shape
-    assert pick(256, 170_000, 384, torch.float16, 3, 0) == "cuda"  # the paper's scale
-    assert pick(4096, 4_000_000, 768, torch.float16, 1024, 0) == "cuda"  # large k
-    assert pick(4096, 4_000_000, 768, torch.float32, 64, 0) == "cuda"  # fp32 keys
-    assert pick(4096, 4_000_000, 768, torch.float16, 64, 2) == "cuda"  # l2: centred fp32 keys
-    monkeypatch.setenv(ts.BACKEND_ENV, "triton")
-    assert pick(1, 10, 8, torch.float32, 1, 2) == "triton"
-    assert pick(4096, 4_000_000, 768, torch.float16, 64, 0, override="cuda") == "cuda"
-    monkeypatch.setenv(ts.BACKEND_ENV, "cuda")
-    assert pick(4096, 4_000_000, 768, torch.float16, 64, 0) == "cuda"
-    monkeypatch.setenv(ts.BACKEND_ENV, "fast")
-    with pytest.raises(ValueError, match=ts.BACKEND_ENV):
-        pick(1, 10, 8, torch.float16, 1, 0)
-
-
-def test_cpu_tensors_never_take_the_triton_path(monkeypatch):
-    # The op sends CPU tensors to the C++ backend whatever the override says (the dispatch is for CUDA tensors).
-    pytest.importorskip("rapo_fast._C")
-    monkeypatch.setenv(ts.BACKEND_ENV, "triton")
-    buf = _buffer(40, 8, torch.float32, "ip")
-    q = torch.randn(3, 8)
-    with mock.patch("rapo_fast.retrieval.op.triton_search") as spy:
-        s, p = buf.search(q, 4)
-    assert spy.call_count == 0
-    check_search(buf, q, 4, s, p)
+# ---- tiles ----------------------------------------------------------------------------------------------------------
 
 
 def test_tiles_override_is_checked(monkeypatch):

@@ -1,13 +1,23 @@
-"""Tests of StepTraces (JSONL -> step buffer: top-K per query, history keys, step payloads, K/V, save/load) and of
-the history encoders."""
+"""Tests of StepTraces (JSONL -> step buffer: top-K per query, history keys, step payloads, K/V, save/load, pinned
+off-policy steps) and of the history encoders; pieces that go in the middle of a sequence (a retrieved step, an
+off-policy step, a tool output) carry no BOS with a Llama-style Hugging Face tokenizer (a real PreTrainedTokenizerFast
+over a WordLevel model with a BOS template, built offline), whose `encode(text)` starts every piece with `<s>`.
+
+Not here: fuzzed retrieval, save/load and argument checks (tests/fuzz/test_fuzz_traces.py), all-or-nothing mutations
+(test_all_or_nothing.py), the encoders' keys (test_encoder_keys.py), the tokenizer itself or a prompt's encoding (a
+prompt keeps its BOS)."""
 
 import pytest
 import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
 
+from rapo_fast._tokens import encode_plain
 from rapo_fast.demo.tasks import ChainArithmeticTask, solver_trajectories, write_jsonl
 from rapo_fast.demo.tiny_policy import build_tiny_policy
 from rapo_fast.retrieval.encoders import HashedNgramEncoder, PolicyHiddenEncoder
 from rapo_fast.retrieval.step_traces import OFFPOLICY_GROUP_BASE, StepTraces, split_trajectory, strip_retrieve_markers
+from rapo_fast.rollouts.offpolicy import split_step
 
 
 @pytest.fixture
@@ -70,19 +80,6 @@ def test_retrieval_returns_the_step_after_the_history(data):
             if h2 == hist
         }
         assert tuple(seg) in same_hist
-
-
-def test_save_load_round_trip(data, tmp_path):
-    task, tok, problems, recs, path = data
-    enc = HashedNgramEncoder()
-    traces = StepTraces.from_jsonl(path, enc, tok)
-    traces.add_steps([problems[0].prompt], [task.solution(problems[0])[0]], [problems[0].qid])
-    traces.save(tmp_path / "tr")
-    back = StepTraces.load(tmp_path / "tr", enc, tok)
-    assert back.payloads == traces.payloads and back.num_onpolicy == 1 and back.has_on_policy
-    queries = [r["prompt"] for r in recs[:5]]
-    a, b = traces.retrieve(queries, [0] * 5), back.retrieve(queries, [0] * 5)
-    assert a[0] == b[0] and torch.equal(a[1], b[1]) and torch.allclose(a[2], b[2])
 
 
 def test_kv_store_holds_each_payload(data):
@@ -172,9 +169,6 @@ def test_bad_arguments(data):
         StepTraces.from_jsonl(path, HashedNgramEncoder(), tok, top_k=0)
     with pytest.raises(ValueError, match="tokenizer"):
         StepTraces.from_jsonl(path, HashedNgramEncoder(), None)
-    traces = StepTraces.from_jsonl(path, HashedNgramEncoder(), tok)
-    with pytest.raises(ValueError, match="steps: expected one entry per history"):
-        traces.add_steps(["a"], ["b", "c"], [1])
     with pytest.raises(TypeError, match="pin_offpolicy"):
         StepTraces.from_jsonl(path, HashedNgramEncoder(), tok, pin_offpolicy="yes")
 
@@ -267,6 +261,7 @@ def test_save_load_keeps_the_pin_choice(data, tmp_path):
         traces.save(tmp_path / f"tr{pin}")
         back = StepTraces.load(tmp_path / f"tr{pin}", enc, tok)  # None: the saved choice
         assert back.pin_offpolicy is pin and torch.equal(back.buffer.pinned, traces.buffer.pinned)
+        assert back.payloads == traces.payloads and back.num_onpolicy == 4 and back.has_on_policy
         traces.add_steps(hs[4:], ss[4:], gs[4:])
         back.add_steps(hs[4:], ss[4:], gs[4:])
         assert torch.equal(back.buffer.payload_ids, traces.buffer.payload_ids)  # resumed == uninterrupted
@@ -280,3 +275,39 @@ def test_save_load_keeps_the_pin_choice(data, tmp_path):
     )
     with pytest.raises(StepTracesFormatError, match="pin_offpolicy"):
         _read_traces_json(tmp_path / "bad.json")
+
+
+# -- pieces in the middle of a sequence carry no BOS, with a Llama-style HF tokenizer ---------------------------------
+BOS = 1
+
+
+@pytest.fixture
+def hf_tok():
+    words = "<retrieve> </retrieve> <tool> </tool> calc add sub mul answer the is 0 1 2 3 4 5 6 7 8 9".split()
+    vocab = {"<unk>": 0, "<s>": BOS, "</s>": 2, **{w: i + 3 for i, w in enumerate(words)}}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", BOS)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    assert tok.encode("calc 1 add 2")[0] == BOS  # the trap: a plain encode adds <s>
+    return tok
+
+
+def test_encode_plain_drops_bos_for_hf_and_keeps_plain_tokenizers(hf_tok):
+    assert encode_plain(hf_tok, "calc 1 add 2") == hf_tok.encode("calc 1 add 2")[1:]
+    demo_tok = ChainArithmeticTask().tokenizer()  # the library's protocol: encode(text) with no such flag
+    assert encode_plain(demo_tok, "calc 1 add 2") == demo_tok.encode("calc 1 add 2")
+
+
+def test_retrieved_and_offpolicy_steps_carry_no_bos(hf_tok, tmp_path):
+    task = ChainArithmeticTask()
+    recs = solver_trajectories(task, task.make_problems(3, seed=2), n_per_query=4, error_rate=0.3, seed=1)
+    traces = StepTraces.from_jsonl(write_jsonl(recs, tmp_path / "t.jsonl"), HashedNgramEncoder(), hf_tok, top_k=2)
+    traces.add_steps(["calc 1 add 2"], ["<tool> calc 1 add 2 </tool> 3"], [5])
+    assert traces.payloads and all(seg and BOS not in seg for seg in traces.payloads.values()), traces.payloads
+    segs, pids, _ = traces.retrieve([recs[0]["prompt"]])
+    assert pids[0] >= 0 and segs[0][0] != BOS
+    for rec in recs[:4]:
+        for step in rec["steps"]:
+            gen, obs = split_step(step, hf_tok)
+            assert BOS not in gen and BOS not in obs, (step, gen, obs)
