@@ -1,6 +1,6 @@
 """Reference (spec) of the hashed n-gram history encoder: the plain per-n-gram loop that rapo_fast.retrieval.encoders.
 HashedNgramEncoder must reproduce bit for bit (it computes the same crc32 hashes vectorised, tests/retrieval/
-test_encoders.py compares them).
+test_encoder_keys.py compares them).
 
 What this is not: a fast path (~20 us a word on one core: it is what the step-buffer benchmark's "old" design runs), nor
 the retrieval window (the encoder applies it to the text first; a window's key is this function of the window's text).

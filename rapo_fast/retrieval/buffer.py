@@ -290,7 +290,7 @@ class StepBuffer:
         """Eviction with pinned steps: of (stored + new), ranked by the policy (fifo: newer first; lowest_score: higher
         score, then newer, first), keep the best min(P, C) of the P pinned and the best of the unpinned for the rest
         of the room; this is what adding the steps one by one keeps (the sequential model is in
-        tests/retrieval/test_retrieval_buffer_pins.py). New keepers take the freed slots in ascending order, as in
+        tests/retrieval/test_retrieval_buffer.py). New keepers take the freed slots in ascending order, as in
         _assign_slots."""
         C, n, M, dev = self.capacity, self._size, new_score.shape[0], self.device
         if self.eviction == "fifo":

@@ -3,8 +3,8 @@ off-policy steps) and of the history encoders; pieces that go in the middle of a
 off-policy step, a tool output) carry no BOS with a Llama-style Hugging Face tokenizer (a real PreTrainedTokenizerFast
 over a WordLevel model with a BOS template, built offline), whose `encode(text)` starts every piece with `<s>`.
 
-Not here: fuzzed retrieval, save/load and argument checks (tests/fuzz/test_fuzz_traces.py), all-or-nothing mutations
-(test_all_or_nothing.py), the encoders' keys (test_encoder_keys.py), the tokenizer itself or a prompt's encoding (a
+Not here: fuzzed retrieval, save/load, argument checks and all-or-nothing mutations (tests/fuzz/test_fuzz_traces.py),
+the encoders' keys (test_encoder_keys.py), the tokenizer itself or a prompt's encoding (a
 prompt keeps its BOS)."""
 
 import pytest
