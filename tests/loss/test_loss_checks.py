@@ -1,11 +1,13 @@
 """rapo_loss argument checks: every kind of bad input raises ValueError/TypeError naming the argument, before any
 log-prob or loss kernel runs (both are replaced by a tripwire here), except a bad logits row on a token in the loss,
-which is refused from the log-prob pass's output, before the policy op (tripwire on that op only); hypothesis fuzzes
-single corruptions of a valid call, and valid calls of random shapes (which must run and match the reference).
+which is refused from the log-prob pass's output (test_logits_row_check.py); hypothesis fuzzes single corruptions of
+a valid call.
 Not here: numerical behaviour (test_loss*.py); the shared helpers in rapo_fast/_checks.py are exercised through here.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -47,6 +49,7 @@ def _set_in_loss(d, pos, name, value):
         d["retrieved_mask"][pos] = 0  # a retrieved token is out of the loss by default (offpolicy_train="none")
 
 
+NAN_IN_LOSS = "%s: expected (no NaN|finite values) at tokens in the loss"
 BAD_CASES = [
     # (name, mutation of the valid padded call, exception type, text the message must contain)
     (
@@ -68,9 +71,29 @@ BAD_CASES = [
     ("old_logp probabilities", lambda d: _set_in_loss(d, (0, 2), "old_logp", 0.4), ValueError, "old_logp"),
     ("old_logp shape", lambda d: d.update(old_logp=torch.zeros(2, 4)), ValueError, "old_logp"),
     ("old_logp dtype", lambda d: d.update(old_logp=d["old_logp"].long()), TypeError, "old_logp"),
-    ("old_logp nan", lambda d: _set_in_loss(d, (0, 1), "old_logp", float("nan")), ValueError, "old_logp"),
+    ("old_logp nan", lambda d: _set_in_loss(d, (0, 1), "old_logp", float("nan")), ValueError, NAN_IN_LOSS % "old_logp"),
     ("advantages shape", lambda d: d.update(advantages=torch.zeros(3)), ValueError, "advantages"),
-    ("advantages nan", lambda d: _set_in_loss(d, (1, 1), "advantages", float("nan")), ValueError, "advantages"),
+    (
+        "advantages nan",
+        lambda d: _set_in_loss(d, (1, 1), "advantages", float("nan")),
+        ValueError,
+        NAN_IN_LOSS % "advantages",
+    ),
+    # behav_logp / ref_logp, given with the option that reads them
+    (
+        "behav_logp nan",
+        lambda d: (
+            d.update(behav_logp=-torch.ones(2, 3), tis_cap=2.0) or _set_in_loss(d, (0, 2), "behav_logp", math.nan)
+        ),
+        ValueError,
+        NAN_IN_LOSS % "behav_logp",
+    ),
+    (
+        "ref_logp nan",
+        lambda d: d.update(ref_logp=-torch.ones(2, 3), beta=0.1) or _set_in_loss(d, (1, 0), "ref_logp", math.nan),
+        ValueError,
+        NAN_IN_LOSS % "ref_logp",
+    ),
     ("advantages inf", lambda d: _set_in_loss(d, (1, 1), "advantages", float("inf")), ValueError, "advantages"),
     ("loss_mask shape", lambda d: d.update(loss_mask=torch.ones(3, 2, dtype=torch.bool)), ValueError, "loss_mask"),
     ("loss_mask type", lambda d: d.update(loss_mask=[[1, 1, 1], [1, 1, 1]]), TypeError, "loss_mask"),
@@ -126,37 +149,10 @@ BAD_CASES = [
     ("targets int16", lambda d: d.update(targets=d["targets"].to(torch.int16)), TypeError, "targets"),
     ("targets uint8", lambda d: d.update(targets=d["targets"].to(torch.uint8)), TypeError, "targets"),
 ]
-# A logits row with NaN or +inf, or only -inf, on a token in the loss: refused too, but from the log-prob pass's output
-# (after that launch, before the policy op), so not under the tripwire of every kernel: LOGITS_ROW_CASES below.
-LOGITS_ROW_CASES = [
-    # +inf logits on a token in the loss would give a NaN loss: refused (on a masked token they are ignored)
-    ("logits +inf", lambda d: _set_in_loss(d, (0, 1), "logits", float("inf")), ValueError, "logits"),
-    ("logits nan row", lambda d: _set_in_loss(d, (1, 0), "logits", float("nan")), ValueError, "logits"),
-    ("logits -inf row", lambda d: _set_in_loss(d, (1, 2), "logits", float("-inf")), ValueError, "logits"),
-]
 
 
 @pytest.mark.parametrize("case", BAD_CASES, ids=[c[0] for c in BAD_CASES])
 def test_bad_input_padded(case, tripwire):
-    _, mutate, exc, text = case
-    d = _valid()
-    mutate(d)
-    with pytest.raises(exc, match=text):
-        rapo_fast.rapo_loss(**d)
-
-
-@pytest.fixture
-def policy_tripwire(monkeypatch):
-    def boom(*a, **k):
-        raise AssertionError("the policy op ran before the logits rows were checked")
-
-    monkeypatch.setattr(loss_mod, "policy_loss_op", boom)
-    monkeypatch.setattr(loss_mod, "torch_policy_loss", boom)
-
-
-@pytest.mark.parametrize("case", LOGITS_ROW_CASES, ids=[c[0] for c in LOGITS_ROW_CASES])
-def test_bad_logits_row_in_the_loss(case, policy_tripwire):
-    """More paths and the whole message: test_logits_row_check.py."""
     _, mutate, exc, text = case
     d = _valid()
     mutate(d)
