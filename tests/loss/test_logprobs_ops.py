@@ -187,6 +187,7 @@ _MUTATIONS = {
     "temperature_str": ("both", "temperature", TypeError, lambda k: {**k, "temperature": "1.0"}),
     "temperature_bool": ("both", "temperature", TypeError, lambda k: {**k, "temperature": True}),
     "temperature_tensor": ("both", "temperature", TypeError, lambda k: {**k, "temperature": torch.tensor(1.0)}),
+    "temperature_none": ("both", "temperature", TypeError, lambda k: {**k, "temperature": None}),
     "return_entropy_int": ("both", "return_entropy", TypeError, lambda k: {**k, "return_entropy": 1}),
     "no_weight": ("hidden", "weight", ValueError, lambda k: {**k, "weight": None}),
     "weight_shape": ("hidden", "weight", ValueError, lambda k: {**k, "weight": k["weight"][:, :-1]}),
