@@ -151,10 +151,11 @@ def _fused_case(dtype, seed=0):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_one_token_tile_vs_fp64_reference(dtype):
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_one_token_tile_vs_fp64_reference(dtype, agg):
     """Default CPU budget: the [15, 37] logits are one token tile, grad_W is written directly."""
     assert fl.tile_shape(15, 37, dtype.itemsize, torch.device("cpu"))[0] == 15
-    check_case(_fused_case(dtype), dict(FULL, loss_agg="seq-mean-token-mean"), dtype)
+    check_case(_fused_case(dtype), dict(FULL, loss_agg=agg, temperature=0.7), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
