@@ -3,9 +3,9 @@ tests/helpers/strategies.py).
 
 Properties: finite inputs give a finite loss and finite gradients within the tolerance rule of the float64 reference
 (docs/testing.md rule 1, via tests/helpers/loss_cases.check_case); masked tokens contribute exactly nothing whatever
-their logits hold; a bad option or normaliser gets a ValueError/TypeError naming it; RAPOLoss equals rapo_loss with the
-same options. Not here: the hand-written argument cases (tests/loss/test_loss_checks.py, test_logprobs_ops.py) and
-kernel tile coverage.
+their logits or hidden rows and per-token inputs hold; a bad option or normaliser gets a ValueError/TypeError naming
+it, before any kernel runs; RAPOLoss equals rapo_loss with the same options. Not here: the hand-written argument
+cases (tests/loss/test_loss_checks.py, test_logprobs_ops.py) and kernel tile coverage.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import rapo_fast
+from rapo_fast.loss import policy_loss as loss_mod
 from rapo_fast.reference import token_logprobs_ref
 
 # Valid values per option (rapo_fast/loss/options.py states the ranges).
@@ -95,36 +96,37 @@ def test_rapo_loss_matches_float64_reference(B, T, seg_lens, V, per_seq, mask_p,
     B=st.integers(1, 3),
     T=st.integers(2, 4),
     V=st.integers(2, 37),
+    hidden=st.booleans(),
     dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
     fill=st.sampled_from([-math.inf, math.nan, math.inf, 1e30]),
     opts=option_sets(),
     seed=seeds,
 )
-def test_masked_tokens_contribute_nothing_whatever_their_logits(B, T, V, dtype, fill, opts, seed):
-    d = make_batch(B, T, V, mask_p=1.0, seed=seed % 2**16)
+def test_masked_tokens_contribute_nothing_whatever_their_rows(B, T, V, hidden, dtype, fill, opts, seed):
+    """Masked tokens holding `fill` in their logits or hidden row and NaN in their per-token inputs: the loss and
+    gradients of the clean batch, exactly, the masked rows' gradient 0."""
+    d = make_batch(B, T, V, H=8 if hidden else None, mask_p=1.0, seed=seed % 2**16)
     g = torch.Generator().manual_seed(seed)
     masked = torch.rand(B, T, generator=g) < 0.4
     masked[0, 0] = True  # at least one masked token; an all-masked row is a padding row
     d["loss_mask"] = d["loss_mask"] & ~masked
+    row, leaves = ("hidden", ["hidden", "weight", "bias"]) if hidden else ("logits", ["logits"])
     clean = {k: v.clone() for k, v in d.items()}
-    d["logits"][masked] = fill
-    clean["logits"][masked] = 0.0
-    losses, grads = [], []
+    d[row][masked] = fill
+    for k in ("old_logp", "advantages", "behav_logp", "ref_logp"):
+        d[k][masked] = math.nan
+    out = []
     for case in (d, clean):
-        x = case["logits"].to(dtype).requires_grad_(True)
-        try:
-            loss = rapo_fast.rapo_loss(**{**case, "logits": x}, **opts)
-        except ValueError as exc:  # +inf logits may be refused (the contract: "refused or handled, never NaN")
-            assert fill == math.inf and case is d and "logits" in str(exc), exc
-            return
-        (grad,) = torch.autograd.grad(loss, [x])
-        losses.append(loss)
-        grads.append(grad)
-    assert torch.isfinite(losses[0]), "masked tokens' logits made the loss non-finite"
-    assert torch.isfinite(grads[0]).all(), "masked tokens' logits produced a non-finite gradient"
+        x = {k: case[k].to(dtype).requires_grad_(True) for k in leaves}
+        loss = rapo_fast.rapo_loss(**{**case, **x}, **opts)
+        out.append((loss, torch.autograd.grad(loss, list(x.values()))))
+    (loss, grads), (loss0, grads0) = out
+    assert torch.isfinite(loss), "masked tokens' rows made the loss non-finite"
+    assert all(torch.isfinite(gr).all() for gr in grads), "masked tokens' rows produced a non-finite gradient"
     assert torch.all(grads[0][masked] == 0), "a masked token got a gradient"
-    torch.testing.assert_close(losses[0], losses[1])
-    torch.testing.assert_close(grads[0], grads[1])
+    torch.testing.assert_close(loss, loss0, rtol=0, atol=0)
+    for gr, gr0 in zip(grads, grads0):
+        torch.testing.assert_close(gr, gr0, rtol=0, atol=0)
 
 
 @fuzz_settings(20)
@@ -138,9 +140,11 @@ def test_bad_global_num_tokens_is_refused(value, as_tensor):
 
 @fuzz_settings(25)
 @given(name=st.sampled_from(sorted(BAD_OPTION_VALUES)), data=st.data())
-def test_bad_option_is_refused_with_its_name(name, data):
+def test_bad_option_is_refused_with_its_name(name, data, monkeypatch):
     value = data.draw(st.sampled_from(BAD_OPTION_VALUES[name]) | BAD_OPTION_RANGES.get(name, st.nothing()))
     d = make_batch(2, 3, 5)
+    for kernel in ("_run_logprobs", "policy_loss_op"):  # refused before any kernel runs
+        monkeypatch.setattr(loss_mod, kernel, lambda *a, **k: pytest.fail("a kernel ran before validation finished"))
     with pytest.raises((ValueError, TypeError), match=name):
         rapo_fast.rapo_loss(**d, **{name: value})
     with pytest.raises((ValueError, TypeError), match=name):
