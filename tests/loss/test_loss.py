@@ -22,7 +22,7 @@ from rapo_fast.loss import policy_loss as loss_mod
 from rapo_fast.loss import policy_op as op_mod
 from rapo_fast.loss.options import LossOptions
 from rapo_fast.loss.policy_op import stack_token_inputs
-from rapo_fast.reference import rapo_loss_ref, token_logprobs_ref
+from rapo_fast.reference import policy_token_loss_ref, rapo_loss_ref, token_logprobs_ref
 
 
 @pytest.mark.parametrize("agg", AGG_MODES)
@@ -117,10 +117,8 @@ def test_gradcheck_float64():
 
 # the registered op is called directly here: on a GPU machine (no interpreter) its Triton path needs CUDA tensors
 OP_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-# the options of the op tests (as LossOptions; the op takes them as LossOptions.kernel_scalars())
-_OP_OPTIONS = LossOptions(
+# the options of the op tests: the op takes them as LossOptions.kernel_scalars(), the reference as keywords
+_OP_OPTIONS = dict(
     eps_low=0.2,
     eps_high=0.28,
     dual_clip=3.0,
@@ -136,30 +134,19 @@ _OP_OPTIONS = LossOptions(
 
 def _op_args(n=37, seq=True, with_ent=True, seed=0, device=OP_DEVICE):
     """(args of rapo_fast::policy_loss, the per-token inputs by name) on `device`; logp and entropy need grad."""
-    parts = {
-        k: (v.detach().to(device) if v is not None else None) for k, v in _op_parts_cpu(n, seq, with_ent, seed).items()
-    }
-    parts["logp"].requires_grad_(True)
-    if with_ent:
-        parts["ent"].requires_grad_(True)
-    rows = {k: parts[k] for k in ("old", "adv", "w", "scale", "seqlr", "behav", "ref")}
-    tok, present = stack_token_inputs(code=parts["code"].to(parts["old"].dtype), **rows)
-    return (parts["logp"], parts["ent"], tok, present, _OP_OPTIONS.kernel_scalars()), parts
-
-
-def _op_parts_cpu(n, seq, with_ent, seed):
     g = torch.Generator().manual_seed(seed)
-    lp = (-torch.rand(n, generator=g) * 3).requires_grad_(True)
-    old = lp.detach() + 0.3 * torch.randn(n, generator=g)
-    adv = torch.randn(n, generator=g)
-    w = torch.rand(n, generator=g) / n
-    scale = 1 + 0.05 * torch.rand(n, generator=g)
-    code = torch.randint(0, 3, (n,), generator=g, dtype=torch.int8)
-    seqlr = 0.2 * torch.randn(n, generator=g) if seq else None
-    behav = old + 0.1 * torch.randn(n, generator=g)
-    ref = lp.detach() + 0.2 * torch.randn(n, generator=g)
-    ent = (torch.rand(n, generator=g) * 2).requires_grad_(True) if with_ent else None
-    return dict(logp=lp, old=old, adv=adv, w=w, scale=scale, code=code, seqlr=seqlr, behav=behav, ref=ref, ent=ent)
+    lp = -torch.rand(n, generator=g) * 3
+    p = dict(logp=lp, old=lp + 0.3 * torch.randn(n, generator=g), adv=torch.randn(n, generator=g))
+    p.update(w=torch.rand(n, generator=g) / n, scale=1 + 0.05 * torch.rand(n, generator=g))
+    p.update(code=torch.randint(0, 3, (n,), generator=g, dtype=torch.int8))
+    p.update(
+        seqlr=0.2 * torch.randn(n, generator=g) if seq else None, behav=p["old"] + 0.1 * torch.randn(n, generator=g)
+    )
+    p.update(ref=lp + 0.2 * torch.randn(n, generator=g), ent=torch.rand(n, generator=g) * 2 if with_ent else None)
+    p = {k: None if v is None else v.to(device).requires_grad_(k in ("logp", "ent")) for k, v in p.items()}
+    rows = {k: p[k] for k in ("old", "adv", "w", "scale", "seqlr", "behav", "ref")}
+    tok, present = stack_token_inputs(code=p["code"].to(p["old"].dtype), **rows)
+    return (p["logp"], p["ent"], tok, present, LossOptions(**_OP_OPTIONS).kernel_scalars()), p
 
 
 @pytest.mark.parametrize("seq,with_ent,triton", [(True, True, True), (False, False, True), (True, True, False)])
@@ -177,8 +164,6 @@ def _check_op_against_reference(op_args):
     up = torch.randn_like(tok)
     g_lp, g_ent = torch.autograd.grad(tok, (lp, ent), up)
     # the same per-token loss from the reference, weighted the same way
-    from rapo_fast.reference import policy_token_loss_ref
-
     lp2 = lp.detach().requires_grad_(True)
     ent2 = ent.detach().requires_grad_(True)
     ref_tok, _ = policy_token_loss_ref(
@@ -192,16 +177,7 @@ def _check_op_against_reference(op_args):
         behav_logp=p["behav"],
         ref_logp=p["ref"],
         entropy=ent2,
-        offpolicy_train="truncated",
-        gamma=0.1,
-        is_cap=2.0,
-        tis_cap=1.5,
-        eps_low=0.2,
-        eps_high=0.28,
-        dual_clip=3.0,
-        beta=0.1,
-        kl_estimator="k3",
-        entropy_coef=0.01,
+        **_OP_OPTIONS,
     )
     assert_close_verbose(tok, ref_tok * p["w"], atol=1e-6, name="token loss")
     r_lp, r_ent = torch.autograd.grad(ref_tok * p["w"], (lp2, ent2), up)
@@ -209,25 +185,16 @@ def _check_op_against_reference(op_args):
     assert_close_verbose(g_ent, r_ent, atol=1e-6, name="dH")
     # metric partial sums over all blocks: counts of each token class
     assert sums[0] == (code == 1).sum() and sums[1] == (code == 2).sum() and sums[2] == (code != 0).sum()
-    return tok, sums, g_lp, g_ent
 
 
-@pytest.mark.parametrize("n", [50, 2600])
-def test_op_honours_nonuniform_upstream_gradient(n):
+@pytest.mark.parametrize("n, triton", [(50, True), (2600, True), (300, False)])
+def test_op_honours_nonuniform_upstream_gradient(n, triton, monkeypatch):
     """docs/pitfalls.md #7: the backward multiplies by the per-token upstream gradient, not by an assumed scalar 1.
-    n = 2600 spans several kernel blocks (partial sums of several programs)."""
+    n = 2600 spans several kernel blocks (partial sums of several programs); triton=False: the op's torch
+    implementation (devices without Triton), against the same reference."""
+    if not triton:
+        monkeypatch.setattr(op_mod, "use_triton", lambda device: False)
     _check_op_against_reference(_op_args(n=n))
-
-
-def test_op_torch_fallback_equals_triton(monkeypatch):
-    """The registered op on a device without Triton (here: forced) computes the same values and gradients."""
-    torch.manual_seed(1)
-    tri = _check_op_against_reference(_op_args(n=300, device="cpu" if OP_DEVICE == "cpu" else "cuda"))
-    monkeypatch.setattr(op_mod, "use_triton", lambda device: False)
-    torch.manual_seed(1)
-    fb = _check_op_against_reference(_op_args(n=300, device="cpu" if OP_DEVICE == "cpu" else "cuda"))
-    for a, b in zip(tri, fb):
-        assert_close_verbose(a, b, atol=1e-6, rtol=1e-5)
 
 
 def test_temperature_applies_to_policy_logprob():
