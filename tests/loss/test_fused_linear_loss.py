@@ -167,32 +167,11 @@ def test_opcheck_fused_op():
         ref=d["ref_logp"].reshape(n),
     )
     opts = LossOptions(
-        eps_low=0.2,
-        eps_high=0.2,
-        dual_clip=3.0,
-        gamma=0.1,
-        is_cap=2.0,
-        tis_cap=1.5,
-        beta=0.1,
-        entropy_coef=0.01,
-        offpolicy_train="none",
-        kl_estimator="k3",
+        eps_low=0.2, eps_high=0.2, dual_clip=3.0, gamma=0.1, is_cap=2.0, tis_cap=1.5, beta=0.1, entropy_coef=0.01
     )
-    args = (
-        d["hidden"].reshape(n, 6).requires_grad_(True),
-        d["weight"].requires_grad_(True),
-        d["bias"].requires_grad_(True),
-        d["targets"].reshape(n),
-        tok,
-        present,
-        opts.kernel_scalars(),
-        0.9,
-        True,
-        True,
-        True,
-        True,
-        True,
-    )
+    leaves = [t.requires_grad_(True) for t in (d["hidden"].reshape(n, 6), d["weight"], d["bias"])]
+    # the bool flags after the temperature: every gradient and output asked for
+    args = (*leaves, d["targets"].reshape(n), tok, present, opts.kernel_scalars(), 0.9, *[True] * 5)
     torch.library.opcheck(torch.ops.rapo_fast.fused_linear_policy_loss.default, args)
 
 
