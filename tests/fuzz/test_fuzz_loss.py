@@ -65,6 +65,9 @@ BAD_OPTION_RANGES = {
     "eps_low": st.floats(max_value=-1e-9) | st.floats(min_value=1.0 + 1e-9),
     "temperature": st.floats(max_value=0.0),
     "offpolicy_train": st.text(max_size=6).filter(lambda t: t not in ("none", "shaped", "truncated")),
+    "importance_sampling_level": st.text(max_size=8).filter(lambda t: t not in ("token", "sequence")),
+    "kl_estimator": st.text(max_size=8).filter(lambda t: t not in ("k1", "k2", "k3")),
+    "loss_agg": st.text(max_size=8).filter(lambda t: not t.startswith(("token-", "seq-"))),
 }
 
 
@@ -145,9 +148,10 @@ def test_bad_option_is_refused_with_its_name(name, data, monkeypatch):
     d = make_batch(2, 3, 5)
     for kernel in ("_run_logprobs", "policy_loss_op"):  # refused before any kernel runs
         monkeypatch.setattr(loss_mod, kernel, lambda *a, **k: pytest.fail("a kernel ran before validation finished"))
-    with pytest.raises((ValueError, TypeError), match=name):
+    exc = ValueError if isinstance(value, (str, float)) else TypeError  # a value out of range, or of the wrong type
+    with pytest.raises(exc, match=name):
         rapo_fast.rapo_loss(**d, **{name: value})
-    with pytest.raises((ValueError, TypeError), match=name):
+    with pytest.raises(exc, match=name):
         rapo_fast.RAPOLoss(**{name: value})
 
 

@@ -66,8 +66,7 @@ BAD_CASES = [
     ("targets < 0", lambda d: d["targets"].__setitem__((1, 2), -1), ValueError, "targets"),
     # -100 (the ignore index) is accepted where loss_mask is 0 only (test_ignore_index_targets_outside_the_loss)
     ("targets -100 in the loss", lambda d: _set_in_loss(d, (1, 2), "targets", -100), ValueError, "targets: -100"),
-    # probabilities passed as old_logp (a log-prob is <= 0): refused at tokens in the loss
-    ("old_logp probabilities", lambda d: _set_in_loss(d, (0, 2), "old_logp", 0.4), ValueError, "old_logp"),
+    # probabilities passed as old_logp (a log-prob is <= 0): test_old_logp_above_zero
     ("old_logp shape", lambda d: d.update(old_logp=torch.zeros(2, 4)), ValueError, "old_logp"),
     ("old_logp dtype", lambda d: d.update(old_logp=d["old_logp"].long()), TypeError, "old_logp"),
     ("old_logp nan", lambda d: _set_in_loss(d, (0, 1), "old_logp", float("nan")), ValueError, NAN_IN_LOSS % "old_logp"),
@@ -189,27 +188,13 @@ def test_bad_hidden_path(mutation, text, tripwire):
 
 
 _FIELDS = ["logits", "targets", "old_logp", "advantages", "loss_mask", "retrieved_mask"]
-_OPTIONS = ["offpolicy_train", "importance_sampling_level", "kl_estimator", "loss_agg"]
 
 
+# the string options' random values: tests/fuzz/test_fuzz_loss.py::test_bad_option_is_refused_with_its_name
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(
-    field=st.sampled_from(_FIELDS + _OPTIONS),
-    how=st.sampled_from(["shape", "dtype", "drop_dim"]),
-    extra=st.integers(1, 3),
-    text=st.text(min_size=0, max_size=8),
-)
-def test_fuzz_single_corruption(tripwire, field, how, extra, text):
+@given(field=st.sampled_from(_FIELDS), how=st.sampled_from(["shape", "dtype", "drop_dim"]), extra=st.integers(1, 3))
+def test_fuzz_single_corruption(tripwire, field, how, extra):
     d = _valid()
-    if field in _OPTIONS:
-        if text in ("none", "shaped", "truncated", "token", "sequence", "k1", "k2", "k3") or text.startswith(
-            ("token-", "seq-")
-        ):
-            return
-        d[field] = text
-        with pytest.raises(ValueError, match=field):
-            rapo_fast.rapo_loss(**d)
-        return
     t = d[field]
     if how == "shape":
         d[field] = torch.cat([t, t[:, :1].expand(-1, extra, *t.shape[2:])], dim=1)
