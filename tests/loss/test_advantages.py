@@ -119,27 +119,6 @@ def test_rapo_advantages_by_hand():
     )
 
 
-@settings(max_examples=30, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 3), st.floats(-5, 5), st.floats(-1, 1)), min_size=1, max_size=12))
-def test_rapo_advantages_match_loop(rows):
-    gid = torch.tensor([r[0] for r in rows])
-    rew = torch.tensor([r[1] for r in rows], dtype=torch.float64)
-    z = torch.tensor([r[2] for r in rows], dtype=torch.float64)
-
-    def norm(x):
-        out = torch.zeros_like(x)
-        for g in gid.unique():
-            m = gid == g
-            v = x[m]
-            if v.max() == v.min():
-                continue
-            out[m] = (v - v.mean()) / (v.std() + 1e-6)
-        return out
-
-    want = (1 + 0.2 * norm(z)) * norm(rew)
-    assert_close_verbose(rapo_fast.rapo_advantages(rew, gid, z), want, atol=1e-9, rtol=1e-9)
-
-
 def test_rapo_advantages_checks():
     r, g, z = torch.zeros(3), torch.zeros(3, dtype=torch.long), torch.zeros(3)
     with pytest.raises(ValueError, match="group_ids"):
@@ -195,13 +174,18 @@ def test_ret_norm_retrieved_with_every_row_retrieving_equals_group():
     assert torch.equal(out, rapo_fast.rapo_advantages(rewards, gid, z))  # bit for bit
 
 
-@settings(max_examples=30, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 3), st.floats(-5, 5), st.floats(-1, 1), st.booleans()), max_size=12))
-def test_ret_norm_retrieved_matches_loop(rows):
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.lists(st.tuples(st.integers(0, 3), st.floats(-5, 5), st.floats(-1, 1), st.booleans()), max_size=12),
+    ret_norm=st.sampled_from(["group", "retrieved"]),
+)
+def test_rapo_advantages_match_loop(rows, ret_norm):
+    """A_acc z-scored over each group, A_ret over its rows that retrieved ("retrieved") or all of them ("group")."""
     gid = torch.tensor([r[0] for r in rows], dtype=torch.int64)
     rew = torch.tensor([r[1] for r in rows], dtype=torch.float64)
     z = torch.tensor([r[2] for r in rows], dtype=torch.float64)
     ret = torch.tensor([r[3] for r in rows], dtype=torch.bool)
+    everyone = torch.ones_like(ret)
 
     def norm(x, rows_in):
         out = torch.zeros_like(x)
@@ -213,9 +197,11 @@ def test_ret_norm_retrieved_matches_loop(rows):
             out[m] = (v - v.mean()) / (v.std() + 1e-6)
         return out
 
-    everyone = torch.ones_like(ret)
-    want = (1 + 0.2 * norm(z, ret)) * norm(rew, everyone)
-    got = rapo_fast.rapo_advantages(rew, gid, z, ret_norm="retrieved", retrieved=ret)
+    if ret_norm == "group":
+        want, got = (1 + 0.2 * norm(z, everyone)) * norm(rew, everyone), rapo_fast.rapo_advantages(rew, gid, z)
+    else:
+        want = (1 + 0.2 * norm(z, ret)) * norm(rew, everyone)
+        got = rapo_fast.rapo_advantages(rew, gid, z, ret_norm="retrieved", retrieved=ret)
     assert_close_verbose(got, want, atol=1e-9, rtol=1e-9)
 
 

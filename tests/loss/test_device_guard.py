@@ -119,27 +119,17 @@ def test_token_logprobs_from_hidden_is_guarded(recorder, monkeypatch):
     _assert_guarded(recorder, hidden.device, set(LOGPROB_KERNELS))
 
 
-def test_two_pass_policy_loss_is_guarded(recorder):
-    d = make_batch(3, 7, 19, response=True)
-    d["logits"].requires_grad_(True)
-    loss = rapo_fast.rapo_loss(**d, entropy_coef=0.01)
-    loss.backward()
-    assert d["logits"].grad is not None
-    _assert_guarded(recorder, d["logits"].device, set(LOGPROB_KERNELS + POLICY_KERNELS))
-
-
-def test_fused_linear_policy_loss_is_guarded(recorder, monkeypatch):
+@pytest.mark.parametrize("hidden", [False, True], ids=["two-pass", "fused-linear"])
+def test_policy_loss_is_guarded(recorder, monkeypatch, hidden):
     fused = []
     real = loss_mod._use_fused
     monkeypatch.setattr(loss_mod, "_use_fused", lambda *a: fused.append(real(*a)) or fused[-1])
-    d = make_batch(3, 7, 19, H=13)
-    for k in ("hidden", "weight", "bias"):
-        d[k].requires_grad_(True)
-    loss = rapo_fast.rapo_loss(**d, entropy_coef=0.01)
-    loss.backward()
-    assert fused == [True], "rapo_loss did not take the fused hidden-state path"
-    assert d["hidden"].grad is not None and d["weight"].grad is not None
-    _assert_guarded(recorder, d["hidden"].device, set(LOGPROB_KERNELS + POLICY_KERNELS))
+    d = make_batch(3, 7, 19, H=13 if hidden else None, response=not hidden)
+    leaves = [d[k].requires_grad_(True) for k in ("logits", "hidden", "weight", "bias") if k in d]
+    rapo_fast.rapo_loss(**d, entropy_coef=0.01).backward()
+    assert fused == [hidden], "rapo_loss took the fused path on the logits or not on the hidden state"
+    assert all(t.grad is not None for t in leaves)
+    _assert_guarded(recorder, leaves[0].device, set(LOGPROB_KERNELS + POLICY_KERNELS))
 
 
 def test_guard_enters_the_tensors_cuda_device(monkeypatch):

@@ -1,10 +1,11 @@
 """The one-pass fused hidden-state policy loss (rapo_fast/loss/fused_linear.py) against the two-pass path
 (RAPO_FAST_FUSED_LINEAR_LOSS=0) and the reference: loss, metrics and the gradients of hidden / weight / bias for every
-aggregation mode and option, padded and flat layouts, all-masked rows, several token and vocabulary tiles (the tile
-budget shrunk through rapo_fast.loss.tiles' module constants), fp32 / bf16 under the tolerance rule of
-tests/helpers/__init__.py; gradient accumulation with global_num_tokens; an upstream gradient != 1; the GEMM count (3
-families fused, 4 two-pass); GSPO and no-grad calls taking the two-pass path; opcheck of the registered op.
-Not here: the per-token loss semantics (test_loss_options.py) and the log-prob kernels (test_logprobs*.py).
+aggregation mode and option, padded and flat layouts, several token and vocabulary tiles (the tile budget shrunk
+through rapo_fast.loss.tiles' module constants) under the tolerance rule of tests/helpers/__init__.py; an upstream
+gradient != 1; the GEMM count (3 families fused, 4 two-pass); GSPO and no-grad calls taking the two-pass path; opcheck
+of the registered op. Not here: the per-token loss semantics (test_loss_options.py), the log-prob kernels
+(test_logprobs*.py), fp16 / bf16 and grad_W accumulation (test_fused_linear_accum.py), gradient accumulation
+(test_loss_accumulation.py), all-masked batches (test_loss.py).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import assert_close_verbose
-from helpers.loss_cases import FULL, check_case, make_batch
+from helpers.loss_cases import AGG_MODES, FULL, check_case, make_batch
 
 import rapo_fast
 from rapo_fast.loss import fused_linear as fl
@@ -21,7 +22,6 @@ from rapo_fast.loss import tiles as tiles_mod
 from rapo_fast.loss.options import LossOptions
 from rapo_fast.loss.policy_op import stack_token_inputs
 
-AGG_MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 OPTS = {
     "plain": dict(),
     "shaped-k1": dict(
@@ -89,18 +89,12 @@ def test_fused_vs_reference_and_two_pass(agg, opt, layout, fused_calls, monkeypa
     _assert_same(_grads(d, opts), _two_pass(monkeypatch, d, opts), name=opt)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_low_precision_and_temperature(dtype, fused_calls):
-    d = make_batch(2, 5, 37, H=13, per_seq_adv=True)
-    check_case(d, dict(FULL, loss_agg="seq-mean-token-mean", temperature=0.7), dtype)
-    assert all(fused_calls)
-
-
 @pytest.mark.parametrize("budget_cols", [16, 10**6], ids=["vocab-tiles", "row-tiles"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_several_tiles(budget_cols, dtype, monkeypatch, fused_calls):
+def test_several_tiles(budget_cols, monkeypatch, fused_calls):
     """V = 37 (not a multiple of any tile). vocab-tiles: a row does not fit the budget -> 3 vocabulary tiles of 16
-    and the second sweep; row-tiles: whole rows, 2 rows per token tile."""
+    and the second sweep; row-tiles: whole rows, 2 rows per token tile. fp32 here, fp16 / bf16 tiles in
+    test_fused_linear_accum.py."""
+    dtype = torch.float32
     v, elem = 37, torch.empty((), dtype=dtype).element_size()
     budget = (16 * elem) if budget_cols == 16 else 2 * v * elem
     monkeypatch.setitem(tiles_mod.TILE_BYTES, "cpu", budget)
@@ -110,18 +104,7 @@ def test_several_tiles(budget_cols, dtype, monkeypatch, fused_calls):
     opts = dict(FULL, loss_agg="seq-mean-token-mean")
     check_case(d, opts, dtype)
     assert all(fused_calls)
-    if dtype == torch.float32:
-        _assert_same(_grads(d, opts), _two_pass(monkeypatch, d, opts), name="tiles")
-
-
-def test_all_masked_batch(fused_calls):
-    d = make_batch(3, 4, 6, H=5, mask_p=0.0)
-    for agg in AGG_MODES:
-        loss, grads, metrics = check_case(d, dict(FULL, loss_agg=agg))
-        assert loss.item() == 0.0
-        assert all(torch.count_nonzero(g) == 0 for g in grads.values())
-        assert metrics["num_tokens"] == 0
-    assert all(fused_calls)
+    _assert_same(_grads(d, opts), _two_pass(monkeypatch, d, opts), name="tiles")
 
 
 def test_upstream_gradient_scales_every_grad(monkeypatch, fused_calls):
@@ -135,32 +118,6 @@ def test_upstream_gradient_scales_every_grad(monkeypatch, fused_calls):
         assert_close_verbose(g37[k], 3.7 * g1[k], atol=1e-6, rtol=1e-5, name=k)
         assert_close_verbose(g37[k], g2p[k], atol=1e-6, rtol=1e-4, name=k)
     assert fused_calls[:2] == [True, True]
-
-
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
-def test_global_num_tokens_accumulation(agg, fused_calls):
-    """Two micro-batches with the global normaliser sum to the one-big-batch loss and gradients."""
-    d = make_batch(4, 6, 13, H=8, per_seq_adv=True, seed=3)
-    opts = dict(FULL, loss_agg=agg)
-    full_loss, _, full_g = _grads(d, opts)
-    lm = d["loss_mask"]  # FULL trains retrieved tokens too (offpolicy_train="truncated"): the loss tokens are loss_mask
-    g_norm = lm.sum() if agg == "token-mean" else (lm.sum(1) > 0).sum()
-    weight = d["weight"].detach().clone().requires_grad_(True)
-    bias = d["bias"].detach().clone().requires_grad_(True)
-    total, hid_grads = 0.0, []
-    for sl in (slice(0, 1), slice(1, 4)):
-        part = {k: (v[sl] if k not in ("weight", "bias") else None) for k, v in d.items()}
-        part["hidden"] = part["hidden"].detach().clone().requires_grad_(True)
-        part.update(weight=weight, bias=bias)
-        loss = rapo_fast.rapo_loss(**part, **opts, global_num_tokens=g_norm)
-        loss.backward()
-        total += loss.detach()
-        hid_grads.append(part["hidden"].grad)
-    assert all(fused_calls)
-    assert_close_verbose(total, full_loss, atol=1e-6, rtol=1e-5, name="loss")
-    assert_close_verbose(torch.cat(hid_grads), full_g["hidden"], atol=1e-6, rtol=1e-5, name="hidden")
-    assert_close_verbose(weight.grad, full_g["weight"], atol=1e-6, rtol=1e-5, name="weight")
-    assert_close_verbose(bias.grad, full_g["bias"], atol=1e-6, rtol=1e-5, name="bias")
 
 
 def _count_gemms(fn) -> int:
@@ -183,7 +140,7 @@ def test_gemm_count_fused_3_two_pass_4(monkeypatch):
 
 
 def test_gspo_and_no_grad_take_two_pass_path(fused_calls):
-    d = make_batch(seg_lens=[3, 6], V=23, H=9)
+    d = make_batch(seg_lens=[3, 6], V=23, H=9, bias=False)
     check_case(d, dict(shaping_m=0.05, importance_sampling_level="sequence", loss_agg="seq-mean-token-sum"))
     assert fused_calls and not any(fused_calls)
     x = {k: (v.requires_grad_(True) if k == "hidden" else v) for k, v in make_batch(2, 4, 9, H=5).items()}
@@ -210,32 +167,11 @@ def test_opcheck_fused_op():
         ref=d["ref_logp"].reshape(n),
     )
     opts = LossOptions(
-        eps_low=0.2,
-        eps_high=0.2,
-        dual_clip=3.0,
-        gamma=0.1,
-        is_cap=2.0,
-        tis_cap=1.5,
-        beta=0.1,
-        entropy_coef=0.01,
-        offpolicy_train="none",
-        kl_estimator="k3",
+        eps_low=0.2, eps_high=0.2, dual_clip=3.0, gamma=0.1, is_cap=2.0, tis_cap=1.5, beta=0.1, entropy_coef=0.01
     )
-    args = (
-        d["hidden"].reshape(n, 6).requires_grad_(True),
-        d["weight"].requires_grad_(True),
-        d["bias"].requires_grad_(True),
-        d["targets"].reshape(n),
-        tok,
-        present,
-        opts.kernel_scalars(),
-        0.9,
-        True,
-        True,
-        True,
-        True,
-        True,
-    )
+    leaves = [t.requires_grad_(True) for t in (d["hidden"].reshape(n, 6), d["weight"], d["bias"])]
+    # the bool flags after the temperature: every gradient and output asked for
+    args = (*leaves, d["targets"].reshape(n), tok, present, opts.kernel_scalars(), 0.9, *[True] * 5)
     torch.library.opcheck(torch.ops.rapo_fast.fused_linear_policy_loss.default, args)
 
 
@@ -257,34 +193,6 @@ def test_frozen_weight_and_strided_hidden(monkeypatch, fused_calls):
     assert fused_calls == [True, False]
     assert_close_verbose(out["1"][0], out["0"][0], atol=1e-6, rtol=1e-5, name="loss")
     assert_close_verbose(out["1"][1], out["0"][1], atol=1e-6, rtol=1e-5, name="grad hidden")
-
-
-def test_memory_bounded_by_tile_not_n_by_v():
-    """torch.profiler's memory view: no single allocation of N * V * 4 bytes in the fused forward + backward (the
-    largest is the logits tile, at most TILE_BYTES, or the fp32 grad_W accumulator [V, H])."""
-    from torch.profiler import ProfilerActivity, profile
-
-    n, h, v = 128, 8, 65536
-    torch.manual_seed(0)
-    hid = torch.randn(n, h, requires_grad=True)
-    w = (torch.randn(v, h) * 0.3).requires_grad_()
-    y = torch.randint(0, v, (n,))
-    old = torch.full((n,), -11.0)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        loss = rapo_fast.rapo_loss(
-            hidden=hid,
-            weight=w,
-            targets=y,
-            old_logp=old,
-            advantages=torch.randn(n),
-            loss_mask=torch.ones(n, dtype=torch.bool),
-            entropy_coef=0.01,
-        )
-        loss.backward()
-    largest = max(e.self_cpu_memory_usage for e in prof.events())
-    bound = max(tiles_mod.TILE_BYTES["cpu"], v * h * 4)
-    assert largest <= bound < n * v * 4, f"largest allocation {largest} B, tile/grad bound {bound}, N*V*4 {n * v * 4}"
-    assert hid.grad is not None and w.grad is not None
 
 
 @pytest.mark.parametrize("layout", ["padded", "flat"])

@@ -4,11 +4,10 @@
 
 Checked: such a row in the loss raises the ValueError naming `logits`, the count, the first index and the reason,
 before the policy op and any backward, on the Triton path (the interpreter here), the CPU fallback, the fp64 path and
-with inplace_backward=True, padded and flat; the same rows masked give the clean loss and an exactly-zero gradient on
-them; the invariant the check rests on (logp NaN exactly where the row's lse is not finite, kernel and reference);
-and that the forward reads the logits once, in the log-prob pass, with no reduction of its own over them (a
-TorchDispatchMode records every op on the logits' storage). Not here: the other argument checks
-(test_loss_checks.py), the masked-row guarantees of every path (test_masked_rows.py).
+with inplace_backward=True, padded and flat; the invariant the check rests on (logp NaN exactly where the row's lse
+is not finite, kernel and reference); and that the forward reads the logits once, in the log-prob pass, with no
+reduction of its own over them (a TorchDispatchMode records every op on the logits' storage). Not here: the other
+argument checks (test_loss_checks.py), the same rows masked (test_masked_rows.py).
 """
 
 from __future__ import annotations
@@ -112,24 +111,6 @@ def test_bad_row_in_the_loss_is_refused(path, poison, flat, monkeypatch, no_poli
     with pytest.raises(ValueError, match=MESSAGE.format(n=2, first=first, rmax=rmax)):
         _loss_and_grad(path, p, x)
     assert x.grad is None
-
-
-@pytest.mark.parametrize("poison", list(POISONS))
-@pytest.mark.parametrize("path", PATHS)
-def test_same_rows_masked_contribute_exactly_zero(path, poison, monkeypatch):
-    dev, dtype = _setup(path, monkeypatch)
-    d = _batch(False)
-    positions = [(1, 2), (0, 4)]
-    clean = _poison(d, positions, "nan_row", in_loss=False)
-    clean["logits"] = d["logits"].clone()  # the same mask, finite rows
-    loss0, g0 = _loss_and_grad(path, clean, _leaf(clean, dev, dtype), entropy_coef=0.01)
-    poisoned = _poison(d, positions, poison, in_loss=False)
-    loss1, g1 = _loss_and_grad(path, poisoned, _leaf(poisoned, dev, dtype), entropy_coef=0.01)
-    assert torch.isfinite(loss1) and torch.isfinite(g1).all()
-    for pos in positions:
-        assert bool((g1[pos] == 0).all())
-    torch.testing.assert_close(loss1, loss0, rtol=0, atol=0)
-    torch.testing.assert_close(g1, g0, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("path", PATHS)

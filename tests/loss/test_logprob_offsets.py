@@ -91,27 +91,6 @@ def test_all_equal_rows_at_bf16_max_over_a_large_vocabulary(backend):
     _assert_exact(ent, want, f"{backend} entropy")
 
 
-@pytest.mark.parametrize("backend", ["reference", "torch"])
-@pytest.mark.parametrize("dtype", sorted(DTYPES))
-@pytest.mark.parametrize("offset", [20.0, 1e4, 3e38])
-def test_reference_gradient_at_large_offsets(backend, dtype, offset):
-    """d(logp + H)/dz of the reference's autograd equals float64's (of the shifted logits) at any offset."""
-    dt = DTYPES[dtype]
-    if offset > torch.finfo(dt).max:
-        offset = torch.finfo(dt).max
-    z = _logits(dt, offset, 2.0, 257, 1)
-    y = torch.tensor([0, 5, 256])
-    leaf = z.clone().requires_grad_(True)
-    logp, ent = _run(backend, leaf, y)
-    (g,) = torch.autograd.grad((logp + ent).sum(), [leaf])
-    z64 = (z.double() - z.double().amax(-1, keepdim=True)).requires_grad_(True)
-    (g64,) = torch.autograd.grad(sum(_exact(z64, y)).sum(), [z64])
-    err = float((g.double() - g64).abs().max())
-    # the gradient comes back in the logits' dtype: its rounding, relative to the largest entry, on top of fp32's
-    tol = 4e-6 + torch.finfo(dt).eps * float(g64.abs().max())
-    assert err <= tol, f"{backend} {dtype} offset {offset}: gradient error {err:.3g} > {tol:.3g}"
-
-
 def _offset_rows(dt: torch.dtype, offset: float) -> torch.Tensor:
     """Three rows of 257 logits at `offset` (capped at the dtype's max): two spread by 2, one of equal logits."""
     offset = min(offset, torch.finfo(dt).max)
@@ -121,27 +100,29 @@ def _offset_rows(dt: torch.dtype, offset: float) -> torch.Tensor:
     return z.clamp(-fmax, fmax).to(dt)
 
 
-@pytest.mark.skipif("triton" not in BACKENDS, reason="Triton does not run here")
-@pytest.mark.parametrize("path", ["logits", "hidden"])
+GRAD_PATHS = ["reference", "torch"] + (["triton-logits", "triton-hidden"] if "triton" in BACKENDS else [])
+
+
+@pytest.mark.parametrize("path", GRAD_PATHS)
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 @pytest.mark.parametrize("offset", [20.0, 1e4, 3e38])
-def test_triton_gradient_at_large_offsets(path, dtype, offset):
-    """d(logp + H)/dz of the Triton backward equals float64's (of the shifted logits) at any offset, on the logits
-    path and on the hidden path (hidden = the logits, weight = the identity: z = h W^T = h exactly, and
-    grad_h = grad_z W = grad_z, so grad_h is the kernel's logits gradient)."""
+def test_gradient_at_large_offsets(path, dtype, offset):
+    """d(logp + H)/dz equals float64's (of the shifted logits) at any offset: the reference's autograd, the chunked
+    reference, and the Triton backward on the logits path and on the hidden path (hidden = the logits, weight = the
+    identity: z = h W^T = h exactly, and grad_h = grad_z W = grad_z, so grad_h is the kernel's logits gradient)."""
     dt = DTYPES[dtype]
     z = _offset_rows(dt, offset)
     y = torch.tensor([0, 5, 256])
     leaf = z.clone().requires_grad_(True)
-    if path == "logits":
-        logp, ent = rapo_fast.token_logprobs(leaf, targets=y, return_entropy=True, backend="triton")
-    else:
+    if path == "triton-hidden":
         eye = torch.eye(z.shape[-1], dtype=dt)
         logp, ent = rapo_fast.token_logprobs(hidden=leaf, weight=eye, targets=y, return_entropy=True, backend="triton")
+    else:
+        logp, ent = _run(path.removesuffix("-logits"), leaf, y)
     (g,) = torch.autograd.grad((logp + ent).sum(), [leaf])
     z64 = (z.double() - z.double().amax(-1, keepdim=True)).requires_grad_(True)
     (g64,) = torch.autograd.grad(sum(_exact(z64, y)).sum(), [z64])
     err = float((g.double() - g64).abs().max())
-    # as for the reference: fp32's error, plus the rounding of the gradient to the logits' dtype
+    # the gradient comes back in the logits' dtype: its rounding, relative to the largest entry, on top of fp32's
     tol = 4e-6 + torch.finfo(dt).eps * float(g64.abs().max())
     assert err <= tol, f"{path} {dtype} offset {offset}: gradient error {err:.3g} > {tol:.3g}"

@@ -284,13 +284,6 @@ def test_hidden_path_partial_gradients(need, monkeypatch):
     _compare_linear(h, w, b, y, torch.bfloat16, 1.0, True, need=need)
 
 
-def test_hidden_path_fp32_accumulates_in_place(monkeypatch):
-    # fp32 inputs take the addmm_ accumulation branches (no separate fp32 accumulator) over many tiles.
-    _small_tiles(monkeypatch, torch.float32, rows=4, cols=64)
-    h, w, b, y = _make_linear((13,), 24, 150, torch.float32, True)
-    _compare_linear(h, w, b, y, torch.float32, 0.9, True)
-
-
 def test_hidden_path_strided_parameters(monkeypatch):
     # A transposed weight (a tied embedding stored [H, V]), a strided bias and a strided [B, T, H] hidden view, taken
     # from leaf tensors inside the call so the launcher really sees the strides.

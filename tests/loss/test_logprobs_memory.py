@@ -1,9 +1,11 @@
-"""Memory bound of token_logprobs' hidden-state path: no allocation of N x V fp32 (or larger) in forward or backward.
+"""Memory bounds of the hidden-state path, token_logprobs(hidden=...) and rapo_loss(hidden=...): no allocation of
+N x V fp32 in forward or backward.
 
 Measured with torch.profiler's memory view (profile_memory=True, CPU): the largest single allocation recorded while
-the fused path runs forward + backward must stay below N * V * 4 bytes, while the plain reference on the same inputs
-does allocate that much (so the test can fail). Also checks the no-Triton fallback (chunked reference under
-torch.utils.checkpoint). Not here: speed, or the GPU bound (test_logprobs.py::test_gpu_hidden_path_memory).
+the path runs forward + backward. token_logprobs: below N * V * 4 bytes, while the plain reference on the same inputs
+does allocate that much (so the test can fail), and the no-Triton fallback (chunked reference under
+torch.utils.checkpoint) too. rapo_loss's fused op: at most the logits tile or grad_W; with one token tile in bf16, no
+fp32 [V, H] grad_W accumulator. Not here: speed, or the GPU bound (test_logprobs.py::test_gpu_hidden_path_memory).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import rapo_fast
 import rapo_fast.loss.logprobs as lp_mod
+from rapo_fast.loss import tiles
 from rapo_fast.reference import linear_token_logprobs_ref
 
 # N x V fp32 = 8 MiB, while a logits tile of the CPU defaults is [32, 16384] fp32 = 2 MiB, and grad_W [V, H] fp32 is
@@ -73,3 +76,32 @@ def test_fallback_without_triton_is_chunked(monkeypatch):
     h, w, b, y = _inputs()
     largest = _largest_allocation(_fused(h, w, b, y))
     assert largest < N * V * 4 // 2, f"fallback allocated {largest} B in one piece (N*V*4 = {N * V * 4})"
+
+
+def _fused_loss(n, h, v, dtype, **opts):
+    """A call of rapo_loss(hidden=...) forward + backward (the fused path) on inputs made outside it, and its weight."""
+    g = torch.Generator().manual_seed(0)
+    hid = torch.randn(n, h, generator=g).to(dtype).requires_grad_()
+    w = (torch.randn(v, h, generator=g) * 0.3).to(dtype).requires_grad_()
+    kw = dict(old_logp=torch.full((n,), -11.0), advantages=torch.randn(n, generator=g), loss_mask=torch.ones(n) > 0)
+    kw.update(hidden=hid, weight=w, targets=torch.randint(0, v, (n,), generator=g), **opts)
+    return lambda: rapo_fast.rapo_loss(**kw).backward(), w
+
+
+def test_fused_loss_bounded_by_the_tile():
+    """The largest allocation is the logits tile (at most TILE_BYTES) or the fp32 grad_W accumulator [V, H]."""
+    n, h, v = 128, 8, 65536
+    run, w = _fused_loss(n, h, v, torch.float32, entropy_coef=0.01)
+    largest = _largest_allocation(run)
+    bound = max(tiles.TILE_BYTES["cpu"], v * h * 4)
+    assert largest <= bound < n * v * 4, f"largest allocation {largest} B, tile/grad bound {bound}, N*V*4 {n * v * 4}"
+    assert w.grad is not None
+
+
+def test_one_token_tile_allocates_no_fp32_grad_w():
+    """bf16, one token tile: grad_W is written directly (the largest allocation is grad_W itself, in bf16)."""
+    n, h, v = 4, 64, 4096
+    run, w = _fused_loss(n, h, v, torch.bfloat16)
+    largest = _largest_allocation(run)
+    assert largest < v * h * 4, f"largest allocation {largest} B: an fp32 [V, H] ({v * h * 4} B) was made"
+    assert w.grad is not None and w.grad.dtype == torch.bfloat16 and torch.count_nonzero(w.grad) > 0

@@ -98,15 +98,6 @@ def test_torch_compile_logits_and_hidden():
 # ------------------------------------------------------------------------------------------------------------------
 
 
-def test_cpu_without_interpreter_takes_the_reference(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    z = torch.randn(4, 30)
-    y = torch.randint(0, 30, (4,))
-    with mock.patch.object(lp_mod, "_token_logprobs_fwd", side_effect=AssertionError("kernel launched")):
-        out = rapo_fast.token_logprobs(z, targets=y)
-    assert_close_verbose(out, token_logprobs_ref(z, y), atol=1e-6, name="fallback")
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fallback_chunked_matches_reference(dtype, monkeypatch):
     monkeypatch.setenv("RAPO_FAST_DISABLE_TRITON", "1")
@@ -187,6 +178,7 @@ _MUTATIONS = {
     "temperature_str": ("both", "temperature", TypeError, lambda k: {**k, "temperature": "1.0"}),
     "temperature_bool": ("both", "temperature", TypeError, lambda k: {**k, "temperature": True}),
     "temperature_tensor": ("both", "temperature", TypeError, lambda k: {**k, "temperature": torch.tensor(1.0)}),
+    "temperature_none": ("both", "temperature", TypeError, lambda k: {**k, "temperature": None}),
     "return_entropy_int": ("both", "return_entropy", TypeError, lambda k: {**k, "return_entropy": 1}),
     "no_weight": ("hidden", "weight", ValueError, lambda k: {**k, "weight": None}),
     "weight_shape": ("hidden", "weight", ValueError, lambda k: {**k, "weight": k["weight"][:, :-1]}),

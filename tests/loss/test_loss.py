@@ -1,6 +1,7 @@
 """rapo_fast.rapo_loss, kernel path vs reference vs float64: loss, gradients and metrics over every aggregation mode,
-padded and flat (cu_seqlens) layouts, the logits and the hidden-state paths, fp32/fp16/bf16; the registered ops
-(opcheck, non-uniform upstream gradients); the CPU fallback path; all-masked rows.
+padded and flat (cu_seqlens) layouts, fp32/fp16/bf16 logits; the registered ops (opcheck, non-uniform upstream
+gradients); the CPU fallback path; all-masked rows. The hidden-state path: test_fused_linear_loss.py (fp32, against the
+two-pass path) and test_fused_linear_accum.py (fp16 / bf16).
 
 Tolerance (docs/testing.md rule 1, tests/helpers/__init__.py): |kernel - ref64| <= 2 |ref_dtype - ref64| + atol[dtype],
 atol 1e-4 fp32, 1e-2 fp16, 5e-2 bf16, for the loss and every gradient. Metrics (detached) are compared with the
@@ -21,7 +22,7 @@ from rapo_fast.loss import policy_loss as loss_mod
 from rapo_fast.loss import policy_op as op_mod
 from rapo_fast.loss.options import LossOptions
 from rapo_fast.loss.policy_op import stack_token_inputs
-from rapo_fast.reference import rapo_loss_ref, token_logprobs_ref
+from rapo_fast.reference import policy_token_loss_ref, rapo_loss_ref, token_logprobs_ref
 
 
 @pytest.mark.parametrize("agg", AGG_MODES)
@@ -53,23 +54,11 @@ def test_kernel_vs_reference_every_agg(agg, opts, layout):
     check_case(d, dict(opts, loss_agg=agg))
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["padded", "flat"])
 def test_low_precision_logits(dtype, layout):
     d = make_batch(2, 9, 37) if layout == "padded" else make_batch(seg_lens=[4, 7, 2], V=37)
     check_case(d, dict(FULL, loss_agg="seq-mean-token-mean"), dtype)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
-def test_hidden_path(dtype, agg):
-    d = make_batch(2, 5, 19, H=13, per_seq_adv=True)
-    check_case(d, dict(FULL, loss_agg=agg, temperature=0.7), dtype)
-
-
-def test_hidden_path_flat_no_bias():
-    d = make_batch(seg_lens=[3, 6], V=23, H=9, bias=False)
-    check_case(d, dict(shaping_m=0.05, importance_sampling_level="sequence", loss_agg="seq-mean-token-sum"))
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 1), (1, 1, 5), (2, 3, 1), (1, 33, 7)])
@@ -82,12 +71,13 @@ def test_larger_vocab_not_multiple_of_block():
     check_case(d, dict(FULL, loss_agg="token-mean"))
 
 
-def test_all_masked_batch_gives_zero_and_no_nan():
-    d = make_batch(3, 4, 6, mask_p=0.0)
+@pytest.mark.parametrize("hidden", [False, True], ids=["logits", "hidden-fused"])
+def test_all_masked_batch_gives_zero_and_no_nan(hidden):
+    d = make_batch(3, 4, 6, H=5 if hidden else None, mask_p=0.0)
     for agg in AGG_MODES:
         loss, grads, metrics = check_case(d, dict(FULL, loss_agg=agg))
         assert loss.item() == 0.0
-        assert torch.count_nonzero(grads["logits"]) == 0
+        assert all(torch.count_nonzero(g) == 0 for g in grads.values())
         assert all(torch.isfinite(v) for k, v in metrics.items() if k != "entropy") and metrics["num_tokens"] == 0
 
 
@@ -127,10 +117,8 @@ def test_gradcheck_float64():
 
 # the registered op is called directly here: on a GPU machine (no interpreter) its Triton path needs CUDA tensors
 OP_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-# the options of the op tests (as LossOptions; the op takes them as LossOptions.kernel_scalars())
-_OP_OPTIONS = LossOptions(
+# the options of the op tests: the op takes them as LossOptions.kernel_scalars(), the reference as keywords
+_OP_OPTIONS = dict(
     eps_low=0.2,
     eps_high=0.28,
     dual_clip=3.0,
@@ -146,30 +134,19 @@ _OP_OPTIONS = LossOptions(
 
 def _op_args(n=37, seq=True, with_ent=True, seed=0, device=OP_DEVICE):
     """(args of rapo_fast::policy_loss, the per-token inputs by name) on `device`; logp and entropy need grad."""
-    parts = {
-        k: (v.detach().to(device) if v is not None else None) for k, v in _op_parts_cpu(n, seq, with_ent, seed).items()
-    }
-    parts["logp"].requires_grad_(True)
-    if with_ent:
-        parts["ent"].requires_grad_(True)
-    rows = {k: parts[k] for k in ("old", "adv", "w", "scale", "seqlr", "behav", "ref")}
-    tok, present = stack_token_inputs(code=parts["code"].to(parts["old"].dtype), **rows)
-    return (parts["logp"], parts["ent"], tok, present, _OP_OPTIONS.kernel_scalars()), parts
-
-
-def _op_parts_cpu(n, seq, with_ent, seed):
     g = torch.Generator().manual_seed(seed)
-    lp = (-torch.rand(n, generator=g) * 3).requires_grad_(True)
-    old = lp.detach() + 0.3 * torch.randn(n, generator=g)
-    adv = torch.randn(n, generator=g)
-    w = torch.rand(n, generator=g) / n
-    scale = 1 + 0.05 * torch.rand(n, generator=g)
-    code = torch.randint(0, 3, (n,), generator=g, dtype=torch.int8)
-    seqlr = 0.2 * torch.randn(n, generator=g) if seq else None
-    behav = old + 0.1 * torch.randn(n, generator=g)
-    ref = lp.detach() + 0.2 * torch.randn(n, generator=g)
-    ent = (torch.rand(n, generator=g) * 2).requires_grad_(True) if with_ent else None
-    return dict(logp=lp, old=old, adv=adv, w=w, scale=scale, code=code, seqlr=seqlr, behav=behav, ref=ref, ent=ent)
+    lp = -torch.rand(n, generator=g) * 3
+    p = dict(logp=lp, old=lp + 0.3 * torch.randn(n, generator=g), adv=torch.randn(n, generator=g))
+    p.update(w=torch.rand(n, generator=g) / n, scale=1 + 0.05 * torch.rand(n, generator=g))
+    p.update(code=torch.randint(0, 3, (n,), generator=g, dtype=torch.int8))
+    p.update(
+        seqlr=0.2 * torch.randn(n, generator=g) if seq else None, behav=p["old"] + 0.1 * torch.randn(n, generator=g)
+    )
+    p.update(ref=lp + 0.2 * torch.randn(n, generator=g), ent=torch.rand(n, generator=g) * 2 if with_ent else None)
+    p = {k: None if v is None else v.to(device).requires_grad_(k in ("logp", "ent")) for k, v in p.items()}
+    rows = {k: p[k] for k in ("old", "adv", "w", "scale", "seqlr", "behav", "ref")}
+    tok, present = stack_token_inputs(code=p["code"].to(p["old"].dtype), **rows)
+    return (p["logp"], p["ent"], tok, present, LossOptions(**_OP_OPTIONS).kernel_scalars()), p
 
 
 @pytest.mark.parametrize("seq,with_ent,triton", [(True, True, True), (False, False, True), (True, True, False)])
@@ -187,8 +164,6 @@ def _check_op_against_reference(op_args):
     up = torch.randn_like(tok)
     g_lp, g_ent = torch.autograd.grad(tok, (lp, ent), up)
     # the same per-token loss from the reference, weighted the same way
-    from rapo_fast.reference import policy_token_loss_ref
-
     lp2 = lp.detach().requires_grad_(True)
     ent2 = ent.detach().requires_grad_(True)
     ref_tok, _ = policy_token_loss_ref(
@@ -202,16 +177,7 @@ def _check_op_against_reference(op_args):
         behav_logp=p["behav"],
         ref_logp=p["ref"],
         entropy=ent2,
-        offpolicy_train="truncated",
-        gamma=0.1,
-        is_cap=2.0,
-        tis_cap=1.5,
-        eps_low=0.2,
-        eps_high=0.28,
-        dual_clip=3.0,
-        beta=0.1,
-        kl_estimator="k3",
-        entropy_coef=0.01,
+        **_OP_OPTIONS,
     )
     assert_close_verbose(tok, ref_tok * p["w"], atol=1e-6, name="token loss")
     r_lp, r_ent = torch.autograd.grad(ref_tok * p["w"], (lp2, ent2), up)
@@ -219,25 +185,16 @@ def _check_op_against_reference(op_args):
     assert_close_verbose(g_ent, r_ent, atol=1e-6, name="dH")
     # metric partial sums over all blocks: counts of each token class
     assert sums[0] == (code == 1).sum() and sums[1] == (code == 2).sum() and sums[2] == (code != 0).sum()
-    return tok, sums, g_lp, g_ent
 
 
-@pytest.mark.parametrize("n", [50, 2600])
-def test_op_honours_nonuniform_upstream_gradient(n):
+@pytest.mark.parametrize("n, triton", [(50, True), (2600, True), (300, False)])
+def test_op_honours_nonuniform_upstream_gradient(n, triton, monkeypatch):
     """docs/pitfalls.md #7: the backward multiplies by the per-token upstream gradient, not by an assumed scalar 1.
-    n = 2600 spans several kernel blocks (partial sums of several programs)."""
+    n = 2600 spans several kernel blocks (partial sums of several programs); triton=False: the op's torch
+    implementation (devices without Triton), against the same reference."""
+    if not triton:
+        monkeypatch.setattr(op_mod, "use_triton", lambda device: False)
     _check_op_against_reference(_op_args(n=n))
-
-
-def test_op_torch_fallback_equals_triton(monkeypatch):
-    """The registered op on a device without Triton (here: forced) computes the same values and gradients."""
-    torch.manual_seed(1)
-    tri = _check_op_against_reference(_op_args(n=300, device="cpu" if OP_DEVICE == "cpu" else "cuda"))
-    monkeypatch.setattr(op_mod, "use_triton", lambda device: False)
-    torch.manual_seed(1)
-    fb = _check_op_against_reference(_op_args(n=300, device="cpu" if OP_DEVICE == "cpu" else "cuda"))
-    for a, b in zip(tri, fb):
-        assert_close_verbose(a, b, atol=1e-6, rtol=1e-5)
 
 
 def test_temperature_applies_to_policy_logprob():

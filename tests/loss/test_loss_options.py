@@ -80,18 +80,8 @@ def test_rapo_shaping_scales_ratio_by_retrieved_fraction():
     ret[2, 4] = True  # F = 1/5
     F = ret.double().sum(1, keepdim=True) / T
     on = ~ret
-    loss, m = _loss(
-        logits,
-        targets,
-        logp,
-        adv,
-        lm,
-        retrieved_mask=ret,
-        shaping_m=0.5,
-        eps_low=0.9,
-        eps_high=9.0,
-        return_metrics=True,
-    )
+    kw = dict(retrieved_mask=ret, shaping_m=0.5, eps_low=0.9, eps_high=9.0)
+    loss, m = _loss(logits, targets, logp, adv, lm, **kw, return_metrics=True)
     want = (-(adv.double() * (1 + 0.5 * F))[on]).sum() / on.sum()
     assert_close_verbose(loss, want, atol=1e-6)
     assert_close_verbose(m.retrieved_frac, torch.tensor(3 / (B * T)), atol=1e-7)
@@ -100,27 +90,15 @@ def test_rapo_shaping_scales_ratio_by_retrieved_fraction():
     resp[0, 3:] = False  # row 0: F = 2/3
     F2 = F.clone()
     F2[0] = 2 / 3
-    loss2 = _loss(
-        logits, targets, logp, adv, lm, retrieved_mask=ret, response_mask=resp, shaping_m=0.5, eps_low=0.9, eps_high=9.0
-    )
+    loss2 = _loss(logits, targets, logp, adv, lm, **kw, response_mask=resp)
     assert_close_verbose(loss2, (-(adv.double() * (1 + 0.5 * F2))[on]).sum() / on.sum(), atol=1e-6)
 
 
 def test_retrieved_tokens_get_no_gradient_by_default():
     logits, targets, logp, adv, lm = _setup()
     ret = torch.rand(B, T) < 0.4
-    loss = _loss(
-        logits,
-        targets,
-        logp - 0.3,
-        adv,
-        lm,
-        retrieved_mask=ret,
-        shaping_m=0.05,
-        beta=0.1,
-        ref_logp=logp.float() + 0.2,
-        entropy_coef=0.01,
-    )
+    kw = dict(retrieved_mask=ret, shaping_m=0.05, beta=0.1, ref_logp=logp.float() + 0.2, entropy_coef=0.01)
+    loss = _loss(logits, targets, logp - 0.3, adv, lm, **kw)
     (g,) = torch.autograd.grad(loss, logits)
     assert torch.count_nonzero(g[ret]) == 0 and torch.count_nonzero(g[~ret]) > 0
 
@@ -131,19 +109,8 @@ def test_offpolicy_modes_by_hand(mode):
     ret = torch.rand(B, T, generator=torch.Generator().manual_seed(1)) < 0.5
     behav = logp - 0.5 + torch.rand(B, T, dtype=torch.float64)
     a, p = adv.double(), logp.exp()
-    loss, m = _loss(
-        logits,
-        targets,
-        logp,
-        adv,
-        ret,
-        retrieved_mask=ret,
-        offpolicy_train=mode,
-        gamma=0.1,
-        is_cap=1.3,
-        behav_logp=behav.float(),
-        return_metrics=True,
-    )
+    kw = dict(retrieved_mask=ret, offpolicy_train=mode, gamma=0.1, is_cap=1.3, behav_logp=behav.float())
+    loss, m = _loss(logits, targets, logp, adv, ret, **kw, return_metrics=True)
     n = ret.sum()
     if mode == "shaped":
         wgt = p / (p + 0.1)
@@ -232,30 +199,17 @@ def test_gspo_sequence_ratio_by_hand():
     logits, targets, logp, adv, lm = _setup()
     shift = torch.randn(B, T, dtype=torch.float64) * 0.01
     a = adv[:, 0].double()
-    seq = rapo_fast.rapo_loss(
-        logits,
-        targets=targets,
-        old_logp=(logp - shift).float(),
-        advantages=adv[:, 0],
-        loss_mask=lm,
-        importance_sampling_level="sequence",
-        eps_low=0.5,
-        eps_high=0.5,
-        loss_agg="seq-mean-token-mean",
-    )
+    agg = dict(loss_agg="seq-mean-token-mean")
+    clip = dict(eps_low=0.5, eps_high=0.5)
+    seq = _loss(logits, targets, logp - shift, adv[:, 0], lm, importance_sampling_level="sequence", **clip, **agg)
     s = torch.exp(shift.mean(1))
     assert_close_verbose(seq, (-a * s).mean(), atol=1e-6)
     # rows whose log-ratio is constant: the sequence ratio equals the token ratio, values and gradients
     const = (torch.randn(B, 1, dtype=torch.float64) * 0.05).expand(B, T)
-    kw = dict(
-        targets=targets,
-        old_logp=(logp - const).float(),
-        advantages=adv[:, 0],
-        loss_mask=lm,
-        loss_agg="seq-mean-token-mean",
+    l_seq, l_tok = (
+        _loss(logits, targets, logp - const, adv[:, 0], lm, importance_sampling_level=level, **agg)
+        for level in ("sequence", "token")
     )
-    l_seq = rapo_fast.rapo_loss(logits, importance_sampling_level="sequence", **kw)
-    l_tok = rapo_fast.rapo_loss(logits, importance_sampling_level="token", **kw)
     assert_close_verbose(l_seq, l_tok, atol=1e-6)
     g_seq, g_tok = (torch.autograd.grad(x, logits)[0] for x in (l_seq, l_tok))
     assert_close_verbose(g_seq, g_tok, atol=1e-6)
@@ -267,32 +221,22 @@ def test_aggregation_modes_by_hand():
     lm[2] = False  # an all-masked row: excluded from the sequence count
     a = adv.double() * lm
     n = lm.sum(1).double()
+    seq_means = (a.sum(1)[n > 0] / n[n > 0]).sum()
+    # (the loss, the loss with global_num_tokens=4) of each mode; 2 sequences with tokens
     want = {
-        "token-mean": -a.sum() / lm.sum(),
-        "seq-mean-token-mean": -(a.sum(1)[n > 0] / n[n > 0]).sum() / 2,
-        "seq-mean-token-sum": -a.sum() / 2,
-        "seq-mean-token-sum-norm": -a.sum() / T,
+        "token-mean": (-a.sum() / lm.sum(), -a.sum() / 4),
+        "seq-mean-token-mean": (-seq_means / 2, -seq_means / 4),
+        "seq-mean-token-sum": (-a.sum() / 2, -a.sum() / 4),
+        "seq-mean-token-sum-norm": (-a.sum() / T, -a.sum() / 4),
     }
-    for agg, w in want.items():
+    for agg, (w, w_global) in want.items():
         assert_close_verbose(_loss(logits, targets, logp, adv, lm, loss_agg=agg), w, atol=1e-6, name=agg)
         g = _loss(logits, targets, logp, adv, lm, loss_agg=agg, global_num_tokens=4)
-        assert_close_verbose(
-            g,
-            -a.sum() / 4 if agg != "seq-mean-token-mean" else -(a.sum(1)[n > 0] / n[n > 0]).sum() / 4,
-            atol=1e-6,
-            name=f"{agg} global",
-        )
+        assert_close_verbose(g, w_global, atol=1e-6, name=f"{agg} global")
     # flat input: the sum-norm constant is the longest segment
-    cu = torch.tensor([0, 4, 5, 15])
-    flat = dict(
-        targets=targets.reshape(-1),
-        old_logp=logp.reshape(-1).float(),
-        advantages=adv.reshape(-1),
-        loss_mask=lm.reshape(-1),
-        cu_seqlens=cu,
-        loss_agg="seq-mean-token-sum-norm",
-    )
-    assert_close_verbose(rapo_fast.rapo_loss(logits.reshape(B * T, V), **flat), -a.sum() / 10, atol=1e-6)
+    flat = [x.reshape(B * T, -1).squeeze(-1) for x in (logits, targets, logp, adv, lm)]
+    loss = _loss(*flat, cu_seqlens=torch.tensor([0, 4, 5, 15]), loss_agg="seq-mean-token-sum-norm")
+    assert_close_verbose(loss, -a.sum() / 10, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", ["GRPO", "DAPO", "DR_GRPO", "GSPO", "RAPO", "ARPO"])

@@ -169,6 +169,7 @@ def test_triton_refused_where_it_cannot_run(monkeypatch):
     with pytest.raises(ValueError, match=r"backend: 'triton' .*TRITON_INTERPRET=1"):
         rapo_fast.token_logprobs(cpu["logits"], targets=cpu["targets"], backend="triton")
     assert _loss_path(cpu) == "reference_chunked"  # auto falls back, and says so
+    assert _lp_path(cpu) == "reference_chunked"
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("RAPO_FAST_DISABLE_TRITON", "1")
     with pytest.raises(ValueError, match=r"backend: 'triton' .*RAPO_FAST_DISABLE_TRITON=1"):
