@@ -285,6 +285,21 @@ def add_grid_args(parser: argparse.ArgumentParser, dims: str, providers: bool = 
     )
 
 
+def add_run_args(parser: argparse.ArgumentParser, quick: str, gpu: str) -> None:
+    """`--quick` (a smoke run) and `--gpu` (the CUDA device at LLM shapes), with the bench's own help texts."""
+    parser.add_argument("--quick", action="store_true", help=quick)
+    parser.add_argument("--gpu", action="store_true", help=gpu)
+
+
+def add_dtype_arg(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=["bfloat16", "float16", "float32"],
+        help=f"dtype of {what} (default bfloat16 with --gpu, float32 on the CPU)",
+    )
+
+
 def add_plan_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--plan",
@@ -478,6 +493,41 @@ def run_rows(writer: RowWriter, body: Callable[[], None], **interrupted_extra) -
             print(f"interrupted: rows written to {writer.out_dir / writer.csv_name}.csv", file=sys.stderr, flush=True)
             return INTERRUPTED_RC
     return 1 if writer.bad() else 0
+
+
+def run_bench(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    keys: list[dict],
+    *,
+    bench: str,
+    csv_name: str,
+    device: torch.device,
+    columns: list[str],
+    body: Callable[[RowWriter], None],
+    plot: Callable | None,
+    plan: str | None = None,
+    **interrupted_extra,
+) -> tuple[int, RowWriter | None]:
+    """A bench's run once its flags are parsed: `--plan` prints `keys` as `plan` (default `csv_name`) rows before any
+    device check (the GPU run's dry run lists its rows on any machine) and returns (0, None); else `--gpu` needs a
+    CUDA device, `body(writer)` writes the rows into output_dir(args, bench) under run_rows (Python warnings dropped
+    in a --quick run) and, unless --no-plot or the run was interrupted, `plot` draws <csv_name>.png next to the CSV.
+    Returns (exit code, the writer)."""
+    if args.plan:
+        return print_plan(plan or csv_name, keys), None
+    if args.gpu and not torch.cuda.is_available():
+        parser.error("--gpu: no CUDA device is visible")
+    from _plot_style import draw_after_run
+    from _quiet import python_warnings_ignored
+
+    writer = RowWriter(csv_name, output_dir(args, bench), device, keys, columns)
+    with python_warnings_ignored(args.quick):  # a smoke run's output is its rows
+        rc = run_rows(writer, lambda: body(writer), **interrupted_extra)
+    if rc != INTERRUPTED_RC and not args.no_plot:
+        csv_path = writer.out_dir / f"{csv_name}.csv"
+        draw_after_run(plot, csv_path, csv_path.with_suffix(".png"), args.quick)
+    return rc, writer
 
 
 def exit_process(rc: int) -> None:

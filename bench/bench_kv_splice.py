@@ -30,24 +30,21 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _plot_style import add_plot_args, draw_after_run  # noqa: E402
-from _quiet import python_warnings_ignored  # noqa: E402
+from _plot_style import add_plot_args  # noqa: E402
 from plot_kv import plot  # noqa: E402
 
 from _common import (  # noqa: E402
-    INTERRUPTED_RC,
     RowWriter,
     add_output_args,
     add_plan_arg,
+    add_run_args,
     check_providers,
     error_status,
     exit_process,
     measure_copy_bandwidth_gbs,
     ordered,
-    output_dir,
     positive_int,
-    print_plan,
-    run_rows,
+    run_bench,
     time_fn,
 )
 
@@ -276,14 +273,11 @@ def _print(row: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="rapo-fast bench kv", description=__doc__.split("\n")[0])
-    ap.add_argument(
-        "--gpu",
-        action="store_true",
-        help="run on the CUDA device at a 7B model's shape: 32 layers, 8 KV heads, head dim 128, 256 segments of "
+    add_run_args(
+        ap,
+        quick="a smoke run at a smaller CPU shape (seconds; the times mean nothing)",
+        gpu="run on the CUDA device at a 7B model's shape: 32 layers, 8 KV heads, head dim 128, 256 segments of "
         "128 tokens into 64 caches (default: the CPU at 8 layers, 32 segments of 32 tokens)",
-    )
-    ap.add_argument(
-        "--quick", action="store_true", help="a smoke run at a smaller CPU shape (seconds; the times mean nothing)"
     )
     add_plot_args(ap, "kv_splice.png")
     ap.add_argument(
@@ -307,18 +301,20 @@ def main(argv: list[str] | None = None) -> int:
     shape_name = "gpu" if args.gpu else ("cpu_quick" if args.quick else "cpu")
     names = ordered(args.providers, PROVIDERS)
     keys = [_key(name, shape_name) for name in names]
-    if args.plan:  # before any device check: the GPU run's dry run lists its rows on any machine
-        return print_plan("kv_splice", keys)
-    if args.gpu and not torch.cuda.is_available():
-        ap.error("--gpu: no CUDA device is visible")
-    out = output_dir(args, "kv")
     device = torch.device("cuda" if args.gpu else "cpu")
-    writer = RowWriter("kv_splice", out, device, keys, COLUMNS)
-    with python_warnings_ignored(args.quick):  # a smoke run's output is its rows
-        rc = run_rows(writer, lambda: run(writer, device, shape_name, names, args.rep_ms))
-    print(f"rows appended to {writer.out_dir / 'kv_splice.csv'}")
-    if rc != INTERRUPTED_RC and not args.no_plot:
-        draw_after_run(plot, writer.out_dir / "kv_splice.csv", writer.out_dir / "kv_splice.png", args.quick)
+    rc, writer = run_bench(
+        ap,
+        args,
+        keys,
+        bench="kv",
+        csv_name="kv_splice",
+        device=device,
+        columns=COLUMNS,
+        body=lambda w: run(w, device, shape_name, names, args.rep_ms),
+        plot=plot,
+    )
+    if writer is not None:
+        print(f"rows appended to {writer.out_dir / 'kv_splice.csv'}")
     return rc
 
 

@@ -44,34 +44,31 @@ import math
 
 import _loss_providers as lp
 import torch
-from _plot_style import add_plot_args, draw_after_run
-from _quiet import python_warnings_ignored
+from _plot_style import add_plot_args
 from plot_loss import plot
 
 from _common import (
-    INTERRUPTED_RC,
     RowWriter,
     Unavailable,
+    add_dtype_arg,
     add_grid_args,
     add_output_args,
     add_plan_arg,
+    add_run_args,
     check_providers,
     error_status,
     exit_process,
     free_device_memory,
     measure_copy_bandwidth_gbs,
     ordered,
-    output_dir,
     peak_memory_mb,
-    print_plan,
-    run_rows,
+    run_bench,
     time_fn,
 )
 
 GRID_GPU = [(n, 4096, v) for n in (4096, 16384, 65536) for v in (32768, 152064)]
 GRID_CPU_QUICK = [(256, 128, 1000), (512, 96, 4099)]
 GRID_CPU = [(1024, 256, 8192), (2048, 512, 32768)]
-EPS = lp.EPS
 COLUMNS = ["dtype", "median_ms", "p20_ms", "p80_ms", "peak_mem_mb", "loss", "ref_loss"]
 COLUMNS += ["achieved_gbs", "copy_bw_gbs", "pct_of_copy_bw"]
 ECHO = ("provider", "N", "H", "V", "median_ms", "peak_mem_mb", "status")
@@ -93,17 +90,6 @@ def _inputs(n: int, h: int, v: int, dtype: torch.dtype, device: torch.device, se
     adv = torch.randn(b, generator=g, device=device)
     mask = torch.rand(b, t, generator=g, device=device) > 0.1
     return hidden, weight, targets, old_logp, adv, mask
-
-
-def _providers(device: torch.device, n: int = 0, v: int = 0) -> dict:
-    """name -> fn of every default provider that can run here (bench/cpu_peak_rss.py picks one by name)."""
-    provs = {}
-    for name in lp.default_providers(device.type == "cuda"):
-        try:
-            provs[name] = lp.make_provider(name, device)
-        except Unavailable as exc:
-            print(f"{name}: unavailable ({exc})")
-    return provs
 
 
 def _too_big(name: str, n: int, v: int, device: torch.device) -> bool:
@@ -197,33 +183,22 @@ def _shape(writer: RowWriter, names: list[str], n, h, v, dtype, device, opts: di
 
 def run(writer: RowWriter, shapes, names: list[str], dtype, device, opts: dict) -> None:
     """Every shape in turn. opts: reps_ms (time budget of a measurement), min_runs (timed blocks at least), skip
-    (providers not run, with a "skipped" row), quick (Python warnings ignored)."""
+    (providers not run, with a "skipped" row)."""
     bw: dict = {}  # the copy bandwidth, measured once when a row needs it
-    with python_warnings_ignored(opts.get("quick", False)):
-        for n, h, v in shapes:
-            _shape(writer, names, n, h, v, dtype, device, opts, bw)
+    for n, h, v in shapes:
+        _shape(writer, names, n, h, v, dtype, device, opts, bw)
 
 
 def _parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p = argparse.ArgumentParser(prog="rapo-fast bench loss", description=__doc__.splitlines()[0])
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="a smoke run: every provider at two tiny CPU shapes, without the torch.compile ones unless "
+    add_run_args(
+        p,
+        quick="a smoke run: every provider at two tiny CPU shapes, without the torch.compile ones unless "
         "--providers names them (seconds; the times mean nothing)",
-    )
-    p.add_argument(
-        "--gpu",
-        action="store_true",
-        help="run on the CUDA device at LLM shapes: N in 4k/16k/64k tokens, H=4096, V in 32k/152k, bf16 "
+        gpu="run on the CUDA device at LLM shapes: N in 4k/16k/64k tokens, H=4096, V in 32k/152k, bf16 "
         "(default: the CPU at N<=2048, V<=32k, fp32)",
     )
-    p.add_argument(
-        "--dtype",
-        default=None,
-        choices=["bfloat16", "float16", "float32"],
-        help="dtype of hidden states and lm_head weight (default bfloat16 with --gpu, float32 on the CPU)",
-    )
+    add_dtype_arg(p, "hidden states and lm_head weight")
     add_grid_args(p, "N,H,V")
     add_plan_arg(p)
     add_plot_args(p, "loss.png")
@@ -247,21 +222,24 @@ def main(argv: list[str] | None = None) -> int:
     shapes, reps = args.shape or shapes, args.rep_ms or reps
     names = ordered(args.providers, lp.default_providers(args.gpu))
     keys = [dict(provider=name, N=n, H=h, V=v) for n, h, v in shapes for name in names]
-    if args.plan:  # before any device check: the GPU run's dry run lists its rows on any machine
-        return print_plan("loss", keys)
-    if args.gpu and not torch.cuda.is_available():
-        p.error("--gpu: no CUDA device is visible")
-    writer = RowWriter("loss", output_dir(args, "loss"), device, keys, COLUMNS)
-    dt = str(dtype).replace("torch.", "")
     skip = {n for n in names if args.quick and lp.compiled(n, device) and n not in (args.providers or ())}
-    opts = dict(reps_ms=reps, min_runs=QUICK_MIN_RUNS if args.quick else 5, skip=skip, quick=args.quick)
-    rc = run_rows(writer, lambda: run(writer, shapes, names, dtype, device, opts), dtype=dt)
-    if rc != INTERRUPTED_RC and not args.no_plot:
-        draw_after_run(plot, writer.out_dir / "loss.csv", writer.out_dir / "loss.png", args.quick)
-    bad = writer.bad()
-    dev = writer.meta["device"]
-    print(f"bench loss: {len(writer.rows)} rows, {len(bad)} disagreeing/erroring/interrupted, device {dev}")
-    print(f"rows appended to {writer.out_dir / 'loss.csv'}")
+    opts = dict(reps_ms=reps, min_runs=QUICK_MIN_RUNS if args.quick else 5, skip=skip)
+    rc, writer = run_bench(
+        p,
+        args,
+        keys,
+        bench="loss",
+        csv_name="loss",
+        device=device,
+        columns=COLUMNS,
+        body=lambda w: run(w, shapes, names, dtype, device, opts),
+        plot=plot,
+        dtype=str(dtype).replace("torch.", ""),
+    )
+    if writer is not None:
+        bad, dev = writer.bad(), writer.meta["device"]
+        print(f"bench loss: {len(writer.rows)} rows, {len(bad)} disagreeing/erroring/interrupted, device {dev}")
+        print(f"rows appended to {writer.out_dir / 'loss.csv'}")
     return rc
 
 

@@ -36,26 +36,23 @@ import statistics
 import time
 
 import torch
-from _plot_style import add_plot_args, draw_after_run
-from _quiet import python_warnings_ignored
+from _plot_style import add_plot_args
 from plot_retrieval import plot
 
 from _common import (
-    INTERRUPTED_RC,
     RowWriter,
     Unavailable,
     add_grid_args,
     add_output_args,
     add_plan_arg,
+    add_run_args,
     check_providers,
     error_status,
     exit_process,
     measure_copy_bandwidth_gbs,
     ordered,
-    output_dir,
     positive_int,
-    print_plan,
-    run_rows,
+    run_bench,
     time_fn,
 )
 
@@ -357,15 +354,10 @@ def _gpu_case(writer: RowWriter, names, C, D, Q, k, metric, device, bw_gbs, rep_
 
 def _parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p = argparse.ArgumentParser(prog="rapo-fast bench retrieval", description=__doc__.split("\n")[0])
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="a smoke run: every provider at two tiny shapes (C <= 20k keys; seconds, the times mean nothing)",
-    )
-    p.add_argument(
-        "--gpu",
-        action="store_true",
-        help="run on the first CUDA device (ours, torch and the bandwidth floor; fp16 keys) instead of the CPU",
+    add_run_args(
+        p,
+        quick="a smoke run: every provider at two tiny shapes (C <= 20k keys; seconds, the times mean nothing)",
+        gpu="run on the first CUDA device (ours, torch and the bandwidth floor; fp16 keys) instead of the CPU",
     )
     p.add_argument(
         "--repeats",
@@ -423,23 +415,24 @@ def main(argv: list[str] | None = None) -> int:
     shapes = _shapes(args)
     names = ordered(args.providers, GPU_PROVIDERS if args.gpu else CPU_PROVIDERS)
     keys = [dict(provider=n, C=C, D=D, Q=Q, k=k) for C, D, Q, k in shapes for n in names]
-    if args.plan:  # before any device check: the GPU run's dry run lists its rows on any machine
-        return print_plan("retrieval", keys)
-    if args.threads:
+    if args.threads and not args.plan:
         torch.set_num_threads(args.threads)
-    if args.gpu and not torch.cuda.is_available():
-        p.error("--gpu: no CUDA device is visible")
-    out = output_dir(args, "retrieval")
-    device = torch.device("cuda", 0) if args.gpu else torch.device("cpu")
-    name, columns = ("retrieval_gpu", GPU_COLUMNS) if args.gpu else ("retrieval_cpu", CPU_COLUMNS)
-    writer = RowWriter(name, out, device, keys, columns)
     body = _run_gpu if args.gpu else _run_cpu
-    with python_warnings_ignored(args.quick):  # a smoke run's output is its rows
-        rc = run_rows(writer, lambda: body(writer, args, shapes, names), metric=args.metric)
-    print(f"wrote {len(writer.rows)} rows to {writer.out_dir / writer.csv_name}.csv")
-    if rc != INTERRUPTED_RC and not args.no_plot:
-        csv_path = writer.out_dir / f"{writer.csv_name}.csv"
-        draw_after_run(plot, csv_path, csv_path.with_suffix(".png"), args.quick)
+    rc, writer = run_bench(
+        p,
+        args,
+        keys,
+        bench="retrieval",
+        plan="retrieval",
+        csv_name="retrieval_gpu" if args.gpu else "retrieval_cpu",
+        device=torch.device("cuda", 0) if args.gpu else torch.device("cpu"),
+        columns=GPU_COLUMNS if args.gpu else CPU_COLUMNS,
+        body=lambda w: body(w, args, shapes, names),
+        plot=plot,
+        metric=args.metric,
+    )
+    if writer is not None:
+        print(f"wrote {len(writer.rows)} rows to {writer.out_dir / writer.csv_name}.csv")
     return rc
 
 

@@ -50,27 +50,25 @@ from collections.abc import Callable
 import _reference as ref
 import torch
 from _loss_providers import cce_check
-from _plot_style import add_plot_args, draw_after_run
-from _quiet import python_warnings_ignored
+from _plot_style import add_plot_args
 from plot_logprobs import plot
 
 from _common import (
-    INTERRUPTED_RC,
     RowWriter,
     Unavailable,
+    add_dtype_arg,
     add_grid_args,
     add_output_args,
     add_plan_arg,
+    add_run_args,
     check_providers,
     error_status,
     exit_process,
     free_device_memory,
     measure_copy_bandwidth_gbs,
     ordered,
-    output_dir,
     peak_memory_mb,
-    print_plan,
-    run_rows,
+    run_bench,
     time_fn,
 )
 
@@ -154,17 +152,6 @@ def _provider(name: str, device: torch.device) -> tuple[str, Callable]:
     if name == "cce":
         return "Cut Cross-Entropy (Triton)", _cce(device)
     raise ValueError(f"unknown provider {name!r}")
-
-
-def _providers(device: torch.device) -> dict[str, tuple[str, str, Callable]]:
-    """name -> (input kind, path, fn) of every default provider that can run here."""
-    out = {}
-    for name, kind in INPUT.items():
-        try:
-            out[name] = (kind, *_provider(name, device))
-        except Unavailable as exc:
-            print(f"{name}: unavailable ({exc})")
-    return out
 
 
 def _step_fn(fn: Callable, leaves: dict, rest: dict, mode: str) -> Callable[[], torch.Tensor]:
@@ -383,23 +370,13 @@ def _parity_rows(shapes, repeats: int, lce, chunk_rows, token_logprobs) -> None:
 
 def _parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p = argparse.ArgumentParser(prog="rapo-fast bench logprobs", description=__doc__.splitlines()[0])
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="a smoke run: every provider in both modes at two tiny CPU shapes (seconds; the times mean nothing)",
-    )
-    p.add_argument(
-        "--gpu",
-        action="store_true",
-        help="run on the CUDA device at LLM shapes: N in 4k/16k tokens, H=4096, V in 32k/152k, bf16 "
+    add_run_args(
+        p,
+        quick="a smoke run: every provider in both modes at two tiny CPU shapes (seconds; the times mean nothing)",
+        gpu="run on the CUDA device at LLM shapes: N in 4k/16k tokens, H=4096, V in 32k/152k, bf16 "
         "(default: the CPU at N=512/1024, H=256, V=8k/32k, fp32)",
     )
-    p.add_argument(
-        "--dtype",
-        default=None,
-        choices=["bfloat16", "float16", "float32"],
-        help="dtype of logits, hidden states and lm_head weight (default bfloat16 with --gpu, float32 on the CPU)",
-    )
+    add_dtype_arg(p, "logits, hidden states and lm_head weight")
     p.add_argument(
         "--parity",
         action="store_true",
@@ -431,20 +408,22 @@ def main(argv: list[str] | None = None) -> int:
     shapes, reps = args.shape or shapes, args.rep_ms or reps
     names = ordered(args.providers, list(INPUT))
     keys = [dict(provider=p_, N=n, H=h, V=v, mode=m) for n, h, v in shapes for m in MODES for p_ in names]
-    if args.plan:  # before any device check: the GPU run's dry run lists its rows on any machine
-        return print_plan("token_logprobs", keys)
-    if args.gpu and not torch.cuda.is_available():
-        p.error("--gpu: no CUDA device is visible")
-    out = output_dir(args, "logprobs")
-    writer = RowWriter("token_logprobs", out, device, keys, COLUMNS)
-    base_dtype = str(dtype).replace("torch.", "")
-    with _triton_off(device), python_warnings_ignored(args.quick):
-        rc = run_rows(writer, lambda: run(writer, shapes, names, dtype, device, reps), dtype=base_dtype)
-    if rc != INTERRUPTED_RC and not args.no_plot:
-        draw_after_run(plot, out / "token_logprobs.csv", out / "token_logprobs.png", args.quick)
-    dev = writer.meta["device"]
-    bad = len(writer.bad())
-    print(f"bench logprobs: {len(writer.rows)} rows, {bad} disagreeing/erroring/interrupted, device {dev}")
+    with _triton_off(device):
+        rc, writer = run_bench(
+            p,
+            args,
+            keys,
+            bench="logprobs",
+            csv_name="token_logprobs",
+            device=device,
+            columns=COLUMNS,
+            body=lambda w: run(w, shapes, names, dtype, device, reps),
+            plot=plot,
+            dtype=str(dtype).replace("torch.", ""),
+        )
+    if writer is not None:
+        dev, bad = writer.meta["device"], len(writer.bad())
+        print(f"bench logprobs: {len(writer.rows)} rows, {bad} disagreeing/erroring/interrupted, device {dev}")
     return rc
 
 
