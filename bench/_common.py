@@ -7,8 +7,11 @@ with `--record`, and otherwise into a fresh temporary folder whose path it print
 recorded, so no smoke run ever changes a tracked file (tools/check_layout.py checks this).
 Rows are written one at a time (RowWriter): each is appended to the CSV, and the file closed, as soon as it is measured,
 so a run stopped at any moment keeps every finished row. The rows a run will take are known before it starts (its plan,
-printed by `--plan` as `bench,provider,field=value,...`); a SIGINT or SIGTERM (stop_on_signals) ends the run with one
-"interrupted: step budget" row for what was being measured and exit code 130.
+printed by `--plan` as `bench,provider,field=value,...`, without a GPU); a SIGINT or SIGTERM (stop_on_signals) ends the
+run with one "interrupted: step budget" row for what was being measured and exit code 130. A provider that raises gets
+its own "error: ..." row and the others still run, one that cannot run here "unavailable: ..."; one that disagrees
+with the bench's reference is marked DISAGREES and the run exits 1, so a broken provider cannot post a fast time.
+`--providers` picks and orders them. At the end of a run the bench's plot is drawn as <csv>.png beside the CSV.
 What this is not: a place for any op's providers (those live in bench/bench_<op>.py), nor a plotting module.
 """
 

@@ -7,17 +7,10 @@ Providers, side by side in one run at one shape (segments x tokens into a batch 
 - `reprefill`: running the segments' tokens through a model of the same shape (what mode="exact" costs).
 - `copy_floor`: the bytes the splice must move (pool read + cache write, K and V) over the measured copy bandwidth.
 GPU shape: 32 layers, 8 KV heads, head dim 128, bf16, 256 segments x 128 tokens into 64 caches, 7B-shaped prefill
-model. CPU: the same structure scaled down (printed in the CSV). Usage: `rapo-fast bench kv [--gpu] [--quick]
-[--providers A,B] [--rep-ms MS] [--plan] [--out DIR | --record]` (or `python bench/bench_kv_splice.py ...`); rows
-(with device, date and commit) are appended to <DIR>/kv_splice.csv, to bench/results/kv_splice.csv with --record, or
-to a new temporary folder, and the plot (bench/plot_kv.py) is drawn as kv_splice.png next to it at the end of every
-run. `time_over_rapo_fast` = this row's median_ms / rapo_fast's median_ms in the same run (how many times rapo_fast's
-time the provider takes; blank in rows before rapo_fast's). Readings in bench/NOTES_kv.md.
-Each row is appended as soon as it is measured. The two splices are each checked, untimed, against the library's
-reference rotation (rapo_fast.reference.kv_splice) of layer 0 (status DISAGREES when off), whatever their order. A
-provider that raises gets its own "error: ..." row and the others still run; SIGINT or SIGTERM ends the run with an
-"interrupted: step budget" row and exit code 130. `--providers` picks and orders providers; `--plan` prints the rows
-in order (`kv_splice,PROVIDER,shape=..,layers=..,...`) and exits without a GPU.
+model. CPU: the same structure scaled down (printed in the CSV). Rows, errors, `--plan`, `--out`/`--record` and the
+plot (bench/plot_kv.py): as every bench (bench/_common.py); CSV kv_splice.csv. `time_over_rapo_fast` = this row's
+median_ms / rapo_fast's in the same run (blank in rows before rapo_fast's). The two splices are each checked, untimed,
+against rapo_fast.reference.kv_splice on layer 0, whatever their order. Readings in bench/NOTES_kv.md.
 What this is not: a correctness test (tests/kv/); providers are only cross-checked loosely.
 """
 

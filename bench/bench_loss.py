@@ -20,19 +20,11 @@ Providers, side by side in one run at each shape:
 - `liger`: Liger-Kernel's LigerFusedLinearGRPOLoss (when liger_kernel is importable; compiled on CUDA).
 - `cce`: Apple's Cut Cross-Entropy: log-probs = -linear_cross_entropy(hidden, W, targets, reduction="none"), then the
   same clipped surrogate, backward through CCE (CUDA only: its kernels are Triton on CUDA tensors).
-The providers themselves live in bench/_loss_providers.py. With --providers the run takes them in the order given.
-Every provider's loss is checked against `ref_loss`, computed once per shape, untimed, in fp32 from row chunks of the
-logits (bench/_reference.py), whatever the order. Each row is appended to the CSV as soon as it is measured; a
-provider that raises gets its own "error: ..." row (the others still run), one that cannot run here "unavailable: ...";
-SIGINT or SIGTERM ends the run with an "interrupted: step budget" row and exit code 130. `--plan` prints the rows a
-run would take, in order, as `loss,PROVIDER,N=..,H=..,V=..`, and exits (no GPU needed).
-Usage: `rapo-fast bench loss [--quick] [--gpu] [--dtype D] [--providers A,B] [--shape N,H,V] [--plan]
-[--out DIR | --record]`. Rows (with device, date and commit) are appended to <DIR>/loss.csv, to bench/results/loss.csv
-with --record, or to a new temporary folder.
-The plot (bench/plot_loss.py) is drawn as loss.png next to the CSV at the end of every run. `--quick` (a smoke run,
-seconds) skips the providers that go through torch.compile (`torch_compile`; Liger on CUDA) unless --providers names
-them: their row says "skipped: ...". It also drops the profiler's and Python's warnings from the output.
-Predictions and readings in bench/NOTES_loss.md.
+The providers themselves live in bench/_loss_providers.py. Every provider's loss is checked against `ref_loss`,
+computed once per shape, untimed, in fp32 from row chunks of the logits (bench/_reference.py), whatever the order.
+Rows, errors, `--plan`, `--out`/`--record` and the plot (bench/plot_loss.py): as every bench (bench/_common.py); CSV
+loss.csv. `--quick` skips the torch.compile providers (`torch_compile`; Liger on CUDA) unless --providers names them:
+their row says "skipped: ...". Readings in bench/NOTES_loss.md.
 What this is not: a correctness test (tests/loss/ does that); it only checks that providers agree to a loose
 tolerance so that a broken provider cannot post a fast time.
 """

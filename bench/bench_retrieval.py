@@ -10,21 +10,14 @@ Providers at each shape, timed round-robin in one run (so a shared machine's loa
 Order: the paper's scale first (C=170k steps, D=384 MiniLM, Q=256 = 32 prompts x 8 hybrid rollouts, k in {1, 3}),
 then (CPU) the few-query shapes SMALL_Q, then the grid C in {100k, 1M, 4M} x D in {256, 768} x Q in
 {64, 1024, 4096} x k in {8, 64} (on the CPU a subset, see
-GRID_CPU; --quick is a smoke subset for CI). Rows (with device, date, commit and the load average) are appended to
-<DIR>/retrieval_{cpu,gpu}.csv, to bench/results/ with --record, or to a new temporary folder, and the plot
-(bench/plot_retrieval.py) is drawn next to it as retrieval_{cpu,gpu}.png at the end of every run. Every provider's ids
-are compared with `ours`'s: `frac_ids_equal_to_ours` = the fraction of the Q x k returned ids equal to ours's, position
+GRID_CPU; --quick is a smoke subset for CI). CSV retrieval_{cpu,gpu}.csv (rows carry the load average too), plot
+bench/plot_retrieval.py. Every provider's ids are compared with `ours`'s: `frac_ids_equal_to_ours` = the fraction of the Q x k returned ids equal to ours's, position
 by position (exact equality, no tolerance; blank for ours_excl, whose filter changes the answer), so a broken provider
 cannot post a fast time. `time_over_faiss` / `time_over_torch` = this row's median_ms / the faiss_flat (torch) row's
 median_ms at the same shape (below 1: faster than that anchor); on the CPU the faiss one when faiss ran, else the torch
-one. Rows: on the GPU each is appended as soon as it is measured (`torch` first by default, so that every later row
-carries its time_over_torch); on the CPU a shape's rows are appended together when its round-robin timing ends. A
-provider that raises (at setup, first call or timing) gets its own "error: ..." row and the others still run; one
-that cannot run here (faiss not installed) gets "unavailable: ...". SIGINT or SIGTERM ends the run with an
-"interrupted: step budget" row for what was being measured and exit code 130. `--providers` picks and orders
-providers; `--plan` prints the rows in order (`retrieval,PROVIDER,C=..,D=..,Q=..,k=..`) and exits without a GPU.
-Usage: `rapo-fast bench retrieval [--quick] [--gpu] [--repeats N] [--providers A,B] [--shape C,D,Q,k] [--plan]
-[--no-plot] [--out DIR | --record]`; readings in bench/NOTES_retrieval.md.
+one. Rows, errors, `--plan` and `--out`/`--record`: as every bench (bench/_common.py), except that on the CPU a
+shape's rows are appended together when its round-robin timing ends (on the GPU `torch` goes first by default, so that
+every later row carries its time_over_torch). Readings in bench/NOTES_retrieval.md.
 What this is not: a correctness test (tests/retrieval/).
 """
 

@@ -24,17 +24,9 @@ scalar upstream gradient, not a per-token op (bench/bench_loss.py compares again
 
 Every provider's log-probs (and, in fwd+bwd, its input gradients) are compared with a reference computed once per shape,
 untimed, in fp32 from row chunks (bench/_reference.py: never the whole fp32 [N, V]), of the logits given for the
-logits providers and of hidden @ weight^T for the hidden ones, whatever the providers' order; one that disagrees is
-marked DISAGREES and the run exits 1, so a broken provider cannot post a fast time. With --providers the run takes them
-in the order given. Each row is appended as soon as it is measured; a provider that raises gets its own "error: ..."
-row, one that cannot run here "unavailable: ..."; SIGINT or SIGTERM ends the run with an "interrupted: step budget"
-row and exit code 130. `--plan` prints the rows in order (`token_logprobs,PROVIDER,N=..,H=..,V=..,mode=..`) and exits.
-Usage: `rapo-fast bench logprobs [--quick] [--gpu] [--dtype D] [--providers A,B] [--shape N,H,V] [--plan]
-[--out DIR | --record]`. Rows (with device, date and commit) are appended to <DIR>/token_logprobs.csv, to
-bench/results/token_logprobs.csv with --record, or to a new temporary folder; the plot (bench/plot_logprobs.py) is
-drawn as token_logprobs.png next to it at the end of every run. `--quick` also drops Python's warnings from the output
-(a provider's own warnings are still caught into its row's `warnings` column). Predictions and readings:
-bench/NOTES_token_logprobs.md.
+logits providers and of hidden @ weight^T for the hidden ones, whatever the providers' order. Rows, errors, `--plan`,
+`--out`/`--record` and the plot (bench/plot_logprobs.py): as every bench (bench/_common.py); CSV token_logprobs.csv.
+A provider's own warnings are caught into its row's `warnings` column. Readings: bench/NOTES_token_logprobs.md.
 What this is not: a correctness test (tests/loss/test_logprobs*.py), nor the policy loss (bench/bench_loss.py).
 """
 
