@@ -87,13 +87,13 @@ def time_fn(fn: Callable[[], object], device: torch.device, *, rep_ms: int = 200
     while len(times) < min_runs:
         extra = tub.Timer(stmt="fn()", globals={"fn": fn}).timeit(1)
         times.append(extra.median * 1e3)
-    times.sort()
-    return {
-        "median_ms": statistics.median(times),
-        "p20_ms": times[int(0.2 * (len(times) - 1))],
-        "p80_ms": times[int(0.8 * (len(times) - 1))],
-        "samples": len(times),
-    }
+    return {**quantiles_ms(times), "samples": len(times)}
+
+
+def quantiles_ms(times: list[float]) -> dict:
+    """The median and 20/80% quantiles (the nearest sample below) of timings in ms, as the rows name them."""
+    t, last = sorted(times), len(times) - 1
+    return {"median_ms": statistics.median(t), "p20_ms": t[int(0.2 * last)], "p80_ms": t[int(0.8 * last)]}
 
 
 def peak_memory_mb(fn: Callable[[], object], device: torch.device) -> float:
@@ -465,6 +465,22 @@ def error_status(exc: BaseException, phase: str = "") -> str:
         raise KeyboardInterrupt from exc
     text = f"{phase}: {exc!r}" if phase else repr(exc)
     return ("error: " + " ".join(text.split()))[:200]
+
+
+@contextlib.contextmanager
+def env_var(name: str, value: str | None):
+    """Environment variable `name` set to `value` inside the block (left as it is when `value` is None), then as
+    before: the switches the library reads per call (RAPO_FAST_DISABLE_TRITON, the retrieval backend)."""
+    saved = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
 
 
 def free_device_memory(device: torch.device) -> None:

@@ -7,17 +7,17 @@ Providers at each shape, timed round-robin in one run (so a shared machine's loa
 - GPU (--gpu): `ours` (fp16 keys, the backend the crossover table picks; `ours_excl` with the filter; `ours_triton` and
   `ours_cuda` force the Triton kernel or the CUDA backend), `torch` (fp16 matmul + topk in chunks that fit memory) and
   `floor`, the bandwidth floor C * D * bytes / measured copy bandwidth.
-Order: the paper's scale first (C=170k steps, D=384 MiniLM, Q=256 = 32 prompts x 8 hybrid rollouts, k in {1, 3}),
-then (CPU) the few-query shapes SMALL_Q, then the grid C in {100k, 1M, 4M} x D in {256, 768} x Q in
-{64, 1024, 4096} x k in {8, 64} (on the CPU a subset, see
-GRID_CPU; --quick is a smoke subset for CI). CSV retrieval_{cpu,gpu}.csv (rows carry the load average too), plot
-bench/plot_retrieval.py. Every provider's ids are compared with `ours`'s: `frac_ids_equal_to_ours` = the fraction of the Q x k returned ids equal to ours's, position
-by position (exact equality, no tolerance; blank for ours_excl, whose filter changes the answer), so a broken provider
-cannot post a fast time. `time_over_faiss` / `time_over_torch` = this row's median_ms / the faiss_flat (torch) row's
-median_ms at the same shape (below 1: faster than that anchor); on the CPU the faiss one when faiss ran, else the torch
-one. Rows, errors, `--plan` and `--out`/`--record`: as every bench (bench/_common.py), except that on the CPU a
-shape's rows are appended together when its round-robin timing ends (on the GPU `torch` goes first by default, so that
-every later row carries its time_over_torch). Readings in bench/NOTES_retrieval.md.
+Order: the paper's scale first (C=170k steps, D=384 MiniLM, Q=256 = 32 prompts x 8 hybrid rollouts, k in {1, 3}), then
+(CPU) the few-query shapes SMALL_Q, then the grid C in {100k, 1M, 4M} x D in {256, 768} x Q in {64, 1024, 4096} x k in
+{8, 64} (on the CPU a subset, see GRID_CPU; --quick is a smoke subset for CI). CSV retrieval_{cpu,gpu}.csv (rows carry
+the load average too), plot bench/plot_retrieval.py. Every provider's ids are compared with `ours`'s:
+`frac_ids_equal_to_ours` = the fraction of the Q x k returned ids equal to ours's, position by position (exact equality,
+no tolerance; blank for ours_excl, whose filter changes the answer), so a broken provider cannot post a fast time.
+`time_over_faiss` / `time_over_torch` = this row's median_ms / the faiss_flat (torch) row's median_ms at the same shape
+(below 1: faster than that anchor); on the CPU the faiss one when faiss ran, else the torch one. Rows, errors, `--plan`
+and `--out`/`--record`: as every bench (bench/_common.py), except that on the CPU a shape's rows are appended together
+when its round-robin timing ends (on the GPU `torch` goes first by default, so that every later row carries its
+time_over_torch). Readings in bench/NOTES_retrieval.md.
 What this is not: a correctness test (tests/retrieval/).
 """
 
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
 
 import torch
@@ -40,11 +39,13 @@ from _common import (
     add_plan_arg,
     add_run_args,
     check_providers,
+    env_var,
     error_status,
     exit_process,
     measure_copy_bandwidth_gbs,
     ordered,
     positive_int,
+    quantiles_ms,
     run_bench,
     time_fn,
 )
@@ -132,13 +133,7 @@ def _time_round_robin(fns: dict, repeats: int, errors: dict) -> dict[str, dict]:
     for n, ts in times.items():
         if n in errors or not ts:
             continue
-        ts.sort()
-        out[n] = {
-            "median_ms": statistics.median(ts),
-            "p20_ms": ts[int(0.2 * (len(ts) - 1))],
-            "p80_ms": ts[int(0.8 * (len(ts) - 1))],
-            "repeats": len(ts),
-        }
+        out[n] = {**quantiles_ms(ts), "repeats": len(ts)}
     return out
 
 
@@ -244,15 +239,8 @@ def _forced(backend: str, fn, *args):
     """fn(*args) with RAPO_FAST_RETRIEVAL_BACKEND set to `backend` (the override the search reads per call)."""
     from rapo_fast.retrieval.triton_search import BACKEND_ENV
 
-    before = os.environ.get(BACKEND_ENV)
-    os.environ[BACKEND_ENV] = backend
-    try:
+    with env_var(BACKEND_ENV, backend):
         return fn(*args)
-    finally:
-        if before is None:
-            os.environ.pop(BACKEND_ENV, None)
-        else:
-            os.environ[BACKEND_ENV] = before
 
 
 def _gpu_state(C, D, Q, metric, device) -> dict:

@@ -33,9 +33,7 @@ What this is not: a correctness test (tests/loss/test_logprobs*.py), nor the pol
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
-import os
 import warnings
 from collections.abc import Callable
 
@@ -54,6 +52,7 @@ from _common import (
     add_plan_arg,
     add_run_args,
     check_providers,
+    env_var,
     error_status,
     exit_process,
     free_device_memory,
@@ -294,19 +293,9 @@ def run(writer: RowWriter, shapes, names: list[str], dtype, device, reps_ms: int
         _shape(writer, names, n, h, v, dtype, device, reps_ms, bw)
 
 
-@contextlib.contextmanager
 def _triton_off(device: torch.device):
     """RAPO_FAST_DISABLE_TRITON=1 while timing on the CPU (its fallback, not Triton's interpreter), then as before."""
-    saved = os.environ.get("RAPO_FAST_DISABLE_TRITON")
-    if device.type == "cpu":
-        os.environ["RAPO_FAST_DISABLE_TRITON"] = "1"
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("RAPO_FAST_DISABLE_TRITON", None)
-        else:
-            os.environ["RAPO_FAST_DISABLE_TRITON"] = saved
+    return env_var("RAPO_FAST_DISABLE_TRITON", "1" if device.type == "cpu" else None)
 
 
 def _parity(shapes, repeats: int) -> int:
