@@ -39,7 +39,7 @@ from collections.abc import Callable
 
 import _reference as ref
 import torch
-from _loss_providers import cce_check
+from _loss_providers import cce_linear_ce
 from _plot_style import add_plot_args
 from plot_logprobs import plot
 
@@ -110,11 +110,7 @@ def _chunked(t):
 
 
 def _cce(device: torch.device) -> Callable:
-    cce_check(device)
-    try:
-        from cut_cross_entropy import linear_cross_entropy
-    except ImportError as exc:
-        raise Unavailable(f"cut_cross_entropy not importable ({exc!r})") from exc
+    linear_cross_entropy = cce_linear_ce(device)
     return lambda t: -linear_cross_entropy(t["hidden"], t["weight"], t["targets"], reduction="none", impl="cce")
 
 
