@@ -252,11 +252,12 @@ def append_rows(name: str, rows: list[dict], out_dir: Path) -> Path:
     return out
 
 
-def add_grid_args(parser: argparse.ArgumentParser, dims: str, providers: bool = True) -> None:
+def add_grid_args(parser: argparse.ArgumentParser, dims: str | None, providers: bool = True) -> None:
     """Options that narrow a run to a bounded grid (used by the staged GPU validation, bench/gpu/): `--shape` (one
-    shape, repeatable, replaces the built-in grid; its fields named by `dims`, e.g. "N,H,V"), `--providers` (a
-    comma-separated subset) and `--rep-ms` (time budget per measurement, the cap on slow providers' repeats)."""
-    n = len(dims.split(","))
+    shape, repeatable, replaces the built-in grid; its fields named by `dims`, e.g. "N,H,V"; none when dims is None),
+    `--providers` (a comma-separated subset) and `--rep-ms` (time budget per measurement, the cap on slow providers'
+    repeats)."""
+    n = len((dims or "").split(","))
 
     def shape(text: str) -> tuple[int, ...]:
         parts = text.split(",")
@@ -264,14 +265,15 @@ def add_grid_args(parser: argparse.ArgumentParser, dims: str, providers: bool = 
             raise argparse.ArgumentTypeError(f"--shape expects {n} integers >= 1 {dims}, got {text!r}")
         return tuple(int(p) for p in parts)
 
-    parser.add_argument(
-        "--shape",
-        type=shape,
-        action="append",
-        default=None,
-        metavar=dims,
-        help=f"run only this shape ({dims}); repeatable; replaces the built-in grid",
-    )
+    if dims:
+        parser.add_argument(
+            "--shape",
+            type=shape,
+            action="append",
+            default=None,
+            metavar=dims,
+            help=f"run only this shape ({dims}); repeatable; replaces the built-in grid",
+        )
     if providers:
         parser.add_argument(
             "--providers",

@@ -28,6 +28,7 @@ from plot_kv import plot  # noqa: E402
 
 from _common import (  # noqa: E402
     RowWriter,
+    add_grid_args,
     add_output_args,
     add_plan_arg,
     add_run_args,
@@ -36,7 +37,6 @@ from _common import (  # noqa: E402
     exit_process,
     measure_copy_bandwidth_gbs,
     ordered,
-    positive_int,
     run_bench,
     time_fn,
 )
@@ -273,20 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         "128 tokens into 64 caches (default: the CPU at 8 layers, 32 segments of 32 tokens)",
     )
     add_plot_args(ap, "kv_splice.png")
-    ap.add_argument(
-        "--rep-ms",
-        type=positive_int,
-        default=None,
-        metavar="MS",
-        help="time budget of each measurement in ms (default: 200, and 400 / 1000 for re-prefill on GPU / CPU)",
-    )
-    ap.add_argument(
-        "--providers",
-        type=lambda s: [p for p in s.split(",") if p],
-        default=None,
-        metavar="A,B",
-        help=f"run only these providers, in this order (default: {','.join(PROVIDERS)})",
-    )
+    add_grid_args(ap, None)  # one shape per device; --rep-ms defaults to 200, and 400 / 1000 for re-prefill (GPU / CPU)
     add_plan_arg(ap)
     add_output_args(ap, "kv_splice.csv and kv_splice.png")
     args = ap.parse_args(argv)
