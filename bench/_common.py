@@ -291,10 +291,25 @@ def add_grid_args(parser: argparse.ArgumentParser, dims: str | None, providers: 
     )
 
 
-def add_run_args(parser: argparse.ArgumentParser, quick: str, gpu: str) -> None:
-    """`--quick` (a smoke run) and `--gpu` (the CUDA device at LLM shapes), with the bench's own help texts."""
+def add_bench_args(parser: argparse.ArgumentParser, *, quick: str, gpu: str, png: str, files: str) -> None:
+    """The options of every timing bench: `--quick` (a smoke run) and `--gpu` (the CUDA device at LLM shapes) with the
+    bench's own help texts, `--plan`, `--no-plot` (for the staged GPU runs, whose output folder holds few files;
+    `--plot`, once needed to draw the PNG, is still accepted, hidden) and where `files` go (add_output_args)."""
     parser.add_argument("--quick", action="store_true", help=quick)
     parser.add_argument("--gpu", action="store_true", help=gpu)
+    parser.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the rows this run would take, in order, one a line as BENCH,PROVIDER,FIELD=VALUE,... and exit "
+        "without creating inputs or measuring (works without a GPU, --gpu included)",
+    )
+    parser.add_argument(
+        "--no-plot",
+        action="store_true",
+        help=f"do not draw {png} next to the CSV (drawn by default at the end of every run)",
+    )
+    parser.add_argument("--plot", action="store_true", help=argparse.SUPPRESS)
+    add_output_args(parser, files)
 
 
 def add_dtype_arg(parser: argparse.ArgumentParser, what: str) -> None:
@@ -303,15 +318,6 @@ def add_dtype_arg(parser: argparse.ArgumentParser, what: str) -> None:
         default=None,
         choices=["bfloat16", "float16", "float32"],
         help=f"dtype of {what} (default bfloat16 with --gpu, float32 on the CPU)",
-    )
-
-
-def add_plan_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--plan",
-        action="store_true",
-        help="print the rows this run would take, in order, one a line as BENCH,PROVIDER,FIELD=VALUE,... and exit "
-        "without creating inputs or measuring (works without a GPU, --gpu included)",
     )
 
 

@@ -97,17 +97,6 @@ def run_of(row: dict) -> str:
     return f"commit {row.get('commit', '?')}, {str(row.get('date', ''))[:10]}"
 
 
-def add_plot_args(parser: argparse.ArgumentParser, png: str) -> None:
-    """`--no-plot` (the staged GPU runs, whose output folder holds few files); `--plot`, once needed to draw the PNG,
-    still accepted (hidden) so that old command lines run."""
-    parser.add_argument(
-        "--no-plot",
-        action="store_true",
-        help=f"do not draw {png} next to the CSV (drawn by default at the end of every run)",
-    )
-    parser.add_argument("--plot", action="store_true", help=argparse.SUPPRESS)
-
-
 def draw_after_run(plot: Callable[..., Path], csv_path: Path, png_path: Path, quick: bool) -> Path | None:
     """The bench's PNG drawn from its CSV at the end of a run (a smoke run's title says so); a plot that fails (no
     matplotlib) is a note on stderr, not a failed run: the CSV is the result."""

@@ -23,15 +23,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _plot_style import add_plot_args  # noqa: E402
 from plot_kv import plot  # noqa: E402
 
 from _common import (  # noqa: E402
     RowWriter,
+    add_bench_args,
     add_grid_args,
-    add_output_args,
-    add_plan_arg,
-    add_run_args,
     check_providers,
     error_status,
     exit_process,
@@ -266,16 +263,15 @@ def _print(row: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="rapo-fast bench kv", description=__doc__.split("\n")[0])
-    add_run_args(
+    add_bench_args(
         ap,
         quick="a smoke run at a smaller CPU shape (seconds; the times mean nothing)",
         gpu="run on the CUDA device at a 7B model's shape: 32 layers, 8 KV heads, head dim 128, 256 segments of "
         "128 tokens into 64 caches (default: the CPU at 8 layers, 32 segments of 32 tokens)",
+        png="kv_splice.png",
+        files="kv_splice.csv and kv_splice.png",
     )
-    add_plot_args(ap, "kv_splice.png")
     add_grid_args(ap, None)  # one shape per device; --rep-ms defaults to 200, and 400 / 1000 for re-prefill (GPU / CPU)
-    add_plan_arg(ap)
-    add_output_args(ap, "kv_splice.csv and kv_splice.png")
     args = ap.parse_args(argv)
     check_providers(ap, args.providers, PROVIDERS)
     shape_name = "gpu" if args.gpu else ("cpu_quick" if args.quick else "cpu")

@@ -36,17 +36,14 @@ import math
 
 import _loss_providers as lp
 import torch
-from _plot_style import add_plot_args
 from plot_loss import plot
 
 from _common import (
     RowWriter,
     Unavailable,
+    add_bench_args,
     add_dtype_arg,
     add_grid_args,
-    add_output_args,
-    add_plan_arg,
-    add_run_args,
     check_providers,
     error_status,
     exit_process,
@@ -183,18 +180,17 @@ def run(writer: RowWriter, shapes, names: list[str], dtype, device, opts: dict) 
 
 def _parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p = argparse.ArgumentParser(prog="rapo-fast bench loss", description=__doc__.splitlines()[0])
-    add_run_args(
+    add_bench_args(
         p,
         quick="a smoke run: every provider at two tiny CPU shapes, without the torch.compile ones unless "
         "--providers names them (seconds; the times mean nothing)",
         gpu="run on the CUDA device at LLM shapes: N in 4k/16k/64k tokens, H=4096, V in 32k/152k, bf16 "
         "(default: the CPU at N<=2048, V<=32k, fp32)",
+        png="loss.png",
+        files="loss.csv and loss.png",
     )
     add_dtype_arg(p, "hidden states and lm_head weight")
     add_grid_args(p, "N,H,V")
-    add_plan_arg(p)
-    add_plot_args(p, "loss.png")
-    add_output_args(p, "loss.csv and loss.png")
     args = p.parse_args(argv)
     check_providers(p, args.providers, lp.ALL)
     return p, args

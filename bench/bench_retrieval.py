@@ -28,16 +28,13 @@ import os
 import time
 
 import torch
-from _plot_style import add_plot_args
 from plot_retrieval import plot
 
 from _common import (
     RowWriter,
     Unavailable,
+    add_bench_args,
     add_grid_args,
-    add_output_args,
-    add_plan_arg,
-    add_run_args,
     check_providers,
     env_var,
     error_status,
@@ -335,10 +332,12 @@ def _gpu_case(writer: RowWriter, names, C, D, Q, k, metric, device, bw_gbs, rep_
 
 def _parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p = argparse.ArgumentParser(prog="rapo-fast bench retrieval", description=__doc__.split("\n")[0])
-    add_run_args(
+    add_bench_args(
         p,
         quick="a smoke run: every provider at two tiny shapes (C <= 20k keys; seconds, the times mean nothing)",
         gpu="run on the first CUDA device (ours, torch and the bandwidth floor; fp16 keys) instead of the CPU",
+        png="retrieval_cpu.png (retrieval_gpu.png with --gpu)",
+        files="retrieval_cpu.csv and .png (retrieval_gpu.* with --gpu)",
     )
     p.add_argument(
         "--repeats",
@@ -371,9 +370,6 @@ def _parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Na
         help="CPU threads given to every provider, faiss included (default: torch's thread count)",
     )
     add_grid_args(p, "C,D,Q,k")
-    add_plan_arg(p)
-    add_plot_args(p, "retrieval_cpu.png (retrieval_gpu.png with --gpu)")
-    add_output_args(p, "retrieval_cpu.csv and .png (retrieval_gpu.* with --gpu)")
     args = p.parse_args(argv)
     check_providers(p, args.providers, GPU_PROVIDERS if args.gpu else CPU_PROVIDERS)
     return p, args

@@ -40,17 +40,14 @@ from collections.abc import Callable
 import _reference as ref
 import torch
 from _loss_providers import cce_linear_ce
-from _plot_style import add_plot_args
 from plot_logprobs import plot
 
 from _common import (
     RowWriter,
     Unavailable,
+    add_bench_args,
     add_dtype_arg,
     add_grid_args,
-    add_output_args,
-    add_plan_arg,
-    add_run_args,
     check_providers,
     env_var,
     error_status,
@@ -347,11 +344,13 @@ def _parity_rows(shapes, repeats: int, lce, chunk_rows, token_logprobs) -> None:
 
 def _parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p = argparse.ArgumentParser(prog="rapo-fast bench logprobs", description=__doc__.splitlines()[0])
-    add_run_args(
+    add_bench_args(
         p,
         quick="a smoke run: every provider in both modes at two tiny CPU shapes (seconds; the times mean nothing)",
         gpu="run on the CUDA device at LLM shapes: N in 4k/16k tokens, H=4096, V in 32k/152k, bf16 "
         "(default: the CPU at N=512/1024, H=256, V=8k/32k, fp32)",
+        png="token_logprobs.png",
+        files="token_logprobs.csv and token_logprobs.png",
     )
     add_dtype_arg(p, "logits, hidden states and lm_head weight")
     p.add_argument(
@@ -360,10 +359,7 @@ def _parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Na
         help="only time token_logprobs(hidden=...) against the torch op it wraps on the CPU, interleaved, and print "
         "the medians and their ratio (with --quick: tiny shapes; --shape picks others; nothing is written)",
     )
-    add_plot_args(p, "token_logprobs.png")
     add_grid_args(p, "N,H,V")
-    add_plan_arg(p)
-    add_output_args(p, "token_logprobs.csv and token_logprobs.png")
     args = p.parse_args(argv)
     check_providers(p, args.providers, list(INPUT))
     return p, args
