@@ -321,6 +321,18 @@ def add_dtype_arg(parser: argparse.ArgumentParser, what: str) -> None:
     )
 
 
+def grid_of(args: argparse.Namespace, gpu: list, cpu: list, quick: list, rep_ms: tuple[int, int, int]) -> tuple:
+    """(device, shapes, dtype, rep_ms) of an N,H,V bench's run: the GPU grid in bf16 (rep_ms[0]), else the CPU grid
+    (rep_ms[2]) or with --quick the smoke grid (rep_ms[1]) in fp32 (bf16 matmul on the CPU is emulated and slow; the
+    numbers are CPU numbers either way); --shape, --dtype and --rep-ms override."""
+    if args.gpu:
+        device, shapes, dtype, rep = torch.device("cuda"), gpu, torch.bfloat16, rep_ms[0]
+    else:
+        device, dtype = torch.device("cpu"), torch.float32
+        shapes, rep = (quick, rep_ms[1]) if args.quick else (cpu, rep_ms[2])
+    return device, args.shape or shapes, getattr(torch, args.dtype) if args.dtype else dtype, args.rep_ms or rep
+
+
 def check_providers(parser: argparse.ArgumentParser, asked: list[str] | None, known: list[str]) -> None:
     """A name in --providers that no provider has is a typo: argparse's error (exit 2), so that a GPU run's dry run
     (which asks every bench for its --plan) catches it before any device time is spent."""

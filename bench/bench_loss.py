@@ -48,6 +48,7 @@ from _common import (
     error_status,
     exit_process,
     free_device_memory,
+    grid_of,
     measure_copy_bandwidth_gbs,
     ordered,
     peak_memory_mb,
@@ -198,16 +199,7 @@ def _parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Na
 
 def main(argv: list[str] | None = None) -> int:
     p, args = _parse(argv)
-    if args.gpu:
-        device, shapes, dtype, reps = torch.device("cuda"), GRID_GPU, torch.bfloat16, 300
-    else:
-        device = torch.device("cpu")
-        shapes = GRID_CPU_QUICK if args.quick else GRID_CPU
-        # bf16 matmul on CPU is emulated and slow: the CPU default is fp32 (numbers are CPU numbers either way)
-        dtype, reps = torch.float32, (50 if args.quick else 300)
-    if args.dtype:
-        dtype = getattr(torch, args.dtype)
-    shapes, reps = args.shape or shapes, args.rep_ms or reps
+    device, shapes, dtype, reps = grid_of(args, GRID_GPU, GRID_CPU, GRID_CPU_QUICK, (300, 50, 300))
     names = ordered(args.providers, lp.default_providers(args.gpu))
     keys = [dict(provider=name, N=n, H=h, V=v) for n, h, v in shapes for name in names]
     skip = {n for n in names if args.quick and lp.compiled(n, device) and n not in (args.providers or ())}

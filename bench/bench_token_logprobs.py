@@ -53,6 +53,7 @@ from _common import (
     error_status,
     exit_process,
     free_device_memory,
+    grid_of,
     measure_copy_bandwidth_gbs,
     ordered,
     peak_memory_mb,
@@ -367,18 +368,10 @@ def _parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Na
 
 def main(argv: list[str] | None = None) -> int:
     p, args = _parse(argv)
-    if args.gpu:
-        device, shapes, dtype, reps = torch.device("cuda"), GRID_GPU, torch.bfloat16, 300
-    else:
-        # bf16 matmul on the CPU is emulated and slow: the CPU default is fp32 (numbers are CPU numbers either way)
-        device, dtype = torch.device("cpu"), torch.float32
-        shapes, reps = (GRID_CPU_QUICK, 20) if args.quick else (GRID_CPU, 500)
+    device, shapes, dtype, reps = grid_of(args, GRID_GPU, GRID_CPU, GRID_CPU_QUICK, (300, 20, 500))
     if args.parity:  # the CPU path without Triton: torch's op is what runs there
         with _triton_off(torch.device("cpu")):
-            return _parity(args.shape or shapes, PARITY_REPEATS_QUICK if args.quick else PARITY_REPEATS)
-    if args.dtype:
-        dtype = getattr(torch, args.dtype)
-    shapes, reps = args.shape or shapes, args.rep_ms or reps
+            return _parity(shapes, PARITY_REPEATS_QUICK if args.quick else PARITY_REPEATS)
     names = ordered(args.providers, list(INPUT))
     keys = [dict(provider=p_, N=n, H=h, V=v, mode=m) for n, h, v in shapes for m in MODES for p_ in names]
     with _triton_off(device):
