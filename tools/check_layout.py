@@ -87,13 +87,9 @@ def library_modules(root: Path = ROOT) -> dict[str, Path]:
     return mods
 
 
-def _is_package(name: str, mods: dict[str, Path]) -> bool:
-    return mods[name].name == "__init__.py"
-
-
 def package_of(name: str, mods: dict[str, Path]) -> str:
     """The (sub)package a module belongs to: itself for a package's __init__, else its parent."""
-    return name if name in mods and _is_package(name, mods) else name.rpartition(".")[0]
+    return name if name in mods and mods[name].name == "__init__.py" else name.rpartition(".")[0]
 
 
 def _known_prefix(dotted: str, mods: dict[str, Path]) -> str | None:
