@@ -7,8 +7,11 @@ with `--record`, and otherwise into a fresh temporary folder whose path it print
 recorded, so no smoke run ever changes a tracked file (tools/check_layout.py checks this).
 Rows are written one at a time (RowWriter): each is appended to the CSV, and the file closed, as soon as it is measured,
 so a run stopped at any moment keeps every finished row. The rows a run will take are known before it starts (its plan,
-printed by `--plan` as `bench,provider,field=value,...`); a SIGINT or SIGTERM (stop_on_signals) ends the run with one
-"interrupted: step budget" row for what was being measured and exit code 130.
+printed by `--plan` as `bench,provider,field=value,...`, without a GPU); a SIGINT or SIGTERM (stop_on_signals) ends the
+run with one "interrupted: step budget" row for what was being measured and exit code 130. A provider that raises gets
+its own "error: ..." row and the others still run, one that cannot run here "unavailable: ..."; one that disagrees
+with the bench's reference is marked DISAGREES and the run exits 1, so a broken provider cannot post a fast time.
+`--providers` picks and orders them. At the end of a run the bench's plot is drawn as <csv>.png beside the CSV.
 What this is not: a place for any op's providers (those live in bench/bench_<op>.py), nor a plotting module.
 """
 
@@ -26,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import traceback
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -84,13 +88,13 @@ def time_fn(fn: Callable[[], object], device: torch.device, *, rep_ms: int = 200
     while len(times) < min_runs:
         extra = tub.Timer(stmt="fn()", globals={"fn": fn}).timeit(1)
         times.append(extra.median * 1e3)
-    times.sort()
-    return {
-        "median_ms": statistics.median(times),
-        "p20_ms": times[int(0.2 * (len(times) - 1))],
-        "p80_ms": times[int(0.8 * (len(times) - 1))],
-        "samples": len(times),
-    }
+    return {**quantiles_ms(times), "samples": len(times)}
+
+
+def quantiles_ms(times: list[float]) -> dict:
+    """The median and 20/80% quantiles (the nearest sample below) of timings in ms, as the rows name them."""
+    t, last = sorted(times), len(times) - 1
+    return {"median_ms": statistics.median(t), "p20_ms": t[int(0.2 * last)], "p80_ms": t[int(0.8 * last)]}
 
 
 def peak_memory_mb(fn: Callable[[], object], device: torch.device) -> float:
@@ -248,11 +252,12 @@ def append_rows(name: str, rows: list[dict], out_dir: Path) -> Path:
     return out
 
 
-def add_grid_args(parser: argparse.ArgumentParser, dims: str, providers: bool = True) -> None:
+def add_grid_args(parser: argparse.ArgumentParser, dims: str | None, providers: bool = True) -> None:
     """Options that narrow a run to a bounded grid (used by the staged GPU validation, bench/gpu/): `--shape` (one
-    shape, repeatable, replaces the built-in grid; its fields named by `dims`, e.g. "N,H,V"), `--providers` (a
-    comma-separated subset) and `--rep-ms` (time budget per measurement, the cap on slow providers' repeats)."""
-    n = len(dims.split(","))
+    shape, repeatable, replaces the built-in grid; its fields named by `dims`, e.g. "N,H,V"; none when dims is None),
+    `--providers` (a comma-separated subset) and `--rep-ms` (time budget per measurement, the cap on slow providers'
+    repeats)."""
+    n = len((dims or "").split(","))
 
     def shape(text: str) -> tuple[int, ...]:
         parts = text.split(",")
@@ -260,14 +265,15 @@ def add_grid_args(parser: argparse.ArgumentParser, dims: str, providers: bool = 
             raise argparse.ArgumentTypeError(f"--shape expects {n} integers >= 1 {dims}, got {text!r}")
         return tuple(int(p) for p in parts)
 
-    parser.add_argument(
-        "--shape",
-        type=shape,
-        action="append",
-        default=None,
-        metavar=dims,
-        help=f"run only this shape ({dims}); repeatable; replaces the built-in grid",
-    )
+    if dims:
+        parser.add_argument(
+            "--shape",
+            type=shape,
+            action="append",
+            default=None,
+            metavar=dims,
+            help=f"run only this shape ({dims}); repeatable; replaces the built-in grid",
+        )
     if providers:
         parser.add_argument(
             "--providers",
@@ -285,13 +291,46 @@ def add_grid_args(parser: argparse.ArgumentParser, dims: str, providers: bool = 
     )
 
 
-def add_plan_arg(parser: argparse.ArgumentParser) -> None:
+def add_bench_args(parser: argparse.ArgumentParser, *, quick: str, gpu: str, png: str, files: str) -> None:
+    """The options of every timing bench: `--quick` (a smoke run) and `--gpu` (the CUDA device at LLM shapes) with the
+    bench's own help texts, `--plan`, `--no-plot` (for the staged GPU runs, whose output folder holds few files;
+    `--plot`, once needed to draw the PNG, is still accepted, hidden) and where `files` go (add_output_args)."""
+    parser.add_argument("--quick", action="store_true", help=quick)
+    parser.add_argument("--gpu", action="store_true", help=gpu)
     parser.add_argument(
         "--plan",
         action="store_true",
         help="print the rows this run would take, in order, one a line as BENCH,PROVIDER,FIELD=VALUE,... and exit "
         "without creating inputs or measuring (works without a GPU, --gpu included)",
     )
+    parser.add_argument(
+        "--no-plot",
+        action="store_true",
+        help=f"do not draw {png} next to the CSV (drawn by default at the end of every run)",
+    )
+    parser.add_argument("--plot", action="store_true", help=argparse.SUPPRESS)
+    add_output_args(parser, files)
+
+
+def add_dtype_arg(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=["bfloat16", "float16", "float32"],
+        help=f"dtype of {what} (default bfloat16 with --gpu, float32 on the CPU)",
+    )
+
+
+def grid_of(args: argparse.Namespace, gpu: list, cpu: list, quick: list, rep_ms: tuple[int, int, int]) -> tuple:
+    """(device, shapes, dtype, rep_ms) of an N,H,V bench's run: the GPU grid in bf16 (rep_ms[0]), else the CPU grid
+    (rep_ms[2]) or with --quick the smoke grid (rep_ms[1]) in fp32 (bf16 matmul on the CPU is emulated and slow; the
+    numbers are CPU numbers either way); --shape, --dtype and --rep-ms override."""
+    if args.gpu:
+        device, shapes, dtype, rep = torch.device("cuda"), gpu, torch.bfloat16, rep_ms[0]
+    else:
+        device, dtype = torch.device("cpu"), torch.float32
+        shapes, rep = (quick, rep_ms[1]) if args.quick else (cpu, rep_ms[2])
+    return device, args.shape or shapes, getattr(torch, args.dtype) if args.dtype else dtype, args.rep_ms or rep
 
 
 def check_providers(parser: argparse.ArgumentParser, asked: list[str] | None, known: list[str]) -> None:
@@ -449,6 +488,22 @@ def error_status(exc: BaseException, phase: str = "") -> str:
     return ("error: " + " ".join(text.split()))[:200]
 
 
+@contextlib.contextmanager
+def env_var(name: str, value: str | None):
+    """Environment variable `name` set to `value` inside the block (left as it is when `value` is None), then as
+    before: the switches the library reads per call (RAPO_FAST_DISABLE_TRITON, the retrieval backend)."""
+    saved = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
+
+
 def free_device_memory(device: torch.device) -> None:
     """After a provider (an error may leave its buffers to the collector): the next starts from a clean allocator."""
     import gc
@@ -478,6 +533,42 @@ def run_rows(writer: RowWriter, body: Callable[[], None], **interrupted_extra) -
             print(f"interrupted: rows written to {writer.out_dir / writer.csv_name}.csv", file=sys.stderr, flush=True)
             return INTERRUPTED_RC
     return 1 if writer.bad() else 0
+
+
+def run_bench(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    keys: list[dict],
+    *,
+    bench: str,
+    csv_name: str,
+    device: torch.device,
+    columns: list[str],
+    body: Callable[[RowWriter], None],
+    plot: Callable | None,
+    plan: str | None = None,
+    **interrupted_extra,
+) -> tuple[int, RowWriter | None]:
+    """A bench's run once its flags are parsed: `--plan` prints `keys` as `plan` (default `csv_name`) rows before any
+    device check (the GPU run's dry run lists its rows on any machine) and returns (0, None); else `--gpu` needs a
+    CUDA device, `body(writer)` writes the rows into output_dir(args, bench) under run_rows (Python warnings dropped
+    in a --quick run) and, unless --no-plot or the run was interrupted, `plot` draws <csv_name>.png next to the CSV.
+    Returns (exit code, the writer)."""
+    if args.plan:
+        return print_plan(plan or csv_name, keys), None
+    if args.gpu and not torch.cuda.is_available():
+        parser.error("--gpu: no CUDA device is visible")
+    from _plot_style import draw_after_run
+
+    writer = RowWriter(csv_name, output_dir(args, bench), device, keys, columns)
+    with warnings.catch_warnings():
+        if args.quick:  # a smoke run's output is its rows; a bench that records warnings in a row catches them itself
+            warnings.simplefilter("ignore")
+        rc = run_rows(writer, lambda: body(writer), **interrupted_extra)
+    if rc != INTERRUPTED_RC and not args.no_plot:
+        csv_path = writer.out_dir / f"{csv_name}.csv"
+        draw_after_run(plot, csv_path, csv_path.with_suffix(".png"), args.quick)
+    return rc, writer
 
 
 def exit_process(rc: int) -> None:

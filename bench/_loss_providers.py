@@ -10,13 +10,12 @@ What this is not: the bench's loop, rows or options (bench/bench_loss.py).
 from __future__ import annotations
 
 import importlib.util
-import os
 from collections.abc import Callable
 
 import torch
 from _reference import token_logp
 
-from _common import Unavailable
+from _common import Unavailable, env_var
 
 EPS = 0.2
 # The order of a run without --providers; the CUDA-only variant is added after the logits ones on the GPU.
@@ -102,15 +101,8 @@ def _ours_hidden(hidden, weight, targets, old_logp, adv, mask):
 
 def _ours_hidden_2pass(*args):
     """rapo_loss(hidden=) with RAPO_FAST_FUSED_LINEAR_LOSS=0: the backward recomputes the logits (4 GEMMs)."""
-    old = os.environ.get("RAPO_FAST_FUSED_LINEAR_LOSS")
-    os.environ["RAPO_FAST_FUSED_LINEAR_LOSS"] = "0"
-    try:
+    with env_var("RAPO_FAST_FUSED_LINEAR_LOSS", "0"):
         return _ours_hidden(*args)
-    finally:
-        if old is None:
-            del os.environ["RAPO_FAST_FUSED_LINEAR_LOSS"]
-        else:
-            os.environ["RAPO_FAST_FUSED_LINEAR_LOSS"] = old
 
 
 def _ours_logits() -> Callable:
@@ -162,24 +154,25 @@ def _liger(device: torch.device) -> Callable:
     return liger_fn
 
 
-def cce_check(device: torch.device) -> None:
-    """Raise Unavailable where Apple's Cut Cross-Entropy cannot run: not installed, or not on CUDA (its kernels are
-    Triton launched on CUDA tensors; on CPU tensors its call fails with Triton's "0 active drivers")."""
+def cce_linear_ce(device: torch.device) -> Callable:
+    """Apple's Cut Cross-Entropy linear_cross_entropy; Unavailable where it cannot run: not installed, or off CUDA
+    (its kernels are Triton on CUDA tensors; on CPU tensors its call fails with Triton's "0 active drivers")."""
     if importlib.util.find_spec("cut_cross_entropy") is None:
         raise Unavailable("cut_cross_entropy is not installed (PyPI cut-cross-entropy)")
     if device.type != "cuda":
         raise Unavailable(f"Cut Cross-Entropy runs Triton kernels on CUDA tensors only; this run is on {device.type}")
+    try:
+        from cut_cross_entropy import linear_cross_entropy
+    except ImportError as exc:
+        raise Unavailable(f"cut_cross_entropy not importable ({exc!r})") from exc
+    return linear_cross_entropy
 
 
 def _cce(device: torch.device) -> Callable:
     """The same clipped surrogate on per-token log-probs from Cut Cross-Entropy: -linear_cross_entropy(hidden, W,
     targets, reduction="none") (impl "cce", its default filter_eps "high": gradient entries below eps/32 of the
     input dtype are skipped in its backward, as it ships). Its backward needs bf16/fp16 hidden states."""
-    cce_check(device)
-    try:
-        from cut_cross_entropy import linear_cross_entropy
-    except ImportError as exc:
-        raise Unavailable(f"cut_cross_entropy not importable ({exc!r})") from exc
+    linear_cross_entropy = cce_linear_ce(device)
 
     def cce_fn(hidden, weight, targets, old_logp, adv, mask):
         logp = -linear_cross_entropy(hidden, weight, targets, reduction="none", impl="cce")

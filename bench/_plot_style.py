@@ -97,17 +97,6 @@ def run_of(row: dict) -> str:
     return f"commit {row.get('commit', '?')}, {str(row.get('date', ''))[:10]}"
 
 
-def add_plot_args(parser: argparse.ArgumentParser, png: str) -> None:
-    """`--no-plot` (the staged GPU runs, whose output folder holds few files); `--plot`, once needed to draw the PNG,
-    still accepted (hidden) so that old command lines run."""
-    parser.add_argument(
-        "--no-plot",
-        action="store_true",
-        help=f"do not draw {png} next to the CSV (drawn by default at the end of every run)",
-    )
-    parser.add_argument("--plot", action="store_true", help=argparse.SUPPRESS)
-
-
 def draw_after_run(plot: Callable[..., Path], csv_path: Path, png_path: Path, quick: bool) -> Path | None:
     """The bench's PNG drawn from its CSV at the end of a run (a smoke run's title says so); a plot that fails (no
     matplotlib) is a note on stderr, not a failed run: the CSV is the result."""
@@ -189,9 +178,12 @@ def time_and_memory(src: Path, dst: Path, group_of: Callable[[dict], tuple], tit
     return Path(dst)
 
 
-def plot_main(argv: list[str] | None, prog: str, description: str, default_csv: Path, plot) -> int:
-    """The command line of a one-CSV plotting script: `python bench/plot_X.py [CSV [PNG]]` (PNG: the CSV's, .png)."""
-    ap = argparse.ArgumentParser(prog=prog, description=description)
+def plot_main(argv: list[str] | None, doc: str, csv_name: str, plot) -> int:
+    """The command line of a one-CSV plotting script: `python bench/plot_X.py [CSV [PNG]]` (PNG: the CSV's, .png;
+    CSV by default bench/results/<csv_name>), described by the first paragraph of the script's docstring `doc`."""
+    prog = f"python bench/{Path(plot.__code__.co_filename).name}"
+    ap = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
+    default_csv = Path(__file__).resolve().parent / "results" / csv_name
     ap.add_argument("csv", nargs="?", type=Path, default=default_csv, help="the CSV (default: %(default)s)")
     ap.add_argument("png", nargs="?", type=Path, default=None, help="the PNG to write (default: the CSV's, as .png)")
     args = ap.parse_args(argv)

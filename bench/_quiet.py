@@ -2,8 +2,7 @@
 c10 warns "Memory block of unknown size was allocated before the profiling started" on every CPU peak-memory reading,
 straight to the process's file descriptors 1 and 2, where Python's warnings filters and sys.stdout cannot reach.
 
-`python_warnings_ignored` is the Python side of the same for smoke runs (--quick), whose output should be the rows.
-What this is not: a logging setup; a full run keeps its Python warnings (they can explain a number).
+What this is not: a logging setup, nor Python's warnings (a smoke run drops those: bench/_common.py run_bench).
 """
 
 from __future__ import annotations
@@ -12,7 +11,6 @@ import contextlib
 import os
 import sys
 import tempfile
-import warnings
 
 
 @contextlib.contextmanager
@@ -46,15 +44,3 @@ def native_output_captured():
             if failed:
                 sink.seek(0)
                 sys.stderr.write(sink.read().decode(errors="replace"))
-
-
-@contextlib.contextmanager
-def python_warnings_ignored(active: bool = True):
-    """Python warnings ignored inside the block when `active` (a smoke run); a plain block otherwise. A bench that
-    records warnings in its rows (bench_token_logprobs) catches them itself, inside, and still sees them."""
-    if not active:
-        yield
-        return
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield

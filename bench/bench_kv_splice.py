@@ -7,17 +7,10 @@ Providers, side by side in one run at one shape (segments x tokens into a batch 
 - `reprefill`: running the segments' tokens through a model of the same shape (what mode="exact" costs).
 - `copy_floor`: the bytes the splice must move (pool read + cache write, K and V) over the measured copy bandwidth.
 GPU shape: 32 layers, 8 KV heads, head dim 128, bf16, 256 segments x 128 tokens into 64 caches, 7B-shaped prefill
-model. CPU: the same structure scaled down (printed in the CSV). Usage: `rapo-fast bench kv [--gpu] [--quick]
-[--providers A,B] [--rep-ms MS] [--plan] [--out DIR | --record]` (or `python bench/bench_kv_splice.py ...`); rows
-(with device, date and commit) are appended to <DIR>/kv_splice.csv, to bench/results/kv_splice.csv with --record, or
-to a new temporary folder, and the plot (bench/plot_kv.py) is drawn as kv_splice.png next to it at the end of every
-run. `time_over_rapo_fast` = this row's median_ms / rapo_fast's median_ms in the same run (how many times rapo_fast's
-time the provider takes; blank in rows before rapo_fast's). Readings in bench/NOTES_kv.md.
-Each row is appended as soon as it is measured. The two splices are each checked, untimed, against the library's
-reference rotation (rapo_fast.reference.kv_splice) of layer 0 (status DISAGREES when off), whatever their order. A
-provider that raises gets its own "error: ..." row and the others still run; SIGINT or SIGTERM ends the run with an
-"interrupted: step budget" row and exit code 130. `--providers` picks and orders providers; `--plan` prints the rows
-in order (`kv_splice,PROVIDER,shape=..,layers=..,...`) and exits without a GPU.
+model. CPU: the same structure scaled down (printed in the CSV). Rows, errors, `--plan`, `--out`/`--record` and the
+plot (bench/plot_kv.py): as every bench (bench/_common.py); CSV kv_splice.csv. `time_over_rapo_fast` = this row's
+median_ms / rapo_fast's in the same run (blank in rows before rapo_fast's). The two splices are each checked, untimed,
+against rapo_fast.reference.kv_splice on layer 0, whatever their order. Readings in bench/NOTES_kv.md.
 What this is not: a correctness test (tests/kv/); providers are only cross-checked loosely.
 """
 
@@ -30,24 +23,18 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _plot_style import add_plot_args, draw_after_run  # noqa: E402
-from _quiet import python_warnings_ignored  # noqa: E402
 from plot_kv import plot  # noqa: E402
 
 from _common import (  # noqa: E402
-    INTERRUPTED_RC,
     RowWriter,
-    add_output_args,
-    add_plan_arg,
+    add_bench_args,
+    add_grid_args,
     check_providers,
     error_status,
     exit_process,
     measure_copy_bandwidth_gbs,
     ordered,
-    output_dir,
-    positive_int,
-    print_plan,
-    run_rows,
+    run_bench,
     time_fn,
 )
 
@@ -276,49 +263,34 @@ def _print(row: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="rapo-fast bench kv", description=__doc__.split("\n")[0])
-    ap.add_argument(
-        "--gpu",
-        action="store_true",
-        help="run on the CUDA device at a 7B model's shape: 32 layers, 8 KV heads, head dim 128, 256 segments of "
+    add_bench_args(
+        ap,
+        quick="a smoke run at a smaller CPU shape (seconds; the times mean nothing)",
+        gpu="run on the CUDA device at a 7B model's shape: 32 layers, 8 KV heads, head dim 128, 256 segments of "
         "128 tokens into 64 caches (default: the CPU at 8 layers, 32 segments of 32 tokens)",
+        png="kv_splice.png",
+        files="kv_splice.csv and kv_splice.png",
     )
-    ap.add_argument(
-        "--quick", action="store_true", help="a smoke run at a smaller CPU shape (seconds; the times mean nothing)"
-    )
-    add_plot_args(ap, "kv_splice.png")
-    ap.add_argument(
-        "--rep-ms",
-        type=positive_int,
-        default=None,
-        metavar="MS",
-        help="time budget of each measurement in ms (default: 200, and 400 / 1000 for re-prefill on GPU / CPU)",
-    )
-    ap.add_argument(
-        "--providers",
-        type=lambda s: [p for p in s.split(",") if p],
-        default=None,
-        metavar="A,B",
-        help=f"run only these providers, in this order (default: {','.join(PROVIDERS)})",
-    )
-    add_plan_arg(ap)
-    add_output_args(ap, "kv_splice.csv and kv_splice.png")
+    add_grid_args(ap, None)  # one shape per device; --rep-ms defaults to 200, and 400 / 1000 for re-prefill (GPU / CPU)
     args = ap.parse_args(argv)
     check_providers(ap, args.providers, PROVIDERS)
     shape_name = "gpu" if args.gpu else ("cpu_quick" if args.quick else "cpu")
     names = ordered(args.providers, PROVIDERS)
     keys = [_key(name, shape_name) for name in names]
-    if args.plan:  # before any device check: the GPU run's dry run lists its rows on any machine
-        return print_plan("kv_splice", keys)
-    if args.gpu and not torch.cuda.is_available():
-        ap.error("--gpu: no CUDA device is visible")
-    out = output_dir(args, "kv")
     device = torch.device("cuda" if args.gpu else "cpu")
-    writer = RowWriter("kv_splice", out, device, keys, COLUMNS)
-    with python_warnings_ignored(args.quick):  # a smoke run's output is its rows
-        rc = run_rows(writer, lambda: run(writer, device, shape_name, names, args.rep_ms))
-    print(f"rows appended to {writer.out_dir / 'kv_splice.csv'}")
-    if rc != INTERRUPTED_RC and not args.no_plot:
-        draw_after_run(plot, writer.out_dir / "kv_splice.csv", writer.out_dir / "kv_splice.png", args.quick)
+    rc, writer = run_bench(
+        ap,
+        args,
+        keys,
+        bench="kv",
+        csv_name="kv_splice",
+        device=device,
+        columns=COLUMNS,
+        body=lambda w: run(w, device, shape_name, names, args.rep_ms),
+        plot=plot,
+    )
+    if writer is not None:
+        print(f"rows appended to {writer.out_dir / 'kv_splice.csv'}")
     return rc
 
 

@@ -20,19 +20,11 @@ Providers, side by side in one run at each shape:
 - `liger`: Liger-Kernel's LigerFusedLinearGRPOLoss (when liger_kernel is importable; compiled on CUDA).
 - `cce`: Apple's Cut Cross-Entropy: log-probs = -linear_cross_entropy(hidden, W, targets, reduction="none"), then the
   same clipped surrogate, backward through CCE (CUDA only: its kernels are Triton on CUDA tensors).
-The providers themselves live in bench/_loss_providers.py. With --providers the run takes them in the order given.
-Every provider's loss is checked against `ref_loss`, computed once per shape, untimed, in fp32 from row chunks of the
-logits (bench/_reference.py), whatever the order. Each row is appended to the CSV as soon as it is measured; a
-provider that raises gets its own "error: ..." row (the others still run), one that cannot run here "unavailable: ...";
-SIGINT or SIGTERM ends the run with an "interrupted: step budget" row and exit code 130. `--plan` prints the rows a
-run would take, in order, as `loss,PROVIDER,N=..,H=..,V=..`, and exits (no GPU needed).
-Usage: `rapo-fast bench loss [--quick] [--gpu] [--dtype D] [--providers A,B] [--shape N,H,V] [--plan]
-[--out DIR | --record]`. Rows (with device, date and commit) are appended to <DIR>/loss.csv, to bench/results/loss.csv
-with --record, or to a new temporary folder.
-The plot (bench/plot_loss.py) is drawn as loss.png next to the CSV at the end of every run. `--quick` (a smoke run,
-seconds) skips the providers that go through torch.compile (`torch_compile`; Liger on CUDA) unless --providers names
-them: their row says "skipped: ...". It also drops the profiler's and Python's warnings from the output.
-Predictions and readings in bench/NOTES_loss.md.
+The providers themselves live in bench/_loss_providers.py. Every provider's loss is checked against `ref_loss`,
+computed once per shape, untimed, in fp32 from row chunks of the logits (bench/_reference.py), whatever the order.
+Rows, errors, `--plan`, `--out`/`--record` and the plot (bench/plot_loss.py): as every bench (bench/_common.py); CSV
+loss.csv. `--quick` skips the torch.compile providers (`torch_compile`; Liger on CUDA) unless --providers names them:
+their row says "skipped: ...". Readings in bench/NOTES_loss.md.
 What this is not: a correctness test (tests/loss/ does that); it only checks that providers agree to a loose
 tolerance so that a broken provider cannot post a fast time.
 """
@@ -44,34 +36,29 @@ import math
 
 import _loss_providers as lp
 import torch
-from _plot_style import add_plot_args, draw_after_run
-from _quiet import python_warnings_ignored
 from plot_loss import plot
 
 from _common import (
-    INTERRUPTED_RC,
     RowWriter,
     Unavailable,
+    add_bench_args,
+    add_dtype_arg,
     add_grid_args,
-    add_output_args,
-    add_plan_arg,
     check_providers,
     error_status,
     exit_process,
     free_device_memory,
+    grid_of,
     measure_copy_bandwidth_gbs,
     ordered,
-    output_dir,
     peak_memory_mb,
-    print_plan,
-    run_rows,
+    run_bench,
     time_fn,
 )
 
 GRID_GPU = [(n, 4096, v) for n in (4096, 16384, 65536) for v in (32768, 152064)]
 GRID_CPU_QUICK = [(256, 128, 1000), (512, 96, 4099)]
 GRID_CPU = [(1024, 256, 8192), (2048, 512, 32768)]
-EPS = lp.EPS
 COLUMNS = ["dtype", "median_ms", "p20_ms", "p80_ms", "peak_mem_mb", "loss", "ref_loss"]
 COLUMNS += ["achieved_gbs", "copy_bw_gbs", "pct_of_copy_bw"]
 ECHO = ("provider", "N", "H", "V", "median_ms", "peak_mem_mb", "status")
@@ -93,17 +80,6 @@ def _inputs(n: int, h: int, v: int, dtype: torch.dtype, device: torch.device, se
     adv = torch.randn(b, generator=g, device=device)
     mask = torch.rand(b, t, generator=g, device=device) > 0.1
     return hidden, weight, targets, old_logp, adv, mask
-
-
-def _providers(device: torch.device, n: int = 0, v: int = 0) -> dict:
-    """name -> fn of every default provider that can run here (bench/cpu_peak_rss.py picks one by name)."""
-    provs = {}
-    for name in lp.default_providers(device.type == "cuda"):
-        try:
-            provs[name] = lp.make_provider(name, device)
-        except Unavailable as exc:
-            print(f"{name}: unavailable ({exc})")
-    return provs
 
 
 def _too_big(name: str, n: int, v: int, device: torch.device) -> bool:
@@ -197,37 +173,25 @@ def _shape(writer: RowWriter, names: list[str], n, h, v, dtype, device, opts: di
 
 def run(writer: RowWriter, shapes, names: list[str], dtype, device, opts: dict) -> None:
     """Every shape in turn. opts: reps_ms (time budget of a measurement), min_runs (timed blocks at least), skip
-    (providers not run, with a "skipped" row), quick (Python warnings ignored)."""
+    (providers not run, with a "skipped" row)."""
     bw: dict = {}  # the copy bandwidth, measured once when a row needs it
-    with python_warnings_ignored(opts.get("quick", False)):
-        for n, h, v in shapes:
-            _shape(writer, names, n, h, v, dtype, device, opts, bw)
+    for n, h, v in shapes:
+        _shape(writer, names, n, h, v, dtype, device, opts, bw)
 
 
 def _parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p = argparse.ArgumentParser(prog="rapo-fast bench loss", description=__doc__.splitlines()[0])
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="a smoke run: every provider at two tiny CPU shapes, without the torch.compile ones unless "
+    add_bench_args(
+        p,
+        quick="a smoke run: every provider at two tiny CPU shapes, without the torch.compile ones unless "
         "--providers names them (seconds; the times mean nothing)",
-    )
-    p.add_argument(
-        "--gpu",
-        action="store_true",
-        help="run on the CUDA device at LLM shapes: N in 4k/16k/64k tokens, H=4096, V in 32k/152k, bf16 "
+        gpu="run on the CUDA device at LLM shapes: N in 4k/16k/64k tokens, H=4096, V in 32k/152k, bf16 "
         "(default: the CPU at N<=2048, V<=32k, fp32)",
+        png="loss.png",
+        files="loss.csv and loss.png",
     )
-    p.add_argument(
-        "--dtype",
-        default=None,
-        choices=["bfloat16", "float16", "float32"],
-        help="dtype of hidden states and lm_head weight (default bfloat16 with --gpu, float32 on the CPU)",
-    )
+    add_dtype_arg(p, "hidden states and lm_head weight")
     add_grid_args(p, "N,H,V")
-    add_plan_arg(p)
-    add_plot_args(p, "loss.png")
-    add_output_args(p, "loss.csv and loss.png")
     args = p.parse_args(argv)
     check_providers(p, args.providers, lp.ALL)
     return p, args
@@ -235,33 +199,27 @@ def _parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Na
 
 def main(argv: list[str] | None = None) -> int:
     p, args = _parse(argv)
-    if args.gpu:
-        device, shapes, dtype, reps = torch.device("cuda"), GRID_GPU, torch.bfloat16, 300
-    else:
-        device = torch.device("cpu")
-        shapes = GRID_CPU_QUICK if args.quick else GRID_CPU
-        # bf16 matmul on CPU is emulated and slow: the CPU default is fp32 (numbers are CPU numbers either way)
-        dtype, reps = torch.float32, (50 if args.quick else 300)
-    if args.dtype:
-        dtype = getattr(torch, args.dtype)
-    shapes, reps = args.shape or shapes, args.rep_ms or reps
+    device, shapes, dtype, reps = grid_of(args, GRID_GPU, GRID_CPU, GRID_CPU_QUICK, (300, 50, 300))
     names = ordered(args.providers, lp.default_providers(args.gpu))
     keys = [dict(provider=name, N=n, H=h, V=v) for n, h, v in shapes for name in names]
-    if args.plan:  # before any device check: the GPU run's dry run lists its rows on any machine
-        return print_plan("loss", keys)
-    if args.gpu and not torch.cuda.is_available():
-        p.error("--gpu: no CUDA device is visible")
-    writer = RowWriter("loss", output_dir(args, "loss"), device, keys, COLUMNS)
-    dt = str(dtype).replace("torch.", "")
     skip = {n for n in names if args.quick and lp.compiled(n, device) and n not in (args.providers or ())}
-    opts = dict(reps_ms=reps, min_runs=QUICK_MIN_RUNS if args.quick else 5, skip=skip, quick=args.quick)
-    rc = run_rows(writer, lambda: run(writer, shapes, names, dtype, device, opts), dtype=dt)
-    if rc != INTERRUPTED_RC and not args.no_plot:
-        draw_after_run(plot, writer.out_dir / "loss.csv", writer.out_dir / "loss.png", args.quick)
-    bad = writer.bad()
-    dev = writer.meta["device"]
-    print(f"bench loss: {len(writer.rows)} rows, {len(bad)} disagreeing/erroring/interrupted, device {dev}")
-    print(f"rows appended to {writer.out_dir / 'loss.csv'}")
+    opts = dict(reps_ms=reps, min_runs=QUICK_MIN_RUNS if args.quick else 5, skip=skip)
+    rc, writer = run_bench(
+        p,
+        args,
+        keys,
+        bench="loss",
+        csv_name="loss",
+        device=device,
+        columns=COLUMNS,
+        body=lambda w: run(w, shapes, names, dtype, device, opts),
+        plot=plot,
+        dtype=str(dtype).replace("torch.", ""),
+    )
+    if writer is not None:
+        bad, dev = writer.bad(), writer.meta["device"]
+        print(f"bench loss: {len(writer.rows)} rows, {len(bad)} disagreeing/erroring/interrupted, device {dev}")
+        print(f"rows appended to {writer.out_dir / 'loss.csv'}")
     return rc
 
 

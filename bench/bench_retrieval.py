@@ -7,24 +7,17 @@ Providers at each shape, timed round-robin in one run (so a shared machine's loa
 - GPU (--gpu): `ours` (fp16 keys, the backend the crossover table picks; `ours_excl` with the filter; `ours_triton` and
   `ours_cuda` force the Triton kernel or the CUDA backend), `torch` (fp16 matmul + topk in chunks that fit memory) and
   `floor`, the bandwidth floor C * D * bytes / measured copy bandwidth.
-Order: the paper's scale first (C=170k steps, D=384 MiniLM, Q=256 = 32 prompts x 8 hybrid rollouts, k in {1, 3}),
-then (CPU) the few-query shapes SMALL_Q, then the grid C in {100k, 1M, 4M} x D in {256, 768} x Q in
-{64, 1024, 4096} x k in {8, 64} (on the CPU a subset, see
-GRID_CPU; --quick is a smoke subset for CI). Rows (with device, date, commit and the load average) are appended to
-<DIR>/retrieval_{cpu,gpu}.csv, to bench/results/ with --record, or to a new temporary folder, and the plot
-(bench/plot_retrieval.py) is drawn next to it as retrieval_{cpu,gpu}.png at the end of every run. Every provider's ids
-are compared with `ours`'s: `frac_ids_equal_to_ours` = the fraction of the Q x k returned ids equal to ours's, position
-by position (exact equality, no tolerance; blank for ours_excl, whose filter changes the answer), so a broken provider
-cannot post a fast time. `time_over_faiss` / `time_over_torch` = this row's median_ms / the faiss_flat (torch) row's
-median_ms at the same shape (below 1: faster than that anchor); on the CPU the faiss one when faiss ran, else the torch
-one. Rows: on the GPU each is appended as soon as it is measured (`torch` first by default, so that every later row
-carries its time_over_torch); on the CPU a shape's rows are appended together when its round-robin timing ends. A
-provider that raises (at setup, first call or timing) gets its own "error: ..." row and the others still run; one
-that cannot run here (faiss not installed) gets "unavailable: ...". SIGINT or SIGTERM ends the run with an
-"interrupted: step budget" row for what was being measured and exit code 130. `--providers` picks and orders
-providers; `--plan` prints the rows in order (`retrieval,PROVIDER,C=..,D=..,Q=..,k=..`) and exits without a GPU.
-Usage: `rapo-fast bench retrieval [--quick] [--gpu] [--repeats N] [--providers A,B] [--shape C,D,Q,k] [--plan]
-[--no-plot] [--out DIR | --record]`; readings in bench/NOTES_retrieval.md.
+Order: the paper's scale first (C=170k steps, D=384 MiniLM, Q=256 = 32 prompts x 8 hybrid rollouts, k in {1, 3}), then
+(CPU) the few-query shapes SMALL_Q, then the grid C in {100k, 1M, 4M} x D in {256, 768} x Q in {64, 1024, 4096} x k in
+{8, 64} (on the CPU a subset, see GRID_CPU; --quick is a smoke subset for CI). CSV retrieval_{cpu,gpu}.csv (rows carry
+the load average too), plot bench/plot_retrieval.py. Every provider's ids are compared with `ours`'s:
+`frac_ids_equal_to_ours` = the fraction of the Q x k returned ids equal to ours's, position by position (exact equality,
+no tolerance; blank for ours_excl, whose filter changes the answer), so a broken provider cannot post a fast time.
+`time_over_faiss` / `time_over_torch` = this row's median_ms / the faiss_flat (torch) row's median_ms at the same shape
+(below 1: faster than that anchor); on the CPU the faiss one when faiss ran, else the torch one. Rows, errors, `--plan`
+and `--out`/`--record`: as every bench (bench/_common.py), except that on the CPU a shape's rows are appended together
+when its round-robin timing ends (on the GPU `torch` goes first by default, so that every later row carries its
+time_over_torch). Readings in bench/NOTES_retrieval.md.
 What this is not: a correctness test (tests/retrieval/).
 """
 
@@ -32,30 +25,25 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
 
 import torch
-from _plot_style import add_plot_args, draw_after_run
-from _quiet import python_warnings_ignored
 from plot_retrieval import plot
 
 from _common import (
-    INTERRUPTED_RC,
     RowWriter,
     Unavailable,
+    add_bench_args,
     add_grid_args,
-    add_output_args,
-    add_plan_arg,
     check_providers,
+    env_var,
     error_status,
     exit_process,
     measure_copy_bandwidth_gbs,
     ordered,
-    output_dir,
     positive_int,
-    print_plan,
-    run_rows,
+    quantiles_ms,
+    run_bench,
     time_fn,
 )
 
@@ -142,13 +130,7 @@ def _time_round_robin(fns: dict, repeats: int, errors: dict) -> dict[str, dict]:
     for n, ts in times.items():
         if n in errors or not ts:
             continue
-        ts.sort()
-        out[n] = {
-            "median_ms": statistics.median(ts),
-            "p20_ms": ts[int(0.2 * (len(ts) - 1))],
-            "p80_ms": ts[int(0.8 * (len(ts) - 1))],
-            "repeats": len(ts),
-        }
+        out[n] = {**quantiles_ms(ts), "repeats": len(ts)}
     return out
 
 
@@ -254,15 +236,8 @@ def _forced(backend: str, fn, *args):
     """fn(*args) with RAPO_FAST_RETRIEVAL_BACKEND set to `backend` (the override the search reads per call)."""
     from rapo_fast.retrieval.triton_search import BACKEND_ENV
 
-    before = os.environ.get(BACKEND_ENV)
-    os.environ[BACKEND_ENV] = backend
-    try:
+    with env_var(BACKEND_ENV, backend):
         return fn(*args)
-    finally:
-        if before is None:
-            os.environ.pop(BACKEND_ENV, None)
-        else:
-            os.environ[BACKEND_ENV] = before
 
 
 def _gpu_state(C, D, Q, metric, device) -> dict:
@@ -357,15 +332,12 @@ def _gpu_case(writer: RowWriter, names, C, D, Q, k, metric, device, bw_gbs, rep_
 
 def _parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p = argparse.ArgumentParser(prog="rapo-fast bench retrieval", description=__doc__.split("\n")[0])
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="a smoke run: every provider at two tiny shapes (C <= 20k keys; seconds, the times mean nothing)",
-    )
-    p.add_argument(
-        "--gpu",
-        action="store_true",
-        help="run on the first CUDA device (ours, torch and the bandwidth floor; fp16 keys) instead of the CPU",
+    add_bench_args(
+        p,
+        quick="a smoke run: every provider at two tiny shapes (C <= 20k keys; seconds, the times mean nothing)",
+        gpu="run on the first CUDA device (ours, torch and the bandwidth floor; fp16 keys) instead of the CPU",
+        png="retrieval_cpu.png (retrieval_gpu.png with --gpu)",
+        files="retrieval_cpu.csv and .png (retrieval_gpu.* with --gpu)",
     )
     p.add_argument(
         "--repeats",
@@ -398,9 +370,6 @@ def _parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Na
         help="CPU threads given to every provider, faiss included (default: torch's thread count)",
     )
     add_grid_args(p, "C,D,Q,k")
-    add_plan_arg(p)
-    add_plot_args(p, "retrieval_cpu.png (retrieval_gpu.png with --gpu)")
-    add_output_args(p, "retrieval_cpu.csv and .png (retrieval_gpu.* with --gpu)")
     args = p.parse_args(argv)
     check_providers(p, args.providers, GPU_PROVIDERS if args.gpu else CPU_PROVIDERS)
     return p, args
@@ -423,23 +392,24 @@ def main(argv: list[str] | None = None) -> int:
     shapes = _shapes(args)
     names = ordered(args.providers, GPU_PROVIDERS if args.gpu else CPU_PROVIDERS)
     keys = [dict(provider=n, C=C, D=D, Q=Q, k=k) for C, D, Q, k in shapes for n in names]
-    if args.plan:  # before any device check: the GPU run's dry run lists its rows on any machine
-        return print_plan("retrieval", keys)
-    if args.threads:
+    if args.threads and not args.plan:
         torch.set_num_threads(args.threads)
-    if args.gpu and not torch.cuda.is_available():
-        p.error("--gpu: no CUDA device is visible")
-    out = output_dir(args, "retrieval")
-    device = torch.device("cuda", 0) if args.gpu else torch.device("cpu")
-    name, columns = ("retrieval_gpu", GPU_COLUMNS) if args.gpu else ("retrieval_cpu", CPU_COLUMNS)
-    writer = RowWriter(name, out, device, keys, columns)
     body = _run_gpu if args.gpu else _run_cpu
-    with python_warnings_ignored(args.quick):  # a smoke run's output is its rows
-        rc = run_rows(writer, lambda: body(writer, args, shapes, names), metric=args.metric)
-    print(f"wrote {len(writer.rows)} rows to {writer.out_dir / writer.csv_name}.csv")
-    if rc != INTERRUPTED_RC and not args.no_plot:
-        csv_path = writer.out_dir / f"{writer.csv_name}.csv"
-        draw_after_run(plot, csv_path, csv_path.with_suffix(".png"), args.quick)
+    rc, writer = run_bench(
+        p,
+        args,
+        keys,
+        bench="retrieval",
+        plan="retrieval",
+        csv_name="retrieval_gpu" if args.gpu else "retrieval_cpu",
+        device=torch.device("cuda", 0) if args.gpu else torch.device("cpu"),
+        columns=GPU_COLUMNS if args.gpu else CPU_COLUMNS,
+        body=lambda w: body(w, args, shapes, names),
+        plot=plot,
+        metric=args.metric,
+    )
+    if writer is not None:
+        print(f"wrote {len(writer.rows)} rows to {writer.out_dir / writer.csv_name}.csv")
     return rc
 
 

@@ -24,53 +24,40 @@ scalar upstream gradient, not a per-token op (bench/bench_loss.py compares again
 
 Every provider's log-probs (and, in fwd+bwd, its input gradients) are compared with a reference computed once per shape,
 untimed, in fp32 from row chunks (bench/_reference.py: never the whole fp32 [N, V]), of the logits given for the
-logits providers and of hidden @ weight^T for the hidden ones, whatever the providers' order; one that disagrees is
-marked DISAGREES and the run exits 1, so a broken provider cannot post a fast time. With --providers the run takes them
-in the order given. Each row is appended as soon as it is measured; a provider that raises gets its own "error: ..."
-row, one that cannot run here "unavailable: ..."; SIGINT or SIGTERM ends the run with an "interrupted: step budget"
-row and exit code 130. `--plan` prints the rows in order (`token_logprobs,PROVIDER,N=..,H=..,V=..,mode=..`) and exits.
-Usage: `rapo-fast bench logprobs [--quick] [--gpu] [--dtype D] [--providers A,B] [--shape N,H,V] [--plan]
-[--out DIR | --record]`. Rows (with device, date and commit) are appended to <DIR>/token_logprobs.csv, to
-bench/results/token_logprobs.csv with --record, or to a new temporary folder; the plot (bench/plot_logprobs.py) is
-drawn as token_logprobs.png next to it at the end of every run. `--quick` also drops Python's warnings from the output
-(a provider's own warnings are still caught into its row's `warnings` column). Predictions and readings:
-bench/NOTES_token_logprobs.md.
+logits providers and of hidden @ weight^T for the hidden ones, whatever the providers' order. Rows, errors, `--plan`,
+`--out`/`--record` and the plot (bench/plot_logprobs.py): as every bench (bench/_common.py); CSV token_logprobs.csv.
+A provider's own warnings are caught into its row's `warnings` column. Readings: bench/NOTES_token_logprobs.md.
 What this is not: a correctness test (tests/loss/test_logprobs*.py), nor the policy loss (bench/bench_loss.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
-import os
 import warnings
 from collections.abc import Callable
 
 import _reference as ref
 import torch
-from _loss_providers import cce_check
-from _plot_style import add_plot_args, draw_after_run
-from _quiet import python_warnings_ignored
+from _loss_providers import cce_linear_ce
 from plot_logprobs import plot
 
 from _common import (
-    INTERRUPTED_RC,
     RowWriter,
     Unavailable,
+    add_bench_args,
+    add_dtype_arg,
     add_grid_args,
-    add_output_args,
-    add_plan_arg,
     check_providers,
+    env_var,
     error_status,
     exit_process,
     free_device_memory,
+    grid_of,
     measure_copy_bandwidth_gbs,
     ordered,
-    output_dir,
     peak_memory_mb,
-    print_plan,
-    run_rows,
+    run_bench,
     time_fn,
 )
 
@@ -121,11 +108,7 @@ def _chunked(t):
 
 
 def _cce(device: torch.device) -> Callable:
-    cce_check(device)
-    try:
-        from cut_cross_entropy import linear_cross_entropy
-    except ImportError as exc:
-        raise Unavailable(f"cut_cross_entropy not importable ({exc!r})") from exc
+    linear_cross_entropy = cce_linear_ce(device)
     return lambda t: -linear_cross_entropy(t["hidden"], t["weight"], t["targets"], reduction="none", impl="cce")
 
 
@@ -154,17 +137,6 @@ def _provider(name: str, device: torch.device) -> tuple[str, Callable]:
     if name == "cce":
         return "Cut Cross-Entropy (Triton)", _cce(device)
     raise ValueError(f"unknown provider {name!r}")
-
-
-def _providers(device: torch.device) -> dict[str, tuple[str, str, Callable]]:
-    """name -> (input kind, path, fn) of every default provider that can run here."""
-    out = {}
-    for name, kind in INPUT.items():
-        try:
-            out[name] = (kind, *_provider(name, device))
-        except Unavailable as exc:
-            print(f"{name}: unavailable ({exc})")
-    return out
 
 
 def _step_fn(fn: Callable, leaves: dict, rest: dict, mode: str) -> Callable[[], torch.Tensor]:
@@ -315,19 +287,9 @@ def run(writer: RowWriter, shapes, names: list[str], dtype, device, reps_ms: int
         _shape(writer, names, n, h, v, dtype, device, reps_ms, bw)
 
 
-@contextlib.contextmanager
 def _triton_off(device: torch.device):
     """RAPO_FAST_DISABLE_TRITON=1 while timing on the CPU (its fallback, not Triton's interpreter), then as before."""
-    saved = os.environ.get("RAPO_FAST_DISABLE_TRITON")
-    if device.type == "cpu":
-        os.environ["RAPO_FAST_DISABLE_TRITON"] = "1"
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("RAPO_FAST_DISABLE_TRITON", None)
-        else:
-            os.environ["RAPO_FAST_DISABLE_TRITON"] = saved
+    return env_var("RAPO_FAST_DISABLE_TRITON", "1" if device.type == "cpu" else None)
 
 
 def _parity(shapes, repeats: int) -> int:
@@ -383,33 +345,22 @@ def _parity_rows(shapes, repeats: int, lce, chunk_rows, token_logprobs) -> None:
 
 def _parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p = argparse.ArgumentParser(prog="rapo-fast bench logprobs", description=__doc__.splitlines()[0])
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="a smoke run: every provider in both modes at two tiny CPU shapes (seconds; the times mean nothing)",
-    )
-    p.add_argument(
-        "--gpu",
-        action="store_true",
-        help="run on the CUDA device at LLM shapes: N in 4k/16k tokens, H=4096, V in 32k/152k, bf16 "
+    add_bench_args(
+        p,
+        quick="a smoke run: every provider in both modes at two tiny CPU shapes (seconds; the times mean nothing)",
+        gpu="run on the CUDA device at LLM shapes: N in 4k/16k tokens, H=4096, V in 32k/152k, bf16 "
         "(default: the CPU at N=512/1024, H=256, V=8k/32k, fp32)",
+        png="token_logprobs.png",
+        files="token_logprobs.csv and token_logprobs.png",
     )
-    p.add_argument(
-        "--dtype",
-        default=None,
-        choices=["bfloat16", "float16", "float32"],
-        help="dtype of logits, hidden states and lm_head weight (default bfloat16 with --gpu, float32 on the CPU)",
-    )
+    add_dtype_arg(p, "logits, hidden states and lm_head weight")
     p.add_argument(
         "--parity",
         action="store_true",
         help="only time token_logprobs(hidden=...) against the torch op it wraps on the CPU, interleaved, and print "
         "the medians and their ratio (with --quick: tiny shapes; --shape picks others; nothing is written)",
     )
-    add_plot_args(p, "token_logprobs.png")
     add_grid_args(p, "N,H,V")
-    add_plan_arg(p)
-    add_output_args(p, "token_logprobs.csv and token_logprobs.png")
     args = p.parse_args(argv)
     check_providers(p, args.providers, list(INPUT))
     return p, args
@@ -417,34 +368,28 @@ def _parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Na
 
 def main(argv: list[str] | None = None) -> int:
     p, args = _parse(argv)
-    if args.gpu:
-        device, shapes, dtype, reps = torch.device("cuda"), GRID_GPU, torch.bfloat16, 300
-    else:
-        # bf16 matmul on the CPU is emulated and slow: the CPU default is fp32 (numbers are CPU numbers either way)
-        device, dtype = torch.device("cpu"), torch.float32
-        shapes, reps = (GRID_CPU_QUICK, 20) if args.quick else (GRID_CPU, 500)
+    device, shapes, dtype, reps = grid_of(args, GRID_GPU, GRID_CPU, GRID_CPU_QUICK, (300, 20, 500))
     if args.parity:  # the CPU path without Triton: torch's op is what runs there
         with _triton_off(torch.device("cpu")):
-            return _parity(args.shape or shapes, PARITY_REPEATS_QUICK if args.quick else PARITY_REPEATS)
-    if args.dtype:
-        dtype = getattr(torch, args.dtype)
-    shapes, reps = args.shape or shapes, args.rep_ms or reps
+            return _parity(shapes, PARITY_REPEATS_QUICK if args.quick else PARITY_REPEATS)
     names = ordered(args.providers, list(INPUT))
     keys = [dict(provider=p_, N=n, H=h, V=v, mode=m) for n, h, v in shapes for m in MODES for p_ in names]
-    if args.plan:  # before any device check: the GPU run's dry run lists its rows on any machine
-        return print_plan("token_logprobs", keys)
-    if args.gpu and not torch.cuda.is_available():
-        p.error("--gpu: no CUDA device is visible")
-    out = output_dir(args, "logprobs")
-    writer = RowWriter("token_logprobs", out, device, keys, COLUMNS)
-    base_dtype = str(dtype).replace("torch.", "")
-    with _triton_off(device), python_warnings_ignored(args.quick):
-        rc = run_rows(writer, lambda: run(writer, shapes, names, dtype, device, reps), dtype=base_dtype)
-    if rc != INTERRUPTED_RC and not args.no_plot:
-        draw_after_run(plot, out / "token_logprobs.csv", out / "token_logprobs.png", args.quick)
-    dev = writer.meta["device"]
-    bad = len(writer.bad())
-    print(f"bench logprobs: {len(writer.rows)} rows, {bad} disagreeing/erroring/interrupted, device {dev}")
+    with _triton_off(device):
+        rc, writer = run_bench(
+            p,
+            args,
+            keys,
+            bench="logprobs",
+            csv_name="token_logprobs",
+            device=device,
+            columns=COLUMNS,
+            body=lambda w: run(w, shapes, names, dtype, device, reps),
+            plot=plot,
+            dtype=str(dtype).replace("torch.", ""),
+        )
+    if writer is not None:
+        dev, bad = writer.meta["device"], len(writer.bad())
+        print(f"bench logprobs: {len(writer.rows)} rows, {bad} disagreeing/erroring/interrupted, device {dev}")
     return rc
 
 

@@ -22,7 +22,7 @@ import torch
 import bench_loss as bl
 n, h, v = {shape}
 args = bl._inputs(n, h, v, torch.float32, torch.device("cpu"))
-fn = bl._providers(torch.device("cpu"), n, v)[{name!r}]
+fn = bl.lp.make_provider({name!r}, torch.device("cpu"))
 hh = args[0].detach().requires_grad_(True)
 ww = args[1].detach().requires_grad_(True)
 fn(hh[:1, :8], ww, *(a[:1, :8] if a.dim() == 2 else a[:1] for a in args[2:])).backward()  # warm-up, tiny

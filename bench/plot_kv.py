@@ -14,7 +14,6 @@ from pathlib import Path
 
 import _plot_style as ps
 
-RESULTS = Path(__file__).resolve().parent / "results"
 RATIO = "time_over_rapo_fast"  # this row's median_ms / rapo_fast's median_ms in the same run
 
 
@@ -50,14 +49,7 @@ def plot(src: Path, dst: Path, note: str = "") -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return ps.plot_main(
-        argv,
-        "python bench/plot_kv.py",
-        "Draw the KV splice bench's CSV (rapo-fast bench kv) as a PNG: median time per provider, one "
-        "panel per run, log scale; lower is better.",
-        RESULTS / "kv_splice.csv",
-        plot,
-    )
+    return ps.plot_main(argv, __doc__, "kv_splice.csv", plot)
 
 
 if __name__ == "__main__":

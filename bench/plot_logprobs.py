@@ -13,8 +13,6 @@ from pathlib import Path
 
 import _plot_style as ps
 
-RESULTS = Path(__file__).resolve().parent / "results"
-
 
 def plot(src: Path, dst: Path, note: str = "") -> Path:
     """Draw `src` (a token_logprobs CSV) into `dst`; `note` is added to the title (a smoke run says so)."""
@@ -28,14 +26,7 @@ def plot(src: Path, dst: Path, note: str = "") -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return ps.plot_main(
-        argv,
-        "python bench/plot_logprobs.py",
-        "Draw the log-probs bench's CSV (rapo-fast bench logprobs) as a PNG: time and peak memory per "
-        "provider and shape, one row of panels per run and mode (fwd, fwd+bwd); lower is better on both.",
-        RESULTS / "token_logprobs.csv",
-        plot,
-    )
+    return ps.plot_main(argv, __doc__, "token_logprobs.csv", plot)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,6 @@ from pathlib import Path
 
 import _plot_style as ps
 
-RESULTS = Path(__file__).resolve().parent / "results"
-
 
 def plot(src: Path, dst: Path, note: str = "") -> Path:
     """Draw `src` (a loss CSV) into `dst`; `note` is added to the title (a smoke run says so)."""
@@ -28,14 +26,7 @@ def plot(src: Path, dst: Path, note: str = "") -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return ps.plot_main(
-        argv,
-        "python bench/plot_loss.py",
-        "Draw the loss bench's CSV (rapo-fast bench loss) as a PNG: forward+backward time and peak memory "
-        "per provider and shape, one row of panels per run; lower is better on both.",
-        RESULTS / "loss.csv",
-        plot,
-    )
+    return ps.plot_main(argv, __doc__, "loss.csv", plot)
 
 
 if __name__ == "__main__":

@@ -87,13 +87,9 @@ def library_modules(root: Path = ROOT) -> dict[str, Path]:
     return mods
 
 
-def _is_package(name: str, mods: dict[str, Path]) -> bool:
-    return mods[name].name == "__init__.py"
-
-
 def package_of(name: str, mods: dict[str, Path]) -> str:
     """The (sub)package a module belongs to: itself for a package's __init__, else its parent."""
-    return name if name in mods and _is_package(name, mods) else name.rpartition(".")[0]
+    return name if name in mods and mods[name].name == "__init__.py" else name.rpartition(".")[0]
 
 
 def _known_prefix(dotted: str, mods: dict[str, Path]) -> str | None:
@@ -164,45 +160,21 @@ def import_edges(mods: dict[str, Path], root: Path = ROOT) -> list[tuple[Edge, s
 # rules
 
 
-def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Tarjan's algorithm, iterative: the strongly connected components with more than one module."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    on_stack: set[str] = set()
-    stack: list[str] = []
-    comps: list[list[str]] = []
-    for start in sorted(graph):
-        if start in index:
-            continue
-        work = [(start, iter(sorted(graph[start])))]
-        index[start] = low[start] = len(index)
-        stack.append(start)
-        on_stack.add(start)
-        while work:
-            v, it = work[-1]
-            w = next(it, None)
-            if w is None:
-                work.pop()
-                if work:
-                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
-                if low[v] == index[v]:
-                    comp = []
-                    while True:
-                        x = stack.pop()
-                        on_stack.discard(x)
-                        comp.append(x)
-                        if x == v:
-                            break
-                    if len(comp) > 1:
-                        comps.append(sorted(comp))
-            elif w not in index:
-                index[w] = low[w] = len(index)
-                stack.append(w)
-                on_stack.add(w)
-                work.append((w, iter(sorted(graph.get(w, ())))))
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-    return comps
+def _cycle_groups(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of modules that import one another (strongly connected components of more than one module), each
+    sorted: a module's group is every module it reaches that reaches it back. Reachability by a search from each
+    module is quadratic, plenty for a package of a few hundred modules."""
+    reach = {}
+    for start in graph:
+        seen: set[str] = set()
+        todo = [start]
+        while todo:
+            new = graph[todo.pop()] - seen
+            seen |= new
+            todo += new
+        reach[start] = seen
+    groups = {tuple(sorted(w for w in reach[v] if v in reach[w])) for v in graph}
+    return sorted(list(g) for g in groups if len(g) > 1)
 
 
 def _shortest_cycle(start: str, members: set[str], graph: dict[str, set[str]]) -> list[str]:
@@ -235,7 +207,7 @@ def check_cycles(edges: list[tuple[Edge, str | None]]) -> list[str]:
             graph[e.src].add(e.dst)
             first.setdefault((e.src, e.dst), []).append(e)
     out = []
-    for comp in _strongly_connected(graph):
+    for comp in _cycle_groups(graph):
         cycle = _shortest_cycle(comp[0], set(comp), graph)
         steps = "; ".join(
             f"{a} -> {b} at {', '.join(e.where() for e in first[(a, b)])}" for a, b in zip(cycle, cycle[1:])
