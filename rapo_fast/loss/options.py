@@ -1,12 +1,9 @@
 """The options of the RAPO policy loss, once: `LossOptions` (every option, its default and its check), and the checks
 of rapo_loss's tensor arguments.
 
-What this is: `LossOptions`, the frozen dataclass (a rapo_fast._sections.Section, whose fields also say how the
-kernels take each option: KernelArg) that rapo_loss, RAPOLoss, policy_loss_from_logp, the presets, the
-TRL / verl adapters and the reference all build; the option vocabularies; `OPTION_DEFAULTS`; `LossInputs`, one loss
-call's arguments by name; `check_inputs`, their validation before any kernel (InputFacts); and the two checks run
-after the log-prob pass from its [N] output (check_logits_rows_defined, check_loss_logp_defined), so that no check
-reads the [N, V] logits. The options table is docs/loss.md section 7.
+What this is: `LossOptions` (a frozen rapo_fast._sections.Section that every loss entry point, adapter and the
+reference builds), the option vocabularies, `OPTION_DEFAULTS`, `LossInputs`, `check_inputs`, and the two checks run
+on the log-prob pass's [N] output, so that no check reads the [N, V] logits. The options table: docs/loss.md section 7.
 What it is not: the loss math (docs/loss.md; rapo_fast/loss/policy_loss.py and
 rapo_fast/kernels/loss/policy_loss.py compute it) or generic checks (rapo_fast/_checks.py, which this module uses).
 """

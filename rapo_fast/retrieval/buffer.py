@@ -1,13 +1,8 @@
 """The step buffer of RAPO's hybrid rollouts and its exact batched nearest-neighbour search (docs/retrieval.md).
 
-`StepBuffer` holds, per slot, a step's key embedding (the history before the step), its payload id (where the step's
-tokens and K/V live), its prompt-group id and its outcome score. `search` returns, per query, the k best slots'
-scores and payload ids, exactly (equal to a float64 brute force up to ties within rounding; the spec is
-rapo_fast.reference.retrieval.search_ref, which also states the score conventions: ip, cosine, and l2 reported as the
-negative squared distance, so larger is always better). CPU tensors go to the C++ backend of rapo_fast._C, CUDA
-tensors to its CUDA backend, both through the registered op `rapo_fast::retrieval_search`.
-`ShardedStepBuffer` (rapo_fast/retrieval/sharded.py) spreads a buffer over torch.distributed ranks.
-
+`StepBuffer` holds, per slot, a step's key embedding, payload id, prompt-group id and outcome score; `search` is
+exact, and its spec (with the score conventions) is rapo_fast.reference.retrieval.search_ref. Both devices go through
+the registered op `rapo_fast::retrieval_search`; `ShardedStepBuffer` (sharded.py) spreads a buffer over ranks.
 What this is not: an approximate index (no IVF/HNSW: exact search is the contract), or the storage of the payloads.
 """
 
