@@ -1,12 +1,9 @@
 """rapo_fast.rapo_loss and rapo_fast.RAPOLoss: the drop-in RAPO / GRPO / DAPO / GSPO / PPO policy loss.
 
-What this is: the flow front desk (cast, check and plan once, into one LossInputs) -> log-probs (token_logprobs'
-private runner, not the public function: nothing is checked twice) -> the check that every token in the loss has
-a finite log-sum-exp -> per-sequence quantities (shaping factor F, GSPO sequence log-ratio, aggregation weights) on
-[N]/[S] vectors -> the elementwise policy op `rapo_fast::policy_loss` (or, on the hidden path, the one-pass
-rapo_fast/loss/fused_linear.py). No host sync after that check. The per-token formulas are docs/loss.md section 3,
-aggregation and `global_num_tokens` section 4, the execution paths section 6; the spec is
-rapo_fast/reference/policy_loss.py and the options one rapo_fast.loss.options.LossOptions.
+What this is: the flow front desk (cast, check and plan once) -> log-probs (token_logprobs' private runner: nothing is
+checked twice) -> the finite log-sum-exp check -> per-sequence quantities on [N]/[S] vectors -> the elementwise op
+`rapo_fast::policy_loss` (or the one-pass rapo_fast/loss/fused_linear.py). No host sync after that check. Formulas,
+aggregation and paths: docs/loss.md sections 3, 4 and 6; the spec is rapo_fast/reference/policy_loss.py.
 What this is not: log-probs (rapo_fast/loss/logprobs.py) or advantage estimation (rapo_fast/loss/advantages.py).
 """
 

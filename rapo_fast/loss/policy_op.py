@@ -1,11 +1,9 @@
 """The per-token policy-loss op `rapo_fast::policy_loss` (backward: `rapo_fast::policy_loss_bwd`): the launchers of
 rapo_fast/kernels/loss/policy_loss.py, their torch fallback, the op's fake and its autograd formula.
 
-What this is: elementwise work over N tokens. Inputs: logp and entropy (the differentiable ones), the other per-token
-inputs stacked as one tensor with a presence mask (stack_token_inputs; rows: policy_layout.TokenInput) and the options
-as one small tensor (LossOptions.kernel_scalars()), passed to the kernels as keywords of the same names. Nothing here
-names an option: adding one touches LossOptions, the kernels and the reference only. Outputs: the weighted token
-losses w_t l_t and the metric partial sums; the backward gives dL/dlogp and dL/dH times the upstream gradient.
+What this is: elementwise work over N tokens; the per-token inputs come stacked with a presence mask
+(stack_token_inputs) and the options as one small tensor (LossOptions.kernel_scalars()). Nothing here names an
+option: adding one touches LossOptions, the kernels and the reference only.
 What this is not: the per-sequence quantities (rapo_fast/loss/policy_loss.py) or the spec
 (rapo_fast/reference/policy_loss.py: policy_token_loss_ref; docs/loss.md section 3).
 """

@@ -1,7 +1,7 @@
 """`ShardedStepBuffer`: a StepBuffer spread over the ranks of a torch.distributed process group (docs/retrieval.md).
 
 Each rank keeps its own shard; `search` is collective and exact over the union, and validates collectively first (one
-all_gather of a fixed-size descriptor, so all ranks go on or all raise the same error; the class docstring says how).
+all_gather of a fixed-size descriptor, so all ranks go on or all raise the same error).
 What this is not: a fault-tolerant collective (a rank that dies or never calls `search` still blocks the others until
 the process group's timeout), or a distributed `add` (adding is local to each rank).
 """
