@@ -1,11 +1,8 @@
-"""Reference (spec) of the RAPO policy loss: plain torch autograd over the formulas of docs/loss.md.
+"""Reference (spec) of the RAPO policy loss: plain torch autograd over the formulas of docs/loss.md (sections 3 and 4).
 
-What this is: `policy_token_loss_ref`, the per-token loss and its metric terms, elementwise over tokens (the Triton
-kernel computes the same formulas; rapo_loss's CPU fallback calls this one), and `rapo_loss_ref`, the whole loss the
-way verl writes it (padded [S, T] rows, per-row shaping factor and GSPO ratio, verl's agg_loss with an optional global
-normaliser). The formulas are docs/loss.md section 3 (per token, and tokens out of the loss) and section 4
-(aggregation). The options are the fields of rapo_fast.loss.options.LossOptions (its checks are the only validation
-here).
+What this is: `policy_token_loss_ref` (the per-token loss and its metric terms; rapo_loss's CPU fallback calls it) and
+`rapo_loss_ref` (the whole loss the way verl writes it). The options are the fields of
+rapo_fast.loss.options.LossOptions (its checks are the only validation here).
 What this is not: a fast path.
 """
 

@@ -1,12 +1,9 @@
 """StepTraces: the step-trace buffer of RAPO (history embedding -> the step taken next), built from JSONL trajectories.
 
-What this is: the glue between an off-policy source and `rapo_fast.StepBuffer`: `StepTraces.from_jsonl` (top K per
-query by reward, split into steps, each history encoded as the key, the step's `<retrieve> ... </retrieve>` tokens as
-the payload, optionally each segment's K/V for splice mode), `add_steps` for the policy's own successful steps, and
-`retrieve`. Group ids, pinned off-policy steps, eviction and the memory bounds (payloads and K/V of the buffer's steps
-only) are in docs/retrieval.md (section 6), the saved layout in docs/formats.md section 3.
-What it is not: the nearest-neighbour search (StepBuffer) or the splicing (rapo_fast.kv.splice); the retrieval
-contract is in docs/retrieval.md.
+What this is: the glue between an off-policy source and `rapo_fast.StepBuffer`: `StepTraces.from_jsonl`, `add_steps`
+for the policy's own successful steps, and `retrieve`. Group ids, pinned steps, eviction and memory bounds:
+docs/retrieval.md section 6; the saved layout: docs/formats.md section 3.
+What it is not: the nearest-neighbour search (StepBuffer) or the splicing (rapo_fast.kv.splice).
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """The Triton search path of StepBuffer.search on CUDA: its launcher, argument checks, the merge of the per-split
 candidates, and the dispatch table that picks the Triton path or the CUDA backend per call.
 
-What this is: `triton_search(...)`, with the signature and contract of `rapo_fast::retrieval_search`
-(rapo_fast/retrieval/op.py), on CUDA tensors and on CPU tensors under TRITON_INTERPRET=1; and `select_backend`
-(RAPO_FAST_RETRIEVAL_BACKEND, else CROSSOVERS, whose rows are PREDICTED, not measured: replaced by the GPU run's
-figures), the "auto" choice of rapo_fast/retrieval/backends.py. Both are described in docs/retrieval.md, "Triton path".
+What this is: `triton_search(...)` (the contract of `rapo_fast::retrieval_search`; also on CPU under TRITON_INTERPRET=1)
+and `select_backend` (RAPO_FAST_RETRIEVAL_BACKEND, else CROSSOVERS, whose rows are PREDICTED, not measured: replaced by
+the GPU run's figures). Both: docs/retrieval.md, "Triton path".
 What this is not: the kernel (rapo_fast/kernels/retrieval/search.py), StepBuffer's argument checks (rapo_fast/retrieval/
 buffer.py), or the CUDA backend (csrc/retrieval_cuda.cu).
 """

@@ -1,10 +1,8 @@
-"""RAPOTrainer: the thin RL trainer. One step = rollout -> outcome rewards -> old log-probs and step entropies (one
-fused token_logprobs pass) -> retrieval rewards -> advantages -> rapo_loss -> optimiser step -> optional buffer update.
+"""RAPOTrainer: the thin RL trainer, the training step of docs/training.md section 1 as a loop of replaceable callables.
 
-What this is: the training step of docs/training.md section 1 as a loop of replaceable callables (`rollout_fn`,
-`reward_fn`, `advantage_fn`, `loss_fn`), a CSV metrics log (optionally TensorBoard), checkpoint/resume of model,
-optimiser, buffer and every RNG, and `train`, the one training loop (which checkpoints on SIGTERM), which callers
-hook into with TrainerCallback objects (rapo_fast/train/callbacks.py) rather than writing their own loop around `step`.
+What this is: `RAPOTrainer` (its step, metrics log and checkpoint/resume) and `train`, the one training loop (which
+checkpoints on SIGTERM), which callers hook into with TrainerCallback objects (rapo_fast/train/callbacks.py) rather
+than writing their own loop around `step`.
 What this is not: a distributed trainer or a serving engine; the configuration lives in rapo_fast/train/config.py,
 I/O helpers in rapo_fast/train/io.py. Importing it never imports rapo_fast.demo.
 """
