@@ -114,13 +114,12 @@ def rapo_loss(
     shape) or per sequence ([B] or [S]; per token wins if both fit). loss_mask / retrieved_mask / response_mask:
     bool or 0/1 numbers shaped like targets. loss_mask marks the tokens eligible for the loss; retrieved tokens
     among them enter only with offpolicy_train "shaped"/"truncated". response_mask (default: every position of the
-    row / segment) is F's denominator. global_num_tokens: the global normaliser of loss_agg (see module docstring).
+    row / segment) is F's denominator. global_num_tokens: the global normaliser of loss_agg (docs/loss.md section 4).
     inplace_backward (logits= only): the backward writes the logits gradient over the logits instead of a new [N, V]
     tensor; only when nothing reads the logits afterwards (the hazard and the cases where it has no effect:
     rapo_fast.token_logprobs, docs/loss.md).
-    Options: the fields of rapo_fast.loss.options.LossOptions (shaping_m, offpolicy_train, gamma, is_cap, tis_cap,
-    eps_low, eps_high, dual_clip, importance_sampling_level, beta, kl_estimator, entropy_coef, temperature, loss_agg,
-    return_metrics), as keywords, or as `options=LossOptions(...)` (keywords given beside it win).
+    Options: the fields of rapo_fast.loss.options.LossOptions, as keywords, or as `options=LossOptions(...)` (keywords
+    given beside it win).
     backend: "auto" (default), "triton", "torch" or "reference" (token_logprobs' meanings; "triton" also takes the
     fused one-pass path for hidden= at token level with a gradient); an explicit backend that cannot run on the inputs
     raises ValueError. docs/architecture.md ("Log-prob and loss paths") lists the paths.
