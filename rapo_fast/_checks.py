@@ -1,10 +1,8 @@
 """Argument validation helpers shared by rapo_fast's public functions.
 
-Each helper raises TypeError (wrong kind or dtype) or ValueError (wrong shape, value or option string) with a message
-that names the argument and says what was expected and what was given, so that bad input fails before any kernel is
-launched. Some checks read tensor values (targets range, NaN, cu_seqlens): they sync with the device once, on the
-validation side, never in the hot path. `check_model_inputs` is the one check of the model-side arguments (logits, or
-hidden + lm_head weight + bias, and targets) of token_logprobs and rapo_loss.
+Each helper raises TypeError (wrong kind or dtype) or ValueError (wrong shape, value or option string) naming the
+argument, what was expected and what was given, before any kernel is launched. Checks that read tensor values sync
+with the device once, on the validation side, never in the hot path.
 What this is not: a place for op math, nor the choice of the path that runs (rapo_fast/loss/path_plan.py).
 """
 
