@@ -1,7 +1,7 @@
 """Getting a real model's tokenizer ready for RAPO's rollouts inside TRL: the tag check, its remedy, chat prompts.
 
-What it is: `check_rapo_tags` (ValueError unless each tag is one token of the vocabulary), `add_rapo_tags` (the one-call remedy) and `ChatFormat` (prompts and tool turns rendered
-by the chat template as TRL renders prompts).
+What it is: `check_rapo_tags` (ValueError unless each tag is one token of the vocabulary), `add_rapo_tags` (the
+one-call remedy) and `ChatFormat` (prompts and tool turns rendered by the chat template as TRL renders prompts).
 What it is not: a tokenizer, a tool-call parser (a tool call is the text between the tags), or TRL's tool calling.
 """
 
