@@ -21,7 +21,6 @@ INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 MASK_DTYPES = (torch.bool,) + INT_DTYPES + FLOAT_DTYPES
 
 
-# ------------------------------------------------------------------------------------- values quoted in error messages
 _BRIEF_ITEMS, _BRIEF_DEPTH, _BRIEF_TEXT = 4, 3, 60
 
 
@@ -251,7 +250,6 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, total: int) -> int:
     return cu.numel() - 1
 
 
-# --------------------------------------------------------------------------------- model inputs (logits or hidden)
 # The integer dtypes accepted for targets, by rapo_loss and by token_logprobs: torch's index dtypes. Narrower integers
 # (int8/int16/uint8) are refused rather than widened: they cannot hold a real vocabulary's ids.
 TARGET_DTYPES = (torch.int64, torch.int32)

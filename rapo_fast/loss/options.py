@@ -57,7 +57,6 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
-# ---------------------------------------------------------------------------------------------------------- options
 @dataclass(frozen=True)
 class KernelArg:
     """How an option reaches the policy-loss kernels (rapo_fast/kernels/loss/policy_loss.py), which take it as a keyword
@@ -218,7 +217,6 @@ def with_option_keywords(exclude: Collection[str] = ()) -> Callable[[Callable], 
     return decorate
 
 
-# ------------------------------------------------------------------------------------------------------ tensor checks
 @dataclass(frozen=True)
 class InputFacts:
     """What check_inputs learnt: the targets' (or logp's) shape, flat layout or not, rows (sequences), the device,

@@ -43,7 +43,6 @@ from rapo_fast.loss.policy_op import policy_loss_op, stack_token_inputs, torch_p
 __all__ = ["rapo_loss", "policy_loss_from_logp", "RAPOLoss", "LossMetrics", "LossOptions", "OPTION_DEFAULTS"]
 
 
-# ----------------------------------------------------------------------------------------------------- public entry
 def _use_fused(plan: PathPlan) -> bool:
     """Whether rapo_loss takes the one-pass fused hidden-state path (rapo_fast/loss/fused_linear.py): the plan's
     choice (rapo_fast/loss/path_plan.py: hidden= at token level, a gradient needed, Triton, and for backend="auto"
@@ -238,7 +237,6 @@ def policy_loss_from_logp(
     return _loss_from_logp(a, logp, entropy, plan, plan.path)
 
 
-# ---------------------------------------------------------------------------------- the steps after the log-probs
 @dataclass
 class _Tokens:
     """rapo_loss's per-token inputs as [N] vectors in the compute dtype `cd`, the token classes (on-policy, trained

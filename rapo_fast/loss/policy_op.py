@@ -60,7 +60,6 @@ def _kernels():
     return K
 
 
-# ------------------------------------------------------------------------------------------------ torch fallback
 def torch_policy_loss(
     logp: torch.Tensor, ent: torch.Tensor | None, tok: torch.Tensor, present: int, options: Mapping[str, Any]
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,7 +107,6 @@ def torch_policy_loss(
     return loss * r["w"], torch.stack([sums[m] for m in Metric])
 
 
-# ------------------------------------------------------------------------------------------------ op: forward
 def _launch_args(tok: torch.Tensor, present: int, scalars: torch.Tensor, n: int) -> dict:
     """The keyword arguments every policy-loss kernel launch shares: the stacked inputs, and the options under their
     own names (LossOptions.kernel_kwargs)."""
@@ -148,7 +146,6 @@ def _policy_loss_fake(logp, ent, tok, present, scalars):
     return torch.empty_like(logp), logp.new_empty((NUM_METRICS,))
 
 
-# ------------------------------------------------------------------------------------------------ op: backward
 def policy_loss_bwd(
     grad: torch.Tensor, logp: torch.Tensor, tok: torch.Tensor, present: int, scalars: torch.Tensor, has_ent: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -153,7 +153,6 @@ class StepBuffer:
             self._pinned[:n] = mask.to(self.device)
             self._has_pins = bool(mask.any())
 
-    # ---- add ----
     def add(
         self,
         embeddings: torch.Tensor | np.ndarray,
@@ -312,7 +311,6 @@ class StepBuffer:
         self._size = C
         return slots
 
-    # ---- search ----
     def _check_search_args(
         self, queries: Any, k: Any, exclude_groups: Any, min_score: Any, backend: Any = "auto"
     ) -> tuple[torch.Tensor, int, torch.Tensor | None, float]:
@@ -419,7 +417,6 @@ class StepBuffer:
             self._has_pins = self._by_age = False
             self._key_sum = None
 
-    # ---- persistence ----
     def save(self, directory: str | os.PathLike) -> None:
         """Save atomically to `directory` (safetensors + JSON, format version FORMAT_VERSION); docs/formats.md."""
         with self._lock.read():  # one consistent state, also while another thread adds (adds wait)

@@ -123,7 +123,6 @@ class ShardedStepBuffer:
         dist.all_gather(out, t.to(dev).contiguous(), group=self.group)
         return out
 
-    # ---- collective validation ----
     def _check_local(
         self, queries, k, exclude_groups, min_score, backend="auto"
     ) -> tuple[torch.Tensor, torch.Tensor | None, float]:
@@ -169,7 +168,6 @@ class ShardedStepBuffer:
                 raise ValueError(f"{name} must be the same on every rank, got {shown} by rank ({where})")
         return q, exclude, thr, [int(d[_Q]) for d in descs]
 
-    # ---- search ----
     def search(
         self,
         queries: torch.Tensor,

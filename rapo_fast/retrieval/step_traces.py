@@ -347,7 +347,6 @@ class StepTraces:
             if all(seg is not None for seg, p in zip(segs, pids.tolist()) if p >= 0):
                 return segs, pids, scores
 
-    # -- persistence ------------------------------------------------------------------------------------------------
     def save(self, directory: str | Path) -> None:
         """Save as one versioned unit (docs/formats.md section 3): the buffer (a nested StepBuffer snapshot), the
         live payloads and the counters (traces.json), and the K/V store's contents when there is one (kv_store.pt: the

@@ -143,7 +143,6 @@ class TrainerConfig(Section):
             )
         rule_real(0.0, lo_open=True)("rollout.temperature", r.temperature)  # the trainer samples: no greedy
 
-    # -- presets ----------------------------------------------------------------------------------------------------
     @classmethod
     def RAPO(cls, overrides: Mapping[str, Any] | None = None, /, **sections: Any) -> TrainerConfig:
         """RAPO's defaults updated by `overrides` (dotted keys allowed: {"rollout.group_size": 8}) and `sections`
@@ -193,7 +192,6 @@ class TrainerConfig(Section):
     def _preset(cls, base: dict, overrides: Mapping[str, Any] | None, sections: dict[str, Any]) -> TrainerConfig:
         return cls().replace(base).replace(overrides).replace(sections)
 
-    # -- serialisation ----------------------------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> TrainerConfig:
         """The defaults updated by `d`, nested ({"rollout": {"arpo": {"beam": 3}}}) or dotted."""

@@ -181,7 +181,6 @@ class RAPOTrainer:
         self.gen = torch.Generator().manual_seed(config.seed)
         self.logger = MetricsLogger(config.logging.log_csv, config.logging.tensorboard_dir)
 
-    # -- one RL step ------------------------------------------------------------------------------------------------
     def sample_problems(self) -> list:
         k = min(self.config.prompts_per_step, len(self.problems))
         return self.py_rng.sample(self.problems, k)
@@ -357,7 +356,6 @@ class RAPOTrainer:
         stored = int((slots >= 0).sum())
         return stored, len(steps) - stored
 
-    # -- loop, checkpoints ------------------------------------------------------------------------------------------
     def train(
         self,
         num_steps: int,

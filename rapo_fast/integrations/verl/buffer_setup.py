@@ -98,9 +98,6 @@ def onpolicy_steps(
     return hist, steps
 
 
-# -- verl's config and checkpoints ----------------------------------------------------------------------------------
-
-
 def step_buffer_options(config: Any) -> dict:
     """The buffer's settings from the trainer config's `rapo.step_buffer` (added with `+rapo.step_buffer.<key>=`):
     name (default: rapo.buffer_name, the agent loop's key, else "rapo_step_buffer"), path (the built buffer or a
