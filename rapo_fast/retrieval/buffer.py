@@ -53,11 +53,8 @@ class StepBuffer:
             keeps exactly the steps that adding its steps one by one would keep; its kept steps take the freed slots
             in ascending order.
 
-    Pinned steps (`add(..., pinned=...)`, `set_pinned`; none by default): when full, a new step evicts only among the
-    unpinned ("evictable") steps, by the policy above; with none left, a new unpinned step is dropped (slot -1) and a
-    new pinned one applies the policy to the pinned steps. StepTraces pins its off-policy source this way. The pin
-    flags are not saved by `save` (the snapshot format has no field for them): a loaded buffer has none until
-    `set_pinned` (StepTraces.load derives them again from its payload ids). docs/retrieval.md, "Pinned steps".
+    Pinned steps (`add(..., pinned=...)`, `set_pinned`; none by default) are evicted only when no unpinned step is
+    left, and are not saved by `save`: docs/retrieval.md, "Pinned steps".
     """
 
     def __init__(
