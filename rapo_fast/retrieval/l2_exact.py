@@ -1,9 +1,7 @@
 """Exact l2 top-k whatever the keys' layout: the fp32 search's answer, certified per query, else a float64 search.
 
-What this is: the fp32 search is asked for k + 1 candidates (more when needed), they are re-scored exactly (float64
-direct differences), and a query's answer is accepted only when the fp32 error bound proves that no key left out can
-be as close as the k-th; a query not certified with CERT_MAX_K candidates gets the float64 brute force over all keys.
-Why the fp32 expanded form fails, the bound and the scores returned: docs/retrieval.md section 2 (l2 precision).
+Why the fp32 expanded form fails, the certificate's bound and the scores returned: docs/retrieval.md, "l2 certified,
+else float64".
 What this is not: a kernel (the fp32 search is the backends'), or argument validation (StepBuffer does it first).
 """
 
