@@ -35,9 +35,6 @@ def _row_strides(x: torch.Tensor) -> tuple[int, int, int]:
     return max(1, x.shape[1]), x.stride(0), x.stride(1)
 
 
-# logits path: rapo_fast::token_logprobs_fwd / _bwd
-
-
 def _lp_fwd_impl(
     logits: Tensor, targets: Tensor, temperature: float, with_entropy: bool, inplace_backward: bool = False
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -225,8 +222,6 @@ _token_logprobs_fwd = register_op(
     "token_logprobs_fwd", _lp_fwd_impl, fake=_lp_fwd_fake, backward=_lp_backward, setup_context=_lp_setup_context
 )
 
-
-# the front desk (argument checks, once per public call), the reference fallback, the runner, the public function
 
 # fp32 temporaries of one fallback chunk (the reference holds a handful of [rows, V] fp32 tensors per chunk).
 _FALLBACK_BYTES = 64 << 20

@@ -183,7 +183,6 @@ class LossOptions(Section):
 # trace dataclasses.fields(), so Section's plan is made now and no method reads the fields at call time.
 LossOptions.plan()
 _FIELDS = fields(LossOptions)
-# the kernel options in field order with their KernelArg (every launch encodes / decodes through it)
 _KERNEL_ARGS = MappingProxyType({f.name: f.metadata["kernel"] for f in _FIELDS if "kernel" in f.metadata})
 
 
@@ -194,7 +193,6 @@ def _refuse_unknown(keywords: Mapping[str, Any], caller: str, exclude: Collectio
             raise TypeError(f"{caller}() got an unexpected keyword argument {k!r}")
 
 
-# the defaults as a read-only mapping (option name -> default), derived from LossOptions
 OPTION_DEFAULTS: Mapping[str, Any] = MappingProxyType({f.name: f.default for f in _FIELDS})
 
 
@@ -417,7 +415,6 @@ def check_inputs(a: LossInputs) -> InputFacts:
     if a.given_logp:  # policy_loss_from_logp: log-probs (and entropy) given, no logits/hidden/targets
         tshape, targets, vocab = _check_logp_inputs(a, opts), None, None
     else:
-        # the model side: rapo_fast/_checks.py, shared with token_logprobs
         vocab = C.check_model_inputs(a.logits, a.hidden, a.weight, a.bias, a.targets)
         targets, tshape = a.targets, tuple(a.targets.shape)
     _check_per_token(a, tshape)

@@ -159,7 +159,6 @@ def rapo_loss(
     want_ent = opts.entropy_coef != 0.0 or opts.return_metrics
     plan = _plan(a, backend, want_ent)
     if _use_fused(plan):
-        # log-probs, loss and gradients in one pass: rapo_fast/loss/fused_linear.py
         return _loss_from_logp(a, None, None, plan, plan.path, fused=True)
     lp_in = LogprobInputs(
         logits=a.logits,

@@ -193,7 +193,6 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, g_out, g_part):
     logp, tok, scalars = ctx.saved_tensors
     dlogp, dent = _policy_loss_bwd_op(g_out, logp, tok, ctx.present, scalars, ctx.has_ent)
-    # gradients of (logp, ent, tok, present, scalars): only the log-probs and the entropy are differentiated
     return dlogp, (dent if ctx.has_ent else None), None, None, None
 
 

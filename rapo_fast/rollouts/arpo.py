@@ -97,7 +97,6 @@ class ArpoBrancher:
             r = self.rows[i]
             if r.cur_start is not None:
                 continue
-            # the first token of a new step: remember where a branch would restart
             a = r.arpo
             a["step"], a["ents"], a["seg_sum"], a["seg_n"] = len(r.steps), [], 0.0, 0
             if a["step"] > 0 and not a.pop("skip_check", False):

@@ -282,7 +282,6 @@ class RAPOTrainer:
         t1 = time.perf_counter()
         # the options as keywords (those that differ from rapo_loss's defaults); tis_cap only where it applies
         opts = {k: v for k, v in cfg.loss.overrides().items() if k != "tis_cap"}
-        # per-row tensors of the loss, sliced per mini-batch
         tensors = {
             k: s[k] for k in ("input_ids", "attention_mask", "targets", "loss_mask", "retrieved_mask", "response_mask")
         }
