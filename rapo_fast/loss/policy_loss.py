@@ -325,7 +325,7 @@ def _sequence_terms(t: _Tokens, opts: LossOptions, advantages: torch.Tensor):
 
 
 def _agg_weights(t: _Tokens, loss_agg: str, global_num_tokens) -> torch.Tensor:
-    """The aggregation weight of each token (no gradient: counts only); see the module docstring."""
+    """The aggregation weight of each token (no gradient: counts only); docs/loss.md section 4."""
     cd, dev = t.cd, t.device
     g = None if global_num_tokens is None else torch.as_tensor(global_num_tokens, dtype=cd).to(dev).reshape(())
     actf = t.act.to(cd)

@@ -39,7 +39,7 @@ def rollout(
     generator: torch.Generator | None = None,
     seed: int | None = None,
 ) -> RolloutBatch:
-    """Roll out `cfg.group_size` trajectories for each problem; see the module docstring.
+    """Roll out `cfg.group_size` trajectories for each problem (docs/rollout.md).
 
     model (HF causal LM), tokenizer (encode/decode, pad/bos/eos ids, the special tokens of tiny_policy), env
     (`execute(call_text) -> observation text`, `prompt` attribute of each problem, `qid` its group id), cfg (a
