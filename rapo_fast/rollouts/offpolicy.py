@@ -1,9 +1,8 @@
 """Whole off-policy trajectories for trajectory-level off-policy training (LUFFY-style), the baseline that RAPO's
 step-level retrieval is compared against.
 
-What this is: `OffPolicyTrajectories` (the top-K trajectories per query, by reward, of the step buffer's JSONL source,
-docs/formats.md) and `trajectory_tokens` (one record in the rollout's token format: model tokens are KIND_OFF, tool
-output KIND_TOOL), used by `rapo_fast.rollout(strategy="offpolicy_traj", ...)`.
+What this is: `OffPolicyTrajectories` (the top-K trajectories per query of the step buffer's JSONL source) and
+`trajectory_tokens` (one record in the rollout's token format), used by `rapo_fast.rollout(strategy="offpolicy_traj")`.
 What this is not: step-level retrieval (rapo_fast.retrieval.step_traces) or the shaped loss (rapo_fast.rapo_loss with
 offpolicy_train="shaped").
 """
