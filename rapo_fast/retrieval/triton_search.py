@@ -51,15 +51,8 @@ class Crossover:
     backend: str
 
 
-# PREDICTED, not measured: replaced by the GPU run's figures. No GPU has run the Triton path yet (docs/perf.md,
-# "Retrieval, many queries"); every row below is a prediction from the kernels' design, none a timing.
-# The Triton kernel is a pipelined tensor-core GEMM with a filtered top-k: predicted ~2x faster than the CUDA backend's
-# WMMA kernel once the search is compute bound (64 against 32 flop per byte streamed from L2), but each program pays
-# a few merges (~10 tiles' worth each) and needs ~132 programs of >= 64 key tiles to fill an H100, hence Q >= 512 and
-# C >= 1M. Few queries (paper scale, Q <= 64) stay on the CUDA backend (bandwidth bound there), and
-# so do fp32 keys and l2 (both score in fp32 FMA on either path) and large k (the workspace and merges grow with k).
-# bench/gpu/call1_headline.py times `ours_cuda` and `ours_triton` side by side; its numbers replace
-# these rows.
+# Every row is a prediction from the kernels' design, none a timing: why these bounds is docs/perf.md, "Predicted
+# crossover"; bench/gpu/call1_headline.py times `ours_cuda` and `ours_triton` side by side, and its numbers replace them.
 CROSSOVERS_STATUS = "PREDICTED, not measured: replaced by the GPU run's figures"
 CROSSOVERS: tuple[Crossover, ...] = (
     Crossover(torch.float16, min_q=512, min_c=1_000_000, max_k=256, backend="triton"),
