@@ -52,7 +52,7 @@ class Crossover:
 
 
 # Every row is a prediction from the kernels' design, none a timing: why these bounds is docs/perf.md, "Predicted
-# crossover"; bench/gpu/call1_headline.py times `ours_cuda` and `ours_triton` side by side, and its numbers replace them.
+# crossover"; bench/gpu/call1_headline.py times `ours_cuda` and `ours_triton` side by side; its numbers replace them.
 CROSSOVERS_STATUS = "PREDICTED, not measured: replaced by the GPU run's figures"
 CROSSOVERS: tuple[Crossover, ...] = (
     Crossover(torch.float16, min_q=512, min_c=1_000_000, max_k=256, backend="triton"),
