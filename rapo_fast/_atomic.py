@@ -245,7 +245,7 @@ def _rel_ok(rel: Any) -> bool:
 
 
 class VersionWriter:
-    """One save into the versioned directory `root` (see the module docstring).
+    """One save into the versioned directory `root` (docs/formats.md, "Versioned directories").
 
     with VersionWriter(root, prefix, fmt, version) as w:
         w.write_bytes("a.json", ...); with w.open("b.pt") as f: torch.save(obj, f)

@@ -101,7 +101,7 @@ def _check_tensors(tensors: dict[str, torch.Tensor], meta: dict[str, Any], where
 
 def read_snapshot(directory: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Read the current snapshot of `directory`: (tensors on the CPU, meta), every file, field and tensor checked
-    (module docstring). Raises StepBufferFormatError."""
+    (docs/formats.md section 2). Raises StepBufferFormatError."""
     from safetensors.torch import load_file
 
     with read_version(directory, _PREFIX, FORMAT_NAME, FORMAT_VERSION, StepBufferFormatError) as v:

@@ -94,7 +94,7 @@ def certified_l2_search(
     max_k: int = CERT_MAX_K,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact l2 top-k (scores [Q, k] fp32, slots [Q, k] int64) of queries [Q, D] (already in the keys' dtype) against
-    keys [C, D], from the fp32 search `raw` certified per query (module docstring), else the float64 brute force.
+    keys [C, D], from the fp32 search `raw` certified per query (docs/retrieval.md), else the float64 brute force.
     centre [D]: the mean the fp32 search centres on; groups / exclude as in the search op; min_score applied to the
     exact scores. max_k: the most candidates `raw` can return (the op's MAX_K), capped at CERT_MAX_K."""
     nq, dim, c = queries.shape[0], queries.shape[1], keys.shape[0]

@@ -56,7 +56,7 @@ class StepTraces:
     Args: buffer (a rapo_fast.StepBuffer with dim == the encoder's output dim), encoder (texts -> [N, D] fp32),
     tokenizer (encode(text) -> ids), kv_store (optional rapo_fast.StepKVStore keyed by payload id), model (needed with
     kv_store to compute the K/V of new segments), pin_offpolicy (keep the off-policy steps when on-policy steps fill
-    the buffer: the module docstring; applies to a buffer with `set_pinned`, i.e. a StepBuffer).
+    the buffer: docs/retrieval.md section 6; applies to a buffer with `set_pinned`, i.e. a StepBuffer).
     """
 
     def __init__(
@@ -119,8 +119,8 @@ class StepTraces:
         """Read trajectories, keep the top `top_k` per query by reward, split into steps and fill a new StepBuffer.
 
         The buffer's capacity defaults to 4x the off-policy steps (room for on-policy steps added later). The
-        off-policy steps are pinned once stored (pin_offpolicy; the module docstring), so the buffer holds what it held
-        before pins existed until on-policy steps arrive.
+        off-policy steps are pinned once stored (pin_offpolicy; docs/retrieval.md section 6), so the buffer holds what
+        it held before pins existed until on-policy steps arrive.
         """
         from rapo_fast.retrieval.buffer import StepBuffer
         from rapo_fast.retrieval.jsonl import read_jsonl

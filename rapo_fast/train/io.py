@@ -139,7 +139,7 @@ class CheckpointFormatError(FormatError):
 
 
 def save_checkpoint(trainer, directory: str | Path) -> Path:
-    """Write everything needed to continue exactly where `trainer` is (see the module docstring) as a new version of
+    """Write everything needed to continue exactly where `trainer` is (docs/formats.md section 4) as a new version of
     the versioned directory `directory`, switched to atomically; the previous checkpoint stays until then."""
     root = Path(directory)
     with VersionWriter(root, _PREFIX, CHECKPOINT_FORMAT, CHECKPOINT_VERSION) as w:

@@ -128,7 +128,8 @@ def _sigterm_flag(active: bool) -> Iterator[list]:
 
 class RAPOTrainer:
     """model (HF causal LM), tokenizer, env (task: `execute`, `verify`), buffer (a StepTraces or None), config
-    (TrainerConfig), problems (the training prompts). Stages are replaceable callables; see the module docstring."""
+    (TrainerConfig), problems (the training prompts). Stages are replaceable callables (rollout_fn, reward_fn,
+    advantage_fn, loss_fn: docs/training.md section 1)."""
 
     def __init__(
         self,
