@@ -103,14 +103,11 @@ def gpu_tiles(fp32: bool, aligned: bool) -> tuple[int, int, int, int, int]:
     """(BLOCK_Q, BLOCK_C, BLOCK_D, num_warps, num_stages) on a GPU. `aligned`: D, both row strides and both base
     addresses multiples of 16 (as the JIT specialises them), so that the D loop is pipelined through shared memory.
 
-    fp16/bf16, aligned: 128 x 128 x 64, 8 warps, 3 stages: 64 flop per byte of operands streamed from L2 (128 x 64:
-    43; the scan is L2 bound, docs/perf.md). Not fully spill-free on sm_90a: 255 registers and 16-56 B of stack
-    (metric ip; 0 for cosine and l2): loop invariants stored once before the key loop and reloaded once per merge, no
-    spill instruction in the per-tile path. The spill-free 128 x 64 streams 1.5x the L2 bytes per flop,
-    which costs more than a reload per merge (bench/NOTES_retrieval.md, "Registers and spills").
-    Not aligned (an odd D): loads go through registers, not shared memory, so BLOCK_D is 16 and BLOCK_C 64
-    (128 x 128 x 16: 88 B of stack). fp32 (FMA, no TF32): 64 x 64 x 32, 8 warps, 1 stage (4 warps: ~270 B of stack;
-    3 stages: up to 24 B, by metric and D). TILES_ENV ("128,64,64,8,3") overrides them all, for the GPU run to
+    fp16/bf16, aligned: 128 x 128 x 64, 8 warps, 3 stages: 64 flop per byte streamed from L2 (the scan is L2 bound),
+    at the price of a few bytes of stack reloaded once per merge, never in the per-tile path. Not aligned (an odd D):
+    loads go through registers, so BLOCK_D is 16 and BLOCK_C 64. fp32 (FMA, no TF32): 64 x 64 x 32, 8 warps, 1 stage.
+    The measured registers and spills of each choice and its alternatives: bench/NOTES_retrieval.md, "Registers and
+    spills". TILES_ENV ("128,64,64,8,3") overrides them all, for the GPU run to
     compare (docs/retrieval.md, "Triton path"); tests/test_sm90_compile.py holds these choices' registers, spills and
     shared memory to stated bounds."""
     env = os.environ.get(TILES_ENV)
