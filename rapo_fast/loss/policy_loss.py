@@ -375,8 +375,6 @@ def _loss_from_logp(
             opts.entropy_coef != 0.0,
         )
     else:
-        # a token in the loss whose logits row has no finite log-sum-exp: refused here, from the log-probs (NaN
-        # exactly there), before the policy op and any backward; no pass of its own over the [N, V] logits
         if a.hidden is not None:
             check_loss_logp_defined(torch.isnan(t.lp) & (code != 0))
         elif a.logits is not None:
