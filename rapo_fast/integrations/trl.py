@@ -413,9 +413,8 @@ class RAPOGRPOTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         """TRL's batch, plus the per-token "retrieved_mask" and RAPO's advantage when the rollout_func gave them.
 
-        TRL forwards a rollout_func's extra fields to the reward functions only (merged into the input rows), not
-        into this batch; rapo_fast.integrations.trl_rollout.attach_rollout_extras moves them here. Without them
-        (TRL's own generation, any other rollout_func) the batch is TRL's, unchanged."""
+        Why the override: TRL forwards a rollout_func's extra fields to the reward functions only (merged into the
+        input rows), not into this batch; attach_rollout_extras moves them here."""
         output = super()._generate_and_score_completions(inputs)
         from rapo_fast.integrations.trl_rollout import attach_rollout_extras
 

@@ -59,8 +59,8 @@ def policy_token_loss_ref(
 
     logp: float tensor (fp32/fp64) with grad; on_mask/off_mask: bool, the on-policy tokens in the loss and the
     retrieved tokens trained off-policy; seq_log_ratio: per token, the (already detached) sequence mean log-ratio for
-    importance_sampling_level="sequence", else None. options: the per-token fields of LossOptions (offpolicy_train,
-    gamma, is_cap, tis_cap, eps_low, eps_high, dual_clip, beta, kl_estimator, kl_clamp, entropy_coef). Returns
+    importance_sampling_level="sequence", else None. options: the per-token fields of LossOptions (those with a
+    KernelArg). Returns
     (loss [...], terms) where loss is 0 outside on|off and terms holds detached per-token values: clipped_high,
     clipped_low, dual_clipped (bool), ratio, approx_kl, and where computed kl (ref_logp given), tis_weight (tis_cap
     set), offpolicy_weight (offpolicy_train not "none").
