@@ -1,10 +1,7 @@
 """Crash-safe saving shared by rapo_fast's save formats: versioned directories, SHA-256 manifests, one atomic switch.
 
-What this is: `VersionWriter` (writes a new version beside the live one, manifest last, then replaces CURRENT
-atomically and removes the old version) and `read_version` (checks CURRENT, the manifest and every listed file before
-the caller reads anything). Every write goes through raw os calls, and nothing planted in the folder is followed.
-The layout, the crash guarantees and the hostile-folder guarantees are in docs/formats.md ("Versioned directories",
-"Guarantees on a crash", "Guarantees against what else is in the folder").
+What this is: `VersionWriter` and `read_version`. The layout and the guarantees: docs/formats.md, "Versioned
+directories", "Guarantees on a crash" and "Guarantees against what else is in the folder".
 What this is not: a format's own schema (each owner checks its fields, with rapo_fast._checks.check_field), nor a
 database: two processes saving into one directory are serialised by LOCK, not merged.
 """
@@ -248,7 +245,7 @@ def _rel_ok(rel: Any) -> bool:
 
 
 class VersionWriter:
-    """One save into the versioned directory `root` (see the module docstring).
+    """One save into the versioned directory `root` (docs/formats.md, "Versioned directories").
 
     with VersionWriter(root, prefix, fmt, version) as w:
         w.write_bytes("a.json", ...); with w.open("b.pt") as f: torch.save(obj, f)

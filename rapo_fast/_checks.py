@@ -1,10 +1,8 @@
 """Argument validation helpers shared by rapo_fast's public functions.
 
-Each helper raises TypeError (wrong kind or dtype) or ValueError (wrong shape, value or option string) with a message
-that names the argument and says what was expected and what was given, so that bad input fails before any kernel is
-launched. Some checks read tensor values (targets range, NaN, cu_seqlens): they sync with the device once, on the
-validation side, never in the hot path. `check_model_inputs` is the one check of the model-side arguments (logits, or
-hidden + lm_head weight + bias, and targets) of token_logprobs and rapo_loss.
+Each helper raises TypeError (wrong kind or dtype) or ValueError (wrong shape, value or option string) naming the
+argument, what was expected and what was given, before any kernel is launched. Checks that read tensor values sync
+with the device once, on the validation side, never in the hot path.
 What this is not: a place for op math, nor the choice of the path that runs (rapo_fast/loss/path_plan.py).
 """
 
@@ -23,7 +21,6 @@ INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 MASK_DTYPES = (torch.bool,) + INT_DTYPES + FLOAT_DTYPES
 
 
-# ------------------------------------------------------------------------------------- values quoted in error messages
 _BRIEF_ITEMS, _BRIEF_DEPTH, _BRIEF_TEXT = 4, 3, 60
 
 
@@ -253,7 +250,6 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, total: int) -> int:
     return cu.numel() - 1
 
 
-# --------------------------------------------------------------------------------- model inputs (logits or hidden)
 # The integer dtypes accepted for targets, by rapo_loss and by token_logprobs: torch's index dtypes. Narrower integers
 # (int8/int16/uint8) are refused rather than widened: they cannot hold a real vocabulary's ids.
 TARGET_DTYPES = (torch.int64, torch.int32)

@@ -1,10 +1,8 @@
-"""The one definition of the constants that Python, the Triton kernels and the C++/CUDA extension share: the metric
-codes, the dtype codes, the search limits (MAX_K, MAX_KEYS), the cosine epsilon, the CPU micro-kernel codes, the width
-of a KV-splice request row, and the Triton search kernel's empty candidate.
+"""The one definition of the constants that Python, the Triton kernels and the C++/CUDA extension share.
 
 What this is: plain ints and floats, with no torch and no extension import, so that rapo_fast imports (and the
 generator runs) without a compiled extension. csrc/include/rapo/constants.h is GENERATED from this file by
-`python tools/gen_constants.py`; how each copy is made and tested is in docs/extension.md, "Shared constants".
+`python tools/gen_constants.py`; docs/extension.md, "Shared constants", says how each copy is made and tested.
 What this is not: tuning parameters (tile sizes, the Triton/CUDA crossovers) or limits private to one backend (those
 stay next to their code).
 """

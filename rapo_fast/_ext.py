@@ -1,9 +1,8 @@
 """Safe loading of the compiled extension rapo_fast._C and the helpers that pass tensors to it.
 
-What this is: the one place that imports `rapo_fast._C`, remembers why an import failed (torchao's pattern), reports
-`build_info()`, and holds the Python half of the extension's one binding convention (docs/extension.md): tensors cross
-as DLPack capsules (`dlpack`; the extension reads and checks them, csrc/include/rapo/tensor_arg.h), scalars by
-keyword, CUDA streams as raw handles (`stream_of`), since the extension does not link libtorch.
+What this is: the one place that imports `rapo_fast._C`, remembers why an import failed, reports `build_info()`, and
+holds the Python half of the extension's binding convention (docs/extension.md): tensors as DLPack capsules, scalars
+by keyword, CUDA streams as raw handles, since the extension does not link libtorch.
 What this is not: argument validation of any op (each op's Python module validates its own inputs first).
 """
 

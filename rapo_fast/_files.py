@@ -1,9 +1,6 @@
 """Opening the files of a folder that someone else may write into: regular files only, never blocking.
 
-What this is: `open_regular` (os.open with O_NONBLOCK, then fstat: a named pipe, device, socket or directory, and
-with follow=False a symlink, raises NotRegularFileError naming the path instead of blocking forever or acting on a
-file outside the folder) and the two readers built on it, used by rapo_fast/_atomic.py for CURRENT, PENDING, LOCK,
-manifests and checksummed files.
+What this is: `open_regular` and the two readers built on it, used by rapo_fast/_atomic.py.
 What this is not: the save protocol (rapo_fast/_atomic.py), or a defence against a folder whose own path is a symlink
 (only the last component of a path is checked).
 """

@@ -1,14 +1,11 @@
 """Checked configuration: dataclasses whose fields carry their own check, built from (nested) mappings, with the
-dotted path of the field in every error ("rollout.arpo.beam: expected an int in [1, inf], got 0"; TypeError for a
-wrong type, ValueError for a wrong value).
+dotted path of the field in every error ("rollout.arpo.beam: expected an int in [1, inf], got 0").
 
-What this is: `Section`, the one base of every options / config object of the package (LossOptions, RolloutConfig and
-its sub-configs, TrainerConfig and its sections, the verl agent loop's settings; tests/test_config_base.py finds them
-all), the field makers `option` / `section`, the rule makers `rule_int`, `rule_real`, `rule_choice`, `rule_bool`,
-`rule_type`, and `expand_dotted` ({"a.b": 1} -> {"a": {"b": 1}}). A mapping given for a sub-section updates it field
-by field (unknown keys refused, naming them); an object replaces it. What this is not: any particular configuration
-(rapo_fast/rollouts/config.py, rapo_fast/train/config.py, rapo_fast/loss/options.py) or the checks of function
-arguments (rapo_fast/_checks.py)."""
+What this is: `Section`, the one base of every options / config object of the package (tests/test_config_base.py
+finds them all), the field makers `option` / `section`, the `rule_*` makers and `expand_dotted`.
+What this is not: any particular configuration (rapo_fast/rollouts/config.py, rapo_fast/train/config.py,
+rapo_fast/loss/options.py) or the checks of function arguments (rapo_fast/_checks.py).
+"""
 
 from __future__ import annotations
 

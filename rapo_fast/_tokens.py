@@ -1,11 +1,10 @@
 """Encoding a piece of text that goes in the middle of a sequence (a retrieved step, a tool output, a step of an
 off-policy trajectory): without the tokenizer's special tokens.
 
-A Hugging Face tokenizer's `encode(text)` adds its special tokens by default: a Llama-style one starts every piece
-with `<s>`, which would then sit in the middle of a rollout. `encode_plain` passes `add_special_tokens=False` to
-tokenizers whose `encode` takes it (Hugging Face's), and calls a plain `encode(text)` otherwise (the library's
-tokenizer protocol, e.g. the demo's word tokenizer). What this is not: prompt encoding (a prompt keeps its BOS) nor a
-tokenizer.
+Why: a Llama-style tokenizer's `encode(text)` starts every piece with `<s>`, which would then sit in the middle of a
+rollout. `encode_plain` passes `add_special_tokens=False` where `encode` takes it, and calls a plain `encode(text)`
+otherwise (the library's tokenizer protocol).
+What this is not: prompt encoding (a prompt keeps its BOS) nor a tokenizer.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """TRL adapter: `RAPOGRPOTrainer`, a `trl.GRPOTrainer` whose policy loss goes through `rapo_fast.rapo_loss`.
 
-What it is: a subclass that replaces GRPOTrainer's `_compute_loss` with one call of the fused hidden-state loss (the
-[B, T, V] logits are never materialised), plus `trl_to_rapo_options`, the mapping from TRL's configuration to our
-options; with retrieval off and the same options it reproduces TRL's loss and gradients. The RAPO extras come from
-`rapo_options` and extra keys of the inputs dict, which rapo_fast.integrations.trl_rollout's rollout_func fills
-(through the `_generate_and_score_completions` override). TRL's clip_ratio/* metric names are kept. The mapping
-table, the extras and the rollout hook are in docs/trl.md.
-What it is not: a re-implementation of TRL's generation or rewards; the advantages are TRL's, scaled only by RAPO's
-retrieval term when the rollout_func gives retrieval rewards. TRL options without an exact counterpart raise
-`ValueError` naming the option. The TRL path's names are all importable from here (`__all__`).
+What it is: a subclass whose `_compute_loss` is one call of the fused hidden-state loss (no [B, T, V] logits), and
+`trl_to_rapo_options`, the mapping from TRL's configuration (with retrieval off it reproduces TRL's loss and
+gradients). The mapping table, the extras and the rollout hook: docs/trl.md. The TRL path's names: `__all__`.
+What it is not: a re-implementation of TRL's generation or rewards; TRL options without an exact counterpart raise
+`ValueError` naming the option.
 """
 
 from __future__ import annotations
@@ -417,9 +413,8 @@ class RAPOGRPOTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         """TRL's batch, plus the per-token "retrieved_mask" and RAPO's advantage when the rollout_func gave them.
 
-        TRL forwards a rollout_func's extra fields to the reward functions only (merged into the input rows), not
-        into this batch; rapo_fast.integrations.trl_rollout.attach_rollout_extras moves them here. Without them
-        (TRL's own generation, any other rollout_func) the batch is TRL's, unchanged."""
+        Why the override: TRL forwards a rollout_func's extra fields to the reward functions only (merged into the
+        input rows), not into this batch; attach_rollout_extras moves them here."""
         output = super()._generate_and_score_completions(inputs)
         from rapo_fast.integrations.trl_rollout import attach_rollout_extras
 

@@ -1,11 +1,8 @@
 """The step buffer in TRL's checkpoints: `StepTracesCheckpoint`, a transformers TrainerCallback.
 
-What it is: on every checkpoint TRL writes (`output_dir/checkpoint-<step>`), the StepTraces is saved beside the model
-in `rapo_step_traces/` with StepTraces.save (crash-safe: a versioned directory switched by one atomic rename,
-rapo_fast/_atomic.py); when training starts from a checkpoint (trainer.train(resume_from_checkpoint=...)), the saved
-buffer replaces the traces' contents in place, so the rollout_func holding them retrieves from the resumed buffer.
-RAPOGRPOTrainer adds it by itself when its rollout_func holds a StepTraces; with TRL's own GRPOTrainer pass
-callbacks=[StepTracesCheckpoint(traces)].
+What it is: saves the StepTraces beside each TRL checkpoint (`rapo_step_traces/`, crash-safe through StepTraces.save)
+and, on resume, loads it into the traces in place. RAPOGRPOTrainer adds it by itself when its rollout_func holds a
+StepTraces; with TRL's own GRPOTrainer pass callbacks=[StepTracesCheckpoint(traces)].
 What it is not: a checkpoint of the encoder (not saved; pass the same one) or of a K/V store's model.
 """
 

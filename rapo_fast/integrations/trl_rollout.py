@@ -1,12 +1,7 @@
 """RAPO's hybrid rollouts inside TRL: a `rollout_func` for `trl.GRPOTrainer` / `RAPOGRPOTrainer`, and the batch extras.
 
-What it is: `make_rollout_func(env, traces, ...)` returns a callable with TRL's rollout_func contract that runs
-`rapo_fast.rollout` on the trainer's model (a hybrid row may insert a retrieved step between <retrieve> tags), grows
-the StepTraces from the successful steps, and returns per row "env_mask" (1 on sampled tokens only, so tool output
-and retrieved steps get no gradient in any GRPOTrainer), "retrieved_mask", "retrieval_reward" and "num_retrievals";
-`attach_rollout_extras` (RAPOGRPOTrainer's `_generate_and_score_completions` override) carries them into the loss
-batch and scales TRL's advantages by (1 + a * A_ret). Plain-text and conversational prompts (chat template applied
-as TRL does; trl_setup.ChatFormat). Evaluation neither retrieves (unless retrieve_at_eval) nor grows the buffer.
+What it is: `make_rollout_func` (TRL's rollout_func contract over `rapo_fast.rollout`, growing the StepTraces) and
+`attach_rollout_extras` (carries its extras into the loss batch and scales TRL's advantages by (1 + a * A_ret)).
 What it is not: TRL's generation (no vLLM; top_p, top_k, min_p, repetition_penalty are refused: sampling is at
 trainer.temperature), nor a reward function. docs/trl.md, "Hybrid rollouts inside TRL", says why two hooks.
 """

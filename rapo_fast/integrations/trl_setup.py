@@ -1,10 +1,7 @@
 """Getting a real model's tokenizer ready for RAPO's rollouts inside TRL: the tag check, its remedy, chat prompts.
 
-What it is: `check_rapo_tags(tokenizer)` (ValueError unless each of <tool> </tool> <retrieve> </retrieve> is one token
-of the vocabulary, not the unk token, and encodes to that token), `add_rapo_tags(tokenizer, model)` (the one-call
-remedy: adds the missing tags as tokens and resizes the model's embeddings), and `ChatFormat`, a conversational prompt
-and a tool turn rendered by the tokenizer's chat template as TRL renders prompts (apply_chat_template with
-add_generation_prompt and the trainer's chat_template_kwargs).
+What it is: `check_rapo_tags` (ValueError unless each tag is one token of the vocabulary), `add_rapo_tags` (the
+one-call remedy) and `ChatFormat` (prompts and tool turns rendered by the chat template as TRL renders prompts).
 What it is not: a tokenizer, a tool-call parser (a tool call is the text between the tags), or TRL's tool calling.
 """
 

@@ -2,11 +2,10 @@
 its finalisation, the per-element gradient of (log-prob, entropy) w.r.t. the logits, and the interpreter switch for
 `tl.dot` operands.
 
-What this is: device functions other kernels inline (token_logprobs, the fused policy loss). What this is not: a
-kernel, a launcher, or anything that touches torch tensors. Every formula works on logits relative to the row max m
-(shift-invariant: errors scale with |z - m|, not |m|), forward and backward alike: a row's statistics are the pair
-(m, log s), which the backward reads back, never lse = m + log s rounded to fp32. The online state (m, s, t), its
-finalisation and the gradient formula are in docs/loss.md section 2; the -inf guards in docs/pitfalls.md #2 and #3.
+What this is: device functions other kernels inline. Every formula works on logits relative to the row max m, so
+errors scale with |z - m|, not |m|; the online state (m, s, t), its finalisation and the gradient: docs/loss.md
+section 2; the -inf guards: docs/pitfalls.md #2 and #3.
+What this is not: a kernel, a launcher, or anything that touches torch tensors.
 """
 
 from __future__ import annotations

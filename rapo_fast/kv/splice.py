@@ -1,10 +1,8 @@
-"""Splicing cached K/V of retrieved steps into live KV caches, keys re-rotated by RoPE.
+"""Splicing cached K/V of retrieved steps into live KV caches, keys re-rotated by RoPE (spec: docs/kv_splice.md).
 
-What this is: `splice_kv` (many (payload_id, batch_row, position) requests in one backend call across all layers,
-through the registered op `rapo_fast::kv_splice_`; the plain-torch reference on request), `PagedKVCache` (the
-flash-attn/vLLM paged layout) and `insert_segment` (the rollout's entry point: splice, exact re-prefill or blend).
-Spliced K/V are exact in layer 0 only, so sampling from a spliced cache is a behaviour policy (docs/kv_splice.md
-section 6). The spec is docs/kv_splice.md.
+What this is: `splice_kv` (many requests in one call of the registered op `rapo_fast::kv_splice_`), `PagedKVCache`
+(the flash-attn/vLLM paged layout) and `insert_segment` (the rollout's entry point). Spliced K/V are exact in layer 0
+only, so sampling from a spliced cache is a behaviour policy (docs/kv_splice.md section 6).
 What this is not: the rotation math (csrc/include/rapo/rope.h, reference in rapo_fast/reference/kv_splice.py) or
 HF cache internals (rapo_fast/kv/hf_cache.py).
 """

@@ -1,5 +1,4 @@
-"""Argument checks of the KV splice (rapo_fast/kv/splice.py): integer arguments without silent truncation, the request
-list, cache layer tensors, physical-slot overlap in paged caches, and the dtypes/shapes the registered op
+"""Argument checks of the KV splice (rapo_fast/kv/splice.py), including the dtypes/shapes the registered op
 `rapo_fast::kv_splice_` reads its pointers as.
 
 What this is not: the splice itself (rapo_fast/kv/splice.py) or the index checks of the compiled backends

@@ -62,12 +62,9 @@ class StepKVStore:
 
     Pools: keys_pool / values_pool [num_layers, capacity_tokens, H_kv, D] (keys as the attention saw them, i.e.
     rotated to positions 0..L-1). A payload occupies tokens [offset, offset + L) of the pools; evicted ranges are
-    reused first-fit; when no free range fits, the payloads are packed to the front of new pools, capacity_tokens
-    staying when the free tokens suffice, else becoming max(2 x it, stored + new tokens). So the pools never exceed
-    max(the initial capacity_tokens, 2 x the most tokens stored at once, counting the payload being added): bounded by
-    what the store holds, not by how many payloads passed through it (docs/kv_splice.md, "Memory bound"). Payload ids
-    are the StepBuffer's payload ids; re-adding a live id raises unless replace=True (the StepBuffer overwrote that
-    step).
+    reused first-fit, and the pools are bounded by what the store holds, not by how many payloads passed through it
+    (docs/kv_splice.md, "Memory bound"). Payload ids are the StepBuffer's payload ids; re-adding a live id raises
+    unless replace=True (the StepBuffer overwrote that step).
     """
 
     def __init__(

@@ -120,10 +120,8 @@ def rapo_advantages(
     - "retrieved": z-scored over the rows of the group that retrieved (retrieved, bool [B], required), the others get
       A_ret = 0 exactly (A = A_acc) and their z_ret is ignored; a group with one retrieving row, or retrieving rows of
       equal Z, gives them A_ret = 0 (the std-0 rule). With every row retrieving it equals "group" bit for bit.
-    The published method writes A_ret as the group-normalised Z with Z = 0 for a trajectory without retrieval
-    (arXiv 2603.03078 as summarised in the project's design notes); whether its code normalises over every rollout
-    or only the retrieving ones could not be checked (its source is not in the stored corpora), so the default keeps
-    the formula as written. Returns [B] in rewards' dtype; pass it to rapo_loss as per-sequence advantages.
+    Why "group" is the default (the paper's formula as written): docs/loss.md section 8.
+    Returns [B] in rewards' dtype; pass it to rapo_loss as per-sequence advantages.
     """
     C.check_tensor("rewards", rewards, ndim=1, dtypes=C.FLOAT_DTYPES)
     C.check_tensor("group_ids", group_ids, shape=tuple(rewards.shape), dtypes=C.INT_DTYPES)

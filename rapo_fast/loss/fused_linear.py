@@ -1,10 +1,9 @@
 """One-pass fused hidden-state policy loss: logits tiles, log-prob/entropy, per-token loss and all gradients in the
 forward; the backward only scales the stored gradients by the upstream scalar.
 
-What this is: the registered op `rapo_fast::fused_linear_policy_loss` that rapo_fast.rapo_loss uses for hidden= inputs
-with token-level importance sampling when a gradient is needed and the device runs Triton. It reuses the kernels of
-token_logprobs through the tile helpers of rapo_fast/loss/tiles.py and the per-token policy-loss launchers of
-rapo_fast/loss/policy_op.py, tile by tile. Why it works, the tiling, grad_W and memory: docs/loss.md section 6.
+What this is: the registered op `rapo_fast::fused_linear_policy_loss`, built from the tiles of rapo_fast/loss/tiles.py
+and the launchers of rapo_fast/loss/policy_op.py; when rapo_loss takes it, why it works, the tiling, grad_W and
+memory: docs/loss.md section 6.
 What this is not: new math (there is none here), the sequence-level (GSPO) path (its ratio needs the whole sequence's
 log-prob before any token's loss gradient is known: it keeps the two-pass path), or the logits= path.
 """

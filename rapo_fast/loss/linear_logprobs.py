@@ -1,10 +1,7 @@
 """The hidden-state path of token_logprobs: the registered ops `rapo_fast::linear_token_logprobs_fwd` / `_bwd`, which
 take hidden [N, H] and the lm_head weight [V, H] (+ bias) instead of logits and never hold [N, V].
 
-What this is: the forward forms the logits tile by tile ([rows, V_chunk] by torch.matmul, rapo_fast/loss/tiles.py)
-and folds each tile into a per-row online state; the backward recomputes each tile, turns it into grad_z in place and
-feeds three GEMMs (grad_h, grad_W, grad_b), vocabulary tiles outer so that grad_W of one vocabulary tile is finished
-before the next. Only [N] fp32 vectors are saved for backward.
+How the tiles, the recomputing backward and its GEMMs work: docs/loss.md section 2, "Hidden path".
 What this is not: the public function, its checks and its CPU fallback (rapo_fast/loss/logprobs.py), the logits= path
 (also there), or the kernels (rapo_fast/kernels/loss/token_logprobs.py).
 """

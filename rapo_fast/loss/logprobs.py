@@ -1,12 +1,9 @@
 """token_logprobs: the public fused per-token log-prob (+ full-vocabulary entropy), its launchers and autograd wiring.
 
-What this is: token_logprobs' front desk (the head's autocast cast, head_in_hidden_dtype, shared with rapo_loss, and
-every argument check, once per call, into one LogprobInputs), the runner of the path that rapo_fast/loss/path_plan.py
-picks (shared with rapo_loss, which has a front desk of its own), the Triton launchers of
-rapo_fast/kernels/loss/token_logprobs.py registered as torch.library ops `rapo_fast::token_logprobs_{fwd,bwd}` (logits
-path; the hidden-state path's `rapo_fast::linear_token_logprobs_{fwd,bwd}` are in rapo_fast/loss/linear_logprobs.py),
-and the chunked reference fallback. Both paths, their tiles and the non-finite rows are described in docs/loss.md
-section 2; the path table in docs/architecture.md, "Log-prob and loss paths".
+What this is: token_logprobs' front desk (every check once, into one LogprobInputs), the runner of the path that
+rapo_fast/loss/path_plan.py picks (shared with rapo_loss), the logits path's ops `rapo_fast::token_logprobs_{fwd,bwd}`
+(the hidden-state path's are in linear_logprobs.py) and the chunked reference fallback. Paths, tiles and non-finite
+rows: docs/loss.md section 2.
 What this is not: the math (rapo_fast/kernels/triton_helpers.py, and the spec in rapo_fast/reference/logprobs.py).
 """
 
@@ -36,9 +33,6 @@ def _row_strides(x: torch.Tensor) -> tuple[int, int, int]:
     if x.dim() == 2:
         return max(1, x.shape[0]), 0, x.stride(0)
     return max(1, x.shape[1]), x.stride(0), x.stride(1)
-
-
-# logits path: rapo_fast::token_logprobs_fwd / _bwd
 
 
 def _lp_fwd_impl(
@@ -228,8 +222,6 @@ _token_logprobs_fwd = register_op(
     "token_logprobs_fwd", _lp_fwd_impl, fake=_lp_fwd_fake, backward=_lp_backward, setup_context=_lp_setup_context
 )
 
-
-# the front desk (argument checks, once per public call), the reference fallback, the runner, the public function
 
 # fp32 temporaries of one fallback chunk (the reference holds a handful of [rows, V] fp32 tensors per chunk).
 _FALLBACK_BYTES = 64 << 20

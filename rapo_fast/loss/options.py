@@ -1,12 +1,9 @@
 """The options of the RAPO policy loss, once: `LossOptions` (every option, its default and its check), and the checks
 of rapo_loss's tensor arguments.
 
-What this is: `LossOptions`, the frozen dataclass (a rapo_fast._sections.Section, whose fields also say how the
-kernels take each option: KernelArg) that rapo_loss, RAPOLoss, policy_loss_from_logp, the presets, the
-TRL / verl adapters and the reference all build; the option vocabularies; `OPTION_DEFAULTS`; `LossInputs`, one loss
-call's arguments by name; `check_inputs`, their validation before any kernel (InputFacts); and the two checks run
-after the log-prob pass from its [N] output (check_logits_rows_defined, check_loss_logp_defined), so that no check
-reads the [N, V] logits. The options table is docs/loss.md section 7.
+What this is: `LossOptions` (a frozen rapo_fast._sections.Section that every loss entry point, adapter and the
+reference builds), the option vocabularies, `OPTION_DEFAULTS`, `LossInputs`, `check_inputs`, and the two checks run
+on the log-prob pass's [N] output, so that no check reads the [N, V] logits. The options table: docs/loss.md section 7.
 What it is not: the loss math (docs/loss.md; rapo_fast/loss/policy_loss.py and
 rapo_fast/kernels/loss/policy_loss.py compute it) or generic checks (rapo_fast/_checks.py, which this module uses).
 """
@@ -60,7 +57,6 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
-# ---------------------------------------------------------------------------------------------------------- options
 @dataclass(frozen=True)
 class KernelArg:
     """How an option reaches the policy-loss kernels (rapo_fast/kernels/loss/policy_loss.py), which take it as a keyword
@@ -187,7 +183,6 @@ class LossOptions(Section):
 # trace dataclasses.fields(), so Section's plan is made now and no method reads the fields at call time.
 LossOptions.plan()
 _FIELDS = fields(LossOptions)
-# the kernel options in field order with their KernelArg (every launch encodes / decodes through it)
 _KERNEL_ARGS = MappingProxyType({f.name: f.metadata["kernel"] for f in _FIELDS if "kernel" in f.metadata})
 
 
@@ -198,7 +193,6 @@ def _refuse_unknown(keywords: Mapping[str, Any], caller: str, exclude: Collectio
             raise TypeError(f"{caller}() got an unexpected keyword argument {k!r}")
 
 
-# the defaults as a read-only mapping (option name -> default), derived from LossOptions
 OPTION_DEFAULTS: Mapping[str, Any] = MappingProxyType({f.name: f.default for f in _FIELDS})
 
 
@@ -221,7 +215,6 @@ def with_option_keywords(exclude: Collection[str] = ()) -> Callable[[Callable], 
     return decorate
 
 
-# ------------------------------------------------------------------------------------------------------ tensor checks
 @dataclass(frozen=True)
 class InputFacts:
     """What check_inputs learnt: the targets' (or logp's) shape, flat layout or not, rows (sequences), the device,
@@ -359,10 +352,8 @@ def check_logits_rows_defined(logp: torch.Tensor, loss_mask: torch.Tensor, logit
     those would give a NaN loss. Masked tokens may hold anything: they contribute exactly zero.
 
     Decided from the forward's own output rather than from a pass of its own over the [N, V] logits (which cost
-    about 2 ms of a 5.5 ms loss at N=16k, V=152k): `logp` is token_logprobs' log-prob, and every path of it (the
-    Triton kernel, whose logp = (z_y - m) - log s with lse = m + log s; the chunked reference and the fp64
-    reference, which write NaN where the lse is not finite) gives NaN exactly where the row's lse is not finite
-    (docs/loss.md section 2; a finite lse gives a finite or -inf logp). So: one [N] comparison and one sync, after
+    about 2 ms of a 5.5 ms loss at N=16k, V=152k): `logp` is token_logprobs' log-prob, which on every path is NaN
+    exactly where the row's lse is not finite (docs/loss.md section 2). So: one [N] comparison and one sync, after
     the log-prob launch and before the policy op and any backward; skipped while tracing under torch.compile (as
     check_loss_logp_defined). The error path alone reads one logits row, for the message."""
     if logp.numel() == 0 or torch.compiler.is_compiling():
@@ -422,7 +413,6 @@ def check_inputs(a: LossInputs) -> InputFacts:
     if a.given_logp:  # policy_loss_from_logp: log-probs (and entropy) given, no logits/hidden/targets
         tshape, targets, vocab = _check_logp_inputs(a, opts), None, None
     else:
-        # the model side: rapo_fast/_checks.py, shared with token_logprobs
         vocab = C.check_model_inputs(a.logits, a.hidden, a.weight, a.bias, a.targets)
         targets, tshape = a.targets, tuple(a.targets.shape)
     _check_per_token(a, tshape)

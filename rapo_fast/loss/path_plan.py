@@ -1,11 +1,8 @@
 """Which log-prob / loss path runs, decided in one place: `plan_path` returns a named `Path` and the reason for it.
 
-What this is: the rule behind the `backend=` argument of token_logprobs, rapo_loss and policy_loss_from_logp ("auto",
-"triton", "torch", "reference"), the environment switches that steer "auto" only (RAPO_FAST_DISABLE_TRITON=1,
-RAPO_FAST_FUSED_LINEAR_LOSS=0; TRITON_INTERPRET=1 is what lets CPU tensors run Triton at all), the refusal of an
-explicit backend that cannot run on the inputs (ValueError naming backend, its value and why), and the debug line on
-the "rapo_fast" logger naming the path that ran. docs/architecture.md
-("Log-prob and loss paths") lists the paths. The plan is made in Python before any op runs; no op sees it.
+What this is: the rule behind the `backend=` argument of token_logprobs, rapo_loss and policy_loss_from_logp, with the
+environment switches, the refusals and the debug log line; docs/architecture.md ("Log-prob and loss paths") lists the
+paths. The plan is made in Python before any op runs; no op sees it.
 What this is not: the paths themselves (rapo_fast/loss/logprobs.py, linear_logprobs.py, fused_linear.py,
 torch_linear_ce.py, policy_op.py) nor the per-device rule of a single op (rapo_fast/_dispatch.py).
 """

@@ -1,10 +1,8 @@
 """The contract between the policy-loss kernels and their launchers, named once: the per-token code, the rows of the
 stacked per-token inputs, and the layout of the metric partial sums (the options' encoding is LossOptions').
 
-What this is: integer enums that rapo_fast/kernels/loss/policy_loss.py (as constexprs) and the launchers
-(rapo_fast/loss/policy_op.py, fused_linear.py, policy_loss.py) both read; importable without Triton, because
-`import rapo_fast.loss...` must not need it. What this is not: the math (docs/loss.md section 3) or the public metric
-names (rapo_fast/loss/policy_loss.py turns these sums into them, docs/loss.md section 5).
+Integer enums, importable without Triton (`import rapo_fast.loss...` must not need it). What this is not: the math
+(docs/loss.md section 3) or the public metric names (policy_loss.py turns these sums into them, docs/loss.md section 5).
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """rapo_fast.rapo_loss and rapo_fast.RAPOLoss: the drop-in RAPO / GRPO / DAPO / GSPO / PPO policy loss.
 
-What this is: the flow front desk (cast, check and plan once, into one LossInputs) -> log-probs (token_logprobs'
-private runner, not the public function: nothing is checked twice) -> the check that every token in the loss has
-a finite log-sum-exp -> per-sequence quantities (shaping factor F, GSPO sequence log-ratio, aggregation weights) on
-[N]/[S] vectors -> the elementwise policy op `rapo_fast::policy_loss` (or, on the hidden path, the one-pass
-rapo_fast/loss/fused_linear.py). No host sync after that check. The per-token formulas are docs/loss.md section 3,
-aggregation and `global_num_tokens` section 4, the execution paths section 6; the spec is
-rapo_fast/reference/policy_loss.py and the options one rapo_fast.loss.options.LossOptions.
+What this is: the flow front desk (cast, check and plan once) -> log-probs (token_logprobs' private runner: nothing is
+checked twice) -> the finite log-sum-exp check -> per-sequence quantities on [N]/[S] vectors -> the elementwise op
+`rapo_fast::policy_loss` (or the one-pass rapo_fast/loss/fused_linear.py). No host sync after that check. Formulas,
+aggregation and paths: docs/loss.md sections 3, 4 and 6; the spec is rapo_fast/reference/policy_loss.py.
 What this is not: log-probs (rapo_fast/loss/logprobs.py) or advantage estimation (rapo_fast/loss/advantages.py).
 """
 
@@ -46,7 +43,6 @@ from rapo_fast.loss.policy_op import policy_loss_op, stack_token_inputs, torch_p
 __all__ = ["rapo_loss", "policy_loss_from_logp", "RAPOLoss", "LossMetrics", "LossOptions", "OPTION_DEFAULTS"]
 
 
-# ----------------------------------------------------------------------------------------------------- public entry
 def _use_fused(plan: PathPlan) -> bool:
     """Whether rapo_loss takes the one-pass fused hidden-state path (rapo_fast/loss/fused_linear.py): the plan's
     choice (rapo_fast/loss/path_plan.py: hidden= at token level, a gradient needed, Triton, and for backend="auto"
@@ -117,13 +113,12 @@ def rapo_loss(
     shape) or per sequence ([B] or [S]; per token wins if both fit). loss_mask / retrieved_mask / response_mask:
     bool or 0/1 numbers shaped like targets. loss_mask marks the tokens eligible for the loss; retrieved tokens
     among them enter only with offpolicy_train "shaped"/"truncated". response_mask (default: every position of the
-    row / segment) is F's denominator. global_num_tokens: the global normaliser of loss_agg (see module docstring).
+    row / segment) is F's denominator. global_num_tokens: the global normaliser of loss_agg (docs/loss.md section 4).
     inplace_backward (logits= only): the backward writes the logits gradient over the logits instead of a new [N, V]
     tensor; only when nothing reads the logits afterwards (the hazard and the cases where it has no effect:
     rapo_fast.token_logprobs, docs/loss.md).
-    Options: the fields of rapo_fast.loss.options.LossOptions (shaping_m, offpolicy_train, gamma, is_cap, tis_cap,
-    eps_low, eps_high, dual_clip, importance_sampling_level, beta, kl_estimator, entropy_coef, temperature, loss_agg,
-    return_metrics), as keywords, or as `options=LossOptions(...)` (keywords given beside it win).
+    Options: the fields of rapo_fast.loss.options.LossOptions, as keywords, or as `options=LossOptions(...)` (keywords
+    given beside it win).
     backend: "auto" (default), "triton", "torch" or "reference" (token_logprobs' meanings; "triton" also takes the
     fused one-pass path for hidden= at token level with a gradient); an explicit backend that cannot run on the inputs
     raises ValueError. docs/architecture.md ("Log-prob and loss paths") lists the paths.
@@ -164,7 +159,6 @@ def rapo_loss(
     want_ent = opts.entropy_coef != 0.0 or opts.return_metrics
     plan = _plan(a, backend, want_ent)
     if _use_fused(plan):
-        # log-probs, loss and gradients in one pass: rapo_fast/loss/fused_linear.py
         return _loss_from_logp(a, None, None, plan, plan.path, fused=True)
     lp_in = LogprobInputs(
         logits=a.logits,
@@ -242,7 +236,6 @@ def policy_loss_from_logp(
     return _loss_from_logp(a, logp, entropy, plan, plan.path)
 
 
-# ---------------------------------------------------------------------------------- the steps after the log-probs
 @dataclass
 class _Tokens:
     """rapo_loss's per-token inputs as [N] vectors in the compute dtype `cd`, the token classes (on-policy, trained
@@ -332,7 +325,7 @@ def _sequence_terms(t: _Tokens, opts: LossOptions, advantages: torch.Tensor):
 
 
 def _agg_weights(t: _Tokens, loss_agg: str, global_num_tokens) -> torch.Tensor:
-    """The aggregation weight of each token (no gradient: counts only); see the module docstring."""
+    """The aggregation weight of each token (no gradient: counts only); docs/loss.md section 4."""
     cd, dev = t.cd, t.device
     g = None if global_num_tokens is None else torch.as_tensor(global_num_tokens, dtype=cd).to(dev).reshape(())
     actf = t.act.to(cd)
@@ -382,8 +375,6 @@ def _loss_from_logp(
             opts.entropy_coef != 0.0,
         )
     else:
-        # a token in the loss whose logits row has no finite log-sum-exp: refused here, from the log-probs (NaN
-        # exactly there), before the policy op and any backward; no pass of its own over the [N, V] logits
         if a.hidden is not None:
             check_loss_logp_defined(torch.isnan(t.lp) & (code != 0))
         elif a.logits is not None:

@@ -1,11 +1,9 @@
 """The per-token policy-loss op `rapo_fast::policy_loss` (backward: `rapo_fast::policy_loss_bwd`): the launchers of
 rapo_fast/kernels/loss/policy_loss.py, their torch fallback, the op's fake and its autograd formula.
 
-What this is: elementwise work over N tokens. Inputs: logp and entropy (the differentiable ones), the other per-token
-inputs stacked as one tensor with a presence mask (stack_token_inputs; rows: policy_layout.TokenInput) and the options
-as one small tensor (LossOptions.kernel_scalars()), passed to the kernels as keywords of the same names. Nothing here
-names an option: adding one touches LossOptions, the kernels and the reference only. Outputs: the weighted token
-losses w_t l_t and the metric partial sums; the backward gives dL/dlogp and dL/dH times the upstream gradient.
+What this is: elementwise work over N tokens; the per-token inputs come stacked with a presence mask
+(stack_token_inputs) and the options as one small tensor (LossOptions.kernel_scalars()). Nothing here names an
+option: adding one touches LossOptions, the kernels and the reference only.
 What this is not: the per-sequence quantities (rapo_fast/loss/policy_loss.py) or the spec
 (rapo_fast/reference/policy_loss.py: policy_token_loss_ref; docs/loss.md section 3).
 """
@@ -62,7 +60,6 @@ def _kernels():
     return K
 
 
-# ------------------------------------------------------------------------------------------------ torch fallback
 def torch_policy_loss(
     logp: torch.Tensor, ent: torch.Tensor | None, tok: torch.Tensor, present: int, options: Mapping[str, Any]
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,7 +107,6 @@ def torch_policy_loss(
     return loss * r["w"], torch.stack([sums[m] for m in Metric])
 
 
-# ------------------------------------------------------------------------------------------------ op: forward
 def _launch_args(tok: torch.Tensor, present: int, scalars: torch.Tensor, n: int) -> dict:
     """The keyword arguments every policy-loss kernel launch shares: the stacked inputs, and the options under their
     own names (LossOptions.kernel_kwargs)."""
@@ -150,7 +146,6 @@ def _policy_loss_fake(logp, ent, tok, present, scalars):
     return torch.empty_like(logp), logp.new_empty((NUM_METRICS,))
 
 
-# ------------------------------------------------------------------------------------------------ op: backward
 def policy_loss_bwd(
     grad: torch.Tensor, logp: torch.Tensor, tok: torch.Tensor, present: int, scalars: torch.Tensor, has_ent: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,7 +193,6 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, g_out, g_part):
     logp, tok, scalars = ctx.saved_tensors
     dlogp, dent = _policy_loss_bwd_op(g_out, logp, tok, ctx.present, scalars, ctx.has_ent)
-    # gradients of (logp, ent, tok, present, scalars): only the log-probs and the entropy are differentiated
     return dlogp, (dent if ctx.has_ent else None), None, None, None
 
 

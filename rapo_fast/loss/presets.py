@@ -1,11 +1,9 @@
 """Named loss configurations for rapo_fast.rapo_loss / RAPOLoss: `rapo_fast.loss.presets` is this module.
 
-Each preset is a dict of rapo_loss keyword options, checked by rapo_fast.loss.options.LossOptions when this module
-is imported (only options that differ from the defaults need be given, but every preset states its clip, KL and
-aggregation choices in full so that it reads as a whole configuration).
-Use as `rapo_loss(..., **presets.RAPO)`, `LossOptions(**presets.RAPO)` or `RAPOLoss(preset="RAPO", eps_high=0.3)`.
-Treat the dicts as constants (copy before editing); `get(name)` returns a fresh copy. What this is not: advantage
-estimation or rollout settings (group size, ARPO's branching), which live with the trainer.
+Each preset is a dict of rapo_loss keyword options, checked by LossOptions at import, stating its clip, KL and
+aggregation choices in full so that it reads as a whole configuration. Use as `rapo_loss(..., **presets.RAPO)` or
+`RAPOLoss(preset="RAPO", eps_high=0.3)`; treat the dicts as constants (`get(name)` returns a fresh copy).
+What this is not: advantage estimation or rollout settings (group size, ARPO's branching), which live with the trainer.
 """
 
 from __future__ import annotations

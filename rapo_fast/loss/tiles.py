@@ -1,10 +1,7 @@
 """Logits tiles of the hidden-state path: the tile budget, the tile shape, and the launches of the token_logprobs
-kernels on one tile; shared by rapo_fast/loss/linear_logprobs.py (token_logprobs' hidden-state ops) and
-rapo_fast/loss/fused_linear.py (the one-pass policy loss). rapo_fast/loss/logprobs.py (the logits= path) uses its
-launch configuration and kernel loader.
+kernels on one tile; shared by rapo_fast/loss/linear_logprobs.py and rapo_fast/loss/fused_linear.py.
 
-What this is: the tile budget (`tile_budget`, TILE_BYTES, MAX_VOCAB_TILE: module dicts that tests shrink), the
-launches that fold a [rows, V_chunk] logits tile into the per-row online state or overwrite it with grad_z, and
+What this is: `tile_budget`, TILE_BYTES, MAX_VOCAB_TILE (module dicts that tests shrink), the per-tile launches and
 `accumulate_fp32`. How the budget is set and how fp32 sums are made: docs/loss.md section 2, "Hidden path".
 What this is not: the kernels (rapo_fast/kernels/loss/token_logprobs.py), the logits= path's launches
 (rapo_fast/loss/logprobs.py), or a place for autograd.

@@ -1,11 +1,9 @@
 """The CPU fallback of token_logprobs(hidden=...) through PyTorch's own chunked linear cross-entropy.
 
-What this is: where Triton does not run (CPU tensors outside the interpreter), log-probs from hidden states without
-entropy as -F.linear_cross_entropy(h / T, W, y, linear_bias=b / T, reduction="none", ...) (torch >= 2.13), which never
-holds [N, V]; gradients through torch's own backward, in fp32. Why this path and where it does not apply:
+What this is: where Triton does not run, log-probs from hidden states without entropy by torch's
+F.linear_cross_entropy (torch >= 2.13), which never holds [N, V]. Why this path and where it does not apply:
 docs/loss.md section 2, "Without Triton"; rapo_fast/loss/path_plan.py picks it.
 What this is not: the path for entropy, for a row whose log-sum-exp is not finite, or under torch.compile tracing.
-The Triton kernels are elsewhere (rapo_fast/loss/linear_logprobs.py).
 """
 
 from __future__ import annotations

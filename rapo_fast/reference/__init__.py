@@ -1,8 +1,6 @@
 """Plain-PyTorch references of every rapo_fast op: the spec the kernels are tested against.
 
-Imported as `rapo_fast.reference` (the design's reference.py). It is a package with one file per op so that each op's
-spec sits next to nothing else; everything public is re-exported here (flash-attn keeps its references in one
-file).
+One file per op, so that each op's spec sits next to nothing else; everything public is re-exported here.
 What this is not: a fast path. The CPU fallback of the loss uses these functions chunked, nothing more.
 """
 

@@ -1,11 +1,8 @@
-"""Reference (spec) of the RAPO policy loss: plain torch autograd over the formulas of docs/loss.md.
+"""Reference (spec) of the RAPO policy loss: plain torch autograd over the formulas of docs/loss.md (sections 3 and 4).
 
-What this is: `policy_token_loss_ref`, the per-token loss and its metric terms, elementwise over tokens (the Triton
-kernel computes the same formulas; rapo_loss's CPU fallback calls this one), and `rapo_loss_ref`, the whole loss the
-way verl writes it (padded [S, T] rows, per-row shaping factor and GSPO ratio, verl's agg_loss with an optional global
-normaliser). The formulas are docs/loss.md section 3 (per token, and tokens out of the loss) and section 4
-(aggregation). The options are the fields of rapo_fast.loss.options.LossOptions (its checks are the only validation
-here).
+What this is: `policy_token_loss_ref` (the per-token loss and its metric terms; rapo_loss's CPU fallback calls it) and
+`rapo_loss_ref` (the whole loss the way verl writes it). The options are the fields of
+rapo_fast.loss.options.LossOptions (its checks are the only validation here).
 What this is not: a fast path.
 """
 
@@ -62,8 +59,8 @@ def policy_token_loss_ref(
 
     logp: float tensor (fp32/fp64) with grad; on_mask/off_mask: bool, the on-policy tokens in the loss and the
     retrieved tokens trained off-policy; seq_log_ratio: per token, the (already detached) sequence mean log-ratio for
-    importance_sampling_level="sequence", else None. options: the per-token fields of LossOptions (offpolicy_train,
-    gamma, is_cap, tis_cap, eps_low, eps_high, dual_clip, beta, kl_estimator, kl_clamp, entropy_coef). Returns
+    importance_sampling_level="sequence", else None. options: the per-token fields of LossOptions (those with a
+    KernelArg). Returns
     (loss [...], terms) where loss is 0 outside on|off and terms holds detached per-token values: clipped_high,
     clipped_low, dual_clipped (bool), ratio, approx_kl, and where computed kl (ref_logp given), tis_weight (tis_cap
     set), offpolicy_weight (offpolicy_train not "none").

@@ -1,10 +1,9 @@
 """Reference (spec) of exact step retrieval: a float64 brute-force top-k search, the contract both backends are tested
 against.
 
-What this is: the contract's executable form: metrics reported larger-is-better, results best first with ties to the
-smaller slot, the eligibility rules and the -inf / -1 padding, all written out in docs/retrieval.md section 2 (shared
-with csrc/include/rapo/retrieval_metric.h and topk.h). It takes l2's direct differences in float64, which need no
-centring; queries should come rounded to the buffer's dtype, as the backends score them.
+What this is: the executable form of docs/retrieval.md section 2 (score conventions, ties, eligibility, padding). It
+takes l2's direct differences in float64, which need no centring; queries should come rounded to the buffer's dtype,
+as the backends score them.
 What this is not: a fast path (it materialises the full [Q, C] score matrix in float64) nor the StepBuffer's storage.
 """
 

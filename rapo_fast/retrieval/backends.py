@@ -2,10 +2,8 @@
 `rapo_fast::retrieval_search`): which implementation runs one search, and the refusal of an explicit choice that
 cannot run on the given tensors.
 
-What this is: the resolution of "auto" | "cpu" | "cuda" | "triton"; "auto" keeps the choice made before the argument
-existed (CPU: the C++ backend; CUDA: `select_backend` of triton_search.py). An explicit backend wins over the env var;
-one that cannot run raises ValueError naming `backend`, the value and why. The rules are in docs/retrieval.md,
-"Choosing the backend"; every backend returns the same results (rapo_fast/reference/retrieval.py).
+The rules: docs/retrieval.md, "Choosing the backend"; every backend returns the same results
+(rapo_fast/reference/retrieval.py).
 What this is not: the backends themselves, or the crossover table (triton_search.py).
 """
 

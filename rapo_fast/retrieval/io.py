@@ -1,12 +1,7 @@
 """Atomic, versioned, checksummed save/load of a StepBuffer's state: safetensors for the arrays, JSON for the rest.
 
-Directory layout (a versioned directory of rapo_fast._atomic; docs/formats.md section 2): ``<dir>/CURRENT`` names the
-live snapshot ``<dir>/snapshot-<id>/`` and the SHA-256 of its ``meta.json`` (format name, format version, the buffer's
-sizes and policy, and the size and SHA-256 of ``tensors.safetensors``). A save writes a new snapshot beside the live
-one and switches CURRENT with os.replace; a crash at any point leaves CURRENT naming a complete snapshot. A load
-checks every checksum, every field of meta.json (types, ranges, choices) and every tensor (names, shapes, dtypes,
-finite keys and scores, group ids >= 0, insertion numbers distinct and below next_seq), and raises
-StepBufferFormatError naming the file and the field.
+The layout (a versioned directory of rapo_fast._atomic) and what a load checks: docs/formats.md section 2; a bad
+file raises StepBufferFormatError naming the file and the field.
 What this is not: the buffer logic (rapo_fast/retrieval/buffer.py) or the generic crash-safe machinery
 (rapo_fast/_atomic.py).
 """
@@ -106,7 +101,7 @@ def _check_tensors(tensors: dict[str, torch.Tensor], meta: dict[str, Any], where
 
 def read_snapshot(directory: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Read the current snapshot of `directory`: (tensors on the CPU, meta), every file, field and tensor checked
-    (module docstring). Raises StepBufferFormatError."""
+    (docs/formats.md section 2). Raises StepBufferFormatError."""
     from safetensors.torch import load_file
 
     with read_version(directory, _PREFIX, FORMAT_NAME, FORMAT_VERSION, StepBufferFormatError) as v:

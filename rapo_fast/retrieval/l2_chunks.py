@@ -1,9 +1,7 @@
 """The l2 search over centred keys, chunk by chunk: how StepBuffer.search scores metric "l2" on CUDA without a full
-centred copy of the stored keys (docs/retrieval.md, "l2 about the keys' mean").
+centred copy of the stored keys (docs/retrieval.md, "l2 on CUDA, chunk by chunk").
 
-What this is: `chunked_l2_search`, which centres at most `chunk_rows` keys at a time, searches each chunk with the
-given search function and merges the per-chunk top-k lists exactly (ties to the smaller slot and -inf / -1 padding
-included). It is device-agnostic, so the CPU tests run it with the CPU backend.
+What this is: `chunked_l2_search` (device-agnostic, so the CPU tests run it with the CPU backend).
 What this is not: a search kernel, argument validation (StepBuffer does it first), or the CPU path (the CPU backend
 centres keys as it packs them and needs no copy).
 """

@@ -1,9 +1,7 @@
 """Exact l2 top-k whatever the keys' layout: the fp32 search's answer, certified per query, else a float64 search.
 
-What this is: the fp32 search is asked for k + 1 candidates (more when needed), they are re-scored exactly (float64
-direct differences), and a query's answer is accepted only when the fp32 error bound proves that no key left out can
-be as close as the k-th; a query not certified with CERT_MAX_K candidates gets the float64 brute force over all keys.
-Why the fp32 expanded form fails, the bound and the scores returned: docs/retrieval.md section 2 (l2 precision).
+Why the fp32 expanded form fails, the certificate's bound and the scores returned: docs/retrieval.md, "l2 certified,
+else float64".
 What this is not: a kernel (the fp32 search is the backends'), or argument validation (StepBuffer does it first).
 """
 
@@ -96,7 +94,7 @@ def certified_l2_search(
     max_k: int = CERT_MAX_K,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact l2 top-k (scores [Q, k] fp32, slots [Q, k] int64) of queries [Q, D] (already in the keys' dtype) against
-    keys [C, D], from the fp32 search `raw` certified per query (module docstring), else the float64 brute force.
+    keys [C, D], from the fp32 search `raw` certified per query (docs/retrieval.md), else the float64 brute force.
     centre [D]: the mean the fp32 search centres on; groups / exclude as in the search op; min_score applied to the
     exact scores. max_k: the most candidates `raw` can return (the op's MAX_K), capped at CERT_MAX_K."""
     nq, dim, c = queries.shape[0], queries.shape[1], keys.shape[0]

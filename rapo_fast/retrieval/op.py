@@ -1,12 +1,10 @@
 """The registered search op `rapo_fast::retrieval_search`: calls the compiled CPU or CUDA backend of rapo_fast._C on
 already-validated tensors, with a fake implementation so that a search traces under torch.compile.
 
+`backend` ("auto" | "cpu" | "cuda" | "triton") picks the implementation as rapo_fast/retrieval/backends.py says; an
+explicit backend that cannot run on the tensors raises ValueError.
 What this is not: argument validation (rapo_fast/retrieval/buffer.py validates before calling; called directly, the op
-checks ranks, dtypes and devices, and the extension each tensor it is given and every extent it indexes with) or the
-buffer itself.
-`backend` ("auto" | "cpu" | "cuda" | "triton", rapo_fast/retrieval/backends.py) picks the implementation: "auto" runs
-the C++ backend of the tensors' device, or on CUDA tensors the Triton kernel where rapo_fast/retrieval/triton_search.py
-says so (same contract); an explicit backend that cannot run on the tensors raises ValueError.
+still checks ranks, dtypes and devices) or the buffer itself.
 Written without `from __future__ import annotations` because torch.library infers the op schema from the annotations.
 """
 

@@ -1,12 +1,7 @@
 """`ShardedStepBuffer`: a StepBuffer spread over the ranks of a torch.distributed process group (docs/retrieval.md).
 
-Each rank keeps its own shard (a StepBuffer); `search` is collective and exact over the union of the shards. Before
-any collective that moves data, `search` validates collectively: every rank checks its own arguments, then all ranks
-exchange one fixed-size int64 descriptor (the outcome of the local checks with the error text, k, min_score and the
-shard's layout) in a single all_gather, and either all go on or all raise the same error. A bad argument on one rank
-therefore never leaves the others blocked in a collective, and ranks never gather tensors of different sizes (which
-aborts gloo).
-
+Each rank keeps its own shard; `search` is collective and exact over the union, and validates collectively first (one
+all_gather of a fixed-size descriptor, so all ranks go on or all raise the same error).
 What this is not: a fault-tolerant collective (a rank that dies or never calls `search` still blocks the others until
 the process group's timeout), or a distributed `add` (adding is local to each rank).
 """
@@ -128,7 +123,6 @@ class ShardedStepBuffer:
         dist.all_gather(out, t.to(dev).contiguous(), group=self.group)
         return out
 
-    # ---- collective validation ----
     def _check_local(
         self, queries, k, exclude_groups, min_score, backend="auto"
     ) -> tuple[torch.Tensor, torch.Tensor | None, float]:
@@ -174,7 +168,6 @@ class ShardedStepBuffer:
                 raise ValueError(f"{name} must be the same on every rank, got {shown} by rank ({where})")
         return q, exclude, thr, [int(d[_Q]) for d in descs]
 
-    # ---- search ----
     def search(
         self,
         queries: torch.Tensor,

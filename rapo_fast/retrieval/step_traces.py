@@ -1,12 +1,9 @@
 """StepTraces: the step-trace buffer of RAPO (history embedding -> the step taken next), built from JSONL trajectories.
 
-What this is: the glue between an off-policy source and `rapo_fast.StepBuffer`: `StepTraces.from_jsonl` (top K per
-query by reward, split into steps, each history encoded as the key, the step's `<retrieve> ... </retrieve>` tokens as
-the payload, optionally each segment's K/V for splice mode), `add_steps` for the policy's own successful steps, and
-`retrieve`. Group ids, pinned off-policy steps, eviction and the memory bounds (payloads and K/V of the buffer's steps
-only) are in docs/retrieval.md (section 6), the saved layout in docs/formats.md section 3.
-What it is not: the nearest-neighbour search (StepBuffer) or the splicing (rapo_fast.kv.splice); the retrieval
-contract is in docs/retrieval.md.
+What this is: the glue between an off-policy source and `rapo_fast.StepBuffer`: `StepTraces.from_jsonl`, `add_steps`
+for the policy's own successful steps, and `retrieve`. Group ids, pinned steps, eviction and memory bounds:
+docs/retrieval.md section 6; the saved layout: docs/formats.md section 3.
+What it is not: the nearest-neighbour search (StepBuffer) or the splicing (rapo_fast.kv.splice).
 """
 
 from __future__ import annotations
@@ -59,7 +56,7 @@ class StepTraces:
     Args: buffer (a rapo_fast.StepBuffer with dim == the encoder's output dim), encoder (texts -> [N, D] fp32),
     tokenizer (encode(text) -> ids), kv_store (optional rapo_fast.StepKVStore keyed by payload id), model (needed with
     kv_store to compute the K/V of new segments), pin_offpolicy (keep the off-policy steps when on-policy steps fill
-    the buffer: the module docstring; applies to a buffer with `set_pinned`, i.e. a StepBuffer).
+    the buffer: docs/retrieval.md section 6; applies to a buffer with `set_pinned`, i.e. a StepBuffer).
     """
 
     def __init__(
@@ -122,8 +119,8 @@ class StepTraces:
         """Read trajectories, keep the top `top_k` per query by reward, split into steps and fill a new StepBuffer.
 
         The buffer's capacity defaults to 4x the off-policy steps (room for on-policy steps added later). The
-        off-policy steps are pinned once stored (pin_offpolicy; the module docstring), so the buffer holds what it held
-        before pins existed until on-policy steps arrive.
+        off-policy steps are pinned once stored (pin_offpolicy; docs/retrieval.md section 6), so the buffer holds what
+        it held before pins existed until on-policy steps arrive.
         """
         from rapo_fast.retrieval.buffer import StepBuffer
         from rapo_fast.retrieval.jsonl import read_jsonl
@@ -350,7 +347,6 @@ class StepTraces:
             if all(seg is not None for seg, p in zip(segs, pids.tolist()) if p >= 0):
                 return segs, pids, scores
 
-    # -- persistence ------------------------------------------------------------------------------------------------
     def save(self, directory: str | Path) -> None:
         """Save as one versioned unit (docs/formats.md section 3): the buffer (a nested StepBuffer snapshot), the
         live payloads and the counters (traces.json), and the K/V store's contents when there is one (kv_store.pt: the

@@ -1,10 +1,9 @@
 """The Triton search path of StepBuffer.search on CUDA: its launcher, argument checks, the merge of the per-split
 candidates, and the dispatch table that picks the Triton path or the CUDA backend per call.
 
-What this is: `triton_search(...)`, with the signature and contract of `rapo_fast::retrieval_search`
-(rapo_fast/retrieval/op.py), on CUDA tensors and on CPU tensors under TRITON_INTERPRET=1; and `select_backend`
-(RAPO_FAST_RETRIEVAL_BACKEND, else CROSSOVERS, whose rows are PREDICTED, not measured: replaced by the GPU run's
-figures), the "auto" choice of rapo_fast/retrieval/backends.py. Both are described in docs/retrieval.md, "Triton path".
+What this is: `triton_search(...)` (the contract of `rapo_fast::retrieval_search`; also on CPU under TRITON_INTERPRET=1)
+and `select_backend` (RAPO_FAST_RETRIEVAL_BACKEND, else CROSSOVERS, whose rows are PREDICTED, not measured: replaced by
+the GPU run's figures). Both: docs/retrieval.md, "Triton path".
 What this is not: the kernel (rapo_fast/kernels/retrieval/search.py), StepBuffer's argument checks (rapo_fast/retrieval/
 buffer.py), or the CUDA backend (csrc/retrieval_cuda.cu).
 """
@@ -52,15 +51,8 @@ class Crossover:
     backend: str
 
 
-# PREDICTED, not measured: replaced by the GPU run's figures. No GPU has run the Triton path yet (docs/perf.md,
-# "Retrieval, many queries"); every row below is a prediction from the kernels' design, none a timing.
-# The Triton kernel is a pipelined tensor-core GEMM with a filtered top-k: predicted ~2x faster than the CUDA backend's
-# WMMA kernel once the search is compute bound (64 against 32 flop per byte streamed from L2), but each program pays
-# a few merges (~10 tiles' worth each) and needs ~132 programs of >= 64 key tiles to fill an H100, hence Q >= 512 and
-# C >= 1M. Few queries (paper scale, Q <= 64) stay on the CUDA backend (bandwidth bound there), and
-# so do fp32 keys and l2 (both score in fp32 FMA on either path) and large k (the workspace and merges grow with k).
-# bench/gpu/call1_headline.py times `ours_cuda` and `ours_triton` side by side; its numbers replace
-# these rows.
+# Every row is a prediction from the kernels' design, none a timing: why these bounds is docs/perf.md, "Predicted
+# crossover"; bench/gpu/call1_headline.py times `ours_cuda` and `ours_triton` side by side; its numbers replace them.
 CROSSOVERS_STATUS = "PREDICTED, not measured: replaced by the GPU run's figures"
 CROSSOVERS: tuple[Crossover, ...] = (
     Crossover(torch.float16, min_q=512, min_c=1_000_000, max_k=256, backend="triton"),
@@ -111,14 +103,11 @@ def gpu_tiles(fp32: bool, aligned: bool) -> tuple[int, int, int, int, int]:
     """(BLOCK_Q, BLOCK_C, BLOCK_D, num_warps, num_stages) on a GPU. `aligned`: D, both row strides and both base
     addresses multiples of 16 (as the JIT specialises them), so that the D loop is pipelined through shared memory.
 
-    fp16/bf16, aligned: 128 x 128 x 64, 8 warps, 3 stages: 64 flop per byte of operands streamed from L2 (128 x 64:
-    43; the scan is L2 bound, docs/perf.md). Not fully spill-free on sm_90a: 255 registers and 16-56 B of stack
-    (metric ip; 0 for cosine and l2): loop invariants stored once before the key loop and reloaded once per merge, no
-    spill instruction in the per-tile path. The spill-free 128 x 64 streams 1.5x the L2 bytes per flop,
-    which costs more than a reload per merge (bench/NOTES_retrieval.md, "Registers and spills").
-    Not aligned (an odd D): loads go through registers, not shared memory, so BLOCK_D is 16 and BLOCK_C 64
-    (128 x 128 x 16: 88 B of stack). fp32 (FMA, no TF32): 64 x 64 x 32, 8 warps, 1 stage (4 warps: ~270 B of stack;
-    3 stages: up to 24 B, by metric and D). TILES_ENV ("128,64,64,8,3") overrides them all, for the GPU run to
+    fp16/bf16, aligned: 128 x 128 x 64, 8 warps, 3 stages: 64 flop per byte streamed from L2 (the scan is L2 bound),
+    at the price of a few bytes of stack reloaded once per merge, never in the per-tile path. Not aligned (an odd D):
+    loads go through registers, so BLOCK_D is 16 and BLOCK_C 64. fp32 (FMA, no TF32): 64 x 64 x 32, 8 warps, 1 stage.
+    The measured registers and spills of each choice and its alternatives: bench/NOTES_retrieval.md, "Registers and
+    spills". TILES_ENV ("128,64,64,8,3") overrides them all, for the GPU run to
     compare (docs/retrieval.md, "Triton path"); tests/test_sm90_compile.py holds these choices' registers, spills and
     shared memory to stated bounds."""
     env = os.environ.get(TILES_ENV)

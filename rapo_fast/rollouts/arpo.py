@@ -1,9 +1,7 @@
 """ARPO's entropy-adaptive branching (arXiv 2507.19849) inside the lockstep rollout, by two rules.
 
-What this is: the branching policy. Each prompt has `group_size` row slots; `initial` of them start; a branch makes up
-to beam - 1 free slots of its group copies of the row as it was right after a tool result. Two rules decide when a
-row branches: "paper" (the paper's description, with the normalised entropy rise bounded by PAPER_RISE_BOUND) and
-"released" (the code behind the published numbers, dongguanting/ARPO at e257337). Both rules, exactly, are in
+What this is: the branching policy: a branch makes up to beam - 1 free row slots of its group copies of the row as it
+was right after a tool result. The rules "paper" and "released" (dongguanting/ARPO at e257337), exactly:
 docs/rollout.md section 2 ("arpo").
 What this is not: advantage attribution (rapo_fast.train.trainer.hard_attribution).
 """
@@ -99,7 +97,6 @@ class ArpoBrancher:
             r = self.rows[i]
             if r.cur_start is not None:
                 continue
-            # the first token of a new step: remember where a branch would restart
             a = r.arpo
             a["step"], a["ents"], a["seg_sum"], a["seg_n"] = len(r.steps), [], 0.0, 0
             if a["step"] > 0 and not a.pop("skip_check", False):

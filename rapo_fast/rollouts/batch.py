@@ -1,11 +1,9 @@
 """RolloutBatch: what a rollout returns (padded token tensors, per-token kinds, behaviour log-probs, entropies, step
 spans, retrievals) and the masks the trainer derives from it.
 
+Token kinds (KIND_PAD 0, KIND_PROMPT 1, KIND_GEN 2, KIND_RET 3, KIND_TOOL 4, KIND_OFF 5) and which enter the loss:
+docs/rollout.md section 3.
 What this is not: the generation loop (rapo_fast/rollouts/loop.py) or the loss (rapo_fast/loss/policy_loss.py).
-Token kinds: KIND_PAD 0, KIND_PROMPT 1, KIND_GEN 2 (sampled by the policy), KIND_RET 3 (a retrieved step, between
-and including <retrieve> ... </retrieve>), KIND_TOOL 4 (tool output), KIND_OFF 5 (a model token of a whole off-policy
-trajectory: trajectory-level off-policy, LUFFY-style). The loss holds GEN and OFF tokens; OFF tokens count as
-retrieved (off-policy) tokens, trained only through rapo_loss's offpolicy_train ("shaped": p / (p + gamma)).
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """RolloutConfig: every setting of `rapo_fast.rollout`, with one sub-config per strategy that has settings.
 
-What this is: the strategy and mode vocabularies (STRATEGIES, MODES: defined here only), `RolloutConfig` (group size,
-strategy, mode, sampling and step budgets) holding `hybrid: HybridConfig`, `arpo: ARPOConfig` and
-`offpolicy_traj: OffPolicyTrajConfig` (a strategy reads its own; the others are ignored) and `STRATEGY_CONFIG_FIELDS`
-(strategy name -> the field of its sub-config).
-Checked on construction: a bad value raises ValueError/TypeError naming the dotted field ("rollout.arpo.beam").
+What this is: the vocabularies STRATEGIES and MODES (defined here only), `RolloutConfig` with its sub-configs (a
+strategy reads its own; the others are ignored) and `STRATEGY_CONFIG_FIELDS`. Spec: docs/rollout.md.
 What this is not: the loop (rapo_fast/rollouts/loop.py), the strategies (rapo_fast/rollouts/strategies.py), or the
-trainer's configuration (rapo_fast/train/config.py, which holds a RolloutConfig as `rollout`). Spec: docs/rollout.md.
+trainer's configuration (rapo_fast/train/config.py, which holds a RolloutConfig as `rollout`).
 """
 
 from __future__ import annotations

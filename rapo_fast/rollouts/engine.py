@@ -1,12 +1,8 @@
 """Lockstep batched decoding over a Hugging Face KV cache, with per-row positions and a column mask.
 
-What this is: the engine under rapo_fast.rollout. Every row of the batch advances through the same cache columns, but
-a row may feed several tokens at once (tool output, a retrieved step), one (a sampled token) or none (idle, done, or
-waiting for a branch): cache columns a row did not use are masked out for it, and each row keeps its own contiguous
-position ids, so what a row attends to is exactly its own token sequence at positions 0..n-1, the same sequence the
-trainer later scores with full attention. Splice mode has cached K/V columns written (rotated to the row's position)
-instead of running the model over the segment; ARPO branching copies a row's cache and masks the columns after the
-branch point. Column 0 is every row's first prompt token (<bos> if any), so no query has all keys masked (NaN).
+What this is: `DecodeEngine`, the engine under rapo_fast.rollout: every row advances through the same cache columns,
+masking out the columns it did not use and keeping its own contiguous position ids, so a row attends to exactly its
+own token sequence, the one the trainer later scores. How rows feed, branch and splice: docs/rollout.md section 5.
 What this is not: a paged serving engine; the cache grows by one column per lockstep iteration for all rows.
 """
 

@@ -1,10 +1,8 @@
 """Hybrid-policy, multi-turn, tool-integrated rollouts of a HF causal LM, batched over G per prompt: `rollout()`.
 
-What this is: the generation loop of RAPO. Each prompt gets `group_size` rows; a step ends at a tool call or at <eos>.
-`rollout(model, tokenizer, env, problems, cfg)` takes one RolloutConfig (rapo_fast/rollouts/config.py); the strategy
-("hybrid", "on_policy", "arpo", "offpolicy_traj") is a class of rapo_fast/rollouts/strategies.py whose hooks the loop
-calls; rows live in rapo_fast/rollouts/rows.py. Recorded per token: kind, behaviour log-prob and entropy, step
-boundaries, retrievals. The spec is docs/rollout.md (strategies section 2, token kinds section 3, the result section 6).
+What this is: the generation loop of RAPO; the strategy's hooks (rapo_fast/rollouts/strategies.py) decide what each
+row does, and the rows live in rapo_fast/rollouts/rows.py. The spec is docs/rollout.md (strategies section 2, token
+kinds section 3, the result section 6).
 What this is not: the reward, the loss, or the decoding engine (rapo_fast.rollouts.engine).
 """
 
@@ -41,7 +39,7 @@ def rollout(
     generator: torch.Generator | None = None,
     seed: int | None = None,
 ) -> RolloutBatch:
-    """Roll out `cfg.group_size` trajectories for each problem; see the module docstring.
+    """Roll out `cfg.group_size` trajectories for each problem (docs/rollout.md).
 
     model (HF causal LM), tokenizer (encode/decode, pad/bos/eos ids, the special tokens of tiny_policy), env
     (`execute(call_text) -> observation text`, `prompt` attribute of each problem, `qid` its group id), cfg (a

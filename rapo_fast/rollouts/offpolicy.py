@@ -1,13 +1,10 @@
 """Whole off-policy trajectories for trajectory-level off-policy training (LUFFY-style), the baseline that RAPO's
 step-level retrieval is compared against.
 
-What this is: `OffPolicyTrajectories`, the top-K trajectories per query (by reward) of the same JSONL source the step
-buffer is built from (docs/formats.md: {"query_id", "prompt", "steps", "answer", "reward"}), and
-`trajectory_tokens`, one record rendered in the rollout's token format: each step's text up to and including
-`</tool>` and the answer are the trajectory's model tokens (KIND_OFF: in the loss, trained as off-policy tokens), the
-rest of a step is tool output (KIND_TOOL). `rapo_fast.rollout(strategy="offpolicy_traj", n_offpolicy=n, offpolicy=...)`
-replaces n members of each group by such trajectories (rapo_fast/rollouts/loop.py). What this is not: step-level
-retrieval (rapo_fast.retrieval.step_traces) or the shaped loss (rapo_fast.rapo_loss with offpolicy_train="shaped").
+What this is: `OffPolicyTrajectories` (the top-K trajectories per query of the step buffer's JSONL source) and
+`trajectory_tokens` (one record in the rollout's token format), used by `rapo_fast.rollout(strategy="offpolicy_traj")`.
+What this is not: step-level retrieval (rapo_fast.retrieval.step_traces) or the shaped loss (rapo_fast.rapo_loss with
+offpolicy_train="shaped").
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """The Python-side state of one trajectory of a rollout: `Row`, and `RowState`, the one place its life is recorded.
 
-What this is: a row's tokens, kinds, behaviour log-probs, entropies, origins, cache columns, steps and retrievals, the
-methods that append to them, snapshot / restore (ARPO's branches) and its state, an explicit `RowState` (IDLE: an
-ARPO slot not started; RUNNING; BOUNDARY: just past a tool result, where a hybrid row may retrieve; DONE), in place of
-separate active / done / at-boundary flags. What this is not: the loop that advances rows
-(rapo_fast/rollouts/loop.py) or a strategy's decisions (rapo_fast/rollouts/strategies.py).
+What this is: a row's recorded tokens and per-token facts, the methods that append to them, snapshot / restore (ARPO's
+branches) and one explicit `RowState` in place of separate active / done / at-boundary flags.
+What this is not: the loop that advances rows (rapo_fast/rollouts/loop.py) or a strategy's decisions
+(rapo_fast/rollouts/strategies.py).
 """
 
 from __future__ import annotations

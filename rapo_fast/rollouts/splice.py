@@ -1,9 +1,8 @@
 """Splice mode of the rollout: put a retrieved step's cached K/V into the lockstep cache instead of re-prefilling it.
 
-What this is: the bridge from rapo_fast.rollouts.engine.DecodeEngine to rapo_fast.kv.splice.splice_kv. Every segment
-is spliced at the current end of the cache (one slot for all rows), keys rotated to the row's own logical position
-(`rope_positions`), all but its last token; the last token (</retrieve>) is then fed through the model by the caller,
-so that next-token logits come out of a forward that attends to the spliced K/V. Other rows' new columns are masked.
+What this is: the bridge from rapo_fast.rollouts.engine.DecodeEngine to rapo_fast.kv.splice.splice_kv: a segment is
+spliced at the current end of the cache, all but its last token, keys rotated to the row's own position; the caller
+feeds the last token (</retrieve>) through the model so that the next logits attend to the spliced K/V.
 What this is not: the splice op (rapo_fast.kv.splice.splice_kv) or the K/V store (rapo_fast.kv.store.StepKVStore);
 the splice math is in docs/kv_splice.md.
 """

@@ -1,11 +1,8 @@
 """The rollout strategies as small classes with one interface, registered by name: `STRATEGY_REGISTRY`, `strategy_for`.
 
-What this is: `RolloutStrategy` (the hooks the lockstep loop calls: plan the rows of each group, act at tool-result
-boundaries, around each sampled token, when every started row has ended, and the extra rows at the end) and its four
-built-ins: OnPolicyStrategy ("on_policy", GRPO), HybridStrategy ("hybrid", RAPO's step retrieval, exact or splice),
-ARPOStrategy ("arpo": rapo_fast.rollouts.arpo.ArpoBrancher) and OffPolicyTrajStrategy ("offpolicy_traj"). Each reads
-its own sub-config of RolloutConfig (STRATEGY_CONFIG_FIELDS). What this is not: the loop (rapo_fast/rollouts/loop.py)
-or the settings (rapo_fast/rollouts/config.py). Spec: docs/rollout.md section 2.
+What this is: `RolloutStrategy` (the hooks the lockstep loop calls) and its four built-ins, "on_policy", "hybrid",
+"arpo" and "offpolicy_traj", each reading its own sub-config of RolloutConfig. Spec: docs/rollout.md section 2.
+What this is not: the loop (rapo_fast/rollouts/loop.py) or the settings (rapo_fast/rollouts/config.py).
 """
 
 from __future__ import annotations

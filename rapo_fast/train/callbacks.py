@@ -1,9 +1,7 @@
 """Hooks into RAPOTrainer.train: per-step callbacks that can add metrics, feed the progress bar and stop training.
 
-What this is: `TrainerCallback`, the base class whose methods `RAPOTrainer.train` calls (all no-ops here), and
-`EvalCallback`, which runs an evaluation inside the training loop, records the curve, shows the latest score in the
-progress bar and can stop training once a target is reached. The order of the calls within `train` is in
-docs/training.md section 1.
+What this is: `TrainerCallback` (the base; all no-ops) and `EvalCallback` (an evaluation inside the training loop). The
+order of the calls within `train`: docs/training.md section 1.
 What this is not: the training loop (rapo_fast/train/trainer.py) or an evaluation (pass your own, e.g.
 rapo_fast.train.sft.evaluate).
 """

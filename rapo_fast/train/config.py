@@ -1,10 +1,7 @@
 """TrainerConfig: every knob of RAPOTrainer as nested sections that round-trip to YAML/JSON, with presets.
 
-What this is: TrainerConfig = rollout (rapo_fast.rollouts.config.RolloutConfig, one sub-config per strategy),
-advantages, loss (a rapo_fast.loss.options.LossOptions), optim, buffer, logging, prompts_per_step and seed; each bad
-value raises ValueError/TypeError naming its dotted field ("rollout.arpo.beam"). A dict given for a section updates
-it (dotted keys allowed); a section object replaces it. Presets: RAPO (the paper's defaults: G=16, 8 hybrid, p=0.5,
-a=0.2, m=0.05, eps 0.28, seq-mean-token-mean, no KL), GRPO (retrieval off, the same loss), ARPO, OFFPOLICY_TRAJ.
+What this is: `TrainerConfig` (a rapo_fast._sections.Section: errors name the dotted field) and the presets RAPO (the
+paper's defaults), GRPO (retrieval off, the same loss), ARPO and OFFPOLICY_TRAJ.
 What this is not: the trainer (rapo_fast/train/trainer.py). Spec: docs/training.md.
 """
 
@@ -146,7 +143,6 @@ class TrainerConfig(Section):
             )
         rule_real(0.0, lo_open=True)("rollout.temperature", r.temperature)  # the trainer samples: no greedy
 
-    # -- presets ----------------------------------------------------------------------------------------------------
     @classmethod
     def RAPO(cls, overrides: Mapping[str, Any] | None = None, /, **sections: Any) -> TrainerConfig:
         """RAPO's defaults updated by `overrides` (dotted keys allowed: {"rollout.group_size": 8}) and `sections`
@@ -196,7 +192,6 @@ class TrainerConfig(Section):
     def _preset(cls, base: dict, overrides: Mapping[str, Any] | None, sections: dict[str, Any]) -> TrainerConfig:
         return cls().replace(base).replace(overrides).replace(sections)
 
-    # -- serialisation ----------------------------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> TrainerConfig:
         """The defaults updated by `d`, nested ({"rollout": {"arpo": {"beam": 3}}}) or dotted."""

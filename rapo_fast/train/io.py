@@ -1,12 +1,9 @@
 """Trainer I/O: the CSV metrics log (optionally mirrored to TensorBoard) and checkpoint save/resume.
 
-What this is: `MetricsLogger` (one CSV row per step; when a new metric appears the file is rewritten with the wider
-header, so columns never shift; the file is the record, the logger holds only the row count and the columns) and
-`save_checkpoint` / `load_checkpoint` (model and optimiser state, step count, the trainer's Python and torch RNG
-states, torch's global RNG, the logger's row count and columns, the config, and the step buffer with its K/V store
-through StepTraces.save), saved as a new version of a versioned directory (rapo_fast/_atomic.py: every file
-checksummed in one manifest, switched to atomically, the previous checkpoint removed only after the switch), so a
-crash leaves the previous checkpoint or the new one, never half of one; docs/formats.md section 4.
+What this is: `MetricsLogger` (one CSV row per step; a new metric rewrites the file with the wider header, so columns
+never shift) and `save_checkpoint` / `load_checkpoint`, saved as a new version of a versioned directory
+(rapo_fast/_atomic.py), so a crash leaves the previous checkpoint or the new one, never half of one. What a
+checkpoint holds: docs/formats.md section 4.
 What this is not: the training loop (rapo_fast/train/trainer.py).
 """
 
@@ -142,7 +139,7 @@ class CheckpointFormatError(FormatError):
 
 
 def save_checkpoint(trainer, directory: str | Path) -> Path:
-    """Write everything needed to continue exactly where `trainer` is (see the module docstring) as a new version of
+    """Write everything needed to continue exactly where `trainer` is (docs/formats.md section 4) as a new version of
     the versioned directory `directory`, switched to atomically; the previous checkpoint stays until then."""
     root = Path(directory)
     with VersionWriter(root, _PREFIX, CHECKPOINT_FORMAT, CHECKPOINT_VERSION) as w:

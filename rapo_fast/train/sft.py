@@ -1,9 +1,8 @@
 """Supervised warm-up on generated traces (the demo's first phase) and greedy evaluation of a policy on a task.
 
-What this is: `sft_examples` renders correct solutions in the rollout's token format, with a fraction of the later
-steps wrapped in <retrieve> ... </retrieve> (the format a hybrid rollout shows the policy; those tokens and tool
-outputs are masked out of the loss, as in RL); `sft_warmup` fits them with cross-entropy; `evaluate` measures greedy
-success without retrieval. What this is not: the RL trainer (rapo_fast/train/trainer.py).
+What this is: `sft_examples` (correct solutions in the rollout's token format, some later steps wrapped in
+<retrieve> ... </retrieve> and masked out of the loss, as in RL), `sft_warmup` and `evaluate` (greedy success without
+retrieval). What this is not: the RL trainer (rapo_fast/train/trainer.py).
 """
 
 from __future__ import annotations

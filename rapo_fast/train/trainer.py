@@ -1,10 +1,8 @@
-"""RAPOTrainer: the thin RL trainer. One step = rollout -> outcome rewards -> old log-probs and step entropies (one
-fused token_logprobs pass) -> retrieval rewards -> advantages -> rapo_loss -> optimiser step -> optional buffer update.
+"""RAPOTrainer: the thin RL trainer, the training step of docs/training.md section 1 as a loop of replaceable callables.
 
-What this is: the training step of docs/training.md section 1 as a loop of replaceable callables (`rollout_fn`,
-`reward_fn`, `advantage_fn`, `loss_fn`), a CSV metrics log (optionally TensorBoard), checkpoint/resume of model,
-optimiser, buffer and every RNG, and `train`, the one training loop (which checkpoints on SIGTERM), which callers
-hook into with TrainerCallback objects (rapo_fast/train/callbacks.py) rather than writing their own loop around `step`.
+What this is: `RAPOTrainer` (its step, metrics log and checkpoint/resume) and `train`, the one training loop (which
+checkpoints on SIGTERM), which callers hook into with TrainerCallback objects (rapo_fast/train/callbacks.py) rather
+than writing their own loop around `step`.
 What this is not: a distributed trainer or a serving engine; the configuration lives in rapo_fast/train/config.py,
 I/O helpers in rapo_fast/train/io.py. Importing it never imports rapo_fast.demo.
 """
@@ -130,7 +128,8 @@ def _sigterm_flag(active: bool) -> Iterator[list]:
 
 class RAPOTrainer:
     """model (HF causal LM), tokenizer, env (task: `execute`, `verify`), buffer (a StepTraces or None), config
-    (TrainerConfig), problems (the training prompts). Stages are replaceable callables; see the module docstring."""
+    (TrainerConfig), problems (the training prompts). Stages are replaceable callables (rollout_fn, reward_fn,
+    advantage_fn, loss_fn: docs/training.md section 1)."""
 
     def __init__(
         self,
@@ -183,7 +182,6 @@ class RAPOTrainer:
         self.gen = torch.Generator().manual_seed(config.seed)
         self.logger = MetricsLogger(config.logging.log_csv, config.logging.tensorboard_dir)
 
-    # -- one RL step ------------------------------------------------------------------------------------------------
     def sample_problems(self) -> list:
         k = min(self.config.prompts_per_step, len(self.problems))
         return self.py_rng.sample(self.problems, k)
@@ -285,7 +283,6 @@ class RAPOTrainer:
         t1 = time.perf_counter()
         # the options as keywords (those that differ from rapo_loss's defaults); tis_cap only where it applies
         opts = {k: v for k, v in cfg.loss.overrides().items() if k != "tis_cap"}
-        # per-row tensors of the loss, sliced per mini-batch
         tensors = {
             k: s[k] for k in ("input_ids", "attention_mask", "targets", "loss_mask", "retrieved_mask", "response_mask")
         }
@@ -359,7 +356,6 @@ class RAPOTrainer:
         stored = int((slots >= 0).sum())
         return stored, len(steps) - stored
 
-    # -- loop, checkpoints ------------------------------------------------------------------------------------------
     def train(
         self,
         num_steps: int,

@@ -1,9 +1,8 @@
 """The RAPO loss inside verl's actor update: how the per-token retrieved flags and the per-sequence F reach it.
 
-What it is: `rapo_ppo_loss(config, model_output, data, dp_group)`, which reads the RAPO fields of the micro-batch into
-a context variable and calls verl's own `ppo_loss` (whose registered "rapo" policy loss reads them), and `register()`,
-which installs that route in verl's workers without user code (and calls logprobs.register()). The route through
-verl 0.9.1, why not rollout_is_weights, and the opt-in fused log-probs are in docs/verl.md section 3, "The loss".
+What it is: `rapo_ppo_loss` (reads the micro-batch's RAPO fields into a context variable and calls verl's own
+`ppo_loss`) and `register()`, which installs that route in verl's workers. The route, and why not
+rollout_is_weights: docs/verl.md section 3, "The loss".
 What it is not: the policy-loss math (policy_loss.py) or the log-probs (verl's model forward gives them).
 Importable without verl (verl is imported inside `rapo_ppo_loss` without `base_loss`, and in `register()`).
 """

@@ -1,10 +1,7 @@
 """The "rapo" advantage estimator for verl: GRPO group advantages times RAPO's retrieval factor (1 + a A_ret).
 
-What it is: `compute_rapo_outcome_advantage`, with verl's estimator signature, registered by `register()` as "rapo"
-(`algorithm.adv_estimator=rapo`): A_acc is verl's own GRPO advantage (called, not restated), A_ret the group-normalised
-retrieval reward of the agent loop's entropy lists, A = (1 + a A_ret) A_acc; `register()` also wraps verl's
-advantage call sites so the retrieval fields reach it in both trainers. The formula and options are in docs/loss.md
-section 8, the route in docs/verl.md section 3, "The advantage estimator "rapo"".
+What it is: `compute_rapo_outcome_advantage` (verl's estimator signature; A_acc is verl's own GRPO advantage, called,
+not restated) and `register()`. The formula and options: docs/loss.md section 8; the route: docs/verl.md section 3.
 What it is not: the per-token loss (actor_loss.py, policy_loss.py) or the entropies (the agent loop records them).
 Importable without verl; verl is imported inside the functions and `register()`.
 """

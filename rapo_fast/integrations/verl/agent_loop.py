@@ -1,13 +1,11 @@
 """The RAPO agent loop for verl: verl's multi-turn tool loop (`ToolAgentLoop`) with RAPO's hybrid-policy step.
 
-What it is: `RAPOToolAgentLoop`, registered as the agent loop "rapo_tool_agent" by `register()` (called by plugin.py).
-It runs verl's `ToolAgentLoop` unchanged and, at each step boundary after step 0 of a hybrid group member, with
-probability `retrieve_prob`, inserts the nearest step from the step buffer (`<retrieve> ... </retrieve>`, response mask
-0), then records the `rapo_*` extra fields. With retrieve_prob = 0, a non-hybrid member or validation the trajectory
-is exactly ToolAgentLoop's. Data contract, groups and members, validation and configuration: docs/verl.md section 2.
-What it is not: the step buffer (buffer_actor.py serves it; any object with the StepBufferClient interface works, see
-`set_step_buffer_client`), the reward or advantage (advantage.py) or the loss. Not importable without verl: only
-plugin.py and the tests import it.
+What it is: `RAPOToolAgentLoop` (the agent loop "rapo_tool_agent"), which runs `ToolAgentLoop` unchanged and, at a
+hybrid member's step boundary, may insert the nearest step from the step buffer; with retrieve_prob = 0, a non-hybrid
+member or validation the trajectory is exactly ToolAgentLoop's. Data contract and configuration: docs/verl.md
+section 2.
+What it is not: the step buffer (buffer_actor.py serves it; see `set_step_buffer_client`), the reward or advantage
+(advantage.py) or the loss. Not importable without verl.
 """
 
 from __future__ import annotations

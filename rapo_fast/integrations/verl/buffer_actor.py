@@ -1,14 +1,10 @@
 """The RAPO step buffer served by Ray actors to verl's agent-loop workers, saved and restored with verl's checkpoints.
 
-What this is: `StepBufferActor` (an async Ray actor holding one StepTraces; it searches and stores keys, concurrent
-retrieves gathered into one search; a shard's primary, or a read replica replaying its primary's writes in order),
-`get_or_create_step_buffer` / `get_step_buffer` (the actors, their replicas, and a StepBufferClient over them: the
-client is buffer_client.py's, re-exported here), and `build_step_buffer_from_jsonl` (the one-time build; its command
-line, the config keys and verl's checkpoint hook are in buffer_setup.py). Batching, sharding, replicas and the save
-layout are in docs/verl.md section 4.
+What this is: `StepBufferActor`, `get_or_create_step_buffer` / `get_step_buffer` (the actors, their replicas and a
+StepBufferClient over them) and `build_step_buffer_from_jsonl` (the one-time build; its command line and config keys
+are in buffer_setup.py). Batching, sharding, replicas and the save layout: docs/verl.md section 4.
 What it is not: the nearest-neighbour search (rapo_fast.retrieval.buffer), the agent loop that inserts the steps
-(agent_loop.py), or an approximate index. Importing it imports neither ray nor verl (they are imported when an actor
-or client is made).
+(agent_loop.py), or an approximate index. Importing it imports neither ray nor verl.
 """
 
 from __future__ import annotations

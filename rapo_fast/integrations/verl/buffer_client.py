@@ -1,10 +1,7 @@
 """The client of the verl step buffer: what an agent loop or reward worker holds, and the buffer's save layout.
 
-What this is: `StepBufferClient` (picklable, async; it encodes the histories in the caller's process, coalesces that
-process's concurrent retrieves, sends keys to every shard and keeps the best row; searches go to a read replica on
-the caller's node when there are replicas, writes to the shards' primaries; save / load / stats from the driver), the
-save layout's names (SAVE_FORMAT, SAVE_VERSION, SAVE_PREFIX, `StepBufferSaveError`, `is_bare_traces`). docs/verl.md
-section 4 describes both.
+What this is: `StepBufferClient` (picklable, async) and the save layout's names (SAVE_FORMAT, SAVE_VERSION,
+SAVE_PREFIX, `StepBufferSaveError`, `is_bare_traces`); docs/verl.md section 4 describes both.
 What it is not: the actor or the buffer's creation (buffer_actor.py, which re-exports this client). Importing it
 imports no ray (the sync save/load/stats import it).
 """

@@ -1,13 +1,10 @@
 """Growing RAPO's step buffer from a verl job's own rollouts: the "rapo" reward manager.
 
-What it is: `RapoRewardManager`, registered in verl 0.9.1's reward-manager registry as "rapo" by `register()`
-(`reward.reward_manager.name=rapo`). It wraps the job's own reward manager (the score is unchanged) and, with
-`rapo.add_onpolicy_steps: true`, adds a successful trajectory's tool steps to the step buffer under its prompt's group
-id by rapo_fast's trainer's rule (`buffer_setup.onpolicy_steps`). Why a reward manager, the differences from
-rapo_fast's trainer, what is not covered and the config keys: docs/verl.md section 5.
+What it is: `RapoRewardManager` (registered as "rapo" by `register()`), which wraps the job's own reward manager (the
+score is unchanged) and adds a successful trajectory's tool steps to the step buffer. Why a reward manager, what is
+not covered and the config keys: docs/verl.md section 5.
 What it is not: the buffer (buffer_actor.py), the rule itself (buffer_setup.onpolicy_steps) or the agent loop
-(agent_loop.py). Not importable without verl (it subclasses verl's RewardManagerBase): only plugin.py, verl's
-reward-manager loader and the tests import it.
+(agent_loop.py). Not importable without verl (it subclasses verl's RewardManagerBase).
 """
 
 from __future__ import annotations

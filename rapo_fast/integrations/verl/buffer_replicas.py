@@ -1,10 +1,8 @@
 """Read replicas of the verl step buffer: where they are placed, the order they apply their primary's writes in, and
 which actor a client's search goes to.
 
-What this is: `InOrder` (a replica applies its primary's adds and loads by sequence number, whatever order Ray delivers
-them in, so its state follows the primary's exactly), `check_replicas_per_node`, `replica_nodes` / `on_node` (one set
-of replicas per alive node with CPUs, pinned there), and `Readers` (a client's searches go to a replica on its own
-node, round robin among them). The design and its limits are in docs/verl.md section 4, "Read replicas".
+What this is: `InOrder`, `check_replicas_per_node`, `replica_nodes` / `on_node` and `Readers`. The design and its
+limits: docs/verl.md section 4, "Read replicas".
 What it is not: the actor or the client (buffer_actor.py), which use these. Importing it imports no ray.
 """
 

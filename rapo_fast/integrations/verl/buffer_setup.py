@@ -1,10 +1,8 @@
 """Setting up RAPO's step buffer for a verl job: the one-time build CLI, the config keys, the checkpoint hook.
 
-What this is: `main(argv)` (`python -m rapo_fast.integrations.verl.buffer_setup --jsonl T --out DIR --tokenizer
-MODEL`), `step_buffer_options` / `step_buffer_from_config` (the job's buffer from `rapo.step_buffer.*`, restored from
-the checkpoint verl resumes from), `onpolicy_steps` and `check_growth_config` (the buffer-growth rule and its check),
-and `StepBufferCheckpointCallback` (verl 0.9.1's `trainer.checkpoint_callback_class` hook). docs/verl.md section 4
-describes the build, the checkpoints (and the legacy v0 RayPPOTrainer, which has no such hook) and the config keys.
+What this is: `main(argv)` (the build), `step_buffer_options` / `step_buffer_from_config` (the job's buffer from
+`rapo.step_buffer.*`), `onpolicy_steps` / `check_growth_config` (the buffer-growth rule) and
+`StepBufferCheckpointCallback` (verl 0.9.1's checkpoint hook); all in docs/verl.md section 4.
 What it is not: the actor or the client (buffer_actor.py). Importing it imports neither ray nor verl (verl only inside
 `resume_checkpoint_dir`, ray when a client is made).
 """
@@ -98,9 +96,6 @@ def onpolicy_steps(
         hist.append(decode(ids[: p + start]))
         steps.append(decode(ids[p + start : p + obs_end]))
     return hist, steps
-
-
-# -- verl's config and checkpoints ----------------------------------------------------------------------------------
 
 
 def step_buffer_options(config: Any) -> dict:

@@ -1,12 +1,8 @@
 """verl's fused log-prob contract through rapo_fast's kernels, for verl's actor (FSDP/Megatron workers).
 
-What it is: `fused_logprobs_from_hidden(hidden_states, vocab_weights, input_ids, temperature)` -> (log_probs, entropy),
-the contract of verl's `FusedLinearForPPO.forward` / `linear_cross_entropy(..., "none")` (the fused-kernel path of
-verl/models/transformers/dense_common.py), computed by `rapo_fast.token_logprobs` on the hidden states without
-materialising [N, V]; `RAPOFusedLinearForPPO` wraps it as a module with FusedLinearForPPO's forward signature;
-`logprobs_from_logits` covers verl's unfused actor path (logits already computed).
-`register()` (opt-in, RAPO_FAST_VERL_FUSED_LOGPROBS=1) puts RAPOFusedLinearForPPO in place of verl's class, so that
-verl's fused-kernel actor forward runs rapo_fast's kernel.
+What it is: `fused_logprobs_from_hidden` (the contract of verl's `FusedLinearForPPO.forward`, without materialising
+[N, V]), `RAPOFusedLinearForPPO` (it as a module), `logprobs_from_logits` (verl's unfused path), and `register()`
+(opt-in, RAPO_FAST_VERL_FUSED_LOGPROBS=1), which puts RAPOFusedLinearForPPO in place of verl's class.
 What it is not: the policy loss (rapo_fast/integrations/verl/policy_loss.py). Importing it imports neither verl nor
 ray (register() and unregister() import verl).
 """

@@ -1,12 +1,8 @@
 """RAPO's figures in verl's step metrics (`rapo/*`: what verl's console, file and wandb loggers get every step).
 
-What it is: `register()` wraps the v1 trainer's `PPOTrainer._compute_advantage(batch, metrics)`: after verl's own
-work, the figures recorded on the driver meanwhile are merged into that step's `metrics` dict, as ARPO merges its
-`tools/*`: `rapo/rollout/*` (from the training batch's agent-loop extra_fields: retrievals, searches, skipped
-insertions by reason, hybrid fraction, F, scores, latency, searches in flight, the steps the buffer grows by),
-`rapo/adv/*` (Z and A_ret statistics, recorded by the `rapo` estimator) and `rapo/buffer/*` (the buffer actors'
-counters, queue length and search time). The list of figures and their meaning: docs/verl.md section 10. The
-loss's figures take verl's own actor-metric route (`actor/rapo/*`, policy_loss.py).
+What it is: `register()` wraps the v1 trainer's `PPOTrainer._compute_advantage(batch, metrics)` and merges the
+figures recorded on the driver into that step's `metrics` (`rapo/rollout/*`, `rapo/adv/*`, `rapo/buffer/*`). The
+figures and their meaning: docs/verl.md section 10; the loss's take verl's actor-metric route (policy_loss.py).
 What it is not: a logger (verl logs), or the legacy trainer's route (its fit loop has no method to wrap).
 Importable without verl; `register()` imports it.
 """

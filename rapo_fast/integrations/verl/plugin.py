@@ -1,11 +1,9 @@
 """The `verl.plugins` entry point: importing this module checks verl's version, then registers rapo_fast's parts.
 
 What it is: the target of `[project.entry-points."verl.plugins"] rapo_fast` (pyproject.toml), loaded by `import verl`
-in every process. It runs verl_compat's version gate (RAPO_FAST_VERL_UNCHECKED=1 overrides), then registers the agent
-loop, the policy losses with verl's worker loss wrapped, the advantage estimator and the reward manager (docs/verl.md
-section 1 and the table at its top), RAPO's rapo/* step metrics (metrics.py), and mends verl's trl check for
-trl >= 1.16 (trl_clash.py). Why the warning below: verl logs a plugin's failure at DEBUG level only, so a failed
-registration would otherwise surface as "unknown agent loop rapo_tool_agent" much later, on a remote worker.
+in every process; what it registers: docs/verl.md section 1. Why the warning below: verl logs a plugin's failure at
+DEBUG level only, so a failed registration would otherwise surface as "unknown agent loop rapo_tool_agent" much later,
+on a remote worker.
 What it is not: the parts themselves; not importable without verl. The one module of rapo_fast that registers at
 import time.
 """

@@ -1,13 +1,10 @@
 """verl adapter: a RAPO policy loss with verl's policy-loss registry signature.
 
-What it is: `rapo_policy_loss`, with the signature of verl's `PolicyLossFn`, returning `(pg_loss, pg_metrics)`; with
-retrieval off it equals verl's vanilla loss, and keyword-only extras (retrieved_mask, trajectory_mask, shaping_m, ...)
-add RAPO's shaping and off-policy tokens. `register_rapo_policy_loss` / `register()` register it ("rapo",
-"rapo_no_dual_clip"); `rapo_token_fields` / `current_rapo_fields` carry the micro-batch's fields that actor_loss.py
-sets. F's denominator (`trajectory_mask`), the dual-clip option and the registered losses: docs/verl.md section 3.
+What it is: `rapo_policy_loss` (verl's `PolicyLossFn` signature; with retrieval off it equals verl's vanilla loss),
+its registration (`register_rapo_policy_loss` / `register()`), and `rapo_token_fields` / `current_rapo_fields`, which
+carry the micro-batch's fields that actor_loss.py sets. Options and the registered losses: docs/verl.md section 3.
 What it is not: a verl actor or trainer, and not the fused logits->loss kernel: verl hands the loss log-probs already
-computed, so the loss is `rapo_fast.loss.policy_loss_from_logp` on them (the fused log-prob helpers are in
-logprobs.py). Importing this module imports no verl.
+computed, so the loss is `rapo_fast.loss.policy_loss_from_logp` on them. Importing this module imports no verl.
 """
 
 from __future__ import annotations

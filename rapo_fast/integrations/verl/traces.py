@@ -1,10 +1,7 @@
 """The off-policy traces JSONL of RAPO's step buffer, made from verl's rollout dumps or from a teacher's generations.
 
-What it is: reads JSONL rows holding a prompt text, a response text and a score (by default verl's
-`trainer.rollout_data_dir` dumps, `<global step>.jsonl` with "input", "output", "score", "step"), keeps the rows scored
-above a threshold, splits each response into steps at the end of each tool-response block, and writes the trajectory
-JSONL that `rapo-fast verl-build-buffer` reads (docs/formats.md section 1). `rapo-fast verl-traces` runs `main`; the
-rules (query ids, splitting, what is dropped) are in docs/verl.md section 6.
+What it is: `main` (`rapo-fast verl-traces`) keeps the rows scored above a threshold, splits each response into steps
+and writes the trajectory JSONL of docs/formats.md section 1; the rules: docs/verl.md section 6.
 What it is not: the buffer build (buffer_setup) or a judge of the traces (the score is the dump's, kept as "reward").
 Imports neither ray nor verl.
 """

@@ -1,12 +1,9 @@
 """verl 0.9.1's FSDP actor and trl >= 1.16 in one environment (`rapo-fast[verl,trl]`, and the `test` extra).
 
-The clash: verl's `apply_monkey_patch` (verl/models/transformers/monkey_patch.py), run by the FSDP engine's
-`init_model` on every model, patches `state_dict` of trl's `AutoModelForCausalLMWithValueHead` whenever trl is
-importable (verl's `is_trl_available`). trl 1.16 has no such class (verl's own `fsdp` extra pins trl 0.27), so the
-import raised and no actor built. The mend (`register()`, run by plugin.py in every verl process): that module's name
-`is_trl_available` becomes "trl is there and has the class", so verl skips the patch of a class that does not exist.
-Nothing else in verl changes (its value-head loader for critics keeps verl's check; RAPO has no critic). The check
-runs when verl calls it, so loading the plugin imports no trl. docs/verl.md section 1.
+What it is: `register()` (run by plugin.py in every verl process) makes verl's monkey_patch module's
+`is_trl_available` mean "trl is there and has AutoModelForCausalLMWithValueHead", so verl skips patching a class trl
+1.16 no longer has. Why and what else is untouched: docs/verl.md section 1. The check runs when verl calls it, so
+loading the plugin imports no trl.
 What it is not: a change to trl or to rapo_fast's TRL adapter (rapo_fast/integrations/trl.py, which needs trl 1.16).
 """
 

@@ -1,11 +1,8 @@
 """Every touch of verl's internals by rapo_fast's verl plugin, in one module, behind a version gate.
 
-What it is: INTERNALS, the table of each verl name the plugin imports, patches, overrides, reads (attributes, data
-keys, a frame local) or registers into, with why; `get`, `patch`, `replace`/`restore` and `validate_flag`, the only
-routes by which the other plugin modules reach verl; `check_version`, the gate plugin.py runs before registering: a
-verl outside SUPPORTED_RANGE raises RuntimeError naming the installed version and the range
-(RAPO_FAST_VERL_UNCHECKED=1 makes it a warning, to try an untested verl). `missing(row)` says whether a row still
-exists in the installed verl (tests/integrations/test_verl_compat.py runs it on every row).
+What it is: INTERNALS (each verl name the plugin touches, with why), `get`, `patch`, `replace`/`restore` and
+`validate_flag` (the only routes by which the other plugin modules reach verl), `check_version` (the gate plugin.py
+runs before registering; RAPO_FAST_VERL_UNCHECKED=1 makes it a warning) and `missing(row)`.
 What it is not: the plugin's logic, nor ray (the step buffer uses ray's public API), nor verl's public config keys.
 Importing it imports no verl: `get`/`patch` import the module of the row they are given.
 """

@@ -1,9 +1,8 @@
 """Triton kernels of the per-token RAPO policy loss: forward (weighted token loss + metric partial sums) and backward
 (dL/dlogp, dL/dH times the upstream gradient), elementwise over N tokens.
 
-What this is: `@triton.jit` code only. The options arrive as keyword arguments named as LossOptions' fields
-(LossOptions.to_kernel(): runtime floats, constexpr codes); the per-token inputs as one stacked tensor whose rows and
-presence bits are rapo_fast/loss/policy_layout.py's TokenInput (launchers: rapo_fast/loss/policy_op.py).
+What this is: `@triton.jit` code only (launchers: rapo_fast/loss/policy_op.py). The options arrive as keywords named
+as LossOptions' fields (LossOptions.to_kernel()), the per-token inputs as one tensor (rows: policy_layout.TokenInput).
 What this is not: the spec. The formulas are those of rapo_fast/reference/policy_loss.py, written out in docs/loss.md
 section 3 (per token) and section 4 (aggregation).
 """

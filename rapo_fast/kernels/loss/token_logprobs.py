@@ -1,9 +1,7 @@
 """Triton kernels of token_logprobs: per-row log-prob of the target and full-vocabulary entropy, forward and backward.
 
-What this is: `@triton.jit` code only (launchers, autograd and validation are in rapo_fast/loss/logprobs.py). One
-program per row walks the row's vocabulary in BLOCK_V blocks with the online state of triton_helpers.py; the same two
-kernels serve the logits path (whole row in one launch) and the hidden path (one [rows, V_chunk] tile at a time, state
-carried between chunks). All offsets are int64.
+What this is: `@triton.jit` code only (launchers, autograd and validation are in rapo_fast/loss/logprobs.py); the same
+two kernels serve the logits path and the hidden path's tiles. All offsets are int64.
 What this is not: the matmul (torch.matmul / cuBLAS does it). The math, both paths and the row layouts are in
 docs/loss.md section 2; docs/pitfalls.md #1 (V not a multiple of BLOCK_V) and #5 (int64 offsets).
 """

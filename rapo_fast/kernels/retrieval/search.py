@@ -1,12 +1,10 @@
 """Triton kernel of exact top-k retrieval: a tensor-core score tile per (query tile, key tile) with a fused, filtered
 top-k, so that no [Q, C] score matrix is ever written.
 
-What this is: `@triton.jit` code only; the launcher, argument checks and the merge of the splits are in
-rapo_fast/retrieval/triton_search.py, the contract in rapo_fast/reference/retrieval.py. The algorithm (tiles, the
-running-threshold filter, the int64 sort keys and SENTINEL, the workspace layout, the merges) is described in
-docs/retrieval.md, "Triton path"; all offsets are int64 (docs/pitfalls.md #5).
-What this is not: a sort (the merge of the splits, a torch.topk in triton_search.py, orders the result) or a
-launcher.
+What this is: `@triton.jit` code only (launcher: rapo_fast/retrieval/triton_search.py; contract:
+rapo_fast/reference/retrieval.py). The algorithm: docs/retrieval.md, "Triton path"; all offsets are int64
+(docs/pitfalls.md #5).
+What this is not: a sort (the merge of the splits, a torch.topk in triton_search.py, orders the result).
 """
 
 from __future__ import annotations
