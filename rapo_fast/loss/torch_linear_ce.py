@@ -8,6 +8,8 @@ What this is not: the path for entropy, for a row whose log-sum-exp is not finit
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -15,7 +17,6 @@ __all__ = ["linear_logprobs_torch", "torch_linear_ce_available"]
 
 _LCE = getattr(torch.nn.functional, "linear_cross_entropy", None)
 _OPTIONS = getattr(torch.nn, "LinearCrossEntropyOptions", None)
-_OPTIONS_BY_ROWS: dict = {}
 CHUNK_BYTES = 32 << 20  # fp32 logits of one chunk: 256 rows at V = 32768, the anchor the CPU bench compares with
 
 
@@ -30,6 +31,14 @@ def chunk_rows(n: int, v: int) -> int:
     slower than 256 rows; 128 to 1024 rows were within 15% of each other there (bench/NOTES_token_logprobs.md)."""
     rows = max(1, CHUNK_BYTES // (4 * max(v, 1)))
     return max(32, min(max(n, 1), 1 << (rows.bit_length() - 1)))
+
+
+@functools.lru_cache(maxsize=64)
+def _options(rows: int):
+    """torch's (immutable) options object for a chunk size: building one is a visible cost at small N; bounded, since
+    the chunk size takes any value from 32 up to the bound when N is below it. Never traced: this path is not taken
+    under torch.compile."""
+    return _OPTIONS(batch_chunk_size=rows, chunking_method=None)
 
 
 def linear_logprobs_torch(
@@ -47,9 +56,6 @@ def linear_logprobs_torch(
         h = h / temperature
         b = None if b is None else b / temperature
     y = targets.reshape(-1).long()
-    rows = chunk_rows(h.shape[0], w.shape[0])
-    opts = _OPTIONS_BY_ROWS.get(rows)
-    if opts is None:  # one immutable options object per chunk size: building it is a visible cost at small N
-        opts = _OPTIONS_BY_ROWS[rows] = _OPTIONS(batch_chunk_size=rows, chunking_method=None)
+    opts = _options(chunk_rows(h.shape[0], w.shape[0]))
     loss = _LCE(h, w, y, linear_bias=b, reduction="none", options=opts)
     return (-loss).view(targets.shape)
