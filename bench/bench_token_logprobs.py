@@ -293,38 +293,42 @@ def _triton_off(device: torch.device):
 
 
 def _parity(shapes, repeats: int) -> int:
-    """token_logprobs(hidden=...) on the CPU against the torch op it wraps there (F.linear_cross_entropy with the same
-    chunk rows, rapo_fast/loss/torch_linear_ce.py), in fp32: both in one loop, alternating which goes first, each
-    call timed on its own; prints the median of each and the ratio ours / torch's per shape and mode. What the ratio
-    measures is the cost of our front desk (checks, plan, the targets range check and the finite-loss check). Timed as
-    the CPU time of this thread with torch on one thread, so that a loaded machine (other processes taking the cores)
-    does not enter the numbers; torch's thread count is restored after."""
+    """token_logprobs(hidden=...) on the CPU against torch's F.linear_cross_entropy, in fp32, two ways: as our wrapper
+    calls it at that shape (rapo_fast/loss/torch_linear_ce.py: unchunked when the logits fit in SMALL_BYTES, else with
+    our chunk rows), and chunked with our chunk rows at every shape (what a caller who wants torch's memory bound
+    writes). All three in one loop, the order rotating per repeat, each call timed on its own; prints the medians and
+    the ratios ours / each. Ours / "as called" is the cost of our front desk (checks, plan, the targets range check,
+    the finite-loss check). Timed as the CPU time of this thread with torch on one thread, so that a loaded machine
+    (other processes taking the cores) does not enter the numbers; torch's thread count is restored after."""
     from rapo_fast import token_logprobs
-    from rapo_fast.loss.torch_linear_ce import chunk_rows, torch_linear_ce_available
+    from rapo_fast.loss import torch_linear_ce
 
-    if not torch_linear_ce_available():
+    if not torch_linear_ce.torch_linear_ce_available():
         print(f"--parity: torch {torch.__version__} has no F.linear_cross_entropy options")
         return 1
-    lce = torch.nn.functional.linear_cross_entropy
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        _parity_rows(shapes, repeats, lce, chunk_rows, token_logprobs)
+        _parity_rows(shapes, repeats, torch_linear_ce, token_logprobs)
     finally:
         torch.set_num_threads(threads)
     return 0
 
 
-def _parity_rows(shapes, repeats: int, lce, chunk_rows, token_logprobs) -> None:
+def _parity_rows(shapes, repeats: int, tlce, token_logprobs) -> None:
     import statistics
     import time
 
-    print(f"{'N':>6} {'H':>5} {'V':>6} {'mode':>8} {'torch ms':>10} {'ours ms':>10} {'ratio':>6}  ({repeats} repeats)")
+    lce = torch.nn.functional.linear_cross_entropy
+    head = f"{'N':>6} {'H':>5} {'V':>6} {'mode':>8} {'chunked ms':>10} {'as called':>10} {'ours ms':>10}"
+    print(f"{head} {'/chunked':>8} {'/called':>8}  ({repeats} repeats)")
     for n, h, v in shapes:
         t = _inputs(n, h, v, torch.float32, torch.device("cpu"), logits=False)
-        opts = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=chunk_rows(n, v), chunking_method=None)
+        chunked = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=tlce.chunk_rows(n, v), chunking_method=None)
+        called = None if 4 * n * v <= tlce.SMALL_BYTES else chunked
         fns = {
-            "torch": lambda t, opts=opts: -lce(t["hidden"], t["weight"], t["targets"], reduction="none", options=opts),
+            "chunked": lambda t, o=chunked: -lce(t["hidden"], t["weight"], t["targets"], reduction="none", options=o),
+            "called": lambda t, o=called: -lce(t["hidden"], t["weight"], t["targets"], reduction="none", options=o),
             "ours": lambda t: token_logprobs(hidden=t["hidden"], weight=t["weight"], targets=t["targets"]),
         }
         for mode in MODES:
@@ -334,13 +338,14 @@ def _parity_rows(shapes, repeats: int, lce, chunk_rows, token_logprobs) -> None:
             times: dict = {k: [] for k in steps}
             for k in steps:  # warm-up
                 steps[k]()
+            order = list(steps)
             for r in range(repeats):
-                for k in steps if r % 2 == 0 else reversed(steps):
+                for k in order[r % 3 :] + order[: r % 3]:
                     t0 = time.thread_time_ns()
                     steps[k]()
                     times[k].append(time.thread_time_ns() - t0)
-            a, b = (statistics.median(times[k]) * 1e-6 for k in ("torch", "ours"))
-            print(f"{n:>6} {h:>5} {v:>6} {mode:>8} {a:>10.4f} {b:>10.4f} {b / a:>6.3f}")
+            a, c, b = (statistics.median(times[k]) * 1e-6 for k in ("chunked", "called", "ours"))
+            print(f"{n:>6} {h:>5} {v:>6} {mode:>8} {a:>10.4f} {c:>10.4f} {b:>10.4f} {b / a:>8.3f} {b / c:>8.3f}")
 
 
 def _parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:

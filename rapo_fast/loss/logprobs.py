@@ -381,7 +381,8 @@ def token_logprobs(
             logits[:, :-1]) is read in place; otherwise it is copied once.
         hidden: [N, H] or [B, T, H] (instead of logits), with weight [V, H] and bias [V] or None, same dtype
             (under torch.autocast a weight/bias of another float dtype is cast to hidden's, differentiably). The
-            [N, V] logits are never materialised (tiles of rows x vocabulary, backward recomputes them).
+            [N, V] logits are never materialised (tiles of rows x vocabulary, backward recomputes them; without
+            Triton, logits up to 1 MiB are: docs/loss.md section 2).
         targets: int64/int32 (TARGET_DTYPES, the rule rapo_loss applies too), shaped like logits.shape[:-1] (or
             hidden.shape[:-1]), values in [0, V).
         temperature: finite, > 0; divides the logits before the softmax (gradients carry 1/T).

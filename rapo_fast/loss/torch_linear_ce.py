@@ -1,7 +1,8 @@
 """The CPU fallback of token_logprobs(hidden=...) through PyTorch's own chunked linear cross-entropy.
 
 What this is: where Triton does not run, log-probs from hidden states without entropy by torch's
-F.linear_cross_entropy (torch >= 2.13), which never holds [N, V]. Why this path and where it does not apply:
+F.linear_cross_entropy (torch >= 2.13), chunked so that it never holds [N, V] (but for batches whose logits fit in
+SMALL_BYTES). Why this path and where it does not apply:
 docs/loss.md section 2, "Without Triton"; rapo_fast/loss/path_plan.py picks it.
 What this is not: the path for entropy, for a row whose log-sum-exp is not finite, or under torch.compile tracing.
 """
@@ -18,6 +19,11 @@ __all__ = ["linear_logprobs_torch", "torch_linear_ce_available"]
 _LCE = getattr(torch.nn.functional, "linear_cross_entropy", None)
 _OPTIONS = getattr(torch.nn, "LinearCrossEntropyOptions", None)
 CHUNK_BYTES = 32 << 20  # fp32 logits of one chunk: 256 rows at V = 32768, the anchor the CPU bench compares with
+# fp32 logits up to this size go through torch's unchunked op (options=None: linear, then cross_entropy, which keeps
+# the [N, V] log-softmax for the backward): the chunked op precomputes both gradients in its forward, a fixed cost that
+# makes it 1.1-3x slower below this size on the CPU; above it, without a gradient, the unchunked op is the slower one
+# (bench/NOTES_token_logprobs.md)
+SMALL_BYTES = 1 << 20
 
 
 def torch_linear_ce_available() -> bool:
@@ -44,7 +50,7 @@ def _options(rows: int):
 def linear_logprobs_torch(
     hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float
 ) -> Tensor:
-    """logp [targets.shape] fp32 of softmax((hidden @ weight.T + bias) / T) at targets, by torch's chunked op (needs
+    """logp [targets.shape] fp32 of softmax((hidden @ weight.T + bias) / T) at targets, by torch's op (needs
     torch_linear_ce_available()). Non-finite where a row's loss is not finite: the caller checks (module docstring).
     Arguments are already validated by token_logprobs."""
     h = hidden.reshape(-1, hidden.shape[-1])
@@ -56,6 +62,7 @@ def linear_logprobs_torch(
         h = h / temperature
         b = None if b is None else b / temperature
     y = targets.reshape(-1).long()
-    opts = _options(chunk_rows(h.shape[0], w.shape[0]))
+    n, v = h.shape[0], w.shape[0]
+    opts = None if 4 * n * v <= SMALL_BYTES else _options(chunk_rows(n, v))
     loss = _LCE(h, w, y, linear_bias=b, reduction="none", options=opts)
     return (-loss).view(targets.shape)

@@ -32,12 +32,12 @@ def no_triton(monkeypatch):
 
 @pytest.fixture
 def lce_calls(monkeypatch):
-    """Count the calls of torch's op made by the fallback."""
+    """The calls of torch's op made by the fallback: each call's chunk rows (None: unchunked)."""
     calls = []
     real = torch_linear_ce._LCE
 
     def spy(*args, **kwargs):
-        calls.append(kwargs["options"].batch_chunk_size)
+        calls.append(None if kwargs["options"] is None else kwargs["options"].batch_chunk_size)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(torch_linear_ce, "_LCE", spy)
@@ -59,13 +59,14 @@ def _grads(lp, leaves, seed=1):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize(("n", "h", "v"), [(1, 3, 5), (37, 16, 1001), (300, 24, 257)])
+@pytest.mark.parametrize(("n", "h", "v"), [(1, 3, 5), (37, 16, 1001), (300, 24, 257), (700, 16, 401)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_matches_fp64_reference(no_triton, lce_calls, dtype, n, h, v, bias, temperature):
     hid, w, b, y = _case(n, h, v, dtype, bias)
     lp = rapo_fast.token_logprobs(hidden=hid, weight=w, bias=b, targets=y, temperature=temperature)
     assert len(lce_calls) == 1, "the fallback did not take torch's op"
+    assert (lce_calls[0] is None) == (4 * n * v <= torch_linear_ce.SMALL_BYTES)  # small logits: the unchunked op
     assert lp.dtype == torch.float32 and lp.shape == y.shape
     leaves64 = [t.detach().double().requires_grad_(True) if t is not None else None for t in (hid, w, b)]
     ref = linear_token_logprobs_ref(leaves64[0], leaves64[1], y, leaves64[2], temperature)
