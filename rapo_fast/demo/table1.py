@@ -217,8 +217,12 @@ def run_one(family: str, method: str, seed: int, s: dict, paths: dict[str, Path]
     """One method from the family's warm-up weights for `seed` (the files `prepare` wrote); returns its CSV row plus
     its curves. Readable families also get: leak_frac over the run's hybrid successes (RolloutReader), the final
     evaluation read hop by hop (successes with an answer no observation showed), and the final policy's greedy
-    success on the training questions with retrieval from RAPO's source (eval_with_retrieval_train_final)."""
+    success on the training questions with retrieval from RAPO's source (eval_with_retrieval_train_final). Every row
+    carries the continuous endpoint (table1_endpoint.heldout_logp) at the warm-up and at the end; the sampler is
+    reseeded per step (table1_crn.StepSeeds: what the methods of a seed share)."""
     from rapo_fast.demo import table1_diagnostics as D
+    from rapo_fast.demo.table1_crn import StepSeeds
+    from rapo_fast.demo.table1_endpoint import heldout_logp
     from rapo_fast.demo.table1_families import get_family
     from rapo_fast.retrieval.step_traces import StepTraces
     from rapo_fast.rollouts.offpolicy import OffPolicyTrajectories
@@ -232,6 +236,7 @@ def run_one(family: str, method: str, seed: int, s: dict, paths: dict[str, Path]
     task, tok = data["task"], data["tok"]
     warm = paths["warm_plain"] if method == "RAPO_SFT_NO_RETRIEVE" else paths["warm"]
     model = _load_policy(tok, torch.load(warm, weights_only=True), seed)
+    logp_start = heldout_logp(model, tok, task, data["evals"])
     cfg = _config(method, s, seed)
     k = per_family(s, "traces_top_k", family)
     uses_traces = method.startswith("RAPO")
@@ -239,7 +244,7 @@ def run_one(family: str, method: str, seed: int, s: dict, paths: dict[str, Path]
     off = OffPolicyTrajectories.from_jsonl(paths["off_jsonl"], top_k=k) if method == "OFFPOLICY_TRAJ" else None
     trainer = RAPOTrainer(model, tok, task, traces, cfg, data["train"], offpolicy=off)
     held_out = EvalCallback(lambda t: evaluate(t.model, tok, task, data["evals"], max_step_tokens=16), s["eval_every"])
-    callbacks = [held_out] + ([D.RolloutReader()] if fam.readable else [])
+    callbacks = [held_out] + ([D.RolloutReader()] if fam.readable else []) + [StepSeeds(seed)]
     history = trainer.train(s["rl_steps"], progress=False, callbacks=callbacks, desc=f"{family}/{method}/{seed}")
     tokens = [0]
     for h in history:
@@ -252,6 +257,8 @@ def run_one(family: str, method: str, seed: int, s: dict, paths: dict[str, Path]
         "eval_start": curve[0][1],
         "eval_final": curve[-1][1],
         "eval_best": max(v for _, v in curve),
+        "heldout_logp_start": logp_start,
+        "heldout_logp_final": heldout_logp(trainer.model, tok, task, data["evals"]),
         "tokens_generated": tokens[-1],
         "wall_s": math.nan,
         "encoder": enc,

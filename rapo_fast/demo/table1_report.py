@@ -1,5 +1,6 @@
 """The files of `rapo-fast table1`: table1.csv (one row per run), table1.md (the paper-style table, paired
-differences against GRPO and the matched control, efficiency, diagnostics), table1.png (mean held-out curve +- band
+differences against GRPO and the matched control, the continuous endpoint beside success, the power of both,
+efficiency, diagnostics), table1.png (mean held-out curve +- band
 per method, one panel per family) and table1_checks.json (the go/no-go checks with the figures behind them).
 
 What this is: formatting of rows that rapo_fast/demo/table1.py produced, with the statistics of
@@ -12,7 +13,7 @@ import csv
 import math
 from pathlib import Path
 
-from rapo_fast.demo.table1_stats import fmt, mean_ci, paired_diff
+from rapo_fast.demo.table1_stats import detectable_effect, fmt, mean_ci, n_for_power, paired_diff, paired_sd
 
 COLORS = {
     "GRPO": "tab:blue",
@@ -27,7 +28,8 @@ COLORS = {
 # leak_frac: over the run's hybrid successes that retrieved (hybrid_successes of them), the fraction whose answer was a
 # retrieved observation; unobserved_success_final: final greedy evaluation, right answers no observation of the
 # row showed; eval_with_retrieval_train_final: the final policy, greedy, on the training questions with retrieval
-# from RAPO's source (NaN where the family's completions cannot be read hop by hop).
+# from RAPO's source (NaN where the family's completions cannot be read hop by hop); heldout_logp_start / _final:
+# the continuous endpoint (rapo_fast/demo/table1_endpoint.py) at the warm-up and after the last step.
 CSV_COLUMNS = (
     "task",
     "method",
@@ -35,6 +37,8 @@ CSV_COLUMNS = (
     "eval_start",
     "eval_final",
     "eval_best",
+    "heldout_logp_start",
+    "heldout_logp_final",
     "steps_to_target",
     "tokens_to_target",
     "tokens_generated",
@@ -60,27 +64,63 @@ def write_csv(path: Path, rows: list[dict], columns) -> None:
             w.writerow({k: (f"{r[k]:.6g}" if isinstance(r[k], float) else r[k]) for k in columns})
 
 
-def main_table(rows: list[dict], tasks: list[str], methods: list[str]) -> list[str]:
-    """Methods as rows, each task and the average over tasks as columns: final eval mean +- 95% CI over seeds (the
-    average column averages each seed's tasks first, so its interval is over seeds too)."""
+def main_table(rows: list[dict], tasks: list[str], methods: list[str], key: str = "eval_final") -> list[str]:
+    """Methods as rows, each task and the average over tasks as columns: `key` (final eval by default) mean +- 95% CI
+    over seeds (the average column averages each seed's tasks first, so its interval is over seeds too)."""
     lines = ["| method | " + " | ".join(tasks) + " | average |", "|---" * (len(tasks) + 2) + "|"]
     for m in methods:
-        cells = [fmt(*mean_ci(list(_by(rows, t, m, "eval_final").values()))) for t in tasks]
-        per_seed = [_by(rows, t, m, "eval_final") for t in tasks]
+        cells = [fmt(*mean_ci(list(_by(rows, t, m, key).values()))) for t in tasks]
+        per_seed = [_by(rows, t, m, key) for t in tasks]
         seeds = sorted(set.intersection(*(set(p) for p in per_seed))) if per_seed else []
         avg = [sum(p[s] for p in per_seed) / len(per_seed) for s in seeds]
         lines.append(f"| {m} | " + " | ".join(cells) + f" | {fmt(*mean_ci(avg))} |")
     return lines
 
 
-def paired_table(rows: list[dict], tasks: list[str], methods: list[str], base: str = "GRPO") -> list[str]:
+def paired_table(
+    rows: list[dict], tasks: list[str], methods: list[str], base: str = "GRPO", key: str = "eval_final"
+) -> list[str]:
+    """Each method's paired per-seed difference of `key` against `base`: mean +- 95% t interval, seeds paired."""
     lines = [f"| method - {base} | " + " | ".join(tasks) + " |", "|---" * (len(tasks) + 1) + "|"]
     for m in (m for m in methods if m != base):
         cells = []
         for t in tasks:
-            d, h, n = paired_diff(_by(rows, t, m, "eval_final"), _by(rows, t, base, "eval_final"))
+            d, h, n = paired_diff(_by(rows, t, m, key), _by(rows, t, base, key))
             cells.append(f"{fmt(d, h)} (n={n})")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return lines
+
+
+# The effects the power table sizes n for. Success: +0.05, the paper's average gain. Log-probability: +1 nat per
+# question, the correct trajectory e = 2.7 times as likely (about 0.04 nats on each of a 3-hop question's 24 policy
+# tokens); measured before it was chosen (fair setting, 3 seeds x 20 RL steps): the warm-up near -15 nats, 20 steps
+# lowering it by 0.4-6.6 nats, RAPO - GRPO -0.6 to +2.6 per seed. The table's SD column rescales n to any other
+# effect: n is proportional to (SD / effect)^2.
+ENDPOINTS = (("eval_final", "success", 0.05), ("heldout_logp_final", "log-probability (nats)", 1.0))
+POWER, ALPHA = 0.8, 0.05
+
+
+def power_table(rows: list[dict], tasks: list[str], methods: list[str], base: str = "GRPO") -> list[str]:
+    """Per task, endpoint and method: the paired per-seed difference against `base` (mean +- 95% t interval, n seeds),
+    its per-seed SD, the seeds a two-sided paired test at ALPHA needs for POWER at the endpoint's stated effect, and
+    the smallest effect this run's n detects with that power (both by the normal approximation of table1_stats)."""
+    lines = [
+        f"| task | endpoint | method - {base} | difference (n) | SD of difference | effect | n for {POWER:.0%} power "
+        f"| detectable at this n |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for t in tasks:
+        for key, name, effect in ENDPOINTS:
+            for m in (m for m in methods if m != base):
+                a, b = _by(rows, t, m, key), _by(rows, t, base, key)
+                d, h, n = paired_diff(a, b)
+                sd, _ = paired_sd(a, b)
+                need = n_for_power(sd, effect, ALPHA, POWER)
+                mde = detectable_effect(sd, n, ALPHA, POWER) if n else math.nan
+                lines.append(
+                    f"| {t} | {name} | {m} | {fmt(d, h)} (n={n}) | {fmt(sd, math.nan)} | {effect:g} "
+                    f"| {fmt(need, math.nan, 0)} | {fmt(mde, math.nan)} |"
+                )
     return lines
 
 
@@ -217,6 +257,29 @@ def write_outputs(
         "",
         *paired_table(rows, tasks, methods),
         "",
+        "## Held-out log-probability of the correct hops (teacher-forced, distinct questions; mean ± 95% CI)",
+        "",
+        "Per distinct held-out question, the summed log-probability of the policy's tokens of the correct searches and "
+        "the answer, observations given (rapo_fast/demo/table1_endpoint.py); nats, higher is better. At the warm-up:",
+        "",
+        *main_table(rows, tasks, methods, key="heldout_logp_start"),
+        "",
+        "After the last step:",
+        "",
+        *main_table(rows, tasks, methods, key="heldout_logp_final"),
+        "",
+        *paired_table(rows, tasks, methods, key="heldout_logp_final"),
+        "",
+        "## Power of the paired comparison against GRPO (both endpoints)",
+        "",
+        *power_table(rows, tasks, methods),
+        "",
+        f"n: seeds for {POWER:.0%} power, two-sided alpha {ALPHA}, at the stated effect (success +0.05, the paper's "
+        "average gain; log-probability +1 nat, the correct trajectory e = 2.7 times as likely), from this run's "
+        "per-seed SD of the difference; detectable: the smallest true difference this run's n detects with that "
+        "power. Normal approximation: n = ((z_0.975 + z_0.8) SD / effect)^2, a few seeds short of a t test's at "
+        "small n.",
+        "",
         "## Efficiency: steps and generated tokens to reach GRPO's final mean eval",
         "",
         *efficiency_table(rows, tasks, methods),
@@ -243,10 +306,12 @@ def write_outputs(
 __all__ = [
     "COLORS",
     "CSV_COLUMNS",
+    "ENDPOINTS",
     "write_outputs",
     "write_csv",
     "main_table",
     "paired_table",
+    "power_table",
     "efficiency_table",
     "plot",
     "diagnostics_table",

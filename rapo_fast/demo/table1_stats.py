@@ -1,16 +1,20 @@
 """The statistics of `rapo-fast table1`: means with 95% confidence intervals over seeds, paired differences against a
-baseline method on the same seeds, and training efficiency (steps and generated tokens to reach a level).
+baseline method on the same seeds, the power of a paired comparison (seeds needed for an effect, the smallest
+effect a number of seeds detects), and training efficiency (steps and generated tokens to reach a level).
 
 What this is: small pure functions on plain Python numbers, so that the report's arithmetic can be checked by hand
-(tests/demo/test_table1.py does). The interval is Student's t: mean +- t_{0.975, n-1} * sd / sqrt(n), with the
-sample (n - 1) standard deviation; one seed has no interval (NaN). What this is not: the runs (rapo_fast/demo/
-table1.py) or the files they write.
+(tests/demo/test_table1.py and test_table1_power.py do). The interval is Student's t: mean +- t_{0.975, n-1} * sd /
+sqrt(n), with the sample (n - 1) standard deviation; one seed has no interval (NaN). The power figures use the normal
+approximation of a two-sided paired test at level alpha: n = ((z_{1-alpha/2} + z_{power}) * sd / effect)^2, rounded
+up, with sd the per-seed SD of the paired difference (a t test needs a few seeds more at small n). What this is not:
+the runs (rapo_fast/demo/table1.py) or the files they write.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from statistics import NormalDist
 
 # two-sided 95% quantiles of Student's t for 1..30 degrees of freedom (standard tables); beyond, the normal 1.96
 _T975 = (
@@ -45,6 +49,44 @@ def paired_diff(a: dict[int, float], b: dict[int, float]) -> tuple[float, float,
     return m, h, len(seeds)
 
 
+def paired_sd(a: dict[int, float], b: dict[int, float]) -> tuple[float, int]:
+    """The sample (n - 1) SD of a[seed] - b[seed] over the seeds both have (NaN below 2), and how many seeds."""
+    d = [a[s] - b[s] for s in sorted(set(a) & set(b)) if not math.isnan(a[s] - b[s])]
+    if len(d) < 2:
+        return math.nan, len(d)
+    m = sum(d) / len(d)
+    return math.sqrt(sum((x - m) ** 2 for x in d) / (len(d) - 1)), len(d)
+
+
+def _z_sum(alpha: float, power: float) -> float:
+    if not 0.0 < alpha < 1.0:
+        raise ValueError(f"power: alpha must be in (0, 1), got {alpha!r}")
+    if not 0.0 < power < 1.0:
+        raise ValueError(f"power: power must be in (0, 1), got {power!r}")
+    z = NormalDist().inv_cdf
+    return z(1.0 - alpha / 2.0) + z(power)
+
+
+def n_for_power(sd: float, effect: float, alpha: float = 0.05, power: float = 0.8) -> float:
+    """Seeds a paired two-sided test at level `alpha` needs to detect a true mean difference `effect` with probability
+    `power`, given the per-seed SD `sd` of the difference (normal approximation, module docstring); NaN when sd is."""
+    if not effect > 0.0:
+        raise ValueError(f"n_for_power: effect must be > 0, got {effect!r}")
+    if math.isnan(sd):
+        return math.nan
+    if sd < 0.0:
+        raise ValueError(f"n_for_power: sd must be >= 0, got {sd!r}")
+    return float(max(2, math.ceil((_z_sum(alpha, power) * sd / effect) ** 2)))
+
+
+def detectable_effect(sd: float, n: int, alpha: float = 0.05, power: float = 0.8) -> float:
+    """The smallest true mean difference that `n` paired seeds detect with probability `power` at level `alpha`
+    (normal approximation): (z_{1-alpha/2} + z_{power}) * sd / sqrt(n); NaN when sd is."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"detectable_effect: n must be a positive int, got {n!r}")
+    return math.nan if math.isnan(sd) else _z_sum(alpha, power) * sd / math.sqrt(n)
+
+
 def first_reach(curve: Sequence[tuple[int, float]], level: float) -> int | None:
     """The first step of a (step, score) curve whose score is >= level, or None."""
     for step, score in curve:
@@ -60,4 +102,4 @@ def fmt(m: float, h: float, digits: int = 3) -> str:
     return f"{m:.{digits}f}" if math.isnan(h) else f"{m:.{digits}f} ± {h:.{digits}f}"
 
 
-__all__ = ["t975", "mean_ci", "paired_diff", "first_reach", "fmt"]
+__all__ = ["t975", "mean_ci", "paired_diff", "paired_sd", "n_for_power", "detectable_effect", "first_reach", "fmt"]
