@@ -219,7 +219,7 @@ def run_one(family: str, method: str, seed: int, s: dict, paths: dict[str, Path]
     evaluation read hop by hop (successes with an answer no observation showed), and the final policy's greedy
     success on the training questions with retrieval from RAPO's source (eval_with_retrieval_train_final). Every row
     carries the continuous endpoint (table1_endpoint.heldout_logp) at the warm-up and at the end; the sampler is
-    reseeded per step (table1_crn.StepSeeds: what the methods of a seed share)."""
+    reseeded per step in families with `step_seeds` (table1_crn.StepSeeds: what the methods of a seed share)."""
     from rapo_fast.demo import table1_diagnostics as D
     from rapo_fast.demo.table1_crn import StepSeeds
     from rapo_fast.demo.table1_endpoint import heldout_logp
@@ -244,7 +244,9 @@ def run_one(family: str, method: str, seed: int, s: dict, paths: dict[str, Path]
     off = OffPolicyTrajectories.from_jsonl(paths["off_jsonl"], top_k=k) if method == "OFFPOLICY_TRAJ" else None
     trainer = RAPOTrainer(model, tok, task, traces, cfg, data["train"], offpolicy=off)
     held_out = EvalCallback(lambda t: evaluate(t.model, tok, task, data["evals"], max_step_tokens=16), s["eval_every"])
-    callbacks = [held_out] + ([D.RolloutReader()] if fam.readable else []) + [StepSeeds(seed)]
+    # the recorded runs of the families without `step_seeds` predate the reseeding: they keep one stream per run
+    seeds = [StepSeeds(seed)] if getattr(fam, "step_seeds", False) else []
+    callbacks = [held_out] + ([D.RolloutReader()] if fam.readable else []) + seeds
     history = trainer.train(s["rl_steps"], progress=False, callbacks=callbacks, desc=f"{family}/{method}/{seed}")
     tokens = [0]
     for h in history:
