@@ -117,3 +117,11 @@ def test_logprobs_without_out_writes_to_a_temporary_folder(logprobs, tmp_path, m
 def test_quick_run_cannot_be_recorded(logprobs):
     with pytest.raises(SystemExit, match="never recorded"):
         logprobs.main(["--quick", "--record"])
+
+
+def test_logprobs_parity_prints_a_row_per_shape_and_mode(logprobs, capsys):
+    # one shape under SMALL_BYTES (torch's unchunked op as called) and one above it (chunked), both timed
+    assert logprobs.main(["--parity", "--quick", "--shape", "8,4,16", "--shape", "300,8,1000"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.split()[:1] in (["8"], ["300"])]
+    assert [(r[0], r[3]) for r in rows] == [("8", "fwd"), ("8", "fwd+bwd"), ("300", "fwd"), ("300", "fwd+bwd")]
+    assert all(float(x) > 0 for r in rows for x in r[4:])
