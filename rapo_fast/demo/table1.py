@@ -270,6 +270,7 @@ def run_one(family: str, method: str, seed: int, s: dict, paths: dict[str, Path]
     if fam.readable:
         row["leak_frac"], row["hybrid_successes"] = reader.leak_frac(), reader.hybrid_successes
         row["training_recall_frac"] = reader.recall_frac()
+        row["training_successes"], row["training_recalled"] = reader.successes, reader.recalled
         row["_signatures"] = reader.signatures()
         reads = D.read_greedy(trainer.model, tok, task, data["evals"])
         row["unobserved_success_final"] = D.unobserved_success(reads)
@@ -535,7 +536,7 @@ def build_checks(rows: list[dict], prepared: dict[tuple[str, int], dict], s: dic
         sigs[fam] = {r["method"] + f"/{r['seed']}": r.get("_signatures", {}) for r in fr}
     checks = D.go_no_go(figures)
     for fam in s["families"]:
-        if get_family(fam).retrieve_style == "advance":
+        if get_family(fam).gates_table:
             from rapo_fast.demo.table1_step_checks import step_checks
 
             ws = [w for key, w in warm.items() if key.split("/")[0] == fam]

@@ -5,7 +5,8 @@ section "kb_alias_step"): (1) the facts are drawn again for every RL step (same 
 tool answering from that step's draw, and the held-out questions ask a draw of their own, so recalling a fact never
 pays; (2) retrieval in the paper's form (rapo_fast/demo/tasks/kb_step.py AdvancingTraces: the retrieved step takes
 the hop for this row), with a warm-up of 3-hop demonstrations showing such steps ("advance" blocks); (3) no retrieval
-of the last hop or after it. `StepFactsTrainer` is the trainer that switches the draw per step.
+of the last hop or after it. `StepFactsTrainer` is the trainer that switches the draw per step. `StepHintFamily`
+("kb_alias_step_hint") keeps kb_alias's hint form of retrieval on the same facts: the named variant.
 What this is not: the runner (table1.py), the diagnostics it records (table1_step_checks.py), or kb_alias, which
 stays as it was (its recorded run is quoted in the README).
 """
@@ -15,7 +16,15 @@ from __future__ import annotations
 import copy
 from functools import lru_cache
 
-from rapo_fast.demo.table1_families import HELD_OUT_FRAC, RL_CHAINS, SFT_DRAWS, SFT_PER_DRAW, AliasFamily, _tiny_policy
+from rapo_fast.demo.table1_families import (
+    HELD_OUT_FRAC,
+    RL_CHAINS,
+    SFT_DRAWS,
+    SFT_PER_DRAW,
+    AliasFamily,
+    _Family,
+    _tiny_policy,
+)
 from rapo_fast.train.trainer import RAPOTrainer
 
 # Fact seeds, disjoint ranges: the warm-up's draws (10_000 + 100 seed + d, d < SFT_DRAWS, as AliasFamily), RAPO's
@@ -134,4 +143,17 @@ class StepFamily(AliasFamily):
         )
 
 
-__all__ = ["StepFamily", "StepFactsTrainer", "EVAL_FACTS", "STEP_FACTS"]
+class StepHintFamily(StepFamily):
+    """kb_alias_step_hint: the same per-step facts, with kb_alias's retrieval form instead of the paper's (a foreign
+    step of the same relation as a hint, after which the policy takes the hop itself; retrieved at any hop, as in
+    kb_alias; warm-up blocks "foreign" at 30%, as kb_alias's): the named variant to compare the tested form with."""
+
+    name = "kb_alias_step_hint"
+    retrieve_style = "foreign"
+    step_traces = _Family.step_traces
+
+    def warm_up(self, data: dict, s: dict, seed: int, retrieve_frac: float = 0.3) -> dict:
+        return super().warm_up(data, s, seed, retrieve_frac)
+
+
+__all__ = ["StepFamily", "StepHintFamily", "StepFactsTrainer", "EVAL_FACTS", "STEP_FACTS"]

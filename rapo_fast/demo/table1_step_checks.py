@@ -131,8 +131,10 @@ def step_checks(fam: str, rows: Sequence[dict], warm: Sequence[dict]) -> dict:
     """The checks of one step family from its runs' rows and its per-seed warm-up figures: no_training_recall (every
     run's recall_frac at most RECALL_MAX; NaN, no success, passes), source_quality (the retrieved steps' right
     relation after a right prefix, pooled over the seeds' warm-ups, at least SOURCE_RIGHT_MIN; the wrong-prefix
-    figure beside it), no_answer_leak_per_seed (every RAPO run's leak_frac at most LEAK_MAX)."""
+    figure beside it; left out without warm-up figures for it), no_answer_leak_per_seed (every RAPO run's leak_frac
+    at most LEAK_MAX)."""
     recall = {f"{r['method']}/{r['seed']}": float(r.get("training_recall_frac", math.nan)) for r in rows}
+    counts = {f"{r['method']}/{r['seed']}": [r.get("training_recalled"), r.get("training_successes")] for r in rows}
     worst = _fmax(recall.values())
     sq = [w["source_quality"] for w in warm if "source_quality" in w]
     n_r = sum(q["n_right_prefix"] for q in sq)
@@ -141,11 +143,12 @@ def step_checks(fam: str, rows: Sequence[dict], warm: Sequence[dict]) -> dict:
     wrong = sum(q["wrong_prefix"] * q["n_wrong_prefix"] for q in sq if q["n_wrong_prefix"]) / n_w if n_w else math.nan
     leak = {str(r["seed"]): float(r["leak_frac"]) for r in rows if r["method"] == "RAPO"}
     worst_leak = _fmax(leak.values())
-    return {
+    out = {
         f"no_training_recall/{fam}": {
             "value": worst,
             "bound": RECALL_MAX,
             "per_run": recall,
+            "recalled_of_successes": counts,
             "pass": bool(math.isnan(worst) or worst <= RECALL_MAX),
         },
         f"source_quality/{fam}": {
@@ -163,6 +166,9 @@ def step_checks(fam: str, rows: Sequence[dict], warm: Sequence[dict]) -> dict:
             "pass": bool(math.isnan(worst_leak) or worst_leak <= LEAK_MAX),
         },
     }
+    if not sq:  # the hint variant: its retrieved steps are other questions' steps, read by no source_quality
+        del out[f"source_quality/{fam}"]
+    return out
 
 
 __all__ = ["advance_probe", "source_quality", "step_warmup_figures", "step_checks", "RECALL_MAX", "SOURCE_RIGHT_MIN"]

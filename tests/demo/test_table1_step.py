@@ -173,3 +173,21 @@ def test_step_family_is_selectable_but_not_the_default():
     assert table1.setting_from(p.parse_args(["--families", "kb_alias_step"]))["families"] == ["kb_alias_step"]
     with pytest.raises(SystemExit, match="unknown families"):
         table1.setting_from(p.parse_args(["--setting", "legacy", "--families", "kb_alias_step"]))
+    hint = get_family("kb_alias_step_hint")  # the named variant: kb_alias's hint form on the per-step facts
+    assert hint.retrieve_style == "foreign" and type(hint.step_traces(*_traces_args())).__name__ == "StepTraces"
+    assert type(StepFamily().step_traces(*_traces_args())).__name__ == "AdvancingTraces"
+
+
+def _traces_args():
+    from rapo_fast.demo.tasks import kb_solver_trajectories, write_jsonl
+    from rapo_fast.retrieval.encoders import HashedNgramEncoder
+
+    task = AliasKBTask(chains=RL_CHAINS)
+    path = _traces_args.tmp / "t.jsonl"
+    write_jsonl(kb_solver_trajectories(task, task.make_problems(2, seed=0), 2, 0.2), path)
+    return path, HashedNgramEncoder(), task.tokenizer(), 2
+
+
+@pytest.fixture(autouse=True)
+def _tmp_for_traces(tmp_path):
+    _traces_args.tmp = tmp_path
