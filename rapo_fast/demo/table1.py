@@ -270,7 +270,8 @@ def run_one(family: str, method: str, seed: int, s: dict, paths: dict[str, Path]
     if fam.readable:
         row["leak_frac"], row["hybrid_successes"] = reader.leak_frac(), reader.hybrid_successes
         row["training_recall_frac"] = reader.recall_frac()
-        row["training_successes"], row["training_recalled"] = reader.successes, reader.recalled
+        row["training_rows"], row["training_successes"] = reader.rows, reader.successes
+        row["training_recalled"] = reader.recalled
         row["_signatures"] = reader.signatures()
         reads = D.read_greedy(trainer.model, tok, task, data["evals"])
         row["unobserved_success_final"] = D.unobserved_success(reads)

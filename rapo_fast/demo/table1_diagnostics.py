@@ -288,7 +288,7 @@ class RolloutReader(TrainerCallback):
         self.hint_copies = hint_copies
         self.hybrid_successes = 0
         self.leaked = 0
-        self.successes = self.recalled = 0
+        self.rows = self.successes = self.recalled = 0
         self.counts: dict[str, Counter] = {"hybrid": Counter(), "onpolicy": Counter()}
 
     def on_step_end(self, trainer, step: int, metrics: dict):
@@ -298,6 +298,7 @@ class RolloutReader(TrainerCallback):
             if off is not None and bool(off[i]):
                 continue  # a whole off-policy trajectory: not the policy's
             kind = "hybrid" if bool(batch.hybrid[i]) else "onpolicy"
+            self.rows += 1
             if r["success"]:
                 self.successes += 1
                 self.recalled += used_unobserved(problems[int(batch.prompt_index[i])], r)

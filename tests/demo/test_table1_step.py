@@ -118,21 +118,43 @@ def test_advance_probe_and_checks_on_the_warm_up_policy():
     model = _tiny(d)
     pr = advance_probe(model, tok, task, task.make_problems(3, seed=0))
     assert pr["n"] == 3 and 0.0 < pr["p_next_given_retrieved"] < 1.0 and 0.0 < pr["p_next_given_own"] < 1.0
+
+    def run(method, seed, recalled, successes, rows, leak):
+        frac = recalled / successes if successes else math.nan
+        return dict(
+            method=method,
+            seed=seed,
+            training_recall_frac=frac,
+            training_recalled=recalled,
+            training_successes=successes,
+            training_rows=rows,
+            leak_frac=leak,
+        )
+
     rows = [
-        {"method": "RAPO", "seed": 0, "training_recall_frac": 0.05, "leak_frac": 0.1},
-        {"method": "GRPO", "seed": 0, "training_recall_frac": 0.4, "leak_frac": math.nan},
-        {"method": "RAPO", "seed": 1, "training_recall_frac": math.nan, "leak_frac": 0.3},
+        run("RAPO", 0, 1, 20, 100, 0.1),
+        run("GRPO", 0, 4, 10, 1000, math.nan),  # 40% of few successes, at a guessing rate: passes
+        run("RAPO", 1, 0, 0, 100, 0.3),
     ]
-    warm = [{"source_quality": {"right_prefix": 0.8, "wrong_prefix": 0.1, "n_right_prefix": 10, "n_wrong_prefix": 5}}]
+    warm = [
+        {
+            "chance": 0.056,
+            "source_quality": {"right_prefix": 0.8, "wrong_prefix": 0.1, "n_right_prefix": 10, "n_wrong_prefix": 5},
+        }
+    ]
     c = step_checks("f", rows, warm)
-    assert not c["no_training_recall/f"]["pass"] and c["no_training_recall/f"]["per_run"]["GRPO/0"] == 0.4
+    assert c["no_training_recall/f"]["pass"] and c["no_training_recall/f"]["per_run"]["GRPO/0"]["frac"] == 0.4
+    recalling = step_checks("f", rows + [run("GRPO", 1, 45, 50, 100, math.nan)], warm)["no_training_recall/f"]
+    assert not recalling["pass"] and not recalling["per_run"]["GRPO/1"]["pass"] and recalling["value"] == 0.9
     assert c["source_quality/f"]["pass"] and c["source_quality/f"]["wrong_prefix"] == 0.1
     assert not c["no_answer_leak_per_seed/f"]["pass"] and c["no_answer_leak_per_seed/f"]["per_seed"] == {
         "0": 0.1,
         "1": 0.3,
     }
-    rows = [dict(r, training_recall_frac=0.0, leak_frac=0.0) for r in rows]
-    assert all(x["pass"] for x in step_checks("f", rows, warm).values())
+    assert step_checks("f", [dict(r, leak_frac=0.0) for r in rows], warm)["no_answer_leak_per_seed/f"]["pass"]
+    assert not step_checks(
+        "f", rows, [dict(warm[0], source_quality=dict(warm[0]["source_quality"], right_prefix=0.4))]
+    )["source_quality/f"]["pass"]
 
 
 def test_quick_step_run_withholds_the_table_when_a_check_fails(tmp_path, monkeypatch):
