@@ -272,6 +272,7 @@ def run_one(family: str, method: str, seed: int, s: dict, paths: dict[str, Path]
         row["training_recall_frac"] = reader.recall_frac()
         row["training_rows"], row["training_successes"] = reader.rows, reader.successes
         row["training_recalled"] = reader.recalled
+        row["_training_source_quality"] = reader.source_quality()
         row["_signatures"] = reader.signatures()
         reads = D.read_greedy(trainer.model, tok, task, data["evals"])
         row["unobserved_success_final"] = D.unobserved_success(reads)

@@ -2,9 +2,10 @@
 setting can test RAPO's claim at all.
 
 What this is: readers of knowledge-base completions (`read_completion`, `signature`), the leak and shortcut figures
-(`leak_frac`, `unobserved_success`), the warm-up's `conditioning_probe`, the off-policy source's `kept_trace_stats`,
-and `go_no_go` (the figures of table1_checks.json and whether each passes); each function's docstring says what it
-measures, docs/training.md section 7 and docs/table1_fair_design.md how they are used.
+(`leak_frac`, `unobserved_success`, `used_unobserved`), the retrieved steps' `source_quality`, the warm-up's
+`conditioning_probe`, the off-policy source's `kept_trace_stats`, and `go_no_go` (the figures of table1_checks.json
+and whether each passes); each function's docstring says what it measures, docs/training.md section 7 and
+docs/table1_fair_design.md how they are used.
 What this is not: the runner (rapo_fast/demo/table1.py) or the statistics over seeds (table1_stats.py).
 """
 
@@ -110,6 +111,31 @@ def used_unobserved(problem, read: dict) -> bool:
         if s["obs"] is not None:
             seen.add(s["obs"])
     return read["answer"] not in seen
+
+
+def source_quality(problems: Sequence, reads: Sequence[dict], advancing: bool = True) -> dict:
+    """Over the retrieved steps of `reads` (read_completion of hybrid rows): the fraction whose relation is the
+    chain's relation at the hop the row is at, after a prefix of right hops and after a prefix with a wrong one.
+    advancing: a retrieved step takes a hop (the paper's form); else it is a hint for the policy's next step, which
+    takes the hop (kb_alias's form)."""
+    n = {True: 0, False: 0}
+    right = {True: 0, False: 0}
+    for p, r in zip(problems, reads):
+        prefix_ok, pos = True, 0
+        for s in r["segments"]:
+            if s["kind"] == "answer":
+                break
+            if s["kind"] == "ret" and pos < len(p.relations):
+                n[prefix_ok] += 1
+                right[prefix_ok] += s["rel"] == p.relations[pos]
+            if s["kind"] == "own" or advancing:
+                prefix_ok, pos = prefix_ok and bool(s["hop"]), pos + 1
+    return {
+        "right_prefix": right[True] / n[True] if n[True] else math.nan,
+        "wrong_prefix": right[False] / n[False] if n[False] else math.nan,
+        "n_right_prefix": n[True],
+        "n_wrong_prefix": n[False],
+    }
 
 
 def unobserved_success(reads: Sequence[dict]) -> float:
@@ -281,7 +307,8 @@ class RolloutReader(TrainerCallback):
     """A trainer callback that reads every step's rollouts
     (trainer.last_batch against trainer.last_problems): counts the hybrid successes that retrieved and those whose
     answer was a retrieved observation (leak_frac over the run), the policy's successes that used an entity never
-    observed in the row (recall_frac, `used_unobserved`), and the successes' signatures per row kind. hint_copies:
+    observed in the row (recall_frac, `used_unobserved`), the retrieved steps' relation (source_quality), and the
+    successes' signatures per row kind. hint_copies:
     as read_completion's."""
 
     def __init__(self, hint_copies: bool = True):
@@ -289,6 +316,7 @@ class RolloutReader(TrainerCallback):
         self.hybrid_successes = 0
         self.leaked = 0
         self.rows = self.successes = self.recalled = 0
+        self.retrieved: list[tuple] = []  # (problem, read) of the hybrid rows that retrieved
         self.counts: dict[str, Counter] = {"hybrid": Counter(), "onpolicy": Counter()}
 
     def on_step_end(self, trainer, step: int, metrics: dict):
@@ -299,6 +327,8 @@ class RolloutReader(TrainerCallback):
                 continue  # a whole off-policy trajectory: not the policy's
             kind = "hybrid" if bool(batch.hybrid[i]) else "onpolicy"
             self.rows += 1
+            if any(s["kind"] == "ret" for s in r["segments"]):
+                self.retrieved.append((problems[int(batch.prompt_index[i])], r))
             if r["success"]:
                 self.successes += 1
                 self.recalled += used_unobserved(problems[int(batch.prompt_index[i])], r)
@@ -310,6 +340,10 @@ class RolloutReader(TrainerCallback):
 
     def leak_frac(self) -> float:
         return self.leaked / self.hybrid_successes if self.hybrid_successes else math.nan
+
+    def source_quality(self) -> dict:
+        """source_quality over the run's retrieved steps."""
+        return source_quality([p for p, _ in self.retrieved], [r for _, r in self.retrieved], not self.hint_copies)
 
     def recall_frac(self) -> float:
         """Among the policy's successes of the run: the fraction that used an entity never observed in the row."""

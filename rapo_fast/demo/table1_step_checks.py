@@ -2,7 +2,8 @@
 
 What this is: the warm-up figures of the advancing retrieval form (`advance_probe`: teacher-forced P(the policy's
 next hop is right) after a retrieved advancing step vs after its own; `source_quality`: how often a retrieved step
-carries the right next relation after a right and after a wrong prefix; `step_warmup_figures`: both plus sampled
+carries the right next relation after a right and after a wrong prefix, table1_diagnostics.source_quality, at
+the warm-up; `step_warmup_figures`: both plus sampled
 on-policy and hybrid rollouts at the warm-up) and `step_checks` (no_training_recall per run, source quality,
 no_answer_leak per seed). docs/table1_fair_design.md (section "kb_alias_step") says why each exists.
 What this is not: the family (table1_step.py) or kb_alias's checks (table1_diagnostics.go_no_go).
@@ -57,26 +58,6 @@ def advance_probe(model, tok, task, problems: Sequence) -> dict:
     return {"p_next_given_retrieved": sum(ret) / len(ret), "p_next_given_own": sum(own) / len(own), "n": len(ret)}
 
 
-def source_quality(problems: Sequence, reads: Sequence[dict]) -> dict:
-    """Over the retrieved steps of `reads` (read_completion of hybrid rows): the fraction whose relation is the
-    chain's relation at that step position, after a prefix of right hops and after a prefix with a wrong one."""
-    n = {True: 0, False: 0}
-    right = {True: 0, False: 0}
-    for p, r in zip(problems, reads):
-        prefix_ok = True
-        for pos, s in enumerate(x for x in r["segments"] if x["kind"] != "answer"):
-            if s["kind"] == "ret" and pos < len(p.relations):
-                n[prefix_ok] += 1
-                right[prefix_ok] += s["rel"] == p.relations[pos]
-            prefix_ok = prefix_ok and bool(s["hop"])
-    return {
-        "right_prefix": right[True] / n[True] if n[True] else math.nan,
-        "wrong_prefix": right[False] / n[False] if n[False] else math.nan,
-        "n_right_prefix": n[True],
-        "n_wrong_prefix": n[False],
-    }
-
-
 def step_warmup_figures(model, tok, task, problems: Sequence, traces, group_size: int, seed: int) -> dict:
     """At the warm-up, `problems` in `task`'s facts: the advance probe, and one sampled on-policy and one hybrid
     rollout (every row hybrid, retrieve_prob 0.5, the advancing form from `traces`, an AdvancingTraces): success
@@ -108,7 +89,7 @@ def step_warmup_figures(model, tok, task, problems: Sequence, traces, group_size
             "onpolicy_top_signatures": D.signatures(on, successes_only=False),
             "n": len(on),
         },
-        "source_quality": source_quality(rows_p, hy),
+        "source_quality": D.source_quality(rows_p, hy),
     }
 
 
@@ -145,10 +126,10 @@ def step_checks(fam: str, rows: Sequence[dict], warm: Sequence[dict]) -> dict:
     """The checks of one step family from its runs' rows and its per-seed warm-up figures: no_training_recall (every
     run's recall_frac at most RECALL_MAX, or, where more, its rate of such successes per row within chance of
     guessing the answer: a policy that never reads the chain succeeds by guesses, which are no recall; NaN, no
-    success, passes), source_quality (the retrieved steps' right
-    relation after a right prefix, pooled over the seeds' warm-ups, at least SOURCE_RIGHT_MIN; the wrong-prefix
-    figure beside it; left out without warm-up figures for it), no_answer_leak_per_seed (every RAPO run's leak_frac
-    at most LEAK_MAX)."""
+    success, passes), source_quality (the retrieved steps' right relation after a right prefix, pooled over the
+    seeds' warm-ups, at least SOURCE_RIGHT_MIN; the wrong-prefix figure and RAPO's runs' figures over training
+    beside it; left out without warm-up figures for it), no_answer_leak_per_seed (every RAPO run's leak_frac at
+    most LEAK_MAX)."""
     recall = {f"{r['method']}/{r['seed']}": float(r.get("training_recall_frac", math.nan)) for r in rows}
     chance = sum(w["chance"] for w in warm) / len(warm) if warm else math.nan
     runs = {f"{r['method']}/{r['seed']}": _recall_run(r, chance) for r in rows}
@@ -159,6 +140,7 @@ def step_checks(fam: str, rows: Sequence[dict], warm: Sequence[dict]) -> dict:
     right = sum(q["right_prefix"] * q["n_right_prefix"] for q in sq if q["n_right_prefix"]) / n_r if n_r else math.nan
     wrong = sum(q["wrong_prefix"] * q["n_wrong_prefix"] for q in sq if q["n_wrong_prefix"]) / n_w if n_w else math.nan
     leak = {str(r["seed"]): float(r["leak_frac"]) for r in rows if r["method"] == "RAPO"}
+    in_training = {str(r["seed"]): r.get("_training_source_quality") for r in rows if r["method"] == "RAPO"}
     worst_leak = _fmax(leak.values())
     out = {
         f"no_training_recall/{fam}": {
@@ -174,6 +156,7 @@ def step_checks(fam: str, rows: Sequence[dict], warm: Sequence[dict]) -> dict:
             "wrong_prefix": wrong,
             "n_right_prefix": n_r,
             "n_wrong_prefix": n_w,
+            "rapo_training_per_seed": in_training,
             "pass": bool(not math.isnan(right) and right >= SOURCE_RIGHT_MIN),
         },
         f"no_answer_leak_per_seed/{fam}": {
@@ -188,4 +171,4 @@ def step_checks(fam: str, rows: Sequence[dict], warm: Sequence[dict]) -> dict:
     return out
 
 
-__all__ = ["advance_probe", "source_quality", "step_warmup_figures", "step_checks", "RECALL_MAX", "SOURCE_RIGHT_MIN"]
+__all__ = ["advance_probe", "step_warmup_figures", "step_checks", "RECALL_MAX", "SOURCE_RIGHT_MIN"]

@@ -15,9 +15,10 @@ import torch
 
 from rapo_fast.demo import table1
 from rapo_fast.demo import table1_diagnostics as D
+from rapo_fast.demo.table1_diagnostics import source_quality
 from rapo_fast.demo.table1_families import RL_CHAINS, get_family
 from rapo_fast.demo.table1_step import StepFamily
-from rapo_fast.demo.table1_step_checks import advance_probe, source_quality, step_checks
+from rapo_fast.demo.table1_step_checks import advance_probe, step_checks
 from rapo_fast.demo.tasks.kb_alias import AliasKBTask
 from rapo_fast.demo.tasks.kb_step import advanced_step, chain_length
 from rapo_fast.rollouts.batch import KIND_GEN, KIND_RET
@@ -109,6 +110,9 @@ def test_recall_reader_and_source_quality_by_hand():
     reads = [D.read_completion(p, t, hint_copies=False) for t in (advanced, wrong_first)]
     q = source_quality([p, p], reads)
     assert q["right_prefix"] == 1.0 and q["n_right_prefix"] == 1 and q["wrong_prefix"] == 1.0
+    assert reader.source_quality() == source_quality([p], reads[:1])  # the run's retrieved steps, read the same
+    hinted = D.read_completion(p, " ".join([sol[0], f"<retrieve> {p.hints[1]} </retrieve>", *sol[1:]]))
+    assert source_quality([p], [hinted], advancing=False)["right_prefix"] == 1.0  # the hint is for hop 2, as taken
 
 
 def test_advance_probe_and_checks_on_the_warm_up_policy():
