@@ -117,7 +117,8 @@ def source_quality(problems: Sequence, reads: Sequence[dict], advancing: bool = 
     """Over the retrieved steps of `reads` (read_completion of hybrid rows): the fraction whose relation is the
     chain's relation at the hop the row is at, after a prefix of right hops and after a prefix with a wrong one.
     advancing: a retrieved step takes a hop (the paper's form); else it is a hint for the policy's next step, which
-    takes the hop (kb_alias's form)."""
+    takes the hop (kb_alias's form). A fraction is None where no retrieved step had such a prefix (a value that
+    compares equal to itself, unlike NaN, so runs' rows can be compared whole)."""
     n = {True: 0, False: 0}
     right = {True: 0, False: 0}
     for p, r in zip(problems, reads):
@@ -131,8 +132,8 @@ def source_quality(problems: Sequence, reads: Sequence[dict], advancing: bool = 
             if s["kind"] == "own" or advancing:
                 prefix_ok, pos = prefix_ok and bool(s["hop"]), pos + 1
     return {
-        "right_prefix": right[True] / n[True] if n[True] else math.nan,
-        "wrong_prefix": right[False] / n[False] if n[False] else math.nan,
+        "right_prefix": right[True] / n[True] if n[True] else None,
+        "wrong_prefix": right[False] / n[False] if n[False] else None,
         "n_right_prefix": n[True],
         "n_wrong_prefix": n[False],
     }
