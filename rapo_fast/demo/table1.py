@@ -189,6 +189,11 @@ def warmup_checks(
         return out
     model = _load_policy(data["tok"], warm, seed)
     probes = data["train"][: min(32, len(data["train"]))]
+    if fam.retrieve_style == "advance":
+        from rapo_fast.demo.table1_step_checks import step_warmup_figures
+
+        traces = fam.step_traces(jsonl, _encoder(s["encoder"]), data["tok"], k)
+        return out | step_warmup_figures(model, data["tok"], data["task"], probes, traces, s["group_size"], seed)
     if fam.retrieve_style == "foreign":
         out["probe"] = D.hint_probe(model, data["tok"], data["task"], probes)
     else:
@@ -224,11 +229,9 @@ def run_one(family: str, method: str, seed: int, s: dict, paths: dict[str, Path]
     from rapo_fast.demo.table1_crn import StepSeeds
     from rapo_fast.demo.table1_endpoint import heldout_logp
     from rapo_fast.demo.table1_families import get_family
-    from rapo_fast.retrieval.step_traces import StepTraces
     from rapo_fast.rollouts.offpolicy import OffPolicyTrajectories
     from rapo_fast.train.callbacks import EvalCallback
     from rapo_fast.train.sft import evaluate
-    from rapo_fast.train.trainer import RAPOTrainer
 
     t0 = time.perf_counter()
     fam = get_family(family)
@@ -240,13 +243,14 @@ def run_one(family: str, method: str, seed: int, s: dict, paths: dict[str, Path]
     cfg = _config(method, s, seed)
     k = per_family(s, "traces_top_k", family)
     uses_traces = method.startswith("RAPO")
-    traces = StepTraces.from_jsonl(paths["jsonl"], _encoder(enc), tok, top_k=k) if uses_traces else None
+    traces = fam.step_traces(paths["jsonl"], _encoder(enc), tok, k) if uses_traces else None
     off = OffPolicyTrajectories.from_jsonl(paths["off_jsonl"], top_k=k) if method == "OFFPOLICY_TRAJ" else None
-    trainer = RAPOTrainer(model, tok, task, traces, cfg, data["train"], offpolicy=off)
+    trainer = fam.trainer(data, model, traces, cfg, off)
     held_out = EvalCallback(lambda t: evaluate(t.model, tok, task, data["evals"], max_step_tokens=16), s["eval_every"])
+    reader = D.RolloutReader(hint_copies=fam.retrieve_style != "advance")
     # the recorded runs of the families without `step_seeds` predate the reseeding: they keep one stream per run
     seeds = [StepSeeds(seed)] if getattr(fam, "step_seeds", False) else []
-    callbacks = [held_out] + ([D.RolloutReader()] if fam.readable else []) + seeds
+    callbacks = [held_out] + ([reader] if fam.readable else []) + seeds
     history = trainer.train(s["rl_steps"], progress=False, callbacks=callbacks, desc=f"{family}/{method}/{seed}")
     tokens = [0]
     for h in history:
@@ -273,12 +277,17 @@ def run_one(family: str, method: str, seed: int, s: dict, paths: dict[str, Path]
         "_tokens": tokens,
     }
     if fam.readable:
-        reader = callbacks[1]
         row["leak_frac"], row["hybrid_successes"] = reader.leak_frac(), reader.hybrid_successes
+        row["training_recall_frac"] = reader.recall_frac()
+        row["training_rows"], row["training_successes"] = reader.rows, reader.successes
+        row["training_recalled"] = reader.recalled
+        row["_training_source_quality"] = reader.source_quality()
         row["_signatures"] = reader.signatures()
         reads = D.read_greedy(trainer.model, tok, task, data["evals"])
         row["unobserved_success_final"] = D.unobserved_success(reads)
-        src = traces if traces is not None else StepTraces.from_jsonl(paths["jsonl"], _encoder(enc), tok, top_k=k)
+        src = traces if traces is not None else fam.step_traces(paths["jsonl"], _encoder(enc), tok, k)
+        if hasattr(src, "task"):
+            src.task = task  # the with-retrieval evaluation asks data["train"], in data["task"]'s facts
         row["eval_with_retrieval_train_final"] = D.greedy_with_retrieval(trainer.model, tok, task, data["train"], src)
     row["wall_s"] = time.perf_counter() - t0
     return row
@@ -339,10 +348,13 @@ def setting_from(a: argparse.Namespace) -> dict:
             if getattr(a, key) < (1 if key != "sft_steps" else 0):
                 raise SystemExit(f"rapo-fast table1: --{key.replace('_', '-')} must be >= 1, got {getattr(a, key)}")
             s[key] = getattr(a, key)
+    from rapo_fast.demo.table1_families import FAIR_VARIANTS
+
     fams = families(a.setting)
     s["families"] = list(fams) if a.families is None else a.families.split(",")
+    known_fams = fams + (FAIR_VARIANTS if fair else ())
     s["methods"] = (list(ALL_METHODS if fair else METHODS)) if a.methods is None else a.methods.split(",")
-    for name, known in (("families", fams), ("methods", ALL_METHODS)):
+    for name, known in (("families", known_fams), ("methods", ALL_METHODS)):
         bad = [x for x in s[name] if x not in known]
         if bad:
             raise SystemExit(f"rapo-fast table1: unknown {name} {bad}; expected a subset of {list(known)}")
@@ -465,8 +477,19 @@ def run(s: dict, out: Path, progress: bool = True, workers: int | None = None) -
     add_targets(rows)
     checks = build_checks(rows, prepared, s)
     write_file_atomic(out / "table1_checks.json", lambda f: f.write(json.dumps(checks, indent=1).encode()))
-    write_outputs(out, rows, s, enc, time.perf_counter() - t_all, checks)
+    write_outputs(out, rows, s, enc, time.perf_counter() - t_all, checks, withheld_by(checks))
     return rows
+
+
+def withheld_by(checks: dict) -> list[str]:
+    """The failing checks of families whose table a failing check withholds (`gates_table`: kb_alias_step)."""
+    from rapo_fast.demo.table1_families import get_family
+
+    return [
+        name
+        for name, c in checks["checks"].items()
+        if not c["pass"] and get_family(name.rsplit("/", 1)[-1]).gates_table
+    ]
 
 
 def _mean(xs) -> float:
@@ -481,6 +504,7 @@ def build_checks(rows: list[dict], prepared: dict[tuple[str, int], dict], s: dic
     traces), a policy that can use a retrieved step (the warm-up probe), no answer leak (pooled over RAPO's runs). The
     figures, the per-seed warm-up files and the successes' signatures per method are kept beside the checks."""
     from rapo_fast.demo import table1_diagnostics as D
+    from rapo_fast.demo.table1_families import get_family
 
     warm = {f"{f}/{seed}": json.loads(Path(p["checks"]).read_text()) for (f, seed), p in sorted(prepared.items())}
     figures: dict = {
@@ -522,6 +546,12 @@ def build_checks(rows: list[dict], prepared: dict[tuple[str, int], dict], s: dic
             )
         sigs[fam] = {r["method"] + f"/{r['seed']}": r.get("_signatures", {}) for r in fr}
     checks = D.go_no_go(figures)
+    for fam in s["families"]:
+        if get_family(fam).gates_table:
+            from rapo_fast.demo.table1_step_checks import step_checks
+
+            ws = [w for key, w in warm.items() if key.split("/")[0] == fam]
+            checks |= step_checks(fam, [r for r in rows if r["task"] == fam], ws)
     for fam, pr in figures["hint_probe"].items():
         # The aliased setting's conditioning probe is the hint probe: its two probabilities under the common name too
         # (the check reads them from hint_probe).

@@ -2,9 +2,10 @@
 setting can test RAPO's claim at all.
 
 What this is: readers of knowledge-base completions (`read_completion`, `signature`), the leak and shortcut figures
-(`leak_frac`, `unobserved_success`), the warm-up's `conditioning_probe`, the off-policy source's `kept_trace_stats`,
-and `go_no_go` (the figures of table1_checks.json and whether each passes); each function's docstring says what it
-measures, docs/training.md section 7 and docs/table1_fair_design.md how they are used.
+(`leak_frac`, `unobserved_success`, `used_unobserved`), the retrieved steps' `source_quality`, the warm-up's
+`conditioning_probe`, the off-policy source's `kept_trace_stats`, and `go_no_go` (the figures of table1_checks.json
+and whether each passes); each function's docstring says what it measures, docs/training.md section 7 and
+docs/table1_fair_design.md how they are used.
 What this is not: the runner (rapo_fast/demo/table1.py) or the statistics over seeds (table1_stats.py).
 """
 
@@ -37,11 +38,12 @@ def _call(text: str) -> tuple[str | None, str | None]:
     return calls[-1] if calls else (None, None)
 
 
-def read_completion(problem, text: str) -> dict:
+def read_completion(problem, text: str, hint_copies: bool = True) -> dict:
     """The segments of `text` (a completion of `problem`, a KBProblem) in order: dicts with kind "own", "ret" or
     "answer", and for searches `hop` (True when it was the question's next correct hop from the entity reached so
-    far, or the policy's own copy of the hop a retrieved step just took) and `obs`. Also returns `answer` (None
-    when there is none), `success`, `observed` (every observation) and `retrieved_obs` (those of retrieved blocks)."""
+    far, or, with `hint_copies`, the policy's own copy of the hop a retrieved step just took: the hint form), `obs`,
+    `rel` and `ent` (the call's relation and entity, None when malformed). Also returns `answer` (None when there is
+    none), `success`, `observed` (every observation) and `retrieved_obs` (those of retrieved blocks)."""
     hop, cur = 0, problem.start
     last: tuple | None = None  # (relation, entity, kind) of the last hop reached
     segs: list[dict] = []
@@ -62,10 +64,10 @@ def read_completion(problem, text: str) -> dict:
         if ok:
             hop, cur = hop + 1, obs
             last = (rel, ent, kind)
-        elif kind == "own" and last is not None and last[2] == "ret" and (rel, ent) == last[:2]:
+        elif hint_copies and kind == "own" and last is not None and last[2] == "ret" and (rel, ent) == last[:2]:
             ok = True  # the policy takes a hop it was just shown retrieved (a hint): its own correct step
             last = (rel, ent, kind)
-        segs.append({"kind": kind, "hop": ok, "obs": obs})
+        segs.append({"kind": kind, "hop": ok, "obs": obs, "rel": rel, "ent": ent})
     observed = [s["obs"] for s in segs if s["kind"] != "answer" and s["obs"] is not None]
     return {
         "segments": segs,
@@ -95,6 +97,46 @@ def leak_frac(reads: Sequence[dict]) -> float:
     if not hits:
         return math.nan
     return sum(r["answer"] in r["retrieved_obs"] for r in hits) / len(hits)
+
+
+def used_unobserved(problem, read: dict) -> bool:
+    """True when the row searched from an entity that was neither the question's start nor an earlier observation
+    of the row, or answered one no observation showed: an entity it recalled (or guessed) rather than read."""
+    seen = {problem.start}
+    for s in read["segments"]:
+        if s["kind"] == "answer":
+            break
+        if s["kind"] == "own" and s["ent"] is not None and s["ent"] not in seen:
+            return True
+        if s["obs"] is not None:
+            seen.add(s["obs"])
+    return read["answer"] not in seen
+
+
+def source_quality(problems: Sequence, reads: Sequence[dict], advancing: bool = True) -> dict:
+    """Over the retrieved steps of `reads` (read_completion of hybrid rows): the fraction whose relation is the
+    chain's relation at the hop the row is at, after a prefix of right hops and after a prefix with a wrong one.
+    advancing: a retrieved step takes a hop (the paper's form); else it is a hint for the policy's next step, which
+    takes the hop (kb_alias's form). A fraction is None where no retrieved step had such a prefix (a value that
+    compares equal to itself, unlike NaN, so runs' rows can be compared whole)."""
+    n = {True: 0, False: 0}
+    right = {True: 0, False: 0}
+    for p, r in zip(problems, reads):
+        prefix_ok, pos = True, 0
+        for s in r["segments"]:
+            if s["kind"] == "answer":
+                break
+            if s["kind"] == "ret" and pos < len(p.relations):
+                n[prefix_ok] += 1
+                right[prefix_ok] += s["rel"] == p.relations[pos]
+            if s["kind"] == "own" or advancing:
+                prefix_ok, pos = prefix_ok and bool(s["hop"]), pos + 1
+    return {
+        "right_prefix": right[True] / n[True] if n[True] else None,
+        "wrong_prefix": right[False] / n[False] if n[False] else None,
+        "n_right_prefix": n[True],
+        "n_wrong_prefix": n[False],
+    }
 
 
 def unobserved_success(reads: Sequence[dict]) -> float:
@@ -211,10 +253,10 @@ def hint_probe(model, tok, task, problems: Sequence) -> dict:
 
 
 # -- reading rollouts ----------------------------------------------------------------------------------------------
-def read_batch(problems: Sequence, batch, rows=None) -> list[dict]:
+def read_batch(problems: Sequence, batch, rows=None, hint_copies: bool = True) -> list[dict]:
     """read_completion of the batch's rows (all, or the indices `rows`) against their questions."""
     idx = range(len(batch.completions)) if rows is None else rows
-    return [read_completion(problems[int(batch.prompt_index[i])], batch.completions[i]) for i in idx]
+    return [read_completion(problems[int(batch.prompt_index[i])], batch.completions[i], hint_copies) for i in idx]
 
 
 def rollout_figures(model, tok, task, problems: Sequence, traces, group_size: int, seed: int) -> dict:
@@ -265,21 +307,32 @@ def greedy_with_retrieval(model, tok, task, problems: Sequence, traces, seed: in
 class RolloutReader(TrainerCallback):
     """A trainer callback that reads every step's rollouts
     (trainer.last_batch against trainer.last_problems): counts the hybrid successes that retrieved and those whose
-    answer was a retrieved observation (leak_frac over the run), and the successes' signatures per row kind."""
+    answer was a retrieved observation (leak_frac over the run), the policy's successes that used an entity never
+    observed in the row (recall_frac, `used_unobserved`), the retrieved steps' relation (source_quality), and the
+    successes' signatures per row kind. hint_copies:
+    as read_completion's."""
 
-    def __init__(self):
+    def __init__(self, hint_copies: bool = True):
+        self.hint_copies = hint_copies
         self.hybrid_successes = 0
         self.leaked = 0
+        self.rows = self.successes = self.recalled = 0
+        self.retrieved: list[tuple] = []  # (problem, read) of the hybrid rows that retrieved
         self.counts: dict[str, Counter] = {"hybrid": Counter(), "onpolicy": Counter()}
 
     def on_step_end(self, trainer, step: int, metrics: dict):
         batch, problems = trainer.last_batch, trainer.last_problems
         off = getattr(batch, "offpolicy_rows", None)
-        for i, r in enumerate(read_batch(problems, batch)):
+        for i, r in enumerate(read_batch(problems, batch, hint_copies=self.hint_copies)):
             if off is not None and bool(off[i]):
                 continue  # a whole off-policy trajectory: not the policy's
             kind = "hybrid" if bool(batch.hybrid[i]) else "onpolicy"
+            self.rows += 1
+            if any(s["kind"] == "ret" for s in r["segments"]):
+                self.retrieved.append((problems[int(batch.prompt_index[i])], r))
             if r["success"]:
+                self.successes += 1
+                self.recalled += used_unobserved(problems[int(batch.prompt_index[i])], r)
                 self.counts[kind][signature(r)] += 1
                 if kind == "hybrid" and r["retrieved_obs"]:
                     self.hybrid_successes += 1
@@ -288,6 +341,14 @@ class RolloutReader(TrainerCallback):
 
     def leak_frac(self) -> float:
         return self.leaked / self.hybrid_successes if self.hybrid_successes else math.nan
+
+    def source_quality(self) -> dict:
+        """source_quality over the run's retrieved steps."""
+        return source_quality([p for p, _ in self.retrieved], [r for _, r in self.retrieved], not self.hint_copies)
+
+    def recall_frac(self) -> float:
+        """Among the policy's successes of the run: the fraction that used an entity never observed in the row."""
+        return self.recalled / self.successes if self.successes else math.nan
 
     def signatures(self, top: int = 6) -> dict:
         return {k: dict(c.most_common(top)) for k, c in self.counts.items()}

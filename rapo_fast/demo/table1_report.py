@@ -235,8 +235,32 @@ def _per_task(v, tasks: list[str]) -> str:
 
 
 def write_outputs(
-    out: Path, rows: list[dict], s: dict, encoder: str, wall_s: float, checks: dict | None = None
+    out: Path,
+    rows: list[dict],
+    s: dict,
+    encoder: str,
+    wall_s: float,
+    checks: dict | None = None,
+    withheld_by: list[str] = (),
 ) -> None:
+    """table1.csv, table1.md and table1.png; with `withheld_by` (failing checks that gate the table), table1.md holds
+    only a note naming them and the checks: a setting that cannot test the claim reports no table."""
+    if withheld_by:
+        write_csv(out / "table1.csv", rows, CSV_COLUMNS)
+        md = [
+            "# Table 1 (miniature): withheld",
+            "",
+            "The table is withheld: these checks failed, so this run cannot test the claim: "
+            + ", ".join(withheld_by)
+            + ". The per-run rows are in table1.csv, the figures behind the checks in table1_checks.json.",
+            "",
+            "## Go/no-go checks (table1_checks.json)",
+            "",
+            *checks_lines(checks["checks"]),
+            "",
+        ]
+        (out / "table1.md").write_text("\n".join(md))
+        return
     tasks = [t for t in s["families"] if any(r["task"] == t for r in rows)]
     methods = [m for m in s["methods"] if any(r["method"] == m for r in rows)]
     write_csv(out / "table1.csv", rows, CSV_COLUMNS)

@@ -17,7 +17,7 @@ from rapo_fast._tokens import encode_plain
 from rapo_fast.rollouts.batch import KIND_GEN, KIND_PROMPT, KIND_RET, KIND_TOOL
 from rapo_fast.rollouts.offpolicy import split_step
 
-RETRIEVE_STYLES = ("replace", "hint", "foreign")
+RETRIEVE_STYLES = ("replace", "hint", "foreign", "advance")
 
 
 def sft_examples(task, tokenizer, problems: Sequence, retrieve_frac: float, rng: random.Random, style: str = "replace"):
@@ -26,8 +26,9 @@ def sft_examples(task, tokenizer, problems: Sequence, retrieve_frac: float, rng:
     goes on with the next one); "hint": the block comes before the policy's own copy of the step (the policy takes
     the step itself after seeing it retrieved); "foreign": as "hint", but the block is another question's step with the
     same relation (`problem.hints[k]`, e.g. rapo_fast.demo.tasks.kb_alias), so the policy learns to take a retrieved
-    step's relation and apply it to its own entity. Kinds follow rapo_fast.rollouts.batch (only KIND_GEN is
-    trained)."""
+    step's relation and apply it to its own entity; "advance": as "replace", but never the last step before the
+    answer (retrieval in rapo_fast/demo/tasks/kb_step.py never supplies the last hop). Kinds follow
+    rapo_fast.rollouts.batch (only KIND_GEN is trained)."""
     check_choice("sft_examples: style", style, RETRIEVE_STYLES)
     out = []
     for p in problems:
@@ -35,14 +36,16 @@ def sft_examples(task, tokenizer, problems: Sequence, retrieve_frac: float, rng:
             raise ValueError(f"sft_examples: style 'foreign' needs problems with one hint per step, got {brief(p)}")
         ids = tokenizer.encode(p.prompt)
         kinds = [KIND_PROMPT] * len(ids)
-        for k, step in enumerate(task.solution(p)):
+        solution = task.solution(p)
+        last = len(solution) - 2 if style == "advance" else len(solution) - 1  # the first step never shown retrieved
+        for k, step in enumerate(solution):
             is_answer = step.startswith("<answer>")
-            if k >= 1 and not is_answer and rng.random() < retrieve_frac:
+            if 1 <= k < last and not is_answer and rng.random() < retrieve_frac:
                 shown = p.hints[k] if style == "foreign" else step
                 seg = encode_plain(tokenizer, f"<retrieve> {shown} </retrieve>")  # mid-sequence: no BOS
                 ids += seg
                 kinds += [KIND_RET] * len(seg)
-                if style == "replace":
+                if style in ("replace", "advance"):
                     continue
             gen_ids, obs_ids = split_step(step, tokenizer)
             ids += gen_ids + obs_ids
