@@ -19,7 +19,6 @@ import torch
 from rapo_fast._tokens import encode_plain
 from rapo_fast.demo import table1_diagnostics as D
 
-RECALL_MAX = 0.1  # successes that used an entity never observed in the row, per run
 SOURCE_RIGHT_MIN = 0.5  # a retrieved step after a right prefix carries the right next relation at least this often
 LEAK_MAX = D.LEAK_MAX  # per seed, not only pooled
 
@@ -109,8 +108,9 @@ def _fmax(xs) -> float:
 
 
 def _recall_run(r: dict, chance: float) -> dict:
-    """One run's training-time recall figures: the fraction of its successes that used an unobserved entity, and
-    the rate of such successes per row against guessing the answer among its type (chance + 3 standard errors)."""
+    """One run's training-time recall figures: its successes that used an entity never observed in the row, as a
+    fraction of its successes and as a rate per row, and the rate's bound: guessing the answer among its type
+    (chance + 3 standard errors)."""
     n, hits, rec = (
         int(r.get("training_rows", 0)),
         int(r.get("training_successes", 0)),
@@ -118,22 +118,28 @@ def _recall_run(r: dict, chance: float) -> dict:
     )
     frac, rate = float(r.get("training_recall_frac", math.nan)), rec / n if n else math.nan
     bound = D.chance_bound(chance, n)
-    ok = math.isnan(frac) or frac <= RECALL_MAX or (not math.isnan(rate) and rate <= bound)
-    return {"frac": frac, "recalled": rec, "successes": hits, "rows": n, "rate": rate, "rate_bound": bound, "pass": ok}
+    return {
+        "frac": frac,
+        "recalled": rec,
+        "successes": hits,
+        "rows": n,
+        "rate": rate,
+        "rate_bound": bound,
+        "pass": math.isnan(rate) or rate <= bound,
+    }
 
 
 def step_checks(fam: str, rows: Sequence[dict], warm: Sequence[dict]) -> dict:
     """The checks of one step family from its runs' rows and its per-seed warm-up figures: no_training_recall (every
-    run's recall_frac at most RECALL_MAX, or, where more, its rate of such successes per row within chance of
-    guessing the answer: a policy that never reads the chain succeeds by guesses, which are no recall; NaN, no
-    success, passes), source_quality (the retrieved steps' right relation after a right prefix, pooled over the
-    seeds' warm-ups, at least SOURCE_RIGHT_MIN; the wrong-prefix figure and RAPO's runs' figures over training
-    beside it; left out without warm-up figures for it), no_answer_leak_per_seed (every RAPO run's leak_frac at
-    most LEAK_MAX)."""
-    recall = {f"{r['method']}/{r['seed']}": float(r.get("training_recall_frac", math.nan)) for r in rows}
+    run's rate of successes through an unobserved entity per row within chance of guessing the answer: facts drawn
+    afresh each step make a recalled entity right only as often as a guess, so a rate above chance would mean a
+    shortcut the setting does not see; the fraction of successes beside it), source_quality (the retrieved steps'
+    right relation after a right prefix, pooled over the seeds' warm-ups, at least SOURCE_RIGHT_MIN; the
+    wrong-prefix figure and RAPO's runs' figures over training beside it; left out without warm-up figures for it),
+    no_answer_leak_per_seed (every RAPO run's leak_frac at most LEAK_MAX)."""
     chance = sum(w["chance"] for w in warm) / len(warm) if warm else math.nan
     runs = {f"{r['method']}/{r['seed']}": _recall_run(r, chance) for r in rows}
-    worst = _fmax(recall.values())
+    worst = _fmax(x["rate"] for x in runs.values())
     sq = [w["source_quality"] for w in warm if "source_quality" in w]
     n_r = sum(q["n_right_prefix"] for q in sq)
     n_w = sum(q["n_wrong_prefix"] for q in sq)
@@ -145,8 +151,9 @@ def step_checks(fam: str, rows: Sequence[dict], warm: Sequence[dict]) -> dict:
     out = {
         f"no_training_recall/{fam}": {
             "value": worst,
-            "bound": RECALL_MAX,
+            "bound": _fmax(x["rate_bound"] for x in runs.values()),
             "chance": chance,
+            "worst_frac": _fmax(x["frac"] for x in runs.values()),
             "per_run": runs,
             "pass": all(x["pass"] for x in runs.values()),
         },
@@ -171,4 +178,4 @@ def step_checks(fam: str, rows: Sequence[dict], warm: Sequence[dict]) -> dict:
     return out
 
 
-__all__ = ["advance_probe", "step_warmup_figures", "step_checks", "RECALL_MAX", "SOURCE_RIGHT_MIN"]
+__all__ = ["advance_probe", "step_warmup_figures", "step_checks", "SOURCE_RIGHT_MIN"]
