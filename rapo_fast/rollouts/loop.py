@@ -127,9 +127,27 @@ class _Lockstep:
 
     def run(self) -> None:
         while live := self._live_rows():
+            self._compact()
             self._at_boundaries(live)
             self._sample(live)
             self._feed_queued()
+
+    def _compact(self) -> None:
+        """Drop finished rows and unused columns from the engine once they are a quarter of its rows or half of its
+        columns: otherwise every model call runs every row ever started over every column any row used (a few long
+        rows, e.g. those with retrieved steps, would keep the whole batch and its widest cache going). Only the cost
+        changes: the rows' tokens, log-probs and entropies agree up to float rounding (DecodeEngine.compact)."""
+        if self.strategy.reuses_rows:
+            return
+        eng = self.engine
+        held = eng.held.tolist()
+        keep = [i for i in held if not self.rows[i].done]
+        widest = max(len(self.rows[i].cols) for i in keep) if keep else 0
+        if not keep or (4 * (len(held) - len(keep)) < len(held) and eng.num_columns < 2 * widest):
+            return
+        if eng.compact(keep):
+            for i in keep:  # the row's columns, moved to the front in order
+                self.rows[i].cols = list(range(len(self.rows[i].cols)))
 
     def _live_rows(self) -> list[int]:
         """Indices of the live rows; when none are left, the strategy may start fresh ones first."""
