@@ -110,22 +110,28 @@ def hard_attribution(batch: RolloutBatch, adv: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _scored_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T-1] bool: the shifted positions t of each row before its last attended token (the target t + 1 is
+    attended): the positions that score a real token; the rest only score padding."""
+    T = attention_mask.shape[1]
+    idx = torch.arange(1, T + 1, device=attention_mask.device)
+    n = ((attention_mask != 0) * idx).amax(1) - 1 if T else torch.zeros(0, dtype=torch.long)
+    return torch.arange(max(T - 1, 0), device=attention_mask.device)[None, :] < n[:, None]
+
+
 def _packed(
     hidden: torch.Tensor, per_token: dict[str, torch.Tensor], attention_mask: torch.Tensor, opts: dict
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]:
-    """The shifted rows [B, T-1] of a mini-batch as rapo_loss's flat form: each row's positions before its last
-    attended token, rows one after another, with cu_seqlens. The loss is the padded call's up to float rounding (the
-    same tokens and sequences) at the cost of the real tokens only; under seq-mean-token-sum-norm the padded width
-    T-1 is passed as the normaliser, which the flat form would otherwise take from the longest row."""
-    T1 = hidden.shape[1]
-    idx = torch.arange(1, attention_mask.shape[1] + 1, device=attention_mask.device)
-    n = ((attention_mask != 0) * idx).amax(1).clamp_min(1) - 1  # positions t whose target t + 1 is attended
-    keep = torch.arange(T1, device=n.device)[None, :] < n[:, None]
-    cu = torch.zeros(len(n) + 1, dtype=torch.int64)
-    cu[1:] = torch.cumsum(n.cpu(), 0)
+    """The shifted rows [B, T-1] of a mini-batch as rapo_loss's flat form: each row's scored positions
+    (_scored_positions), rows one after another, with cu_seqlens. The loss is the padded call's up to float rounding
+    (the same tokens and sequences) at the cost of the real tokens only; under seq-mean-token-sum-norm the padded
+    width T-1 is passed as the normaliser, which the flat form would otherwise take from the longest row."""
+    keep = _scored_positions(attention_mask)
+    cu = torch.zeros(keep.shape[0] + 1, dtype=torch.int64)
+    cu[1:] = torch.cumsum(keep.sum(1).cpu(), 0)
     kw: dict[str, Any] = {"cu_seqlens": cu.to(hidden.device)}
     if opts.get("loss_agg") == "seq-mean-token-sum-norm":
-        kw["global_num_tokens"] = T1
+        kw["global_num_tokens"] = hidden.shape[1]
     return hidden[keep.to(hidden.device)], {k: v[keep.to(v.device)] for k, v in per_token.items()}, kw
 
 
@@ -284,14 +290,17 @@ class RAPOTrainer:
         t0 = time.perf_counter()
         with torch.no_grad():
             s, h = self._score(batch)
-            old_logp, ent = token_logprobs(
-                hidden=h,
+            # the scored positions only (packed); the others, which score padding and are never read, stay 0
+            keep = _scored_positions(s["attention_mask"])
+            lp, en = token_logprobs(
+                hidden=h[keep.to(dev)],
                 weight=W,
-                targets=s["targets"].to(dev),
+                targets=s["targets"][keep].to(dev),
                 temperature=cfg.rollout.temperature or 1.0,
                 return_entropy=True,
             )
-        old_logp, ent = old_logp.float().cpu(), ent.float().cpu()
+        old_logp, ent = torch.zeros(keep.shape), torch.zeros(keep.shape)
+        old_logp[keep], ent[keep] = lp.float().cpu(), en.float().cpu()
         step_ent = step_entropy(ent, batch.step_spans_shifted()) if batch.step_spans.numel() else torch.zeros(0)
         z, n_scored = retrieval_rewards(batch, step_ent)
         # ret_norm only when asked: a replaced advantage_fn keeps the 4-argument call it was written for
