@@ -241,12 +241,9 @@ def _last_call(tokens: list[int], tool_open: int, step_start: int) -> list[int]:
 
 def _feed(engine: DecodeEngine, rows: list[Row], seqs: list[list[int]], pad: int) -> None:
     L = max(len(s) for s in seqs)
-    tok = torch.full((len(rows), L), pad, dtype=torch.long)
-    valid = torch.zeros(len(rows), L, dtype=torch.bool)
-    for i, s in enumerate(seqs):
-        if s:
-            tok[i, : len(s)] = torch.tensor(s)
-            valid[i, : len(s)] = True
+    # one tensor from one list (a tensor per row costs more than the model call on a small batch)
+    tok = torch.tensor([t for s in seqs for t in (*s, *[pad] * (L - len(s)))], dtype=torch.long).view(len(rows), L)
+    valid = torch.arange(L)[None, :] < torch.tensor([len(s) for s in seqs])[:, None]
     col0 = int(engine.feed(tok, valid))
     for r, s in zip(rows, seqs):
         r.cols.extend(range(col0, col0 + len(s)))
