@@ -27,8 +27,9 @@ def final_hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
     return out.last_hidden_state
 
 
-# A bucket's fixed cost in padded token slots (one more model call): measured on the demo's tiny policy at one CPU
-# thread, a call costs about what 64 more token slots do; larger models only make buckets relatively cheaper.
+# A bucket's fixed cost in token slots (one more model call): on table1's tiny policy at one CPU thread a forward and
+# backward call costs about what 60-70 more token slots do (a no-grad forward ~36); a larger model's tokens cost more,
+# so the same overhead only errs towards fewer buckets there.
 BUCKET_OVERHEAD_TOKENS = 64
 
 
