@@ -49,11 +49,12 @@ class DecodeEngine:
 
     @torch.no_grad()
     def compact(self, keep: list[int]) -> bool:
-        """Keep only rows `keep` (indices, in increasing order, all held) in the cache, each one's visible columns moved
-        to the front in their order; the cache becomes as wide as the longest kept row. Attention is unchanged: every
-        key carries its rotary position from when it was written and a query sees the same set of keys (the sums
-        run in another order, so results agree up to float rounding). Returns False, changing nothing, when a cache
-        layer is not a plain DynamicLayer (a sliding window's mask depends on column distances) or nothing is kept."""
+        """Keep only rows `keep` (indices of held rows; the cache holds them in this order), each one's visible
+        columns moved to the front in their order; the cache becomes as wide as the longest kept row. Attention is
+        unchanged: every key carries its rotary position from when it was written and a query sees the same set of
+        keys (the sums run in another order, so results agree up to float rounding). Returns False, changing nothing,
+        when a cache layer is not a plain DynamicLayer (a sliding window's mask depends on column distances) or
+        nothing is kept."""
         from transformers.cache_utils import DynamicLayer
 
         if not keep or any(type(layer) is not DynamicLayer for layer in self.cache.layers):
