@@ -127,9 +127,27 @@ class _Lockstep:
 
     def run(self) -> None:
         while live := self._live_rows():
+            self._compact()
             self._at_boundaries(live)
             self._sample(live)
             self._feed_queued()
+
+    def _compact(self) -> None:
+        """Drop finished rows and unused columns from the engine once they are a quarter of its rows or half of its
+        columns: otherwise every model call runs every row ever started over every column any row used (a few long
+        rows, e.g. those with retrieved steps, would keep the whole batch and its widest cache going). Only the cost
+        changes: the rows' tokens, log-probs and entropies agree up to float rounding (DecodeEngine.compact)."""
+        if self.strategy.reuses_rows:
+            return
+        eng = self.engine
+        held = eng.held.tolist()
+        keep = [i for i in held if not self.rows[i].done]
+        widest = max(len(self.rows[i].cols) for i in keep) if keep else 0
+        if not keep or (4 * (len(held) - len(keep)) < len(held) and eng.num_columns < 2 * widest):
+            return
+        if eng.compact(keep):
+            for i in keep:  # the row's columns, moved to the front in order
+                self.rows[i].cols = list(range(len(self.rows[i].cols)))
 
     def _live_rows(self) -> list[int]:
         """Indices of the live rows; when none are left, the strategy may start fresh ones first."""
@@ -223,12 +241,9 @@ def _last_call(tokens: list[int], tool_open: int, step_start: int) -> list[int]:
 
 def _feed(engine: DecodeEngine, rows: list[Row], seqs: list[list[int]], pad: int) -> None:
     L = max(len(s) for s in seqs)
-    tok = torch.full((len(rows), L), pad, dtype=torch.long)
-    valid = torch.zeros(len(rows), L, dtype=torch.bool)
-    for i, s in enumerate(seqs):
-        if s:
-            tok[i, : len(s)] = torch.tensor(s)
-            valid[i, : len(s)] = True
+    # one tensor from one list (a tensor per row costs more than the model call on a small batch)
+    tok = torch.tensor([t for s in seqs for t in (*s, *[pad] * (L - len(s)))], dtype=torch.long).view(len(rows), L)
+    valid = torch.arange(L)[None, :] < torch.tensor([len(s) for s in seqs])[:, None]
     col0 = int(engine.feed(tok, valid))
     for r, s in zip(rows, seqs):
         r.cols.extend(range(col0, col0 + len(s)))

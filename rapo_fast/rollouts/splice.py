@@ -33,7 +33,7 @@ def splice_segments(engine, rows, spliced: list[tuple[int, list[int], int]], tra
         if int(pid) not in store:
             raise ValueError(f"rollout: payload {pid} has no cached K/V in the StepKVStore (splice mode)")
         n = len(seg) - 1
-        reqs.append((int(pid), int(i), slot))
+        reqs.append((int(pid), engine.physical(int(i)), slot))
         lengths.append(n)
         rope_pos.append(int(engine.pos[i]))
         valid[i, :n] = True

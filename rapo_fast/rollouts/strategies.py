@@ -50,6 +50,9 @@ class RolloutStrategy:
 
     name: ClassVar[str]
     config_field: ClassVar[str | None] = None  # the RolloutConfig field this strategy reads
+    # True when a finished row's cache may be needed again (ARPO copies rows into slots and restarts them): the loop
+    # then never drops finished rows from the engine
+    reuses_rows: ClassVar[bool] = False
 
     def __init__(self, cfg: RolloutConfig, *, traces=None, offpolicy=None):
         self.cfg, self.traces, self.offpolicy = cfg, traces, offpolicy
@@ -155,6 +158,7 @@ class ARPOStrategy(RolloutStrategy):
     """ARPO: `initial` rows per group start; the brancher copies rows after tool results and restarts slots."""
 
     name, config_field = "arpo", "arpo"
+    reuses_rows = True
 
     def start(self, loop: Any) -> None:
         from rapo_fast.rollouts.arpo import ArpoBrancher

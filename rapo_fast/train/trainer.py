@@ -25,7 +25,7 @@ from rapo_fast._checks import check_bool, check_int
 from rapo_fast.rollouts.batch import KIND_GEN, KIND_RET, RolloutBatch
 from rapo_fast.train.callbacks import EvalCallback, TrainerCallback
 from rapo_fast.train.config import TrainerConfig
-from rapo_fast.train.hf_model import final_hidden, lm_head_weight
+from rapo_fast.train.hf_model import final_hidden_buckets, lm_head_weight
 from rapo_fast.train.io import MetricsLogger, load_checkpoint, save_checkpoint
 
 __all__ = [
@@ -110,6 +110,31 @@ def hard_attribution(batch: RolloutBatch, adv: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _scored_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T-1] bool: the shifted positions t of each row before its last attended token (the target t + 1 is
+    attended): the positions that score a real token; the rest only score padding."""
+    T = attention_mask.shape[1]
+    idx = torch.arange(1, T + 1, device=attention_mask.device)
+    n = ((attention_mask != 0) * idx).amax(1) - 1 if T else torch.zeros(0, dtype=torch.long)
+    return torch.arange(max(T - 1, 0), device=attention_mask.device)[None, :] < n[:, None]
+
+
+def _packed(
+    hidden: torch.Tensor, per_token: dict[str, torch.Tensor], attention_mask: torch.Tensor, opts: dict
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]:
+    """The shifted rows [B, T-1] of a mini-batch as rapo_loss's flat form: each row's scored positions
+    (_scored_positions), rows one after another, with cu_seqlens. The loss is the padded call's up to float rounding
+    (the same tokens and sequences) at the cost of the real tokens only; under seq-mean-token-sum-norm the padded
+    width T-1 is passed as the normaliser, which the flat form would otherwise take from the longest row."""
+    keep = _scored_positions(attention_mask)
+    cu = torch.zeros(keep.shape[0] + 1, dtype=torch.int64)
+    cu[1:] = torch.cumsum(keep.sum(1).cpu(), 0)
+    kw: dict[str, Any] = {"cu_seqlens": cu.to(hidden.device)}
+    if opts.get("loss_agg") == "seq-mean-token-sum-norm":
+        kw["global_num_tokens"] = hidden.shape[1]
+    return hidden[keep.to(hidden.device)], {k: v[keep.to(v.device)] for k, v in per_token.items()}, kw
+
+
 @contextlib.contextmanager
 def _sigterm_flag(active: bool) -> Iterator[list]:
     """A list that a SIGTERM appends to while active, in place of SIGTERM's disposition, which is restored on exit.
@@ -176,6 +201,7 @@ class RAPOTrainer:
         self.rollout_fn = rollout_fn or rollout
         self.reward_fn = reward_fn or default_rewards
         self.advantage_fn = advantage_fn or rapo_advantages
+        self._default_loss = rapo_loss
         self.loss_fn = loss_fn or rapo_loss
         self.step_count = 0
         self.py_rng = random.Random(config.seed)
@@ -251,7 +277,7 @@ class RAPOTrainer:
     def _score(self, batch: RolloutBatch):
         s = batch.shifted()
         dev = next(self.model.parameters()).device
-        h = final_hidden(self.model, s["input_ids"].to(dev), s["attention_mask"].to(dev))[:, :-1]
+        h = final_hidden_buckets(self.model, s["input_ids"].to(dev), s["attention_mask"].to(dev))[:, :-1]
         return s, h
 
     def _update(self, batch: RolloutBatch, rewards: torch.Tensor) -> dict[str, float]:
@@ -264,14 +290,17 @@ class RAPOTrainer:
         t0 = time.perf_counter()
         with torch.no_grad():
             s, h = self._score(batch)
-            old_logp, ent = token_logprobs(
-                hidden=h,
+            # the scored positions only (packed); the others, which score padding and are never read, stay 0
+            keep = _scored_positions(s["attention_mask"])
+            lp, en = token_logprobs(
+                hidden=h[keep.to(dev)],
                 weight=W,
-                targets=s["targets"].to(dev),
+                targets=s["targets"][keep].to(dev),
                 temperature=cfg.rollout.temperature or 1.0,
                 return_entropy=True,
             )
-        old_logp, ent = old_logp.float().cpu(), ent.float().cpu()
+        old_logp, ent = torch.zeros(keep.shape), torch.zeros(keep.shape)
+        old_logp[keep], ent[keep] = lp.float().cpu(), en.float().cpu()
         step_ent = step_entropy(ent, batch.step_spans_shifted()) if batch.step_spans.numel() else torch.zeros(0)
         z, n_scored = retrieval_rewards(batch, step_ent)
         # ret_norm only when asked: a replaced advantage_fn keeps the 4-argument call it was written for
@@ -328,22 +357,26 @@ class RAPOTrainer:
 
     def _mini_batch_loss(self, t: dict[str, torch.Tensor], W: torch.Tensor, opts: dict):
         """rapo_loss on one mini-batch (rows of the shifted batch), with gradients; hidden states recomputed with the
-        current weights, old log-probs and advantages those of the whole rollout batch before its first update."""
+        current weights, old log-probs and advantages those of the whole rollout batch before its first update.
+        The default loss gets the rows packed (`_packed`); a replaced loss_fn keeps the padded call it was written
+        for."""
         cfg, dev = self.config, next(self.model.parameters()).device
-        h = final_hidden(self.model, t["input_ids"].to(dev), t["attention_mask"].to(dev))[:, :-1]
-        extra = {"behav_logp": t["behav_logp"].to(dev)} if "behav_logp" in t else {}
+        h = final_hidden_buckets(self.model, t["input_ids"].to(dev), t["attention_mask"].to(dev))[:, :-1]
+        per_token = {k: t[k] for k in ("targets", "old_logp", "loss_mask", "retrieved_mask", "response_mask")}
+        if "behav_logp" in t:
+            per_token["behav_logp"] = t["behav_logp"]
+        adv = t["advantages"]
+        per_token["advantages"] = adv if adv.dim() == 2 else adv[:, None].expand_as(t["targets"])
+        kw: dict[str, Any] = {}
+        if self.loss_fn is self._default_loss:
+            h, per_token, kw = _packed(h, per_token, t["attention_mask"], opts)
         return self.loss_fn(
             hidden=h,
             weight=W,
-            targets=t["targets"].to(dev),
-            old_logp=t["old_logp"].to(dev),
-            advantages=t["advantages"].to(dev),
-            loss_mask=t["loss_mask"].to(dev),
-            retrieved_mask=t["retrieved_mask"].to(dev),
-            response_mask=t["response_mask"].to(dev),
+            **{k: v.to(dev) for k, v in per_token.items()},
             temperature=cfg.rollout.temperature or 1.0,
             return_metrics=True,
-            **extra,
+            **kw,
             **opts,
         )
 

@@ -512,3 +512,53 @@ def test_offpolicy_trajectories_are_not_added_as_onpolicy_steps(world):
     assert seen["off"] > 0  # the batch did hold off-policy trajectories with steps
     # every own step is a tool step here except each row's answer; the off-policy rows' steps are never offered
     assert 0 < traces.num_onpolicy - before <= seen["own"]
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_bucketed_packed_update_equals_the_padded_one(world, monkeypatch, loss_agg):
+    """The step scores rows in length buckets and gives the default loss the rows packed (cu_seqlens); the padded
+    layout (final_hidden over the whole [B, T] batch, the loss over every padded position: what a replaced loss_fn
+    gets) gives the same metrics and the same updated weights up to float rounding, on rows of different lengths."""
+    import rapo_fast.train.trainer as trainer_mod
+
+    task, tok, problems, path = world
+    traces = StepTraces.from_jsonl(path, HashedNgramEncoder(), tok)
+    base = build_tiny_policy(tok.vocab_size, hidden_size=32, num_heads=2, num_kv_heads=1, seed=0)
+    # a long step budget: the untrained policy ends its rows at different lengths
+    cfg = _cfg(overrides={"rollout.max_step_tokens": 40, "optim.mini_batch_groups": 1, "loss.loss_agg": loss_agg})
+    fixed = rollout(
+        base, tok, task, problems[:2], cfg.rollout, traces=traces, generator=torch.Generator().manual_seed(0)
+    )
+    lengths = fixed.attention_mask.sum(1)
+    assert int(lengths.min()) < int(lengths.max()) - 2  # padding to remove: not vacuous
+    seen = []
+
+    def step(**kw):
+        model = build_tiny_policy(tok.vocab_size, hidden_size=32, num_heads=2, num_kv_heads=1, seed=0)
+        model.load_state_dict(base.state_dict())
+        trainer = RAPOTrainer(
+            model,
+            tok,
+            task,
+            traces,
+            cfg,
+            problems,
+            rollout_fn=lambda *a, **k: fixed,
+            reward_fn=_rewards_from_tokens,
+            **kw,
+        )
+        return trainer.step(), _params(model)
+
+    def padded_loss(**kw):
+        seen.append(kw["hidden"].shape)
+        return rapo_loss(**kw)
+
+    fast, p_fast = step()
+    with monkeypatch.context() as m:
+        m.setattr(trainer_mod, "final_hidden_buckets", lambda model, ids, mask: final_hidden(model, ids, mask))
+        slow, p_slow = step(loss_fn=padded_loss)
+    assert seen and all(len(s) == 3 for s in seen)  # the reference really ran padded
+    assert fast["adv_abs_mean"] > 0
+    for k in ("loss", "entropy", "adv_abs_mean", "ratio_mean", "approx_kl", "retrieval_reward"):
+        assert fast[k] == pytest.approx(slow[k], rel=1e-4, abs=1e-6, nan_ok=True), k
+    torch.testing.assert_close(p_fast, p_slow, rtol=1e-4, atol=1e-6)
