@@ -115,8 +115,8 @@ def _scored_positions(attention_mask: torch.Tensor) -> torch.Tensor:
     attended): the positions that score a real token; the rest only score padding."""
     T = attention_mask.shape[1]
     idx = torch.arange(1, T + 1, device=attention_mask.device)
-    n = ((attention_mask != 0) * idx).amax(1) - 1 if T else torch.zeros(0, dtype=torch.long)
-    return torch.arange(max(T - 1, 0), device=attention_mask.device)[None, :] < n[:, None]
+    n = ((attention_mask != 0) * idx).amax(1) - 1
+    return torch.arange(T - 1, device=attention_mask.device)[None, :] < n[:, None]
 
 
 def _packed(
@@ -125,8 +125,11 @@ def _packed(
     """The shifted rows [B, T-1] of a mini-batch as rapo_loss's flat form: each row's scored positions
     (_scored_positions), rows one after another, with cu_seqlens. The loss is the padded call's up to float rounding
     (the same tokens and sequences) at the cost of the real tokens only; under seq-mean-token-sum-norm the padded
-    width T-1 is passed as the normaliser, which the flat form would otherwise take from the longest row."""
+    width T-1 is passed as the normaliser, which the flat form would otherwise take from the longest row. Per-row
+    advantages [B] go in per token: a flat [S] vector would read as per token whenever S equals the token count."""
     keep = _scored_positions(attention_mask)
+    adv = per_token["advantages"]
+    per_token = dict(per_token, advantages=adv if adv.dim() == 2 else adv[:, None].expand(keep.shape))
     cu = torch.zeros(keep.shape[0] + 1, dtype=torch.int64)
     cu[1:] = torch.cumsum(keep.sum(1).cpu(), 0)
     kw: dict[str, Any] = {"cu_seqlens": cu.to(hidden.device)}
@@ -201,7 +204,6 @@ class RAPOTrainer:
         self.rollout_fn = rollout_fn or rollout
         self.reward_fn = reward_fn or default_rewards
         self.advantage_fn = advantage_fn or rapo_advantages
-        self._default_loss = rapo_loss
         self.loss_fn = loss_fn or rapo_loss
         self.step_count = 0
         self.py_rng = random.Random(config.seed)
@@ -360,15 +362,14 @@ class RAPOTrainer:
         current weights, old log-probs and advantages those of the whole rollout batch before its first update.
         The default loss gets the rows packed (`_packed`); a replaced loss_fn keeps the padded call it was written
         for."""
+        from rapo_fast.loss.policy_loss import rapo_loss
+
         cfg, dev = self.config, next(self.model.parameters()).device
         h = final_hidden_buckets(self.model, t["input_ids"].to(dev), t["attention_mask"].to(dev))[:, :-1]
-        per_token = {k: t[k] for k in ("targets", "old_logp", "loss_mask", "retrieved_mask", "response_mask")}
-        if "behav_logp" in t:
-            per_token["behav_logp"] = t["behav_logp"]
-        adv = t["advantages"]
-        per_token["advantages"] = adv if adv.dim() == 2 else adv[:, None].expand_as(t["targets"])
+        names = ("targets", "old_logp", "advantages", "loss_mask", "retrieved_mask", "response_mask", "behav_logp")
+        per_token = {k: t[k] for k in names if k in t}
         kw: dict[str, Any] = {}
-        if self.loss_fn is self._default_loss:
+        if self.loss_fn is rapo_loss:
             h, per_token, kw = _packed(h, per_token, t["attention_mask"], opts)
         return self.loss_fn(
             hidden=h,
