@@ -84,6 +84,7 @@ class AliasFamily(_Family):
     readable = True
     same_source = False
     retrieve_style = "foreign"
+    sft_retrieve_frac = 0.3
 
     def task(self, fact_seed: int | None = None, chains=RL_CHAINS, by_alias: bool = True):
         from rapo_fast.demo.tasks.kb_alias import AliasKBTask
@@ -112,7 +113,9 @@ class AliasFamily(_Family):
             pool += self.task(fs, None, by_alias=False).make_problems(SFT_PER_DRAW, seed=d + 777)
         return pool
 
-    def warm_up(self, data: dict, s: dict, seed: int, retrieve_frac: float = 0.3) -> dict:
+    def warm_up(self, data: dict, s: dict, seed: int, retrieve_frac: float | None = None) -> dict:
+        """The SFT warm-up's weights; `retrieve_frac`: the share of demonstrations with a retrieve block (default
+        the family's `sft_retrieve_frac`; 0 for RAPO_SFT_NO_RETRIEVE's warm-up)."""
         from rapo_fast.train.sft import sft_warmup
 
         model = _tiny_policy(data["tok"], seed)
@@ -126,7 +129,7 @@ class AliasFamily(_Family):
                 batch_size=32,
                 lr=3e-3,
                 seed=seed,
-                retrieve_frac=retrieve_frac,
+                retrieve_frac=self.sft_retrieve_frac if retrieve_frac is None else retrieve_frac,
                 retrieve_style=self.retrieve_style,
             )
         return copy.deepcopy(model.state_dict())

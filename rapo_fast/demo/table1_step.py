@@ -13,7 +13,6 @@ stays as it was (its recorded run is quoted in the README).
 
 from __future__ import annotations
 
-import copy
 from functools import lru_cache
 
 from rapo_fast.demo.table1_families import (
@@ -23,7 +22,6 @@ from rapo_fast.demo.table1_families import (
     SFT_PER_DRAW,
     AliasFamily,
     _Family,
-    _tiny_policy,
 )
 from rapo_fast.train.trainer import RAPOTrainer
 
@@ -62,6 +60,7 @@ class StepFamily(AliasFamily):
 
     name = "kb_alias_step"
     retrieve_style = "advance"
+    sft_retrieve_frac = SFT_RETRIEVE_FRAC
     gates_table = True  # a failing check withholds table1.md
     step_seeds = True  # the methods of a seed start each step from the same sampler state (table1_crn.py)
 
@@ -94,25 +93,6 @@ class StepFamily(AliasFamily):
             pool += self.task(fs, sft_chains).make_problems(SFT_PER_DRAW, seed=d)
             pool += self.task(fs, three, by_alias=False).make_problems(SFT_PER_DRAW, seed=d + 777)
         return pool
-
-    def warm_up(self, data: dict, s: dict, seed: int, retrieve_frac: float = SFT_RETRIEVE_FRAC) -> dict:
-        from rapo_fast.train.sft import sft_warmup
-
-        model = _tiny_policy(data["tok"], seed)
-        if s["sft_steps"] > 0:
-            sft_warmup(
-                model,
-                data["tok"],
-                data["task"],
-                self.sft_pool(seed),
-                steps=s["sft_steps"],
-                batch_size=32,
-                lr=3e-3,
-                seed=seed,
-                retrieve_frac=retrieve_frac,
-                retrieve_style=self.retrieve_style,
-            )
-        return copy.deepcopy(model.state_dict())
 
     def offpolicy_source(self, data: dict, s: dict, seed: int) -> list[dict]:
         """The solver on every RL step's questions, each in its step's draw (OFFPOLICY_TRAJ's demonstrations of the
@@ -153,8 +133,7 @@ class StepHintFamily(StepFamily):
     retrieve_style = "foreign"
     step_traces = _Family.step_traces
 
-    def warm_up(self, data: dict, s: dict, seed: int, retrieve_frac: float = 0.3) -> dict:
-        return super().warm_up(data, s, seed, retrieve_frac)
+    sft_retrieve_frac = 0.3
 
 
 __all__ = ["StepFamily", "StepHintFamily", "StepFactsTrainer", "EVAL_FACTS", "STEP_FACTS"]
