@@ -88,3 +88,32 @@ def test_readme_quotes_the_recorded_fair_run():
     ):
         table = md.split(title, 1)[1].split("\n\n", 2)[1]
         assert table.strip() in section, title
+
+
+STEP = ROOT / "bench" / "results" / "table1_step"  # the third round's run, sized by bench/results/table1_pilot
+
+
+def test_readme_quotes_the_sized_step_run():
+    """The sized run: GRPO and RAPO on kb_alias_step at the pilot's n, every check of the family in
+    table1_checks.json and passing, and the README's section holding its tables verbatim (final success, the paired
+    difference, the continuous endpoint's difference, the power table, the checks)."""
+    with open(STEP / "table1.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {r["task"] for r in rows} == {"kb_alias_step"} and {r["method"] for r in rows} == {"GRPO", "RAPO"}
+    assert len({r["seed"] for r in rows}) == 75
+    checks = json.loads((STEP / "table1_checks.json").read_text())["checks"]
+    assert {c.split("/")[0] for c in checks} >= {"no_training_recall", "source_quality", "no_answer_leak_per_seed"}
+    assert all(c["pass"] for c in checks.values())
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Comparing methods: `rapo-fast table1`", 1)[1].split("\n## ", 1)[0]
+    md = (STEP / "table1.md").read_text()
+    for title in (
+        "## Final held-out success",
+        "## Paired difference against GRPO (same seeds)",
+        "## Power of the paired comparison against GRPO (both endpoints)",
+        "## Go/no-go checks",
+    ):
+        table = md.split(title, 1)[1].split("\n\n", 2)[1]
+        assert table.strip() in section, title
+    endpoint = md.split("After the last step:", 1)[1].split("\n\n", 3)[2]  # the paired difference of the endpoint
+    assert endpoint.strip().startswith("| method - GRPO") and endpoint.strip() in section
