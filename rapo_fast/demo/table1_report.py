@@ -264,12 +264,15 @@ def write_outputs(
     tasks = [t for t in s["families"] if any(r["task"] == t for r in rows)]
     methods = [m for m in s["methods"] if any(r["method"] == m for r in rows)]
     write_csv(out / "table1.csv", rows, CSV_COLUMNS)
+    # RAPO_SFT_NO_RETRIEVE's point is another warm-up (one that never showed a retrieved step)
+    other = " but RAPO_SFT_NO_RETRIEVE (a warm-up without retrieve blocks)" if "RAPO_SFT_NO_RETRIEVE" in methods else ""
     md = [
         "# Table 1 (miniature)",
         "",
-        f"{s['seeds']} seed(s) per task; every method from the same SFT warm-up weights per seed, {s['rl_steps']} RL "
-        f"steps of {s['prompts_per_step']} prompts x G={s['group_size']}, lr {s['lr']:g}, PPO mini-batches of "
-        f"{s['mini_batch_groups']} group(s); training problems: {_per_task(s['n_train'], tasks)}; greedy evaluation "
+        f"{s['seeds']} seed(s) per task; every method{other} from the same SFT warm-up weights per seed, "
+        f"{s['rl_steps']} RL steps of {s['prompts_per_step']} prompts x G={s['group_size']}, lr {s['lr']:g}, "
+        f"PPO mini-batches of {s['mini_batch_groups']} group(s); "
+        f"training problems: {_per_task(s['n_train'], tasks)}; greedy evaluation "
         f"without retrieval on {s['n_eval']} problems whose questions are not training ones; "
         f"history encoder: {encoder}; ARPO: the released code's branching rule; wall time {wall_s:.0f} s.",
         "",
