@@ -1,5 +1,5 @@
-"""The README's `rapo-fast table1` section against the recorded full runs (bench/results/table1*/): the
-tables it quotes are the runs' table1.md verbatim, and table1.md's numbers are the CSV's through the report's statistics, so
+"""The README's `rapo-fast table1` section against the recorded full runs (bench/results/table1*/): the tables it
+quotes are the runs' table1.md verbatim, and table1.md's numbers are the CSV's through the report's statistics, so
 the README quotes what the run measured. tools/table1_readme.py (which writes the section) is run on the
 recorded files."""
 
