@@ -14,7 +14,7 @@ Z975, Z80 = 1.959964, 0.841621  # standard normal quantiles (tables)
 
 
 def test_power_arithmetic_by_hand():
-    # the recorded kb_alias run's figures: per-seed SD 0.199 of RAPO - GRPO, effect +0.05 -> (2.8016 * 0.199 / 0.05)^2 = 124.3
+    # the recorded kb_alias run: per-seed SD 0.199 of RAPO - GRPO, effect +0.05 -> (2.8016 * 0.199 / 0.05)^2 = 124.3
     assert n_for_power(0.199, 0.05) == 125 == math.ceil(((Z975 + Z80) * 0.199 / 0.05) ** 2)
     assert n_for_power(0.3, 0.1, alpha=0.05, power=0.9) == math.ceil(((Z975 + 1.281552) * 0.3 / 0.1) ** 2)
     assert n_for_power(0.0, 0.1) == 2 and math.isnan(n_for_power(math.nan, 0.1))

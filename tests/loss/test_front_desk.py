@@ -2,7 +2,8 @@
 token_logprobs call (both paths) counts exactly one head cast, one validation (and one model-input check, one
 targets range check) and one path plan. rapo_loss runs the log-probs through token_logprobs' private runner, never
 through the public function, so nothing is cast, checked or planned twice.
-Not here: the values (tests/loss/test_loss.py, test_logprobs.py) or timing (bench/bench_token_logprobs.py --parity, smoke-run in tests/bench/test_bench_quick.py).
+Not here: the values (tests/loss/test_loss.py, test_logprobs.py) or timing (bench/bench_token_logprobs.py --parity,
+smoke-run in tests/bench/test_bench_quick.py).
 """
 
 from __future__ import annotations
