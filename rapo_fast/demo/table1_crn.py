@@ -1,21 +1,13 @@
-"""Common random numbers across the methods of one `rapo-fast table1` seed: what the runs of a seed share, and the
-callback that makes the token sampler's stream start from the same state at every step.
+"""Common random numbers across the methods of one `rapo-fast table1` seed: `StepSeeds`, the callback that starts the
+token sampler's stream from the same state at every step, and `step_seed`, that state's seed.
 
-What is shared, per seed, by every method (so that the paired difference by seed compares methods, not draws):
-- the weights at the start (one warm-up file per seed; RAPO_SFT_NO_RETRIEVE alone starts from the warm-up without
-  retrieved steps) and torch's global seed when the policy is built;
-- the RL question order: RAPOTrainer.sample_problems draws from `random.Random(config.seed)`, which nothing else
-  reads, `prompts_per_step` questions a step from the same training list, so step t asks the same questions under
-  every method (GRPO_ONPOLICY_MATCHED included: it changes the group size, not the questions);
-- the token sampler's generator at the start of each step: `StepSeeds` reseeds `trainer.gen` before step t from
-  (seed, t), so the coin of the retrieval / branching / off-policy decisions (the rollout's first draw from it) and
-  the first token draws are the same for every method at every step, whatever the earlier steps consumed;
-- the held-out questions, the evaluation (greedy, no draws) and the continuous endpoint (teacher-forced, no draws).
-What is not shared: the rollouts themselves once the policies differ (different probabilities turn the same uniform
-draws into different tokens), and, within a step, which draw a row gets depends on the batch's shape (a method with
-more rows, retrieved blocks or branches consumes the stream differently), so draws line up row for row only while
-the rows do. The optimiser's updates differ by construction. What this is not: a variance-reduction estimator; it
-only removes the between-method noise that the code's random sources would otherwise add.
+What this is: with it, every method of a seed shares the warm-up weights (RAPO_SFT_NO_RETRIEVE excepted: its point
+is another warm-up), the RL question order (RAPOTrainer.sample_problems reads `random.Random(config.seed)` only) and
+the sampler's state at each step's start, so the coin of the retrieval / branching / off-policy decisions and the
+first token draws agree whatever earlier steps consumed. What is not shared: the rollouts once the policies differ,
+and which draw a row gets within a step once the batches' shapes differ (docs/training.md section 7).
+What this is not: a variance-reduction estimator; it only removes the between-method noise of the code's random
+sources.
 """
 
 from __future__ import annotations

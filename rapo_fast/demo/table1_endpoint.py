@@ -1,13 +1,11 @@
 """The continuous endpoint of `rapo-fast table1`: the teacher-forced log-probability of the correct trajectory on the
 held-out questions, beside greedy success.
 
-What this is: for each DISTINCT held-out question (the evaluation set draws questions with replacement, so a question
-may appear several times; each is scored once, keyed by its prompt), the policy's log-probability of its own tokens
-of the correct solution (`task.solution`: each correct search step up to and including `</tool>`, and the answer
-step through `<eos>`), with the prompt and the tool's observations given, summed over the question's tokens, then
-averaged over the distinct questions. It is computed at temperature 1 from the model's logits, in eval mode, without
-sampling: the same weights give the same number. The trajectory is rendered exactly as a rollout and the SFT warm-up
-render it (rapo_fast.rollouts.rows.prompt_ids, rapo_fast.rollouts.offpolicy.split_step).
+What this is: for each DISTINCT held-out question (the evaluation draws questions with replacement; each is scored
+once, keyed by its prompt), the policy's log-probability of its own tokens of the correct solution (`task.solution`:
+each correct search step through `</tool>`, the answer step through `<eos>`), prompt and observations given, summed
+per question, then averaged over the questions; temperature 1, eval mode, no sampling. The trajectory is rendered as
+a rollout and the SFT warm-up render it (rollouts.rows.prompt_ids, rollouts.offpolicy.split_step).
 What this is not: a success rate (a policy can put more mass on the correct hops and still decode a wrong one
 greedily), nor a score with retrieval: no retrieved step is shown.
 """

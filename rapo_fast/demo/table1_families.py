@@ -1,20 +1,23 @@
 """The task families of `rapo-fast table1`: for each, where its questions, warm-up, off-policy source and held-out
 evaluation come from.
 
-What this is: one small class per kind of family, each answering the same five questions for the runner
-(rapo_fast/demo/table1.py): `data`, `warm_up`, `rapo_source`, `offpolicy_source` and `readable`. `AliasFamily`
-("kb_alias") is the fair setting (the default), `LegacyFamily` ("arith", "kb", `--setting legacy`) the earlier one,
-kept so that earlier tables can be rebuilt; `StepFamily` ("kb_alias_step", rapo_fast/demo/table1_step.py) the
-third round, selected with `--families kb_alias_step`. Both settings are described in docs/training.md section 7,
-the choice of the fair one in docs/table1_fair_design.md.
+What this is: one small class per kind of family, each answering the same questions for the runner
+(rapo_fast/demo/table1.py): `data`, `warm_up`, `rapo_source`, `offpolicy_source`, `readable`. `AliasFamily`
+("kb_alias") is the fair setting's default, `LegacyFamily` ("arith", "kb", `--setting legacy`) the earlier one;
+`StepFamily` ("kb_alias_step") the third round (facts drawn per RL step by `StepFactsTrainer`, retrieval that
+advances the row, no retrieval of the last hop) and `StepHintFamily` its hint-form variant, by `--families`.
+docs/training.md section 7 describes them, docs/table1_fair_design.md why each is built as it is.
 What this is not: the runner, the statistics, or the diagnostics.
 """
 
 from __future__ import annotations
 
 import copy
+from functools import lru_cache
 
 import torch
+
+from rapo_fast.train.trainer import RAPOTrainer
 
 # The aliases left to RL: the four 3-hop chains the warm-up never shows under their alias (three from a person,
 # one from a company). works_for -> ceo -> works_for is not among them: its answer is its first hop's observation.
@@ -61,7 +64,7 @@ def _tiny_policy(tok, seed: int):
 
 
 class _Family:
-    """What every family shares: the step buffer and the trainer of a run (StepFamily, table1_step.py, replaces
+    """What every family shares: the step buffer and the trainer of a run (StepFamily replaces
     both), and a table that is written whatever the checks say (`gates_table`)."""
 
     gates_table = False
@@ -220,19 +223,128 @@ class LegacyFamily(_Family):
         return sum(1.0 / len(t.entities[t.entity_type[p.answer]]) for p in data["evals"]) / len(data["evals"])
 
 
+# Fact seeds, disjoint ranges: the warm-up's draws (10_000 + 100 seed + d, d < SFT_DRAWS, as AliasFamily), RAPO's
+# source (20_000 + seed), the held-out draw (EVAL_FACTS + seed), the RL steps' (STEP_FACTS + 10_000 seed + step).
+EVAL_FACTS, STEP_FACTS = 30_000, 1_000_000
+STEP_QID = 1_000_000  # qids of step k's questions: STEP_QID + 1000 k + i (distinct over a run)
+SFT_RETRIEVE_FRAC = 0.5  # the share of demonstrations whose middle hop is shown retrieved
+
+
+@lru_cache(maxsize=256)
+def _draw(fact_seed: int):
+    from rapo_fast.demo.tasks.kb_alias import AliasKBTask
+
+    return AliasKBTask(chains=RL_CHAINS, fact_seed=fact_seed)
+
+
+class StepFactsTrainer(RAPOTrainer):
+    """RAPOTrainer whose step k asks `step_problems(k)`'s questions in their own draw of the facts: `env` (the tool
+    and the verifier) and the step buffer's `task` (the facts an advancing retrieved step is read from) follow."""
+
+    def __init__(self, *args, step_problems, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.step_problems = step_problems
+
+    def sample_problems(self) -> list:
+        task, problems = self.step_problems(self.step_count)
+        self.env = task
+        if hasattr(self.buffer, "task"):
+            self.buffer.task = task
+        return problems
+
+
+class StepFamily(AliasFamily):
+    """kb_alias_step (module docstring)."""
+
+    name = "kb_alias_step"
+    retrieve_style = "advance"
+    sft_retrieve_frac = SFT_RETRIEVE_FRAC
+    gates_table = True  # a failing check withholds table1.md
+    step_seeds = True  # the methods of a seed start each step from the same sampler state (table1_crn.py)
+
+    def data(self, seed: int, s: dict) -> dict:
+        """The held-out draw (fact seed EVAL_FACTS + seed) is `task`: held-out questions over held-out start
+        entities, and `train`, questions over training start entities in the same draw (the warm-up diagnostics and
+        the with-retrieval evaluation read them; no RL step asks them). `step(k)`: step k's (task, questions)."""
+        task = _draw(EVAL_FACTS + seed)
+        train_starts, held = task.split_starts(HELD_OUT_FRAC, seed=seed)  # by entity types only: every draw agrees
+        train = task.make_problems(s["n_train"], seed=seed, starts=train_starts)
+        evals = task.make_problems(s["n_eval"], seed=seed + 1, starts=held, start_qid=100_000)
+        n = s["prompts_per_step"]
+
+        def step(k: int):
+            t = _draw(STEP_FACTS + 10_000 * seed + k)
+            return t, t.make_problems(n, seed=10_000 * seed + k, starts=train_starts, start_qid=STEP_QID + 1000 * k)
+
+        return {"task": task, "tok": task.tokenizer(), "train": train, "evals": evals, "step": step}
+
+    def sft_pool(self, seed: int) -> list:
+        """3-hop questions only (a policy shown 2-hop ones stops after two): by alias for the 6 non-RL 3-hop chains,
+        explicitly for all 10; each draw of the facts its own (the seeds of AliasFamily.sft_pool)."""
+        from rapo_fast.demo.tasks.kb_alias import chain_split
+
+        sft_chains = [c for c in chain_split(RL_CHAINS)[0] if len(c) == 3]
+        three = sft_chains + list(RL_CHAINS)
+        pool: list = []
+        for d in range(SFT_DRAWS):
+            fs = 10_000 + 100 * seed + d
+            pool += self.task(fs, sft_chains).make_problems(SFT_PER_DRAW, seed=d)
+            pool += self.task(fs, three, by_alias=False).make_problems(SFT_PER_DRAW, seed=d + 777)
+        return pool
+
+    def offpolicy_source(self, data: dict, s: dict, seed: int) -> list[dict]:
+        """The solver on every RL step's questions, each in its step's draw (OFFPOLICY_TRAJ's demonstrations of the
+        same prompts, as AliasFamily's)."""
+        from rapo_fast.demo.table1_families import SOLVER_ERROR_BY_HOP
+        from rapo_fast.demo.tasks import kb_solver_trajectories
+
+        out: list[dict] = []
+        for k in range(s["rl_steps"]):
+            t, qs = data["step"](k)
+            out += kb_solver_trajectories(t, qs, s["solver_traces"], SOLVER_ERROR_BY_HOP, seed=seed + 7919 * k)
+        return out
+
+    def step_traces(self, jsonl, encoder, tok, top_k: int):
+        from rapo_fast.demo.tasks.kb_step import AdvancingTraces
+
+        return AdvancingTraces.from_jsonl(jsonl, encoder, tok, top_k=top_k)
+
+    def trainer(self, data: dict, model, traces, cfg, offpolicy) -> RAPOTrainer:
+        return StepFactsTrainer(
+            model,
+            data["tok"],
+            data["task"],
+            traces,
+            cfg,
+            data["train"],
+            offpolicy=offpolicy,
+            step_problems=data["step"],
+        )
+
+
+class StepHintFamily(StepFamily):
+    """kb_alias_step_hint: the same per-step facts, with kb_alias's retrieval form instead of the paper's (a foreign
+    step of the same relation as a hint, after which the policy takes the hop itself; retrieved at any hop, as in
+    kb_alias; warm-up blocks "foreign" at 30%, as kb_alias's): the named variant to compare the tested form with."""
+
+    name = "kb_alias_step_hint"
+    retrieve_style = "foreign"
+    step_traces = _Family.step_traces
+
+    sft_retrieve_frac = 0.3
+
+
 def get_family(name: str):
     """The family object of a table1 family name."""
     if name == AliasFamily.name:
         return AliasFamily()
     if name in FAIR_VARIANTS:
-        from rapo_fast.demo.table1_step import StepFamily, StepHintFamily
-
         return StepFamily() if name == StepFamily.name else StepHintFamily()
     return LegacyFamily(name)
 
 
 FAIR_FAMILIES = (AliasFamily.name,)
-# Selectable with --families in the fair setting, not run by default: the third round (table1_step.py) and its
+# Selectable with --families in the fair setting, not run by default: the third round (StepFamily) and its
 # variant with kb_alias's hint form of retrieval, until the third round's full run is recorded.
 FAIR_VARIANTS = ("kb_alias_step", "kb_alias_step_hint")
 LEGACY_FAMILIES = ("arith", "kb")
@@ -248,4 +360,9 @@ __all__ = [
     "FAIR_FAMILIES",
     "FAIR_VARIANTS",
     "LEGACY_FAMILIES",
+    "StepFamily",
+    "StepHintFamily",
+    "StepFactsTrainer",
+    "EVAL_FACTS",
+    "STEP_FACTS",
 ]

@@ -234,6 +234,51 @@ def _per_task(v, tasks: list[str]) -> str:
     return ", ".join(f"{t} {v[t]}" for t in tasks) if isinstance(v, dict) else str(v)
 
 
+def _endpoint_lines(rows: list[dict], tasks: list[str], methods: list[str]) -> list[str]:
+    """table1.md's continuous endpoint (warm-up, final, paired difference) and the power table of both endpoints."""
+    return [
+        "## Held-out log-probability of the correct hops (teacher-forced, distinct questions; mean ± 95% CI)",
+        "",
+        "Per distinct held-out question, the summed log-probability of the policy's tokens of the correct searches and "
+        "the answer, observations given (rapo_fast/demo/table1_endpoint.py); nats, higher is better. At the warm-up:",
+        "",
+        *main_table(rows, tasks, methods, key="heldout_logp_start"),
+        "",
+        "After the last step:",
+        "",
+        *main_table(rows, tasks, methods, key="heldout_logp_final"),
+        "",
+        *paired_table(rows, tasks, methods, key="heldout_logp_final"),
+        "",
+        "## Power of the paired comparison against GRPO (both endpoints)",
+        "",
+        *power_table(rows, tasks, methods),
+        "",
+        f"n: seeds for {POWER:.0%} power, two-sided alpha {ALPHA}, at the stated effect (success +0.05, the paper's "
+        "average gain; log-probability +1 nat, the correct trajectory e = 2.7 times as likely), from this run's "
+        "per-seed SD of the difference; detectable: the smallest true difference this run's n detects with that "
+        "power. Normal approximation: n = ((z_0.975 + z_0.8) SD / effect)^2, a few seeds short of a t test's at "
+        "small n.",
+        "",
+    ]
+
+
+def _withheld_lines(withheld_by: list[str], checks: dict) -> list[str]:
+    """table1.md of a run whose gating checks failed: a note naming them, and the checks."""
+    return [
+        "# Table 1 (miniature): withheld",
+        "",
+        "The table is withheld: these checks failed, so this run cannot test the claim: "
+        + ", ".join(withheld_by)
+        + ". The per-run rows are in table1.csv, the figures behind the checks in table1_checks.json.",
+        "",
+        "## Go/no-go checks (table1_checks.json)",
+        "",
+        *checks_lines(checks["checks"]),
+        "",
+    ]
+
+
 def write_outputs(
     out: Path,
     rows: list[dict],
@@ -247,19 +292,7 @@ def write_outputs(
     only a note naming them and the checks: a setting that cannot test the claim reports no table."""
     if withheld_by:
         write_csv(out / "table1.csv", rows, CSV_COLUMNS)
-        md = [
-            "# Table 1 (miniature): withheld",
-            "",
-            "The table is withheld: these checks failed, so this run cannot test the claim: "
-            + ", ".join(withheld_by)
-            + ". The per-run rows are in table1.csv, the figures behind the checks in table1_checks.json.",
-            "",
-            "## Go/no-go checks (table1_checks.json)",
-            "",
-            *checks_lines(checks["checks"]),
-            "",
-        ]
-        (out / "table1.md").write_text("\n".join(md))
+        (out / "table1.md").write_text("\n".join(_withheld_lines(withheld_by, checks)))
         return
     tasks = [t for t in s["families"] if any(r["task"] == t for r in rows)]
     methods = [m for m in s["methods"] if any(r["method"] == m for r in rows)]
@@ -284,29 +317,7 @@ def write_outputs(
         "",
         *paired_table(rows, tasks, methods),
         "",
-        "## Held-out log-probability of the correct hops (teacher-forced, distinct questions; mean ± 95% CI)",
-        "",
-        "Per distinct held-out question, the summed log-probability of the policy's tokens of the correct searches and "
-        "the answer, observations given (rapo_fast/demo/table1_endpoint.py); nats, higher is better. At the warm-up:",
-        "",
-        *main_table(rows, tasks, methods, key="heldout_logp_start"),
-        "",
-        "After the last step:",
-        "",
-        *main_table(rows, tasks, methods, key="heldout_logp_final"),
-        "",
-        *paired_table(rows, tasks, methods, key="heldout_logp_final"),
-        "",
-        "## Power of the paired comparison against GRPO (both endpoints)",
-        "",
-        *power_table(rows, tasks, methods),
-        "",
-        f"n: seeds for {POWER:.0%} power, two-sided alpha {ALPHA}, at the stated effect (success +0.05, the paper's "
-        "average gain; log-probability +1 nat, the correct trajectory e = 2.7 times as likely), from this run's "
-        "per-seed SD of the difference; detectable: the smallest true difference this run's n detects with that "
-        "power. Normal approximation: n = ((z_0.975 + z_0.8) SD / effect)^2, a few seeds short of a t test's at "
-        "small n.",
-        "",
+        *_endpoint_lines(rows, tasks, methods),
         "## Efficiency: steps and generated tokens to reach GRPO's final mean eval",
         "",
         *efficiency_table(rows, tasks, methods),

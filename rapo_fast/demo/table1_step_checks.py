@@ -6,7 +6,7 @@ carries the right next relation after a right and after a wrong prefix, table1_d
 the warm-up; `step_warmup_figures`: both plus sampled
 on-policy and hybrid rollouts at the warm-up) and `step_checks` (no_training_recall per run, source quality,
 no_answer_leak per seed). docs/table1_fair_design.md (section "kb_alias_step") says why each exists.
-What this is not: the family (table1_step.py) or kb_alias's checks (table1_diagnostics.go_no_go).
+What this is not: the family (table1_families.py StepFamily) or kb_alias's checks (table1_diagnostics.go_no_go).
 """
 
 from __future__ import annotations

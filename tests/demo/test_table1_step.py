@@ -16,8 +16,7 @@ import torch
 from rapo_fast.demo import table1
 from rapo_fast.demo import table1_diagnostics as D
 from rapo_fast.demo.table1_diagnostics import source_quality
-from rapo_fast.demo.table1_families import RL_CHAINS, get_family
-from rapo_fast.demo.table1_step import StepFamily
+from rapo_fast.demo.table1_families import RL_CHAINS, StepFamily, get_family
 from rapo_fast.demo.table1_step_checks import advance_probe, step_checks
 from rapo_fast.demo.tasks.kb_alias import AliasKBTask
 from rapo_fast.demo.tasks.kb_step import advanced_step, chain_length
