@@ -313,7 +313,8 @@ def _parser() -> argparse.ArgumentParser:
         "--setting",
         choices=SETTINGS,
         default="fair",
-        help="fair (default): the aliased knowledge base, every method and control; legacy: "
+        help="fair (default): the aliased knowledge base (kb_alias_step; --families kb_alias for the second "
+        "round), every method and control; legacy: "
         "the setting before it (arithmetic and the 3-hop knowledge base; answers leak through "
         "retrieval, kept for the record)",
     )

@@ -195,7 +195,7 @@ def test_quick_step_run_withholds_the_table_when_a_check_fails(tmp_path, monkeyp
 
 def test_step_family_is_selectable_but_not_the_default():
     p = table1._parser()
-    assert table1.setting_from(p.parse_args([]))["families"] == ["kb_alias"]
+    assert table1.setting_from(p.parse_args([]))["families"] == ["kb_alias_step"]  # the tested setting, the default
     assert table1.setting_from(p.parse_args(["--families", "kb_alias_step"]))["families"] == ["kb_alias_step"]
     with pytest.raises(SystemExit, match="unknown families"):
         table1.setting_from(p.parse_args(["--setting", "legacy", "--families", "kb_alias_step"]))
