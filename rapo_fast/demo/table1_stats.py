@@ -29,6 +29,11 @@ def t975(df: int) -> float:
     return _T975[df - 1] if df <= len(_T975) else 1.96
 
 
+def _sample_sd(vals: Sequence[float], mean: float) -> float:
+    """The sample (n - 1) standard deviation of vals (at least two) about their mean."""
+    return math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1))
+
+
 def mean_ci(xs: Sequence[float]) -> tuple[float, float]:
     """(mean, half-width of the 95% interval) of xs; half-width NaN for fewer than 2 values, (NaN, NaN) for none."""
     vals = [float(x) for x in xs if not math.isnan(float(x))]
@@ -38,8 +43,7 @@ def mean_ci(xs: Sequence[float]) -> tuple[float, float]:
     m = sum(vals) / n
     if n == 1:
         return m, math.nan
-    sd = math.sqrt(sum((v - m) ** 2 for v in vals) / (n - 1))
-    return m, t975(n - 1) * sd / math.sqrt(n)
+    return m, t975(n - 1) * _sample_sd(vals, m) / math.sqrt(n)
 
 
 def paired_diff(a: dict[int, float], b: dict[int, float]) -> tuple[float, float, int]:
@@ -54,8 +58,7 @@ def paired_sd(a: dict[int, float], b: dict[int, float]) -> tuple[float, int]:
     d = [a[s] - b[s] for s in sorted(set(a) & set(b)) if not math.isnan(a[s] - b[s])]
     if len(d) < 2:
         return math.nan, len(d)
-    m = sum(d) / len(d)
-    return math.sqrt(sum((x - m) ** 2 for x in d) / (len(d) - 1)), len(d)
+    return _sample_sd(d, sum(d) / len(d)), len(d)
 
 
 def _z_sum(alpha: float, power: float) -> float:

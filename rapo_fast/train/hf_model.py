@@ -27,6 +27,14 @@ def final_hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
     return out.last_hidden_state
 
 
+def row_lengths(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B] int64: each row's last attended position + 1 (0 for a row with none): its length up to its padding."""
+    if not attention_mask.shape[1]:
+        return torch.zeros(attention_mask.shape[0], dtype=torch.long, device=attention_mask.device)
+    idx = torch.arange(1, attention_mask.shape[1] + 1, device=attention_mask.device)
+    return ((attention_mask != 0) * idx).amax(1)
+
+
 # A bucket's fixed cost in token slots (one more model call): on table1's tiny policy at one CPU thread a forward and
 # backward call costs about what 60-70 more token slots do (a no-grad forward ~36); a larger model's tokens cost more,
 # so the same overhead only errs towards fewer buckets there.
@@ -62,8 +70,7 @@ def final_hidden_buckets(
     of final_hidden up to float rounding (causal attention: a position never sees the columns cut off), at the cost
     of its bucket's length rather than the batch's. Differentiable."""
     B, T = input_ids.shape
-    idx = torch.arange(1, T + 1, device=attention_mask.device)
-    ends = ((attention_mask != 0) * idx).amax(1).tolist() if T else [0] * B
+    ends = row_lengths(attention_mask).tolist()
     parts, rows = [], []
     for bucket in length_buckets(ends, overhead):
         L = max(1, ends[bucket[-1]])

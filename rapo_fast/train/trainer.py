@@ -25,7 +25,7 @@ from rapo_fast._checks import check_bool, check_int
 from rapo_fast.rollouts.batch import KIND_GEN, KIND_RET, RolloutBatch
 from rapo_fast.train.callbacks import EvalCallback, TrainerCallback
 from rapo_fast.train.config import TrainerConfig
-from rapo_fast.train.hf_model import final_hidden_buckets, lm_head_weight
+from rapo_fast.train.hf_model import final_hidden_buckets, lm_head_weight, row_lengths
 from rapo_fast.train.io import MetricsLogger, load_checkpoint, save_checkpoint
 
 __all__ = [
@@ -113,10 +113,8 @@ def hard_attribution(batch: RolloutBatch, adv: torch.Tensor) -> torch.Tensor:
 def _scored_positions(attention_mask: torch.Tensor) -> torch.Tensor:
     """[B, T-1] bool: the shifted positions t of each row before its last attended token (the target t + 1 is
     attended): the positions that score a real token; the rest only score padding."""
-    T = attention_mask.shape[1]
-    idx = torch.arange(1, T + 1, device=attention_mask.device)
-    n = ((attention_mask != 0) * idx).amax(1) - 1
-    return torch.arange(T - 1, device=attention_mask.device)[None, :] < n[:, None]
+    n = row_lengths(attention_mask) - 1
+    return torch.arange(attention_mask.shape[1] - 1, device=attention_mask.device)[None, :] < n[:, None]
 
 
 def _packed(
