@@ -20,6 +20,8 @@ PYBIND11_MODULE(_C, m) {
   info["cuda"] = false;
 #endif
   info["cuda_archs"] = std::string(RAPO_CUDA_ARCHS);
+  info["cuda_switch"] = std::string(RAPO_CUDA_SWITCH);
+  info["nvcc_found"] = RAPO_NVCC_FOUND != 0;
 #ifdef RAPO_WITH_OPENMP
   info["openmp"] = true;
 #else

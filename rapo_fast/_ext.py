@@ -55,13 +55,17 @@ def _triton_version() -> str | None:
 
 
 def build_info() -> dict[str, Any]:
-    """Which backends of rapo_fast._C were built and for which CUDA architectures, plus the runtime's versions."""
+    """Which backends of rapo_fast._C were built and for which CUDA architectures, what the install asked for
+    (`cuda_switch`: setup.py's resolved RAPO_FAST_CUDA, "0", "AUTO" or "1"; `nvcc_found`: whether CMake found nvcc),
+    plus the runtime's versions."""
     info: dict[str, Any] = {
         "extension": _C is not None,
         "extension_error": None if _IMPORT_ERROR is None else repr(_IMPORT_ERROR),
         "cpu": False,
         "cuda": False,
         "cuda_archs": [],
+        "cuda_switch": None,
+        "nvcc_found": False,
         "openmp": False,
         "torch": torch.__version__,
         "triton": _triton_version(),
@@ -74,6 +78,8 @@ def build_info() -> dict[str, Any]:
             cuda=bool(raw.get("cuda", False)),
             openmp=bool(raw.get("openmp", False)),
             cuda_archs=[a for a in str(raw.get("cuda_archs", "")).split(",") if a],
+            cuda_switch=raw.get("cuda_switch"),
+            nvcc_found=bool(raw.get("nvcc_found", False)),
         )
     return info
 

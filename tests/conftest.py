@@ -4,7 +4,10 @@ hypothesis profiles of the property tests (tests/fuzz/: the default run small, `
 Not a place for test helpers of one op (those live beside the op's tests); cross-op helpers: tests/helpers/.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -14,6 +17,12 @@ from hypothesis import HealthCheck, settings
 # there, and that is how CI exercises them (docs/interpreter.md).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# A fresh inductor cache per run (xdist's workers inherit it): torch's FX graph cache keys do not cover a custom op's
+# output shapes, so graphs an earlier checkout's rapo_fast ops compiled (a reused machine's /tmp/torchinductor_*) would
+# be replayed against changed ops (docs/pitfalls.md). Here, not in CI's environment: the README's command needs it too.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _inductor_cache = tempfile.mkdtemp(prefix="rapo_fast_inductor_")
+    atexit.register(shutil.rmtree, _inductor_cache, ignore_errors=True)
 
 
 # `thorough`: the slow property run of tests/fuzz (HYPOTHESIS_PROFILE=thorough, or `-m slow`, which also selects
