@@ -5,17 +5,17 @@ Split into panels that can be read: one per machine setting (CPU instruction set
 metric, times one per shape family: the paper's scale (C=170k, D=384, Q=256), the few-query shapes of per-step
 retrieval (Q <= 32 at the paper's C and D; x = Q), and the grid, one panel per key dimension D. Within a panel the
 latest row of a provider at a shape wins. Colours are those of every bench plot (bench/_plot_style.py).
-Usage: `python bench/plot_retrieval.py [CSV ...]`. What this is not: the benchmark (bench/bench_retrieval.py).
+Usage: `python bench/plot_retrieval.py [CSV [PNG]]`, like every plot script (CSV by default
+bench/results/retrieval_cpu.csv; the GPU rows: bench/results/retrieval_gpu.csv). What this is not: the benchmark
+(bench/bench_retrieval.py).
 """
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import _plot_style as ps
 
-RESULTS = Path(__file__).resolve().parent / "results"
 PAPER_C, PAPER_D = 170_000, 384
 
 
@@ -85,22 +85,7 @@ def plot(csv_path: Path, png_path: Path | None = None, note: str = "") -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python bench/plot_retrieval.py",
-        description="Draw retrieval bench CSVs (rapo-fast bench retrieval) as PNGs next to them: queries/s per "
-        "provider, one panel per machine setting and shape family; higher is better.",
-    )
-    ap.add_argument(
-        "csv",
-        nargs="*",
-        type=Path,
-        help="the CSVs (default: bench/results/retrieval_cpu.csv and retrieval_gpu.csv, those that exist)",
-    )
-    args = ap.parse_args(argv)
-    paths = args.csv or [p for p in (RESULTS / "retrieval_cpu.csv", RESULTS / "retrieval_gpu.csv") if p.exists()]
-    for p in paths:
-        print(f"wrote {plot(p)}")
-    return 0
+    return ps.plot_main(argv, __doc__, "retrieval_cpu.csv", plot)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,21 @@ def test_plot_script_help_exits_0_with_a_description(script):
     assert "better" in res.stdout, res.stdout  # the description says which way is better
 
 
+@pytest.mark.parametrize(
+    "script, csv_name",
+    [
+        ("plot_loss.py", "loss.csv"),
+        ("plot_retrieval.py", "retrieval_cpu.csv"),
+        ("plot_logprobs.py", "token_logprobs.csv"),
+        ("plot_kv.py", "kv_splice.csv"),
+    ],
+)
+def test_every_plot_script_takes_csv_then_png_as_the_readme_says(load_bench, tmp_path, capsys, script, csv_name):
+    png = tmp_path / "drawn.png"
+    assert load_bench(script).main([str(RESULTS / csv_name), str(png)]) == 0
+    assert png.stat().st_size > 10_000 and f"wrote {png}" in capsys.readouterr().out
+
+
 def test_one_colour_per_provider_distinct_within_each_bench(load_bench, monkeypatch):
     style = load_bench("_plot_style.py")
     lp = load_bench("_loss_providers.py")
