@@ -35,7 +35,8 @@ import time
 
 import torch
 
-from _common import add_output_args, append_rows, commit, device_name, now, output_dir
+from _args import add_output_args, output_dir
+from _common import append_rows, commit, device_name, now
 from rapo_fast.integrations.verl.buffer_actor import StepBufferActor, StepBufferClient
 from rapo_fast.integrations.verl.buffer_requests import Coalescer, LocalHandle
 from rapo_fast.reference.encoders import hashed_ngram_ref

@@ -25,18 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plot_kv import plot  # noqa: E402
 
-from _common import (  # noqa: E402
-    RowWriter,
-    add_bench_args,
-    add_grid_args,
-    check_providers,
-    error_status,
-    exit_process,
-    measure_copy_bandwidth_gbs,
-    ordered,
-    run_bench,
-    time_fn,
-)
+from _args import add_bench_args, add_grid_args, check_providers, ordered  # noqa: E402
+from _common import RowWriter, error_status, exit_process, measure_copy_bandwidth_gbs, run_bench, time_fn  # noqa: E402
 
 PROVIDERS = ["rapo_fast", "torch_plain", "reprefill", "copy_floor"]
 DIMS = ("layers", "kv_heads", "head_dim", "segs", "seg_len", "batch")  # the shape's fields in each row and plan line

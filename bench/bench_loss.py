@@ -38,19 +38,14 @@ import _loss_providers as lp
 import torch
 from plot_loss import plot
 
+from _args import add_bench_args, add_dtype_arg, add_grid_args, check_providers, grid_of, ordered
 from _common import (
     RowWriter,
     Unavailable,
-    add_bench_args,
-    add_dtype_arg,
-    add_grid_args,
-    check_providers,
     error_status,
     exit_process,
     free_device_memory,
-    grid_of,
     measure_copy_bandwidth_gbs,
-    ordered,
     peak_memory_mb,
     run_bench,
     time_fn,

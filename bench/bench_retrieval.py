@@ -30,18 +30,14 @@ import time
 import torch
 from plot_retrieval import plot
 
+from _args import add_bench_args, add_grid_args, check_providers, ordered, positive_int
 from _common import (
     RowWriter,
     Unavailable,
-    add_bench_args,
-    add_grid_args,
-    check_providers,
     env_var,
     error_status,
     exit_process,
     measure_copy_bandwidth_gbs,
-    ordered,
-    positive_int,
     quantiles_ms,
     run_bench,
     time_fn,
