@@ -5,7 +5,7 @@ What this is: with it, every method of a seed shares the warm-up weights (RAPO_S
 is another warm-up), the RL question order (RAPOTrainer.sample_problems reads `random.Random(config.seed)` only) and
 the sampler's state at each step's start, so the coin of the retrieval / branching / off-policy decisions and the
 first token draws agree whatever earlier steps consumed. What is not shared: the rollouts once the policies differ,
-and which draw a row gets within a step once the batches' shapes differ (docs/training.md section 7).
+and which draw a row gets within a step once the batches' shapes differ (experiments/table1/runner.md).
 What this is not: a variance-reduction estimator; it only removes the between-method noise of the code's random
 sources.
 """

@@ -4,9 +4,9 @@ setting can test RAPO's claim at all.
 What this is: readers of knowledge-base completions (`read_completion`, `signature`), the leak and shortcut figures
 (`leak_frac`, `unobserved_success`, `used_unobserved`), the retrieved steps' `source_quality`, the warm-up's
 `conditioning_probe`, the off-policy source's `kept_trace_stats`, and `go_no_go` (the figures of table1_checks.json
-and whether each passes); each function's docstring says what it measures, docs/training.md section 7 and
-docs/table1_fair_design.md how they are used.
-What this is not: the runner (rapo_fast/demo/table1.py) or the statistics over seeds (table1_stats.py).
+and whether each passes); each function's docstring says what it measures, experiments/table1/runner.md and
+experiments/table1/design.md how they are used.
+What this is not: the runner (experiments/table1/run.py) or the statistics over seeds (stats.py).
 """
 
 from __future__ import annotations

@@ -2,11 +2,11 @@
 evaluation come from.
 
 What this is: one small class per kind of family, each answering the same questions for the runner
-(rapo_fast/demo/table1.py): `data`, `warm_up`, `rapo_source`, `offpolicy_source`, `readable`. `AliasFamily`
-("kb_alias") is the fair setting's second round, `LegacyFamily` ("arith", "kb", `--setting legacy`) the earlier one;
-`StepFamily` ("kb_alias_step", the default) the third round (facts drawn per RL step by `StepFactsTrainer`,
-retrieval that advances the row, no retrieval of the last hop) and `StepHintFamily` its hint-form variant.
-docs/training.md section 7 describes them, docs/table1_fair_design.md why each is built as it is.
+(experiments/table1/jobs.py): `data`, `warm_up`, `rapo_source`, `offpolicy_source`, `readable`. `AliasFamily`
+("kb_alias") is the second round; `StepFamily` ("kb_alias_step", the default) the third (facts drawn per RL step
+through the trainer's task_sampler, retrieval that advances the row, no retrieval of the last hop) and
+`StepHintFamily` its hint-form variant.
+experiments/table1/runner.md describes them, experiments/table1/design.md why each is built as it is.
 What this is not: the runner, the statistics, or the diagnostics.
 """
 
@@ -17,7 +17,16 @@ from functools import lru_cache
 
 import torch
 
+from experiments.table1.kb_alias import AliasKBTask, chain_split, foreign_step
+from experiments.table1.kb_step import AdvancingTraces, advance_step
+from rapo_fast.demo.tasks import kb_solver_trajectories
+from rapo_fast.demo.tiny_policy import build_tiny_policy
+from rapo_fast.retrieval.step_traces import StepTraces
+from rapo_fast.train.sft import sft_warmup
 from rapo_fast.train.trainer import RAPOTrainer
+
+# The warm-up's retrieve style of each family's `retrieve_style` (rapo_fast.train.sft's RetrieveStyle).
+SFT_STYLES = {"foreign": foreign_step, "advance": advance_step}
 
 # The aliases left to RL: the four 3-hop chains the warm-up never shows under their alias (three from a person,
 # one from a company). works_for -> ceo -> works_for is not among them: its answer is its first hop's observation.
@@ -33,32 +42,7 @@ HELD_OUT_FRAC = 0.34  # of the start entities, for the held-out questions only
 SOURCE_QUESTIONS = 64  # RAPO's source: this many questions in another draw of the facts
 
 
-def per_family(s: dict, key: str, family: str):
-    """Setting `key` for `family`: the value itself, or its entry when the setting gives one per family."""
-    v = s[key]
-    return v[family] if isinstance(v, dict) else v
-
-
-def held_out(task, train: list, n: int, seed: int) -> list:
-    """`n` evaluation problems whose question (prompt) is not among the training problems'. Chain arithmetic draws
-    from ~10^8 questions, so this rarely drops one; the knowledge base has 384 distinct 3-hop questions, of which
-    random draws would otherwise repeat training ones (a quarter of them with 64 training problems). Questions may
-    repeat inside the evaluation set (draws with replacement from the held-out questions)."""
-    seen = {p.prompt for p in train}
-    out: list = []
-    start = 100_000
-    while len(out) < n:
-        batch = task.make_problems(4 * n, seed=seed + start, start_qid=start)
-        out += [p for p in batch if p.prompt not in seen][: n - len(out)]
-        start += 4 * n
-        if start > 100_000 + 400 * n:
-            raise ValueError(f"held_out: fewer than {n} problems outside the training set's questions")
-    return out
-
-
 def _tiny_policy(tok, seed: int):
-    from rapo_fast.demo.tiny_policy import build_tiny_policy
-
     torch.manual_seed(seed)
     return build_tiny_policy(tok.vocab_size, seed=seed)
 
@@ -70,13 +54,9 @@ class _Family:
     gates_table = False
 
     def step_traces(self, jsonl, encoder, tok, top_k: int):
-        from rapo_fast.retrieval.step_traces import StepTraces
-
         return StepTraces.from_jsonl(jsonl, encoder, tok, top_k=top_k)
 
     def trainer(self, data: dict, model, traces, cfg, offpolicy):
-        from rapo_fast.train.trainer import RAPOTrainer
-
         return RAPOTrainer(model, data["tok"], data["task"], traces, cfg, data["train"], offpolicy=offpolicy)
 
 
@@ -90,7 +70,6 @@ class AliasFamily(_Family):
     sft_retrieve_frac = 0.3
 
     def task(self, fact_seed: int | None = None, chains=RL_CHAINS, by_alias: bool = True):
-        from rapo_fast.demo.tasks.kb_alias import AliasKBTask
 
         return AliasKBTask(chains=chains, by_alias=by_alias, fact_seed=fact_seed)
 
@@ -106,7 +85,6 @@ class AliasFamily(_Family):
     def sft_pool(self, seed: int) -> list:
         """Alias questions of the other 14 chains and explicit questions of all 18, each draw of the facts its own
         (fact seeds 10_000 + 100 seed + d: never the RL knowledge base's, never another seed's)."""
-        from rapo_fast.demo.tasks.kb_alias import chain_split
 
         sft_chains, _ = chain_split(RL_CHAINS)
         pool: list = []
@@ -119,7 +97,6 @@ class AliasFamily(_Family):
     def warm_up(self, data: dict, s: dict, seed: int, retrieve_frac: float | None = None) -> dict:
         """The SFT warm-up's weights; `retrieve_frac`: the share of demonstrations with a retrieve block (default
         the family's `sft_retrieve_frac`; 0 for RAPO_SFT_NO_RETRIEVE's warm-up)."""
-        from rapo_fast.train.sft import sft_warmup
 
         model = _tiny_policy(data["tok"], seed)
         if s["sft_steps"] > 0:
@@ -133,13 +110,12 @@ class AliasFamily(_Family):
                 lr=3e-3,
                 seed=seed,
                 retrieve_frac=self.sft_retrieve_frac if retrieve_frac is None else retrieve_frac,
-                retrieve_style=self.retrieve_style,
+                retrieve_style=SFT_STYLES[self.retrieve_style],
             )
         return copy.deepcopy(model.state_dict())
 
     def rapo_source(self, data: dict, s: dict, seed: int) -> list[dict]:
         """The solver on the RL aliases in another draw of the facts (fact seed 20_000 + seed)."""
-        from rapo_fast.demo.tasks import kb_solver_trajectories
 
         src = self.task(20_000 + seed)
         qs = src.make_problems(SOURCE_QUESTIONS, seed=seed + 3, start_qid=50_000)
@@ -147,79 +123,12 @@ class AliasFamily(_Family):
 
     def offpolicy_source(self, data: dict, s: dict, seed: int) -> list[dict]:
         """The same solver on the training questions themselves, in the RL knowledge base."""
-        from rapo_fast.demo.tasks import kb_solver_trajectories
 
         return kb_solver_trajectories(data["task"], data["train"], s["solver_traces"], SOLVER_ERROR_BY_HOP, seed=seed)
 
     def chance(self, data: dict) -> float:
         """The success rate of a uniform guess among the entities of each held-out answer's type."""
         t = data["task"]
-        return sum(1.0 / len(t.entities[t.entity_type[p.answer]]) for p in data["evals"]) / len(data["evals"])
-
-
-class LegacyFamily(_Family):
-    """The earlier setting (answers leak through retrieval): arithmetic chains, or the knowledge base with 2-hop
-    SFT and 3-hop RL on one draw of the facts. One solver file (error 0.2) is both RAPO's source and
-    OFFPOLICY_TRAJ's."""
-
-    retrieve_style = "replace"
-    same_source = True
-
-    def __init__(self, name: str):
-        if name not in ("arith", "kb"):
-            raise ValueError(f"LegacyFamily: name must be 'arith' or 'kb', got {name!r}")
-        self.name, self.readable = name, name == "kb"
-
-    def _tasks(self):
-        from rapo_fast.demo.tasks import ChainArithmeticTask, KnowledgeBaseTask
-
-        if self.name == "arith":
-            return ChainArithmeticTask(), ChainArithmeticTask()
-        return KnowledgeBaseTask(min_hops=3, max_hops=3), KnowledgeBaseTask(min_hops=2, max_hops=2)
-
-    def data(self, seed: int, s: dict) -> dict:
-        task = self._tasks()[0]
-        train = task.make_problems(per_family(s, "n_train", self.name), seed=seed)
-        return {
-            "task": task,
-            "tok": task.tokenizer(),
-            "train": train,
-            "evals": held_out(task, train, s["n_eval"], seed=seed + 1),
-        }
-
-    def warm_up(self, data: dict, s: dict, seed: int, retrieve_frac: float = 0.3) -> dict:
-        from rapo_fast.train.sft import sft_warmup
-
-        sft_task = self._tasks()[1]
-        model = _tiny_policy(data["tok"], seed)
-        pool = sft_task.make_problems(2000, seed=seed + 2, start_qid=200_000)
-        if s["sft_steps"] > 0:
-            sft_warmup(
-                model,
-                data["tok"],
-                sft_task,
-                pool,
-                steps=s["sft_steps"],
-                batch_size=32,
-                lr=3e-3,
-                seed=seed,
-                retrieve_frac=retrieve_frac,
-                progress=False,
-            )
-        return copy.deepcopy(model.state_dict())
-
-    def rapo_source(self, data: dict, s: dict, seed: int) -> list[dict]:
-        from rapo_fast.demo.tasks import kb_solver_trajectories, solver_trajectories
-
-        solver = solver_trajectories if self.name == "arith" else kb_solver_trajectories
-        return solver(data["task"], data["train"], per_family(s, "solver_traces", self.name), 0.2, seed=seed)
-
-    offpolicy_source = rapo_source
-
-    def chance(self, data: dict) -> float:
-        t = data["task"]
-        if self.name == "arith":
-            return float("nan")
         return sum(1.0 / len(t.entities[t.entity_type[p.answer]]) for p in data["evals"]) / len(data["evals"])
 
 
@@ -232,25 +141,8 @@ SFT_RETRIEVE_FRAC = 0.5  # the share of demonstrations whose middle hop is shown
 
 @lru_cache(maxsize=256)
 def _draw(fact_seed: int):
-    from rapo_fast.demo.tasks.kb_alias import AliasKBTask
 
     return AliasKBTask(chains=RL_CHAINS, fact_seed=fact_seed)
-
-
-class StepFactsTrainer(RAPOTrainer):
-    """RAPOTrainer whose step k asks `step_problems(k)`'s questions in their own draw of the facts: `env` (the tool
-    and the verifier) and the step buffer's `task` (the facts an advancing retrieved step is read from) follow."""
-
-    def __init__(self, *args, step_problems, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.step_problems = step_problems
-
-    def sample_problems(self) -> list:
-        task, problems = self.step_problems(self.step_count)
-        self.env = task
-        if hasattr(self.buffer, "task"):
-            self.buffer.task = task
-        return problems
 
 
 class StepFamily(AliasFamily):
@@ -260,7 +152,7 @@ class StepFamily(AliasFamily):
     retrieve_style = "advance"
     sft_retrieve_frac = SFT_RETRIEVE_FRAC
     gates_table = True  # a failing check withholds table1.md
-    step_seeds = True  # the methods of a seed start each step from the same sampler state (table1_crn.py)
+    step_seeds = True  # the methods of a seed start each step from the same sampler state (crn.py)
 
     def data(self, seed: int, s: dict) -> dict:
         """The held-out draw (fact seed EVAL_FACTS + seed) is `task`: held-out questions over held-out start
@@ -281,7 +173,6 @@ class StepFamily(AliasFamily):
     def sft_pool(self, seed: int) -> list:
         """3-hop questions only (a policy shown 2-hop ones stops after two): by alias for the 6 non-RL 3-hop chains,
         explicitly for all 10; each draw of the facts its own (the seeds of AliasFamily.sft_pool)."""
-        from rapo_fast.demo.tasks.kb_alias import chain_split
 
         sft_chains = [c for c in chain_split(RL_CHAINS)[0] if len(c) == 3]
         three = sft_chains + list(RL_CHAINS)
@@ -295,8 +186,6 @@ class StepFamily(AliasFamily):
     def offpolicy_source(self, data: dict, s: dict, seed: int) -> list[dict]:
         """The solver on every RL step's questions, each in its step's draw (OFFPOLICY_TRAJ's demonstrations of the
         same prompts, as AliasFamily's)."""
-        from rapo_fast.demo.table1_families import SOLVER_ERROR_BY_HOP
-        from rapo_fast.demo.tasks import kb_solver_trajectories
 
         out: list[dict] = []
         for k in range(s["rl_steps"]):
@@ -305,20 +194,20 @@ class StepFamily(AliasFamily):
         return out
 
     def step_traces(self, jsonl, encoder, tok, top_k: int):
-        from rapo_fast.demo.tasks.kb_step import AdvancingTraces
-
         return AdvancingTraces.from_jsonl(jsonl, encoder, tok, top_k=top_k)
 
     def trainer(self, data: dict, model, traces, cfg, offpolicy) -> RAPOTrainer:
-        return StepFactsTrainer(
-            model,
-            data["tok"],
-            data["task"],
-            traces,
-            cfg,
-            data["train"],
-            offpolicy=offpolicy,
-            step_problems=data["step"],
+        """A trainer whose step k asks data["step"](k)'s questions in their own draw of the facts (the trainer's
+        task_sampler); the step buffer's `task`, the facts an advancing retrieved step is read from, follows."""
+
+        def sampler(k: int):
+            task, problems = data["step"](k)
+            if hasattr(traces, "task"):
+                traces.task = task
+            return task, problems
+
+        return RAPOTrainer(
+            model, data["tok"], data["task"], traces, cfg, data["train"], offpolicy=offpolicy, task_sampler=sampler
         )
 
 
@@ -337,29 +226,25 @@ class StepHintFamily(StepFamily):
 def get_family(name: str):
     """The family object of a table1 family name."""
     fair = {cls.name: cls for cls in (AliasFamily, StepFamily, StepHintFamily)}
-    return fair[name]() if name in fair else LegacyFamily(name)
+    if name not in fair:
+        raise ValueError(f"get_family: name: expected one of {sorted(fair)}, got {name!r}")
+    return fair[name]()
 
 
 FAIR_FAMILIES = (StepFamily.name,)
 # Selectable with --families in the fair setting, not run by default: the second round (kb_alias, whose recorded run
 # the README quotes) and the third round's variant with kb_alias's hint form of retrieval.
 FAIR_VARIANTS = (AliasFamily.name, StepHintFamily.name)
-LEGACY_FAMILIES = ("arith", "kb")
 
 __all__ = [
     "AliasFamily",
-    "LegacyFamily",
     "get_family",
-    "held_out",
-    "per_family",
     "RL_CHAINS",
     "SOLVER_ERROR_BY_HOP",
     "FAIR_FAMILIES",
     "FAIR_VARIANTS",
-    "LEGACY_FAMILIES",
     "StepFamily",
     "StepHintFamily",
-    "StepFactsTrainer",
     "EVAL_FACTS",
     "STEP_FACTS",
 ]

@@ -1,8 +1,8 @@
-"""Knowledge-base questions whose relation chain is named by an alias: the family of `rapo-fast table1`'s fair setting.
+"""Knowledge-base questions whose relation chain is named by an alias: the task of the Table-1 experiment's families.
 
 What this is: `AliasKBTask`, the knowledge base of kb.py asked through alias words (`<bos> ask q7 e17`: the chain is
-not in the prompt), and `AliasProblem.hints`, the foreign steps the SFT warm-up shows as retrieved blocks. Why the
-setting is built this way: docs/training.md section 7 and docs/table1_fair_design.md.
+not in the prompt), and `AliasProblem.hints`, the foreign steps the SFT warm-up shows as retrieved blocks
+(`foreign_step`, its retrieve style). Why the setting is built this way: runner.md and design.md beside this file.
 What this is not: a model of retrieval over text, or a task a policy can solve without searching: the answer is an
 entity two or three facts away, and held-out questions start from entities no training question starts from.
 """
@@ -112,4 +112,14 @@ def chain_split(rl_chains: Sequence[tuple[str, ...]]) -> tuple[list[tuple[str, .
     return [c for c in all_chains() if c not in rl], rl
 
 
-__all__ = ["ALIASES", "AliasKBTask", "AliasProblem", "alias_table", "all_chains", "chain_split"]
+def foreign_step(problem, k: int, solution: Sequence[str]) -> tuple[str, bool]:
+    """The warm-up's retrieve style of kb_alias (rapo_fast.train.sft.RetrieveStyle): the block is another question's
+    step with the same relation (`problem.hints[k]`), then the policy's own step, so that the policy learns to take a
+    retrieved step's relation and apply it to its own entity."""
+    hints = getattr(problem, "hints", ())
+    if len(hints) <= k:
+        raise ValueError(f"foreign_step: problem: expected one hint per step (an AliasProblem), got {problem!r}")
+    return hints[k], True
+
+
+__all__ = ["ALIASES", "AliasKBTask", "AliasProblem", "alias_table", "all_chains", "chain_split", "foreign_step"]

@@ -5,7 +5,8 @@ history) but shows, instead of the source's own step, that step's relation appli
 THIS row's facts (`task`, the knowledge base the rollout's tool answers from), with its observation: the retrieved
 step takes the hop for the trajectory and the policy continues from there. It never retrieves the last hop of a
 question's chain or anything after it (the retrieved observation would be the answer, or the chain is complete):
-a deviation from the paper, stated in docs/table1_fair_design.md. `advanced_step` is the rewrite alone.
+a deviation from the paper, stated in experiments/table1/design.md. `advanced_step` is the rewrite alone,
+`advance_step` the warm-up's retrieve style that matches it.
 What this is not: a retrieval backend (the search, the keys and the payload ids are StepTraces'), or usable with
 mode "splice" (the segment shown is not the stored one whose K/V the splice would copy).
 """
@@ -17,7 +18,6 @@ from collections.abc import Sequence
 
 import torch
 
-from rapo_fast._tokens import encode_plain
 from rapo_fast.retrieval.step_traces import RETRIEVE_CLOSE, RETRIEVE_OPEN, StepTraces
 
 _CALL = re.compile(r"search\s+(\S+)\s+(\S+)")
@@ -82,8 +82,15 @@ class AdvancingTraces(StepTraces):
                 pids[i] = -1
                 out.append(None)
             else:
-                out.append(encode_plain(self.tokenizer, f"{RETRIEVE_OPEN} {step} {RETRIEVE_CLOSE}"))
+                # mid-sequence: the demo's word tokenizer adds no BOS to a plain encode
+                out.append(list(self.tokenizer.encode(f"{RETRIEVE_OPEN} {step} {RETRIEVE_CLOSE}")))
         return out, pids, scores
 
 
-__all__ = ["AdvancingTraces", "advanced_step", "chain_length"]
+def advance_step(problem, k: int, solution: Sequence[str]) -> tuple[str, bool] | None:
+    """The warm-up's retrieve style of kb_alias_step (rapo_fast.train.sft.RetrieveStyle): as replace_step (the
+    block stands for the step), but never the last step before the answer, which AdvancingTraces never supplies."""
+    return None if k >= len(solution) - 2 else (solution[k], False)
+
+
+__all__ = ["AdvancingTraces", "advance_step", "advanced_step", "chain_length"]

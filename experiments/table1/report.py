@@ -3,8 +3,8 @@ differences against GRPO and the matched control, the continuous endpoint beside
 efficiency, diagnostics), table1.png (mean held-out curve +- band
 per method, one panel per family) and table1_checks.json (the go/no-go checks with the figures behind them).
 
-What this is: formatting of rows that rapo_fast/demo/table1.py produced, with the statistics of
-rapo_fast/demo/table1_stats.py. What this is not: the runs, or any claim about them.
+What this is: formatting of rows that experiments/table1/run.py produced, with the statistics of
+experiments/table1/stats.py. What this is not: the runs, or any claim about them.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import csv
 import math
 from pathlib import Path
 
-from rapo_fast.demo.table1_stats import detectable_effect, fmt, mean_ci, n_for_power, paired_diff, paired_sd
+from experiments.table1.stats import detectable_effect, fmt, mean_ci, n_for_power, paired_diff, paired_sd
 
 COLORS = {
     "GRPO": "tab:blue",
@@ -29,7 +29,7 @@ COLORS = {
 # retrieved observation; unobserved_success_final: final greedy evaluation, right answers no observation of the
 # row showed; eval_with_retrieval_train_final: the final policy, greedy, on the training questions with retrieval
 # from RAPO's source (NaN where the family's completions cannot be read hop by hop); heldout_logp_start / _final:
-# the continuous endpoint (rapo_fast/demo/table1_endpoint.py) at the warm-up and after the last step.
+# the continuous endpoint (experiments/table1/endpoint.py) at the warm-up and after the last step.
 CSV_COLUMNS = (
     "task",
     "method",
@@ -103,7 +103,7 @@ POWER, ALPHA = 0.8, 0.05
 def power_table(rows: list[dict], tasks: list[str], methods: list[str], base: str = "GRPO") -> list[str]:
     """Per task, endpoint and method: the paired per-seed difference against `base` (mean +- 95% t interval, n seeds),
     its per-seed SD, the seeds a two-sided paired test at ALPHA needs for POWER at the endpoint's stated effect, and
-    the smallest effect this run's n detects with that power (both by the normal approximation of table1_stats)."""
+    the smallest effect this run's n detects with that power (both by the normal approximation of stats.py)."""
     lines = [
         f"| task | endpoint | method - {base} | difference (n) | SD of difference | effect | n for {POWER:.0%} power "
         f"| detectable at this n |",
@@ -240,7 +240,7 @@ def _endpoint_lines(rows: list[dict], tasks: list[str], methods: list[str]) -> l
         "## Held-out log-probability of the correct hops (teacher-forced, distinct questions; mean ± 95% CI)",
         "",
         "Per distinct held-out question, the summed log-probability of the policy's tokens of the correct searches and "
-        "the answer, observations given (rapo_fast/demo/table1_endpoint.py); nats, higher is better. At the warm-up:",
+        "the answer, observations given (experiments/table1/endpoint.py); nats, higher is better. At the warm-up:",
         "",
         *main_table(rows, tasks, methods, key="heldout_logp_start"),
         "",

@@ -3,11 +3,11 @@ baseline method on the same seeds, the power of a paired comparison (seeds neede
 effect a number of seeds detects), and training efficiency (steps and generated tokens to reach a level).
 
 What this is: small pure functions on plain Python numbers, so that the report's arithmetic can be checked by hand
-(tests/demo/test_table1.py and test_table1_power.py do). The interval is Student's t: mean +- t_{0.975, n-1} * sd /
+(experiments/table1/tests/test_run.py and test_power.py do). The interval is Student's t: mean +- t_{0.975, n-1} * sd /
 sqrt(n), with the sample (n - 1) standard deviation; one seed has no interval (NaN). The power figures use the normal
 approximation of a two-sided paired test at level alpha: n = ((z_{1-alpha/2} + z_{power}) * sd / effect)^2, rounded
 up, with sd the per-seed SD of the paired difference (a t test needs a few seeds more at small n). What this is not:
-the runs (rapo_fast/demo/table1.py) or the files they write.
+the runs (experiments/table1/run.py) or the files they write.
 """
 
 from __future__ import annotations

@@ -2,11 +2,11 @@
 
 What this is: the warm-up figures of the advancing retrieval form (`advance_probe`: teacher-forced P(the policy's
 next hop is right) after a retrieved advancing step vs after its own; `source_quality`: how often a retrieved step
-carries the right next relation after a right and after a wrong prefix, table1_diagnostics.source_quality, at
+carries the right next relation after a right and after a wrong prefix, diagnostics.source_quality, at
 the warm-up; `step_warmup_figures`: both plus sampled
 on-policy and hybrid rollouts at the warm-up) and `step_checks` (no_training_recall per run, source quality,
-no_answer_leak per seed). docs/table1_fair_design.md (section "kb_alias_step") says why each exists.
-What this is not: the family (table1_families.py StepFamily) or kb_alias's checks (table1_diagnostics.go_no_go).
+no_answer_leak per seed). experiments/table1/design.md (section "kb_alias_step") says why each exists.
+What this is not: the family (families.py StepFamily) or kb_alias's checks (diagnostics.go_no_go).
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from rapo_fast._tokens import encode_plain
-from rapo_fast.demo import table1_diagnostics as D
+from experiments.table1 import diagnostics as D
 
 SOURCE_RIGHT_MIN = 0.5  # a retrieved step after a right prefix carries the right next relation at least this often
 LEAK_MAX = D.LEAK_MAX  # per seed, not only pooled
@@ -28,7 +27,7 @@ def _step_prob(model, tok, context: str, step: str) -> float:
     """P(the policy writes `step`'s own part, `<think> ... </tool>`, after `context`), teacher-forced."""
     gen = step.split("<obs>")[0].split()
     ctx = tok.encode(" ".join(context.split()))
-    tgt = encode_plain(tok, " ".join(gen))
+    tgt = list(tok.encode(" ".join(gen)))  # the demo's word tokenizer: no BOS on a plain encode
     ids = torch.tensor([ctx + tgt])
     logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
     pos = torch.arange(len(ctx) - 1, len(ctx) - 1 + len(tgt))

@@ -1,4 +1,4 @@
-"""Common random numbers across table1's methods (rapo_fast/demo/table1_crn.py): the per-step sampler seeds, the
+"""Common random numbers across table1's methods (experiments/table1/crn.py): the per-step sampler seeds, the
 callback that applies them, and, through run_one in miniature, that the methods of a seed ask the same questions at
 every step from the same sampler state and start from the same continuous endpoint."""
 
@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rapo_fast.demo import table1
-from rapo_fast.demo.table1_crn import StepSeeds, step_seed
-from rapo_fast.demo.table1_families import AliasFamily
+from experiments.table1 import jobs, setting
+from experiments.table1.crn import StepSeeds, step_seed
+from experiments.table1.families import AliasFamily
 from rapo_fast.train.trainer import RAPOTrainer
 
 
@@ -47,7 +47,7 @@ def test_the_callback_reseeds_before_every_step():
 def test_methods_of_a_seed_share_questions_and_sampler_states(tmp_path, monkeypatch):
     monkeypatch.setenv("RAPO_FAST_DISABLE_TRITON", "1")
     s = dict(
-        table1.FAIR_QUICK,
+        setting.QUICK,
         seeds=1,
         sft_steps=4,
         rl_steps=3,
@@ -57,7 +57,6 @@ def test_methods_of_a_seed_share_questions_and_sampler_states(tmp_path, monkeypa
         solver_traces=4,
         families=["kb_alias"],
         methods=["GRPO", "RAPO", "GRPO_ONPOLICY_MATCHED"],
-        setting="fair",
         encoder="hashed",
     )
     seen: list[tuple[list[int], torch.Tensor]] = []
@@ -71,11 +70,11 @@ def test_methods_of_a_seed_share_questions_and_sampler_states(tmp_path, monkeypa
 
     monkeypatch.setattr(RAPOTrainer, "sample_problems", recording)
     monkeypatch.setattr(AliasFamily, "step_seeds", True, raising=False)  # kb_alias's recorded runs predate it
-    paths = table1.prepare("kb_alias", 0, s, tmp_path)
+    paths = jobs.prepare("kb_alias", 0, s, tmp_path)
     rows, per_method = [], []
     for m in s["methods"]:
         seen.clear()
-        rows.append(table1.run_one("kb_alias", m, 0, s, paths, "hashed"))
+        rows.append(jobs.run_one("kb_alias", m, 0, s, paths, "hashed"))
         per_method.append(list(seen))
     grpo = per_method[0]
     assert len(grpo) == 3 and len({tuple(q) for q, _ in grpo}) > 1  # three steps, not one question set replayed

@@ -1,4 +1,4 @@
-"""Tests of rapo_fast/demo/table1_diagnostics.py: completions read against hand-written cases, the leak and
+"""Tests of experiments/table1/diagnostics.py: completions read against hand-written cases, the leak and
 shortcut fractions, the kept-trace statistics and the go/no-go logic on constructed figures."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from rapo_fast.demo import table1_diagnostics as D
+from experiments.table1 import diagnostics as D
 from rapo_fast.demo.tasks import KnowledgeBaseTask, kb_solver_trajectories
 
 

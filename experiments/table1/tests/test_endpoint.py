@@ -1,4 +1,4 @@
-"""table1's continuous endpoint (rapo_fast/demo/table1_endpoint.py) against a hand computation on a tiny policy: the
+"""table1's continuous endpoint (experiments/table1/endpoint.py) against a hand computation on a tiny policy: the
 log-probability of the correct hops read token by token from one unbatched forward, duplicates counted once, the
 same number whatever the batch, no weights or mode changed."""
 
@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from rapo_fast.demo.table1_endpoint import correct_tokens, distinct_questions, heldout_logp, question_logprobs
-from rapo_fast.demo.table1_families import RL_CHAINS
-from rapo_fast.demo.tasks.kb_alias import AliasKBTask
+from experiments.table1.endpoint import correct_tokens, distinct_questions, heldout_logp, question_logprobs
+from experiments.table1.families import RL_CHAINS
+from experiments.table1.kb_alias import AliasKBTask
 from rapo_fast.demo.tiny_policy import build_tiny_policy
 
 

@@ -1,9 +1,9 @@
 """table1's fair setting: the aliased knowledge base, its warm-up style, the hint probe on a scripted
-policy, the rollout reader, the run end to end in quick form (every file written) and the legacy flag.
+policy, the rollout reader, the run end to end in quick form (every file written) and the command line.
 
 The setting's claims checked here are structural (what is held out from what, which knowledge base each source
 comes from, what the probe and the reader count on constructed cases); what the setting measures is the full run's
-business (docs/table1_fair_design.md)."""
+business (experiments/table1/design.md)."""
 
 from __future__ import annotations
 
@@ -16,12 +16,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rapo_fast.demo import table1
-from rapo_fast.demo import table1_diagnostics as D
-from rapo_fast.demo.table1_families import RL_CHAINS, AliasFamily, get_family
-from rapo_fast.demo.table1_report import CSV_COLUMNS
+from experiments.table1 import diagnostics as D
+from experiments.table1 import run as table1
+from experiments.table1 import setting
+from experiments.table1.families import RL_CHAINS, AliasFamily, get_family
+from experiments.table1.kb_alias import ALIASES, AliasKBTask, alias_table, all_chains, foreign_step
+from experiments.table1.report import CSV_COLUMNS
 from rapo_fast.demo.tasks.kb import RELATIONS
-from rapo_fast.demo.tasks.kb_alias import ALIASES, AliasKBTask, alias_table, all_chains
 
 
 def test_alias_table_is_a_bijection_and_hides_the_chain():
@@ -66,19 +67,19 @@ def test_foreign_warm_up_examples():
     task = AliasKBTask(chains=RL_CHAINS)
     tok = task.tokenizer()
     probs = task.make_problems(6, seed=0)
-    ex = sft_examples(task, tok, probs, retrieve_frac=1.0, rng=random.Random(0), style="foreign")
+    ex = sft_examples(task, tok, probs, retrieve_frac=1.0, rng=random.Random(0), style=foreign_step)
     for p, (ids, kinds) in zip(probs, ex):
         text = tok.decode(ids)
         for k in range(1, len(p.relations)):  # every later hop: the foreign step retrieved, then the own step
             assert f"<retrieve> {p.hints[k]} </retrieve> {task.solution(p)[k]}" in " ".join(text.split())
         assert KIND_RET in kinds and KIND_GEN in kinds
     plain = KnowledgeBaseTask(min_hops=3, max_hops=3)
-    with pytest.raises(ValueError, match="style 'foreign' needs problems with one hint per step"):
-        sft_examples(plain, plain.tokenizer(), plain.make_problems(2, seed=0), 1.0, random.Random(0), style="foreign")
+    with pytest.raises(ValueError, match="foreign_step: problem: expected one hint per step"):
+        sft_examples(plain, plain.tokenizer(), plain.make_problems(2, seed=0), 1.0, random.Random(0), foreign_step)
 
 
 def test_alias_family_holds_out_what_it_says():
-    fam, s = AliasFamily(), dict(table1.FAIR_QUICK, n_train=64, n_eval=64, solver_traces=4)
+    fam, s = AliasFamily(), dict(setting.QUICK, n_train=64, n_eval=64, solver_traces=4)
     d = fam.data(0, s)
     assert not {p.start for p in d["train"]} & {p.start for p in d["evals"]}  # disjoint start entities
     rl_aliases = {d["task"].alias_of[c] for c in RL_CHAINS}
@@ -96,7 +97,9 @@ def test_alias_family_holds_out_what_it_says():
     assert {r["query_id"] for r in off} == {p.qid for p in d["train"]}
     assert 0.0 < sum(r["reward"] for r in off) / len(off) < 0.6
     assert 0.0 < fam.chance(d) < 0.1
-    assert get_family("kb_alias").name == "kb_alias" and get_family("kb").name == "kb"
+    assert get_family("kb_alias").name == "kb_alias"
+    with pytest.raises(ValueError, match="get_family: name: expected one of"):
+        get_family("kb")  # the families before kb_alias live in git history (README.md beside the experiment)
 
 
 class _ScriptedPolicy(torch.nn.Module):
@@ -165,12 +168,12 @@ def test_rollout_reader_counts_leaks_by_hand():
 
 
 def test_quick_fair_run_writes_every_file(tmp_path, monkeypatch):
-    """`--setting fair` (the default) end to end in miniature: the CSV with the diagnostic columns, the markdown with
+    """kb_alias end to end in miniature: the CSV with the diagnostic columns, the markdown with
     the matched control and the checks, table1_checks.json with the four checks and the per-seed warm-up figures."""
     monkeypatch.setenv("RAPO_FAST_DISABLE_TRITON", "1")
     methods = ["GRPO", "GRPO_ONPOLICY_MATCHED", "RAPO", "OFFPOLICY_TRAJ", "RAPO_SFT_NO_RETRIEVE"]
     s = dict(
-        table1.FAIR_QUICK,
+        setting.QUICK,
         seeds=1,
         sft_steps=4,
         rl_steps=1,
@@ -180,7 +183,6 @@ def test_quick_fair_run_writes_every_file(tmp_path, monkeypatch):
         solver_traces=4,
         families=["kb_alias"],
         methods=methods,
-        setting="fair",
         encoder="hashed",
     )
     rows = table1.run(s, tmp_path, progress=False, workers=0)
@@ -195,7 +197,7 @@ def test_quick_fair_run_writes_every_file(tmp_path, monkeypatch):
     assert set(checks["checks"]) == {
         f"{c}/kb_alias" for c in ("no_shortcut", "imperfect_source", "uses_retrieved_step", "no_answer_leak")
     }
-    assert checks["setting"] == "fair" and "kb_alias/0" in checks["warmup"]
+    assert "kb_alias/0" in checks["warmup"]
     cond = checks["figures"]["conditioning_probe"]["kb_alias"]  # the hint probe's two probabilities, common name
     assert {"p_next_given_retrieved", "p_next_without_retrieved"} <= set(cond)
     assert cond["p_next_given_retrieved"] == checks["figures"]["hint_probe"]["kb_alias"]["p_next_given_hint"]
@@ -207,12 +209,11 @@ def test_quick_fair_run_writes_every_file(tmp_path, monkeypatch):
 
 
 def test_setting_flag():
-    p = table1._parser()
-    fair = table1.setting_from(p.parse_args([]))
-    assert fair["setting"] == "fair" and fair["families"] == ["kb_alias_step"]
-    assert fair["methods"] == list(table1.ALL_METHODS)
-    legacy = table1.setting_from(p.parse_args(["--setting", "legacy"]))
-    assert legacy["families"] == ["arith", "kb"] and legacy["methods"] == list(table1.METHODS)
-    assert legacy["n_eval"] == table1.FULL["n_eval"] and fair["n_eval"] == table1.FAIR_FULL["n_eval"]
+    p = setting.parser()
+    fair = setting.setting_from(p.parse_args([]))
+    assert fair["families"] == ["kb_alias_step"] and fair["n_eval"] == setting.FULL["n_eval"]
+    assert fair["methods"] == list(setting.ALL_METHODS)
     with pytest.raises(SystemExit, match="unknown families"):
-        table1.setting_from(p.parse_args(["--families", "arith"]))  # arith is a legacy family
+        setting.setting_from(
+            p.parse_args(["--families", "arith"])
+        )  # a family before kb_alias: git history

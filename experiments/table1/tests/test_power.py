@@ -1,5 +1,5 @@
-"""table1's power figures (rapo_fast/demo/table1_stats.py) and the report's endpoint and power tables
-(rapo_fast/demo/table1_report.py) against hand computations."""
+"""table1's power figures (experiments/table1/stats.py) and the report's endpoint and power tables
+(experiments/table1/report.py) against hand computations."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from rapo_fast.demo.table1_report import CSV_COLUMNS, ENDPOINTS, main_table, paired_table, power_table
-from rapo_fast.demo.table1_stats import detectable_effect, fmt, n_for_power, paired_sd
+from experiments.table1.report import CSV_COLUMNS, ENDPOINTS, main_table, paired_table, power_table
+from experiments.table1.stats import detectable_effect, fmt, n_for_power, paired_sd
 
 Z975, Z80 = 1.959964, 0.841621  # standard normal quantiles (tables)
 

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rapo_fast.demo.table1_report import efficiency_table, main_table, paired_table
+from experiments.table1.report import efficiency_table, main_table, paired_table
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = ROOT / "bench" / "results" / "table1_legacy"  # the legacy setting's full run (--setting legacy)
@@ -62,7 +62,7 @@ def test_readme_quotes_the_recorded_fair_run():
     """The fair run: 5 seeds of every method on kb_alias, table1_checks.json with the four go/no-go checks, and the
     README's section holds its tables verbatim (final success, the paired difference, the checks; the rest is in the
     recorded table1.md it names)."""
-    from rapo_fast.demo.table1 import ALL_METHODS
+    from experiments.table1.run import ALL_METHODS
 
     with open(FAIR / "table1.csv") as f:
         rows = list(csv.DictReader(f))

@@ -1,4 +1,4 @@
-"""`rapo-fast table1`: the confidence-interval arithmetic against hand computations, and a tiny configuration end to
+"""The Table-1 runner: the confidence-interval arithmetic against hand computations, and a tiny configuration end to
 end (every method from one SFT warm-up per seed, the same seeds, the CSV's columns, the markdown's numbers equal to
 the CSV's). The Triton kernels are off here (their own tests cover them); the run is about the runner."""
 
@@ -10,10 +10,11 @@ import math
 import pytest
 import torch
 
-from rapo_fast.demo import table1
-from rapo_fast.demo.table1_families import LegacyFamily, held_out
-from rapo_fast.demo.table1_report import CSV_COLUMNS
-from rapo_fast.demo.table1_stats import first_reach, fmt, mean_ci, paired_diff, t975
+from experiments.table1 import run as table1
+from experiments.table1 import setting
+from experiments.table1.families import AliasFamily
+from experiments.table1.report import CSV_COLUMNS
+from experiments.table1.stats import first_reach, fmt, mean_ci, paired_diff, t975
 
 
 def test_interval_arithmetic_by_hand():
@@ -34,13 +35,13 @@ def test_tiny_table1_end_to_end(tmp_path, monkeypatch):
     monkeypatch.setenv("RAPO_FAST_DISABLE_TRITON", "1")
     n = torch.get_num_threads()
     warmups = []
-    real_warm_up = LegacyFamily.warm_up
+    real_warm_up = AliasFamily.warm_up
 
-    def counting_warm_up(self, data, s, seed, retrieve_frac=0.3):
+    def counting_warm_up(self, data, s, seed, retrieve_frac=None):
         warmups.append(seed)
         return real_warm_up(self, data, s, seed, retrieve_frac)
 
-    monkeypatch.setattr(LegacyFamily, "warm_up", counting_warm_up)
+    monkeypatch.setattr(AliasFamily, "warm_up", counting_warm_up)
     seen = []
     real_run_one = table1.run_one
 
@@ -50,22 +51,23 @@ def test_tiny_table1_end_to_end(tmp_path, monkeypatch):
 
     monkeypatch.setattr(table1, "run_one", recording_run_one)
     s = dict(
-        table1.QUICK,
+        setting.QUICK,
         seeds=2,
-        sft_steps=20,
+        sft_steps=4,
         rl_steps=2,
         eval_every=1,
         n_eval=6,
         n_train=4,
-        families=["arith"],
-        methods=list(table1.METHODS),
+        solver_traces=4,
+        families=["kb_alias"],
+        methods=list(setting.METHODS),
     )
     rows = table1.run(s, tmp_path, progress=False, workers=0)  # in this process, so that the patches hold
     assert torch.get_num_threads() == n  # restored after the run's 1-thread jobs
     assert warmups == [0, 1]  # one SFT warm-up per (family, seed), shared by the 4 methods
     for seed in (0, 1):
-        assert {w for f, m, sd, w in seen if sd == seed} == {tmp_path / f"warm_arith_{seed}.pt"}
-        assert sorted(m for _, m, sd, _ in seen if sd == seed) == sorted(table1.METHODS)
+        assert {w for f, m, sd, w in seen if sd == seed} == {tmp_path / f"warm_kb_alias_{seed}.pt"}
+        assert sorted(m for _, m, sd, _ in seen if sd == seed) == sorted(setting.METHODS)
         starts = {r["eval_start"] for r in rows if r["seed"] == seed}
         assert len(starts) == 1  # the same weights, the same greedy evaluation: the same start for every method
     with open(tmp_path / "table1.csv") as f:
@@ -75,32 +77,10 @@ def test_tiny_table1_end_to_end(tmp_path, monkeypatch):
     assert all(r["encoder"] in ("hashed", "minilm") for r in got)
     assert all(int(r["tokens_generated"]) > 0 for r in got)
     md = (tmp_path / "table1.md").read_text()
-    for method in table1.METHODS:  # the table's cells are the CSV's numbers through mean_ci
+    for method in setting.METHODS:  # the table's cells are the CSV's numbers through mean_ci
         finals = [float(r["eval_final"]) for r in got if r["method"] == method]
         assert f"| {method} | {fmt(*mean_ci(finals))} |" in md
     assert (tmp_path / "table1.png").stat().st_size > 0
-
-
-def test_kb_family_runs_from_its_two_hop_warm_up(tmp_path, monkeypatch):
-    """The knowledge-base family: SFT on 2-hop questions, RL on 3-hop ones, over one vocabulary."""
-    monkeypatch.setenv("RAPO_FAST_DISABLE_TRITON", "1")
-    rl, sft = LegacyFamily("kb")._tasks()
-    assert rl.words() == sft.words()
-    assert all(p.prompt.split()[1] == "ask" and len(p.prompt.split()) == 6 for p in rl.make_problems(8, seed=0))
-    assert all(len(p.prompt.split()) == 5 for p in sft.make_problems(8, seed=0))  # <bos> ask r2 r1 e
-    s = dict(
-        table1.QUICK,
-        seeds=1,
-        sft_steps=10,
-        rl_steps=1,
-        eval_every=1,
-        n_eval=4,
-        n_train=4,
-        families=["kb"],
-        methods=["GRPO", "OFFPOLICY_TRAJ"],
-    )
-    rows = table1.run(s, tmp_path, progress=False, workers=0)
-    assert [(r["task"], r["method"]) for r in rows] == [("kb", "GRPO"), ("kb", "OFFPOLICY_TRAJ")]
 
 
 def test_results_do_not_depend_on_the_number_of_workers(tmp_path, monkeypatch):
@@ -108,15 +88,17 @@ def test_results_do_not_depend_on_the_number_of_workers(tmp_path, monkeypatch):
     the CSV is the same apart from wall times, rows in (family, seed, method) order."""
     monkeypatch.setenv("RAPO_FAST_DISABLE_TRITON", "1")  # inherited by the spawned workers
     s = dict(
-        table1.QUICK,
+        setting.QUICK,
         seeds=2,
-        sft_steps=10,
+        sft_steps=4,
         rl_steps=2,
         eval_every=1,
         n_eval=6,
         n_train=4,
-        families=["arith", "kb"],
-        methods=list(table1.METHODS),
+        prompts_per_step=2,
+        solver_traces=4,
+        families=["kb_alias", "kb_alias_step"],
+        methods=["GRPO", "RAPO"],
     )
     got, returned = {}, {}
 
@@ -130,12 +112,12 @@ def test_results_do_not_depend_on_the_number_of_workers(tmp_path, monkeypatch):
         ]
         with open(tmp_path / f"w{w}" / "table1.csv") as f:
             got[w] = [{k: v for k, v in r.items() if k != "wall_s"} for r in csv.DictReader(f)]
-    assert len(got[0]) == 16 and got[0] == got[2]
+    assert len(got[0]) == 8 and got[0] == got[2]
     assert returned[0] == returned[2]  # exactly: every curve point and token count, not only the CSV's 6 digits
     assert [(r["task"], r["seed"], r["method"]) for r in got[0]] == [
-        (f, str(sd), m) for f in ("arith", "kb") for sd in (0, 1) for m in table1.METHODS
+        (f, str(sd), m) for f in s["families"] for sd in (0, 1) for m in s["methods"]
     ]
-    for f in ("arith", "kb"):
+    for f in s["families"]:
         for sd in (0, 1):  # the shared inputs every method of a (family, seed) started from
             assert (tmp_path / "w2" / f"warm_{f}_{sd}.pt").stat().st_size > 0
             assert (tmp_path / "w2" / f"traces_{f}_{sd}.jsonl").read_text() == (
@@ -146,58 +128,38 @@ def test_results_do_not_depend_on_the_number_of_workers(tmp_path, monkeypatch):
 def test_a_failed_job_names_itself_and_ends_the_workers(tmp_path, monkeypatch):
     monkeypatch.setenv("RAPO_FAST_DISABLE_TRITON", "1")
     s = dict(
-        table1.QUICK,
+        setting.QUICK,
         seeds=1,
         sft_steps=2,
         rl_steps=1,
         eval_every=1,
         n_eval=4,
         n_train=4,
-        group_size=0,
-        families=["arith"],
+        solver_traces=4,
+        mini_batch_groups=0,
+        families=["kb_alias"],
         methods=["GRPO", "RAPO"],
     )
     for w in (0, 2):
-        with pytest.raises(RuntimeError, match=r"the run job of arith/(GRPO|RAPO)/seed 0 failed: .*group_size"):
+        with pytest.raises(RuntimeError, match=r"the run job of kb_alias/(GRPO|RAPO)/seed 0 failed: .*mini_batch"):
             table1.run(s, tmp_path / f"w{w}", progress=False, workers=w)
 
 
 def test_bad_workers_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="workers must be >= 0, got -1"):
-        table1.run(dict(table1.QUICK, families=["arith"], methods=["GRPO"]), tmp_path, progress=False, workers=-1)
+    with pytest.raises(ValueError, match="workers: expected >= 0, got -1"):
+        table1.run(dict(setting.QUICK, families=["kb_alias"], methods=["GRPO"]), tmp_path, progress=False, workers=-1)
     for key, bad in (("seeds", 0), ("methods", []), ("families", [])):
-        s = dict(table1.QUICK, families=["arith"], methods=["GRPO"])
-        with pytest.raises(ValueError, match=f"setting '{key}' must"):
+        s = dict(setting.QUICK, families=["kb_alias"], methods=["GRPO"])
+        with pytest.raises(ValueError, match=f"setting '{key}': expected"):
             table1.run(dict(s, **{key: bad}), tmp_path, progress=False, workers=0)
-    with pytest.raises(SystemExit, match="--workers must be >= 0"):
+    with pytest.raises(SystemExit, match="--workers: expected >= 0"):
         table1.main(["--workers", "-2", "--out", str(tmp_path)])
-
-
-@pytest.mark.parametrize("family", ["arith", "kb"])
-def test_evaluation_questions_are_held_out_from_training(family):
-    """No evaluation question is a training question (the knowledge base has only 384 distinct 3-hop questions, so
-    random draws would repeat training ones); the set has the size asked for and distinct qids."""
-    task = LegacyFamily(family)._tasks()[0]
-    train = task.make_problems(64, seed=3)
-    evals = held_out(task, train, 625, seed=4)
-    assert len(evals) == 625 and len({p.qid for p in evals}) == 625
-    assert not {p.prompt for p in evals} & {p.prompt for p in train}
-    assert held_out(task, train, 625, seed=4) == evals  # deterministic
-    if family == "kb":  # without the filter about a quarter would be training questions
-        raw = task.make_problems(625, seed=4)
-        assert sum(p.prompt in {q.prompt for q in train} for p in raw) > 60
-
-
-def test_held_out_says_when_training_covers_every_question():
-    task = LegacyFamily("kb")._tasks()[0]
-    with pytest.raises(ValueError, match="held_out: fewer than 10 problems"):
-        held_out(task, task.make_problems(5000, seed=0), 10, seed=4)
 
 
 def test_efficiency_table_by_hand():
     """Seeds starting at or above GRPO's final mean are left out (they 'reach' it at step 0 with every method); the
     ratios to GRPO are paired over the seeds both reached."""
-    from rapo_fast.demo.table1_report import efficiency_table
+    from experiments.table1.report import efficiency_table
 
     def row(method, seed, start, final, steps, tokens):
         return {
@@ -223,13 +185,13 @@ def test_efficiency_table_by_hand():
 def test_controls_and_ablations_configs():
     """The controls: GRPO with RAPO's on-policy row count, RAPO without the retrieval reward, RAPO without
     importance shaping; every other option equal to the method they control."""
-    s = dict(table1.QUICK, group_size=8)
-    rapo, grpo = table1._config("RAPO", s, 0), table1._config("GRPO", s, 0)
-    matched = table1._config("GRPO_ONPOLICY_MATCHED", s, 0)
+    s = dict(setting.QUICK, group_size=8)
+    rapo, grpo = setting.config("RAPO", s, 0), setting.config("GRPO", s, 0)
+    matched = setting.config("GRPO_ONPOLICY_MATCHED", s, 0)
     assert matched.rollout.group_size == rapo.rollout.group_size - rapo.rollout.hybrid.n_hybrid == 4
     assert matched.rollout.hybrid.n_hybrid == 0
     assert _without(matched, "rollout.group_size") == _without(grpo, "rollout.group_size")
-    no_ret, no_shape = table1._config("RAPO_NO_RET_REWARD", s, 0), table1._config("RAPO_NO_SHAPING", s, 0)
+    no_ret, no_shape = setting.config("RAPO_NO_RET_REWARD", s, 0), setting.config("RAPO_NO_SHAPING", s, 0)
     assert no_ret.advantages.ret_coef == 0.0 and rapo.advantages.ret_coef > 0 and no_shape.loss.shaping_m == 0.0
     assert rapo.loss.shaping_m > 0
     for cfg, field in ((no_ret, "advantages.ret_coef"), (no_shape, "loss")):
@@ -249,18 +211,19 @@ def _without(cfg, field: str) -> dict:
 def test_extra_methods_run(tmp_path, monkeypatch):
     monkeypatch.setenv("RAPO_FAST_DISABLE_TRITON", "1")
     s = dict(
-        table1.QUICK,
+        setting.QUICK,
         seeds=1,
-        sft_steps=10,
+        sft_steps=4,
         rl_steps=1,
         eval_every=1,
         n_eval=4,
         n_train=4,
-        families=["kb"],
-        methods=list(table1.EXTRA_METHODS),
+        solver_traces=4,
+        families=["kb_alias"],
+        methods=list(setting.EXTRA_METHODS),
     )
     rows = table1.run(s, tmp_path, progress=False, workers=0)
-    assert [r["method"] for r in rows] == list(table1.EXTRA_METHODS)
+    assert [r["method"] for r in rows] == list(setting.EXTRA_METHODS)
     assert len({r["eval_start"] for r in rows}) == 1  # one warm-up for every method
     with pytest.raises(SystemExit, match="unknown methods"):
-        table1.setting_from(table1._parser().parse_args(["--methods", "RAPO,NOPE"]))
+        setting.setting_from(setting.parser().parse_args(["--methods", "RAPO,NOPE"]))

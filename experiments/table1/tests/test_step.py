@@ -1,7 +1,7 @@
 """table1's family kb_alias_step: facts drawn per RL step, the advancing retrieval form (never the last hop), the
 "advance" warm-up blocks, the recall reader, its checks and the run end to end in miniature (table withheld when a
 check fails). Structural claims on constructed cases; what the family measures is a run's business
-(docs/table1_fair_design.md)."""
+(experiments/table1/design.md)."""
 
 from __future__ import annotations
 
@@ -13,13 +13,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rapo_fast.demo import table1
-from rapo_fast.demo import table1_diagnostics as D
-from rapo_fast.demo.table1_diagnostics import source_quality
-from rapo_fast.demo.table1_families import RL_CHAINS, StepFamily, get_family
-from rapo_fast.demo.table1_step_checks import advance_probe, step_checks
-from rapo_fast.demo.tasks.kb_alias import AliasKBTask
-from rapo_fast.demo.tasks.kb_step import advanced_step, chain_length
+from experiments.table1 import diagnostics as D
+from experiments.table1 import run as table1
+from experiments.table1 import setting
+from experiments.table1.diagnostics import source_quality
+from experiments.table1.families import RL_CHAINS, StepFamily, get_family
+from experiments.table1.kb_alias import AliasKBTask
+from experiments.table1.kb_step import advance_step, advanced_step, chain_length
+from experiments.table1.step_checks import advance_probe, step_checks
 from rapo_fast.rollouts.batch import KIND_GEN, KIND_RET
 from rapo_fast.train.sft import sft_examples
 
@@ -43,9 +44,10 @@ def test_trainer_switches_env_and_buffer_per_step():
     fam = StepFamily()
     d = fam.data(0, S)
     buf = SimpleNamespace(task=None)
-    tr = SimpleNamespace(step_count=2, buffer=buf, env=None, step_problems=d["step"])
-    probs = type(fam.trainer(d, _tiny(d), None, _grpo(), None)).sample_problems(tr)
-    assert tr.env is d["step"](2)[0] and buf.task is tr.env and probs == d["step"](2)[1]
+    trainer = fam.trainer(d, _tiny(d), buf, _grpo(), None)
+    trainer.step_count = 2
+    probs = trainer.sample_problems()  # the library's task_sampler, given by the family
+    assert trainer.env is d["step"](2)[0] and buf.task is trainer.env and probs == d["step"](2)[1]
 
 
 def _tiny(d):
@@ -80,7 +82,7 @@ def test_advance_warm_up_blocks_stand_for_a_middle_hop_only():
     task = AliasKBTask(chains=RL_CHAINS)
     tok = task.tokenizer()
     probs = task.make_problems(20, seed=1)
-    for ids, kinds in sft_examples(task, tok, probs, 1.0, random.Random(0), style="advance"):
+    for ids, kinds in sft_examples(task, tok, probs, 1.0, random.Random(0), advance_step):
         text = tok.decode(ids)
         assert text.count("<retrieve>") == 1  # 3 hops: hop 2 only (not the first, not the last)
         gen = [t for t, k in zip(ids, kinds) if k == KIND_GEN]
@@ -165,7 +167,7 @@ def test_quick_step_run_withholds_the_table_when_a_check_fails(tmp_path, monkeyp
     monkeypatch.setenv("RAPO_FAST_DISABLE_TRITON", "1")
     methods = ["GRPO", "RAPO", "OFFPOLICY_TRAJ"]
     s = dict(
-        table1.FAIR_QUICK,
+        setting.QUICK,
         seeds=1,
         sft_steps=4,
         rl_steps=2,
@@ -177,7 +179,6 @@ def test_quick_step_run_withholds_the_table_when_a_check_fails(tmp_path, monkeyp
         solver_traces=4,
         families=["kb_alias_step"],
         methods=methods,
-        setting="fair",
         encoder="hashed",
     )
     rows = table1.run(s, tmp_path, progress=False, workers=0)
@@ -194,11 +195,11 @@ def test_quick_step_run_withholds_the_table_when_a_check_fails(tmp_path, monkeyp
 
 
 def test_step_family_is_selectable_but_not_the_default():
-    p = table1._parser()
-    assert table1.setting_from(p.parse_args([]))["families"] == ["kb_alias_step"]  # the tested setting, the default
-    assert table1.setting_from(p.parse_args(["--families", "kb_alias_step"]))["families"] == ["kb_alias_step"]
+    p = setting.parser()
+    assert setting.setting_from(p.parse_args([]))["families"] == ["kb_alias_step"]  # the tested setting, the default
+    assert setting.setting_from(p.parse_args(["--families", "kb_alias_step"]))["families"] == ["kb_alias_step"]
     with pytest.raises(SystemExit, match="unknown families"):
-        table1.setting_from(p.parse_args(["--setting", "legacy", "--families", "kb_alias_step"]))
+        setting.setting_from(p.parse_args(["--families", "kb_alias_step,kb"]))
     hint = get_family("kb_alias_step_hint")  # the named variant: kb_alias's hint form on the per-step facts
     assert hint.retrieve_style == "foreign" and type(hint.step_traces(*_traces_args())).__name__ == "StepTraces"
     assert type(StepFamily().step_traces(*_traces_args())).__name__ == "AdvancingTraces"
