@@ -214,6 +214,4 @@ def test_setting_flag():
     assert fair["families"] == ["kb_alias_step"] and fair["n_eval"] == setting.FULL["n_eval"]
     assert fair["methods"] == list(setting.ALL_METHODS)
     with pytest.raises(SystemExit, match="unknown families"):
-        setting.setting_from(
-            p.parse_args(["--families", "arith"])
-        )  # a family before kb_alias: git history
+        setting.setting_from(p.parse_args(["--families", "arith"]))  # a family before kb_alias: git history

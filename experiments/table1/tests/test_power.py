@@ -1,5 +1,5 @@
 """table1's power figures (experiments/table1/stats.py) and the report's endpoint and power tables
-(experiments/table1/report.py) against hand computations."""
+(experiments/table1/report.py) against hand computations; the plot's bands stay inside [0, 1]."""
 
 from __future__ import annotations
 
@@ -56,3 +56,25 @@ def test_endpoint_and_power_tables_by_hand():
     assert f"| {n_s} | {(Z975 + Z80) * sd_s / math.sqrt(3):.3f} |" in success
     assert logp.startswith(f"| t | log-probability (nats) | RAPO | {fmt(0.5, 4.303 * 0.5 / math.sqrt(3))} (n=3) |")
     assert f"| {n_l} | {(Z975 + Z80) * 0.5 / math.sqrt(3):.3f} |" in logp
+
+
+def test_table1_plot_has_a_y_label_and_bands_inside_0_1(monkeypatch, tmp_path):
+    from matplotlib.figure import Figure
+
+    from experiments.table1 import report
+
+    figs, real = [], Figure.savefig
+
+    def savefig(fig, *args, **kwargs):  # the figures saved while the test runs (the file is still written)
+        figs.append(fig)
+        return real(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    # two seeds far apart: a t interval over 2 seeds reaches far past 0 and 1
+    rows = [{"task": "kb_alias", "method": "GRPO", "_curve": [(0, v), (10, v)]} for v in (0.02, 0.98)]
+    report.plot(tmp_path / "t.png", rows, ["kb_alias"], ["GRPO"])
+    ax = figs[0].axes[0]
+    assert ax.get_ylabel()
+    (band,) = ax.collections
+    ys = [y for path in band.get_paths() for _, y in path.vertices]
+    assert min(ys) >= 0.0 and max(ys) <= 1.0, (min(ys), max(ys))
