@@ -22,7 +22,7 @@ from rapo_fast.rollouts.offpolicy import split_step
 # A retrieve style: (problem, k, solution) -> None when step k may not be shown retrieved, else (the text inside the
 # <retrieve> block, whether the policy's own copy of step k follows it). Asked before the retrieve_frac draw, so a
 # style that refuses a step leaves the draws of the others as they were.
-RetrieveStyle = Callable[[Any, int, Sequence[str]], "tuple[str, bool] | None"]
+RetrieveStyle = Callable[[Any, int, Sequence[str]], tuple[str, bool] | None]
 
 
 def replace_step(problem, k: int, solution: Sequence[str]) -> tuple[str, bool]:
