@@ -1,4 +1,4 @@
-"""Common random numbers across the methods of one `rapo-fast table1` seed: `StepSeeds`, the callback that starts the
+"""Common random numbers across the methods of one Table-1 seed: `StepSeeds`, the callback that starts the
 token sampler's stream from the same state at every step, and `step_seed`, that state's seed.
 
 What this is: with it, every method of a seed shares the warm-up weights (RAPO_SFT_NO_RETRIEVE excepted: its point

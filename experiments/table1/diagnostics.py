@@ -1,4 +1,4 @@
-"""What `rapo-fast table1`'s fair setting measures beside the score: where a success came from, and whether the
+"""What the Table-1 experiment measures beside the score: where a success came from, and whether the
 setting can test RAPO's claim at all.
 
 What this is: readers of knowledge-base completions (`read_completion`, `signature`), the leak and shortcut figures
@@ -228,7 +228,7 @@ def conditioning_probe(model, tok, task, problems: Sequence) -> dict:
 
 
 def hint_probe(model, tok, task, problems: Sequence) -> dict:
-    """The probe of the aliased setting (rapo_fast/demo/tasks/kb_alias.py): P(the policy's own hop k is right | a
+    """The probe of the aliased setting (kb_alias.py): P(the policy's own hop k is right | a
     foreign step for hop k shown retrieved) against P(... | nothing retrieved), greedy, over every problem and every
     position k >= 1 (retrieval never fires before the first step), the correct hops 0..k-1 before. The foreign step
     (`problem.hints[k]`) is the same relation on another entity, with another observation: a policy that can use it

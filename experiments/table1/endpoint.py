@@ -1,4 +1,4 @@
-"""The continuous endpoint of `rapo-fast table1`: the teacher-forced log-probability of the correct trajectory on the
+"""The continuous endpoint of the Table-1 runs: the teacher-forced log-probability of the correct trajectory on the
 held-out questions, beside greedy success.
 
 What this is: for each DISTINCT held-out question (the evaluation draws questions with replacement; each is scored

@@ -1,4 +1,4 @@
-"""The task families of `rapo-fast table1`: for each, where its questions, warm-up, off-policy source and held-out
+"""The task families of the Table-1 experiment: for each, where its questions, warm-up, off-policy source and held-out
 evaluation come from.
 
 What this is: one small class per kind of family, each answering the same questions for the runner

@@ -1,4 +1,4 @@
-"""The files of `rapo-fast table1`: table1.csv (one row per run), table1.md (the paper-style table, paired
+"""The files of the Table-1 experiment: table1.csv (one row per run), table1.md (the paper-style table, paired
 differences against GRPO and the matched control, the continuous endpoint beside success, the power of both,
 efficiency, diagnostics), table1.png (mean held-out curve +- band
 per method, one panel per family) and table1_checks.json (the go/no-go checks with the figures behind them).

@@ -1,4 +1,4 @@
-"""The statistics of `rapo-fast table1`: means with 95% confidence intervals over seeds, paired differences against a
+"""The statistics of the Table-1 runs: means with 95% confidence intervals over seeds, paired differences against a
 baseline method on the same seeds, the power of a paired comparison (seeds needed for an effect, the smallest
 effect a number of seeds detects), and training efficiency (steps and generated tokens to reach a level).
 
