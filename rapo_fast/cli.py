@@ -1,4 +1,4 @@
-"""The `rapo-fast` command line: `demo`, `table1`, `bench {loss,logprobs,retrieval,kv,buffer}`, `info`,
+"""The `rapo-fast` command line: `demo`, `bench {loss,logprobs,retrieval,kv,buffer}`, `info`,
 `verl-build-buffer`, `verl-traces`.
 
 What this is: argument routing only, and the one module outside rapo_fast/demo/ allowed to import the demo (nothing in
@@ -103,16 +103,9 @@ def _parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="rapo-fast", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"rapo-fast {__version__}")
-    sub = parser.add_subparsers(
-        dest="cmd", required=True, metavar="{demo,table1,bench,info,verl-build-buffer,verl-traces}"
-    )
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="{demo,bench,info,verl-build-buffer,verl-traces}")
     # demo and each benchmark parse their own options (add_help=False here, so `--help` reaches them)
     sub.add_parser("demo", help="train RAPO vs GRPO on a synthetic tool task (CPU, minutes)", add_help=False)
-    sub.add_parser(
-        "table1",
-        help="GRPO, ARPO, RAPO and trajectory-level off-policy on each task family over several seeds (CPU)",
-        add_help=False,
-    )
     bench = sub.add_parser("bench", help="microbenchmarks: " + ", ".join(BENCHES), description=_BENCH_DESCRIPTION)
     names = bench.add_subparsers(dest="which", required=True, metavar="{" + ",".join(BENCHES) + "}", title="benchmarks")
     for name, (_, line) in BENCHES.items():
@@ -147,10 +140,6 @@ def main(argv: list[str] | None = None) -> int:
         from rapo_fast.demo import main as demo
 
         return int(demo.main(rest) or 0)
-    if args.cmd == "table1":
-        from rapo_fast.demo import table1
-
-        return int(table1.main(rest) or 0)
     if args.cmd == "bench":
         return _run_bench(args.which, rest)
     if args.cmd == "verl-build-buffer":

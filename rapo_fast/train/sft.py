@@ -1,51 +1,62 @@
 """Supervised warm-up on generated traces (the demo's first phase) and greedy evaluation of a policy on a task.
 
 What this is: `sft_examples` (correct solutions in the rollout's token format, some later steps wrapped in
-<retrieve> ... </retrieve> and masked out of the loss, as in RL), `sft_warmup` and `evaluate` (greedy success without
-retrieval). What this is not: the RL trainer (rapo_fast/train/trainer.py).
+<retrieve> ... </retrieve> and masked out of the loss, as in RL, in a retrieve style: a callable, `replace_step` by
+default), `sft_warmup` and `evaluate` (greedy success without retrieval).
+What this is not: the RL trainer (rapo_fast/train/trainer.py).
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
-from rapo_fast._checks import brief, check_choice, check_int
+from rapo_fast._checks import brief, check_int
 from rapo_fast._tokens import encode_plain
 from rapo_fast.rollouts.batch import KIND_GEN, KIND_PROMPT, KIND_RET, KIND_TOOL
 from rapo_fast.rollouts.offpolicy import split_step
 
-RETRIEVE_STYLES = ("replace", "hint", "foreign", "advance")
+# A retrieve style: (problem, k, solution) -> None when step k may not be shown retrieved, else (the text inside the
+# <retrieve> block, whether the policy's own copy of step k follows it). Asked before the retrieve_frac draw, so a
+# style that refuses a step leaves the draws of the others as they were.
+RetrieveStyle = Callable[[Any, int, Sequence[str]], tuple[str, bool] | None]
 
 
-def sft_examples(task, tokenizer, problems: Sequence, retrieve_frac: float, rng: random.Random, style: str = "replace"):
-    """One (token ids, kinds) pair per problem: prompt, solution steps, answer; each later step is shown as
-    retrieved with probability `retrieve_frac`. style "replace": the retrieved block stands for the step (the policy
-    goes on with the next one); "hint": the block comes before the policy's own copy of the step (the policy takes
-    the step itself after seeing it retrieved); "foreign": as "hint", but the block is another question's step with the
-    same relation (`problem.hints[k]`, e.g. rapo_fast.demo.tasks.kb_alias), so the policy learns to take a retrieved
-    step's relation and apply it to its own entity; "advance": as "replace", but never the last step before the
-    answer (retrieval in rapo_fast/demo/tasks/kb_step.py never supplies the last hop). Kinds follow
-    rapo_fast.rollouts.batch (only KIND_GEN is trained)."""
-    check_choice("sft_examples: style", style, RETRIEVE_STYLES)
+def replace_step(problem, k: int, solution: Sequence[str]) -> tuple[str, bool]:
+    """The default style: the retrieved block stands for step k (the policy goes on with the next one)."""
+    return solution[k], False
+
+
+def hint_step(problem, k: int, solution: Sequence[str]) -> tuple[str, bool]:
+    """The block shows step k, then the policy takes step k itself (it learns to copy a retrieved step)."""
+    return solution[k], True
+
+
+def sft_examples(
+    task, tokenizer, problems: Sequence, retrieve_frac: float, rng: random.Random, style: RetrieveStyle = replace_step
+):
+    """One (token ids, kinds) pair per problem: prompt, solution steps, answer; each step after the first that is not
+    the answer is shown retrieved with probability `retrieve_frac`, as `style` renders it (replace_step, hint_step, or
+    a callable of the RetrieveStyle shape). Kinds follow rapo_fast.rollouts.batch (only KIND_GEN is trained)."""
+    if not callable(style):
+        raise TypeError(f"sft_examples: style: expected a callable (problem, k, solution), got {brief(style)}")
     out = []
     for p in problems:
-        if style == "foreign" and len(getattr(p, "hints", ())) < len(task.solution(p)) - 1:
-            raise ValueError(f"sft_examples: style 'foreign' needs problems with one hint per step, got {brief(p)}")
         ids = tokenizer.encode(p.prompt)
         kinds = [KIND_PROMPT] * len(ids)
         solution = task.solution(p)
-        last = len(solution) - 2 if style == "advance" else len(solution) - 1  # the first step never shown retrieved
         for k, step in enumerate(solution):
-            is_answer = step.startswith("<answer>")
-            if 1 <= k < last and not is_answer and rng.random() < retrieve_frac:
-                shown = p.hints[k] if style == "foreign" else step
-                seg = encode_plain(tokenizer, f"<retrieve> {shown} </retrieve>")  # mid-sequence: no BOS
+            shown = None
+            if 1 <= k < len(solution) - 1 and not step.startswith("<answer>"):
+                shown = style(p, k, solution)
+            if shown is not None and rng.random() < retrieve_frac:
+                seg = encode_plain(tokenizer, f"<retrieve> {shown[0]} </retrieve>")  # mid-sequence: no BOS
                 ids += seg
                 kinds += [KIND_RET] * len(seg)
-                if style in ("replace", "advance"):
+                if not shown[1]:
                     continue
             gen_ids, obs_ids = split_step(step, tokenizer)
             ids += gen_ids + obs_ids
@@ -76,7 +87,7 @@ def sft_warmup(
     batch_size: int = 32,
     lr: float = 3e-3,
     retrieve_frac: float = 0.3,
-    retrieve_style: str = "replace",
+    retrieve_style: RetrieveStyle = replace_step,
     seed: int = 0,
     progress: bool = False,
 ) -> list[float]:
@@ -139,4 +150,4 @@ def evaluate(model, tokenizer, task, problems: Sequence, *, max_steps: int = 6, 
     return sum(rewards) / max(1, len(rewards))
 
 
-__all__ = ["sft_examples", "sft_warmup", "evaluate"]
+__all__ = ["RetrieveStyle", "evaluate", "hint_step", "replace_step", "sft_examples", "sft_warmup"]

@@ -155,7 +155,9 @@ def _sigterm_flag(active: bool) -> Iterator[list]:
 class RAPOTrainer:
     """model (HF causal LM), tokenizer, env (task: `execute`, `verify`), buffer (a StepTraces or None), config
     (TrainerConfig), problems (the training prompts). Stages are replaceable callables (rollout_fn, reward_fn,
-    advantage_fn, loss_fn: docs/training.md section 1)."""
+    advantage_fn, loss_fn: docs/training.md section 1). task_sampler: `step -> (env, problems)`, called before every
+    step with its 0-based index, replaces both for that step (e.g. fresh facts per step); None: `prompts_per_step`
+    problems drawn from `problems`, in `env`."""
 
     def __init__(
         self,
@@ -172,6 +174,7 @@ class RAPOTrainer:
         advantage_fn: Callable | None = None,
         loss_fn: Callable | None = None,
         offpolicy=None,
+        task_sampler: Callable[[int], tuple[Any, Sequence]] | None = None,
     ):
         if not isinstance(config, TrainerConfig):
             raise TypeError(f"RAPOTrainer: config must be a TrainerConfig, got {type(config).__name__}")
@@ -184,6 +187,10 @@ class RAPOTrainer:
             raise ValueError("RAPOTrainer: mode='splice' needs a buffer with a kv_store (StepTraces(kv_store=...))")
         if not problems:
             raise ValueError("RAPOTrainer: problems (training prompts) is empty")
+        if task_sampler is not None and not callable(task_sampler):
+            raise TypeError(
+                f"RAPOTrainer: task_sampler: expected a callable or None, got {type(task_sampler).__name__}"
+            )
         if ro.strategy == "offpolicy_traj" and offpolicy is None:
             raise ValueError(
                 "RAPOTrainer: strategy='offpolicy_traj' needs offpolicy (rapo_fast.rollouts.offpolicy."
@@ -194,7 +201,7 @@ class RAPOTrainer:
         from rapo_fast.rollouts.loop import rollout
 
         self.model, self.tokenizer, self.env, self.buffer, self.config = model, tokenizer, env, buffer, config
-        self.offpolicy = offpolicy
+        self.offpolicy, self.task_sampler = offpolicy, task_sampler
         self.problems = list(problems)
         self.optimizer = optimizer or torch.optim.AdamW(
             model.parameters(), lr=config.optim.lr, weight_decay=config.optim.weight_decay
@@ -209,6 +216,10 @@ class RAPOTrainer:
         self.logger = MetricsLogger(config.logging.log_csv, config.logging.tensorboard_dir)
 
     def sample_problems(self) -> list:
+        """This step's problems; with a task_sampler, also this step's env."""
+        if self.task_sampler is not None:
+            self.env, problems = self.task_sampler(self.step_count)
+            return list(problems)
         k = min(self.config.prompts_per_step, len(self.problems))
         return self.py_rng.sample(self.problems, k)
 
