@@ -21,15 +21,16 @@ from _lease import Keep, as_carried, first_s  # noqa: E402
 from _stage import Stage, Step, check_bounds, main  # noqa: E402
 
 
-# pytest-xdist (in the GPU image) on 8 of the 16 cores: most of the step is Triton compiling, on the CPU. With
-# --dist loadgroup each gpu test file stays on one process (tests/conftest.py groups them: a file's large-memory tests
-# never overlap each other), except the tests marked gpu_spread (many compiles, little memory), spread over all.
+# pytest-xdist (in the GPU image) on 8 of the 16 cores: most of the step is Triton compiling, on the CPU. Its scheduler
+# here (bench/gpu/pytest_gpu_scope.py, --dist loadscope) keeps each gpu test file on one process (a file's
+# large-memory tests never overlap each other), except the tests marked gpu_spread (many compiles, little memory),
+# spread over all; it reads node ids only, so it holds on any pytest (xdist_group markers do not on 9.2).
 # The junit XML and the progress file stay in {tmp}; the table (pytest_gpu.csv) is what comes back: the progress
 # plugin rewrites it in {out} as each test ends (a call killed mid-step keeps it), then the outcomes step redoes it with
 # the XML's messages.
 def _pytest(workers: int, paths: str) -> str:
     return (
-        f'XD=$({{py}} -c "import xdist" 2>/dev/null && echo "-n {workers} --dist loadgroup"); '
+        f'XD=$({{py}} -c "import xdist" 2>/dev/null && echo "-n {workers} --dist loadscope -p pytest_gpu_scope"); '
         "PYTHONPATH={here}:$PYTHONPATH RAPO_FAST_PYTEST_PROGRESS={tmp}/pytest_progress.jsonl "
         "RAPO_FAST_PYTEST_TABLE={out}/pytest_gpu.csv "
         "{py} -m pytest -m gpu -q -p no:cacheprovider -p pytest_progress -rfEs --junitxml={tmp}/pytest_gpu.xml $XD "

@@ -71,11 +71,22 @@ def pytest_runtest_logstart(nodeid, location) -> None:
     _write(_CONFIG, "start", nodeid)
 
 
+def _message(longrepr) -> str:
+    """The table's message, as the junit XML's would read: the exception's line (the assertion), or a skip's reason."""
+    crash = getattr(longrepr, "reprcrash", None)
+    if crash is not None:
+        text = crash.message
+    elif isinstance(longrepr, tuple) and len(longrepr) == 3:  # a skip: (path, line, reason)
+        text = str(longrepr[2])
+    else:
+        text = str(longrepr or "")
+    return " ".join(text.split())[:160]
+
+
 def pytest_runtest_logreport(report) -> None:
     extra = dict(when=report.when, outcome=report.outcome)
-    if report.outcome != "passed":  # the table's message: the report's last line (the assertion, the skip's reason)
-        lines = [ln.strip() for ln in str(report.longreprtext or "").splitlines() if ln.strip()]
-        extra["message"] = (lines[-1] if lines else "")[:160]
+    if report.outcome != "passed":
+        extra["message"] = _message(report.longrepr)
     if report.when == "call":
         extra["seconds"] = f"{report.duration:.3f}"
     _write(_CONFIG, "report", report.nodeid, **extra)
