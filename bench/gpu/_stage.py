@@ -136,7 +136,7 @@ def _parser(stage: Stage) -> argparse.ArgumentParser:
         default=None,
         metavar="SECONDS",
         help="end the call within SECONDS of its start: steps that cannot finish before it are skipped and recorded "
-        "as such (docs/gpu_validation.md: set it from the device's remaining budget)",
+        "as such (with --asked-at and --lease-left, a cap on the deadline taken from the lease)",
     )
     p.add_argument(
         "--asked-at",
