@@ -218,6 +218,7 @@ def test_cpu_smoke_from_a_copy_runs_end_to_end(name, smoke):
         assert ok and not any(str(x.get("status", "")).startswith(bad) for x in rows), (csv_name, rows)
     # Imported from the copy: the package, its Triton kernels (no install maps them) and the extension it built.
     log = (r["out"] / f"{name}.log").read_text()
+    assert log.count("check interpreter:") == 1, log  # the extension step imports torch once (built, or found)
     copy = str(r["copy"])
     for what in ("rapo_fast from", "rapo_fast.kernels from", "rapo_fast._C from"):
         found = re.findall(rf"^{re.escape(what)}: (\S+)$", log, re.M)  # the last: after the extension step
