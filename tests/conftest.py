@@ -53,12 +53,8 @@ def pytest_collection_modifyitems(config, items):
             if thorough:
                 item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
-        # The GPU call's `pytest -n 8 --dist loadgroup` (bench/gpu/call1_headline.py): a file's gpu tests stay on one
-        # process, so its large-memory tests never overlap, except those marked gpu_spread (many Triton compiles,
-        # little memory), which go to whichever process is free.
-        for item in items:
-            if "gpu" in item.keywords and "gpu_spread" not in item.keywords:
-                item.add_marker(pytest.mark.xdist_group(item.path.stem))
+        # The GPU call's processes take a file's gpu tests together (gpu_spread ones apart) by its own xdist scheduler,
+        # bench/gpu/pytest_gpu_scope.py: xdist_group markers added here do nothing on pytest >= 9.2 with xdist 3.8.
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:

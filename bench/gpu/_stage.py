@@ -9,11 +9,12 @@ writes its junit XML and summary and a bench writes its "interrupted" row, then 
 append each row as soon as it is measured, so a step stopped at any moment keeps every finished row. A step that fails
 or times out is reported and the next step still runs (only the extension check ends the call: nothing after it could
 measure anything).
-`--deadline-s` bounds the whole call (seconds from its start): a step whose budget (plus the grace) would end after
-the deadline is not started but recorded as skipped, and later, shorter steps still run if they fit, so the call's
-files are written before the device tool's own limit takes the machine. The summary is rewritten before and after
-every step (the step in flight is marked running), so even a call killed from outside keeps what it did and says
-which step it was in and which never ran.
+`--deadline-s` bounds the whole call (seconds from its start); `--asked-at` with `--lease-left` gives it the lease
+instead, and the deadline then follows from the time the call actually starts (bench/gpu/_lease.py). A step whose budget
+(plus the grace) would end after the deadline is not started but recorded as skipped, and later, shorter steps still run
+if they fit, so the call's files are written before the device tool's own limit takes the machine. The summary is
+rewritten before and after every step (the step in flight is marked running), so even a call killed from outside keeps
+what it did and says which step it was in and which never ran.
 What this is not: a benchmark or a test runner itself (the steps call bench/bench_*.py and pytest), the record logic
 (bench/gpu/_record.py) nor the plan of the rows (bench/gpu/_plan.py).
 """
@@ -66,6 +67,7 @@ class Stage:
     smoke_steps: list[Step]
     table: dict[str, list[str]] = field(default_factory=dict)
     record: dict[str, str] = field(default_factory=dict)
+    keep: object = None  # a _lease.Keep: what this call keeps back of the lease for the next one (None: the last)
 
     def files(self, steps: list[Step]) -> list[str]:
         names = [f"{self.name}.log", f"{self.name}_summary.txt"] + [f for s in steps for f in s.files]
@@ -134,7 +136,22 @@ def _parser(stage: Stage) -> argparse.ArgumentParser:
         default=None,
         metavar="SECONDS",
         help="end the call within SECONDS of its start: steps that cannot finish before it are skipped and recorded "
-        "as such (docs/gpu_validation.md: set it from the device's remaining budget)",
+        "as such (with --asked-at and --lease-left, a cap on the deadline taken from the lease)",
+    )
+    p.add_argument(
+        "--asked-at",
+        type=float,
+        default=None,
+        metavar="UNIX_S",
+        help="with --lease-left: when the device tool's run was asked for (`date +%%s` on the driving machine); the "
+        "call reads the clock at its start and takes its deadline from the lease left then (bench/gpu/_lease.py)",
+    )
+    p.add_argument(
+        "--lease-left",
+        type=_positive_int,
+        default=None,
+        metavar="SECONDS",
+        help="with --asked-at: the device time left when the run was asked for (the tool's status, budget_left_s)",
     )
     p.add_argument("--results", type=Path, default=ROOT / "bench" / "results", help=argparse.SUPPRESS)
     p.add_argument(
@@ -169,7 +186,17 @@ def main(stage: Stage, argv: list[str] | None = None) -> int:
         for s in steps
         if wanted is None or s.name in wanted or s.required
     ]
-    return run(stage, steps, args.cpu_smoke if smoke else args.out, smoke, deadline_s=args.deadline_s)
+    deadline_s, lease = args.deadline_s, None
+    if (args.asked_at is None) != (args.lease_left is None):
+        p.error("--asked-at and --lease-left go together (the time of the ask and the device time left then)")
+    if args.asked_at is not None:
+        from _lease import deadline
+
+        start_s = time.time() - args.asked_at  # the machine's start and the tree's transfer, as this clock sees them
+        clamped = max(0.0, min(start_s, args.lease_left))  # a clock behind the driver's reads as a free start
+        deadline_s = deadline(args.lease_left, clamped, deadline_s or CALL_BUDGET_S, stage.keep)
+        lease = f"lease: {args.lease_left} s left when asked at {args.asked_at:.0f}; started {start_s:.0f} s after"
+    return run(stage, steps, args.cpu_smoke if smoke else args.out, smoke, deadline_s=deadline_s, lease=lease)
 
 
 def _env(smoke: bool) -> dict:
@@ -238,9 +265,12 @@ def _summary(
     return lines
 
 
-def run(stage: Stage, steps: list[Step], out: Path, smoke: bool, deadline_s: int | None = None) -> int:
+def run(
+    stage: Stage, steps: list[Step], out: Path, smoke: bool, deadline_s: int | None = None, lease: str | None = None
+) -> int:
     """Run `steps` in order into `out`; with `deadline_s`, start only the steps whose budget (and grace) ends before
-    it, recording the others as skipped. Returns 0 when every step ran and passed, 1 otherwise."""
+    it, recording the others as skipped (`lease` says where the deadline came from). Returns 0 when every step ran
+    and passed, 1 otherwise."""
     t_start = time.monotonic()
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -253,8 +283,8 @@ def run(stage: Stage, steps: list[Step], out: Path, smoke: bool, deadline_s: int
         f"date: {_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%dT%H:%M:%SZ')}",
         f"commit: {os.environ.get('RAPO_FAST_COMMIT', 'unknown')}",
         f"device: {'cpu (smoke run)' if smoke else _gpu_name()}",
-        f"deadline: {f'{deadline_s} s from the start' if deadline_s else 'none'}",
-    ]
+        f"deadline: {'none' if deadline_s is None else f'{deadline_s} s from the start'}",
+    ] + ([lease] if lease else [])
     results: list = []
     with (out / f"{stage.name}.log").open("a") as log:
         for step in steps:
@@ -271,7 +301,9 @@ def run(stage: Stage, steps: list[Step], out: Path, smoke: bool, deadline_s: int
             _summary(stage, out, head, results, steps, running=None)
             if step.required and status != "ok":
                 break
-    took = f"call: {time.monotonic() - t_start:.0f} s" + (f" of a {deadline_s} s deadline" if deadline_s else "")
+    took = f"call: {time.monotonic() - t_start:.0f} s" + (
+        f" of a {deadline_s} s deadline" if deadline_s is not None else ""
+    )
     lines = _summary(stage, out, head + [took], results, steps, running=None)
     print("\n".join(lines))
     bad = [s.name for s, st, _ in results if st != "ok"] + [s.name for s in steps[len(results) :]]

@@ -10,11 +10,21 @@ from pathlib import Path
 
 from _stage import ROOT, SITE, WHEELS, Step
 
+# Budgets: every figure names where it was measured, or says "estimate, not measured". No step has run on the GPU
+# machine yet; the steps print their own times (the log's "===== step: ok in N s", the import times below), so the
+# first run replaces the estimates.
+# One interpreter importing torch and rapo_fast: 5.7-7.0 s warm, 6.7-8.4 s with torch's files evicted from the page
+# cache (posix_fadvise), measured on the 2 shared development cores (CPU torch 2.13, 754 MB; load ~9). On the H200's
+# fresh machine: estimate, not measured, 10-30 s: the image's torch 2.11+cu130 maps ~2 GB of CUDA libraries, read from
+# a cold disk, on an idle core.
+COLD_IMPORT_S = 30
+
 
 def env(imports: str = "", smoke: bool = False) -> Step:
     """check_env.py, after the wheels step (so it sees them), trying only the optional imports the call uses (trl's
-    import alone takes seconds). A cold `import torch` on a fresh machine has taken over 20 s."""
-    return Step("env", f"{{py}} {{here}}/check_env.py --imports '{imports}'", 60 if smoke else 30)
+    import alone takes seconds: estimate, not measured). Budget: the cold import (COLD_IMPORT_S) and the optional
+    imports; the smoke run's 60 s is a loaded CI machine's (no lease to fit)."""
+    return Step("env", f"{{py}} {{here}}/check_env.py --imports '{imports}'", 60 if smoke else COLD_IMPORT_S + 10)
 
 
 # --no-deps --no-index: the machine has no network and its image's packages stay as they are (docs/gpu_validation.md).
@@ -23,14 +33,18 @@ WHEELS_GPU = Step(
     f"if ls {WHEELS}/*.whl >/dev/null 2>&1; then {{py}} -m pip install -q --no-index --no-deps --no-compile "
     f"--no-cache-dir --upgrade --target {SITE} {WHEELS}/*.whl && ls {SITE}; "
     f'else echo "no wheels in {WHEELS}: trl tests skip, the liger and cce providers say unavailable"; fi',
-    10,  # ~3 MB from the carried folder: ~5 s
+    10,  # ~3 MB from the carried folder, no resolver: ~5 s, estimate, not measured
 )
 # The carried wheels are for CPython 3.12 (the GPU image): on the CPU the smoke run only lists them.
 WHEELS_SMOKE = Step("wheels", f"ls -l {WHEELS} 2>/dev/null || echo 'no wheels in {WHEELS}'", 10)
 
 
-EXT_BUILD_S = 90  # CMake + nvcc for sm_90a on a fresh 16-core machine: estimated 35-60 s, plus the cold imports
-EXT_CARRIED_S = 20  # a carried .so: copy it, import it in a fresh interpreter
+# CMake + nvcc for sm_90a on a fresh 16-core machine: 35-60 s, estimate, not measured (the CPU part alone: 18 s on the
+# 2 development cores, measured), plus one check interpreter (torch warm after the env step: ~10 s, estimate).
+EXT_BUILD_S = 90
+# A carried .so: copied without an interpreter, then ONE interpreter imports torch cold and checks the build (call 2
+# has no env step before it): COLD_IMPORT_S plus the check and its output, ~5 s (estimate, not measured).
+EXT_CARRIED_S = COLD_IMPORT_S + 15
 
 
 def carried_so() -> list[Path]:
@@ -49,7 +63,8 @@ def extension(copy_back: bool) -> Step:
     return Step("extension", "{py} {here}/ensure_ext.py --archs 90a", budget, required=True)
 
 
-# The CPU build takes ~20 s on 2 quiet cores and several times that on a loaded CI machine: the smoke run has no lease.
+# The CPU build takes ~20 s on 2 quiet cores (measured on the development machine) and several times that on a loaded
+# CI machine (estimate): the smoke run has no lease to fit.
 EXT_SMOKE = Step("extension", "{py} {here}/ensure_ext.py --cpu", 240, required=True)
 
 

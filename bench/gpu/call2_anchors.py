@@ -3,10 +3,11 @@ GRPO loss, Cut Cross-Entropy, torch.compile), compute-sanitizer memcheck and rac
 kernel, a short trainer run (tokens/s and the split of step time), then the loss variants and the log-prob anchors.
 It uses the extension call 1 built, carried in .carry/ext (or builds it, with the budget that needs).
 
-Run with `--deadline-s` set from what is left of the lease (docs/gpu_validation.md): the steps that cannot finish
-before it are skipped, in order, so the files come back. Usage: `python bench/gpu/call2_anchors.py --out DIR
-[--deadline-s S] | --dry-run | --cpu-smoke DIR | --record DIR`. What this is not: the benches themselves, nor the
-demo's learning result (the trainer runs too few steps for that; `rapo-fast demo` gives it).
+Run with `--asked-at` and `--lease-left` (docs/gpu_validation.md): the call takes its deadline from what is left of the
+lease when it actually starts, and the steps that cannot finish before it are skipped, in order, so the files come back.
+Usage: `python bench/gpu/call2_anchors.py --out DIR [--asked-at T --lease-left S] [--deadline-s S] | --dry-run |
+--cpu-smoke DIR | --record DIR`. What this is not: the benches themselves, nor the demo's learning result (the trainer
+runs too few steps for that; `rapo-fast demo` gives it).
 """
 
 from __future__ import annotations
@@ -39,32 +40,35 @@ TABLE, RECORD = _steps.tables("loss.csv", "sanitizer.csv", "trainer.csv", "token
 STAGE = Stage(
     name="call2_anchors",
     title="Liger, CCE and torch.compile anchors; compute-sanitizer; trainer tokens/s and split; loss variants",
+    # GPU budgets: estimates, not measured (no step has run on a GPU yet); docs/perf.md, "The GPU run: two calls",
+    # gives each one's reasoning, and the first run's log ("===== step: ok in N s") replaces them.
     gpu_steps=[
         _steps.WHEELS_GPU,
         _steps.extension(copy_back=False),
         _steps.bench(
             "anchors_v152k", "bench_loss.py", f"--gpu {V152K} --rep-ms 100 --providers liger,cce", 70, "loss.csv"
-        ),
+        ),  # Liger's compiled path 15-30 s cold, CCE's Triton compiles ~10 s: estimate, not measured
         _steps.bench(
             "compile_v152k", "bench_loss.py", f"--gpu {V152K} --rep-ms 100 --providers torch_compile", 80, "loss.csv"
-        ),
+        ),  # a cold torch.compile 20-40 s + the timed calls and agreement check: estimate, not measured
+        # torch's start under compute-sanitizer, then 11 small cases: estimate, not measured
         _sanitizer("memcheck", 50, smoke=False),
         _sanitizer("racecheck", 50, smoke=False),
         Step(
             "trainer",
             DEMO + "--device cuda --sft-steps 60 --rl-steps 6 && " + SPLIT,
-            100,
+            100,  # the demo's RAPO and GRPO runs, 6 RL steps each: estimate, not measured
             ("trainer.csv",),
             plan=TRAINER_ROWS,
         ),
         _steps.bench(
             "variants_v152k", "bench_loss.py", f"--gpu {V152K} --rep-ms 100 --providers {VARIANTS}", 40, "loss.csv"
-        ),
+        ),  # three providers, ~100-133 ms a call, kernels compiled by then: estimate, not measured
         _steps.bench(
             "logprobs_anchors",
             "bench_token_logprobs.py",
             f"--gpu {V152K} --rep-ms 100 --providers {LOGP_ANCHORS}",
-            30,
+            30,  # CCE and the eager references (fp32 [N, V], ~1 s a call): estimate, not measured
             "token_logprobs.csv",
         ),
     ],

@@ -13,8 +13,12 @@ import importlib
 import importlib.util
 import platform
 import sys
+import time
 
-import torch
+_T0 = time.perf_counter()
+import torch  # noqa: E402  (timed: the first run on the GPU machine measures the cold import the budgets estimate)
+
+IMPORT_TORCH_S = time.perf_counter() - _T0
 
 CHECKS = {  # name -> the statement a test module or bench provider runs
     "trl": "from trl import GRPOConfig, GRPOTrainer",
@@ -42,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     names = [n for n in p.parse_args(argv).imports.split(",") if n]
     print(f"python {platform.python_version()} ({sys.executable}), torch {torch.__version__}")
+    print(f"import torch: {IMPORT_TORCH_S:.1f} s")
     triton = importlib.util.find_spec("triton")
     print(f"triton {importlib.import_module('triton').__version__ if triton else 'missing'}")
     if torch.cuda.is_available():

@@ -6,8 +6,9 @@
 - `rapo_fast.kernels` imports from a copy under `python -S` (no site hooks: no editable install's finder at all).
 - A step stopped at its budget keeps its rows: a bench's finished rows plus its "interrupted" row; pytest's junit XML
   with the tests that ran.
-- `validate.py --dry-run` prints two commands with their deadlines, the lease arithmetic (both calls and two starts
-  within 15 minutes), every row in the order taken, and call 1 alone brings back a graded row of every path.
+- `validate.py --dry-run` prints two commands (asked-at and lease left, the deadline taken at the call's start), the
+  yield for 1-4 minute starts (both calls within the lease; call 2 past its build check with a 3-minute start), every
+  row in the order taken, and call 1 alone brings back a graded row of every path.
 - `--record` refuses a smoke run and stamps a GPU run's rows; `pytest --collect-only -m gpu` survives a missing trl.
 - A call honours its `--deadline-s` (a step that cannot finish before it is skipped and recorded, later steps that fit
   still run); a call killed from outside keeps the rows it measured and its summary says which step was in flight and
@@ -80,21 +81,29 @@ def test_the_two_calls_exist():
     assert CALLS == ["call1_headline", "call2_anchors"]
 
 
-def test_validate_dry_run_two_commands_budgets_and_rows_in_order():
+def test_validate_dry_run_two_commands_yield_by_start_and_rows_in_order():
+    t0 = time.time()
     res = _run(["bench/gpu/validate.py", "--dry-run"], timeout=120)
     assert res.returncode == 0, res.stderr
     out = res.stdout
     commands = re.findall(
-        r"^command (\d): run\(command='python3 bench/gpu/(\S+)\.py --out \$OUT --deadline-s (\S+)'", out, re.M
+        r"^command (\d)[^:]*: run\(command='python3 bench/gpu/(\S+)\.py --out \$OUT "
+        r"--asked-at (\d+) --lease-left (\S+)', carry=\[\"\.carry\"\], timeout_s=(\d+)\)",
+        out,
+        re.M,
     )
     assert [c[:2] for c in commands] == [("1", CALLS[0]), ("2", CALLS[1])], out
-    assert int(commands[0][2]) <= BUDGET_S and re.search(r"timeout_s=(\d+)\)", out), out
-    totals = [int(t) for t in re.findall(r"budgets (\d+) s", out)]
+    # Call 1 asked now with the whole lease; call 2's time and lease are read just before its run (placeholders).
+    assert abs(int(commands[0][2]) - t0) < 60 and commands[0][3] == str(LEASE_S) and commands[1][3] == "B2", out
+    assert all(BUDGET_S < int(c[4]) <= 600 for c in commands), out  # the tool's limit: 10 minutes a command
+    totals = [int(t) for t in re.findall(r"^call \d, \S+: (\d+) s of budgets", out, re.M)]
     assert len(totals) == 2 and all(t < BUDGET_S for t in totals), out
-    # The lease arithmetic: two cold starts, transfers and both calls within one lease.
-    total, lease = map(int, re.search(r"total: (\d+) s of (\d+) s", out).groups())
-    assert lease == LEASE_S and total <= LEASE_S, out
-    assert re.search(r"call 1: start \d+ \+ transfers \d+ \+ steps \d+", out), out
+    # The yield for 1-4 minute starts: every call ends inside the lease; with a 3-minute start call 2 runs past its
+    # build check.
+    table = re.findall(r"^\s+(\d+) s \| .* \| .*,\s+(yes|no) \| (\d+) s of (\d+) s$", out, re.M)
+    assert [int(s) for s, *_ in table] == [60, 120, 180, 240], out
+    assert all(int(end) <= int(lease) == LEASE_S for _, _, end, lease in table), out
+    assert dict((int(s), past) for s, past, *_ in table)[180] == "yes", out
     rows = re.findall(r"^\s+row\s+(\d+)\s+(.*)$", out, re.M)
     assert [int(n) for n, _ in rows] == list(range(1, len(rows) + 1)), out
     text = [r for _, r in rows]
@@ -209,6 +218,7 @@ def test_cpu_smoke_from_a_copy_runs_end_to_end(name, smoke):
         assert ok and not any(str(x.get("status", "")).startswith(bad) for x in rows), (csv_name, rows)
     # Imported from the copy: the package, its Triton kernels (no install maps them) and the extension it built.
     log = (r["out"] / f"{name}.log").read_text()
+    assert log.count("check interpreter:") == 1, log  # the extension step imports torch once (built, or found)
     copy = str(r["copy"])
     for what in ("rapo_fast from", "rapo_fast.kernels from", "rapo_fast._C from"):
         found = re.findall(rf"^{re.escape(what)}: (\S+)$", log, re.M)  # the last: after the extension step
