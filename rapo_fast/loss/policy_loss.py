@@ -31,7 +31,6 @@ from rapo_fast.loss.options import (  # noqa: F401  (re-exported: the option voc
     InputFacts,
     LossInputs,
     LossOptions,
-    check_inputs,
     check_logits_rows_defined,
     check_loss_logp_defined,
     with_option_keywords,
@@ -66,16 +65,6 @@ def _plan(a: LossInputs, backend: str, want_ent: bool) -> PathPlan:
         sequence_level=a.opts.importance_sampling_level == "sequence",
         auto_triton=use_triton(x.device) if backend == "auto" else None,
     )
-
-
-def _loss_inputs(a: LossInputs) -> LossInputs:
-    """The front desk's checks of rapo_loss / policy_loss_from_logp, once: `a.facts` filled in, and (rapo_loss) the
-    ignore index replaced where the loss never reads it."""
-    a.facts = check_inputs(a)
-    # -100 only outside loss_mask (checked): any id in [0, V) there, the loss never reads it
-    if a.facts.ignored_targets:
-        a.targets = a.targets.masked_fill(a.targets == IGNORE_INDEX, 0)
-    return a
 
 
 @with_option_keywords()
@@ -136,26 +125,7 @@ def rapo_loss(
     opts = LossOptions.from_call(options, option_kwargs, caller="rapo_loss")
     check_inplace_backward(inplace_backward, logits)
     weight, bias = head_in_hidden_dtype(hidden, weight, bias)  # autocast: cast to hidden's dtype, with grad
-    a = _loss_inputs(
-        LossInputs(
-            entry="rapo_loss",
-            opts=opts,
-            old_logp=old_logp,
-            advantages=advantages,
-            loss_mask=loss_mask,
-            retrieved_mask=retrieved_mask,
-            response_mask=response_mask,
-            behav_logp=behav_logp,
-            ref_logp=ref_logp,
-            cu_seqlens=cu_seqlens,
-            global_num_tokens=global_num_tokens,
-            logits=logits,
-            hidden=hidden,
-            weight=weight,
-            bias=bias,
-            targets=targets,
-        )
-    )
+    a = LossInputs.checked("rapo_loss", opts, locals())  # the arguments as given (weight/bias cast)
     want_ent = opts.entropy_coef != 0.0 or opts.return_metrics
     plan = _plan(a, backend, want_ent)
     if _use_fused(plan):
@@ -209,23 +179,7 @@ def policy_loss_from_logp(
             f"options: temperature={opts.temperature} has no meaning for policy_loss_from_logp (logp is "
             "taken at its temperature already); leave it at 1.0"
         )
-    a = _loss_inputs(
-        LossInputs(
-            entry="policy_loss_from_logp",
-            opts=opts,
-            old_logp=old_logp,
-            advantages=advantages,
-            loss_mask=loss_mask,
-            retrieved_mask=retrieved_mask,
-            response_mask=response_mask,
-            behav_logp=behav_logp,
-            ref_logp=ref_logp,
-            cu_seqlens=cu_seqlens,
-            global_num_tokens=global_num_tokens,
-            logp=logp,
-            entropy=entropy,
-        )
-    )
+    a = LossInputs.checked("policy_loss_from_logp", opts, locals())
     plan = plan_path(
         "policy_loss_from_logp",
         backend,
