@@ -21,6 +21,7 @@ import torch
 
 from rapo_fast import _checks as C
 from rapo_fast._sections import Section, option, rule_bool, rule_choice, rule_real
+from rapo_fast.kernels.loss.policy_layout import KL_ESTIMATORS, OFFPOLICY_MODES
 
 __all__ = [
     "LossOptions",
@@ -51,17 +52,15 @@ IGNORE_INDEX = -100
 # probabilities passed by mistake (p in (0, 1], above 1e-4 at nearly every sampled token) are refused.
 OLD_LOGP_MAX = 1e-4
 
-OFFPOLICY_MODES = ("none", "shaped", "truncated")
 IS_LEVELS = ("token", "sequence")
-KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
 @dataclass(frozen=True)
 class KernelArg:
-    """How an option reaches the policy-loss kernels (rapo_fast/kernels/loss/policy_loss.py), which take it as a keyword
-    argument of the same name: `encode` (option value -> number), `decode` (its inverse), and `kind`, the argument's
-    Python type (float: a runtime scalar; int / bool: a constexpr of the kernel)."""
+    """How an option reaches the policy-loss kernels (rapo_fast/kernels/loss/policy_loss.py), which read it as the field
+    of the same name of their one options argument: `encode` (option value -> number), `decode` (its inverse), and
+    `kind`, the field's Python type (float: a runtime scalar; int / bool: a constexpr of the kernel)."""
 
     encode: Callable[[Any], float | int | bool]
     decode: Callable[[float], Any]

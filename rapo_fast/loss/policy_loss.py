@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from rapo_fast._dispatch import use_triton
+from rapo_fast.kernels.loss.policy_layout import Metric, TokenCode
 from rapo_fast.loss import presets as P
 from rapo_fast.loss.fused_linear import fused_linear_policy_loss
 from rapo_fast.loss.logprobs import LogprobInputs, _run_logprobs, check_inplace_backward, head_in_hidden_dtype
@@ -36,7 +37,6 @@ from rapo_fast.loss.options import (  # noqa: F401  (re-exported: the option voc
     with_option_keywords,
 )
 from rapo_fast.loss.path_plan import Path, PathPlan, log_path, plan_path
-from rapo_fast.loss.policy_layout import Metric, TokenCode
 from rapo_fast.loss.policy_op import policy_loss_op, stack_token_inputs, torch_policy_loss
 
 __all__ = ["rapo_loss", "policy_loss_from_logp", "RAPOLoss", "LossMetrics", "LossOptions", "OPTION_DEFAULTS"]

@@ -10,19 +10,30 @@ What this is not: the per-sequence quantities (rapo_fast/loss/policy_loss.py) or
 
 from __future__ import annotations
 
+from collections import namedtuple
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from rapo_fast._dispatch import device_guard, register_op, use_triton
+from rapo_fast.kernels.loss.policy_layout import NUM_INPUTS, NUM_METRICS, REQUIRED_INPUTS, Metric, TokenCode, TokenInput
 from rapo_fast.loss.options import LossOptions
-from rapo_fast.loss.policy_layout import NUM_INPUTS, NUM_METRICS, REQUIRED_INPUTS, Metric, TokenCode, TokenInput
 from rapo_fast.reference.policy_loss import policy_token_loss_ref
 
-__all__ = ["stack_token_inputs", "policy_loss_op", "policy_loss_fwd", "policy_loss_bwd", "torch_policy_loss"]
+__all__ = [
+    "stack_token_inputs",
+    "policy_loss_op",
+    "policy_loss_fwd",
+    "policy_loss_bwd",
+    "torch_policy_loss",
+    "KernelOptions",
+    "kernel_options",
+]
 
 _BLOCK = 1024  # tokens per program of the elementwise kernels
+# the kernels' one options argument: a named tuple whose fields are LossOptions' kernel options, in their order
+KernelOptions = namedtuple("KernelOptions", LossOptions.kernel_names())
 
 
 def stack_token_inputs(**rows: torch.Tensor | None) -> tuple[torch.Tensor, int]:
@@ -107,14 +118,21 @@ def torch_policy_loss(
     return loss * r["w"], torch.stack([sums[m] for m in Metric])
 
 
+def kernel_options(scalars: torch.Tensor) -> KernelOptions:
+    """The kernels' `opts` from the op's scalars (LossOptions.kernel_kwargs): a choice or flag (int, bool) as a
+    constexpr, so that the kernels branch on it at compile time; a real as a runtime scalar (no recompile per value)."""
+    import triton.language as tl  # lazy: `import rapo_fast.loss.policy_loss` must not need triton
+
+    kw = LossOptions.kernel_kwargs(scalars)
+    return KernelOptions(**{k: v if isinstance(v, float) else tl.constexpr(v) for k, v in kw.items()})
+
+
 def _launch_args(tok: torch.Tensor, present: int, scalars: torch.Tensor, n: int) -> dict:
-    """The keyword arguments every policy-loss kernel launch shares: the stacked inputs, and the options under their
-    own names (LossOptions.kernel_kwargs)."""
+    """The keyword arguments every policy-loss kernel launch shares: the stacked inputs and the options."""
     if tok.dim() != 2 or tok.shape[0] != NUM_INPUTS or tok.stride(1) != 1:
         raise ValueError(f"tok: expected [{NUM_INPUTS}, N] with contiguous rows, got {tuple(tok.shape)} {tok.stride()}")
-    return dict(
-        tok_ptr=tok, tok_stride=tok.stride(0), N=n, PRESENT=present, BLOCK=_BLOCK, **LossOptions.kernel_kwargs(scalars)
-    )
+    opts = kernel_options(scalars)
+    return dict(tok_ptr=tok, tok_stride=tok.stride(0), N=n, opts=opts, PRESENT=present, BLOCK=_BLOCK)
 
 
 def policy_loss_fwd(
