@@ -138,10 +138,6 @@ class LossOptions(Section):
         """The kernels' keyword arguments back from kernel_scalars() (equal to the options' to_kernel())."""
         return {n: k.kind(x) for (n, k), x in zip(_KERNEL_ARGS.items(), scalars.tolist(), strict=True)}
 
-    def kernel_values(self) -> dict[str, Any]:
-        """kernel_options(kernel_scalars()) without the tensor: the torch path reads none, so that it traces whole."""
-        return {n: k.decode(k.encode(getattr(self, n))) for n, k in _KERNEL_ARGS.items()}
-
     @classmethod
     def kernel_options(cls, scalars: torch.Tensor) -> dict[str, Any]:
         """The option values back from kernel_scalars(), as the reference (policy_token_loss_ref) takes them."""

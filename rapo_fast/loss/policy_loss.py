@@ -337,7 +337,7 @@ def _loss_from_logp(
         if plan.path.triton and t.cd == torch.float32:
             tok_loss, sums = policy_loss_op(t.lp.contiguous(), t.ent, tok, present, scalars)
         else:
-            tok_loss, sums = torch_policy_loss(t.lp.contiguous(), t.ent, tok, present, opts.kernel_values())
+            tok_loss, sums = torch_policy_loss(t.lp.contiguous(), t.ent, tok, present, opts)
         loss = tok_loss.sum()
         lp = t.lp
     log_path(a.entry, path, plan.reason)

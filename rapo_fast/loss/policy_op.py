@@ -72,12 +72,16 @@ def _kernels():
 
 
 def torch_policy_loss(
-    logp: torch.Tensor, ent: torch.Tensor | None, tok: torch.Tensor, present: int, options: Mapping[str, Any]
+    logp: torch.Tensor,
+    ent: torch.Tensor | None,
+    tok: torch.Tensor,
+    present: int,
+    options: LossOptions | Mapping[str, Any],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The op's math in torch (the reference's per-token function): weighted token losses and the metric sums.
     Differentiable by autograd; the fallback of rapo_loss and of the registered op on devices without Triton.
-    `options`: the kernel options by name, as Python values (LossOptions.kernel_values, or kernel_options of the
-    op's scalars): no tensor is read on the host, so that the call traces whole under torch.compile."""
+    `options`: the call's checked LossOptions (read, not rebuilt), or the kernel options by name (kernel_options of
+    the op's scalars): Python values, no tensor read on the host, so that the call traces whole under torch.compile."""
     r = _rows(tok, present)
     on, off = r["code"] == int(TokenCode.ON), r["code"] == int(TokenCode.OFF)
     act = on | off
@@ -92,7 +96,7 @@ def torch_policy_loss(
         behav_logp=r["behav"],
         ref_logp=r["ref"],
         entropy=ent,
-        **options,
+        options=options,
     )
     z = torch.zeros_like(logp).detach()
 
