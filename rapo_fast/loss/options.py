@@ -165,8 +165,8 @@ class LossOptions(Section):
             unknown = sorted(set(mapping) - set(cls.names()) | set(mapping) & set(exclude))
             if unknown:
                 raise TypeError(
-                    f"options: unknown option(s) {unknown} for {caller}; expected some of "
-                    f"{sorted(set(cls.names()) - set(exclude))}"
+                    f"options: expected options of {caller} among {sorted(set(cls.names()) - set(exclude))}, got "
+                    f"unknown option(s) {unknown}"
                 )
             return cls(**{**mapping, **keywords})
         if not isinstance(options, LossOptions):
@@ -185,7 +185,9 @@ def _refuse_unknown(keywords: Mapping[str, Any], caller: str, exclude: Collectio
     names = set(LossOptions.names()) - set(exclude)
     for k in keywords:
         if k not in names:
-            raise TypeError(f"{caller}() got an unexpected keyword argument {k!r}")
+            raise TypeError(
+                f"{caller}: expected LossOptions' fields as keywords, got an unexpected keyword argument {k!r}"
+            )
 
 
 OPTION_DEFAULTS: Mapping[str, Any] = MappingProxyType({f.name: f.default for f in _FIELDS})
@@ -302,8 +304,8 @@ def _check_targets(targets: torch.Tensor, loss_mask: torch.Tensor, vocab: int) -
     if bool(at_loss.any()):
         first = tuple(torch.nonzero(at_loss)[0].tolist())
         raise ValueError(
-            f"targets: {IGNORE_INDEX} (the ignore index) at {int(at_loss.sum())} token(s) with loss_mask != 0 (first "
-            f"at index {first}): a token in the loss needs its target id in [0, {vocab}); set loss_mask to 0 there"
+            f"targets: expected ids in [0, {vocab}) at tokens in the loss (loss_mask != 0), got {IGNORE_INDEX} (the "
+            f"ignore index) at {int(at_loss.sum())} such token(s) (first at index {first}); set loss_mask to 0 there"
         )
     any_ignored = bool(ignored.any())
     C.check_index_range("targets", targets.masked_fill(ignored, 0) if any_ignored else targets, vocab)
@@ -373,8 +375,9 @@ def check_logits_rows_defined(logp: torch.Tensor, loss_mask: torch.Tensor, logit
         row_max = float(logits.detach()[first].amax())  # one row, on the error path only
         why = "" if not math.isfinite(row_max) else ": logits / temperature overflow the float range"
         raise ValueError(
-            f"logits: {int(bad.sum())} token(s) in the loss (loss_mask != 0) have a logits row with NaN or +inf, or "
-            f"only -inf (first at index {first}, row max {row_max}{why}): their log-prob is undefined"
+            f"logits: expected a finite log-sum-exp on the row of every token in the loss (loss_mask != 0), got "
+            f"{int(bad.sum())} row(s) with NaN or +inf, or only -inf (first at index {first}, row max {row_max}{why}): "
+            "their log-prob is undefined"
         )
 
 
@@ -388,9 +391,9 @@ def check_loss_logp_defined(undefined: torch.Tensor) -> None:
     if bool(undefined.any()):
         first = int(torch.nonzero(undefined.reshape(-1))[0])
         raise ValueError(
-            f"hidden: {int(undefined.sum())} token(s) in the loss have logits (hidden @ weight^T + bias) whose "
-            f"log-sum-exp is not finite (first at flat token index {first}): hidden @ weight^T overflowed the float "
-            "range or hidden/weight/bias hold NaN; their log-prob is undefined"
+            f"hidden: expected logits (hidden @ weight^T + bias) with a finite log-sum-exp at every token in the loss, "
+            f"got {int(undefined.sum())} token(s) whose log-sum-exp is not finite (first at flat token index {first}): "
+            "hidden @ weight^T overflowed the float range or hidden/weight/bias hold NaN"
         )
 
 

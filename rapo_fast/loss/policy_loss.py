@@ -176,8 +176,8 @@ def policy_loss_from_logp(
     opts = LossOptions.from_call(options, option_kwargs, caller="policy_loss_from_logp", exclude=("temperature",))
     if opts.temperature != 1.0:
         raise ValueError(
-            f"options: temperature={opts.temperature} has no meaning for policy_loss_from_logp (logp is "
-            "taken at its temperature already); leave it at 1.0"
+            f"options.temperature: expected 1.0 with policy_loss_from_logp (logp is taken at its temperature "
+            f"already), got {opts.temperature}"
         )
     a = LossInputs.checked("policy_loss_from_logp", opts, locals())
     plan = plan_path(
@@ -407,7 +407,9 @@ class RAPOLoss(nn.Module):
         super().__init__()
         unknown = sorted(set(options) - set(LossOptions.names()))
         if unknown:
-            raise TypeError(f"RAPOLoss: unknown option(s) {unknown}; expected some of {sorted(LossOptions.names())}")
+            raise TypeError(
+                f"RAPOLoss: expected options among {sorted(LossOptions.names())}, got unknown option(s) {unknown}"
+            )
         base = P.get(preset) if preset is not None else None
         self.loss_options = LossOptions.from_call(base, options, caller="RAPOLoss")
 
@@ -418,7 +420,9 @@ class RAPOLoss(nn.Module):
     def forward(self, logits: torch.Tensor | None = None, *, return_metrics: bool | None = None, **tensors):
         bad = sorted(set(tensors) & set(LossOptions.names()))
         if bad:
-            raise TypeError(f"RAPOLoss.forward: {bad} are constructor options, not forward arguments")
+            raise TypeError(
+                f"RAPOLoss.forward: expected tensor arguments (options go to RAPOLoss()), got constructor options {bad}"
+            )
         opts = self.loss_options
         if return_metrics is not None:
             opts = opts.replace(return_metrics=return_metrics)

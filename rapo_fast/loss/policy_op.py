@@ -43,7 +43,7 @@ def stack_token_inputs(**rows: torch.Tensor | None) -> tuple[torch.Tensor, int]:
     unknown = sorted(set(rows) - {m.name.lower() for m in TokenInput})
     if unknown:
         raise TypeError(
-            f"stack_token_inputs: unknown row(s) {unknown}; expected {[m.name.lower() for m in TokenInput]}"
+            f"stack_token_inputs: expected rows among {[m.name.lower() for m in TokenInput]}, got {unknown}"
         )
     old = rows["old"]
     tok = torch.empty((NUM_INPUTS, old.shape[0]), dtype=old.dtype, device=old.device)
@@ -52,7 +52,7 @@ def stack_token_inputs(**rows: torch.Tensor | None) -> tuple[torch.Tensor, int]:
         x = rows.get(m.name.lower())
         if x is None:
             if m in REQUIRED_INPUTS:
-                raise ValueError(f"stack_token_inputs: row {m.name.lower()!r} is required")
+                raise ValueError(f"stack_token_inputs: {m.name.lower()}: expected a tensor (a required row), got None")
             continue
         tok[m].copy_(x)
         present |= 1 << int(m)
