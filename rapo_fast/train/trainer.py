@@ -130,7 +130,7 @@ def _scored_positions(attention_mask: torch.Tensor) -> torch.Tensor:
 class LossTensors(NamedTuple):
     """One update's tensors, rows selectable (`select`): the model's input [B, T] and the loss's per-token tensors of
     the shifted batch [B, T-1] under rapo_loss's argument names (advantages [B], or [B, T-1] with hard attribution;
-    behav_logp None unless truncated IS applies, `tis_applies`)."""
+    behav_logp None unless truncated IS applies, step_loss_options)."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
@@ -164,17 +164,13 @@ class LossTensors(NamedTuple):
         return dict(out, hidden=hidden[keep.to(dev)], cu_seqlens=cu.to(dev), global_num_tokens=g)
 
 
-def tis_applies(config: TrainerConfig, batch: RolloutBatch) -> bool:
-    """Whether truncated importance sampling (config.loss.tis_cap, with the rollout's behaviour log-probs) applies to
-    this batch: in splice mode, to a batch with retrieved tokens, when tis_cap is set. There the sampling policy saw
-    spliced K/V, not its own (docs/kv_splice.md); elsewhere the behaviour log-probs are the policy's own."""
-    return config.rollout.mode == "splice" and config.loss.tis_cap is not None and bool((batch.kinds == KIND_RET).any())
-
-
 def step_loss_options(config: TrainerConfig, batch: RolloutBatch) -> LossOptions:
-    """The one LossOptions of a step's loss calls: config.loss at the sampling temperature, with metrics, and
-    tis_cap dropped where it does not apply (tis_applies)."""
-    off = {} if tis_applies(config, batch) else {"tis_cap": None}
+    """The one LossOptions of a step's loss calls: config.loss at the sampling temperature, with metrics. Truncated IS
+    (tis_cap, with the rollout's behaviour log-probs) applies in splice mode to a batch with retrieved tokens only,
+    where the sampling policy saw spliced K/V (docs/kv_splice.md); elsewhere the behaviour log-probs are the policy's
+    own and tis_cap is None."""
+    spliced = config.rollout.mode == "splice" and bool((batch.kinds == KIND_RET).any())
+    off = {} if spliced else {"tis_cap": None}
     return config.loss.replace(temperature=config.rollout.temperature or 1.0, return_metrics=True, **off)
 
 
@@ -321,12 +317,11 @@ class RAPOTrainer:
         s, old_logp, ent = self._old_logprobs(batch)
         adv, z, n_scored = self._advantages(batch, rewards, ent)
         t1 = time.perf_counter()
-        tis = tis_applies(self.config, batch)
+        opts = step_loss_options(self.config, batch)
         names = ("input_ids", "attention_mask", "targets", "loss_mask", "retrieved_mask", "response_mask")
-        tensors = LossTensors(
-            **{k: s[k] for k in names}, old_logp=old_logp, advantages=adv, behav_logp=s["behav_logp"] if tis else None
-        )
-        loss_val, lm, t_opt = self._optimise(tensors, step_loss_options(self.config, batch), batch.group_ids)
+        behav = s["behav_logp"] if opts.tis_cap is not None else None
+        tensors = LossTensors(**{k: s[k] for k in names}, old_logp=old_logp, advantages=adv, behav_logp=behav)
+        loss_val, lm, t_opt = self._optimise(tensors, opts, batch.group_ids)
         t2 = time.perf_counter()
         has_ret = n_scored > 0
         out = {
