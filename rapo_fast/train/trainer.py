@@ -193,7 +193,9 @@ def _sigterm_flag(active: bool) -> Iterator[list]:
 class RAPOTrainer:
     """model (HF causal LM), tokenizer, env (task: `execute`, `verify`), buffer (a StepTraces or None), config
     (TrainerConfig), problems (the training prompts). Stages are replaceable callables (rollout_fn, reward_fn,
-    advantage_fn, loss_fn: docs/training.md section 1)."""
+    advantage_fn, loss_fn: docs/training.md section 1). Every loss_fn (rapo_loss by default, a partial of it, your
+    own) gets the same call: the rows packed with cu_seqlens and the step's LossOptions as `options` (docs/training.md,
+    "The loss contract")."""
 
     def __init__(
         self,
