@@ -119,6 +119,13 @@ def check_bool(name: str, value) -> bool:
     return value
 
 
+def check_instance(name: str, value, types: type | tuple[type, ...], expected: str) -> Any:
+    """`value` is an instance of `types`; `expected` says so in words for the message ("a TrainerConfig")."""
+    if not isinstance(value, types):
+        raise TypeError(f"{name}: expected {expected}, got {type(value).__name__}")
+    return value
+
+
 def check_float(
     name: str,
     value,

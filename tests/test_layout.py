@@ -143,6 +143,18 @@ def test_layout_holds():
     assert not findings, "tools/check_layout.py found:\n" + "\n".join(findings)
 
 
+def test_kernels_import_only_kernels_and_shared_constants():
+    """Arrows run down: the Triton kernels (rapo_fast/kernels/) import only other kernel modules and
+    rapo_fast._constants, never the launchers above them (rapo_fast/loss/, rapo_fast/retrieval/, ...): what both need
+    (codes, layouts, option vocabularies) sits in rapo_fast/kernels/ or rapo_fast/_constants.py."""
+    edges = CL.import_edges(CL.library_modules())
+    kernel_edges = [e for e, _ in edges if e.src.startswith("rapo_fast.kernels")]
+    assert any(e.dst == "rapo_fast._constants" for e in kernel_edges), "the check sees no kernel import at all"
+    allowed = ("rapo_fast.kernels", "rapo_fast._constants")
+    bad = sorted({f"{e.where()}: {e.src} imports {e.dst}" for e in kernel_edges if not e.dst.startswith(allowed)})
+    assert not bad, "\n".join(bad)
+
+
 def test_tests_import_helpers_not_tests_package():
     """Test modules import their helpers as `helpers...` (tests/ is on sys.path through the rootdir conftest), never
     as `tests.helpers...`: verl 0.9.1 and transferqueue install a top-level `tests` package in site-packages, so once

@@ -92,15 +92,23 @@ def _logprobs(backward: bool):
 
 def _policy_loss(backward: bool):
     from rapo_fast.kernels.loss import policy_loss as K
-    from rapo_fast.loss.policy_layout import TokenInput
-    from rapo_fast.loss.policy_op import _BLOCK
+    from rapo_fast.kernels.loss.policy_layout import TokenInput
+    from rapo_fast.loss.options import LossOptions
+    from rapo_fast.loss.policy_op import _BLOCK, KernelOptions
 
     fn = K.policy_loss_bwd_kernel if backward else K.policy_loss_fwd_kernel
     present = sum(1 << int(m) for m in TokenInput)
-    consts = dict(PRESENT=present, offpolicy_train=2, kl_estimator=2, kl_clamp=True, HAS_ENT=True, BLOCK=_BLOCK)
+    consts = dict(PRESENT=present, HAS_ENT=True, BLOCK=_BLOCK)
     names = [n for n in fn.arg_names if n not in consts]
     types = ["*fp32" if n.endswith("_ptr") else "i32" if n in ("N", "tok_stride") else "fp32" for n in names]
-    return fn, types, consts, [i for i, t in enumerate(types) if t.startswith("*")], {}  # launched with the defaults
+    # opts: one named tuple, its choices and flags constexpr fields, its reals fp32 (policy_op.kernel_options)
+    opts = LossOptions(offpolicy_train="truncated", kl_estimator="k3", kl_clamp=True).to_kernel()
+    types[names.index("opts")] = KernelOptions(
+        *("fp32" if isinstance(v, float) else "constexpr" for v in opts.values())
+    )
+    i = fn.arg_names.index("opts")
+    consts.update({(i, j): v for j, v in enumerate(opts.values()) if not isinstance(v, float)})
+    return fn, types, consts, [i for i, t in enumerate(types) if isinstance(t, str) and t.startswith("*")], {}
 
 
 def _build(case: str):
@@ -130,9 +138,11 @@ def _compile(case: str) -> dict:
     fn, types, consts, divisible, options = _build(case)
     names = list(fn.arg_names)
     runtime = [n for n in names if n not in consts]
-    sig = {**dict(zip(runtime, types, strict=True)), **{n: "constexpr" for n in consts}}
+    # a consts key: a parameter's name, or the path (parameter index, field) of a constexpr field of a tuple argument
+    sig = {**dict(zip(runtime, types, strict=True)), **{n: "constexpr" for n in consts if isinstance(n, str)}}
     attrs = {(names.index(runtime[i]),): [["tt.divisibility", 16]] for i in divisible}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()}, attrs=attrs)
+    paths = {((names.index(n),) if isinstance(n, str) else n): v for n, v in consts.items()}
+    src = ASTSource(fn=fn, signature=sig, constexprs=paths, attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
@@ -151,7 +161,7 @@ def _compile(case: str) -> dict:
         num_warps=md.num_warps,
         num_stages=md.num_stages,
         pipelined="async_copy_global_to_local" in kernel.asm["ttgir"],
-        consts=consts,
+        consts={str(k): v for k, v in consts.items()},
     )
 
 

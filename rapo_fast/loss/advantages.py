@@ -44,8 +44,9 @@ def step_entropy(entropy: torch.Tensor, step_spans: torch.Tensor) -> torch.Tenso
         C.check_index_range("step_spans[:, 0] (row)", spans[:, 0], B)
         C.check_index_range("step_spans start", spans[:, 1], T + 1)
         C.check_index_range("step_spans end", spans[:, 2], T + 1)
-        if bool((spans[:, 2] < spans[:, 1]).any()):
-            raise ValueError("step_spans: expected start <= end in every row")
+        bad = torch.nonzero(spans[:, 2] < spans[:, 1])
+        if bad.numel():
+            raise ValueError(f"step_spans: expected start <= end in every row, got start > end in row {int(bad[0])}")
     # prefix sums in fp64 so that a long row's sum does not lose the small steps' precision
     cs = torch.cat([ent.new_zeros((B, 1), dtype=torch.float64), ent.to(torch.float64).cumsum(1)], dim=1)
     row, start, end = spans.unbind(1)
@@ -67,7 +68,10 @@ def retrieval_reward(h_before: torch.Tensor, h_after: torch.Tensor) -> torch.Ten
     C.check_same_device(h_before=h_before, h_after=h_after)
     nb, na = torch.isnan(h_before), torch.isnan(h_after)
     if bool((nb != na).any()):
-        raise ValueError("h_before/h_after: NaN (no retrieval) must be at the same positions in both")
+        raise ValueError(
+            f"h_before/h_after: expected NaN (no retrieval) at the same positions in both, got {int((nb != na).sum())} "
+            "position(s) NaN in one only"
+        )
     hb = torch.where(nb, 0.0, h_before.to(torch.float64))
     ha = torch.where(na, 0.0, h_after.to(torch.float64))
     C.check_finite("h_before", hb)  # NaN means "no retrieval"; inf is an error
@@ -132,7 +136,9 @@ def rapo_advantages(
             raise ValueError("retrieved: expected a bool tensor of shape (B,) with ret_norm='retrieved', got None")
         C.check_tensor("retrieved", retrieved, shape=tuple(rewards.shape), dtypes=(torch.bool,))
     elif retrieved is not None:  # a mask that would silently do nothing is a caller's mistake
-        raise ValueError(f"retrieved: only used with ret_norm='retrieved', got a tensor with ret_norm={ret_norm!r}")
+        raise ValueError(
+            f"retrieved: expected None unless ret_norm='retrieved', got a tensor with ret_norm={ret_norm!r}"
+        )
     C.check_same_device(rewards=rewards, group_ids=group_ids, z_ret=z_ret, retrieved=retrieved)
     C.check_float("a", a)
     C.check_float("eps", eps, min_value=0.0, min_inclusive=False)

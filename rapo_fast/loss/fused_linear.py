@@ -16,9 +16,9 @@ import torch
 from torch import Tensor
 
 from rapo_fast._dispatch import register_op
+from rapo_fast.kernels.loss.policy_layout import NUM_METRICS, TokenInput
 from rapo_fast.loss import tiles
 from rapo_fast.loss.options import check_loss_logp_defined
-from rapo_fast.loss.policy_layout import NUM_METRICS, TokenInput
 from rapo_fast.loss.policy_op import policy_loss_bwd, policy_loss_fwd
 
 __all__ = ["fused_linear_policy_loss", "tile_shape"]

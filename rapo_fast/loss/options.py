@@ -21,6 +21,7 @@ import torch
 
 from rapo_fast import _checks as C
 from rapo_fast._sections import Section, option, rule_bool, rule_choice, rule_real
+from rapo_fast.kernels.loss.policy_layout import KL_ESTIMATORS, OFFPOLICY_MODES
 
 __all__ = [
     "LossOptions",
@@ -51,17 +52,15 @@ IGNORE_INDEX = -100
 # probabilities passed by mistake (p in (0, 1], above 1e-4 at nearly every sampled token) are refused.
 OLD_LOGP_MAX = 1e-4
 
-OFFPOLICY_MODES = ("none", "shaped", "truncated")
 IS_LEVELS = ("token", "sequence")
-KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
 @dataclass(frozen=True)
 class KernelArg:
-    """How an option reaches the policy-loss kernels (rapo_fast/kernels/loss/policy_loss.py), which take it as a keyword
-    argument of the same name: `encode` (option value -> number), `decode` (its inverse), and `kind`, the argument's
-    Python type (float: a runtime scalar; int / bool: a constexpr of the kernel)."""
+    """How an option reaches the policy-loss kernels (rapo_fast/kernels/loss/policy_loss.py), which read it as the field
+    of the same name of their one options argument: `encode` (option value -> number), `decode` (its inverse), and
+    `kind`, the field's Python type (float: a runtime scalar; int / bool: a constexpr of the kernel)."""
 
     encode: Callable[[Any], float | int | bool]
     decode: Callable[[float], Any]
@@ -139,10 +138,6 @@ class LossOptions(Section):
         """The kernels' keyword arguments back from kernel_scalars() (equal to the options' to_kernel())."""
         return {n: k.kind(x) for (n, k), x in zip(_KERNEL_ARGS.items(), scalars.tolist(), strict=True)}
 
-    def kernel_values(self) -> dict[str, Any]:
-        """kernel_options(kernel_scalars()) without the tensor: the torch path reads none, so that it traces whole."""
-        return {n: k.decode(k.encode(getattr(self, n))) for n, k in _KERNEL_ARGS.items()}
-
     @classmethod
     def kernel_options(cls, scalars: torch.Tensor) -> dict[str, Any]:
         """The option values back from kernel_scalars(), as the reference (policy_token_loss_ref) takes them."""
@@ -170,8 +165,8 @@ class LossOptions(Section):
             unknown = sorted(set(mapping) - set(cls.names()) | set(mapping) & set(exclude))
             if unknown:
                 raise TypeError(
-                    f"options: unknown option(s) {unknown} for {caller}; expected some of "
-                    f"{sorted(set(cls.names()) - set(exclude))}"
+                    f"options: expected options of {caller} among {sorted(set(cls.names()) - set(exclude))}, got "
+                    f"unknown option(s) {unknown}"
                 )
             return cls(**{**mapping, **keywords})
         if not isinstance(options, LossOptions):
@@ -190,7 +185,9 @@ def _refuse_unknown(keywords: Mapping[str, Any], caller: str, exclude: Collectio
     names = set(LossOptions.names()) - set(exclude)
     for k in keywords:
         if k not in names:
-            raise TypeError(f"{caller}() got an unexpected keyword argument {k!r}")
+            raise TypeError(
+                f"{caller}: expected LossOptions' fields as keywords, got an unexpected keyword argument {k!r}"
+            )
 
 
 OPTION_DEFAULTS: Mapping[str, Any] = MappingProxyType({f.name: f.default for f in _FIELDS})
@@ -229,15 +226,24 @@ class InputFacts:
     ignored_targets: bool = False
 
 
-@dataclass(kw_only=True)
+# The tensor arguments of the two loss entry points, by name (those an entry point lacks are None), in the order
+# check_same_device reads them (the first given names the device).
+_TENSOR_ARGS = (
+    "logp entropy targets logits hidden weight bias old_logp advantages loss_mask retrieved_mask response_mask "
+    "behav_logp ref_logp cu_seqlens global_num_tokens"
+).split()
+
+
+@dataclass(frozen=True, kw_only=True)
 class LossInputs:
-    """One rapo_loss / policy_loss_from_logp call's arguments, by name, as the loss steps take them: the model side
-    (logits, or hidden + weight + bias, with targets; or the given logp and entropy), the per-token tensors, the
-    options, and `facts` once check_inputs has read them. Built once per call by the entry point's front desk
-    (rapo_fast/loss/policy_loss.py); `entry` names the entry point."""
+    """One rapo_loss / policy_loss_from_logp call's arguments, checked, by name, as the loss steps take them: the model
+    side (logits, or hidden + weight + bias, with targets; or the given logp and entropy), the per-token tensors, the
+    options, and the `facts` check_inputs learnt. Built only by `LossInputs.checked`, once per call, by both entry
+    points (rapo_fast/loss/policy_loss.py); `entry` names the entry point."""
 
     entry: str
     opts: LossOptions
+    facts: InputFacts
     old_logp: torch.Tensor
     advantages: torch.Tensor
     loss_mask: torch.Tensor
@@ -254,30 +260,35 @@ class LossInputs:
     targets: torch.Tensor | None = None
     logp: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
-    facts: InputFacts | None = None
 
-    @property
-    def given_logp(self) -> bool:
-        """policy_loss_from_logp: log-probs given, no logits / hidden / targets."""
-        return self.entry == "policy_loss_from_logp"
+    @classmethod
+    def checked(cls, entry: str, opts: LossOptions, args: Mapping[str, Any]) -> LossInputs:
+        """The call's inputs, checked once (check_inputs) against the already checked `opts`. `args`: the entry
+        point's arguments by name (its locals(): the signature is the one list of them); other names are ignored.
+        The ignore index is replaced in targets where the loss never reads it (check_inputs allows it only there)."""
+        t = {k: args.get(k) for k in _TENSOR_ARGS}
+        facts = check_inputs(entry, opts, t)
+        if facts.ignored_targets:
+            t["targets"] = t["targets"].masked_fill(t["targets"] == IGNORE_INDEX, 0)
+        return cls(entry=entry, opts=opts, facts=facts, **t)
 
 
-def _check_logp_inputs(a: LossInputs, opts: LossOptions) -> tuple:
+def _check_logp_inputs(t: Mapping[str, Any], opts: LossOptions) -> tuple:
     """policy_loss_from_logp's logp / entropy checks; returns logp's shape."""
-    logp = C.check_tensor("logp", a.logp, ndim=(1, 2), dtypes=C.FLOAT_DTYPES)
+    logp = C.check_tensor("logp", t["logp"], ndim=(1, 2), dtypes=C.FLOAT_DTYPES)
     tshape = tuple(logp.shape)
-    C.check_optional_tensor("entropy", a.entropy, shape=tshape, dtypes=C.FLOAT_DTYPES)
-    if opts.entropy_coef != 0.0 and a.entropy is None:
+    C.check_optional_tensor("entropy", t["entropy"], shape=tshape, dtypes=C.FLOAT_DTYPES)
+    if opts.entropy_coef != 0.0 and t["entropy"] is None:
         raise ValueError(f"entropy: expected a tensor when entropy_coef != 0 ({opts.entropy_coef}), got None")
     return tshape
 
 
-def _check_per_token(a: LossInputs, tshape: tuple) -> None:
+def _check_per_token(t: Mapping[str, Any], tshape: tuple) -> None:
     for k in ("old_logp", "behav_logp", "ref_logp"):
-        C.check_optional_tensor(k, getattr(a, k), shape=tshape, dtypes=C.FLOAT_DTYPES)
+        C.check_optional_tensor(k, t[k], shape=tshape, dtypes=C.FLOAT_DTYPES)
     for k in ("loss_mask", "retrieved_mask", "response_mask"):
-        C.check_optional_tensor(k, getattr(a, k), shape=tshape, dtypes=C.MASK_DTYPES)
-    if a.old_logp is None or a.loss_mask is None:
+        C.check_optional_tensor(k, t[k], shape=tshape, dtypes=C.MASK_DTYPES)
+    if t["old_logp"] is None or t["loss_mask"] is None:
         raise ValueError("old_logp/loss_mask: expected tensors, got None")
 
 
@@ -293,8 +304,8 @@ def _check_targets(targets: torch.Tensor, loss_mask: torch.Tensor, vocab: int) -
     if bool(at_loss.any()):
         first = tuple(torch.nonzero(at_loss)[0].tolist())
         raise ValueError(
-            f"targets: {IGNORE_INDEX} (the ignore index) at {int(at_loss.sum())} token(s) with loss_mask != 0 (first "
-            f"at index {first}): a token in the loss needs its target id in [0, {vocab}); set loss_mask to 0 there"
+            f"targets: expected ids in [0, {vocab}) at tokens in the loss (loss_mask != 0), got {IGNORE_INDEX} (the "
+            f"ignore index) at {int(at_loss.sum())} such token(s) (first at index {first}); set loss_mask to 0 there"
         )
     any_ignored = bool(ignored.any())
     C.check_index_range("targets", targets.masked_fill(ignored, 0) if any_ignored else targets, vocab)
@@ -316,33 +327,33 @@ def _check_logp_not_positive(name: str, t: torch.Tensor, in_loss: torch.Tensor) 
         )
 
 
-def _check_values(a: LossInputs, opts: LossOptions, targets: torch.Tensor | None, vocab: int | None) -> bool:
+def _check_values(t: Mapping[str, Any], opts: LossOptions, targets: torch.Tensor | None, vocab: int | None) -> bool:
     """Value checks (one sync each) and the tensors some options need; returns whether some targets are
     IGNORE_INDEX (all outside loss_mask)."""
-    ignored = _check_targets(targets, a.loss_mask, vocab) if targets is not None else False
+    ignored = _check_targets(targets, t["loss_mask"], vocab) if targets is not None else False
     # logits rows are not checked here: that would be one more pass over [N, V]; check_logits_rows_defined does it
     # from the forward's output instead (after the log-prob launch, before anything else)
     # per-token values are read only where the token enters the loss: a masked token's old/behav/ref log-prob and
     # advantage may hold anything (NaN, inf), as its logits may; the loss never reads them (docs/loss.md section 3)
-    in_loss = a.loss_mask != 0
-    if opts.offpolicy_train == "none" and a.retrieved_mask is not None:
-        in_loss = in_loss & (a.retrieved_mask == 0)
-    adv = a.advantages
+    in_loss = t["loss_mask"] != 0
+    if opts.offpolicy_train == "none" and t["retrieved_mask"] is not None:
+        in_loss = in_loss & (t["retrieved_mask"] == 0)
+    adv = t["advantages"]
     C.check_finite("advantages", adv, in_loss=in_loss if adv.shape == in_loss.shape else None)
-    C.check_finite("old_logp", a.old_logp, allow_inf=True, in_loss=in_loss)
-    _check_logp_not_positive("old_logp", a.old_logp, in_loss)
-    if opts.offpolicy_train == "truncated" and a.behav_logp is None:
+    C.check_finite("old_logp", t["old_logp"], allow_inf=True, in_loss=in_loss)
+    _check_logp_not_positive("old_logp", t["old_logp"], in_loss)
+    if opts.offpolicy_train == "truncated" and t["behav_logp"] is None:
         raise ValueError(
             "behav_logp: expected the behaviour log-probs of the retrieved tokens when offpolicy_train='truncated', "
             "got None"
         )
-    if opts.tis_cap is not None and a.behav_logp is None:
+    if opts.tis_cap is not None and t["behav_logp"] is None:
         raise ValueError("behav_logp: expected a tensor when tis_cap is set (truncated importance sampling), got None")
-    if opts.beta != 0.0 and a.ref_logp is None:
+    if opts.beta != 0.0 and t["ref_logp"] is None:
         raise ValueError(f"ref_logp: expected a tensor when beta != 0 ({opts.beta}), got None")
     for k in ("behav_logp", "ref_logp"):
-        if getattr(a, k) is not None:
-            C.check_finite(k, getattr(a, k), allow_inf=True, in_loss=in_loss)
+        if t[k] is not None:
+            C.check_finite(k, t[k], allow_inf=True, in_loss=in_loss)
     return ignored
 
 
@@ -364,8 +375,9 @@ def check_logits_rows_defined(logp: torch.Tensor, loss_mask: torch.Tensor, logit
         row_max = float(logits.detach()[first].amax())  # one row, on the error path only
         why = "" if not math.isfinite(row_max) else ": logits / temperature overflow the float range"
         raise ValueError(
-            f"logits: {int(bad.sum())} token(s) in the loss (loss_mask != 0) have a logits row with NaN or +inf, or "
-            f"only -inf (first at index {first}, row max {row_max}{why}): their log-prob is undefined"
+            f"logits: expected a finite log-sum-exp on the row of every token in the loss (loss_mask != 0), got "
+            f"{int(bad.sum())} row(s) with NaN or +inf, or only -inf (first at index {first}, row max {row_max}{why}): "
+            "their log-prob is undefined"
         )
 
 
@@ -379,9 +391,9 @@ def check_loss_logp_defined(undefined: torch.Tensor) -> None:
     if bool(undefined.any()):
         first = int(torch.nonzero(undefined.reshape(-1))[0])
         raise ValueError(
-            f"hidden: {int(undefined.sum())} token(s) in the loss have logits (hidden @ weight^T + bias) whose "
-            f"log-sum-exp is not finite (first at flat token index {first}): hidden @ weight^T overflowed the float "
-            "range or hidden/weight/bias hold NaN; their log-prob is undefined"
+            f"hidden: expected logits (hidden @ weight^T + bias) with a finite log-sum-exp at every token in the loss, "
+            f"got {int(undefined.sum())} token(s) whose log-sum-exp is not finite (first at flat token index {first}): "
+            "hidden @ weight^T overflowed the float range or hidden/weight/bias hold NaN"
         )
 
 
@@ -405,33 +417,28 @@ def _check_global_num_tokens(g: Any, dev: torch.device | None) -> None:
     C.check_float("global_num_tokens", g, min_value=0.0, min_inclusive=False)
 
 
-def check_inputs(a: LossInputs) -> InputFacts:
-    """Check every tensor argument of rapo_loss or policy_loss_from_logp (logits/hidden/weight/bias/targets, or
-    logp/entropy, and the per-token tensors, cu_seqlens, global_num_tokens) against the (already checked) options
-    `a.opts`; return the facts the launcher needs."""
-    opts = a.opts
-    if a.given_logp:  # policy_loss_from_logp: log-probs (and entropy) given, no logits/hidden/targets
-        tshape, targets, vocab = _check_logp_inputs(a, opts), None, None
+def check_inputs(entry: str, opts: LossOptions, t: Mapping[str, Any]) -> InputFacts:
+    """Check every tensor argument `t` (by name, each present, None if not given) of rapo_loss or
+    policy_loss_from_logp (`entry`): logits/hidden/weight/bias/targets, or logp/entropy, and the per-token tensors,
+    cu_seqlens, global_num_tokens, against the (already checked) options; return the facts the launcher needs."""
+    if entry == "policy_loss_from_logp":  # log-probs (and entropy) given, no logits/hidden/targets
+        tshape, targets, vocab = _check_logp_inputs(t, opts), None, None
     else:
-        vocab = C.check_model_inputs(a.logits, a.hidden, a.weight, a.bias, a.targets)
-        targets, tshape = a.targets, tuple(a.targets.shape)
-    _check_per_token(a, tshape)
-    cu, flat = a.cu_seqlens, len(tshape) == 1  # rows: the sequences of padded [B, T] or flat [N] (+ cu_seqlens)
+        vocab = C.check_model_inputs(t["logits"], t["hidden"], t["weight"], t["bias"], t["targets"])
+        targets, tshape = t["targets"], tuple(t["targets"].shape)
+    _check_per_token(t, tshape)
+    cu, flat = t["cu_seqlens"], len(tshape) == 1  # rows: the sequences of padded [B, T] or flat [N] (+ cu_seqlens)
     if cu is not None and not flat:
         raise ValueError(
             f"cu_seqlens: expected None with padded inputs (it is for flat targets / logp [N]), got shape {tshape}"
         )
     rows = C.check_cu_seqlens("cu_seqlens", cu, tshape[0]) if cu is not None else (1 if flat else tshape[0])
-    adv = C.check_tensor("advantages", a.advantages, dtypes=C.FLOAT_DTYPES)
+    adv = C.check_tensor("advantages", t["advantages"], dtypes=C.FLOAT_DTYPES)
     if tuple(adv.shape) not in (tshape, (rows,)):
         raise ValueError(
             f"advantages: expected shape {tshape} (per token) or ({rows},) (per sequence), got {tuple(adv.shape)}"
         )
-    names = (
-        "logp entropy targets logits hidden weight bias old_logp advantages loss_mask retrieved_mask response_mask "
-        "behav_logp ref_logp cu_seqlens"
-    ).split()
-    dev = C.check_same_device(**{k: getattr(a, k) for k in names})
-    ignored = _check_values(a, opts, targets, vocab)
-    _check_global_num_tokens(a.global_num_tokens, dev)
+    dev = C.check_same_device(**{k: v for k, v in t.items() if k != "global_num_tokens"})
+    ignored = _check_values(t, opts, targets, vocab)
+    _check_global_num_tokens(t["global_num_tokens"], dev)
     return InputFacts(shape=tshape, flat=flat, rows=rows, device=dev, vocab=vocab, ignored_targets=ignored)

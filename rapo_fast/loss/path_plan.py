@@ -54,7 +54,7 @@ class PathPlan(NamedTuple):
 
 
 def _refuse(backend: str, why: str) -> ValueError:
-    return ValueError(f"backend: {backend!r} cannot run on these inputs: {why}")
+    return ValueError(f"backend: expected a backend that can run on these inputs, got {backend!r}: {why}")
 
 
 def _auto_triton(device: torch.device, auto_triton: bool | None) -> tuple[bool, str]:

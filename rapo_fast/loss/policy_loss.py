@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from rapo_fast._dispatch import use_triton
+from rapo_fast.kernels.loss.policy_layout import Metric, TokenCode
 from rapo_fast.loss import presets as P
 from rapo_fast.loss.fused_linear import fused_linear_policy_loss
 from rapo_fast.loss.logprobs import LogprobInputs, _run_logprobs, check_inplace_backward, head_in_hidden_dtype
@@ -31,13 +32,11 @@ from rapo_fast.loss.options import (  # noqa: F401  (re-exported: the option voc
     InputFacts,
     LossInputs,
     LossOptions,
-    check_inputs,
     check_logits_rows_defined,
     check_loss_logp_defined,
     with_option_keywords,
 )
 from rapo_fast.loss.path_plan import Path, PathPlan, log_path, plan_path
-from rapo_fast.loss.policy_layout import Metric, TokenCode
 from rapo_fast.loss.policy_op import policy_loss_op, stack_token_inputs, torch_policy_loss
 
 __all__ = ["rapo_loss", "policy_loss_from_logp", "RAPOLoss", "LossMetrics", "LossOptions", "OPTION_DEFAULTS"]
@@ -66,16 +65,6 @@ def _plan(a: LossInputs, backend: str, want_ent: bool) -> PathPlan:
         sequence_level=a.opts.importance_sampling_level == "sequence",
         auto_triton=use_triton(x.device) if backend == "auto" else None,
     )
-
-
-def _loss_inputs(a: LossInputs) -> LossInputs:
-    """The front desk's checks of rapo_loss / policy_loss_from_logp, once: `a.facts` filled in, and (rapo_loss) the
-    ignore index replaced where the loss never reads it."""
-    a.facts = check_inputs(a)
-    # -100 only outside loss_mask (checked): any id in [0, V) there, the loss never reads it
-    if a.facts.ignored_targets:
-        a.targets = a.targets.masked_fill(a.targets == IGNORE_INDEX, 0)
-    return a
 
 
 @with_option_keywords()
@@ -136,26 +125,7 @@ def rapo_loss(
     opts = LossOptions.from_call(options, option_kwargs, caller="rapo_loss")
     check_inplace_backward(inplace_backward, logits)
     weight, bias = head_in_hidden_dtype(hidden, weight, bias)  # autocast: cast to hidden's dtype, with grad
-    a = _loss_inputs(
-        LossInputs(
-            entry="rapo_loss",
-            opts=opts,
-            old_logp=old_logp,
-            advantages=advantages,
-            loss_mask=loss_mask,
-            retrieved_mask=retrieved_mask,
-            response_mask=response_mask,
-            behav_logp=behav_logp,
-            ref_logp=ref_logp,
-            cu_seqlens=cu_seqlens,
-            global_num_tokens=global_num_tokens,
-            logits=logits,
-            hidden=hidden,
-            weight=weight,
-            bias=bias,
-            targets=targets,
-        )
-    )
+    a = LossInputs.checked("rapo_loss", opts, locals())  # the arguments as given (weight/bias cast)
     want_ent = opts.entropy_coef != 0.0 or opts.return_metrics
     plan = _plan(a, backend, want_ent)
     if _use_fused(plan):
@@ -206,26 +176,10 @@ def policy_loss_from_logp(
     opts = LossOptions.from_call(options, option_kwargs, caller="policy_loss_from_logp", exclude=("temperature",))
     if opts.temperature != 1.0:
         raise ValueError(
-            f"options: temperature={opts.temperature} has no meaning for policy_loss_from_logp (logp is "
-            "taken at its temperature already); leave it at 1.0"
+            f"options.temperature: expected 1.0 with policy_loss_from_logp (logp is taken at its temperature "
+            f"already), got {opts.temperature}"
         )
-    a = _loss_inputs(
-        LossInputs(
-            entry="policy_loss_from_logp",
-            opts=opts,
-            old_logp=old_logp,
-            advantages=advantages,
-            loss_mask=loss_mask,
-            retrieved_mask=retrieved_mask,
-            response_mask=response_mask,
-            behav_logp=behav_logp,
-            ref_logp=ref_logp,
-            cu_seqlens=cu_seqlens,
-            global_num_tokens=global_num_tokens,
-            logp=logp,
-            entropy=entropy,
-        )
-    )
+    a = LossInputs.checked("policy_loss_from_logp", opts, locals())
     plan = plan_path(
         "policy_loss_from_logp",
         backend,
@@ -383,7 +337,7 @@ def _loss_from_logp(
         if plan.path.triton and t.cd == torch.float32:
             tok_loss, sums = policy_loss_op(t.lp.contiguous(), t.ent, tok, present, scalars)
         else:
-            tok_loss, sums = torch_policy_loss(t.lp.contiguous(), t.ent, tok, present, opts.kernel_values())
+            tok_loss, sums = torch_policy_loss(t.lp.contiguous(), t.ent, tok, present, opts)
         loss = tok_loss.sum()
         lp = t.lp
     log_path(a.entry, path, plan.reason)
@@ -453,7 +407,9 @@ class RAPOLoss(nn.Module):
         super().__init__()
         unknown = sorted(set(options) - set(LossOptions.names()))
         if unknown:
-            raise TypeError(f"RAPOLoss: unknown option(s) {unknown}; expected some of {sorted(LossOptions.names())}")
+            raise TypeError(
+                f"RAPOLoss: expected options among {sorted(LossOptions.names())}, got unknown option(s) {unknown}"
+            )
         base = P.get(preset) if preset is not None else None
         self.loss_options = LossOptions.from_call(base, options, caller="RAPOLoss")
 
@@ -464,7 +420,9 @@ class RAPOLoss(nn.Module):
     def forward(self, logits: torch.Tensor | None = None, *, return_metrics: bool | None = None, **tensors):
         bad = sorted(set(tensors) & set(LossOptions.names()))
         if bad:
-            raise TypeError(f"RAPOLoss.forward: {bad} are constructor options, not forward arguments")
+            raise TypeError(
+                f"RAPOLoss.forward: expected tensor arguments (options go to RAPOLoss()), got constructor options {bad}"
+            )
         opts = self.loss_options
         if return_metrics is not None:
             opts = opts.replace(return_metrics=return_metrics)

@@ -10,19 +10,30 @@ What this is not: the per-sequence quantities (rapo_fast/loss/policy_loss.py) or
 
 from __future__ import annotations
 
+from collections import namedtuple
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from rapo_fast._dispatch import device_guard, register_op, use_triton
+from rapo_fast.kernels.loss.policy_layout import NUM_INPUTS, NUM_METRICS, REQUIRED_INPUTS, Metric, TokenCode, TokenInput
 from rapo_fast.loss.options import LossOptions
-from rapo_fast.loss.policy_layout import NUM_INPUTS, NUM_METRICS, REQUIRED_INPUTS, Metric, TokenCode, TokenInput
 from rapo_fast.reference.policy_loss import policy_token_loss_ref
 
-__all__ = ["stack_token_inputs", "policy_loss_op", "policy_loss_fwd", "policy_loss_bwd", "torch_policy_loss"]
+__all__ = [
+    "stack_token_inputs",
+    "policy_loss_op",
+    "policy_loss_fwd",
+    "policy_loss_bwd",
+    "torch_policy_loss",
+    "KernelOptions",
+    "kernel_options",
+]
 
 _BLOCK = 1024  # tokens per program of the elementwise kernels
+# the kernels' one options argument: a named tuple whose fields are LossOptions' kernel options, in their order
+KernelOptions = namedtuple("KernelOptions", LossOptions.kernel_names())
 
 
 def stack_token_inputs(**rows: torch.Tensor | None) -> tuple[torch.Tensor, int]:
@@ -32,7 +43,7 @@ def stack_token_inputs(**rows: torch.Tensor | None) -> tuple[torch.Tensor, int]:
     unknown = sorted(set(rows) - {m.name.lower() for m in TokenInput})
     if unknown:
         raise TypeError(
-            f"stack_token_inputs: unknown row(s) {unknown}; expected {[m.name.lower() for m in TokenInput]}"
+            f"stack_token_inputs: expected rows among {[m.name.lower() for m in TokenInput]}, got {unknown}"
         )
     old = rows["old"]
     tok = torch.empty((NUM_INPUTS, old.shape[0]), dtype=old.dtype, device=old.device)
@@ -41,7 +52,7 @@ def stack_token_inputs(**rows: torch.Tensor | None) -> tuple[torch.Tensor, int]:
         x = rows.get(m.name.lower())
         if x is None:
             if m in REQUIRED_INPUTS:
-                raise ValueError(f"stack_token_inputs: row {m.name.lower()!r} is required")
+                raise ValueError(f"stack_token_inputs: {m.name.lower()}: expected a tensor (a required row), got None")
             continue
         tok[m].copy_(x)
         present |= 1 << int(m)
@@ -61,12 +72,16 @@ def _kernels():
 
 
 def torch_policy_loss(
-    logp: torch.Tensor, ent: torch.Tensor | None, tok: torch.Tensor, present: int, options: Mapping[str, Any]
+    logp: torch.Tensor,
+    ent: torch.Tensor | None,
+    tok: torch.Tensor,
+    present: int,
+    options: LossOptions | Mapping[str, Any],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The op's math in torch (the reference's per-token function): weighted token losses and the metric sums.
     Differentiable by autograd; the fallback of rapo_loss and of the registered op on devices without Triton.
-    `options`: the kernel options by name, as Python values (LossOptions.kernel_values, or kernel_options of the
-    op's scalars): no tensor is read on the host, so that the call traces whole under torch.compile."""
+    `options`: the call's checked LossOptions (read, not rebuilt), or the kernel options by name (kernel_options of
+    the op's scalars): Python values, no tensor read on the host, so that the call traces whole under torch.compile."""
     r = _rows(tok, present)
     on, off = r["code"] == int(TokenCode.ON), r["code"] == int(TokenCode.OFF)
     act = on | off
@@ -81,7 +96,7 @@ def torch_policy_loss(
         behav_logp=r["behav"],
         ref_logp=r["ref"],
         entropy=ent,
-        **options,
+        options=options,
     )
     z = torch.zeros_like(logp).detach()
 
@@ -107,14 +122,21 @@ def torch_policy_loss(
     return loss * r["w"], torch.stack([sums[m] for m in Metric])
 
 
+def kernel_options(scalars: torch.Tensor) -> KernelOptions:
+    """The kernels' `opts` from the op's scalars (LossOptions.kernel_kwargs): a choice or flag (int, bool) as a
+    constexpr, so that the kernels branch on it at compile time; a real as a runtime scalar (no recompile per value)."""
+    import triton.language as tl  # lazy: `import rapo_fast.loss.policy_loss` must not need triton
+
+    kw = LossOptions.kernel_kwargs(scalars)
+    return KernelOptions(**{k: v if isinstance(v, float) else tl.constexpr(v) for k, v in kw.items()})
+
+
 def _launch_args(tok: torch.Tensor, present: int, scalars: torch.Tensor, n: int) -> dict:
-    """The keyword arguments every policy-loss kernel launch shares: the stacked inputs, and the options under their
-    own names (LossOptions.kernel_kwargs)."""
+    """The keyword arguments every policy-loss kernel launch shares: the stacked inputs and the options."""
     if tok.dim() != 2 or tok.shape[0] != NUM_INPUTS or tok.stride(1) != 1:
         raise ValueError(f"tok: expected [{NUM_INPUTS}, N] with contiguous rows, got {tuple(tok.shape)} {tok.stride()}")
-    return dict(
-        tok_ptr=tok, tok_stride=tok.stride(0), N=n, PRESENT=present, BLOCK=_BLOCK, **LossOptions.kernel_kwargs(scalars)
-    )
+    opts = kernel_options(scalars)
+    return dict(tok_ptr=tok, tok_stride=tok.stride(0), N=n, opts=opts, PRESENT=present, BLOCK=_BLOCK)
 
 
 def policy_loss_fwd(

@@ -8,6 +8,7 @@ What this is not: a fast path.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,19 +54,20 @@ def policy_token_loss_ref(
     behav_logp: torch.Tensor | None = None,
     ref_logp: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
-    **options: Any,
+    options: LossOptions | Mapping[str, Any] | None = None,
+    **option_kwargs: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token loss (unaggregated) and per-token metric terms; all tensors broadcast to logp's shape.
 
     logp: float tensor (fp32/fp64) with grad; on_mask/off_mask: bool, the on-policy tokens in the loss and the
     retrieved tokens trained off-policy; seq_log_ratio: per token, the (already detached) sequence mean log-ratio for
-    importance_sampling_level="sequence", else None. options: the per-token fields of LossOptions (those with a
-    KernelArg). Returns
+    importance_sampling_level="sequence", else None. options: a LossOptions (its per-token fields are read: those with
+    a KernelArg), or those fields as a mapping or as keywords. Returns
     (loss [...], terms) where loss is 0 outside on|off and terms holds detached per-token values: clipped_high,
     clipped_low, dual_clipped (bool), ratio, approx_kl, and where computed kl (ref_logp given), tis_weight (tis_cap
     set), offpolicy_weight (offpolicy_train not "none").
     """
-    o = LossOptions.from_call(None, options, caller="policy_token_loss_ref", exclude=_ROW_OPTIONS)
+    o = LossOptions.from_call(options, option_kwargs, caller="policy_token_loss_ref", exclude=_ROW_OPTIONS)
     off_mask = torch.zeros_like(on_mask) if off_mask is None else off_mask
     active = on_mask | off_mask
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
@@ -254,7 +256,6 @@ def rapo_loss_ref(
     off = r.lm & r.ret if o.offpolicy_train != "none" else torch.zeros_like(on)
     active = on | off
     scale, seq_lr = _row_ratio_terms(r, on, o)
-    token_options = {k: v for k, v in o.to_dict().items() if k not in _ROW_OPTIONS}
     tok, terms = policy_token_loss_ref(
         r.logp,
         r.old,
@@ -266,7 +267,7 @@ def rapo_loss_ref(
         behav_logp=r.behav,
         ref_logp=r.ref,
         entropy=r.entropy,
-        **token_options,
+        options=o,
     )
     tok = torch.where(active, tok, torch.zeros_like(tok))
     loss = _agg_loss(tok, active, o.loss_agg, global_num_tokens, r.width)

@@ -17,11 +17,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from rapo_fast._checks import check_bool, check_int
+from rapo_fast._checks import check_bool, check_instance, check_int
+from rapo_fast.loss.options import LossOptions
 from rapo_fast.rollouts.batch import KIND_GEN, KIND_RET, RolloutBatch
 from rapo_fast.train.callbacks import EvalCallback, TrainerCallback
 from rapo_fast.train.config import TrainerConfig
@@ -35,6 +36,8 @@ __all__ = [
     "EvalCallback",
     "default_rewards",
     "retrieval_rewards",
+    "Retrieval",
+    "step_loss_options",
     "onpolicy_steps",
     "hard_attribution",
 ]
@@ -45,25 +48,32 @@ def default_rewards(env, problems: Sequence, batch: RolloutBatch) -> torch.Tenso
     return torch.tensor([float(env.verify(problems[int(i)], c)) for i, c in zip(batch.prompt_index, batch.completions)])
 
 
+class Retrieval(NamedTuple):
+    """One row of RolloutBatch.retrievals [R, 5], by name: the trajectory (row), the step_spans indices of the steps
+    before and after the retrieval (step_after -1: none after it), the payload id and the retrieved token count."""
+
+    row: int
+    step_before: int
+    step_after: int
+    payload: int
+    tokens: int
+
+
 def retrieval_rewards(batch: RolloutBatch, step_ent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per trajectory Z [B] (mean of tanh(2 H_delta) H_before over its retrievals, 0 without) and the number of
     retrievals that had a step after them [B]. step_ent [S]: entropy of each step of batch.step_spans."""
     from rapo_fast.loss.advantages import retrieval_reward
 
-    B = batch.batch_size
-    rets = batch.retrievals[batch.retrievals[:, 2] >= 0] if batch.retrievals.numel() else batch.retrievals
-    counts = torch.zeros(B, dtype=torch.int64)
-    if rets.numel():
-        counts.index_add_(0, rets[:, 0], torch.ones(len(rets), dtype=torch.int64))
-    R = max(1, int(counts.max()) if counts.numel() else 1)
-    hb = torch.full((B, R), float("nan"), dtype=torch.float32)
+    per_row: list[list[Retrieval]] = [[] for _ in range(batch.batch_size)]
+    for r in map(Retrieval._make, batch.retrievals.tolist()):
+        if r.step_after >= 0:  # scored: a step after it to compare with
+            per_row[r.row].append(r)
+    hb = torch.full((len(per_row), max([1, *map(len, per_row)])), float("nan"), dtype=torch.float32)
     ha = hb.clone()
-    fill = [0] * B
-    for row, before, after, *_ in rets.tolist():
-        hb[row, fill[row]] = step_ent[before]
-        ha[row, fill[row]] = step_ent[after]
-        fill[row] += 1
-    return retrieval_reward(hb, ha), counts
+    for row, rets in enumerate(per_row):
+        for j, r in enumerate(rets):
+            hb[row, j], ha[row, j] = step_ent[r.step_before], step_ent[r.step_after]
+    return retrieval_reward(hb, ha), torch.tensor([len(rets) for rets in per_row], dtype=torch.int64)
 
 
 def onpolicy_steps(batch: RolloutBatch, rewards: torch.Tensor, tokenizer) -> tuple[list[str], list[str], list[int]]:
@@ -117,23 +127,51 @@ def _scored_positions(attention_mask: torch.Tensor) -> torch.Tensor:
     return torch.arange(attention_mask.shape[1] - 1, device=attention_mask.device)[None, :] < n[:, None]
 
 
-def _packed(
-    hidden: torch.Tensor, per_token: dict[str, torch.Tensor], attention_mask: torch.Tensor, opts: dict
-) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]:
-    """The shifted rows [B, T-1] of a mini-batch as rapo_loss's flat form: each row's scored positions
-    (_scored_positions), rows one after another, with cu_seqlens. The loss is the padded call's up to float rounding
-    (the same tokens and sequences) at the cost of the real tokens only; under seq-mean-token-sum-norm the padded
-    width T-1 is passed as the normaliser, which the flat form would otherwise take from the longest row. Per-row
-    advantages [B] go in per token: a flat [S] vector would read as per token whenever S equals the token count."""
-    keep = _scored_positions(attention_mask)
-    adv = per_token["advantages"]
-    per_token = dict(per_token, advantages=adv if adv.dim() == 2 else adv[:, None].expand(keep.shape))
-    cu = torch.zeros(keep.shape[0] + 1, dtype=torch.int64)
-    cu[1:] = torch.cumsum(keep.sum(1).cpu(), 0)
-    kw: dict[str, Any] = {"cu_seqlens": cu.to(hidden.device)}
-    if opts.get("loss_agg") == "seq-mean-token-sum-norm":
-        kw["global_num_tokens"] = hidden.shape[1]
-    return hidden[keep.to(hidden.device)], {k: v[keep.to(v.device)] for k, v in per_token.items()}, kw
+class LossTensors(NamedTuple):
+    """One update's tensors, rows selectable (`select`): the model's input [B, T] and the loss's per-token tensors of
+    the shifted batch [B, T-1] under rapo_loss's argument names (advantages [B], or [B, T-1] with hard attribution;
+    behav_logp None unless truncated IS applies, step_loss_options)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    targets: torch.Tensor
+    old_logp: torch.Tensor
+    advantages: torch.Tensor
+    loss_mask: torch.Tensor
+    retrieved_mask: torch.Tensor
+    response_mask: torch.Tensor
+    behav_logp: torch.Tensor | None
+
+    def select(self, rows: torch.Tensor | None) -> LossTensors:
+        """These rows (None: all, no copy)."""
+        return self if rows is None else LossTensors(*(None if v is None else v[rows] for v in self))
+
+    def packed(self, hidden: torch.Tensor, opts: LossOptions) -> dict[str, Any]:
+        """The loss_fn's tensor keywords, packed (docs/training.md, "The loss contract"): of each row [B, T-1] and of
+        hidden [B, T-1, H] the scored positions (_scored_positions), rows one after another, with cu_seqlens. Under
+        seq-mean-token-sum-norm the padded width T-1 is global_num_tokens (the flat form would take the longest row's).
+        Per-row advantages [B] go in per token: a flat [S] vector would read as per token whenever S equals N."""
+        keep = _scored_positions(self.attention_mask)
+        per_token = self._asdict()
+        del per_token["input_ids"], per_token["attention_mask"]
+        adv = self.advantages
+        per_token["advantages"] = adv if adv.dim() == 2 else adv[:, None].expand(keep.shape)
+        dev = hidden.device
+        cu = torch.zeros(keep.shape[0] + 1, dtype=torch.int64)
+        cu[1:] = torch.cumsum(keep.sum(1).cpu(), 0)
+        out = {k: v[keep.to(v.device)].to(dev) for k, v in per_token.items() if v is not None}
+        g = hidden.shape[1] if opts.loss_agg == "seq-mean-token-sum-norm" else None
+        return dict(out, hidden=hidden[keep.to(dev)], cu_seqlens=cu.to(dev), global_num_tokens=g)
+
+
+def step_loss_options(config: TrainerConfig, batch: RolloutBatch) -> LossOptions:
+    """The one LossOptions of a step's loss calls: config.loss at the sampling temperature, with metrics. Truncated IS
+    (tis_cap, with the rollout's behaviour log-probs) applies in splice mode to a batch with retrieved tokens only,
+    where the sampling policy saw spliced K/V (docs/kv_splice.md); elsewhere the behaviour log-probs are the policy's
+    own and tis_cap is None."""
+    spliced = config.rollout.mode == "splice" and bool((batch.kinds == KIND_RET).any())
+    off = {} if spliced else {"tis_cap": None}
+    return config.loss.replace(temperature=config.rollout.temperature or 1.0, return_metrics=True, **off)
 
 
 @contextlib.contextmanager
@@ -155,9 +193,11 @@ def _sigterm_flag(active: bool) -> Iterator[list]:
 class RAPOTrainer:
     """model (HF causal LM), tokenizer, env (task: `execute`, `verify`), buffer (a StepTraces or None), config
     (TrainerConfig), problems (the training prompts). Stages are replaceable callables (rollout_fn, reward_fn,
-    advantage_fn, loss_fn: docs/training.md section 1). task_sampler: `step -> (env, problems)`, called before every
-    step with its 0-based index, replaces both for that step (e.g. fresh facts per step); None: `prompts_per_step`
-    problems drawn from `problems`, in `env`."""
+    advantage_fn, loss_fn: docs/training.md section 1). Every loss_fn (rapo_loss by default, a partial of it, your
+    own) gets the same call: the rows packed with cu_seqlens and the step's LossOptions as `options` (docs/training.md,
+    "The loss contract"). task_sampler: `step -> (env, problems)`, called before every step with its 0-based index,
+    replaces both for that step (e.g. fresh facts per step); None: `prompts_per_step` problems drawn from `problems`,
+    in `env`."""
 
     def __init__(
         self,
@@ -176,25 +216,23 @@ class RAPOTrainer:
         offpolicy=None,
         task_sampler: Callable[[int], tuple[Any, Sequence]] | None = None,
     ):
-        if not isinstance(config, TrainerConfig):
-            raise TypeError(f"RAPOTrainer: config must be a TrainerConfig, got {type(config).__name__}")
-        config.validate()
+        check_instance("RAPOTrainer: config", config, TrainerConfig, "a TrainerConfig").validate()
         ro = config.rollout
         retrieves = ro.strategy == "hybrid" and ro.hybrid.n_hybrid > 0
         if retrieves and buffer is None:
-            raise ValueError("RAPOTrainer: strategy='hybrid' with n_hybrid > 0 needs a buffer (StepTraces), got None")
+            raise ValueError("RAPOTrainer: buffer: expected a StepTraces (strategy='hybrid', n_hybrid > 0), got None")
         if ro.mode == "splice" and (buffer is None or getattr(buffer, "kv_store", None) is None) and retrieves:
-            raise ValueError("RAPOTrainer: mode='splice' needs a buffer with a kv_store (StepTraces(kv_store=...))")
+            raise ValueError("RAPOTrainer: buffer: expected a StepTraces(kv_store=...) (mode='splice'), got none")
         if not problems:
-            raise ValueError("RAPOTrainer: problems (training prompts) is empty")
+            raise ValueError("RAPOTrainer: problems: expected at least one training prompt, got none")
         if task_sampler is not None and not callable(task_sampler):
             raise TypeError(
                 f"RAPOTrainer: task_sampler: expected a callable or None, got {type(task_sampler).__name__}"
             )
         if ro.strategy == "offpolicy_traj" and offpolicy is None:
             raise ValueError(
-                "RAPOTrainer: strategy='offpolicy_traj' needs offpolicy (rapo_fast.rollouts.offpolicy."
-                "OffPolicyTrajectories, from the JSONL the step buffer is built from), got None"
+                "RAPOTrainer: offpolicy: expected a rapo_fast.rollouts.offpolicy.OffPolicyTrajectories (from the JSONL "
+                "the step buffer is built from) with strategy='offpolicy_traj', got None"
             )
         from rapo_fast.loss.advantages import rapo_advantages
         from rapo_fast.loss.policy_loss import rapo_loss
@@ -285,71 +323,18 @@ class RAPOTrainer:
         self.last_batch, self.last_problems = batch, problems
         return metrics
 
-    def _score(self, batch: RolloutBatch):
-        s = batch.shifted()
-        dev = next(self.model.parameters()).device
-        h = final_hidden_buckets(self.model, s["input_ids"].to(dev), s["attention_mask"].to(dev))[:, :-1]
-        return s, h
-
     def _update(self, batch: RolloutBatch, rewards: torch.Tensor) -> dict[str, float]:
-        from rapo_fast.loss.advantages import step_entropy
-        from rapo_fast.loss.logprobs import token_logprobs
-
-        cfg = self.config
-        dev = next(self.model.parameters()).device
-        W = lm_head_weight(self.model)
+        """The learning half of a step: score, advantages, the loss's tensors and options, the optimiser steps, and
+        their metrics (docs/training.md section 1, steps 5 to 8)."""
         t0 = time.perf_counter()
-        with torch.no_grad():
-            s, h = self._score(batch)
-            # the scored positions only (packed); the others, which score padding and are never read, stay 0
-            keep = _scored_positions(s["attention_mask"])
-            lp, en = token_logprobs(
-                hidden=h[keep.to(dev)],
-                weight=W,
-                targets=s["targets"][keep].to(dev),
-                temperature=cfg.rollout.temperature or 1.0,
-                return_entropy=True,
-            )
-        old_logp, ent = torch.zeros(keep.shape), torch.zeros(keep.shape)
-        old_logp[keep], ent[keep] = lp.float().cpu(), en.float().cpu()
-        step_ent = step_entropy(ent, batch.step_spans_shifted()) if batch.step_spans.numel() else torch.zeros(0)
-        z, n_scored = retrieval_rewards(batch, step_ent)
-        # ret_norm only when asked: a replaced advantage_fn keeps the 4-argument call it was written for
-        av = cfg.advantages
-        extra = {} if av.ret_norm == "group" else {"ret_norm": av.ret_norm, "retrieved": n_scored > 0}
-        adv = self.advantage_fn(rewards, batch.group_ids, z, av.ret_coef, **extra).float()
-        if cfg.rollout.strategy == "arpo" and av.advantage_attribution == "hard":
-            adv = hard_attribution(batch, adv)
+        s, old_logp, ent = self._old_logprobs(batch)
+        adv, z, n_scored = self._advantages(batch, rewards, ent)
         t1 = time.perf_counter()
-        # the options as keywords (those that differ from rapo_loss's defaults); tis_cap only where it applies
-        opts = {k: v for k, v in cfg.loss.overrides().items() if k != "tis_cap"}
-        tensors = {
-            k: s[k] for k in ("input_ids", "attention_mask", "targets", "loss_mask", "retrieved_mask", "response_mask")
-        }
-        tensors.update(old_logp=old_logp, advantages=adv)
-        if cfg.rollout.mode == "splice" and cfg.loss.tis_cap is not None and (batch.kinds == KIND_RET).any():
-            opts["tis_cap"] = cfg.loss.tis_cap
-            tensors["behav_logp"] = s["behav_logp"]
-        self.model.train()
-        loss_val, sums, n_updates, t_opt = 0.0, {}, 0, 0.0
-        # one mini-batch of every row (the default) uses the tensors as they are: no gather of [B, T] copies
-        op = cfg.optim
-        parts = mini_batch_rows(batch.group_ids, op.mini_batch_groups) if op.mini_batch_groups else [None]
-        for _ in range(op.updates_per_step):
-            for rows in parts:
-                mb = tensors if rows is None else {k: v[rows] for k, v in tensors.items()}
-                loss, lm = self._mini_batch_loss(mb, W, opts)
-                self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                t_o = time.perf_counter()
-                if op.max_grad_norm is not None:
-                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), op.max_grad_norm)
-                self.optimizer.step()
-                t_opt += time.perf_counter() - t_o
-                loss_val, n_updates = float(loss.detach()), n_updates + 1
-                for k, v in lm.scalars().items():
-                    sums[k] = sums.get(k, 0.0) + float(v)
-        lm = {k: v / n_updates for k, v in sums.items()}  # loss metrics: mean over the optimiser steps
+        opts = step_loss_options(self.config, batch)
+        names = ("input_ids", "attention_mask", "targets", "loss_mask", "retrieved_mask", "response_mask")
+        behav = s["behav_logp"] if opts.tis_cap is not None else None
+        tensors = LossTensors(**{k: s[k] for k in names}, old_logp=old_logp, advantages=adv, behav_logp=behav)
+        loss_val, lm, t_opt = self._optimise(tensors, opts, batch.group_ids)
         t2 = time.perf_counter()
         has_ret = n_scored > 0
         out = {
@@ -361,34 +346,78 @@ class RAPOTrainer:
             "t_loss": t2 - t1 - t_opt,
             "t_optimizer": t_opt,
         }
-        for k in ("clip_frac_low", "clip_frac_high", "ratio_mean", "approx_kl", "tis_weight_mean"):
-            if k in lm:
-                out[k] = float(lm[k])
-        return out
+        keys = ("clip_frac_low", "clip_frac_high", "ratio_mean", "approx_kl", "tis_weight_mean")
+        return out | {k: lm[k] for k in keys if k in lm}
 
-    def _mini_batch_loss(self, t: dict[str, torch.Tensor], W: torch.Tensor, opts: dict):
-        """rapo_loss on one mini-batch (rows of the shifted batch), with gradients; hidden states recomputed with the
-        current weights, old log-probs and advantages those of the whole rollout batch before its first update.
-        The default loss gets the rows packed (`_packed`); a replaced loss_fn keeps the padded call it was written
-        for."""
-        from rapo_fast.loss.policy_loss import rapo_loss
+    def _old_logprobs(self, batch: RolloutBatch) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+        """The shifted batch, and its old log-probs and entropies [B, T-1] (no grad, at the sampling temperature): at
+        the scored positions only (packed); the others, which score padding and are never read, stay 0."""
+        from rapo_fast.loss.logprobs import token_logprobs
 
-        cfg, dev = self.config, next(self.model.parameters()).device
-        h = final_hidden_buckets(self.model, t["input_ids"].to(dev), t["attention_mask"].to(dev))[:, :-1]
-        names = ("targets", "old_logp", "advantages", "loss_mask", "retrieved_mask", "response_mask", "behav_logp")
-        per_token = {k: t[k] for k in names if k in t}
-        kw: dict[str, Any] = {}
-        if self.loss_fn is rapo_loss:
-            h, per_token, kw = _packed(h, per_token, t["attention_mask"], opts)
-        return self.loss_fn(
-            hidden=h,
-            weight=W,
-            **{k: v.to(dev) for k, v in per_token.items()},
-            temperature=cfg.rollout.temperature or 1.0,
-            return_metrics=True,
-            **kw,
-            **opts,
-        )
+        s = batch.shifted()
+        dev = next(self.model.parameters()).device
+        with torch.no_grad():
+            h = final_hidden_buckets(self.model, s["input_ids"].to(dev), s["attention_mask"].to(dev))[:, :-1]
+            keep = _scored_positions(s["attention_mask"])
+            lp, en = token_logprobs(
+                hidden=h[keep.to(dev)],
+                weight=lm_head_weight(self.model),
+                targets=s["targets"][keep].to(dev),
+                temperature=self.config.rollout.temperature or 1.0,
+                return_entropy=True,
+            )
+        old_logp, ent = torch.zeros(keep.shape), torch.zeros(keep.shape)
+        old_logp[keep], ent[keep] = lp.float().cpu(), en.float().cpu()
+        return s, old_logp, ent
+
+    def _advantages(
+        self, batch: RolloutBatch, rewards: torch.Tensor, ent: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(advantages [B], or [B, T-1] with hard attribution; Z [B]; scored retrievals per row [B])."""
+        from rapo_fast.loss.advantages import step_entropy
+
+        step_ent = step_entropy(ent, batch.step_spans_shifted()) if batch.step_spans.numel() else torch.zeros(0)
+        z, n_scored = retrieval_rewards(batch, step_ent)
+        # ret_norm only when asked: a replaced advantage_fn keeps the 4-argument call it was written for
+        av = self.config.advantages
+        extra = {} if av.ret_norm == "group" else {"ret_norm": av.ret_norm, "retrieved": n_scored > 0}
+        adv = self.advantage_fn(rewards, batch.group_ids, z, av.ret_coef, **extra).float()
+        if self.config.rollout.strategy == "arpo" and av.advantage_attribution == "hard":
+            adv = hard_attribution(batch, adv)
+        return adv, z, n_scored
+
+    def _optimise(
+        self, tensors: LossTensors, opts: LossOptions, group_ids: torch.Tensor
+    ) -> tuple[float, dict[str, float], float]:
+        """optim.updates_per_step passes of optimiser steps over the mini-batches; returns (the last step's loss, the
+        loss metrics' means over the steps, seconds in the optimiser)."""
+        op = self.config.optim
+        self.model.train()
+        # one mini-batch of every row (the default) uses the tensors as they are: no gather of [B, T] copies
+        parts = mini_batch_rows(group_ids, op.mini_batch_groups) if op.mini_batch_groups else [None]
+        loss_val, sums, n_updates, t_opt = 0.0, {}, 0, 0.0
+        for _ in range(op.updates_per_step):
+            for rows in parts:
+                loss, lm = self._mini_batch_loss(tensors.select(rows), opts)
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                t_o = time.perf_counter()
+                if op.max_grad_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), op.max_grad_norm)
+                self.optimizer.step()
+                t_opt += time.perf_counter() - t_o
+                loss_val, n_updates = float(loss.detach()), n_updates + 1
+                for k, v in lm.scalars().items():
+                    sums[k] = sums.get(k, 0.0) + float(v)
+        return loss_val, {k: v / n_updates for k, v in sums.items()}, t_opt
+
+    def _mini_batch_loss(self, t: LossTensors, opts: LossOptions):
+        """loss_fn on one mini-batch (rows of the shifted batch), with gradients: hidden states recomputed with the
+        current weights, old log-probs and advantages those of the whole rollout batch before its first update. The
+        loss contract (docs/training.md): the rows packed, the step's LossOptions as `options`."""
+        dev = next(self.model.parameters()).device
+        h = final_hidden_buckets(self.model, t.input_ids.to(dev), t.attention_mask.to(dev))[:, :-1]
+        return self.loss_fn(weight=lm_head_weight(self.model), **t.packed(h, opts), options=opts)
 
     def _add_onpolicy(self, batch: RolloutBatch, rewards: torch.Tensor) -> tuple[int, int]:
         """The successful trajectories' generated tool steps go into the buffer under their prompt's group id; returns
@@ -425,13 +454,11 @@ class RAPOTrainer:
         checkpoint_on_sigterm=False, no checkpoint_dir, or an ignored SIGTERM: SIGTERM is left alone.
         """
         num_steps = check_int("train: num_steps", num_steps, lo=0)
-        if checkpoint_dir is not None and not isinstance(checkpoint_dir, (str, os.PathLike)):
-            raise TypeError(f"train: checkpoint_dir must be a path or None, got {type(checkpoint_dir).__name__}")
+        check_instance("train: checkpoint_dir", checkpoint_dir, (str, os.PathLike, type(None)), "a path or None")
         check_bool("train: checkpoint_on_sigterm", checkpoint_on_sigterm)
-        callbacks = list(callbacks)
-        for cb in callbacks:
-            if not isinstance(cb, TrainerCallback):
-                raise TypeError(f"train: callbacks must be TrainerCallback objects, got {type(cb).__name__}")
+        callbacks = [
+            check_instance("train: callbacks", cb, TrainerCallback, "TrainerCallback objects") for cb in callbacks
+        ]
         history: list[dict] = []
         # every callback sees each event, even after one of them asked to stop (hence lists, not any(generator))
         stop = any([cb.on_train_begin(self, num_steps) for cb in callbacks])

@@ -17,6 +17,7 @@ from helpers.loss_cases import make_batch
 import rapo_fast
 from rapo_fast import _checks as C
 from rapo_fast.loss import logprobs as lp_mod
+from rapo_fast.loss import options as options_mod
 from rapo_fast.loss import policy_loss as loss_mod
 
 
@@ -38,7 +39,7 @@ def spies(monkeypatch):
         spy(mod, "head_in_hidden_dtype", "cast")
         spy(mod, "plan_path", "plan")
     spy(lp_mod, "_validate", "validate")  # token_logprobs' checks
-    spy(loss_mod, "check_inputs", "validate")  # rapo_loss's checks
+    spy(options_mod, "check_inputs", "validate")  # rapo_loss's checks (LossInputs.checked)
     spy(C, "check_model_inputs", "model_inputs")
     spy(C, "check_index_range", "range")  # the targets range check (its one host sync)
     spy(loss_mod, "_run_logprobs", "run")

@@ -34,8 +34,9 @@ POISONS = {
     "neg_inf_row": (float("-inf"), False),  # a row of only -inf: lse = -inf
 }
 MESSAGE = (
-    r"logits: {n} token\(s\) in the loss \(loss_mask != 0\) have a logits row with NaN or \+inf, or only -inf "
-    r"\(first at index {first}, row max {rmax}.*\): their log-prob is undefined"
+    r"logits: expected a finite log-sum-exp on the row of every token in the loss \(loss_mask != 0\), got {n} "
+    r"row\(s\) with NaN or \+inf, or only -inf \(first at index {first}, row max {rmax}.*\): "
+    r"their log-prob is undefined"
 )
 
 

@@ -262,16 +262,24 @@ import itertools, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from rapo_fast.kernels.loss import policy_loss as K
-from rapo_fast.loss.policy_layout import TokenInput
+from rapo_fast.kernels.loss.policy_layout import TokenInput
+from rapo_fast.loss.options import LossOptions
+from rapo_fast.loss.policy_op import KernelOptions
 full = sum(1 << int(m) for m in TokenInput)
 # (PRESENT, offpolicy_train, kl_estimator, kl_clamp, HAS_ENT): every optional row absent / present, each mode
-variants = [(31, 0, 0, True, 0), (full, 2, 2, True, 1), (full & ~(1 << int(TokenInput.REF)), 1, 0, True, 1),
-            (full, 2, 2, False, 0), (full, 0, 1, True, 1)]
+variants = [(31, "none", "k1", True, 0), (full, "truncated", "k3", True, 1),
+            (full & ~(1 << int(TokenInput.REF)), "shaped", "k1", True, 1), (full, "truncated", "k3", False, 0),
+            (full, "none", "k2", True, 1)]
 for (present, off, kl, clamp, ent), kern in itertools.product(variants, (K.policy_loss_fwd_kernel,
                                                                K.policy_loss_bwd_kernel)):
-    const = dict(PRESENT=present, offpolicy_train=off, kl_estimator=kl, kl_clamp=clamp, HAS_ENT=bool(ent), BLOCK=1024)
+    const = dict(PRESENT=present, HAS_ENT=bool(ent), BLOCK=1024)
     sig = {n: "constexpr" if n in const else "*fp32" if n.endswith("_ptr") else "i32" if n in ("N", "tok_stride")
            else "fp32" for n in kern.arg_names}
+    # opts: the reals runtime fp32, the choices and flags constexpr fields (as policy_op.kernel_options passes them)
+    opts = LossOptions(offpolicy_train=off, kl_estimator=kl, kl_clamp=clamp).to_kernel()
+    i = kern.arg_names.index("opts")
+    sig["opts"] = KernelOptions(*("fp32" if isinstance(v, float) else "constexpr" for v in opts.values()))
+    const.update({(i, j): v for j, v in enumerate(opts.values()) if not isinstance(v, float)})
     triton.compile(ASTSource(fn=kern, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32))
 print("ok")
 """

@@ -65,7 +65,12 @@ BAD_CASES = [
     ("targets >= V", lambda d: d["targets"].__setitem__((0, 0), 5), ValueError, "targets"),
     ("targets < 0", lambda d: d["targets"].__setitem__((1, 2), -1), ValueError, "targets"),
     # -100 (the ignore index) is accepted where loss_mask is 0 only (test_ignore_index_targets_outside_the_loss)
-    ("targets -100 in the loss", lambda d: _set_in_loss(d, (1, 2), "targets", -100), ValueError, "targets: -100"),
+    (
+        "targets -100 in the loss",
+        lambda d: _set_in_loss(d, (1, 2), "targets", -100),
+        ValueError,
+        "targets: expected ids .* got -100",
+    ),
     # probabilities passed as old_logp (a log-prob is <= 0): test_old_logp_above_zero
     ("old_logp shape", lambda d: d.update(old_logp=torch.zeros(2, 4)), ValueError, "old_logp"),
     ("old_logp dtype", lambda d: d.update(old_logp=d["old_logp"].long()), TypeError, "old_logp"),

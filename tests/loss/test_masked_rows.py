@@ -184,7 +184,10 @@ def test_hidden_path_refuses_undefined_logp_in_loss(fused, dtype, poison, monkey
         loss.backward()
         assert torch.isfinite(loss) and torch.isfinite(h.grad).all()
         return
-    with pytest.raises(ValueError, match=r"hidden: \d+ token\(s\) in the loss .*log-sum-exp is not finite"):
+    with pytest.raises(
+        ValueError,
+        match=r"hidden: expected logits .* finite log-sum-exp .*, got \d+ token\(s\) whose log-sum-exp is not finite",
+    ):
         rapo_fast.rapo_loss(hidden=h, weight=wt, **d, **OPTIONS)
     assert h.grad is None
 

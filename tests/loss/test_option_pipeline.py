@@ -17,9 +17,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rapo_fast.kernels.loss.policy_layout import NUM_INPUTS, TokenInput
 from rapo_fast.loss import fused_linear, policy_op
 from rapo_fast.loss.options import KL_ESTIMATORS, OFFPOLICY_MODES, LossOptions
-from rapo_fast.loss.policy_layout import NUM_INPUTS, TokenInput
 from rapo_fast.reference import policy_loss as ref_mod
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,17 +35,39 @@ def _kernels():
 
 
 @pytest.mark.parametrize("name", ["policy_loss_fwd_kernel", "policy_loss_bwd_kernel"])
-def test_kernel_parameters_are_the_options_under_their_own_names(name):
-    """Every kernel option is a kernel parameter of the same name, and every other parameter is a pointer or one of
-    the launch's own: no renames, no option the kernels silently drop."""
-    kernel = getattr(_kernels(), name)
-    params = [p for p in kernel.arg_names if not p.endswith("_ptr") and p not in _NOT_OPTIONS]
-    assert params == list(LossOptions.kernel_names())
+def test_kernels_take_the_options_as_one_argument_with_their_own_names(name):
+    """The kernels take the options as one argument `opts` whose fields are the kernel options under their own names
+    (no renames), every other parameter a pointer or one of the launch's own; and the kernel file reads every field
+    (no option the kernels silently drop)."""
+    K = _kernels()
+    kernel = getattr(K, name)
+    assert [p for p in kernel.arg_names if not p.endswith("_ptr") and p not in _NOT_OPTIONS] == ["opts"]
+    assert policy_op.KernelOptions._fields == LossOptions.kernel_names()
+    tree = ast.parse(inspect.getsource(K))
+    read = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and getattr(n.value, "id", None) == "opts"}
+    assert read == set(LossOptions.kernel_names())
+
+
+def test_kernel_options_are_constexpr_choices_and_runtime_reals():
+    """A choice or flag reaches the kernels as a constexpr (compile-time branches), a real as a float (no recompile
+    per value); the values are the options' encoding (to_kernel)."""
+    pytest.importorskip("triton")
+    import triton.language as tl
+
+    opts = LossOptions(offpolicy_train="truncated", kl_estimator="k2", kl_clamp=False, tis_cap=2.5, eps_high=0.28)
+    got = policy_op.kernel_options(opts.kernel_scalars())
+    for name, want in opts.to_kernel().items():
+        value = getattr(got, name)
+        if isinstance(want, float):
+            assert type(value) is float and value == want, name
+        else:
+            assert isinstance(value, tl.constexpr) and value.value == want, name
 
 
 def test_option_names_appear_nowhere_between_the_options_and_the_kernels():
     """The launchers (policy_op.py) and the fused op (fused_linear.py) pass the options through as one tensor and as
-    keywords built by LossOptions: no kernel option's name occurs in their code (identifiers, attributes, strings).
+    one named tuple built from LossOptions: no kernel option's name occurs in their code (identifiers, attributes,
+    strings).
     (temperature, a logits option, is an argument of the fused op: its tiles scale the logits.)"""
     names = set(LossOptions.kernel_names())
     for mod in (policy_op, fused_linear):
@@ -113,9 +135,9 @@ def test_stacked_inputs_and_presence_mask():
     for m in TokenInput:
         if m != TokenInput.SEQLR:
             assert torch.equal(tok[m], rows[m.name.lower()])
-    with pytest.raises(ValueError, match="'adv' is required"):
+    with pytest.raises(ValueError, match="adv: expected a tensor"):
         policy_op.stack_token_inputs(**{**rows, "adv": None})
-    with pytest.raises(TypeError, match="unknown row"):
+    with pytest.raises(TypeError, match="expected rows among"):
         policy_op.stack_token_inputs(**rows, bogus=rows["old"])
 
 

@@ -157,26 +157,31 @@ def test_float64_paths():
     d = _batch(dtype=torch.float64)
     for backend in ("auto", "torch", "reference"):
         assert _loss_path(d, backend=backend) == "reference_fp64"
-    with pytest.raises(ValueError, match=r"backend: 'triton' cannot run on these inputs: float64"):
+    with pytest.raises(
+        ValueError, match=r"backend: expected a backend that can run on these inputs, got 'triton': float64"
+    ):
         rapo_fast.rapo_loss(**d, backend="triton")
 
 
 def test_triton_refused_where_it_cannot_run(monkeypatch):
     cpu = {k: v.cpu() for k, v in make_batch(2, 3, 7).items()}
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # CPU tensors outside the interpreter
-    with pytest.raises(ValueError, match=r"backend: 'triton' cannot run on these inputs: .*TRITON_INTERPRET=1"):
+    with pytest.raises(
+        ValueError,
+        match=r"backend: expected a backend that can run on these inputs, got 'triton': .*TRITON_INTERPRET=1",
+    ):
         rapo_fast.rapo_loss(**cpu, backend="triton")
-    with pytest.raises(ValueError, match=r"backend: 'triton' .*TRITON_INTERPRET=1"):
+    with pytest.raises(ValueError, match=r"backend: expected .*, got 'triton': .*TRITON_INTERPRET=1"):
         rapo_fast.token_logprobs(cpu["logits"], targets=cpu["targets"], backend="triton")
     assert _loss_path(cpu) == "reference_chunked"  # auto falls back, and says so
     assert _lp_path(cpu) == "reference_chunked"
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("RAPO_FAST_DISABLE_TRITON", "1")
-    with pytest.raises(ValueError, match=r"backend: 'triton' .*RAPO_FAST_DISABLE_TRITON=1"):
+    with pytest.raises(ValueError, match=r"backend: expected .*, got 'triton': .*RAPO_FAST_DISABLE_TRITON=1"):
         rapo_fast.rapo_loss(**_batch(), backend="triton")
     d = _batch()
     logp = torch.log_softmax(d["logits"].detach(), -1).gather(-1, d["targets"][..., None])[..., 0]
-    with pytest.raises(ValueError, match=r"backend: 'triton'"):
+    with pytest.raises(ValueError, match=r"backend: expected .*, got 'triton'"):
         policy_loss_from_logp(
             logp, old_logp=d["old_logp"], advantages=d["advantages"], loss_mask=d["loss_mask"], backend="triton"
         )

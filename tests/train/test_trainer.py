@@ -160,11 +160,11 @@ def test_one_step_lowers_the_loss_on_a_fixed_batch(world):
     m = trainer.step()
     assert m["adv_abs_mean"] > 0
 
-    def loss_now():
+    def loss_now():  # the same packed call (the loss contract: each row's scored positions, its prefix)
         with torch.no_grad():
             h = final_hidden(model, fixed.input_ids, fixed.attention_mask)[:, :-1]
-            kw = {k: v for k, v in seen.items() if k not in ("hidden", "return_metrics")}
-            return float(rapo_loss(hidden=h, **(kw | {"weight": lm_head_weight(model)})))
+            keep = torch.arange(h.shape[1])[None, :] < seen["cu_seqlens"].diff()[:, None]
+            return float(rapo_loss(**(seen | {"hidden": h[keep], "weight": lm_head_weight(model)}))[0])
 
     assert loss_now() < m["loss"] - 1e-4
 
@@ -175,7 +175,6 @@ def test_mini_batches_make_the_clip_bind_and_each_loss_equals_the_reference(worl
     after it the ratios move off 1 and the clip binds (a non-zero clip fraction); each step's loss equals the float64
     reference (rapo_loss_ref) on that mini-batch's rows with the hidden states it was given; the mini-batches hold
     whole groups, in order."""
-    from rapo_fast.loss.options import LossOptions
     from rapo_fast.reference.policy_loss import rapo_loss_ref
     from rapo_fast.train.trainer import mini_batch_rows
 
@@ -216,15 +215,15 @@ def test_mini_batches_make_the_clip_bind_and_each_loss_equals_the_reference(worl
     assert len(calls) == 4
     rows = mini_batch_rows(fixed.group_ids, 1)
     assert [r.tolist() for r in rows] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # whole groups, in order
-    assert [c[0]["hidden"].shape[0] for c in calls] == [4, 4, 4, 4]
+    assert [c[0]["cu_seqlens"].numel() - 1 for c in calls] == [4, 4, 4, 4]  # 4 rows each, packed
     fracs = [float(c[2].clip_frac_low + c[2].clip_frac_high) for c in calls]
     assert fracs[0] == 0.0 and max(fracs[1:]) > 0.0, fracs  # r = 1 only before the first update
     assert m["clip_frac_low"] + m["clip_frac_high"] == pytest.approx(sum(fracs) / 4, rel=1e-5)
     for kw, loss, _ in calls:
-        opts = {k: v for k, v in kw.items() if k in LossOptions.names() and k != "return_metrics"}
         t = {k: v for k, v in kw.items() if torch.is_tensor(v)}
         want = rapo_loss_ref(
-            **{k: (v.double() if v.is_floating_point() else v) for k, v in t.items()}, options=LossOptions(**opts)
+            **{k: (v.double() if v.is_floating_point() else v) for k, v in t.items()},
+            options=kw["options"].replace(return_metrics=False),
         )
         torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-6)
 
@@ -368,7 +367,8 @@ def test_splice_mode_step_uses_behaviour_correction(world):
         loss_fn=loss_fn,
     )
     m = trainer.step()
-    assert seen["tis_cap"] == 2.0 and torch.equal(seen["behav_logp"], batch.behav_logp[:, 1:])
+    keep = batch.attention_mask[:, 1:].bool()  # right-padded rows: the positions whose target is attended
+    assert seen["options"].tis_cap == 2.0 and torch.equal(seen["behav_logp"], batch.behav_logp[:, 1:][keep])
     # old_logp - behav_logp = 0.1 on every trained token: the truncated IS weight is exp(0.1) there
     assert m["tis_weight_mean"] == pytest.approx(math.exp(0.1), rel=1e-4)
     assert m["f_ret"] == pytest.approx(float(batch.retrieved_fraction().mean()))
@@ -512,53 +512,3 @@ def test_offpolicy_trajectories_are_not_added_as_onpolicy_steps(world):
     assert seen["off"] > 0  # the batch did hold off-policy trajectories with steps
     # every own step is a tool step here except each row's answer; the off-policy rows' steps are never offered
     assert 0 < traces.num_onpolicy - before <= seen["own"]
-
-
-@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
-def test_bucketed_packed_update_equals_the_padded_one(world, monkeypatch, loss_agg):
-    """The step scores rows in length buckets and gives the default loss the rows packed (cu_seqlens); the padded
-    layout (final_hidden over the whole [B, T] batch, the loss over every padded position: what a replaced loss_fn
-    gets) gives the same metrics and the same updated weights up to float rounding, on rows of different lengths."""
-    import rapo_fast.train.trainer as trainer_mod
-
-    task, tok, problems, path = world
-    traces = StepTraces.from_jsonl(path, HashedNgramEncoder(), tok)
-    base = build_tiny_policy(tok.vocab_size, hidden_size=32, num_heads=2, num_kv_heads=1, seed=0)
-    # a long step budget: the untrained policy ends its rows at different lengths
-    cfg = _cfg(overrides={"rollout.max_step_tokens": 40, "optim.mini_batch_groups": 1, "loss.loss_agg": loss_agg})
-    fixed = rollout(
-        base, tok, task, problems[:2], cfg.rollout, traces=traces, generator=torch.Generator().manual_seed(0)
-    )
-    lengths = fixed.attention_mask.sum(1)
-    assert int(lengths.min()) < int(lengths.max()) - 2  # padding to remove: not vacuous
-    seen = []
-
-    def step(**kw):
-        model = build_tiny_policy(tok.vocab_size, hidden_size=32, num_heads=2, num_kv_heads=1, seed=0)
-        model.load_state_dict(base.state_dict())
-        trainer = RAPOTrainer(
-            model,
-            tok,
-            task,
-            traces,
-            cfg,
-            problems,
-            rollout_fn=lambda *a, **k: fixed,
-            reward_fn=_rewards_from_tokens,
-            **kw,
-        )
-        return trainer.step(), _params(model)
-
-    def padded_loss(**kw):
-        seen.append((kw["hidden"].dim(), kw["advantages"].dim()))
-        return rapo_loss(**kw)
-
-    fast, p_fast = step()
-    with monkeypatch.context() as m:
-        m.setattr(trainer_mod, "final_hidden_buckets", lambda model, ids, mask: final_hidden(model, ids, mask))
-        slow, p_slow = step(loss_fn=padded_loss)
-    assert seen and all(s == (3, 1) for s in seen)  # a replaced loss_fn gets the padded call: [B, T, H], [B]
-    assert fast["adv_abs_mean"] > 0
-    for k in ("loss", "entropy", "adv_abs_mean", "ratio_mean", "approx_kl", "retrieval_reward"):
-        assert fast[k] == pytest.approx(slow[k], rel=1e-4, abs=1e-6, nan_ok=True), k
-    torch.testing.assert_close(p_fast, p_slow, rtol=1e-4, atol=1e-6)

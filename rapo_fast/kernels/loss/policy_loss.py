@@ -1,8 +1,9 @@
 """Triton kernels of the per-token RAPO policy loss: forward (weighted token loss + metric partial sums) and backward
 (dL/dlogp, dL/dH times the upstream gradient), elementwise over N tokens.
 
-What this is: `@triton.jit` code only (launchers: rapo_fast/loss/policy_op.py). The options arrive as keywords named
-as LossOptions' fields (LossOptions.to_kernel()), the per-token inputs as one tensor (rows: policy_layout.TokenInput).
+What this is: `@triton.jit` code only (launchers: rapo_fast/loss/policy_op.py). The options arrive as one named tuple
+`opts` whose fields are LossOptions' kernel options (a choice or flag a constexpr, a real a runtime scalar), the
+per-token inputs as one tensor (rows: policy_layout.TokenInput).
 What this is not: the spec. The formulas are those of rapo_fast/reference/policy_loss.py, written out in docs/loss.md
 section 3 (per token) and section 4 (aggregation).
 """
@@ -10,10 +11,16 @@ section 3 (per token) and section 4 (aggregation).
 import triton
 import triton.language as tl
 
-from rapo_fast.loss.options import KL_ESTIMATORS, OFFPOLICY_MODES
-from rapo_fast.loss.policy_layout import NUM_METRICS, Metric, TokenCode, TokenInput
+from rapo_fast.kernels.loss.policy_layout import (
+    KL_ESTIMATORS,
+    NUM_METRICS,
+    OFFPOLICY_MODES,
+    Metric,
+    TokenCode,
+    TokenInput,
+)
 
-# jit code reads only constexpr globals: the layout's names and the option codes (LossOptions' KernelArg) as constexprs
+# jit code reads only constexpr globals: the layout's names and the option codes (their vocabularies' indices)
 _CODE_ON = tl.constexpr(int(TokenCode.ON))
 _CODE_OFF = tl.constexpr(int(TokenCode.OFF))
 _OFF_NONE = tl.constexpr(OFFPOLICY_MODES.index("none"))
@@ -64,23 +71,14 @@ def _policy_token(
     ent,
     is_on,
     is_off,
-    offpolicy_train: tl.constexpr,
-    gamma,
-    is_cap,
-    tis_cap,
-    eps_low,
-    eps_high,
-    dual_clip,
-    beta,
-    kl_estimator: tl.constexpr,
-    kl_clamp: tl.constexpr,
-    entropy_coef,
+    opts,
     SEQ: tl.constexpr,
     HAS_REF: tl.constexpr,
     HAS_ENT: tl.constexpr,
 ):
-    """Loss of one token block and its derivative w.r.t. logp (and the metric terms). All fp32. dual_clip and tis_cap
-    are 0 when off (LossOptions' encoding); the branches they select are where()s, not constexprs."""
+    """Loss of one token block and its derivative w.r.t. logp (and the metric terms). All fp32. `opts`: the options
+    (module docstring); dual_clip and tis_cap are 0 when off (LossOptions' encoding), and the branches they select are
+    where()s, not constexprs."""
     is_act = is_on | is_off
     if SEQ:
         raw = seqlr  # value of sg(seq_lr) + logp - sg(logp); its derivative w.r.t. logp is 1
@@ -91,82 +89,80 @@ def _policy_token(
     r = tl.exp(log_r)
     rh = scale * r
     pg1 = -adv * rh
-    rc = tl.minimum(tl.maximum(rh, 1.0 - eps_low), 1.0 + eps_high)
+    rc = tl.minimum(tl.maximum(rh, 1.0 - opts.eps_low), 1.0 + opts.eps_high)
     pg2 = -adv * rc
     clipped = pg2 > pg1
     pg = tl.where(clipped, pg2, pg1)
     dpg = tl.where(clipped, 0.0, -adv * rh * g_lr)
-    pg3 = -adv * dual_clip
-    dual = (adv < 0) & (pg > pg3) & (dual_clip > 0.0)
+    pg3 = -adv * opts.dual_clip
+    dual = (adv < 0) & (pg > pg3) & (opts.dual_clip > 0.0)
     pg = tl.where(dual, pg3, pg)
     dpg = tl.where(dual, 0.0, dpg)
     lw = tl.minimum(tl.maximum(old - behav, -CL), CL)
-    tis_w = tl.where(tis_cap > 0.0, tl.minimum(tl.exp(lw), tis_cap), 1.0)
+    tis_w = tl.where(opts.tis_cap > 0.0, tl.minimum(tl.exp(lw), opts.tis_cap), 1.0)
     pg = pg * tis_w
     dpg = dpg * tis_w
     loss = tl.where(is_on, pg, 0.0)
     dlogp = tl.where(is_on, dpg, 0.0)
 
-    l_off, d_off, off_w = _offpolicy_token(
-        logp=logp, adv=adv, behav=behav, gamma=gamma, is_cap=is_cap, offpolicy_train=offpolicy_train
-    )
-    if offpolicy_train != _OFF_NONE:
+    l_off, d_off, off_w = _offpolicy_token(logp=logp, adv=adv, behav=behav, opts=opts)
+    if opts.offpolicy_train != _OFF_NONE:
         loss += tl.where(is_off, l_off, 0.0)
         dlogp += tl.where(is_off, d_off, 0.0)
     kl = tl.zeros(logp.shape, tl.float32)
     if HAS_REF:
-        kl, dkl = _kl_token(logp=logp, ref=ref, kl_estimator=kl_estimator, kl_clamp=kl_clamp)
-        loss += tl.where(is_act, beta * kl, 0.0)
-        dlogp += tl.where(is_act, beta * dkl, 0.0)
+        kl, dkl = _kl_token(logp=logp, ref=ref, opts=opts)
+        loss += tl.where(is_act, opts.beta * kl, 0.0)
+        dlogp += tl.where(is_act, opts.beta * dkl, 0.0)
     if HAS_ENT:
-        loss += tl.where(is_act, -entropy_coef * ent, 0.0)
-    clip_hi = is_on & clipped & (rh > 1.0 + eps_high)
-    clip_lo = is_on & clipped & (rh < 1.0 - eps_low)
+        loss += tl.where(is_act, -opts.entropy_coef * ent, 0.0)
+    clip_hi = is_on & clipped & (rh > 1.0 + opts.eps_high)
+    clip_lo = is_on & clipped & (rh < 1.0 - opts.eps_low)
     return loss, dlogp, r, clip_hi, clip_lo, is_on & dual, kl, tis_w, off_w
 
 
 @triton.jit
-def _offpolicy_token(logp, adv, behav, gamma, is_cap, offpolicy_train: tl.constexpr):
+def _offpolicy_token(logp, adv, behav, opts):
     """Loss, its derivative w.r.t. logp, and the weight of a retrieved token trained off-policy: -A p / (p + gamma)
     ("shaped") or -A sg(min(exp(logp - behav), is_cap)) logp ("truncated"); zeros when offpolicy_train is none."""
     loss = tl.zeros(logp.shape, tl.float32)
     dlogp = tl.zeros(logp.shape, tl.float32)
     off_w = tl.zeros(logp.shape, tl.float32)
-    if offpolicy_train == _OFF_SHAPED:
+    if opts.offpolicy_train == _OFF_SHAPED:
         p = tl.exp(logp)
-        denom = p + gamma
+        denom = p + opts.gamma
         off_w = p / denom
         loss = -adv * off_w
-        dlogp = -adv * gamma * p / (denom * denom)
-    if offpolicy_train == _OFF_TRUNCATED:
+        dlogp = -adv * opts.gamma * p / (denom * denom)
+    if opts.offpolicy_train == _OFF_TRUNCATED:
         lw2 = tl.minimum(tl.maximum(logp - behav, -CL), CL)
-        off_w = tl.minimum(tl.exp(lw2), is_cap)
+        off_w = tl.minimum(tl.exp(lw2), opts.is_cap)
         loss = -adv * off_w * logp
         dlogp = -adv * off_w
     return loss, dlogp, off_w
 
 
 @triton.jit
-def _kl_token(logp, ref, kl_estimator: tl.constexpr, kl_clamp: tl.constexpr):
+def _kl_token(logp, ref, opts):
     """verl's KL estimator k1 / k2 / k3 of (logp, ref) and its derivative w.r.t. logp; k3 clamped to [-10, 10] when
     kl_clamp (verl), unclamped otherwise (TRL; x keeps its overflow clamp)."""
     kl = tl.zeros(logp.shape, tl.float32)
     dkl = tl.zeros(logp.shape, tl.float32)
-    if kl_estimator == _KL_K1:
+    if opts.kl_estimator == _KL_K1:
         kl = logp - ref
         dkl = tl.full(logp.shape, 1.0, tl.float32)
-    if kl_estimator == _KL_K2:
+    if opts.kl_estimator == _KL_K2:
         d = logp - ref
         kl = 0.5 * d * d
         dkl = d
-    if kl_estimator == _KL_K3:
+    if opts.kl_estimator == _KL_K3:
         x = ref - logp
         gx = ((x >= -CL) & (x <= CL)).to(tl.float32)
         xc = tl.minimum(tl.maximum(x, -CL), CL)
         ex = tl.exp(xc)
         kl = ex - xc - 1.0
         dkl = -(ex - 1.0) * gx
-        if kl_clamp:
+        if opts.kl_clamp:
             gk = ((kl >= -10.0) & (kl <= 10.0)).to(tl.float32)
             kl = tl.minimum(tl.maximum(kl, -10.0), 10.0)
             dkl = dkl * gk
@@ -175,7 +171,7 @@ def _kl_token(logp, ref, kl_estimator: tl.constexpr, kl_clamp: tl.constexpr):
 
 @triton.jit
 def _store_metric_sums(part_ptr, pid, is_on, is_off, clip_hi, clip_lo, dual, r, approx_kl, kl, ent, tis_w, off_w):
-    """This program's row of the metric partial sums, one column per Metric (rapo_fast/loss/policy_layout.py)."""
+    """This program's row of the metric partial sums, one column per Metric (policy_layout.py)."""
     is_act = is_on | is_off
     base = part_ptr + pid.to(tl.int64) * _NUM_METRICS
     tl.store(base + _M_N_ON, tl.sum(is_on.to(tl.float32), axis=0))
@@ -222,17 +218,7 @@ def policy_loss_fwd_kernel(
     part_ptr,
     N,
     tok_stride,
-    offpolicy_train: tl.constexpr,
-    gamma,
-    is_cap,
-    tis_cap,
-    eps_low,
-    eps_high,
-    dual_clip,
-    beta,
-    kl_estimator: tl.constexpr,
-    kl_clamp: tl.constexpr,
-    entropy_coef,
+    opts,
     PRESENT: tl.constexpr,
     HAS_ENT: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -258,17 +244,7 @@ def policy_loss_fwd_kernel(
         ent=ent,
         is_on=is_on,
         is_off=is_off,
-        offpolicy_train=offpolicy_train,
-        gamma=gamma,
-        is_cap=is_cap,
-        tis_cap=tis_cap,
-        eps_low=eps_low,
-        eps_high=eps_high,
-        dual_clip=dual_clip,
-        beta=beta,
-        kl_estimator=kl_estimator,
-        kl_clamp=kl_clamp,
-        entropy_coef=entropy_coef,
+        opts=opts,
         SEQ=(_HAS_SEQLR & PRESENT) != 0,
         HAS_REF=(_HAS_REF & PRESENT) != 0,
         HAS_ENT=HAS_ENT,
@@ -300,17 +276,7 @@ def policy_loss_bwd_kernel(
     dent_ptr,
     N,
     tok_stride,
-    offpolicy_train: tl.constexpr,
-    gamma,
-    is_cap,
-    tis_cap,
-    eps_low,
-    eps_high,
-    dual_clip,
-    beta,
-    kl_estimator: tl.constexpr,
-    kl_clamp: tl.constexpr,
-    entropy_coef,
+    opts,
     PRESENT: tl.constexpr,
     HAS_ENT: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -335,21 +301,11 @@ def policy_loss_bwd_kernel(
         ent=logp,
         is_on=is_on,
         is_off=is_off,
-        offpolicy_train=offpolicy_train,
-        gamma=gamma,
-        is_cap=is_cap,
-        tis_cap=tis_cap,
-        eps_low=eps_low,
-        eps_high=eps_high,
-        dual_clip=dual_clip,
-        beta=beta,
-        kl_estimator=kl_estimator,
-        kl_clamp=kl_clamp,
-        entropy_coef=entropy_coef,
+        opts=opts,
         SEQ=(_HAS_SEQLR & PRESENT) != 0,
         HAS_REF=(_HAS_REF & PRESENT) != 0,
         HAS_ENT=False,
     )
     tl.store(dlogp_ptr + offs, gw * dlogp, mask=m)
     if HAS_ENT:
-        tl.store(dent_ptr + offs, tl.where(is_on | is_off, -entropy_coef * gw, 0.0), mask=m)
+        tl.store(dent_ptr + offs, tl.where(is_on | is_off, -opts.entropy_coef * gw, 0.0), mask=m)

@@ -1,15 +1,30 @@
 """The contract between the policy-loss kernels and their launchers, named once: the per-token code, the rows of the
-stacked per-token inputs, and the layout of the metric partial sums (the options' encoding is LossOptions').
+stacked per-token inputs, the layout of the metric partial sums, and the vocabularies of the options the kernels
+take by index (rapo_fast/loss/options.py's KernelArg encodes a choice as its index here).
 
-Integer enums, importable without Triton (`import rapo_fast.loss...` must not need it). What this is not: the math
-(docs/loss.md section 3) or the public metric names (policy_loss.py turns these sums into them, docs/loss.md section 5).
+Plain Python, importable without Triton: the kernels and rapo_fast/loss both import it, so no kernel imports from
+rapo_fast/loss. What this is not: the math (docs/loss.md section 3) or the public metric names (policy_loss.py turns
+these sums into them, docs/loss.md section 5).
 """
 
 from __future__ import annotations
 
 from enum import IntEnum
 
-__all__ = ["TokenCode", "TokenInput", "REQUIRED_INPUTS", "NUM_INPUTS", "Metric", "NUM_METRICS"]
+__all__ = [
+    "OFFPOLICY_MODES",
+    "KL_ESTIMATORS",
+    "TokenCode",
+    "TokenInput",
+    "REQUIRED_INPUTS",
+    "NUM_INPUTS",
+    "Metric",
+    "NUM_METRICS",
+]
+
+# LossOptions.offpolicy_train and .kl_estimator: the kernels compare each with its index in these tuples
+OFFPOLICY_MODES = ("none", "shaped", "truncated")
+KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
 class TokenCode(IntEnum):
