@@ -24,7 +24,7 @@ import torch
 from rapo_fast._checks import check_bool, check_instance, check_int
 from rapo_fast.loss.options import LossOptions
 from rapo_fast.rollouts.batch import KIND_GEN, KIND_RET, RolloutBatch
-from rapo_fast.train.callbacks import EvalCallback, TrainerCallback
+from rapo_fast.train.callbacks import TrainerCallback
 from rapo_fast.train.config import TrainerConfig
 from rapo_fast.train.hf_model import final_hidden_buckets, lm_head_weight, row_lengths
 from rapo_fast.train.io import MetricsLogger, load_checkpoint, save_checkpoint
@@ -32,8 +32,6 @@ from rapo_fast.train.io import MetricsLogger, load_checkpoint, save_checkpoint
 __all__ = [
     "RAPOTrainer",
     "TrainerConfig",
-    "TrainerCallback",
-    "EvalCallback",
     "default_rewards",
     "retrieval_rewards",
     "Retrieval",
@@ -94,9 +92,8 @@ def onpolicy_steps(batch: RolloutBatch, rewards: torch.Tensor, tokenizer) -> tup
 
 
 def mini_batch_rows(group_ids: torch.Tensor, groups_per_mini_batch: int | None) -> list[torch.Tensor]:
-    """Row indices of each PPO mini-batch: whole prompt groups, in the order they first appear, groups_per_mini_batch
-    of them per mini-batch (the last may hold fewer); None: one mini-batch of every row. As verl's actor splits a
-    rollout batch by ppo_mini_batch_size prompts (without shuffling), so a group's advantages stay together."""
+    """Row indices of each PPO mini-batch: groups_per_mini_batch whole prompt groups each, in first-appearance order
+    (None: one of every row), as verl's actor splits by ppo_mini_batch_size prompts: a group's rows stay together."""
     gid = group_ids.reshape(-1)
     if groups_per_mini_batch is None:
         return [torch.arange(gid.numel())]
