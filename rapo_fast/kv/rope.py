@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import torch
 
-from rapo_fast._checks import brief
+from rapo_fast._checks import brief, check_choice
 
 Layout = Literal["rotate_half", "interleaved"]
 
@@ -97,7 +97,7 @@ def compute_inv_freq(
     if rope_type in _REFUSED_TYPES:
         raise ValueError(f"rope_type={brief(rope_type)} is not supported by the KV splice: {_REFUSED_TYPES[rope_type]}")
     if rotary_dim <= 0 or rotary_dim % 2:
-        raise ValueError(f"rotary_dim must be a positive even number, got {rotary_dim}")
+        raise ValueError(f"rotary_dim: expected a positive even int, got {rotary_dim}")
     exps = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
     base = theta**exps
     inv = 1.0 / base
@@ -166,14 +166,17 @@ class RopeSpec:
     _device_cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.layout not in ("rotate_half", "interleaved"):
-            raise ValueError(f"layout must be 'rotate_half' or 'interleaved', got {brief(self.layout)}")
+        check_choice("layout", self.layout, ("rotate_half", "interleaved"))
         if self.rotary_dim <= 0 or self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
-            raise ValueError(f"rotary_dim must be even and in [2, head_dim={self.head_dim}], got {self.rotary_dim}")
+            raise ValueError(
+                f"rotary_dim: expected an even int in [2, head_dim={self.head_dim}], got {self.rotary_dim}"
+            )
         inv = self.inv_freq
         if not isinstance(inv, torch.Tensor) or inv.dim() != 1 or inv.numel() != self.rotary_dim // 2:
             shape = tuple(inv.shape) if isinstance(inv, torch.Tensor) else type(inv).__name__
-            raise ValueError(f"inv_freq must be a 1-D tensor of rotary_dim // 2 = {self.rotary_dim // 2}, got {shape}")
+            raise ValueError(
+                f"inv_freq: expected a 1-D tensor of rotary_dim // 2 = {self.rotary_dim // 2} entries, got {shape}"
+            )
         object.__setattr__(self, "inv_freq", inv.detach().to(device="cpu", dtype=torch.float32).contiguous())
 
     def inv_freq_on(self, device: torch.device) -> torch.Tensor:

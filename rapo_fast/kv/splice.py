@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import torch
 
-from rapo_fast._checks import brief
+from rapo_fast._checks import brief, check_choice, check_same_device, check_tensor
 from rapo_fast._dispatch import register_op
 from rapo_fast.kv import hf_cache as hfc
 from rapo_fast.kv import splice_checks as sc
@@ -165,9 +165,9 @@ def splice_kv(
     """
     reqs = sc.as_requests(requests)
     if not isinstance(rope, RopeSpec):
-        raise TypeError(f"rope must be a RopeSpec (e.g. RopeSpec.from_model(model)), got {type(rope).__name__}")
+        raise TypeError(f"rope: expected a RopeSpec (e.g. RopeSpec.from_model(model)), got {type(rope).__name__}")
     if rope.head_dim != store.head_dim:
-        raise ValueError(f"rope.head_dim={rope.head_dim} != store.head_dim={store.head_dim}")
+        raise ValueError(f"rope.head_dim: expected the store's head_dim {store.head_dim}, got {rope.head_dim}")
     table = _request_table(reqs, store, lengths, rope_positions)
     if isinstance(cache, PagedKVCache):
         ks, vs, block_table = _paged_target(cache, store, table)
@@ -191,9 +191,9 @@ def _request_table(
     """(pool offset, length, batch row, position, rope delta) per request, after checking ids, lengths, positions and
     that no two requests write the same slots of a row."""
     if lengths is not None and len(lengths) != len(reqs):
-        raise ValueError(f"lengths has {len(lengths)} entries for {len(reqs)} requests")
+        raise ValueError(f"lengths: expected {len(reqs)} entries (one per request), got {len(lengths)}")
     if rope_positions is not None and len(rope_positions) != len(reqs):
-        raise ValueError(f"rope_positions has {len(rope_positions)} entries for {len(reqs)} requests")
+        raise ValueError(f"rope_positions: expected {len(reqs)} entries (one per request), got {len(rope_positions)}")
     rows_spans: dict[int, list[tuple[int, int]]] = {}
     table = []
     for i, (pid, row, pos) in enumerate(reqs):
@@ -202,12 +202,12 @@ def _request_table(
         off, n_stored = store.locate(pid)
         n = n_stored if lengths is None else sc.as_int(f"lengths[{i}]", lengths[i])
         if not 0 <= n <= n_stored:
-            raise ValueError(f"lengths[{i}]={n} must be in [0, {n_stored}] (payload {pid} has {n_stored} tokens)")
+            raise ValueError(f"lengths[{i}]: expected an int in [0, {n_stored}] (payload {pid}'s tokens), got {n}")
         if pos < 0:
-            raise ValueError(f"requests[{i}]: position must be >= 0, got {pos}")
+            raise ValueError(f"requests[{i}] position: expected >= 0, got {pos}")
         delta = pos if rope_positions is None else sc.as_int(f"rope_positions[{i}]", rope_positions[i])
         if delta < 0:
-            raise ValueError(f"rope_positions[{i}] must be >= 0, got {delta}")
+            raise ValueError(f"rope_positions[{i}]: expected >= 0, got {delta}")
         for a, b in rows_spans.get(row, []):
             if pos < b and a < pos + n:
                 raise ValueError(f"requests[{i}]: slots [{pos}, {pos + n}) of row {row} overlap another request's")
@@ -222,10 +222,8 @@ def _paged_target(cache: PagedKVCache, store: StepKVStore, table: list) -> tuple
     sc.check_layer_tensors("cache.keys", ks, store, 2)
     sc.check_layer_tensors("cache.values", vs, store, 2)
     bt = cache.block_table
-    if bt.dim() != 2 or bt.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"block_table must be [B, max_blocks] int32/int64, got {tuple(bt.shape)} {bt.dtype}")
-    if bt.device != store.device:
-        raise ValueError(f"block_table device {bt.device} != store device {store.device}")
+    check_tensor("block_table", bt, ndim=2, dtypes=(torch.int32, torch.int64))
+    check_same_device(store=store.keys_pool, block_table=bt)
     bs, nb = ks[0].shape[1], ks[0].shape[0]
     bt_cpu = bt.cpu()
     for i, (_off, n, row, pos, _d) in enumerate(table):
@@ -350,8 +348,7 @@ def insert_segment(
         come out; "blend" splices the first L - r tokens and re-prefills the last r = max(1, ceil(blend_fraction * L))
         (a suffix recompute: the recomputed tokens attend to the true context; not CacheBlend's deviation-based pick).
     """
-    if mode not in ("splice", "exact", "blend"):
-        raise ValueError(f"mode must be 'splice', 'exact' or 'blend', got {brief(mode)}")
+    check_choice("mode", mode, ("splice", "exact", "blend"))
     kind = hfc.check_cache(cache)
     toks, b, p, cur = _check_segments(cache, segment_tokens, rows, positions)
     seg_len = len(toks[0])
@@ -400,23 +397,25 @@ def _check_segments(cache: Any, segment_tokens: Any, rows: Sequence[int], positi
         for t in (segment_tokens.tolist() if isinstance(segment_tokens, torch.Tensor) else segment_tokens)
     ]
     if not (len(toks) == len(rows) == len(positions)):
-        raise ValueError(f"segment_tokens ({len(toks)}), rows ({len(rows)}), positions ({len(positions)}) differ")
+        raise ValueError(
+            f"rows/positions: expected {len(toks)} entries each (one per segment), got {len(rows)}/{len(positions)}"
+        )
     b = hfc.batch_size(cache) or len(rows)
     if sorted(int(r) for r in rows) != list(range(b)):
         raise ValueError(
-            f"rows must list every batch row 0..{b - 1} exactly once (HF caches share one length), got {list(rows)}"
+            f"rows: expected every batch row 0..{b - 1} once (HF caches share one length), got {list(rows)}"
         )
     if len(set(int(p) for p in positions)) != 1:
         raise ValueError(
-            f"all positions must be equal for an HF cache (one length for all rows), got "
+            f"positions: expected one slot for all rows of an HF cache (one length for all rows), got "
             f"{list(positions)}; ragged batches share the slot and pass rope_positions"
         )
     if len({len(t) for t in toks}) != 1 or not toks[0]:
-        raise ValueError(f"all segments must have the same length >= 1, got lengths {[len(t) for t in toks]}")
+        raise ValueError(f"segment_tokens: expected segments of one length >= 1, got lengths {[len(t) for t in toks]}")
     p = int(positions[0])
     cur = hfc.length(cache)
     if p > cur:
-        raise ValueError(f"position {p} is past the cache's length {cur}")
+        raise ValueError(f"positions: expected a slot <= the cache's length {cur}, got {p}")
     return toks, b, p, cur
 
 
@@ -432,7 +431,7 @@ def _check_stored(
     if store is None or payload_ids is None:
         raise ValueError(f"mode={brief(mode)} needs store= and payload_ids= (the segments' cached K/V)")
     if len(payload_ids) != len(toks):
-        raise ValueError(f"payload_ids has {len(payload_ids)} entries for {len(toks)} rows")
+        raise ValueError(f"payload_ids: expected {len(toks)} entries (one per row), got {len(payload_ids)}")
     for i in order:
         if int(payload_ids[i]) not in store:
             raise ValueError(f"unknown payload_id {payload_ids[i]} (not in the StepKVStore)")

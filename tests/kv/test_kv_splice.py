@@ -181,7 +181,7 @@ def _bad_setup():
         ([(100, 3, 0)], {}, ValueError, "batch_row 3 out of range"),
         ([(100, -1, 0)], {}, ValueError, "out of range"),
         ([(100, 0, 11)], {}, ValueError, "past the cache's length"),
-        ([(100, 0, -2)], {}, ValueError, "position must be >= 0"),
+        ([(100, 0, -2)], {}, ValueError, r"requests\[0\] position: expected >= 0"),
         ([(100, 0, 2), (101, 0, 4)], {}, ValueError, "overlap"),
         ([(100, 0, 2)], {"lengths": [9]}, ValueError, "lengths"),
         ([(100, 0, 2, 5)], {}, ValueError, "payload_id, batch_row, position"),
