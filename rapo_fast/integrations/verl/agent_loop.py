@@ -112,11 +112,13 @@ def set_step_buffer_client(name: str, client: Any | None) -> None:
     loop looks up the job's actor(s) `name` (rapo_fast.integrations.verl.buffer_actor.get_step_buffer) on its first
     retrieval."""
     if not isinstance(name, str) or not name:
-        raise ValueError(f"set_step_buffer_client: name must be a non-empty str, got {name!r}")
+        raise ValueError(f"set_step_buffer_client: name: expected a non-empty str, got {brief(name)}")
     if client is None:
         _CLIENTS.pop(name, None)
     elif not callable(getattr(client, "retrieve", None)):
-        raise TypeError(f"set_step_buffer_client: client must have an async retrieve(), got {type(client).__name__}")
+        raise TypeError(
+            f"set_step_buffer_client: client: expected an object with an async retrieve(), got {type(client).__name__}"
+        )
     else:
         _CLIENTS[name] = client
 

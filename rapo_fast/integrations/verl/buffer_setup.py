@@ -161,7 +161,7 @@ def check_growth_config(config: Any) -> None:
     if add is False:
         return
     if add is not True:
-        raise ValueError(f"rapo.add_onpolicy_steps must be a bool, got {add!r}")
+        raise ValueError(f"rapo.add_onpolicy_steps: expected a bool, got {add!r}")
     resolve_reward_manager_cls = verl_compat.get("verl.trainer.ppo.reward:resolve_reward_manager_cls")
     cls = resolve_reward_manager_cls(config)
     if not getattr(cls, "rapo_grows_step_buffer", False):

@@ -197,7 +197,7 @@ def _clip_ratios(
             raise ValueError(f"dual_clip: expected {DUAL_CLIP_FROM_CONFIG!r}, None or a float > 1, got {dual_clip!r}")
         clip_ratio_c = float(_cfg(config, "clip_ratio_c", 3.0))
         if not clip_ratio_c > 1.0:
-            raise ValueError(f"clip_ratio_c: the dual-clip bound must be > 1.0, got {clip_ratio_c}")
+            raise ValueError(f"clip_ratio_c: expected a dual-clip bound > 1.0, got {clip_ratio_c}")
         return eps_low, eps_high, clip_ratio_c
     if isinstance(dual_clip, bool) or not isinstance(dual_clip, (int, float)) or not float(dual_clip) > 1.0:
         raise ValueError(f"dual_clip: expected {DUAL_CLIP_FROM_CONFIG!r}, None or a float > 1, got {dual_clip!r}")
