@@ -29,7 +29,7 @@ def key_aux_ref(keys: torch.Tensor, metric: str) -> torch.Tensor:
     elif metric == "ip":
         aux = torch.zeros(keys.shape[0], dtype=torch.float64, device=keys.device)
     else:
-        raise ValueError(f"metric must be one of {RETRIEVAL_METRICS}, got {metric!r}")
+        raise ValueError(f"metric: expected one of {RETRIEVAL_METRICS}, got {metric!r}")
     return aux.to(torch.float32)
 
 
@@ -51,7 +51,7 @@ def scores_ref(keys: torch.Tensor, queries: torch.Tensor, metric: str) -> torch.
             diff = q64[i : i + step, None, :] - k64[None, :, :]
             out[i : i + step] = -(diff * diff).sum(-1)
         return out
-    raise ValueError(f"metric must be one of {RETRIEVAL_METRICS}, got {metric!r}")
+    raise ValueError(f"metric: expected one of {RETRIEVAL_METRICS}, got {metric!r}")
 
 
 def search_ref(

@@ -85,18 +85,20 @@ def _check_tensors(tensors: dict[str, torch.Tensor], meta: dict[str, Any], where
         "seq": ((n,), torch.int64),
     }
     if set(tensors) != set(expect):
-        raise err(f"{where}: tensors {sorted(tensors)}, want {sorted(expect)}")
+        raise err(f"{where}: tensors: expected {sorted(expect)}, got {sorted(tensors)}")
     for name, (shape, dt) in expect.items():
         t = tensors[name]
         if tuple(t.shape) != shape or t.dtype != dt:
-            raise err(f"{where}: tensor {name!r} is {tuple(t.shape)} {t.dtype}, want {shape} {dt}")
+            raise err(f"{where}: tensor {name!r}: expected {shape} {dt}, got {tuple(t.shape)} {t.dtype}")
     if not bool(torch.isfinite(tensors["keys"]).all()) or not bool(torch.isfinite(tensors["scores"]).all()):
-        raise err(f"{where}: tensors 'keys' and 'scores' must be finite")
+        raise err(f"{where}: tensors 'keys' and 'scores': expected finite values, got NaN/inf")
     if bool((tensors["group_ids"] < 0).any()):
-        raise err(f"{where}: tensor 'group_ids' holds a negative id")
+        raise err(f"{where}: tensor 'group_ids': expected ids >= 0, got {int(tensors['group_ids'].min())}")
     seq = tensors["seq"]
     if n and (int(seq.min()) < 0 or int(seq.max()) >= meta["next_seq"] or seq.unique().numel() != n):
-        raise err(f"{where}: tensor 'seq' must hold {n} distinct values in [0, next_seq={meta['next_seq']})")
+        raise err(
+            f"{where}: tensor 'seq': expected {n} distinct values in [0, next_seq={meta['next_seq']}), got others"
+        )
 
 
 def read_snapshot(directory: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

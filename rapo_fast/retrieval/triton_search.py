@@ -65,7 +65,7 @@ def select_backend(Q: int, C: int, D: int, dtype: torch.dtype, k: int, metric: i
     None) is 'cuda', 'triton' or 'auto' (the table). l2 (metric 2) scores fp32 centred keys: CUDA under 'auto'."""
     choice = os.environ.get(BACKEND_ENV, "auto") if override is None else override
     if choice not in ("cuda", "triton", "auto"):
-        raise ValueError(f"{BACKEND_ENV} (or backend) must be 'cuda', 'triton' or 'auto', got {choice!r}")
+        raise ValueError(f"{BACKEND_ENV} (or backend): expected 'cuda', 'triton' or 'auto', got {choice!r}")
     if choice != "auto":
         return choice
     if metric == METRIC_L2 or dtype == torch.float32 or C > _MAX_C:
@@ -115,7 +115,7 @@ def gpu_tiles(fp32: bool, aligned: bool) -> tuple[int, int, int, int, int]:
         vals = tuple(int(v) for v in env.split(","))
         if len(vals) != 5 or min(vals[3:]) < 1 or any(v < 16 or v & (v - 1) for v in vals[:3]) or vals[1] < 32:
             raise ValueError(
-                f"{TILES_ENV} must be 'BQ,BC,BD,warps,stages' with powers of two >= 16 (BC >= 32: two halves of at "
+                f"{TILES_ENV}: expected 'BQ,BC,BD,warps,stages' with powers of two >= 16 (BC >= 32: two halves of at "
                 f"least 16), got {env!r}"
             )
         return vals  # type: ignore[return-value]
