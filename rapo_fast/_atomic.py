@@ -294,7 +294,10 @@ class VersionWriter:
 
     def _new_path(self, rel: str) -> Path:
         if not _rel_ok(rel) or rel == MANIFEST:
-            raise ValueError(f"VersionWriter: bad file name {brief(rel)}")
+            raise ValueError(
+                f"VersionWriter: rel: expected a relative path of at most 8 plain parts (not {MANIFEST}), got "
+                f"{brief(rel)}"
+            )
         path = self.path / rel
         for parent in reversed(PurePosixPath(rel).parents[:-1]):
             d = self.path / parent
@@ -325,7 +328,9 @@ class VersionWriter:
         SHA-256, which names every file's) is listed, so the whole nested unit is covered."""
         rel = f"{rel_dir}/{CURRENT}"
         if not _rel_ok(rel):
-            raise ValueError(f"VersionWriter: bad directory name {brief(rel_dir)}")
+            raise ValueError(
+                f"VersionWriter: rel_dir: expected a relative path of at most 8 plain parts, got {brief(rel_dir)}"
+            )
         data = read_regular(self.path / rel)
         self.files[rel] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
 
@@ -401,13 +406,16 @@ def read_json_object(path: Path, error: type[FormatError]) -> dict[str, Any]:
 def _parse_manifest(path: Path, fmt: str, version: int, error: type[FormatError]) -> dict[str, Any]:
     m = read_json_object(path, error)
     if m.get("format") != fmt:
-        raise error(f"{path}: field 'format' is {brief(m.get('format'))}, want {fmt!r}")
+        raise error(f"{path}: field 'format': expected {fmt!r}, got {brief(m.get('format'))}")
     v = m.get("format_version")
     if v != version or isinstance(v, bool):
         raise error(f"{path}: format version {brief(v)}, this rapo_fast reads version {version}")
     files, meta = m.get("files"), m.get("meta")
     if not isinstance(files, dict) or not isinstance(meta, dict):
-        raise error(f"{path}: fields 'files' and 'meta' must be JSON objects")
+        raise error(
+            f"{path}: fields 'files' and 'meta': expected JSON objects, got {type(files).__name__}, "
+            f"{type(meta).__name__}"
+        )
     for rel, entry in files.items():
         ok = isinstance(entry, dict) and set(entry) == {"sha256", "size"} and _rel_ok(rel)
         ok = ok and isinstance(entry["sha256"], str) and _SHA.fullmatch(entry["sha256"]) is not None

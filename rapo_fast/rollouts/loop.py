@@ -52,7 +52,7 @@ def rollout(
     if cfg is None:
         cfg = RolloutConfig()
     elif not isinstance(cfg, RolloutConfig):
-        raise TypeError(f"rollout: cfg must be a RolloutConfig, got {type(cfg).__name__}")
+        raise TypeError(f"rollout: cfg: expected a RolloutConfig, got {type(cfg).__name__}")
     strategy = strategy_for(cfg, traces=traces, offpolicy=offpolicy)
     t_start = time.perf_counter()
     device = next(model.parameters()).device

@@ -185,7 +185,7 @@ class TrainerConfig(Section):
     def preset(cls, name: str, overrides: Mapping[str, Any] | None = None, /, **sections: Any) -> TrainerConfig:
         makers = {"RAPO": cls.RAPO, "GRPO": cls.GRPO, "ARPO": cls.ARPO, "OFFPOLICY_TRAJ": cls.OFFPOLICY_TRAJ}
         if not isinstance(name, str) or name.upper() not in makers:
-            raise ValueError(f"TrainerConfig.preset: name must be one of {sorted(makers)}, got {brief(name)}")
+            raise ValueError(f"TrainerConfig.preset: name: expected one of {sorted(makers)}, got {brief(name)}")
         return makers[name.upper()](overrides, **sections)
 
     @classmethod

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from rapo_fast._atomic import FormatError, VersionWriter, read_version, write_file_atomic
-from rapo_fast._checks import check_field, check_int
+from rapo_fast._checks import brief, check_field, check_int
 from rapo_fast.train.config import TrainerConfig
 
 # version 1: "rapo_fast.train.trainer.checkpoint/1", one directory renamed into place (not crash-safe, no checksums);
@@ -176,9 +176,11 @@ def _check_trainer_state(state, path: Path, step_count: int) -> None:
     fields = {"step_count", "py_rng", "gen", "torch_rng", "logger"}
     if not isinstance(state, dict) or set(state) != fields:
         got = sorted(state) if isinstance(state, dict) else type(state).__name__
-        raise CheckpointFormatError(f"{path}: want a dict of the fields {sorted(fields)}, got {got}")
+        raise CheckpointFormatError(f"{path}: expected a dict of the fields {sorted(fields)}, got {got}")
     if check_field(state, "step_count", path, CheckpointFormatError, check_int, lo=0) != step_count:
-        raise CheckpointFormatError(f"{path}: field 'step_count' is {state['step_count']}, meta.json says {step_count}")
+        raise CheckpointFormatError(
+            f"{path}: field 'step_count': expected {step_count} (meta.json's), got {state['step_count']}"
+        )
     for field, restore in (
         ("py_rng", lambda s: random.Random().setstate(s)),
         ("gen", lambda s: torch.Generator().set_state(s)),
@@ -187,11 +189,15 @@ def _check_trainer_state(state, path: Path, step_count: int) -> None:
         try:
             restore(state[field])
         except Exception as exc:  # random and torch raise TypeError, ValueError or RuntimeError
-            raise CheckpointFormatError(f"{path}: field {field!r} is not a generator state ({exc})") from exc
+            raise CheckpointFormatError(
+                f"{path}: field {field!r}: expected a generator state, got one refused ({exc})"
+            ) from exc
     log = state["logger"]
     ok = isinstance(log, dict) and set(log) == {"n_rows", "columns"} and isinstance(log["columns"], list)
     if not ok or not all(isinstance(c, str) for c in log["columns"]):
-        raise CheckpointFormatError(f"{path}: field 'logger' must be {{'n_rows': int, 'columns': [str]}}")
+        raise CheckpointFormatError(
+            f"{path}: field 'logger': expected {{'n_rows': int, 'columns': [str]}}, got {brief(log)}"
+        )
     check_field(log, "n_rows", f"{path}: field 'logger'", CheckpointFormatError, check_int, lo=0)
 
 
@@ -206,7 +212,7 @@ def _check_like(saved, current, path: Path, what: str) -> None:
             not isinstance(s, torch.Tensor) or s.shape != t.shape or s.dtype != t.dtype
         ):
             got = f"{tuple(s.shape)} {s.dtype}" if isinstance(s, torch.Tensor) else type(s).__name__
-            raise CheckpointFormatError(f"{path}: {k!r} is {got}, this {what} has {tuple(t.shape)} {t.dtype}")
+            raise CheckpointFormatError(f"{path}: {k!r}: expected this {what}'s {tuple(t.shape)} {t.dtype}, got {got}")
 
 
 def _check_optimizer(saved, current: dict, path: Path) -> None:
@@ -217,7 +223,7 @@ def _check_optimizer(saved, current: dict, path: Path) -> None:
     sizes = [len(g.get("params", ())) if isinstance(g, dict) else -1 for g in groups]
     want = [len(g["params"]) for g in current["param_groups"]]
     if sizes != want:
-        raise CheckpointFormatError(f"{path}: parameter group sizes {sizes}, this optimizer's are {want}")
+        raise CheckpointFormatError(f"{path}: parameter groups: expected this optimizer's sizes {want}, got {sizes}")
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
