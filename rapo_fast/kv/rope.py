@@ -168,15 +168,11 @@ class RopeSpec:
     def __post_init__(self) -> None:
         check_choice("layout", self.layout, ("rotate_half", "interleaved"))
         if self.rotary_dim <= 0 or self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
-            raise ValueError(
-                f"rotary_dim: expected an even int in [2, head_dim={self.head_dim}], got {self.rotary_dim}"
-            )
+            raise ValueError(f"rotary_dim: expected even, in [2, head_dim={self.head_dim}], got {self.rotary_dim}")
         inv = self.inv_freq
         if not isinstance(inv, torch.Tensor) or inv.dim() != 1 or inv.numel() != self.rotary_dim // 2:
             shape = tuple(inv.shape) if isinstance(inv, torch.Tensor) else type(inv).__name__
-            raise ValueError(
-                f"inv_freq: expected a 1-D tensor of rotary_dim // 2 = {self.rotary_dim // 2} entries, got {shape}"
-            )
+            raise ValueError(f"inv_freq: expected 1-D, rotary_dim // 2 = {self.rotary_dim // 2} entries, got {shape}")
         object.__setattr__(self, "inv_freq", inv.detach().to(device="cpu", dtype=torch.float32).contiguous())
 
     def inv_freq_on(self, device: torch.device) -> torch.Tensor:

@@ -198,7 +198,7 @@ def _request_table(
     table = []
     for i, (pid, row, pos) in enumerate(reqs):
         if pid not in store:
-            raise ValueError(f"requests[{i}]: unknown payload_id {pid} (not in the StepKVStore)")
+            raise ValueError(f"requests[{i}] payload_id: expected one in the StepKVStore, got {pid}")
         off, n_stored = store.locate(pid)
         n = n_stored if lengths is None else sc.as_int(f"lengths[{i}]", lengths[i])
         if not 0 <= n <= n_stored:
@@ -210,7 +210,9 @@ def _request_table(
             raise ValueError(f"rope_positions[{i}]: expected >= 0, got {delta}")
         for a, b in rows_spans.get(row, []):
             if pos < b and a < pos + n:
-                raise ValueError(f"requests[{i}]: slots [{pos}, {pos + n}) of row {row} overlap another request's")
+                raise ValueError(
+                    f"requests[{i}]: expected no overlap with another request, got [{pos}, {pos + n}) of row {row}"
+                )
         rows_spans.setdefault(row, []).append((pos, pos + n))
         table.append((off, n, row, pos, delta))
     return table
@@ -228,15 +230,14 @@ def _paged_target(cache: PagedKVCache, store: StepKVStore, table: list) -> tuple
     bt_cpu = bt.cpu()
     for i, (_off, n, row, pos, _d) in enumerate(table):
         if not 0 <= row < bt.shape[0]:
-            raise ValueError(f"requests[{i}]: batch_row {row} out of range [0, {bt.shape[0]})")
+            raise ValueError(f"requests[{i}] batch_row: expected an int in [0, {bt.shape[0]}), got {row}")
         if n and (pos + n - 1) // bs >= bt.shape[1]:
             raise ValueError(
-                f"requests[{i}]: position {pos} + length {n} passes the block table's "
-                f"{bt.shape[1]} blocks of {bs} tokens"
+                f"requests[{i}]: expected slots within the block table ({bt.shape[1]} blocks of {bs}), got {pos} + {n}"
             )
         used = bt_cpu[row, pos // bs : (pos + n - 1) // bs + 1] if n else bt_cpu[row, :0]
         if used.numel() and (used.min() < 0 or used.max() >= nb):
-            raise ValueError(f"requests[{i}]: block table row {row} maps these slots to blocks outside [0, {nb})")
+            raise ValueError(f"block_table[{row}]: expected block ids in [0, {nb}), got {used.tolist()}")
     sc.check_physical_overlap(table, bt_cpu, bs)
     sc.check_block_table_int32(bt, bt_cpu)
     return ks, vs, (bt.to(torch.int32) if bt.dtype != torch.int32 else bt)
@@ -253,10 +254,10 @@ def _hf_target(cache: Any, store: StepKVStore, table: list) -> tuple[list, list,
         hfc.ensure_layers(cache, store.num_layers, b, store.num_kv_heads, store.head_dim, store.dtype, store.device)
     for i, (_off, _n, row, pos, _d) in enumerate(table):
         if not 0 <= row < b:
-            raise ValueError(f"requests[{i}]: batch_row {row} out of range [0, {b})")
+            raise ValueError(f"requests[{i}] batch_row: expected an int in [0, {b}), got {row}")
         if kind == "dynamic" and pos > cur:
             raise ValueError(
-                f"requests[{i}]: position {pos} is past the cache's length {cur}; a DynamicCache cannot hold a gap"
+                f"requests[{i}] position: expected <= the cache's length {cur} (a DynamicCache holds no gap), got {pos}"
             )
     new_len = max([cur] + [pos + n for _o, n, _r, pos, _d in table])
     ks, vs = hfc.layer_tensors(cache)
@@ -302,7 +303,7 @@ def _launch(ks, vs, store: StepKVStore, table, rope: RopeSpec, block_table, back
             )
         return
     if backend != device.type:
-        raise ValueError(f"backend={brief(backend)} cannot run on {device.type} tensors")
+        raise ValueError(f"backend: expected 'reference' or {device.type!r}, got {brief(backend)}")
     _launch_extension(ks, vs, store, table, rope, block_table)
 
 
@@ -397,9 +398,7 @@ def _check_segments(cache: Any, segment_tokens: Any, rows: Sequence[int], positi
         for t in (segment_tokens.tolist() if isinstance(segment_tokens, torch.Tensor) else segment_tokens)
     ]
     if not (len(toks) == len(rows) == len(positions)):
-        raise ValueError(
-            f"rows/positions: expected {len(toks)} entries each (one per segment), got {len(rows)}/{len(positions)}"
-        )
+        raise ValueError(f"rows/positions: expected one per segment ({len(toks)}), got {len(rows)}/{len(positions)}")
     b = hfc.batch_size(cache) or len(rows)
     if sorted(int(r) for r in rows) != list(range(b)):
         raise ValueError(
@@ -429,14 +428,14 @@ def _check_stored(
 ) -> None:
     """The store holds every payload to splice, with the same tokens and at least n_splice of them."""
     if store is None or payload_ids is None:
-        raise ValueError(f"mode={brief(mode)} needs store= and payload_ids= (the segments' cached K/V)")
+        raise ValueError(f"store/payload_ids: expected both with mode={brief(mode)}, got None")
     if len(payload_ids) != len(toks):
         raise ValueError(f"payload_ids: expected {len(toks)} entries (one per row), got {len(payload_ids)}")
     for i in order:
         if int(payload_ids[i]) not in store:
-            raise ValueError(f"unknown payload_id {payload_ids[i]} (not in the StepKVStore)")
+            raise ValueError(f"payload_ids[{i}]: expected a payload in the StepKVStore, got {payload_ids[i]}")
         stored = store.tokens(int(payload_ids[i]))
         if stored is not None and stored != toks[i]:
-            raise ValueError(f"payload {payload_ids[i]}'s stored tokens differ from segment_tokens[{i}]")
+            raise ValueError(f"segment_tokens[{i}]: expected payload {payload_ids[i]}'s stored tokens, got others")
         if store.locate(int(payload_ids[i]))[1] < n_splice:
-            raise ValueError(f"payload {payload_ids[i]} holds fewer than the {n_splice} tokens to splice")
+            raise ValueError(f"payload_ids[{i}]: expected >= {n_splice} tokens stored, got fewer in {payload_ids[i]}")

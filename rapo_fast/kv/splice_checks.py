@@ -116,9 +116,7 @@ def check_op_tensors(keys, values, k_pool, v_pool, requests, inv_freq, block_tab
             f"k_pool/v_pool: expected one set of strides, head dim contiguous, got {k_pool.stride()}/{v_pool.stride()}"
         )
     if len(keys) != k_pool.shape[0] or len(values) != k_pool.shape[0]:
-        raise ValueError(
-            f"keys/values: expected one tensor per layer of k_pool ({k_pool.shape[0]}), got {len(keys)}/{len(values)}"
-        )
+        raise ValueError(f"keys/values: expected {k_pool.shape[0]} layers (k_pool's), got {len(keys)}/{len(values)}")
     # One shape for keys and values; strides per kind (the op takes both sets).
     for t0, t in [(keys[0], k) for k in keys] + [(values[0], v) for v in values]:
         if t.dim() != 4 or t.shape != keys[0].shape or t.stride() != t0.stride() or t.stride(-1) != 1:

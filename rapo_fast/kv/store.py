@@ -135,7 +135,7 @@ class StepKVStore:
     def get(self, payload_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views keys, values [num_layers, L, H_kv, D] of a payload; ValueError if unknown."""
         if int(payload_id) not in self._where:
-            raise ValueError(f"unknown payload_id {payload_id}")
+            raise ValueError(f"payload_id: expected one in the store, got {payload_id}")
         off, n = self._where[int(payload_id)]
         return self.keys_pool[:, off : off + n], self.values_pool[:, off : off + n]
 
@@ -160,9 +160,7 @@ class StepKVStore:
             raise TypeError(f"StepKVStore.load_state_dict: state: expected a dict, got {type(state).__name__}")
         missing = sorted({"shape", "dtype", "capacity_tokens", "keys", "values", "where", "tokens"} - set(state))
         if missing:
-            raise ValueError(
-                f"StepKVStore.load_state_dict: state: expected every field of state_dict(), got none for {missing}"
-            )
+            raise ValueError(f"StepKVStore.load_state_dict: state: expected every field, got none for {missing}")
         want = (self.num_layers, self.num_kv_heads, self.head_dim)
         shape = state["shape"]
         if not isinstance(shape, (tuple, list)) or not all(_is_int(x) for x in shape):
@@ -279,8 +277,7 @@ class StepKVStore:
         a refusal raises ValueError/TypeError naming the argument and entry."""
         if not (len(payload_ids) == len(keys) == len(values)):
             raise ValueError(
-                f"keys/values: expected {len(payload_ids)} entries each (one per payload id), "
-                f"got {len(keys)}/{len(values)}"
+                f"keys/values: expected one per payload id ({len(payload_ids)}), got {len(keys)}/{len(values)}"
             )
         if tokens is not None and len(tokens) != len(payload_ids):
             raise ValueError(f"tokens: expected {len(payload_ids)} entries (one per payload id), got {len(tokens)}")
@@ -304,12 +301,16 @@ class StepKVStore:
             if k.shape != v.shape:
                 raise ValueError(f"values[{i}]: expected keys[{i}]'s shape {tuple(k.shape)}, got {tuple(v.shape)}")
             if pid in self._where and not replace:
-                raise ValueError(f"payload_id {pid} is already stored (pass replace=True to overwrite it)")
+                raise ValueError(
+                    f"payload_ids[{i}]: expected an id not stored (or replace=True), got {pid}, already stored"
+                )
             if toks is not None:
                 ids = tokens[i].tolist() if isinstance(tokens[i], torch.Tensor) else tokens[i]
                 toks.append(check_int_list(f"tokens[{i}]", ids, lo=0))
                 if len(toks[i]) != k.shape[1]:
-                    raise ValueError(f"tokens[{i}] has {len(toks[i])} ids for {k.shape[1]} cached positions")
+                    raise ValueError(
+                        f"tokens[{i}]: expected {k.shape[1]} ids (one per cached position), got {len(toks[i])}"
+                    )
         for i, (pid, k, v) in enumerate(zip(pids, keys, values)):
             self.evict([pid]) if pid in self._where else None
             off = self._alloc(k.shape[1])
@@ -344,16 +345,12 @@ class StepKVStore:
         from transformers import DynamicCache
 
         if len(payload_ids) != len(token_lists):
-            raise ValueError(
-                f"token_lists: expected {len(payload_ids)} entries (one per payload id), got {len(token_lists)}"
-            )
+            raise ValueError(f"token_lists: expected one per payload id ({len(payload_ids)}), got {len(token_lists)}")
         dev = next(model.parameters()).device
         for s in range(0, len(token_lists), batch_size):
             chunk = [list(map(int, t)) for t in token_lists[s : s + batch_size]]
             if any(len(t) == 0 for t in chunk):
-                raise ValueError(
-                    f"token_lists: expected at least one token in each, got lengths {[len(t) for t in chunk]}"
-                )
+                raise ValueError(f"token_lists: expected >= 1 token in each, got lengths {[len(t) for t in chunk]}")
             n = max(len(t) for t in chunk)
             ids = torch.tensor([t + [0] * (n - len(t)) for t in chunk], dtype=torch.long, device=dev)
             cache = DynamicCache(config=model.config)

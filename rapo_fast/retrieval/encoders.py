@@ -66,9 +66,7 @@ class HashedNgramEncoder:
             if v is not None:
                 check_int(f"HashedNgramEncoder: {name}", v, lo=0)
         if head_words == tail_words == 0:
-            raise ValueError(
-                "HashedNgramEncoder: head_words/tail_words: expected one > 0 (else every key is 0), got 0, 0"
-            )
+            raise ValueError("HashedNgramEncoder: head_words/tail_words: expected one > 0 (else keys are 0), got 0/0")
         self.dim, self.ngrams = dim, tuple(ngrams)
         self.head_words, self.tail_words = head_words, tail_words
         self._hasher = NgramHasher(self.ngrams)

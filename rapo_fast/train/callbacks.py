@@ -55,9 +55,7 @@ class EvalCallback(TrainerCallback):
         name: str = "eval",
     ):
         if not callable(eval_fn):
-            raise TypeError(
-                f"EvalCallback: eval_fn: expected a callable trainer -> float, got {type(eval_fn).__name__}"
-            )
+            raise TypeError(f"EvalCallback: eval_fn: expected trainer -> float, got {type(eval_fn).__name__}")
         every = check_int("EvalCallback: every", every, lo=1)
         target = check_float("EvalCallback: target", target, allow_none=True)
         self.eval_fn, self.every, self.at_start, self.target, self.name = eval_fn, every, at_start, target, name

@@ -16,9 +16,7 @@ def lm_head_weight(model: torch.nn.Module) -> torch.Tensor:
     """The lm_head weight [V, H] the model actually multiplies by (tied or not; docs/pitfalls.md #10)."""
     head = model.get_output_embeddings()
     if head is None or not hasattr(head, "weight"):
-        raise TypeError(
-            f"lm_head_weight: model: expected an output embedding with a weight, got {type(model).__name__}"
-        )
+        raise TypeError(f"lm_head_weight: model: expected an output embedding with weight, got {type(model).__name__}")
     if getattr(head, "bias", None) is not None:
         raise ValueError("lm_head_weight: model: expected an lm_head without a bias, got one with a bias")
     return head.weight

@@ -179,7 +179,7 @@ def _check_trainer_state(state, path: Path, step_count: int) -> None:
         raise CheckpointFormatError(f"{path}: expected a dict of the fields {sorted(fields)}, got {got}")
     if check_field(state, "step_count", path, CheckpointFormatError, check_int, lo=0) != step_count:
         raise CheckpointFormatError(
-            f"{path}: field 'step_count': expected {step_count} (meta.json's), got {state['step_count']}"
+            f"{path}: field 'step_count': expected meta.json's {step_count}, got {state['step_count']}"
         )
     for field, restore in (
         ("py_rng", lambda s: random.Random().setstate(s)),
@@ -189,9 +189,7 @@ def _check_trainer_state(state, path: Path, step_count: int) -> None:
         try:
             restore(state[field])
         except Exception as exc:  # random and torch raise TypeError, ValueError or RuntimeError
-            raise CheckpointFormatError(
-                f"{path}: field {field!r}: expected a generator state, got one refused ({exc})"
-            ) from exc
+            raise CheckpointFormatError(f"{path}: field {field!r}: expected a generator state, got {exc}") from exc
     log = state["logger"]
     ok = isinstance(log, dict) and set(log) == {"n_rows", "columns"} and isinstance(log["columns"], list)
     if not ok or not all(isinstance(c, str) for c in log["columns"]):

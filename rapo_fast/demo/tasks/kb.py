@@ -92,9 +92,7 @@ class KnowledgeBaseTask:
         self.entity_type = {e: t for t, es in self.entities.items() for e in es}
         self.patterns = [(r, st) for r, st in self._patterns() if pattern_filter is None or pattern_filter(r)]
         if not self.patterns:
-            raise ValueError(
-                "KnowledgeBaseTask: expected a knowledge base with a multi-hop question, got none; use more entities"
-            )
+            raise ValueError("KnowledgeBaseTask: expected a multi-hop question, got none; use more entities")
 
     # -- vocabulary -------------------------------------------------------------------------------------------------
     def words(self) -> list[str]:
@@ -127,7 +125,7 @@ class KnowledgeBaseTask:
             patterns = [(r, st) for r, st in patterns if st]
             if not patterns:
                 raise ValueError(
-                    f"make_problems: starts: expected entities a question starts from, got none of {len(allowed)}"
+                    f"make_problems: starts: expected a question's start entity, got none of {len(allowed)}"
                 )
         rng = random.Random(seed)
         out = []
@@ -309,9 +307,7 @@ def kb_solver_trajectories(
     check_int("kb_solver_trajectories: n_per_query", n_per_query, lo=1)
     rates = [error_rate] if isinstance(error_rate, (int, float)) else list(error_rate)
     if not rates or not all(isinstance(r, (int, float)) and 0.0 <= float(r) <= 1.0 for r in rates):
-        raise ValueError(
-            f"kb_solver_trajectories: error_rate: expected a number in [0, 1] or a list of such, got {error_rate!r}"
-        )
+        raise ValueError(f"kb_solver_trajectories: error_rate: expected [0, 1] or a list of such, got {error_rate!r}")
     rate: float | list[float] = float(rates[0]) if isinstance(error_rate, (int, float)) else [float(r) for r in rates]
     rng = random.Random(seed)
     return [kb_solve(task, p, rng, rate) for p in problems for _ in range(n_per_query)]

@@ -116,9 +116,7 @@ def set_step_buffer_client(name: str, client: Any | None) -> None:
     if client is None:
         _CLIENTS.pop(name, None)
     elif not callable(getattr(client, "retrieve", None)):
-        raise TypeError(
-            f"set_step_buffer_client: client: expected an object with an async retrieve(), got {type(client).__name__}"
-        )
+        raise TypeError(f"set_step_buffer_client: client: expected an async retrieve(), got {type(client).__name__}")
     else:
         _CLIENTS[name] = client
 

@@ -400,22 +400,15 @@ def get_or_create_step_buffer(
         return StepBufferClient(handles, encoder, replicas=replicas)
 
     if src is not None and not src.exists():
-        raise ValueError(
-            f"get_or_create_step_buffer: source: expected a .jsonl file or a saved buffer, got {str(src)!r}"
-        )
+        raise ValueError(f"get_or_create_step_buffer: source: expected a .jsonl file or saved buffer, got {str(src)!r}")
     if src is None or str(src).endswith(".jsonl") or is_bare_traces(src):
         if src is not None and is_bare_traces(src) and num_shards != 1:
-            raise ValueError(
-                f"get_or_create_step_buffer: num_shards: expected 1 (source {src} is a one-shard save), got "
-                f"{num_shards}"
-            )
+            raise ValueError(f"get_or_create_step_buffer: num_shards: expected 1 ({src}: one shard), got {num_shards}")
         return create([None if src is None else str(src)] * num_shards)
     with read_version(src, SAVE_PREFIX, SAVE_FORMAT, SAVE_VERSION, StepBufferSaveError) as v:
         n = check_field(v.meta, "num_shards", v.path / "meta.json", StepBufferSaveError, check_int, lo=1)
         if n != num_shards:
-            raise ValueError(
-                f"get_or_create_step_buffer: num_shards: expected {n} (the shards of source {src}), got {num_shards}"
-            )
+            raise ValueError(f"get_or_create_step_buffer: num_shards: expected {n} ({src}'s shards), got {num_shards}")
         return create([str(v.path / f"shard_{i}") for i in range(n)])
 
 

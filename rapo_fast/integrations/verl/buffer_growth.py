@@ -124,10 +124,7 @@ class RapoRewardManager(RewardManagerBase):
         self.growth = growth_config(config)
         inner_cls = get_reward_manager_cls(self.growth.inner_reward_manager)
         if getattr(inner_cls, "rapo_grows_step_buffer", False):
-            raise ValueError(
-                "rapo.inner_reward_manager: expected a reward manager other than RapoRewardManager, got "
-                f"{inner_cls.__name__}"
-            )
+            raise ValueError(f"rapo.inner_reward_manager: expected not a RapoRewardManager, got {inner_cls.__name__}")
         self.inner = inner_cls(config, tokenizer, compute_score, **kwargs)
         self._adds = _AddQueue(self.growth.onpolicy_add_window_s)
 

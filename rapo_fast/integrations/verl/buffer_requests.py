@@ -25,9 +25,7 @@ def check_histories(histories: Any, who: str, name: str = "histories") -> list[s
         try:
             h.encode("utf-8")
         except UnicodeEncodeError as exc:
-            raise ValueError(
-                f"{who}: {name}[{i}]: expected valid Unicode text, got {exc.reason} at {exc.start}"
-            ) from None
+            raise ValueError(f"{who}: {name}[{i}]: expected valid Unicode, got {exc.reason} at {exc.start}") from None
     return histories
 
 
