@@ -295,7 +295,7 @@ class VersionWriter:
     def _new_path(self, rel: str) -> Path:
         if not _rel_ok(rel) or rel == MANIFEST:
             raise ValueError(
-                f"VersionWriter: rel: expected a relative path (<= 8 plain parts, not {MANIFEST}), got {brief(rel)}"
+                f"VersionWriter: rel: expected a path of <= 8 plain parts (not {MANIFEST}), got {brief(rel)}"
             )
         path = self.path / rel
         for parent in reversed(PurePosixPath(rel).parents[:-1]):
@@ -327,9 +327,7 @@ class VersionWriter:
         SHA-256, which names every file's) is listed, so the whole nested unit is covered."""
         rel = f"{rel_dir}/{CURRENT}"
         if not _rel_ok(rel):
-            raise ValueError(
-                f"VersionWriter: rel_dir: expected a relative path (<= 8 plain parts), got {brief(rel_dir)}"
-            )
+            raise ValueError(f"VersionWriter: rel_dir: expected a path of <= 8 plain parts, got {brief(rel_dir)}")
         data = read_regular(self.path / rel)
         self.files[rel] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
 
@@ -412,7 +410,7 @@ def _parse_manifest(path: Path, fmt: str, version: int, error: type[FormatError]
     files, meta = m.get("files"), m.get("meta")
     if not isinstance(files, dict) or not isinstance(meta, dict):
         raise error(
-            f"{path}: fields 'files', 'meta': expected JSON objects, got {type(files).__name__}, {type(meta).__name__}"
+            f"{path}: 'files', 'meta': expected JSON objects, got {type(files).__name__}, {type(meta).__name__}"
         )
     for rel, entry in files.items():
         ok = isinstance(entry, dict) and set(entry) == {"sha256", "size"} and _rel_ok(rel)

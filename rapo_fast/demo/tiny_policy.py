@@ -92,7 +92,7 @@ class WordTokenizer:
         if data.get("format") != "rapo_fast.WordTokenizer/1" or list(vocab[: len(SPECIAL_TOKENS)]) != list(
             SPECIAL_TOKENS
         ):
-            raise ValueError(f"WordTokenizer.load: {path} is not a saved WordTokenizer")
+            raise ValueError(f"WordTokenizer.load: path: expected a saved WordTokenizer, got {path}")
         return cls(vocab[len(SPECIAL_TOKENS) :])
 
 

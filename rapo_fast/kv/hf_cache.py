@@ -121,7 +121,7 @@ def grow(cache: Any, new_length: int) -> None:
         cap = capacity(cache)
         if new_length > cap:
             raise ValueError(
-                f"position + segment length: expected <= the StaticCache's max_cache_len {cap}, got {new_length}"
+                f"position + segment length: expected <= max_cache_len {cap} (StaticCache), got {new_length}"
             )
         return
     for layer in cache.layers:

@@ -210,9 +210,7 @@ def _request_table(
             raise ValueError(f"rope_positions[{i}]: expected >= 0, got {delta}")
         for a, b in rows_spans.get(row, []):
             if pos < b and a < pos + n:
-                raise ValueError(
-                    f"requests[{i}]: expected no overlap with another request, got [{pos}, {pos + n}) of row {row}"
-                )
+                raise ValueError(f"requests[{i}]: expected no overlap with others, got [{pos}, {pos + n}) of row {row}")
         rows_spans.setdefault(row, []).append((pos, pos + n))
         table.append((off, n, row, pos, delta))
     return table

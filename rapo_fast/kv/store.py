@@ -276,9 +276,7 @@ class StepKVStore:
         the store's dtype, tokens one int id >= 0 per cached position. Everything is checked before the store changes;
         a refusal raises ValueError/TypeError naming the argument and entry."""
         if not (len(payload_ids) == len(keys) == len(values)):
-            raise ValueError(
-                f"keys/values: expected one per payload id ({len(payload_ids)}), got {len(keys)}/{len(values)}"
-            )
+            raise ValueError(f"keys/values: expected {len(payload_ids)} each, got {len(keys)}/{len(values)}")
         if tokens is not None and len(tokens) != len(payload_ids):
             raise ValueError(f"tokens: expected {len(payload_ids)} entries (one per payload id), got {len(tokens)}")
         want = (self.num_layers, self.num_kv_heads, self.head_dim)
@@ -301,16 +299,12 @@ class StepKVStore:
             if k.shape != v.shape:
                 raise ValueError(f"values[{i}]: expected keys[{i}]'s shape {tuple(k.shape)}, got {tuple(v.shape)}")
             if pid in self._where and not replace:
-                raise ValueError(
-                    f"payload_ids[{i}]: expected an id not stored (or replace=True), got {pid}, already stored"
-                )
+                raise ValueError(f"payload_ids[{i}]: expected a new id (or replace=True), got {pid}: already stored")
             if toks is not None:
                 ids = tokens[i].tolist() if isinstance(tokens[i], torch.Tensor) else tokens[i]
                 toks.append(check_int_list(f"tokens[{i}]", ids, lo=0))
                 if len(toks[i]) != k.shape[1]:
-                    raise ValueError(
-                        f"tokens[{i}]: expected {k.shape[1]} ids (one per cached position), got {len(toks[i])}"
-                    )
+                    raise ValueError(f"tokens[{i}]: expected {k.shape[1]} ids (cached positions), got {len(toks[i])}")
         for i, (pid, k, v) in enumerate(zip(pids, keys, values)):
             self.evict([pid]) if pid in self._where else None
             off = self._alloc(k.shape[1])

@@ -77,7 +77,7 @@ def search_ref(
         eligible &= s >= float(min_score)
     if exclude_groups is not None:
         if groups is None:
-            raise ValueError("exclude_groups needs groups")
+            raise ValueError("groups: expected a tensor with exclude_groups, got None")
         ex = exclude_groups.to(torch.int64).view(Q, 1)
         eligible &= ~((groups.to(torch.int64).view(1, C) == ex) & (ex >= 0))
     s = torch.where(eligible, s, torch.full_like(s, float("-inf")))

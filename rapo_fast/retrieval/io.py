@@ -96,9 +96,7 @@ def _check_tensors(tensors: dict[str, torch.Tensor], meta: dict[str, Any], where
         raise err(f"{where}: tensor 'group_ids': expected ids >= 0, got {int(tensors['group_ids'].min())}")
     seq = tensors["seq"]
     if n and (int(seq.min()) < 0 or int(seq.max()) >= meta["next_seq"] or seq.unique().numel() != n):
-        raise err(
-            f"{where}: tensor 'seq': expected {n} distinct values in [0, next_seq={meta['next_seq']}), got others"
-        )
+        raise err(f"{where}: tensor 'seq': expected {n} distinct ids in [0, next_seq={meta['next_seq']}), got others")
 
 
 def read_snapshot(directory: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

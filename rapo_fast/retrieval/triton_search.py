@@ -170,7 +170,7 @@ def _check(keys, key_aux, groups, queries, exclude, k, metric, min_score, centre
         raise TypeError(f"keys/queries: expected one float32/float16/bfloat16 dtype, got {keys.dtype}, {queries.dtype}")
     C, Q, D = keys.shape[0], queries.shape[0], keys.shape[1]
     if C > _MAX_C:
-        raise ValueError(f"keys: the Triton path takes at most {_MAX_C} keys, got {C}")
+        raise ValueError(f"keys: expected at most {_MAX_C} keys on the Triton path, got {C}")
     want = {"key_aux": (key_aux, torch.float32, C), "groups": (groups, torch.int64, C)}
     if exclude is not None:
         want["exclude"] = (exclude, torch.int64, Q)
@@ -180,7 +180,7 @@ def _check(keys, key_aux, groups, queries, exclude, k, metric, min_score, centre
         check_tensor(name, t, shape=(n,), dtypes=(dt,))
     check_same_device(queries=queries, keys=keys, **{name: v[0] for name, v in want.items()})
     if queries.device.type == "cpu" and not interpret_mode():
-        raise ValueError("triton_search runs on CUDA tensors, or on CPU tensors only under TRITON_INTERPRET=1")
+        raise ValueError(f"queries: expected CUDA tensors (CPU under TRITON_INTERPRET=1), got {queries.device}")
     k = check_int("k", k, lo=1, hi=MAX_K)
     if metric not in (METRIC_IP, METRIC_COSINE, METRIC_L2):
         raise ValueError(f"metric: expected 0 (ip), 1 (cosine) or 2 (l2), got {brief(metric)}")

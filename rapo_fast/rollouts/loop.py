@@ -92,7 +92,7 @@ def _make_rows(tokenizer, problems: Sequence, sizes: list[int], n_hybrid: int, n
             state = RowState.RUNNING if g < n_init else RowState.IDLE
             rows.append(Row(ids, int(prob.qid), pi, g < n_hybrid, state))
     if not rows:
-        raise ValueError("rollout: problems is empty")
+        raise ValueError("rollout: problems: expected at least one problem, got none")
     return rows
 
 

@@ -179,7 +179,7 @@ def _check_trainer_state(state, path: Path, step_count: int) -> None:
         raise CheckpointFormatError(f"{path}: expected a dict of the fields {sorted(fields)}, got {got}")
     if check_field(state, "step_count", path, CheckpointFormatError, check_int, lo=0) != step_count:
         raise CheckpointFormatError(
-            f"{path}: field 'step_count': expected meta.json's {step_count}, got {state['step_count']}"
+            f"{path}: 'step_count': expected meta.json's {step_count}, got {state['step_count']}"
         )
     for field, restore in (
         ("py_rng", lambda s: random.Random().setstate(s)),
@@ -193,9 +193,7 @@ def _check_trainer_state(state, path: Path, step_count: int) -> None:
     log = state["logger"]
     ok = isinstance(log, dict) and set(log) == {"n_rows", "columns"} and isinstance(log["columns"], list)
     if not ok or not all(isinstance(c, str) for c in log["columns"]):
-        raise CheckpointFormatError(
-            f"{path}: field 'logger': expected {{'n_rows': int, 'columns': [str]}}, got {brief(log)}"
-        )
+        raise CheckpointFormatError(f"{path}: 'logger': expected {{'n_rows': int, 'columns': [str]}}, got {brief(log)}")
     check_field(log, "n_rows", f"{path}: field 'logger'", CheckpointFormatError, check_int, lo=0)
 
 

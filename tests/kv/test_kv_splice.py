@@ -178,7 +178,7 @@ def _bad_setup():
     "reqs,kw,exc,match",
     [
         ([(7, 0, 0)], {}, ValueError, "payload_id: expected one in the StepKVStore"),
-        ([(100, 3, 0)], {}, ValueError, r"batch_row: expected an int in \[0, 2\), got 3"),
+        ([(100, 3, 0)], {}, ValueError, r"batch_row: expected an int in \[0, 3\), got 3"),
         ([(100, -1, 0)], {}, ValueError, "batch_row: expected an int in"),
         ([(100, 0, 11)], {}, ValueError, "position: expected <= the cache's length"),
         ([(100, 0, -2)], {}, ValueError, r"requests\[0\] position: expected >= 0"),

@@ -124,9 +124,7 @@ class KnowledgeBaseTask:
             patterns = [(r, [e for e in st if e in allowed]) for r, st in patterns]
             patterns = [(r, st) for r, st in patterns if st]
             if not patterns:
-                raise ValueError(
-                    f"make_problems: starts: expected a question's start entity, got none of {len(allowed)}"
-                )
+                raise ValueError(f"make_problems: starts: expected a start entity, got none of {len(allowed)}")
         rng = random.Random(seed)
         out = []
         for i in range(n):

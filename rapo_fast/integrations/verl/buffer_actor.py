@@ -137,7 +137,7 @@ class StepBufferActor:
             from rapo_fast.retrieval.buffer import StepBuffer
 
             if build.get("capacity") is None:
-                raise ValueError("StepBufferActor: an empty buffer (source=None) needs capacity=<int>")
+                raise ValueError("StepBufferActor: capacity: expected an int (source=None: an empty buffer), got None")
             dim = int(getattr(self.encoder, "dim", 0)) or int(self.encoder(["probe"]).shape[-1])
             b = {k: build[k] for k in ("metric", "eviction", "dtype") if k in build}
             buf = StepBuffer(
@@ -304,7 +304,7 @@ class StepBufferActor:
         if op == "load":
             self.traces = self._load_traces(args[0])
             return None
-        raise ValueError(f"StepBufferActor: unknown write {op!r}")
+        raise ValueError(f"StepBufferActor: op: expected a known write, got {op!r}")
 
     def _count(self, op: str, args: tuple, stored: Any) -> Any:
         if op == "add":
@@ -372,7 +372,7 @@ def get_or_create_step_buffer(
     num_shards = check_int("get_or_create_step_buffer: num_shards", num_shards, lo=1)
     replicas_per_node = check_replicas_per_node(replicas_per_node)
     if tokenizer is None:
-        raise ValueError(f"get_or_create_step_buffer: no actor {name!r} exists, and creating one needs tokenizer=")
+        raise ValueError(f"get_or_create_step_buffer: tokenizer: expected one (no actor {name!r} yet), got None")
     actor_cls = ray.remote(StepBufferActor)
     opts = {"num_cpus": num_cpus, "num_gpus": num_gpus, "get_if_exists": True, "lifetime": lifetime}
     opts = {**opts, "namespace": namespace, "max_concurrency": 1000}

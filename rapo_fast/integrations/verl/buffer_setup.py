@@ -82,7 +82,7 @@ def onpolicy_steps(
     are the agent loop's extra fields rapo_step_spans / rapo_step_obs_end. decode: token ids -> text, the same decoding
     the loop uses for its retrieval queries. The caller adds them: `await client.add_steps(hist, steps, [gid] * n)`."""
     if len(step_spans) != len(step_obs_end):
-        raise ValueError(f"onpolicy_steps: {len(step_spans)} step_spans but {len(step_obs_end)} step_obs_end")
+        raise ValueError(f"onpolicy_steps: step_obs_end: expected {len(step_spans)} entries, got {len(step_obs_end)}")
     hist, steps = [], []
     if not reward > threshold:
         return hist, steps
@@ -92,7 +92,9 @@ def onpolicy_steps(
         if obs_end == end:
             continue
         if not 0 <= start <= end <= obs_end <= len(response_ids):
-            raise ValueError(f"onpolicy_steps: span [{start}, {end}) with obs_end {obs_end} outside the response")
+            raise ValueError(
+                f"onpolicy_steps: step_spans: expected in the response, got [{start}, {end}) obs_end {obs_end}"
+            )
         hist.append(decode(ids[: p + start]))
         steps.append(decode(ids[p + start : p + obs_end]))
     return hist, steps
@@ -148,7 +150,7 @@ def step_buffer_from_config(config: Any) -> StepBufferClient:
                 "rapo.step_buffer.path"
             )
     if path is None:
-        raise ValueError("step_buffer_from_config: set rapo.step_buffer.path (a built buffer or a JSONL of traces)")
+        raise ValueError("step_buffer_from_config: rapo.step_buffer.path: expected a buffer or traces JSONL, got none")
     return get_or_create_step_buffer(name, path, **opts)
 
 
@@ -197,7 +199,7 @@ class StepBufferCheckpointCallback:
 
     def on_save(self, trainer: Any = None, global_step: int = 0, checkpoint_dir: str = "", **kwargs: Any) -> None:
         if not checkpoint_dir:
-            raise ValueError("StepBufferCheckpointCallback.on_save: checkpoint_dir (global_step_N) is required")
+            raise ValueError("StepBufferCheckpointCallback.on_save: checkpoint_dir: expected global_step_N, got None")
         self.client.save(os.path.join(checkpoint_dir, CHECKPOINT_SUBDIR))
 
 

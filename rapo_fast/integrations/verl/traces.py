@@ -60,12 +60,12 @@ def dump_files(paths: Sequence[str | Path]) -> list[Path]:
                 p.glob("*.jsonl"), key=lambda f: (not f.stem.isdigit(), int(f.stem) if f.stem.isdigit() else 0, f.name)
             )
             if not found:
-                raise ValueError(f"verl-traces: dump folder {p} holds no *.jsonl file")
+                raise ValueError(f"verl-traces: dump: expected a folder holding *.jsonl files, got {p} with none")
             out.extend(found)
         elif p.is_file():
             out.append(p)
         else:
-            raise ValueError(f"verl-traces: dump path {p} is neither a file nor a folder")
+            raise ValueError(f"verl-traces: dump: expected a file or a folder, got {p}")
     return out
 
 
@@ -122,9 +122,7 @@ def traces_from_rows(
             continue
         qid = query_id_of(prompt) if query_id_key is None else _field(row, query_id_key, int, where)
         if not 0 <= qid <= QUERY_ID_MAX:
-            raise ValueError(
-                f"verl-traces: {where}: {query_id_key!r}: expected an int in [0, {QUERY_ID_MAX}], got {qid}"
-            )
+            raise ValueError(f"verl-traces: {where}: {query_id_key!r}: expected in [0, {QUERY_ID_MAX}], got {qid}")
         if not keep_retrieved:
             response = RETRIEVED_SEGMENT.sub("", response)
         steps, answer = split_response(response, pattern)
