@@ -264,7 +264,8 @@ def test_insert_segment_contract_errors():
         insert_segment(model, cache, seg, [0, 1], [4, 4], mode="splice")
     with pytest.raises(ValueError, match="slot <= the cache.s length"):
         insert_segment(model, cache, seg, [0, 1], [5, 5], mode="exact")
-    with pytest.raises(ValueError, match="expected a payload in the StepKVStore"):  # position 2 < length 4: must not crop first
+    # position 2 < length 4: the cache must not be cropped first
+    with pytest.raises(ValueError, match=r"payload_ids\[0\]: expected a payload in the StepKVStore"):
         insert_segment(model, cache, seg, [0, 1], [2, 2], store=store, payload_ids=[7, 7])
     with pytest.raises(ValueError, match="mode"):
         insert_segment(model, cache, seg, [0, 1], [4, 4], mode="approx")
