@@ -107,7 +107,9 @@ def read_snapshot(directory: str | os.PathLike) -> tuple[dict[str, torch.Tensor]
     with read_version(directory, _PREFIX, FORMAT_NAME, FORMAT_VERSION, StepBufferFormatError) as v:
         meta = _check_meta(v.meta, v.path / "meta.json")
         if set(v.files) != {_TENSORS}:
-            raise StepBufferFormatError(f"{v.path / 'meta.json'}: field 'files' lists {sorted(v.files)}")
+            raise StepBufferFormatError(
+                f"{v.path / 'meta.json'}: field 'files': expected [{_TENSORS!r}], got {sorted(v.files)}"
+            )
         try:
             tensors = load_file(str(v.path / _TENSORS))
         except Exception as exc:  # safetensors raises its own error types

@@ -201,7 +201,7 @@ def _check_like(saved, current, path: Path, what: str) -> None:
     """`saved` (a state dict read from `path`) has the keys, shapes and dtypes of `current`."""
     if not isinstance(saved, dict) or set(saved) != set(current):
         extra = sorted(set(saved) ^ set(current)) if isinstance(saved, dict) else type(saved).__name__
-        raise CheckpointFormatError(f"{path}: not a state dict of this {what} (keys differ: {extra[:6]})")
+        raise CheckpointFormatError(f"{path}: expected a state dict of this {what}, got keys differing in {extra[:6]}")
     for k, t in current.items():
         s = saved[k]
         if isinstance(t, torch.Tensor) and (
@@ -215,7 +215,9 @@ def _check_optimizer(saved, current: dict, path: Path) -> None:
     """Same parameter groups (sizes) as the trainer's optimizer: what load_state_dict would refuse, refused first."""
     groups = saved.get("param_groups") if isinstance(saved, dict) else None
     if not isinstance(groups, list) or not isinstance(saved.get("state"), dict):
-        raise CheckpointFormatError(f"{path}: not an optimizer state dict (fields 'state', 'param_groups')")
+        raise CheckpointFormatError(
+            f"{path}: expected an optimizer state dict (fields 'state', 'param_groups'), got others"
+        )
     sizes = [len(g.get("params", ())) if isinstance(g, dict) else -1 for g in groups]
     want = [len(g["params"]) for g in current["param_groups"]]
     if sizes != want:
@@ -240,7 +242,9 @@ def load_checkpoint(trainer, directory: str | Path) -> None:
     with read_version(directory, _PREFIX, CHECKPOINT_FORMAT, CHECKPOINT_VERSION, CheckpointFormatError) as v:
         d, names = v.path, {"model.pt", "optimizer.pt", "trainer.pt", "config.json"}
         if not names <= set(v.files) <= names | {"buffer/CURRENT"}:
-            raise CheckpointFormatError(f"{d / 'meta.json'}: field 'files' lists {sorted(v.files)}")
+            raise CheckpointFormatError(
+                f"{d / 'meta.json'}: field 'files': expected {sorted(names)} (+ buffer/CURRENT), got {sorted(v.files)}"
+            )
         state = _torch_load(d / "trainer.pt")
         step_count = check_field(v.meta, "step_count", d, CheckpointFormatError, check_int, lo=0)
         _check_trainer_state(state, d / "trainer.pt", step_count)
@@ -253,7 +257,7 @@ def load_checkpoint(trainer, directory: str | Path) -> None:
             k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k) and k.split(".")[0] != "logging"
         )
         if diff:
-            raise ValueError(f"load_checkpoint: the trainer's config differs from the checkpoint's in {diff}")
+            raise ValueError(f"load_checkpoint: trainer: expected the checkpoint's config, got one differing in {diff}")
         model_sd = _torch_load(d / "model.pt")
         _check_like(model_sd, trainer.model.state_dict(), d / "model.pt", "model")
         opt_sd = _torch_load(d / "optimizer.pt")
@@ -262,7 +266,9 @@ def load_checkpoint(trainer, directory: str | Path) -> None:
         if "buffer/CURRENT" in v.files:
             old = trainer.buffer
             if old is None:
-                raise ValueError("load_checkpoint: the checkpoint holds a step buffer but the trainer has none")
+                raise ValueError(
+                    "load_checkpoint: trainer: expected a step buffer (the checkpoint holds one), got none"
+                )
             try:  # last of the checks: it replaces the K/V store's contents once everything in it is checked
                 buffer = StepTraces.load(
                     d / "buffer", old.encoder, old.tokenizer, kv_store=old.kv_store, model=old.model
