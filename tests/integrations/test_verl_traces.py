@@ -116,7 +116,7 @@ def test_threshold_keys_and_query_ids_for_a_teachers_generations(tmp_path):
         ({"output": S1, "score": 1.0}, {}, "a:3: 'input': expected a str, got None"),
         ({"input": "p", "output": S1, "score": "high"}, {}, "a:3: 'score': expected a int or float, got 'high'"),
         ({"input": "p", "output": S1, "score": True}, {}, "'score': expected a int or float, got True"),
-        ({"input": "p", "output": S1, "score": 1, "qid": -1}, {"query_id_key": "qid"}, "'qid': expected an int in"),
+        ({"input": "p", "output": S1, "score": 1, "qid": -1}, {"query_id_key": "qid"}, "'qid': expected in \\[0, "),
         ({"input": "p", "output": S1, "score": 1}, {"threshold": float("nan")}, "threshold: expected a finite number"),
     ],
 )
