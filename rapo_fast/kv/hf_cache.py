@@ -61,7 +61,7 @@ def layer_kind(layer: Any) -> str:
 def check_cache(cache: Any) -> str:
     """Validate an HF cache for splicing and return its kind ('dynamic' or 'static'); one kind for all layers."""
     if not is_hf_cache(cache):
-        raise TypeError(f"expected a transformers Cache (DynamicCache/StaticCache), got {type(cache).__name__}")
+        raise TypeError(f"cache: expected a transformers Cache (DynamicCache/StaticCache), got {type(cache).__name__}")
     if getattr(cache, "offloading", False):
         raise TypeError("cache: expected a cache on one device, got an offloaded one (its layers move between devices)")
     kinds = {layer_kind(layer) for layer in cache.layers}

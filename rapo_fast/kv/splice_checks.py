@@ -96,8 +96,8 @@ def check_physical_overlap(table: list, bt_cpu: torch.Tensor, bs: int) -> None:
     for (blk, _lo, hi, i), (blk2, lo2, _hi2, j) in zip(spans, spans[1:]):
         if blk == blk2 and lo2 < hi:
             raise ValueError(
-                f"requests[{i}] and requests[{j}] write the same physical slots of block {blk} (the block table maps "
-                "two written logical blocks to one physical block)"
+                f"requests[{j}]: expected slots of its own, got the same physical slots of block {blk} as "
+                f"requests[{i}] (the block table maps two written logical blocks to one physical block)"
             )
 
 
