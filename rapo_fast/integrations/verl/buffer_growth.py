@@ -154,8 +154,8 @@ class RapoRewardManager(RewardManagerBase):
         group = fields.get("rapo_group")
         if group is None:
             raise ValueError(
-                "rapo reward manager: the trajectory has no group id (rapo_group is None: the sample lacks an int "
-                "field named by the agent loop's group_key, default 'index'); on-policy steps need one"
+                "rapo reward manager: rapo_group: expected the trajectory's group id (on-policy steps need one), got "
+                "None: the sample lacks an int field named by the agent loop's group_key, default 'index'"
             )
         p_key, r_key = verl_compat.PROMPT_LEN_KEY, verl_compat.RESPONSE_LEN_KEY
         p_len = int(nt[p_key][i]) if p_key in nt else data.batch["prompts"].shape[-1]

@@ -168,20 +168,19 @@ def check_growth_config(config: Any) -> None:
     cls = resolve_reward_manager_cls(config)
     if not getattr(cls, "rapo_grows_step_buffer", False):
         raise ValueError(
-            f"rapo.add_onpolicy_steps is true but the reward manager is {cls.__name__}: set "
+            f"reward.reward_manager: expected rapo with rapo.add_onpolicy_steps, got {cls.__name__}: set "
             "reward.reward_manager.name=rapo (and rapo.inner_reward_manager to the one used before)"
         )
     rm = config.reward.reward_model
     if rm.get("enable", False) and not rm.get("enable_resource_pool", False):
         raise ValueError(
-            "rapo.add_onpolicy_steps needs the rollouts scored in the agent-loop workers; with reward.reward_model."
-            "enable the trainer scores them without the agent loop's fields: set reward.reward_model."
-            "enable_resource_pool=true"
+            "reward.reward_model.enable_resource_pool: expected true with rapo.add_onpolicy_steps and a reward model "
+            "(the rollouts scored in the agent-loop workers), got false: set it to true"
         )
     if rm.get("enable", False) and config.reward.custom_reward_function.get("path", None) is None:
         raise ValueError(
-            "rapo.add_onpolicy_steps: a reward model without reward.custom_reward_function.path is scored by verl's "
-            "RewardLoopWorker.compute_score_disrm, which calls no reward manager"
+            "reward.custom_reward_function.path: expected one with rapo.add_onpolicy_steps and a reward model, got "
+            "none: without it verl's RewardLoopWorker.compute_score_disrm scores the rollouts, calling no manager"
         )
 
 
