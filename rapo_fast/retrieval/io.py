@@ -113,6 +113,6 @@ def read_snapshot(directory: str | os.PathLike) -> tuple[dict[str, torch.Tensor]
         try:
             tensors = load_file(str(v.path / _TENSORS))
         except Exception as exc:  # safetensors raises its own error types
-            raise StepBufferFormatError(f"{v.path / _TENSORS} could not be read: {exc}") from exc
+            raise StepBufferFormatError(f"{v.path / _TENSORS}: expected a safetensors file, got {exc}") from exc
     _check_tensors(tensors, meta, v.path / _TENSORS)
     return tensors, meta

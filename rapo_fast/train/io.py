@@ -168,7 +168,7 @@ def _torch_load(path: Path):
     try:
         return torch.load(path, weights_only=True, map_location="cpu")
     except Exception as exc:  # torch raises pickle, zip and runtime errors alike
-        raise CheckpointFormatError(f"{path} could not be read: {exc}") from exc
+        raise CheckpointFormatError(f"{path}: expected a readable torch file, got {exc}") from exc
 
 
 def _check_trainer_state(state, path: Path, step_count: int) -> None:
