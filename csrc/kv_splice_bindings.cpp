@@ -31,7 +31,7 @@ struct SpliceArgs {
 
 std::vector<TensorArg> take_layers(py::handle layers, const char* op, const char* name) {
   if (!py::isinstance<py::sequence>(layers) || py::isinstance<py::str>(layers))
-    throw py::type_error(std::string(op) + ": " + name + " must be a list of tensors (one per layer), got " +
+    throw py::type_error(std::string(op) + ": " + name + ": expected a list of tensors (one per layer), got " +
                          py_type_name(layers));
   std::vector<TensorArg> out;
   const py::sequence seq = py::reinterpret_borrow<py::sequence>(layers);
@@ -70,7 +70,7 @@ void check_pools_and_layers(SpliceArgs& a, const char* op, DLDevice dev) {
   a.v_pool.same_shape(a.k_pool).same_strides(a.k_pool);
   const int64_t L = a.k_pool.size(0);
   if (int64_t(a.keys.size()) != L || int64_t(a.values.size()) != L)
-    throw py::value_error(std::string(op) + ": keys and values must hold one tensor per layer of k_pool (" +
+    throw py::value_error(std::string(op) + ": keys/values: expected one tensor per layer of k_pool (" +
                           std::to_string(L) + "), got " + std::to_string(a.keys.size()) + " and " +
                           std::to_string(a.values.size()));
   for (std::vector<TensorArg>* layers : {&a.keys, &a.values}) {
@@ -167,7 +167,9 @@ void register_kv_splice(py::module_& m) {
         splice_args(a, op, dev, interleaved, max_tokens);
         a.requests_host.on_host().dtype(DType::I64).contiguous().same_shape(a.requests);
         if (a.block_table.given() != a.block_table_host.given())
-          throw py::value_error(std::string(op) + ": block_table_host must be given exactly when block_table is");
+          throw py::value_error(std::string(op) +
+                                ": block_table_host: expected exactly when block_table is given, got " +
+                                (a.block_table_host.given() ? "one without" : "none with") + " block_table");
         if (a.block_table.given())
           a.block_table_host.on_host().dtype(DType::I32).same_shape(a.block_table).same_strides(a.block_table);
         ptrs.dims(2, "[2, num_layers]").dtype(DType::I64).on(dev).contiguous().writable();

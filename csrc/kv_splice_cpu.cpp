@@ -172,7 +172,9 @@ void kv_splice_cpu(const KVSpliceParams& p) {
     case DType::F32: splice_impl<DType::F32>(p); break;
     case DType::F16: splice_impl<DType::F16>(p); break;
     case DType::BF16: splice_impl<DType::BF16>(p); break;
-    default: throw std::invalid_argument("kv_splice: dtype must be float32, float16 or bfloat16");
+    default:
+      throw std::invalid_argument("kv_splice: dtype: expected float32, float16 or bfloat16, got code " +
+                                  std::to_string(int(p.dtype)));
   }
 }
 

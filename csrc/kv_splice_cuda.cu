@@ -152,7 +152,8 @@ void kv_splice_cuda(KVSpliceParams p, const int64_t* host_ptrs, int64_t* dev_ptr
   p.dst_k_ptrs = dev_ptrs;
   p.dst_v_ptrs = dev_ptrs == nullptr ? nullptr : dev_ptrs + p.num_layers;
   check_kv_splice_params(p);
-  if (p.rotary_dim / 2 > kMaxHalf) throw std::invalid_argument("kv_splice: rotary_dim / 2 must be <= 512 on CUDA");
+  if (p.rotary_dim / 2 > kMaxHalf)
+    throw std::invalid_argument("kv_splice: rotary_dim: expected <= 1024 on CUDA, got " + std::to_string(p.rotary_dim));
   if (p.num_requests == 0 || p.max_tokens == 0) return;
   if (host_ptrs == nullptr) throw std::invalid_argument("kv_splice: null pointer");
   CudaDeviceGuard guard(device, "kv_splice CUDA");
@@ -165,7 +166,9 @@ void kv_splice_cuda(KVSpliceParams p, const int64_t* host_ptrs, int64_t* dev_ptr
     case DType::F32: launch_dtype<float>(p, stream); break;
     case DType::F16: launch_dtype<__half>(p, stream); break;
     case DType::BF16: launch_dtype<__nv_bfloat16>(p, stream); break;
-    default: throw std::invalid_argument("kv_splice: dtype must be float32, float16 or bfloat16");
+    default:
+      throw std::invalid_argument("kv_splice: dtype: expected float32, float16 or bfloat16, got code " +
+                                  std::to_string(int(p.dtype)));
   }
   cuda_check(cudaGetLastError(), "kv_splice CUDA", "kernel launch");
   guard.restore();

@@ -130,7 +130,7 @@ void register_retrieval(py::module_& m) {
         os.dims(2, "[Q, k]").dtype(DType::F32).on(cpu).contiguous().writable().size_is(0, Q, "Q").size_is(1, k, "k");
         oi.dims(2, "[Q, k]").dtype(DType::I64).on(cpu).contiguous().writable().same_shape(os);
         if (n > kRetrievalMaxSplits || k > kRetrievalMaxK)  // the merge's own check, before the narrowing to int
-          throw std::invalid_argument(std::string(op) + ": ws_scores: n_splits and k must be in [1, " +
+          throw std::invalid_argument(std::string(op) + ": ws_scores: expected n_splits and k in [1, " +
                                       std::to_string(kRetrievalMaxSplits) + "] and [1, " +
                                       std::to_string(kRetrievalMaxK) + "], got shape " + wss.shape_str());
         py::gil_scoped_release nogil;
@@ -165,7 +165,7 @@ void register_retrieval(py::module_& m) {
       py::arg("k"), py::arg("metric"), py::arg("min_score"), py::arg("device"), py::arg("stream"),
       "Exact top-k retrieval on a CUDA device, on the given stream (private; use rapo_fast.StepBuffer). Tensors as "
       "retrieval_search_cpu's, all on cuda:device, plus the workspace ws_scores / ws_slots [n_splits, Q, k] float32 / "
-      "int32 (n_splits from retrieval_cuda_splits); centre must be None.");
+      "int32 (n_splits from retrieval_cuda_splits); centre None.");
   m.def(
       "retrieval_cuda_splits",
       [](int64_t Q, int64_t C, int k, int device, int64_t D, int dtype) {

@@ -74,7 +74,7 @@ int isa_from_name(const std::string& e) {
   if (e == "scalar") return kIsaScalar;
   if (e == "avx2") return kIsaAvx2;
   if (e == "avx512") return kIsaAvx512;
-  throw std::invalid_argument("RAPO_FAST_CPU_ISA must be scalar, avx2 or avx512, got " + e);
+  throw std::invalid_argument("RAPO_FAST_CPU_ISA: expected scalar, avx2 or avx512, got " + e);
 }
 
 int resolve_isa(int isa) {
@@ -120,7 +120,7 @@ int64_t tile_block_d(int64_t D, int NK, int QT, int isa) {
   const char* env = std::getenv("RAPO_FAST_CPU_KC");
   if (env != nullptr && *env != '\0') {
     const long v = std::strtol(env, nullptr, 10);
-    if (v <= 0) throw std::invalid_argument(std::string("RAPO_FAST_CPU_KC must be a positive integer, got ") + env);
+    if (v <= 0) throw std::invalid_argument(std::string("RAPO_FAST_CPU_KC: expected a positive integer, got ") + env);
     return std::min<int64_t>(D, v);
   }
   if (isa == kIsaAvx512 || D <= 0) return std::max<int64_t>(D, 1);

@@ -471,7 +471,9 @@ int retrieval_cuda_splits_for(int64_t Q, int64_t C, int64_t D, int k, int dtype,
     case DType::F32: blocks_per_sm = scoring_blocks_per_sm_dtype<float>(Q, k); break;
     case DType::F16: blocks_per_sm = scoring_blocks_per_sm_dtype<__half>(Q, k); break;
     case DType::BF16: blocks_per_sm = scoring_blocks_per_sm_dtype<__nv_bfloat16>(Q, k); break;
-    default: throw std::invalid_argument("retrieval_cuda_splits: dtype must be float32, float16 or bfloat16");
+    default:
+      throw std::invalid_argument("retrieval_cuda_splits: dtype: expected float32, float16 or bfloat16, got code " +
+                                  std::to_string(dtype));
   }
   const int elem_bytes = static_cast<DType>(dtype) == DType::F32 ? 4 : 2;
   const int splits = retrieval_cuda_plan_splits(Q, C, D > 0 ? D : 384, k, sms, blocks_per_sm, elem_bytes);
@@ -498,7 +500,9 @@ void retrieval_search_cuda(const RetrievalSearchParams& a, float* ws_scores, int
     case DType::F32: launch_dtype<float>(a, ws_scores, ws_slots, n_splits, stream); break;
     case DType::F16: launch_dtype<__half>(a, ws_scores, ws_slots, n_splits, stream); break;
     case DType::BF16: launch_dtype<__nv_bfloat16>(a, ws_scores, ws_slots, n_splits, stream); break;
-    default: throw std::invalid_argument("retrieval CUDA: keys must be float32, float16 or bfloat16");
+    default:
+      throw std::invalid_argument("retrieval CUDA: keys: expected float32, float16 or bfloat16, got code " +
+                                  std::to_string(a.key_dtype));
   }
   const size_t merge_bytes =
       retrieval_merge_buffer_entries(n_splits, a.k) * (sizeof(float) + sizeof(int32_t));  // <= 96 KB

@@ -185,16 +185,16 @@ def _parse_current(root: Path, prefix: str, error: type[FormatError], what: str)
     try:
         raw = _read_small(root / CURRENT)
     except NotRegularFileError as exc:
-        raise error(f"{root / CURRENT} is corrupt: {exc.strerror}") from None
+        raise error(f"{root / CURRENT}: expected a readable file, got {exc.strerror} (corrupt)") from None
     if raw is None:
-        raise error(f"{root} is not a saved {what} (no {CURRENT} file)")
+        raise error(f"{root}: expected a saved {what}, got a folder without {CURRENT}")
     try:
         text = raw.decode("ascii")
     except UnicodeDecodeError:
-        raise error(f"{root / CURRENT} is corrupt (not ASCII text)") from None
+        raise error(f"{root / CURRENT}: expected ASCII text, got other bytes (corrupt)") from None
     m = re.fullmatch(rf"({_names(prefix).pattern}) ([0-9a-f]{{64}})\n", text)
     if m is None:
-        raise error(f"{root / CURRENT} is corrupt (want one line '<{prefix}-id> <sha256>', got {text[:100]!r})")
+        raise error(f"{root / CURRENT}: expected one line '<{prefix}-id> <sha256>', got {text[:100]!r} (corrupt)")
     return m.group(1), m.group(2)
 
 
@@ -210,7 +210,7 @@ def _locked(root: Path, exclusive: bool, error: type[FormatError] | None = None)
     except NotRegularFileError as exc:
         if error is None:
             raise
-        raise error(f"{root / LOCK}: {exc.strerror}") from None
+        raise error(f"{root / LOCK}: expected a regular file, got {exc.strerror}") from None
     except OSError:
         if exclusive:
             raise
@@ -294,7 +294,9 @@ class VersionWriter:
 
     def _new_path(self, rel: str) -> Path:
         if not _rel_ok(rel) or rel == MANIFEST:
-            raise ValueError(f"VersionWriter: bad file name {brief(rel)}")
+            raise ValueError(
+                f"VersionWriter: rel: expected a path of <= 8 plain parts (not {MANIFEST}), got {brief(rel)}"
+            )
         path = self.path / rel
         for parent in reversed(PurePosixPath(rel).parents[:-1]):
             d = self.path / parent
@@ -325,7 +327,7 @@ class VersionWriter:
         SHA-256, which names every file's) is listed, so the whole nested unit is covered."""
         rel = f"{rel_dir}/{CURRENT}"
         if not _rel_ok(rel):
-            raise ValueError(f"VersionWriter: bad directory name {brief(rel_dir)}")
+            raise ValueError(f"VersionWriter: rel_dir: expected a path of <= 8 plain parts, got {brief(rel_dir)}")
         data = read_regular(self.path / rel)
         self.files[rel] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
 
@@ -388,32 +390,34 @@ def read_json_object(path: Path, error: type[FormatError]) -> dict[str, Any]:
     try:
         m = json.loads(read_regular(path).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise error(f"{path} is corrupt: {exc}") from None
+        raise error(f"{path}: expected JSON, got {exc} (corrupt)") from None
     except RecursionError:  # arrays or objects nested thousands deep
-        raise error(f"{path} is corrupt: JSON nested too deeply") from None
+        raise error(f"{path}: expected JSON, got JSON nested too deeply (corrupt)") from None
     except NotRegularFileError as exc:
-        raise error(f"{path} is corrupt: {exc.strerror}") from None
+        raise error(f"{path}: expected a readable file, got {exc.strerror} (corrupt)") from None
     if not isinstance(m, dict):
-        raise error(f"{path}: not a JSON object")
+        raise error(f"{path}: expected a JSON object, got {type(m).__name__}")
     return m
 
 
 def _parse_manifest(path: Path, fmt: str, version: int, error: type[FormatError]) -> dict[str, Any]:
     m = read_json_object(path, error)
     if m.get("format") != fmt:
-        raise error(f"{path}: field 'format' is {brief(m.get('format'))}, want {fmt!r}")
+        raise error(f"{path}: field 'format': expected {fmt!r}, got {brief(m.get('format'))}")
     v = m.get("format_version")
     if v != version or isinstance(v, bool):
-        raise error(f"{path}: format version {brief(v)}, this rapo_fast reads version {version}")
+        raise error(f"{path}: field 'format_version': expected {version} (this rapo_fast's), got {brief(v)}")
     files, meta = m.get("files"), m.get("meta")
     if not isinstance(files, dict) or not isinstance(meta, dict):
-        raise error(f"{path}: fields 'files' and 'meta' must be JSON objects")
+        raise error(
+            f"{path}: 'files', 'meta': expected JSON objects, got {type(files).__name__}, {type(meta).__name__}"
+        )
     for rel, entry in files.items():
         ok = isinstance(entry, dict) and set(entry) == {"sha256", "size"} and _rel_ok(rel)
         ok = ok and isinstance(entry["sha256"], str) and _SHA.fullmatch(entry["sha256"]) is not None
         ok = ok and isinstance(entry["size"], int) and not isinstance(entry["size"], bool) and entry["size"] >= 0
         if not ok:
-            raise error(f"{path}: field 'files' has a malformed entry {brief(rel)}: {brief(entry)}")
+            raise error(f"{path}: field 'files': expected {{sha256, size}} entries, got {brief(rel)}: {brief(entry)}")
     return m
 
 
@@ -427,35 +431,35 @@ def read_version(
     try:
         is_dir = root.is_dir()
     except (OSError, ValueError) as exc:  # a name too long for the file system, a NUL byte
-        raise error(f"{root} is not a saved {what} ({exc})") from None
+        raise error(f"{root}: expected a saved {what}, got {exc}") from None
     if not is_dir:
-        raise error(f"{root} is not a saved {what} (no such directory)")
+        raise error(f"{root}: expected a saved {what}, got no such directory")
 
     def digest_of(p: Path) -> str:
         try:
             return sha256_file(p)
         except NotRegularFileError as exc:  # replaced by a named pipe since the is_file check: refused, not read
-            raise error(f"{p} is corrupt: {exc.strerror}") from None
+            raise error(f"{p}: expected a readable file, got {exc.strerror} (corrupt)") from None
 
     with _locked(root, exclusive=False, error=error):
         name, digest = _parse_current(root, prefix, error, what)
         vdir = root / name
         mpath = vdir / MANIFEST
         if not mpath.is_file():
-            raise error(f"{root}: {CURRENT} names {name!r}, which has no {MANIFEST} (missing or incomplete)")
+            raise error(f"{root}: {CURRENT}: expected a version with a {MANIFEST}, got {name!r} without (incomplete)")
         if digest_of(mpath) != digest:
-            raise error(f"{mpath} is corrupt (its SHA-256 differs from the one in {root / CURRENT})")
+            raise error(f"{mpath}: expected the SHA-256 in {root / CURRENT}, got another (corrupt)")
         m = _parse_manifest(mpath, fmt, version, error)
         for rel, entry in m["files"].items():
             p = vdir / rel
             try:
                 st = os.stat(p)
             except OSError as exc:  # missing, or a path the file system refuses (a loop of links, EACCES)
-                raise error(f"{p} is missing or unreadable (listed in {mpath}): {exc.strerror}") from None
+                raise error(f"{p}: expected a readable file (listed in {mpath}), got {exc.strerror}") from None
             if not stat.S_ISREG(st.st_mode):
-                raise error(f"{p} is not a regular file (listed in {mpath})")
+                raise error(f"{p}: expected a regular file (listed in {mpath}), got another kind")
             if st.st_size != entry["size"]:
-                raise error(f"{p} is corrupt: {st.st_size} bytes, {mpath} says {entry['size']}")
+                raise error(f"{p}: expected {entry['size']} bytes ({mpath}'s), got {st.st_size} (corrupt)")
             if digest_of(p) != entry["sha256"]:
-                raise error(f"{p} is corrupt (its SHA-256 differs from the one in {mpath})")
+                raise error(f"{p}: expected the SHA-256 in {mpath}, got another (corrupt)")
         yield Version(vdir, m["meta"], m["files"])

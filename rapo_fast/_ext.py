@@ -92,7 +92,7 @@ def require_backend(device: torch.device) -> Any:
             "rapo_fast._C was built without its CUDA backend, but a CUDA tensor was given. " + REBUILD_HINT
         )
     if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"rapo_fast._C supports cpu and cuda tensors, got a tensor on {device}")
+        raise ValueError(f"rapo_fast._C: expected cpu or cuda tensors, got a tensor on {device}")
     return C
 
 

@@ -62,9 +62,12 @@ def test_entry_points_take_tensors_by_dlpack_and_scalars_by_keyword():
         C.retrieval_search_cpu(*tensors, 3, 0, float("-inf"), 1, -1)
     capsules = [dlpack(t) for t in tensors]
     C.retrieval_search_cpu(*capsules, **scalars)
-    with pytest.raises(ValueError, match="retrieval_search_cpu: keys: this DLPack capsule was consumed already"):
+    with pytest.raises(
+        ValueError,
+        match=r"retrieval_search_cpu: keys: expected a fresh DLPack capsule \(one per call\), got one consumed already",
+    ):
         C.retrieval_search_cpu(*capsules, **scalars)
-    with pytest.raises(TypeError, match=r"retrieval_search_cpu: keys must be a tensor .*got int"):
+    with pytest.raises(TypeError, match=r"retrieval_search_cpu: keys: expected a tensor .*got int"):
         C.retrieval_search_cpu(keys.data_ptr(), *tensors[1:], **scalars)
 
 

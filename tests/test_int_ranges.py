@@ -158,10 +158,10 @@ def test_extension_params_name_the_field():
     t = torch.zeros(1, 2)
     i64 = torch.zeros(1, dtype=torch.int64)
     scalars = dict(metric=0, min_score=0.0, num_threads=1, isa=-1)
-    with pytest.raises(TypeError, match=r"retrieval_search_cpu: k must fit"):
+    with pytest.raises(TypeError, match=r"retrieval_search_cpu: k: expected an int that fits"):
         C.retrieval_search_cpu(t, t[0], i64, t, None, None, t, t, k=2**70, **scalars)
     if hasattr(C, "kv_splice_cpu"):
         pool = torch.zeros(1, 1, 1, 2)
         req = torch.zeros(0, 5, dtype=torch.int64)
-        with pytest.raises(TypeError, match=r"kv_splice_cpu: max_tokens must fit"):
+        with pytest.raises(TypeError, match=r"kv_splice_cpu: max_tokens: expected an int that fits"):
             C.kv_splice_cpu([pool], [pool], pool, pool, req, torch.zeros(1), None, interleaved=False, max_tokens=2**64)

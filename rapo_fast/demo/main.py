@@ -150,22 +150,19 @@ def _add_runtime_options(p: argparse.ArgumentParser) -> None:
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = _parser()
     a = p.parse_args(argv)
-    for name in ("sft_steps", "rl_steps", "eval_every"):
-        v = getattr(a, name)
-        if v is not None and v < (1 if name == "eval_every" else 0):
-            p.error(f"--{name.replace('_', '-')} must be >= {1 if name == 'eval_every' else 0}, got {v}")
-    if a.lr is not None and not a.lr > 0:
-        p.error(f"--lr must be > 0, got {a.lr}")
-    if not 0.0 <= a.sft_target <= 1.0:
-        p.error(f"--sft-target must be in [0, 1], got {a.sft_target}")
-    if a.target is not None and not 0.0 <= a.target <= 1.0:
-        p.error(f"--target must be in [0, 1], got {a.target}")
-    if a.lr is not None and not math.isfinite(a.lr):
-        p.error(f"--lr must be finite, got {a.lr}")
-    if not 0 <= a.seed < 2**62:
-        p.error(f"--seed must be in [0, 2**62), got {a.seed}")
-    if a.threads < 1:
-        p.error(f"--threads must be >= 1, got {a.threads}")
+    checks = {  # flag: (value, whether it is good, what was expected)
+        "--sft-steps": (a.sft_steps, a.sft_steps is None or a.sft_steps >= 0, ">= 0"),
+        "--rl-steps": (a.rl_steps, a.rl_steps is None or a.rl_steps >= 0, ">= 0"),
+        "--eval-every": (a.eval_every, a.eval_every is None or a.eval_every >= 1, ">= 1"),
+        "--lr": (a.lr, a.lr is None or (a.lr > 0 and math.isfinite(a.lr)), "a finite number > 0"),
+        "--sft-target": (a.sft_target, 0.0 <= a.sft_target <= 1.0, "a number in [0, 1]"),
+        "--target": (a.target, a.target is None or 0.0 <= a.target <= 1.0, "a number in [0, 1]"),
+        "--seed": (a.seed, 0 <= a.seed < 2**62, "an int in [0, 2**62)"),
+        "--threads": (a.threads, a.threads >= 1, ">= 1"),
+    }
+    for flag, (v, ok, want) in checks.items():
+        if not ok:
+            p.error(f"{flag}: expected {want}, got {v}")
     _check_runtime(p, a)
     return a
 
@@ -182,9 +179,9 @@ def _check_runtime(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     try:
         dev = torch.device(a.device)
     except (RuntimeError, ValueError):
-        p.error(f"--device must be cpu or cuda[:index], got {a.device!r}")
-    if dev.type not in ("cpu", "cuda"):
-        p.error(f"--device must be cpu or cuda[:index], got {a.device!r}")
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        p.error(f"--device: expected cpu or cuda[:index], got {a.device!r}")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             p.error(f"--device {a.device}: no CUDA device is visible (torch {torch.__version__}); use --device cpu")

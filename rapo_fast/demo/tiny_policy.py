@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from rapo_fast._checks import check_int
+
 # The HF model helpers live in the library (rapo_fast.train.hf_model); re-exported here for the demo's callers.
 from rapo_fast.train.hf_model import final_hidden, lm_head_weight  # noqa: F401
 
@@ -44,7 +46,7 @@ class WordTokenizer:
         vocab = list(SPECIAL_TOKENS)
         for w in words:
             if not isinstance(w, str) or not w or any(c.isspace() for c in w):
-                raise ValueError(f"WordTokenizer: words must be non-empty strings without whitespace, got {w!r}")
+                raise ValueError(f"WordTokenizer: words: expected non-empty strings without whitespace, got {w!r}")
             if w not in vocab:
                 vocab.append(w)
         self.vocab: list[str] = vocab
@@ -69,7 +71,7 @@ class WordTokenizer:
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         """Text (tokens separated by whitespace) -> token ids; unknown words become <unk>."""
         if not isinstance(text, str):
-            raise TypeError(f"encode: text must be a str, got {type(text).__name__}")
+            raise TypeError(f"encode: text: expected a str, got {type(text).__name__}")
         ids = [self.token_to_id.get(t, self.unk_token_id) for t in text.split()]
         return [self.bos_token_id] + ids if add_bos else ids
 
@@ -90,7 +92,7 @@ class WordTokenizer:
         if data.get("format") != "rapo_fast.WordTokenizer/1" or list(vocab[: len(SPECIAL_TOKENS)]) != list(
             SPECIAL_TOKENS
         ):
-            raise ValueError(f"WordTokenizer.load: {path} is not a saved WordTokenizer")
+            raise ValueError(f"WordTokenizer.load: path: expected a saved WordTokenizer, got {path}")
         return cls(vocab[len(SPECIAL_TOKENS) :])
 
 
@@ -121,12 +123,11 @@ def build_tiny_policy(
         ("num_kv_heads", num_kv_heads),
         ("max_positions", max_positions),
     ):
-        if not isinstance(v, int) or v < 1:
-            raise ValueError(f"build_tiny_policy: {name} must be a positive int, got {v!r}")
+        check_int(f"build_tiny_policy: {name}", v, lo=1)
     if hidden_size % num_heads or num_heads % num_kv_heads:
         raise ValueError(
-            f"build_tiny_policy: hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads}) and "
-            f"num_heads by num_kv_heads ({num_kv_heads})"
+            f"build_tiny_policy: hidden_size/num_heads/num_kv_heads: expected each divisible by the next, got "
+            f"{hidden_size}/{num_heads}/{num_kv_heads}"
         )
     cfg = LlamaConfig(
         vocab_size=vocab_size,

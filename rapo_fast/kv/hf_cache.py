@@ -53,7 +53,7 @@ def layer_kind(layer: Any) -> str:
     if type(layer) is cu.StaticLayer:
         return "static"
     raise TypeError(
-        f"KV splice supports DynamicLayer and StaticLayer caches (full attention), got a {type(layer).__name__}; "
+        f"cache: expected DynamicLayer/StaticLayer layers (full attention), got a {type(layer).__name__}; "
         "sliding-window, quantized and linear-attention layers do not store [B, H_kv, S, D] keys by position"
     )
 
@@ -61,12 +61,12 @@ def layer_kind(layer: Any) -> str:
 def check_cache(cache: Any) -> str:
     """Validate an HF cache for splicing and return its kind ('dynamic' or 'static'); one kind for all layers."""
     if not is_hf_cache(cache):
-        raise TypeError(f"expected a transformers Cache (DynamicCache/StaticCache), got {type(cache).__name__}")
+        raise TypeError(f"cache: expected a transformers Cache (DynamicCache/StaticCache), got {type(cache).__name__}")
     if getattr(cache, "offloading", False):
-        raise TypeError("KV splice does not support offloaded caches (their layers move between devices)")
+        raise TypeError("cache: expected a cache on one device, got an offloaded one (its layers move between devices)")
     kinds = {layer_kind(layer) for layer in cache.layers}
     if len(kinds) > 1:
-        raise TypeError(f"cache mixes layer kinds {sorted(kinds)}; the splice needs one kind")
+        raise TypeError(f"cache: expected one layer kind, got {sorted(kinds)}")
     return kinds.pop() if kinds else "dynamic"
 
 
@@ -100,7 +100,7 @@ def ensure_layers(
     if len(cache.layers) == 0 and getattr(cache, "layer_class_to_replicate", None) is cu.DynamicLayer:
         cache.layers.extend(cu.DynamicLayer() for _ in range(num_layers))
     if len(cache.layers) != num_layers:
-        raise ValueError(f"cache has {len(cache.layers)} layers, the store has {num_layers}")
+        raise ValueError(f"cache: expected the store's {num_layers} layers, got {len(cache.layers)}")
     empty = torch.zeros((batch, num_heads, 0, head_dim), dtype=dtype, device=device)
     for layer in cache.layers:
         if not layer.is_initialized:
@@ -120,7 +120,9 @@ def grow(cache: Any, new_length: int) -> None:
     if check_cache(cache) == "static":
         cap = capacity(cache)
         if new_length > cap:
-            raise ValueError(f"position + segment length = {new_length} exceeds the StaticCache's max_cache_len {cap}")
+            raise ValueError(
+                f"position + segment length: expected <= max_cache_len {cap} (StaticCache), got {new_length}"
+            )
         return
     for layer in cache.layers:
         cur = layer.keys.shape[-2]
@@ -141,7 +143,7 @@ def set_length(cache: Any, new_length: int) -> None:
         else:
             cur = layer.keys.shape[-2]
             if new_length > cur:
-                raise ValueError(f"cannot set a DynamicCache layer of {cur} tokens to length {new_length}")
+                raise ValueError(f"new_length: expected <= the DynamicCache layer's {cur} tokens, got {new_length}")
             if new_length < cur:
                 layer.keys = layer.keys[..., :new_length, :]
                 layer.values = layer.values[..., :new_length, :]

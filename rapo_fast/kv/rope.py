@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import torch
 
-from rapo_fast._checks import brief
+from rapo_fast._checks import brief, check_choice
 
 Layout = Literal["rotate_half", "interleaved"]
 
@@ -95,9 +95,11 @@ def compute_inv_freq(
     """
     params = dict(params or {})
     if rope_type in _REFUSED_TYPES:
-        raise ValueError(f"rope_type={brief(rope_type)} is not supported by the KV splice: {_REFUSED_TYPES[rope_type]}")
+        raise ValueError(
+            f"rope_type: expected one the KV splice supports, got {brief(rope_type)}: {_REFUSED_TYPES[rope_type]}"
+        )
     if rotary_dim <= 0 or rotary_dim % 2:
-        raise ValueError(f"rotary_dim must be a positive even number, got {rotary_dim}")
+        raise ValueError(f"rotary_dim: expected a positive even int, got {rotary_dim}")
     exps = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
     base = theta**exps
     inv = 1.0 / base
@@ -145,7 +147,7 @@ def compute_inv_freq(
         extra = 1 - ramp
         inv = (1.0 / (factor * base)) * (1 - extra) + (1.0 / base) * extra
     else:
-        raise ValueError(f"rope_type={brief(rope_type)} is not supported (supported: default, linear, llama3, yarn)")
+        raise ValueError(f"rope_type: expected default, linear, llama3 or yarn, got {brief(rope_type)}")
     return inv.to(torch.float32), float(attention)
 
 
@@ -166,14 +168,13 @@ class RopeSpec:
     _device_cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.layout not in ("rotate_half", "interleaved"):
-            raise ValueError(f"layout must be 'rotate_half' or 'interleaved', got {brief(self.layout)}")
+        check_choice("layout", self.layout, ("rotate_half", "interleaved"))
         if self.rotary_dim <= 0 or self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
-            raise ValueError(f"rotary_dim must be even and in [2, head_dim={self.head_dim}], got {self.rotary_dim}")
+            raise ValueError(f"rotary_dim: expected even, in [2, head_dim={self.head_dim}], got {self.rotary_dim}")
         inv = self.inv_freq
         if not isinstance(inv, torch.Tensor) or inv.dim() != 1 or inv.numel() != self.rotary_dim // 2:
             shape = tuple(inv.shape) if isinstance(inv, torch.Tensor) else type(inv).__name__
-            raise ValueError(f"inv_freq must be a 1-D tensor of rotary_dim // 2 = {self.rotary_dim // 2}, got {shape}")
+            raise ValueError(f"inv_freq: expected 1-D, rotary_dim // 2 = {self.rotary_dim // 2} entries, got {shape}")
         object.__setattr__(self, "inv_freq", inv.detach().to(device="cpu", dtype=torch.float32).contiguous())
 
     def inv_freq_on(self, device: torch.device) -> torch.Tensor:
@@ -208,7 +209,7 @@ class RopeSpec:
                 layout = "rotate_half"
             else:
                 raise ValueError(
-                    f"the RoPE pair layout of model_type={brief(model_type)} is not known to rapo_fast; pass "
+                    f"layout: expected one for model_type={brief(model_type)} (unknown to rapo_fast), got None; pass "
                     "layout='rotate_half' (HF rotate_half, as Llama) or layout='interleaved' (pairs (2i, 2i+1), "
                     "as GPT-J)"
                 )
@@ -243,10 +244,10 @@ class RopeSpec:
                 rtol = {torch.bfloat16: 8e-3, torch.float16: 1e-3}.get(inv.dtype, 1e-5)
                 inv = inv.detach().float().cpu()
                 if not torch.allclose(inv, spec.inv_freq, rtol=rtol, atol=0.0):
+                    off = ((inv - spec.inv_freq).abs() / spec.inv_freq).max().item()
                     raise ValueError(
-                        f"the model's rotary module {_name!r} has inv_freq different from the config's "
-                        f"{spec.rope_type!r} RoPE (max rel. diff "
-                        f"{((inv - spec.inv_freq).abs() / spec.inv_freq).max().item():.3g}); refusing to guess"
+                        f"model: expected the config's {spec.rope_type!r} RoPE in rotary module {_name!r}, got inv_freq"
+                        f" off by a max rel. diff {off:.3g}; refusing to guess"
                     )
                 return cls(
                     inv_freq=inv,

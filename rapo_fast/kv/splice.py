@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import torch
 
-from rapo_fast._checks import brief
+from rapo_fast._checks import brief, check_choice, check_same_device, check_tensor
 from rapo_fast._dispatch import register_op
 from rapo_fast.kv import hf_cache as hfc
 from rapo_fast.kv import splice_checks as sc
@@ -165,9 +165,9 @@ def splice_kv(
     """
     reqs = sc.as_requests(requests)
     if not isinstance(rope, RopeSpec):
-        raise TypeError(f"rope must be a RopeSpec (e.g. RopeSpec.from_model(model)), got {type(rope).__name__}")
+        raise TypeError(f"rope: expected a RopeSpec (e.g. RopeSpec.from_model(model)), got {type(rope).__name__}")
     if rope.head_dim != store.head_dim:
-        raise ValueError(f"rope.head_dim={rope.head_dim} != store.head_dim={store.head_dim}")
+        raise ValueError(f"rope.head_dim: expected the store's head_dim {store.head_dim}, got {rope.head_dim}")
     table = _request_table(reqs, store, lengths, rope_positions)
     if isinstance(cache, PagedKVCache):
         ks, vs, block_table = _paged_target(cache, store, table)
@@ -191,26 +191,26 @@ def _request_table(
     """(pool offset, length, batch row, position, rope delta) per request, after checking ids, lengths, positions and
     that no two requests write the same slots of a row."""
     if lengths is not None and len(lengths) != len(reqs):
-        raise ValueError(f"lengths has {len(lengths)} entries for {len(reqs)} requests")
+        raise ValueError(f"lengths: expected {len(reqs)} entries (one per request), got {len(lengths)}")
     if rope_positions is not None and len(rope_positions) != len(reqs):
-        raise ValueError(f"rope_positions has {len(rope_positions)} entries for {len(reqs)} requests")
+        raise ValueError(f"rope_positions: expected {len(reqs)} entries (one per request), got {len(rope_positions)}")
     rows_spans: dict[int, list[tuple[int, int]]] = {}
     table = []
     for i, (pid, row, pos) in enumerate(reqs):
         if pid not in store:
-            raise ValueError(f"requests[{i}]: unknown payload_id {pid} (not in the StepKVStore)")
+            raise ValueError(f"requests[{i}] payload_id: expected one in the StepKVStore, got {pid}")
         off, n_stored = store.locate(pid)
         n = n_stored if lengths is None else sc.as_int(f"lengths[{i}]", lengths[i])
         if not 0 <= n <= n_stored:
-            raise ValueError(f"lengths[{i}]={n} must be in [0, {n_stored}] (payload {pid} has {n_stored} tokens)")
+            raise ValueError(f"lengths[{i}]: expected an int in [0, {n_stored}] (payload {pid}'s tokens), got {n}")
         if pos < 0:
-            raise ValueError(f"requests[{i}]: position must be >= 0, got {pos}")
+            raise ValueError(f"requests[{i}] position: expected >= 0, got {pos}")
         delta = pos if rope_positions is None else sc.as_int(f"rope_positions[{i}]", rope_positions[i])
         if delta < 0:
-            raise ValueError(f"rope_positions[{i}] must be >= 0, got {delta}")
+            raise ValueError(f"rope_positions[{i}]: expected >= 0, got {delta}")
         for a, b in rows_spans.get(row, []):
             if pos < b and a < pos + n:
-                raise ValueError(f"requests[{i}]: slots [{pos}, {pos + n}) of row {row} overlap another request's")
+                raise ValueError(f"requests[{i}]: expected no overlap with others, got [{pos}, {pos + n}) of row {row}")
         rows_spans.setdefault(row, []).append((pos, pos + n))
         table.append((off, n, row, pos, delta))
     return table
@@ -222,23 +222,20 @@ def _paged_target(cache: PagedKVCache, store: StepKVStore, table: list) -> tuple
     sc.check_layer_tensors("cache.keys", ks, store, 2)
     sc.check_layer_tensors("cache.values", vs, store, 2)
     bt = cache.block_table
-    if bt.dim() != 2 or bt.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"block_table must be [B, max_blocks] int32/int64, got {tuple(bt.shape)} {bt.dtype}")
-    if bt.device != store.device:
-        raise ValueError(f"block_table device {bt.device} != store device {store.device}")
+    check_tensor("block_table", bt, ndim=2, dtypes=(torch.int32, torch.int64))
+    check_same_device(store=store.keys_pool, block_table=bt)
     bs, nb = ks[0].shape[1], ks[0].shape[0]
     bt_cpu = bt.cpu()
     for i, (_off, n, row, pos, _d) in enumerate(table):
         if not 0 <= row < bt.shape[0]:
-            raise ValueError(f"requests[{i}]: batch_row {row} out of range [0, {bt.shape[0]})")
+            raise ValueError(f"requests[{i}] batch_row: expected an int in [0, {bt.shape[0]}), got {row}")
         if n and (pos + n - 1) // bs >= bt.shape[1]:
             raise ValueError(
-                f"requests[{i}]: position {pos} + length {n} passes the block table's "
-                f"{bt.shape[1]} blocks of {bs} tokens"
+                f"requests[{i}]: expected slots within the block table ({bt.shape[1]} blocks of {bs}), got {pos} + {n}"
             )
         used = bt_cpu[row, pos // bs : (pos + n - 1) // bs + 1] if n else bt_cpu[row, :0]
         if used.numel() and (used.min() < 0 or used.max() >= nb):
-            raise ValueError(f"requests[{i}]: block table row {row} maps these slots to blocks outside [0, {nb})")
+            raise ValueError(f"block_table[{row}]: expected block ids in [0, {nb}), got {used.tolist()}")
     sc.check_physical_overlap(table, bt_cpu, bs)
     sc.check_block_table_int32(bt, bt_cpu)
     return ks, vs, (bt.to(torch.int32) if bt.dtype != torch.int32 else bt)
@@ -255,10 +252,10 @@ def _hf_target(cache: Any, store: StepKVStore, table: list) -> tuple[list, list,
         hfc.ensure_layers(cache, store.num_layers, b, store.num_kv_heads, store.head_dim, store.dtype, store.device)
     for i, (_off, _n, row, pos, _d) in enumerate(table):
         if not 0 <= row < b:
-            raise ValueError(f"requests[{i}]: batch_row {row} out of range [0, {b})")
+            raise ValueError(f"requests[{i}] batch_row: expected an int in [0, {b}), got {row}")
         if kind == "dynamic" and pos > cur:
             raise ValueError(
-                f"requests[{i}]: position {pos} is past the cache's length {cur}; a DynamicCache cannot hold a gap"
+                f"requests[{i}] position: expected <= the cache's length {cur} (a DynamicCache holds no gap), got {pos}"
             )
     new_len = max([cur] + [pos + n for _o, n, _r, pos, _d in table])
     ks, vs = hfc.layer_tensors(cache)
@@ -304,7 +301,7 @@ def _launch(ks, vs, store: StepKVStore, table, rope: RopeSpec, block_table, back
             )
         return
     if backend != device.type:
-        raise ValueError(f"backend={brief(backend)} cannot run on {device.type} tensors")
+        raise ValueError(f"backend: expected 'reference' or {device.type!r}, got {brief(backend)}")
     _launch_extension(ks, vs, store, table, rope, block_table)
 
 
@@ -350,8 +347,7 @@ def insert_segment(
         come out; "blend" splices the first L - r tokens and re-prefills the last r = max(1, ceil(blend_fraction * L))
         (a suffix recompute: the recomputed tokens attend to the true context; not CacheBlend's deviation-based pick).
     """
-    if mode not in ("splice", "exact", "blend"):
-        raise ValueError(f"mode must be 'splice', 'exact' or 'blend', got {brief(mode)}")
+    check_choice("mode", mode, ("splice", "exact", "blend"))
     kind = hfc.check_cache(cache)
     toks, b, p, cur = _check_segments(cache, segment_tokens, rows, positions)
     seg_len = len(toks[0])
@@ -400,23 +396,23 @@ def _check_segments(cache: Any, segment_tokens: Any, rows: Sequence[int], positi
         for t in (segment_tokens.tolist() if isinstance(segment_tokens, torch.Tensor) else segment_tokens)
     ]
     if not (len(toks) == len(rows) == len(positions)):
-        raise ValueError(f"segment_tokens ({len(toks)}), rows ({len(rows)}), positions ({len(positions)}) differ")
+        raise ValueError(f"rows/positions: expected one per segment ({len(toks)}), got {len(rows)}/{len(positions)}")
     b = hfc.batch_size(cache) or len(rows)
     if sorted(int(r) for r in rows) != list(range(b)):
         raise ValueError(
-            f"rows must list every batch row 0..{b - 1} exactly once (HF caches share one length), got {list(rows)}"
+            f"rows: expected every batch row 0..{b - 1} once (HF caches share one length), got {list(rows)}"
         )
     if len(set(int(p) for p in positions)) != 1:
         raise ValueError(
-            f"all positions must be equal for an HF cache (one length for all rows), got "
+            f"positions: expected one slot for all rows of an HF cache (one length for all rows), got "
             f"{list(positions)}; ragged batches share the slot and pass rope_positions"
         )
     if len({len(t) for t in toks}) != 1 or not toks[0]:
-        raise ValueError(f"all segments must have the same length >= 1, got lengths {[len(t) for t in toks]}")
+        raise ValueError(f"segment_tokens: expected segments of one length >= 1, got lengths {[len(t) for t in toks]}")
     p = int(positions[0])
     cur = hfc.length(cache)
     if p > cur:
-        raise ValueError(f"position {p} is past the cache's length {cur}")
+        raise ValueError(f"positions: expected a slot <= the cache's length {cur}, got {p}")
     return toks, b, p, cur
 
 
@@ -430,14 +426,14 @@ def _check_stored(
 ) -> None:
     """The store holds every payload to splice, with the same tokens and at least n_splice of them."""
     if store is None or payload_ids is None:
-        raise ValueError(f"mode={brief(mode)} needs store= and payload_ids= (the segments' cached K/V)")
+        raise ValueError(f"store/payload_ids: expected both with mode={brief(mode)}, got None")
     if len(payload_ids) != len(toks):
-        raise ValueError(f"payload_ids has {len(payload_ids)} entries for {len(toks)} rows")
+        raise ValueError(f"payload_ids: expected {len(toks)} entries (one per row), got {len(payload_ids)}")
     for i in order:
         if int(payload_ids[i]) not in store:
-            raise ValueError(f"unknown payload_id {payload_ids[i]} (not in the StepKVStore)")
+            raise ValueError(f"payload_ids[{i}]: expected a payload in the StepKVStore, got {payload_ids[i]}")
         stored = store.tokens(int(payload_ids[i]))
         if stored is not None and stored != toks[i]:
-            raise ValueError(f"payload {payload_ids[i]}'s stored tokens differ from segment_tokens[{i}]")
+            raise ValueError(f"segment_tokens[{i}]: expected payload {payload_ids[i]}'s stored tokens, got others")
         if store.locate(int(payload_ids[i]))[1] < n_splice:
-            raise ValueError(f"payload {payload_ids[i]} holds fewer than the {n_splice} tokens to splice")
+            raise ValueError(f"payload_ids[{i}]: expected >= {n_splice} tokens stored, got fewer in {payload_ids[i]}")

@@ -11,7 +11,16 @@ from typing import Any
 
 import torch
 
-from rapo_fast._checks import INT32_MAX, INT32_MIN, brief, check_int
+from rapo_fast._checks import (
+    INT32_MAX,
+    INT32_MIN,
+    KERNEL_FLOAT_DTYPES,
+    brief,
+    check_int,
+    check_optional_tensor,
+    check_same_device,
+    check_tensor,
+)
 from rapo_fast._constants import KV_REQUEST_FIELDS
 from rapo_fast.kv.store import StepKVStore
 
@@ -31,7 +40,7 @@ def check_block_table_int32(block_table: torch.Tensor, host: torch.Tensor) -> No
     lo, hi = int(host.min()), int(host.max())
     if lo < INT32_MIN or hi > INT32_MAX:
         raise ValueError(
-            f"block_table must hold block ids in int32's range [{INT32_MIN}, {INT32_MAX}] (the kernels read it as "
+            f"block_table: expected block ids in int32's range [{INT32_MIN}, {INT32_MAX}] (the kernels read it as "
             f"int32), got {block_table.dtype} values in [{lo}, {hi}]"
         )
 
@@ -56,22 +65,23 @@ def as_requests(requests: Any) -> list[tuple[int, int, int]]:
 
 def check_layer_tensors(name: str, ts: list[torch.Tensor], store: StepKVStore, head_axis: int) -> None:
     if len(ts) != store.num_layers:
-        raise ValueError(f"{name}: the cache has {len(ts)} layers, the store {store.num_layers}")
+        raise ValueError(f"{name}: expected the store's {store.num_layers} layers, got {len(ts)}")
     t0 = ts[0]
     for i, t in enumerate(ts):
         if t.dtype != store.dtype:
-            raise TypeError(f"{name}[{i}]: cache dtype {t.dtype} != store dtype {store.dtype}")
+            raise TypeError(f"{name}[{i}]: expected the store's dtype {store.dtype}, got {t.dtype}")
         if t.device != store.device:
-            raise ValueError(f"{name}[{i}]: cache device {t.device} != store device {store.device}")
+            raise ValueError(f"{name}[{i}]: expected the store's device {store.device}, got {t.device}")
         if t.dim() != 4 or t.shape[head_axis] != store.num_kv_heads or t.shape[-1] != store.head_dim:
             raise ValueError(
                 f"{name}[{i}]: expected {store.num_kv_heads} KV heads of dim {store.head_dim} (axis {head_axis}, -1), "
                 f"got shape {tuple(t.shape)}"
             )
-        if t.shape != t0.shape or t.stride() != t0.stride():
-            raise ValueError(f"{name}: every layer must have the same shape and strides (layer {i} differs)")
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name}[{i}]: the head dim must be contiguous (stride 1), got strides {t.stride()}")
+        if t.shape != t0.shape or t.stride() != t0.stride() or t.stride(-1) != 1:
+            raise ValueError(
+                f"{name}[{i}]: expected layer 0's shape {tuple(t0.shape)} and strides {t0.stride()}, head dim "
+                f"contiguous (stride 1), got {tuple(t.shape)} and {t.stride()}"
+            )
 
 
 def check_physical_overlap(table: list, bt_cpu: torch.Tensor, bs: int) -> None:
@@ -86,38 +96,39 @@ def check_physical_overlap(table: list, bt_cpu: torch.Tensor, bs: int) -> None:
     for (blk, _lo, hi, i), (blk2, lo2, _hi2, j) in zip(spans, spans[1:]):
         if blk == blk2 and lo2 < hi:
             raise ValueError(
-                f"requests[{i}] and requests[{j}] write the same physical slots of block {blk} (the block table maps "
-                "two written logical blocks to one physical block)"
+                f"requests[{j}]: expected slots of its own, got the same physical slots of block {blk} as "
+                f"requests[{i}] (the block table maps two written logical blocks to one physical block)"
             )
 
 
 def check_op_tensors(keys, values, k_pool, v_pool, requests, inv_freq, block_table, max_tokens) -> None:
     """What the op reads its pointers as: dtypes, ranks, one shape for every cache layer of keys and values, devices.
     The extension checks every index (requests, rows, slots, blocks) itself."""
-    if requests.dtype != torch.int64 or requests.dim() != 2 or requests.shape[1] != KV_REQUEST_FIELDS:
-        raise ValueError(
-            f"requests must be int64 [R, {KV_REQUEST_FIELDS}], got {requests.dtype} {tuple(requests.shape)}"
-        )
+    check_tensor("requests", requests, ndim=2, dtypes=(torch.int64,))
+    if requests.shape[1] != KV_REQUEST_FIELDS:
+        raise ValueError(f"requests: expected shape [R, {KV_REQUEST_FIELDS}], got {tuple(requests.shape)}")
     check_int("max_tokens", max_tokens, lo=0)
-    if k_pool.dim() != 4 or v_pool.shape != k_pool.shape or v_pool.dtype != k_pool.dtype:
-        raise ValueError(f"k_pool/v_pool must share one 4-d shape, got {tuple(k_pool.shape)}, {tuple(v_pool.shape)}")
-    if k_pool.dtype not in (torch.float32, torch.float16, torch.bfloat16) or k_pool.stride(-1) != 1:
-        raise TypeError(f"the pools must be float32/float16/bfloat16 with a contiguous head dim, got {k_pool.dtype}")
-    if v_pool.stride() != k_pool.stride() or v_pool.device != k_pool.device:
-        raise ValueError("k_pool and v_pool must share strides and device")
+    check_tensor("k_pool", k_pool, ndim=4, dtypes=KERNEL_FLOAT_DTYPES)
+    check_tensor("v_pool", v_pool, shape=k_pool.shape, dtypes=(k_pool.dtype,))
+    check_same_device(k_pool=k_pool, v_pool=v_pool)
+    if k_pool.stride(-1) != 1 or v_pool.stride() != k_pool.stride():
+        raise ValueError(
+            f"k_pool/v_pool: expected one set of strides, head dim contiguous, got {k_pool.stride()}/{v_pool.stride()}"
+        )
     if len(keys) != k_pool.shape[0] or len(values) != k_pool.shape[0]:
-        raise ValueError(f"{len(keys)}/{len(values)} cache layers for pools of shape {tuple(k_pool.shape)}")
+        raise ValueError(f"keys/values: expected {k_pool.shape[0]} layers (k_pool's), got {len(keys)}/{len(values)}")
     # One shape for keys and values; strides per kind (the op takes both sets).
     for t0, t in [(keys[0], k) for k in keys] + [(values[0], v) for v in values]:
         if t.dim() != 4 or t.shape != keys[0].shape or t.stride() != t0.stride() or t.stride(-1) != 1:
             raise ValueError(
-                "every cache layer of keys and values must share one 4-d shape (and, per kind, strides), head dim last"
+                f"keys/values: expected every layer 4-d of one shape {tuple(keys[0].shape)} (and, per kind, one set "
+                f"of strides), head dim contiguous, got shape {tuple(t.shape)} strides {t.stride()}"
             )
         if t.dtype != k_pool.dtype or t.device != k_pool.device:
-            raise TypeError(f"cache layers must be {k_pool.dtype} on {k_pool.device}, got {t.dtype} on {t.device}")
-    if inv_freq.dtype != torch.float32 or inv_freq.dim() != 1 or 2 * inv_freq.numel() > k_pool.shape[3]:
+            raise TypeError(f"keys/values: expected {k_pool.dtype} on {k_pool.device}, got {t.dtype} on {t.device}")
+    check_tensor("inv_freq", inv_freq, ndim=1, dtypes=(torch.float32,))
+    if 2 * inv_freq.numel() > k_pool.shape[3]:
         raise ValueError(
-            f"inv_freq must be 1-d fp32 with at most head_dim/2 entries, got {inv_freq.dtype} {inv_freq.numel()}"
+            f"inv_freq: expected at most head_dim/2 = {k_pool.shape[3] // 2} entries, got {inv_freq.numel()}"
         )
-    if block_table is not None and (block_table.dim() != 2 or block_table.dtype not in (torch.int32, torch.int64)):
-        raise ValueError(f"block_table must be [B, max_blocks] int32/int64, got {block_table.dtype}")
+    check_optional_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32, torch.int64))

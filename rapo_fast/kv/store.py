@@ -23,21 +23,22 @@ def _is_int(x: Any) -> bool:
 def _checked_where(where: Any, used: int) -> dict[int, tuple[int, int]]:
     """payload id -> (offset, length) inside [0, used), no two ranges overlapping; ValueError naming the entry."""
     if not isinstance(where, dict):
-        raise ValueError(f"StepKVStore.load_state_dict: field 'where' must be a dict, got {type(where).__name__}")
+        raise ValueError(f"StepKVStore.load_state_dict: field 'where': expected a dict, got {type(where).__name__}")
     out: dict[int, tuple[int, int]] = {}
     for pid, span in where.items():
         ok = _is_int(pid) and isinstance(span, (tuple, list)) and len(span) == 2 and all(_is_int(x) for x in span)
         if not ok or not (0 <= span[0] and 0 <= span[1] and span[0] + span[1] <= used):
             raise ValueError(
-                f"StepKVStore.load_state_dict: field 'where' maps {brief(pid)} to {brief(span)}, want an int payload "
-                f"id -> (offset, length) inside the {used} saved tokens"
+                f"StepKVStore.load_state_dict: field 'where': expected int payload ids -> (offset, length) inside "
+                f"the {used} saved tokens, got {brief(pid)}: {brief(span)}"
             )
         out[pid] = (span[0], span[1])
     pos = 0
     for off, n in sorted(out.values()):
         if off < pos:
             raise ValueError(
-                f"StepKVStore.load_state_dict: field 'where': tokens [{off}, {off + n}) overlap another payload"
+                f"StepKVStore.load_state_dict: field 'where': expected disjoint token ranges, got [{off}, {off + n}) "
+                "overlapping another payload's"
             )
         pos = off + n
     return out
@@ -46,13 +47,13 @@ def _checked_where(where: Any, used: int) -> dict[int, tuple[int, int]]:
 def _checked_tokens(tokens: Any, where: dict) -> dict[int, list[int]]:
     """payload id (stored in `where`) -> one token id >= 0 per cached position; ValueError naming the entry."""
     if not isinstance(tokens, dict):
-        raise ValueError(f"StepKVStore.load_state_dict: field 'tokens' must be a dict, got {type(tokens).__name__}")
+        raise ValueError(f"StepKVStore.load_state_dict: field 'tokens': expected a dict, got {type(tokens).__name__}")
     for pid, ids in tokens.items():
         ok = pid in where and isinstance(ids, (list, tuple)) and len(ids) == where[pid][1]
         if not ok or not all(_is_int(x) and x >= 0 for x in ids):
             raise ValueError(
-                f"StepKVStore.load_state_dict: field 'tokens' has {brief(pid)}: {brief(ids)}, want a stored payload "
-                "id -> one token id >= 0 per cached position"
+                "StepKVStore.load_state_dict: field 'tokens': expected stored payload ids -> one token id >= 0 per "
+                f"cached position, got {brief(pid)}: {brief(ids)}"
             )
     return {pid: list(ids) for pid, ids in tokens.items()}
 
@@ -134,7 +135,7 @@ class StepKVStore:
     def get(self, payload_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views keys, values [num_layers, L, H_kv, D] of a payload; ValueError if unknown."""
         if int(payload_id) not in self._where:
-            raise ValueError(f"unknown payload_id {payload_id}")
+            raise ValueError(f"payload_id: expected one in the store, got {payload_id}")
         off, n = self._where[int(payload_id)]
         return self.keys_pool[:, off : off + n], self.values_pool[:, off : off + n]
 
@@ -156,37 +157,37 @@ class StepKVStore:
         types, the shape and dtype, every (offset, length) inside the saved pools and no two overlapping, tokens one
         id per cached position, finite K/V. Returns (capacity_tokens, where, tokens); ValueError naming the field."""
         if not isinstance(state, dict):
-            raise TypeError(f"StepKVStore.load_state_dict: state must be a dict, got {type(state).__name__}")
+            raise TypeError(f"StepKVStore.load_state_dict: state: expected a dict, got {type(state).__name__}")
         missing = sorted({"shape", "dtype", "capacity_tokens", "keys", "values", "where", "tokens"} - set(state))
         if missing:
-            raise ValueError(f"StepKVStore.load_state_dict: state lacks the fields {missing}")
+            raise ValueError(f"StepKVStore.load_state_dict: state: expected every field, got none for {missing}")
         want = (self.num_layers, self.num_kv_heads, self.head_dim)
         shape = state["shape"]
         if not isinstance(shape, (tuple, list)) or not all(_is_int(x) for x in shape):
-            raise ValueError(f"StepKVStore.load_state_dict: field 'shape' must be 3 ints, got {brief(shape)}")
+            raise ValueError(f"StepKVStore.load_state_dict: field 'shape': expected 3 ints, got {brief(shape)}")
         if tuple(shape) != want or state["dtype"] != self.dtype:
             raise ValueError(
-                f"StepKVStore.load_state_dict: state is for (layers, kv heads, head dim) {tuple(shape)} in "
-                f"{state['dtype']}, this store is {want} in {self.dtype}"
+                "StepKVStore.load_state_dict: state: expected this store's (layers, kv heads, head dim) "
+                f"{want} in {self.dtype}, got {tuple(shape)} in {state['dtype']}"
             )
         k, v = state["keys"], state["values"]
         for name, t in (("keys", k), ("values", v)):
             if not isinstance(t, torch.Tensor) or t.dtype != self.dtype or t.dim() != 4:
                 got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(
-                    f"StepKVStore.load_state_dict: field {name!r} must be a 4-d {self.dtype} tensor, got {got}"
+                    f"StepKVStore.load_state_dict: field {name!r}: expected a 4-d {self.dtype} tensor, got {got}"
                 )
             if (t.shape[0], t.shape[2], t.shape[3]) != want or t.shape != k.shape:
                 raise ValueError(
-                    f"StepKVStore.load_state_dict: field {name!r} is {tuple(t.shape)}, want [{want[0]}, used, "
-                    f"{want[1]}, {want[2]}] and keys and values alike"
+                    f"StepKVStore.load_state_dict: field {name!r}: expected shape [{want[0]}, used, {want[1]}, "
+                    f"{want[2]}], keys and values alike, got {tuple(t.shape)}"
                 )
             if not bool(torch.isfinite(t).all()):
-                raise ValueError(f"StepKVStore.load_state_dict: field {name!r} holds NaN or inf")
+                raise ValueError(f"StepKVStore.load_state_dict: field {name!r}: expected finite values, got NaN or inf")
         used, cap = k.shape[1], state["capacity_tokens"]
         if not _is_int(cap) or not max(used, 1) <= cap < 2**31:
             raise ValueError(
-                f"StepKVStore.load_state_dict: field 'capacity_tokens' must be an int in [{max(used, 1)}, 2^31), "
+                f"StepKVStore.load_state_dict: field 'capacity_tokens': expected an int in [{max(used, 1)}, 2^31), "
                 f"got {brief(cap)}"
             )
         where = _checked_where(state["where"], used)
@@ -275,9 +276,9 @@ class StepKVStore:
         the store's dtype, tokens one int id >= 0 per cached position. Everything is checked before the store changes;
         a refusal raises ValueError/TypeError naming the argument and entry."""
         if not (len(payload_ids) == len(keys) == len(values)):
-            raise ValueError(f"payload_ids ({len(payload_ids)}), keys ({len(keys)}), values ({len(values)}) differ")
+            raise ValueError(f"keys/values: expected {len(payload_ids)} each, got {len(keys)}/{len(values)}")
         if tokens is not None and len(tokens) != len(payload_ids):
-            raise ValueError(f"tokens has {len(tokens)} entries for {len(payload_ids)} payload_ids")
+            raise ValueError(f"tokens: expected {len(payload_ids)} entries (one per payload id), got {len(tokens)}")
         want = (self.num_layers, self.num_kv_heads, self.head_dim)
         pids = [check_int(f"payload_ids[{i}]", p, lo=0) for i, p in enumerate(payload_ids)]
         toks: list[list[int]] | None = None if tokens is None else []
@@ -296,14 +297,14 @@ class StepKVStore:
                         f"{nm}[{i}]: expected finite values in {self.dtype}, got NaN/inf (or out of range)"
                     )
             if k.shape != v.shape:
-                raise ValueError(f"keys[{i}] {tuple(k.shape)} and values[{i}] {tuple(v.shape)} differ")
+                raise ValueError(f"values[{i}]: expected keys[{i}]'s shape {tuple(k.shape)}, got {tuple(v.shape)}")
             if pid in self._where and not replace:
-                raise ValueError(f"payload_id {pid} is already stored (pass replace=True to overwrite it)")
+                raise ValueError(f"payload_ids[{i}]: expected a new id (or replace=True), got {pid}: already stored")
             if toks is not None:
                 ids = tokens[i].tolist() if isinstance(tokens[i], torch.Tensor) else tokens[i]
                 toks.append(check_int_list(f"tokens[{i}]", ids, lo=0))
                 if len(toks[i]) != k.shape[1]:
-                    raise ValueError(f"tokens[{i}] has {len(toks[i])} ids for {k.shape[1]} cached positions")
+                    raise ValueError(f"tokens[{i}]: expected {k.shape[1]} ids (cached positions), got {len(toks[i])}")
         for i, (pid, k, v) in enumerate(zip(pids, keys, values)):
             self.evict([pid]) if pid in self._where else None
             off = self._alloc(k.shape[1])
@@ -338,12 +339,12 @@ class StepKVStore:
         from transformers import DynamicCache
 
         if len(payload_ids) != len(token_lists):
-            raise ValueError(f"payload_ids ({len(payload_ids)}) and token_lists ({len(token_lists)}) differ")
+            raise ValueError(f"token_lists: expected one per payload id ({len(payload_ids)}), got {len(token_lists)}")
         dev = next(model.parameters()).device
         for s in range(0, len(token_lists), batch_size):
             chunk = [list(map(int, t)) for t in token_lists[s : s + batch_size]]
             if any(len(t) == 0 for t in chunk):
-                raise ValueError("every token list must hold at least one token")
+                raise ValueError(f"token_lists: expected >= 1 token in each, got lengths {[len(t) for t in chunk]}")
             n = max(len(t) for t in chunk)
             ids = torch.tensor([t + [0] * (n - len(t)) for t in chunk], dtype=torch.long, device=dev)
             cache = DynamicCache(config=model.config)

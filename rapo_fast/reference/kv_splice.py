@@ -50,7 +50,7 @@ def rotate_keys_ref(
     rd = d_head if rotary_dim is None else rotary_dim
     half = rd // 2
     if inv_freq.numel() != half:
-        raise ValueError(f"inv_freq must have rotary_dim // 2 = {half} entries, got {inv_freq.numel()}")
+        raise ValueError(f"inv_freq: expected rotary_dim // 2 = {half} entries, got {inv_freq.numel()}")
     cos, sin = rope_cos_sin_ref(
         delta, inv_freq.to(keys.device), torch.float64 if compute_dtype == torch.float64 else torch.float32
     )
@@ -64,7 +64,7 @@ def rotate_keys_ref(
         x1, x2 = rot[..., 0::2], rot[..., 1::2]
         out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
     else:
-        raise ValueError(f"layout must be 'rotate_half' or 'interleaved', got {layout!r}")
+        raise ValueError(f"layout: expected 'rotate_half' or 'interleaved', got {layout!r}")
     out = torch.cat([out, rest], dim=-1)
     return out if compute_dtype == torch.float64 else out.to(keys.dtype)
 

@@ -305,7 +305,7 @@ def _agg_loss(tok: torch.Tensor, active: torch.Tensor, loss_agg: str, global_num
         )
     if loss_agg == "seq-mean-token-sum-norm":
         return tok.sum() / (g if g is not None else torch.tensor(float(max(width, 1)), dtype=cd))
-    raise ValueError(f"loss_agg: unknown mode {loss_agg!r}")
+    raise ValueError(f"loss_agg: expected a known mode, got {loss_agg!r}")
 
 
 def _metrics_ref(terms: dict, r: _Rows, on, off, active, o: LossOptions) -> dict[str, torch.Tensor]:

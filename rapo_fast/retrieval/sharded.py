@@ -165,7 +165,7 @@ class ShardedStepBuffer:
             values = [int(d[field]) for d in descs]
             if len(set(values)) > 1:
                 shown = [_bits_float(v) for v in values] if field == _MIN_SCORE else values
-                raise ValueError(f"{name} must be the same on every rank, got {shown} by rank ({where})")
+                raise ValueError(f"{name}: expected one value on every rank, got {shown} by rank ({where})")
         return q, exclude, thr, [int(d[_Q]) for d in descs]
 
     def search(

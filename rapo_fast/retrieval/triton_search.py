@@ -65,7 +65,7 @@ def select_backend(Q: int, C: int, D: int, dtype: torch.dtype, k: int, metric: i
     None) is 'cuda', 'triton' or 'auto' (the table). l2 (metric 2) scores fp32 centred keys: CUDA under 'auto'."""
     choice = os.environ.get(BACKEND_ENV, "auto") if override is None else override
     if choice not in ("cuda", "triton", "auto"):
-        raise ValueError(f"{BACKEND_ENV} (or backend) must be 'cuda', 'triton' or 'auto', got {choice!r}")
+        raise ValueError(f"{BACKEND_ENV} (or backend): expected 'cuda', 'triton' or 'auto', got {choice!r}")
     if choice != "auto":
         return choice
     if metric == METRIC_L2 or dtype == torch.float32 or C > _MAX_C:
@@ -115,7 +115,7 @@ def gpu_tiles(fp32: bool, aligned: bool) -> tuple[int, int, int, int, int]:
         vals = tuple(int(v) for v in env.split(","))
         if len(vals) != 5 or min(vals[3:]) < 1 or any(v < 16 or v & (v - 1) for v in vals[:3]) or vals[1] < 32:
             raise ValueError(
-                f"{TILES_ENV} must be 'BQ,BC,BD,warps,stages' with powers of two >= 16 (BC >= 32: two halves of at "
+                f"{TILES_ENV}: expected 'BQ,BC,BD,warps,stages' with powers of two >= 16 (BC >= 32: two halves of at "
                 f"least 16), got {env!r}"
             )
         return vals  # type: ignore[return-value]
@@ -170,7 +170,7 @@ def _check(keys, key_aux, groups, queries, exclude, k, metric, min_score, centre
         raise TypeError(f"keys/queries: expected one float32/float16/bfloat16 dtype, got {keys.dtype}, {queries.dtype}")
     C, Q, D = keys.shape[0], queries.shape[0], keys.shape[1]
     if C > _MAX_C:
-        raise ValueError(f"keys: the Triton path takes at most {_MAX_C} keys, got {C}")
+        raise ValueError(f"keys: expected at most {_MAX_C} keys on the Triton path, got {C}")
     want = {"key_aux": (key_aux, torch.float32, C), "groups": (groups, torch.int64, C)}
     if exclude is not None:
         want["exclude"] = (exclude, torch.int64, Q)
@@ -180,7 +180,7 @@ def _check(keys, key_aux, groups, queries, exclude, k, metric, min_score, centre
         check_tensor(name, t, shape=(n,), dtypes=(dt,))
     check_same_device(queries=queries, keys=keys, **{name: v[0] for name, v in want.items()})
     if queries.device.type == "cpu" and not interpret_mode():
-        raise ValueError("triton_search runs on CUDA tensors, or on CPU tensors only under TRITON_INTERPRET=1")
+        raise ValueError(f"queries: expected CUDA tensors (CPU under TRITON_INTERPRET=1), got {queries.device}")
     k = check_int("k", k, lo=1, hi=MAX_K)
     if metric not in (METRIC_IP, METRIC_COSINE, METRIC_L2):
         raise ValueError(f"metric: expected 0 (ip), 1 (cosine) or 2 (l2), got {brief(metric)}")

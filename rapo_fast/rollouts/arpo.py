@@ -13,6 +13,8 @@ import random
 
 import torch
 
+from rapo_fast._checks import check_int
+
 RULES = ("paper", "released")
 PAPER_RISE_BOUND = 1.0
 
@@ -64,8 +66,8 @@ class ArpoBrancher:
     ):
         if not 1 <= initial <= group_size:
             raise ValueError(f"rollout.arpo.initial: expected an int in [1, group_size={group_size}], got {initial!r}")
-        if beam < 1 or k < 1 or topk < 1:
-            raise ValueError(f"rollout.arpo: beam, k and topk must be >= 1, got {beam!r}, {k!r}, {topk!r}")
+        for name, v in (("beam", beam), ("k", k), ("topk", topk)):
+            check_int(f"rollout.arpo.{name}", v, lo=1)
         if rule not in RULES:
             raise ValueError(f"rollout.arpo.rule: expected one of {RULES}, got {rule!r}")
         self.rows, self.engine, self.G, self.initial = rows, engine, group_size, initial

@@ -52,7 +52,7 @@ def rollout(
     if cfg is None:
         cfg = RolloutConfig()
     elif not isinstance(cfg, RolloutConfig):
-        raise TypeError(f"rollout: cfg must be a RolloutConfig, got {type(cfg).__name__}")
+        raise TypeError(f"rollout: cfg: expected a RolloutConfig, got {type(cfg).__name__}")
     strategy = strategy_for(cfg, traces=traces, offpolicy=offpolicy)
     t_start = time.perf_counter()
     device = next(model.parameters()).device
@@ -92,7 +92,7 @@ def _make_rows(tokenizer, problems: Sequence, sizes: list[int], n_hybrid: int, n
             state = RowState.RUNNING if g < n_init else RowState.IDLE
             rows.append(Row(ids, int(prob.qid), pi, g < n_hybrid, state))
     if not rows:
-        raise ValueError("rollout: problems is empty")
+        raise ValueError("rollout: problems: expected at least one problem, got none")
     return rows
 
 

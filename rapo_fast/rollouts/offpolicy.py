@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from rapo_fast._checks import brief
+from rapo_fast._checks import check_int
 from rapo_fast._tokens import encode_plain
 from rapo_fast.rollouts.batch import KIND_OFF, KIND_TOOL
 
@@ -50,8 +50,7 @@ class OffPolicyTrajectories:
     def __init__(self, records: list[dict], top_k: int = 5):
         from rapo_fast.retrieval.step_traces import top_k_by_reward
 
-        if not isinstance(top_k, int) or top_k < 1:
-            raise ValueError(f"OffPolicyTrajectories: top_k must be a positive int, got {brief(top_k)}")
+        check_int("OffPolicyTrajectories: top_k", top_k, lo=1)
         self.by_query: dict[int, list[dict]] = {}
         for r in top_k_by_reward(records, top_k):
             self.by_query.setdefault(int(r["query_id"]), []).append(r)

@@ -63,7 +63,7 @@ class Row:
         n = len(ids)
         kinds = [kind] * n if isinstance(kind, int) else list(kind)
         if len(kinds) != n:
-            raise ValueError(f"Row.append: {len(kinds)} kinds for {n} tokens")
+            raise ValueError(f"Row.append: kinds: expected one per token ({n}), got {len(kinds)}")
         self.tokens.extend(ids)
         self.kinds.extend(kinds)
         self.logp.extend([0.0] * n)
@@ -104,5 +104,5 @@ def prompt_ids(tokenizer, prob) -> list[int]:
         if bos is not None and (not ids or ids[0] != bos):
             ids = [bos] + ids
     if not ids:
-        raise ValueError(f"rollout: the prompt of problem qid={prob.qid} has no tokens")
+        raise ValueError(f"rollout: problems: expected a prompt of >= 1 token, got none for qid={prob.qid}")
     return list(ids)

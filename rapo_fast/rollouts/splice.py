@@ -21,7 +21,7 @@ def splice_segments(engine, rows, spliced: list[tuple[int, list[int], int]], tra
 
     store = traces.kv_store
     if store is None:
-        raise ValueError("rollout: mode='splice' needs traces with a kv_store (StepTraces(..., kv_store=...))")
+        raise ValueError("rollout: traces: expected StepTraces(..., kv_store=...) with mode='splice', got no kv_store")
     rope = getattr(traces, "rope", None)
     if rope is None:
         rope = traces.rope = RopeSpec.from_model(engine.model)
@@ -31,7 +31,7 @@ def splice_segments(engine, rows, spliced: list[tuple[int, list[int], int]], tra
     valid = torch.zeros(engine.batch, n_new, dtype=torch.bool)
     for i, seg, pid in spliced:
         if int(pid) not in store:
-            raise ValueError(f"rollout: payload {pid} has no cached K/V in the StepKVStore (splice mode)")
+            raise ValueError(f"rollout: traces: expected cached K/V of payload {pid} (splice mode), got none")
         n = len(seg) - 1
         reqs.append((int(pid), engine.physical(int(i)), slot))
         lengths.append(n)

@@ -33,7 +33,7 @@ STRATEGY_REGISTRY: dict[str, type[RolloutStrategy]] = {}
 def register_strategy(cls: type[RolloutStrategy]) -> type[RolloutStrategy]:
     """Class decorator: register a strategy under cls.name (one of STRATEGIES, its sub-config field matching)."""
     if cls.name not in STRATEGIES or STRATEGY_CONFIG_FIELDS[cls.name] != cls.config_field:
-        raise ValueError(f"register_strategy: {cls.name!r} / {cls.config_field!r} is not an entry of STRATEGIES")
+        raise ValueError(f"register_strategy: expected an entry of STRATEGIES, got {cls.name!r} / {cls.config_field!r}")
     STRATEGY_REGISTRY[cls.name] = cls
     return cls
 
@@ -105,7 +105,7 @@ class HybridStrategy(RolloutStrategy):
 
     def check(self) -> None:
         if self.sub.n_hybrid > 0 and self.traces is None:
-            raise ValueError("rollout: strategy='hybrid' with n_hybrid > 0 needs traces (a StepTraces), got None")
+            raise ValueError("rollout: traces: expected a StepTraces with strategy='hybrid' and n_hybrid > 0, got None")
 
     @property
     def n_hybrid(self) -> int:
@@ -199,7 +199,7 @@ class OffPolicyTrajStrategy(RolloutStrategy):
 
     def check(self) -> None:
         if self.offpolicy is None:
-            raise ValueError("rollout: strategy='offpolicy_traj' needs offpolicy (an OffPolicyTrajectories), got None")
+            raise ValueError("rollout: offpolicy: expected OffPolicyTrajectories for 'offpolicy_traj', got None")
 
     def plan(self, problems: Sequence, coin: random.Random) -> list[int]:
         self.picks = [self.offpolicy.pick(p.qid, self.sub.n_offpolicy, coin) for p in problems]

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rapo_fast._checks import check_int
+from rapo_fast._checks import check_float, check_int
 
 
 class TrainerCallback:
@@ -55,10 +55,9 @@ class EvalCallback(TrainerCallback):
         name: str = "eval",
     ):
         if not callable(eval_fn):
-            raise TypeError(f"EvalCallback: eval_fn must be a callable trainer -> float, got {type(eval_fn).__name__}")
+            raise TypeError(f"EvalCallback: eval_fn: expected trainer -> float, got {type(eval_fn).__name__}")
         every = check_int("EvalCallback: every", every, lo=1)
-        if target is not None and not isinstance(target, (int, float)):
-            raise TypeError(f"EvalCallback: target must be a number or None, got {type(target).__name__}")
+        target = check_float("EvalCallback: target", target, allow_none=True)
         self.eval_fn, self.every, self.at_start, self.target, self.name = eval_fn, every, at_start, target, name
         self.curve: list[tuple[int, float]] = []
         self.seconds = 0.0

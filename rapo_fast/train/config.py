@@ -185,7 +185,7 @@ class TrainerConfig(Section):
     def preset(cls, name: str, overrides: Mapping[str, Any] | None = None, /, **sections: Any) -> TrainerConfig:
         makers = {"RAPO": cls.RAPO, "GRPO": cls.GRPO, "ARPO": cls.ARPO, "OFFPOLICY_TRAJ": cls.OFFPOLICY_TRAJ}
         if not isinstance(name, str) or name.upper() not in makers:
-            raise ValueError(f"TrainerConfig.preset: name must be one of {sorted(makers)}, got {brief(name)}")
+            raise ValueError(f"TrainerConfig.preset: name: expected one of {sorted(makers)}, got {brief(name)}")
         return makers[name.upper()](overrides, **sections)
 
     @classmethod
@@ -200,7 +200,7 @@ class TrainerConfig(Section):
         try:
             return cls().replace(d)
         except RecursionError:  # a mapping nested thousands deep (dotted keys that collide at every level)
-            raise ValueError("TrainerConfig.from_dict: the mapping is nested too deeply") from None
+            raise ValueError("TrainerConfig.from_dict: expected a mapping of bounded depth, got one too deep") from None
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
@@ -211,7 +211,7 @@ class TrainerConfig(Section):
         try:
             d = json.loads(text)
         except RecursionError:  # arrays or objects nested thousands deep
-            raise ValueError("TrainerConfig: malformed JSON: nested too deeply") from None
+            raise ValueError("TrainerConfig: expected JSON, got malformed JSON: nested too deeply") from None
         return cls.from_dict(d)
 
     def to_yaml(self) -> str:
@@ -228,9 +228,9 @@ class TrainerConfig(Section):
         try:
             d = yaml.safe_load(text)
         except yaml.YAMLError as exc:
-            raise ValueError(f"TrainerConfig: malformed YAML: {exc}") from exc
+            raise ValueError(f"TrainerConfig: expected YAML, got malformed YAML: {exc}") from exc
         except RecursionError:  # flow collections nested thousands deep
-            raise ValueError("TrainerConfig: malformed YAML: nested too deeply") from None
+            raise ValueError("TrainerConfig: expected YAML, got malformed YAML: nested too deeply") from None
         return cls.from_dict(d)
 
     def save(self, path: str | Path) -> None:
@@ -249,6 +249,6 @@ class TrainerConfig(Section):
             text = p.read_text(encoding="utf-8")
             return cls.from_yaml(text) if p.suffix in (".yaml", ".yml") else cls.from_json(text)
         except UnicodeDecodeError as exc:
-            raise ValueError(f"{p}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+            raise ValueError(f"{p}: expected UTF-8 text, got {exc.reason} at byte {exc.start}") from exc
         except (ValueError, TypeError) as exc:  # the same kind, with the file named (a message alone names no file)
             raise (ValueError if isinstance(exc, ValueError) else TypeError)(f"{p}: {exc}") from exc

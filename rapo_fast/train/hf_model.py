@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import torch
 
+from rapo_fast._checks import check_int
+
 
 def lm_head_weight(model: torch.nn.Module) -> torch.Tensor:
     """The lm_head weight [V, H] the model actually multiplies by (tied or not; docs/pitfalls.md #10)."""
     head = model.get_output_embeddings()
     if head is None or not hasattr(head, "weight"):
-        raise TypeError(f"lm_head_weight: {type(model).__name__} has no output embedding with a weight")
+        raise TypeError(f"lm_head_weight: model: expected an output embedding with weight, got {type(model).__name__}")
     if getattr(head, "bias", None) is not None:
-        raise ValueError("lm_head_weight: an lm_head with a bias is not supported by this helper")
+        raise ValueError("lm_head_weight: model: expected an lm_head without a bias, got one with a bias")
     return head.weight
 
 
@@ -44,8 +46,7 @@ BUCKET_OVERHEAD_TOKENS = 64
 def length_buckets(lengths: list[int], overhead: int = BUCKET_OVERHEAD_TOKENS) -> list[list[int]]:
     """Row indices grouped into buckets of similar length: rows sorted by length (stable), cut where the cost
     sum(rows x the bucket's longest length) + overhead per bucket is least (exact, by dynamic programming)."""
-    if isinstance(overhead, bool) or not isinstance(overhead, int) or overhead < 0:
-        raise ValueError(f"length_buckets: overhead must be an int >= 0, got {overhead!r}")
+    overhead = check_int("length_buckets: overhead", overhead, lo=0)
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     n = len(order)
     best, cut = [0] + [0] * n, [0] * (n + 1)  # best[k]: least cost of the first k sorted rows

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from rapo_fast._atomic import FormatError, VersionWriter, read_version, write_file_atomic
-from rapo_fast._checks import check_field, check_int
+from rapo_fast._checks import brief, check_field, check_int
 from rapo_fast.train.config import TrainerConfig
 
 # version 1: "rapo_fast.train.trainer.checkpoint/1", one directory renamed into place (not crash-safe, no checksums);
@@ -168,7 +168,7 @@ def _torch_load(path: Path):
     try:
         return torch.load(path, weights_only=True, map_location="cpu")
     except Exception as exc:  # torch raises pickle, zip and runtime errors alike
-        raise CheckpointFormatError(f"{path} could not be read: {exc}") from exc
+        raise CheckpointFormatError(f"{path}: expected a readable torch file, got {exc}") from exc
 
 
 def _check_trainer_state(state, path: Path, step_count: int) -> None:
@@ -176,9 +176,11 @@ def _check_trainer_state(state, path: Path, step_count: int) -> None:
     fields = {"step_count", "py_rng", "gen", "torch_rng", "logger"}
     if not isinstance(state, dict) or set(state) != fields:
         got = sorted(state) if isinstance(state, dict) else type(state).__name__
-        raise CheckpointFormatError(f"{path}: want a dict of the fields {sorted(fields)}, got {got}")
+        raise CheckpointFormatError(f"{path}: expected a dict of the fields {sorted(fields)}, got {got}")
     if check_field(state, "step_count", path, CheckpointFormatError, check_int, lo=0) != step_count:
-        raise CheckpointFormatError(f"{path}: field 'step_count' is {state['step_count']}, meta.json says {step_count}")
+        raise CheckpointFormatError(
+            f"{path}: 'step_count': expected meta.json's {step_count}, got {state['step_count']}"
+        )
     for field, restore in (
         ("py_rng", lambda s: random.Random().setstate(s)),
         ("gen", lambda s: torch.Generator().set_state(s)),
@@ -187,11 +189,11 @@ def _check_trainer_state(state, path: Path, step_count: int) -> None:
         try:
             restore(state[field])
         except Exception as exc:  # random and torch raise TypeError, ValueError or RuntimeError
-            raise CheckpointFormatError(f"{path}: field {field!r} is not a generator state ({exc})") from exc
+            raise CheckpointFormatError(f"{path}: field {field!r}: expected a generator state, got {exc}") from exc
     log = state["logger"]
     ok = isinstance(log, dict) and set(log) == {"n_rows", "columns"} and isinstance(log["columns"], list)
     if not ok or not all(isinstance(c, str) for c in log["columns"]):
-        raise CheckpointFormatError(f"{path}: field 'logger' must be {{'n_rows': int, 'columns': [str]}}")
+        raise CheckpointFormatError(f"{path}: 'logger': expected {{'n_rows': int, 'columns': [str]}}, got {brief(log)}")
     check_field(log, "n_rows", f"{path}: field 'logger'", CheckpointFormatError, check_int, lo=0)
 
 
@@ -199,25 +201,27 @@ def _check_like(saved, current, path: Path, what: str) -> None:
     """`saved` (a state dict read from `path`) has the keys, shapes and dtypes of `current`."""
     if not isinstance(saved, dict) or set(saved) != set(current):
         extra = sorted(set(saved) ^ set(current)) if isinstance(saved, dict) else type(saved).__name__
-        raise CheckpointFormatError(f"{path}: not a state dict of this {what} (keys differ: {extra[:6]})")
+        raise CheckpointFormatError(f"{path}: expected a state dict of this {what}, got keys differing in {extra[:6]}")
     for k, t in current.items():
         s = saved[k]
         if isinstance(t, torch.Tensor) and (
             not isinstance(s, torch.Tensor) or s.shape != t.shape or s.dtype != t.dtype
         ):
             got = f"{tuple(s.shape)} {s.dtype}" if isinstance(s, torch.Tensor) else type(s).__name__
-            raise CheckpointFormatError(f"{path}: {k!r} is {got}, this {what} has {tuple(t.shape)} {t.dtype}")
+            raise CheckpointFormatError(f"{path}: {k!r}: expected this {what}'s {tuple(t.shape)} {t.dtype}, got {got}")
 
 
 def _check_optimizer(saved, current: dict, path: Path) -> None:
     """Same parameter groups (sizes) as the trainer's optimizer: what load_state_dict would refuse, refused first."""
     groups = saved.get("param_groups") if isinstance(saved, dict) else None
     if not isinstance(groups, list) or not isinstance(saved.get("state"), dict):
-        raise CheckpointFormatError(f"{path}: not an optimizer state dict (fields 'state', 'param_groups')")
+        raise CheckpointFormatError(
+            f"{path}: expected an optimizer state dict (fields 'state', 'param_groups'), got others"
+        )
     sizes = [len(g.get("params", ())) if isinstance(g, dict) else -1 for g in groups]
     want = [len(g["params"]) for g in current["param_groups"]]
     if sizes != want:
-        raise CheckpointFormatError(f"{path}: parameter group sizes {sizes}, this optimizer's are {want}")
+        raise CheckpointFormatError(f"{path}: parameter groups: expected this optimizer's sizes {want}, got {sizes}")
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -238,7 +242,9 @@ def load_checkpoint(trainer, directory: str | Path) -> None:
     with read_version(directory, _PREFIX, CHECKPOINT_FORMAT, CHECKPOINT_VERSION, CheckpointFormatError) as v:
         d, names = v.path, {"model.pt", "optimizer.pt", "trainer.pt", "config.json"}
         if not names <= set(v.files) <= names | {"buffer/CURRENT"}:
-            raise CheckpointFormatError(f"{d / 'meta.json'}: field 'files' lists {sorted(v.files)}")
+            raise CheckpointFormatError(
+                f"{d / 'meta.json'}: field 'files': expected {sorted(names)} (+ buffer/CURRENT), got {sorted(v.files)}"
+            )
         state = _torch_load(d / "trainer.pt")
         step_count = check_field(v.meta, "step_count", d, CheckpointFormatError, check_int, lo=0)
         _check_trainer_state(state, d / "trainer.pt", step_count)
@@ -251,7 +257,7 @@ def load_checkpoint(trainer, directory: str | Path) -> None:
             k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k) and k.split(".")[0] != "logging"
         )
         if diff:
-            raise ValueError(f"load_checkpoint: the trainer's config differs from the checkpoint's in {diff}")
+            raise ValueError(f"load_checkpoint: trainer: expected the checkpoint's config, got one differing in {diff}")
         model_sd = _torch_load(d / "model.pt")
         _check_like(model_sd, trainer.model.state_dict(), d / "model.pt", "model")
         opt_sd = _torch_load(d / "optimizer.pt")
@@ -260,7 +266,9 @@ def load_checkpoint(trainer, directory: str | Path) -> None:
         if "buffer/CURRENT" in v.files:
             old = trainer.buffer
             if old is None:
-                raise ValueError("load_checkpoint: the checkpoint holds a step buffer but the trainer has none")
+                raise ValueError(
+                    "load_checkpoint: trainer: expected a step buffer (the checkpoint holds one), got none"
+                )
             try:  # last of the checks: it replaces the K/V store's contents once everything in it is checked
                 buffer = StepTraces.load(
                     d / "buffer", old.encoder, old.tokenizer, kv_store=old.kv_store, model=old.model

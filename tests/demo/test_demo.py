@@ -48,9 +48,10 @@ def test_demo_quick_writes_plot_and_summary(tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("bad", [["--target", "2"], ["--threads", "0"], ["--rl-steps", "-1"], ["--lr", "0"]])
-def test_demo_rejects_bad_arguments(bad, tmp_path):
+def test_demo_rejects_bad_arguments(bad, tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli.main(["demo", "--out", str(tmp_path), *bad])
+    assert f"{bad[0]}: expected" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

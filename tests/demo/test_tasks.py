@@ -91,7 +91,7 @@ def test_solver_writes_jsonl_with_rewards_some_wrong(tmp_path):
 
 
 def test_task_rejects_bad_config():
-    with pytest.raises(ValueError, match="min_ops"):
+    with pytest.raises(ValueError, match=r"max_ops: expected an int in \[3, 16\], got 2"):
         ChainArithmeticTask(min_ops=3, max_ops=2)
     with pytest.raises(ValueError, match="modulus"):
         ChainArithmeticTask(modulus=1)

@@ -113,11 +113,11 @@ def test_threshold_keys_and_query_ids_for_a_teachers_generations(tmp_path):
 @pytest.mark.parametrize(
     ("row", "kwargs", "match"),
     [
-        ({"output": S1, "score": 1.0}, {}, "a:3: 'input' must be a str, got None"),
-        ({"input": "p", "output": S1, "score": "high"}, {}, "a:3: 'score' must be a int or float, got 'high'"),
-        ({"input": "p", "output": S1, "score": True}, {}, "'score' must be a int or float, got True"),
-        ({"input": "p", "output": S1, "score": 1, "qid": -1}, {"query_id_key": "qid"}, "'qid' must be in"),
-        ({"input": "p", "output": S1, "score": 1}, {"threshold": float("nan")}, "threshold must be a finite number"),
+        ({"output": S1, "score": 1.0}, {}, "a:3: 'input': expected a str, got None"),
+        ({"input": "p", "output": S1, "score": "high"}, {}, "a:3: 'score': expected a int or float, got 'high'"),
+        ({"input": "p", "output": S1, "score": True}, {}, "'score': expected a int or float, got True"),
+        ({"input": "p", "output": S1, "score": 1, "qid": -1}, {"query_id_key": "qid"}, "'qid': expected in \\[0, "),
+        ({"input": "p", "output": S1, "score": 1}, {"threshold": float("nan")}, "threshold: expected a finite number"),
     ],
 )
 def test_bad_rows_name_the_line_and_field(row, kwargs, match):

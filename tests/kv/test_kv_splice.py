@@ -177,11 +177,11 @@ def _bad_setup():
 @pytest.mark.parametrize(
     "reqs,kw,exc,match",
     [
-        ([(7, 0, 0)], {}, ValueError, "unknown payload_id"),
-        ([(100, 3, 0)], {}, ValueError, "batch_row 3 out of range"),
-        ([(100, -1, 0)], {}, ValueError, "out of range"),
-        ([(100, 0, 11)], {}, ValueError, "past the cache's length"),
-        ([(100, 0, -2)], {}, ValueError, "position must be >= 0"),
+        ([(7, 0, 0)], {}, ValueError, "payload_id: expected one in the StepKVStore"),
+        ([(100, 3, 0)], {}, ValueError, r"batch_row: expected an int in \[0, 3\), got 3"),
+        ([(100, -1, 0)], {}, ValueError, "batch_row: expected an int in"),
+        ([(100, 0, 11)], {}, ValueError, "position: expected <= the cache's length"),
+        ([(100, 0, -2)], {}, ValueError, r"requests\[0\] position: expected >= 0"),
         ([(100, 0, 2), (101, 0, 4)], {}, ValueError, "overlap"),
         ([(100, 0, 2)], {"lengths": [9]}, ValueError, "lengths"),
         ([(100, 0, 2, 5)], {}, ValueError, "payload_id, batch_row, position"),
@@ -216,9 +216,9 @@ def test_mismatches_raise():
         [torch.zeros(4, 4, 2, 16, dtype=torch.float16)] * 2,
         torch.tensor([[0, 1], [2, 9]]),
     )
-    with pytest.raises(ValueError, match="passes the block table"):
+    with pytest.raises(ValueError, match="expected slots within the block table"):
         splice_kv(paged, store, [(101, 0, 4)], rope)
-    with pytest.raises(ValueError, match="outside"):
+    with pytest.raises(ValueError, match=r"block_table\[1\]: expected block ids in \[0, 4\)"):
         splice_kv(paged, store, [(100, 1, 1)], rope)
 
 

@@ -62,34 +62,34 @@ def _strides_swapped(t):
 
 # (paged, argument as named in the message, maker of the bad argument from the good one, error, message after the name)
 BAD = [
-    (False, "k_pool", lambda t: t.long(), TypeError, " must be float32, float16 or"),
-    (False, "k_pool", lambda t: t[0], ValueError, " must be 4-d"),
-    (False, "k_pool", inner_strided, ValueError, " must have a contiguous"),
-    (False, "v_pool", lambda t: t.half(), TypeError, r" must have the dtype of k_p"),
-    (False, "v_pool", lambda t: t[:, :5], ValueError, " must have the shape of k_p"),
+    (False, "k_pool", lambda t: t.long(), TypeError, ": expected float32, float16 or"),
+    (False, "k_pool", lambda t: t[0], ValueError, ": expected 4-d"),
+    (False, "k_pool", inner_strided, ValueError, ": expected a contiguous"),
+    (False, "v_pool", lambda t: t.half(), TypeError, r": expected the dtype of k_p"),
+    (False, "v_pool", lambda t: t[:, :5], ValueError, ": expected the shape of k_p"),
     (
         False,
         "v_pool",
         _strides_swapped,
         ValueError,
-        r" must have the strides of k_pool \(\[160, 16, 8, 1\]\), got \[160, 8, 80, 1\]",
+        r": expected the strides of k_pool \(\[160, 16, 8, 1\]\), got \[160, 8, 80, 1\]",
     ),
-    (False, "keys[1]", lambda t: t.half(), TypeError, " must have the d"),
-    (False, "keys[1]", lambda t: t[:1], ValueError, " must have the sha"),
-    (False, "keys[0]", inner_strided, ValueError, " must have a"),
-    (False, "keys[1]", _strides_swapped, ValueError, r" must have the strides of keys\[0\]"),
-    (False, "values[0]", lambda t: t[0], ValueError, " must be 4-d"),
-    (False, "values[1]", lambda t: [1.0], TypeError, " must be a tensor"),
-    (False, "keys", lambda ts: ts[0], TypeError, " must be a list of tensors"),
-    (False, "keys", lambda ts: [_ext.dlpack(ts[0])], ValueError, " and values must hold one tensor"),
-    (False, "requests", lambda t: t.int(), TypeError, " must be int64, got int32"),
-    (False, "requests", lambda t: torch.cat([t] * 2).T.contiguous().T, ValueError, " must be contiguous"),
-    (False, "requests", lambda t: t[:, :4].contiguous(), ValueError, " must have fields per request = 5 in dim 1"),
-    (False, "inv_freq", lambda t: t.double(), TypeError, " must be float32"),
-    (False, "inv_freq", lambda t: t[None], ValueError, " must be 1-d"),
-    (True, "block_table", lambda t: t.long(), TypeError, " must be int32"),
-    (True, "block_table", lambda t: t[0], ValueError, " must be 2-d"),
-    (True, "block_table", lambda t: t.T, ValueError, " must have a cont"),
+    (False, "keys[1]", lambda t: t.half(), TypeError, ": expected the d"),
+    (False, "keys[1]", lambda t: t[:1], ValueError, ": expected the sha"),
+    (False, "keys[0]", inner_strided, ValueError, ": expected a"),
+    (False, "keys[1]", _strides_swapped, ValueError, r": expected the strides of keys\[0\]"),
+    (False, "values[0]", lambda t: t[0], ValueError, ": expected 4-d"),
+    (False, "values[1]", lambda t: [1.0], TypeError, ": expected a tensor"),
+    (False, "keys", lambda ts: ts[0], TypeError, ": expected a list of tensors"),
+    (False, "keys", lambda ts: [_ext.dlpack(ts[0])], ValueError, "/values: expected one tensor"),
+    (False, "requests", lambda t: t.int(), TypeError, ": expected int64, got int32"),
+    (False, "requests", lambda t: torch.cat([t] * 2).T.contiguous().T, ValueError, ": expected a contiguous"),
+    (False, "requests", lambda t: t[:, :4].contiguous(), ValueError, ": expected fields per request = 5 in dim 1"),
+    (False, "inv_freq", lambda t: t.double(), TypeError, ": expected float32"),
+    (False, "inv_freq", lambda t: t[None], ValueError, ": expected 1-d"),
+    (True, "block_table", lambda t: t.long(), TypeError, ": expected int32"),
+    (True, "block_table", lambda t: t[0], ValueError, ": expected 2-d"),
+    (True, "block_table", lambda t: t.T, ValueError, ": expected a cont"),
 ]
 
 
@@ -110,7 +110,7 @@ def test_splice_cpu_refuses_each_wrong_tensor_naming_it(paged, name, make, error
 @pytest.mark.parametrize("name", TENSORS + ["keys[1]", "values[1]"])
 def test_splice_cpu_refuses_a_tensor_on_another_device(name):
     case = _case(paged=True)
-    with pytest.raises(ValueError, match="^kv_splice_cpu: " + re.escape(name) + " must be on cpu, got cuda:0"):
+    with pytest.raises(ValueError, match="^kv_splice_cpu: " + re.escape(name) + ": expected device cpu, got cuda:0"):
         _splice_cpu(case, **_over(case, name, lambda t: on_cuda(t).capsule()))
     assert all(bool((t == 0).all()) for t in case["keys"] + case["values"])
 
@@ -136,14 +136,14 @@ def _cuda_args(case: dict) -> dict:
 @pytest.mark.parametrize(
     ("name", "bad", "error", "message"),
     [
-        ("k_pool", lambda c: _ext.dlpack(c["k_pool"]), ValueError, " must be on cuda:0, got cpu"),
-        ("inv_freq", lambda c: on_cuda(c["inv_freq"], 1).capsule(), ValueError, " must be on cuda:0, got cuda:1"),
-        ("requests_host", lambda c: on_cuda(c["requests"]).capsule(), ValueError, r" must be in host memory \(cpu\)"),
-        ("requests_host", lambda c: _ext.dlpack(c["requests"].int()), TypeError, " must be int64, got int32"),
-        ("block_table_host", lambda c: _ext.dlpack(c["block_table"][:1]), ValueError, " must have the shape of"),
-        ("block_table_host", lambda c: None, ValueError, " must be given exactly when block_table is"),
-        ("dst_ptrs", lambda c: FakeTensor((2, L + 1), torch.int64).capsule(), ValueError, " must have num_layers = 2"),
-        ("dst_ptrs", lambda c: FakeTensor((2, L), torch.int32).capsule(), TypeError, " must be int64, got int32"),
+        ("k_pool", lambda c: _ext.dlpack(c["k_pool"]), ValueError, ": expected device cuda:0, got cpu"),
+        ("inv_freq", lambda c: on_cuda(c["inv_freq"], 1).capsule(), ValueError, ": expected device cuda:0, got cuda:1"),
+        ("requests_host", lambda c: on_cuda(c["requests"]).capsule(), ValueError, r": expected host memory \(cpu\)"),
+        ("requests_host", lambda c: _ext.dlpack(c["requests"].int()), TypeError, ": expected int64, got int32"),
+        ("block_table_host", lambda c: _ext.dlpack(c["block_table"][:1]), ValueError, ": expected the shape of"),
+        ("block_table_host", lambda c: None, ValueError, ": expected exactly when block_table is given"),
+        ("dst_ptrs", lambda c: FakeTensor((2, L + 1), torch.int64).capsule(), ValueError, ": expected num_layers = 2"),
+        ("dst_ptrs", lambda c: FakeTensor((2, L), torch.int32).capsule(), TypeError, ": expected int64, got int32"),
     ],
 )
 def test_splice_cuda_refuses_each_wrong_tensor_naming_it(name, bad, error, message):

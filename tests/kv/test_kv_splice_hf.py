@@ -254,17 +254,18 @@ def test_insert_segment_contract_errors():
     seg = [[1, 2, 3], [1, 2, 3]]
     with pytest.raises(ValueError, match="every batch row"):
         insert_segment(model, cache, seg[:1], [0], [4], store=store, payload_ids=[1])
-    with pytest.raises(ValueError, match="positions must be equal"):
+    with pytest.raises(ValueError, match="positions: expected one slot"):
         insert_segment(model, cache, seg, [0, 1], [4, 3], store=store, payload_ids=[1, 1])
-    with pytest.raises(ValueError, match="same length"):
+    with pytest.raises(ValueError, match="segments of one length"):
         insert_segment(model, cache, [[1, 2, 3], [4, 5]], [0, 1], [4, 4], store=store, payload_ids=[1, 2])
-    with pytest.raises(ValueError, match="stored tokens differ"):
+    with pytest.raises(ValueError, match=r"segment_tokens\[1\]: expected payload 1.s stored tokens"):
         insert_segment(model, cache, [[1, 2, 3], [3, 2, 1]], [0, 1], [4, 4], store=store, payload_ids=[1, 1])
-    with pytest.raises(ValueError, match="needs store"):
+    with pytest.raises(ValueError, match="store/payload_ids: expected both"):
         insert_segment(model, cache, seg, [0, 1], [4, 4], mode="splice")
-    with pytest.raises(ValueError, match="past the cache"):
+    with pytest.raises(ValueError, match="slot <= the cache.s length"):
         insert_segment(model, cache, seg, [0, 1], [5, 5], mode="exact")
-    with pytest.raises(ValueError, match="unknown payload_id"):  # position 2 < length 4: must not crop first
+    # position 2 < length 4: the cache must not be cropped first
+    with pytest.raises(ValueError, match=r"payload_ids\[0\]: expected a payload in the StepKVStore"):
         insert_segment(model, cache, seg, [0, 1], [2, 2], store=store, payload_ids=[7, 7])
     with pytest.raises(ValueError, match="mode"):
         insert_segment(model, cache, seg, [0, 1], [4, 4], mode="approx")

@@ -113,7 +113,12 @@ def test_paged_indices_out_of_range_raise(req, table, match):
 def test_shape_mismatches_raise():
     few_heads = [torch.zeros(B, 1, S, D) for _ in range(LAYERS)]
     _refused(ValueError, "heads", request=[0, 2, 0, 0, 0], keys=few_heads, values=[t.clone() for t in few_heads])
-    _refused(ValueError, "share one 4-d shape", request=[0, 2, 0, 0, 0], values=[torch.zeros(1, HEADS, S, D)] * LAYERS)
+    _refused(
+        ValueError,
+        "keys/values: expected every layer 4-d of one shape",
+        request=[0, 2, 0, 0, 0],
+        values=[torch.zeros(1, HEADS, S, D)] * LAYERS,
+    )
     keys, values, k_pool, v_pool, _, inv, _, _, _ = _inputs()
-    with pytest.raises(ValueError, match="requests"):
+    with pytest.raises(TypeError, match=r"requests: expected dtype in \{int64\}, got int32"):
         kv_splice_(keys, values, k_pool, v_pool, torch.tensor([[0, 2, 0, 0, 0]]).int(), inv, None, False, 4)

@@ -84,7 +84,7 @@ def test_hostile_names_in_a_manifest(snapshot, tmp_path, name):
     """A 300-byte name raised ENAMETOOLONG from Path.is_file; a NUL ValueError; a lone surrogate UnicodeEncodeError."""
     m = _manifest(snapshot)
     m["files"][name] = {"sha256": "0" * 64, "size": 1}
-    with pytest.raises(StepBufferFormatError, match="malformed entry"):
+    with pytest.raises(StepBufferFormatError, match="field 'files': expected"):
         StepBuffer.load(_plant(snapshot, tmp_path / "d", json.dumps(m).encode()))
     with pytest.raises(StepBufferFormatError):  # the directory given to load: the same error, not an OSError
         StepBuffer.load(tmp_path / name)

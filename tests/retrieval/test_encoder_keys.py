@@ -111,11 +111,18 @@ def test_hashed_keys_follow_the_latest_steps_of_a_long_history():
 
 
 def test_window_arguments_are_checked():
-    for bad in ({"head_words": -1}, {"tail_words": 1.5}, {"head_words": True}, {"head_words": 0, "tail_words": 0}):
-        with pytest.raises(ValueError, match="head_words|tail_words"):
-            HashedNgramEncoder(**bad)
-    with pytest.raises(ValueError, match="ngrams"):
-        HashedNgramEncoder(ngrams=(True,))
+    bad = [
+        ({"head_words": -1}, ValueError, "head_words: expected an int in"),
+        ({"tail_words": 1.5}, TypeError, "tail_words: expected an int in"),
+        ({"head_words": True}, TypeError, "head_words: expected an int in"),
+        ({"head_words": 0, "tail_words": 0}, ValueError, "head_words/tail_words: expected one > 0"),
+        ({"ngrams": (True,)}, TypeError, r"ngrams\[0\]: expected an int"),
+        ({"ngrams": ()}, ValueError, "ngrams: expected at least one"),
+        ({"dim": 4}, ValueError, "dim: expected an int in"),
+    ]
+    for kw, err, match in bad:
+        with pytest.raises(err, match=match):
+            HashedNgramEncoder(**kw)
 
 
 def test_minilm_key_keeps_head_and_tail_tokens():

@@ -188,8 +188,8 @@ def test_sharded_search_two_gloo_ranks(ranks):
     [
         ("bad_exclude_on_rank1", ("rank 1", "exclude_groups", "(3,)")),
         ("bad_dim_on_rank1", ("rank 1", "queries", f"[Q, {D}]")),
-        ("k_differs", ("k must be the same on every rank", f"[{K}, {K + 1}]")),
-        ("min_score_differs", ("min_score must be the same on every rank",)),
+        ("k_differs", ("k: expected one value on every rank", f"[{K}, {K + 1}]")),
+        ("min_score_differs", ("min_score: expected one value on every rank",)),
     ],
 )
 def test_bad_argument_on_one_rank_raises_the_same_error_on_every_rank(ranks, case, fragments):

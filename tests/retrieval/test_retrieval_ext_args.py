@@ -44,29 +44,29 @@ def _search_cpu(ts, **over):
 
 # (argument, replacement, error, message after "retrieval_search_cpu: <argument>")
 BAD = [
-    ("keys", lambda t: t.long(), TypeError, " must be float32, float16 or bfloat16, got int64"),
-    ("keys", lambda t: t[0], ValueError, r" must be 2-d \[C, D\], got shape \[8\]"),
-    ("keys", inner_strided, ValueError, " must have a contiguous last dimension"),
-    ("queries", lambda t: t.half(), TypeError, r" must have the dtype of keys \(float32\), got float16"),
-    ("queries", lambda t: t[None], ValueError, r" must be 2-d \[Q, D\], got shape \[1, 3, 8\]"),
-    ("queries", inner_strided, ValueError, " must have a contiguous last dimension"),
-    ("key_aux", lambda t: t.double(), TypeError, " must be float32, got float64"),
-    ("key_aux", lambda t: t[None], ValueError, r" must be 1-d \[C\]"),
-    ("key_aux", inner_strided, ValueError, r" must be contiguous \(row-major\)"),
-    ("groups", lambda t: t.int(), TypeError, " must be int64, got int32"),
-    ("groups", lambda t: t[:, None], ValueError, r" must be 1-d \[C\]"),
-    ("groups", inner_strided, ValueError, " must be contiguous"),
-    ("exclude", lambda t: t.float(), TypeError, " must be int64, got float32"),
-    ("exclude", lambda t: t[None], ValueError, r" must be 1-d \[Q\]"),
-    ("exclude", inner_strided, ValueError, " must be contiguous"),
-    ("centre", lambda t: torch.zeros(D_, dtype=torch.float16), TypeError, " must be float32, got float16"),
-    ("centre", lambda t: torch.zeros(D_ + 1), ValueError, r" must have D = 8 in dim 0, got shape \[9\]"),
-    ("out_scores", lambda t: t.double(), TypeError, " must be float32, got float64"),
-    ("out_scores", lambda t: torch.zeros(Q_, K_ + 1), ValueError, r" must have k = 2 in dim 1, got shape \[3, 3\]"),
-    ("out_scores", lambda t: torch.zeros(K_, Q_).T, ValueError, " must be contiguous"),
-    ("out_slots", lambda t: t.int(), TypeError, " must be int64, got int32"),
-    ("out_slots", lambda t: torch.zeros(Q_ + 1, K_, dtype=torch.int64), ValueError, r" must have Q = 3 in dim 0"),
-    ("out_slots", lambda t: torch.zeros(K_, Q_, dtype=torch.int64).T, ValueError, " must be contiguous"),
+    ("keys", lambda t: t.long(), TypeError, ": expected float32, float16 or bfloat16, got int64"),
+    ("keys", lambda t: t[0], ValueError, r": expected 2-d \[C, D\], got shape \[8\]"),
+    ("keys", inner_strided, ValueError, ": expected a contiguous last dimension"),
+    ("queries", lambda t: t.half(), TypeError, r": expected the dtype of keys \(float32\), got float16"),
+    ("queries", lambda t: t[None], ValueError, r": expected 2-d \[Q, D\], got shape \[1, 3, 8\]"),
+    ("queries", inner_strided, ValueError, ": expected a contiguous last dimension"),
+    ("key_aux", lambda t: t.double(), TypeError, ": expected float32, got float64"),
+    ("key_aux", lambda t: t[None], ValueError, r": expected 1-d \[C\]"),
+    ("key_aux", inner_strided, ValueError, r": expected a contiguous \(row-major\) tensor"),
+    ("groups", lambda t: t.int(), TypeError, ": expected int64, got int32"),
+    ("groups", lambda t: t[:, None], ValueError, r": expected 1-d \[C\]"),
+    ("groups", inner_strided, ValueError, ": expected a contiguous"),
+    ("exclude", lambda t: t.float(), TypeError, ": expected int64, got float32"),
+    ("exclude", lambda t: t[None], ValueError, r": expected 1-d \[Q\]"),
+    ("exclude", inner_strided, ValueError, ": expected a contiguous"),
+    ("centre", lambda t: torch.zeros(D_, dtype=torch.float16), TypeError, ": expected float32, got float16"),
+    ("centre", lambda t: torch.zeros(D_ + 1), ValueError, r": expected D = 8 in dim 0, got shape \[9\]"),
+    ("out_scores", lambda t: t.double(), TypeError, ": expected float32, got float64"),
+    ("out_scores", lambda t: torch.zeros(Q_, K_ + 1), ValueError, r": expected k = 2 in dim 1, got shape \[3, 3\]"),
+    ("out_scores", lambda t: torch.zeros(K_, Q_).T, ValueError, ": expected a contiguous"),
+    ("out_slots", lambda t: t.int(), TypeError, ": expected int64, got int32"),
+    ("out_slots", lambda t: torch.zeros(Q_ + 1, K_, dtype=torch.int64), ValueError, r": expected Q = 3 in dim 0"),
+    ("out_slots", lambda t: torch.zeros(K_, Q_, dtype=torch.int64).T, ValueError, ": expected a contiguous"),
 ]
 
 
@@ -85,7 +85,7 @@ def test_search_cpu_refuses_each_wrong_tensor_naming_it(name, make, error, messa
 def test_search_cpu_refuses_a_tensor_on_another_device(name):
     ts = _tensors()
     fake = on_cuda(ts[name] if ts[name] is not None else torch.zeros(D_))
-    with pytest.raises(ValueError, match=f"^retrieval_search_cpu: {name} must be on cpu, got cuda:0"):
+    with pytest.raises(ValueError, match=f"^retrieval_search_cpu: {name}: expected device cpu, got cuda:0"):
         _search_cpu(ts, **{name: fake.capsule()})
     assert fake.deleted == 1, "a consumed capsule's deleter runs once, on the error path too"
     assert torch.all(ts["out_slots"] == 7)
@@ -94,9 +94,9 @@ def test_search_cpu_refuses_a_tensor_on_another_device(name):
 @pytest.mark.parametrize("name", ["keys", "key_aux", "groups", "queries", "out_scores", "out_slots"])
 def test_search_cpu_refuses_what_is_not_a_tensor(name):
     ts = _tensors()
-    with pytest.raises(TypeError, match=f"^retrieval_search_cpu: {name} must be a tensor"):
+    with pytest.raises(TypeError, match=f"^retrieval_search_cpu: {name}: expected a tensor"):
         _search_cpu(ts, **{name: ts[name].tolist()})
-    with pytest.raises(TypeError, match=f"^retrieval_search_cpu: {name} must be a tensor, got None"):
+    with pytest.raises(TypeError, match=f"^retrieval_search_cpu: {name}: expected a tensor, got None"):
         _search_cpu(ts, **{name: None})
 
 
@@ -121,15 +121,23 @@ def test_capsule_protocol_read_only_output_other_major_version_reuse():
     ts = _tensors()
     shape, dtype, cpu = tuple(ts["out_scores"].shape), torch.float32, (1, 0)
     ro = FakeTensor(shape, dtype, cpu, versioned=True, flags=1)  # DLPACK_FLAG_BITMASK_READ_ONLY
-    with pytest.raises(ValueError, match="^retrieval_search_cpu: out_scores is written to but was exported read-only"):
+    with pytest.raises(
+        ValueError,
+        match=r"^retrieval_search_cpu: out_scores: expected a writable tensor .*, got one exported read-only",
+    ):
         _search_cpu(ts, out_scores=ro.capsule())
     v2 = FakeTensor(shape, dtype, cpu, versioned=True, major=2)
-    with pytest.raises(ValueError, match="^retrieval_search_cpu: out_scores: DLPack major version 2"):
+    with pytest.raises(
+        ValueError, match=r"^retrieval_search_cpu: out_scores: expected DLPack major version 1 \(this build's\), got 2"
+    ):
         _search_cpu(ts, out_scores=v2.capsule())
     assert ro.deleted == 1 and v2.deleted == 1
     cap = _ext.dlpack(ts["keys"])
     _search_cpu(ts, keys=cap)
-    with pytest.raises(ValueError, match="^retrieval_search_cpu: keys: this DLPack capsule was consumed already"):
+    with pytest.raises(
+        ValueError,
+        match=r"^retrieval_search_cpu: keys: expected a fresh DLPack capsule .*, got one consumed already",
+    ):
         _search_cpu(ts, keys=cap)
 
 
@@ -137,10 +145,10 @@ def test_scalars_are_checked_ints():
     ts = _tensors()
     C = _ext.extension()
     args = {n: _ext.dlpack(ts[n]) for n in NAMES}
-    with pytest.raises(TypeError, match="^retrieval_search_cpu: k must be an int, got float"):
+    with pytest.raises(TypeError, match="^retrieval_search_cpu: k: expected an int, got float"):
         C.retrieval_search_cpu(**args, **{**SCALARS, "k": 2.0}, **CPU_OPTS)
     args = {n: _ext.dlpack(ts[n]) for n in NAMES}
-    with pytest.raises(TypeError, match="^retrieval_search_cpu: metric must fit int32"):
+    with pytest.raises(TypeError, match="^retrieval_search_cpu: metric: expected an int that fits int32"):
         C.retrieval_search_cpu(**args, **{**SCALARS, "metric": 2**40}, **CPU_OPTS)
 
 
@@ -149,15 +157,15 @@ def _merge(ws_s, ws_i, out_s, out_i):
 
 
 MERGE_BAD = [
-    ("ws_scores", 0, lambda t: t.double(), TypeError, " must be float32, got float64"),
-    ("ws_scores", 0, lambda t: t[0], ValueError, r" must be 3-d \[n_splits, Q, k\]"),
-    ("ws_scores", 0, lambda t: t.transpose(1, 2).contiguous().transpose(1, 2), ValueError, " must be contiguous"),
-    ("ws_slots", 1, lambda t: t.long(), TypeError, " must be int32, got int64"),
-    ("ws_slots", 1, lambda t: t[:, :1].contiguous(), ValueError, r" must have the shape of ws_scores \(\[2, 3, 4\]\)"),
-    ("out_scores", 2, lambda t: t.half(), TypeError, " must be float32, got float16"),
-    ("out_scores", 2, lambda t: t[:2], ValueError, " must have Q = 3 in dim 0"),
-    ("out_slots", 3, lambda t: t.int(), TypeError, " must be int64, got int32"),
-    ("out_slots", 3, lambda t: t.T.contiguous().T, ValueError, " must be contiguous"),
+    ("ws_scores", 0, lambda t: t.double(), TypeError, ": expected float32, got float64"),
+    ("ws_scores", 0, lambda t: t[0], ValueError, r": expected 3-d \[n_splits, Q, k\]"),
+    ("ws_scores", 0, lambda t: t.transpose(1, 2).contiguous().transpose(1, 2), ValueError, ": expected a contiguous"),
+    ("ws_slots", 1, lambda t: t.long(), TypeError, ": expected int32, got int64"),
+    ("ws_slots", 1, lambda t: t[:, :1].contiguous(), ValueError, r": expected the shape of ws_scores \(\[2, 3, 4\]\)"),
+    ("out_scores", 2, lambda t: t.half(), TypeError, ": expected float32, got float16"),
+    ("out_scores", 2, lambda t: t[:2], ValueError, ": expected Q = 3 in dim 0"),
+    ("out_slots", 3, lambda t: t.int(), TypeError, ": expected int64, got int32"),
+    ("out_slots", 3, lambda t: t.T.contiguous().T, ValueError, ": expected a contiguous"),
 ]
 
 
@@ -195,7 +203,7 @@ def test_search_cuda_refuses_a_tensor_on_another_device(name):
     else:
         dtype = torch.int32 if name == "ws_slots" else torch.float32
         args[name], want = on_cuda(torch.zeros(1, Q_, K_, dtype=dtype), 1).capsule(), "cuda:1"
-    with pytest.raises(ValueError, match=f"^retrieval_search_cuda: {name} must be on cuda:0, got {want}"):
+    with pytest.raises(ValueError, match=f"^retrieval_search_cuda: {name}: expected device cuda:0, got {want}"):
         _ext.extension().retrieval_search_cuda(**args, centre=None, **SCALARS, device=0, stream=0)
 
 
@@ -204,9 +212,9 @@ def test_search_cuda_refuses_a_wrong_workspace():
     ts = _tensors()
     C = _ext.extension()
     for name, fake, message in [
-        ("ws_scores", FakeTensor((1, Q_, K_ + 1), torch.float32), r" must have k = 2 in dim 2"),
-        ("ws_slots", FakeTensor((1, Q_, K_), torch.int64), " must be int32, got int64"),
-        ("ws_slots", FakeTensor((2, Q_, K_), torch.int32), r" must have the shape of ws_scores"),
+        ("ws_scores", FakeTensor((1, Q_, K_ + 1), torch.float32), r": expected k = 2 in dim 2"),
+        ("ws_slots", FakeTensor((1, Q_, K_), torch.int64), ": expected int32, got int64"),
+        ("ws_slots", FakeTensor((2, Q_, K_), torch.int32), r": expected the shape of ws_scores"),
     ]:
         args = {n: f.capsule() for n, f in _cuda_args(ts).items()}
         args[name] = fake.capsule()

@@ -94,7 +94,8 @@ inline void check_kv_splice_request(const KVSpliceParams& p, int64_t r) {
 // when the op is called directly).
 inline void check_kv_splice_params(const KVSpliceParams& p) {
   if (p.rotary_dim < 0 || p.rotary_dim % 2 || p.rotary_dim > p.head_dim)
-    throw std::invalid_argument("kv_splice: rotary_dim must be even and <= head_dim");
+    throw std::invalid_argument("kv_splice: rotary_dim: expected even and <= head_dim " + std::to_string(p.head_dim) +
+                                ", got " + std::to_string(p.rotary_dim));
   if (p.num_requests < 0 || p.max_tokens < 0 || p.num_layers <= 0 || p.num_heads <= 0 || p.pool_tokens < 0)
     throw std::invalid_argument("kv_splice: bad sizes");
   if (p.dst_heads != p.num_heads || p.dst_head_dim != p.head_dim)
@@ -103,7 +104,8 @@ inline void check_kv_splice_params(const KVSpliceParams& p) {
                                 " of dim " + std::to_string(p.head_dim));
   if (p.block_table != nullptr) {
     if (p.block_size <= 0 || p.block_size != p.dst_slots)
-      throw std::invalid_argument("kv_splice: block_size must be > 0 and equal the cache blocks' size");
+      throw std::invalid_argument("kv_splice: block_size: expected the cache blocks' size " +
+                                  std::to_string(p.dst_slots) + ", got " + std::to_string(p.block_size));
     if (p.block_table_host == nullptr || p.block_table_rows < 0 || p.block_table_cols < 0 ||
         (p.block_table_rows > 1 && p.block_table_stride < p.block_table_cols))
       throw std::invalid_argument("kv_splice: bad block table");

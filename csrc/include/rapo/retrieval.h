@@ -48,15 +48,16 @@ struct RetrievalSearchParams {
 inline void check_retrieval_params(const RetrievalSearchParams& a, const char* op) {
   const std::string o(op);
   if (a.k < 1 || a.k > kRetrievalMaxK)
-    throw std::invalid_argument(o + ": k must be in [1, " + std::to_string(kRetrievalMaxK) + "], got " +
+    throw std::invalid_argument(o + ": k: expected an int in [1, " + std::to_string(kRetrievalMaxK) + "], got " +
                                 std::to_string(a.k));
   if (a.D < 1 || a.C < 0 || a.Q < 0)
     throw std::invalid_argument(o + ": bad sizes (C " + std::to_string(a.C) + ", D " + std::to_string(a.D) + ", Q " +
                                 std::to_string(a.Q) + ")");
   if (a.C > kRetrievalMaxKeys) throw std::invalid_argument(o + ": more than 2^31 - 1 keys");
   if (a.key_dtype < static_cast<int>(DType::F32) || a.key_dtype > static_cast<int>(DType::BF16))
-    throw std::invalid_argument(o + ": keys must be float32, float16 or bfloat16");
-  if (a.query_dtype != a.key_dtype) throw std::invalid_argument(o + ": queries must have the keys' dtype");
+    throw std::invalid_argument(o + ": keys: expected float32, float16 or bfloat16, got code " +
+                                std::to_string(a.key_dtype));
+  if (a.query_dtype != a.key_dtype) throw std::invalid_argument(o + ": queries: expected the keys' dtype, got another");
   if (a.metric < kMetricIP || a.metric > kMetricL2)
     throw std::invalid_argument(o + ": unknown metric " + std::to_string(a.metric));
   if (a.C > 0 && a.key_dim != a.D)

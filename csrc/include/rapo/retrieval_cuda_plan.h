@@ -196,8 +196,9 @@ struct RetrievalSerialExec {
 inline void retrieval_merge_splits_host(float* ws_s, int32_t* ws_i, int n_splits, int64_t Q, int k, float* out_s,
                                         int64_t* out_i) {
   if (n_splits < 1 || n_splits > kRetrievalMaxSplits || k < 1 || k > kRetrievalMaxK || Q < 0)
-    throw std::invalid_argument("retrieval merge: n_splits must be in [1, " + std::to_string(kRetrievalMaxSplits) +
-                                "], k in [1, " + std::to_string(kRetrievalMaxK) + "], Q >= 0");
+    throw std::invalid_argument("retrieval merge: expected n_splits in [1, " + std::to_string(kRetrievalMaxSplits) +
+                                "], k in [1, " + std::to_string(kRetrievalMaxK) + "], Q >= 0, got " +
+                                std::to_string(n_splits) + ", " + std::to_string(k) + ", " + std::to_string(Q));
   if (Q > 0 && (ws_s == nullptr || ws_i == nullptr || out_s == nullptr || out_i == nullptr))
     throw std::invalid_argument("retrieval merge: null pointer");
   std::vector<float> buf_s(retrieval_merge_buffer_entries(n_splits, k));
@@ -257,8 +258,10 @@ inline double retrieval_merge_block_ns(int64_t n, int k) {
 inline RetrievalCudaCost retrieval_cuda_cost(int64_t Q, int64_t C, int64_t D, int k, int num_sms, int blocks_per_sm,
                                              int elem_bytes, int64_t n_splits) {
   if (n_splits < 1 || n_splits > kRetrievalMaxSplits || k < 1 || k > kRetrievalMaxK || Q < 0 || C < 0 || D < 1)
-    throw std::invalid_argument("retrieval cost: n_splits must be in [1, " + std::to_string(kRetrievalMaxSplits) +
-                                "], k in [1, " + std::to_string(kRetrievalMaxK) + "], Q, C >= 0, D >= 1");
+    throw std::invalid_argument("retrieval cost: expected n_splits in [1, " + std::to_string(kRetrievalMaxSplits) +
+                                "], k in [1, " + std::to_string(kRetrievalMaxK) + "], Q, C >= 0, D >= 1, got " +
+                                std::to_string(n_splits) + ", " + std::to_string(k) + ", " + std::to_string(Q) + ", " +
+                                std::to_string(C) + ", " + std::to_string(D));
   const int64_t bq = retrieval_cuda_query_tile(Q, k);
   const int64_t q_tiles = (Q + bq - 1) / bq;
   const int64_t tiles = (C + kRetrievalKeyTile - 1) / kRetrievalKeyTile;

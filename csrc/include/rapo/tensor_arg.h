@@ -71,15 +71,15 @@ template <class T>
 T int_arg(pybind11::handle v, const char* op, const char* name) {
   const std::string where = std::string(op) + ": " + name;
   if (PyFloat_Check(v.ptr()) || !PyIndex_Check(v.ptr()))
-    throw pybind11::type_error(where + " must be an int, got " + py_type_name(v));
+    throw pybind11::type_error(where + ": expected an int, got " + py_type_name(v));
   pybind11::object i = pybind11::reinterpret_steal<pybind11::object>(PyNumber_Index(v.ptr()));
   if (!i) throw pybind11::error_already_set();
   int overflow = 0;
   const long long x = PyLong_AsLongLongAndOverflow(i.ptr(), &overflow);
   if (overflow != 0 || x < static_cast<long long>(std::numeric_limits<T>::min()) ||
       x > static_cast<long long>(std::numeric_limits<T>::max()))
-    throw pybind11::type_error(where + " must fit " + (sizeof(T) == 8 ? "int64" : "int32") + ", got " +
-                               std::string(pybind11::str(i)));
+    throw pybind11::type_error(where + ": expected an int that fits " + (sizeof(T) == 8 ? "int64" : "int32") +
+                               ", got " + std::string(pybind11::str(i)));
   return static_cast<T>(x);
 }
 
@@ -94,13 +94,13 @@ class TensorArg {
       : op_(op), name_(std::move(name)) {
     if (obj.is_none()) {
       if (optional) return;
-      throw pybind11::type_error(where() + " must be a tensor, got None");
+      throw pybind11::type_error(where() + ": expected a tensor, got None");
     }
     pybind11::object cap = pybind11::reinterpret_borrow<pybind11::object>(obj);
     if (!PyCapsule_CheckExact(obj.ptr())) {
       if (!pybind11::hasattr(obj, "__dlpack__"))
-        throw pybind11::type_error(where() + " must be a tensor (a DLPack capsule or an object with __dlpack__), got " +
-                                   py_type_name(obj));
+        throw pybind11::type_error(
+            where() + ": expected a tensor (a DLPack capsule or an object with __dlpack__), got " + py_type_name(obj));
       cap = obj.attr("__dlpack__")();
     }
     consume(cap);
@@ -155,13 +155,13 @@ class TensorArg {
 
   TensorArg& dims(int n, const char* layout) {
     if (t_->ndim != n)
-      throw pybind11::value_error(where() + " must be " + std::to_string(n) + "-d " + layout + ", got shape " +
+      throw pybind11::value_error(where() + ": expected " + std::to_string(n) + "-d " + layout + ", got shape " +
                                   shape_str());
     return *this;
   }
   TensorArg& dtype(DType want) {
     if (!dl_same_dtype(t_->dtype, dl_dtype_of(want)))
-      throw pybind11::type_error(where() + " must be " + dl_dtype_name(dl_dtype_of(want)) + ", got " +
+      throw pybind11::type_error(where() + ": expected " + dl_dtype_name(dl_dtype_of(want)) + ", got " +
                                  dl_dtype_name(t_->dtype));
     return *this;
   }
@@ -169,17 +169,17 @@ class TensorArg {
   DType float_dtype() const {
     for (DType d : {DType::F32, DType::F16, DType::BF16})
       if (dl_same_dtype(t_->dtype, dl_dtype_of(d))) return d;
-    throw pybind11::type_error(where() + " must be float32, float16 or bfloat16, got " + dl_dtype_name(t_->dtype));
+    throw pybind11::type_error(where() + ": expected float32, float16 or bfloat16, got " + dl_dtype_name(t_->dtype));
   }
   TensorArg& same_dtype(const TensorArg& o) {
     if (!dl_same_dtype(t_->dtype, o.t_->dtype))
-      throw pybind11::type_error(where() + " must have the dtype of " + o.name_ + " (" + dl_dtype_name(o.t_->dtype) +
+      throw pybind11::type_error(where() + ": expected the dtype of " + o.name_ + " (" + dl_dtype_name(o.t_->dtype) +
                                  "), got " + dl_dtype_name(t_->dtype));
     return *this;
   }
   TensorArg& size_is(int d, int64_t want, const std::string& what) {
     if (t_->shape[d] != want)
-      throw pybind11::value_error(where() + " must have " + what + " = " + std::to_string(want) + " in dim " +
+      throw pybind11::value_error(where() + ": expected " + what + " = " + std::to_string(want) + " in dim " +
                                   std::to_string(d) + ", got shape " + shape_str());
     return *this;
   }
@@ -187,7 +187,7 @@ class TensorArg {
     bool same = t_->ndim == o.t_->ndim;
     for (int d = 0; same && d < t_->ndim; ++d) same = t_->shape[d] == o.t_->shape[d];
     if (!same)
-      throw pybind11::value_error(where() + " must have the shape of " + o.name_ + " (" + o.shape_str() + "), got " +
+      throw pybind11::value_error(where() + ": expected the shape of " + o.name_ + " (" + o.shape_str() + "), got " +
                                   shape_str());
     return *this;
   }
@@ -195,21 +195,21 @@ class TensorArg {
     bool same = t_->ndim == o.t_->ndim;
     for (int d = 0; same && d < t_->ndim; ++d) same = t_->shape[d] <= 1 || stride(d) == o.stride(d);
     if (!same)
-      throw pybind11::value_error(where() + " must have the strides of " + o.name_ + " (" + o.strides_str() +
+      throw pybind11::value_error(where() + ": expected the strides of " + o.name_ + " (" + o.strides_str() +
                                   "), got " + strides_str());
     return *this;
   }
   TensorArg& on(DLDevice want) {
     const DLDevice d = t_->device;
     if (d.device_type != want.device_type || (want.device_type == kDLCUDA && d.device_id != want.device_id))
-      throw pybind11::value_error(where() + " must be on " + dl_device_name(want) + ", got " + dl_device_name(d));
+      throw pybind11::value_error(where() + ": expected device " + dl_device_name(want) + ", got " + dl_device_name(d));
     return *this;
   }
   // Readable on the host: CPU memory or pinned host memory.
   TensorArg& on_host() {
     const auto t = t_->device.device_type;
     if (t != kDLCPU && t != kDLCUDAHost)
-      throw pybind11::value_error(where() + " must be in host memory (cpu), got " + dl_device_name(t_->device));
+      throw pybind11::value_error(where() + ": expected host memory (cpu), got " + dl_device_name(t_->device));
     return *this;
   }
   // Row-major and dense (strides of size-1 dimensions are not read).
@@ -217,7 +217,7 @@ class TensorArg {
     int64_t want = 1;
     for (int d = t_->ndim - 1; d >= 0; --d) {
       if (t_->shape[d] != 1 && stride(d) != want)
-        throw pybind11::value_error(where() + " must be contiguous (row-major), got shape " + shape_str() +
+        throw pybind11::value_error(where() + ": expected a contiguous (row-major) tensor, got shape " + shape_str() +
                                     " with strides " + strides_str());
       want *= t_->shape[d];
     }
@@ -227,12 +227,14 @@ class TensorArg {
   TensorArg& unit_inner_stride() {
     const int d = t_->ndim - 1;
     if (t_->shape[d] > 1 && stride(d) != 1)
-      throw pybind11::value_error(where() + " must have a contiguous last dimension (stride 1), got strides " +
+      throw pybind11::value_error(where() + ": expected a contiguous last dimension (stride 1), got strides " +
                                   strides_str());
     return *this;
   }
   TensorArg& writable() {
-    if (read_only_) throw pybind11::value_error(where() + " is written to but was exported read-only");
+    if (read_only_)
+      throw pybind11::value_error(where() +
+                                  ": expected a writable tensor (it is written to), got one exported read-only");
     return *this;
   }
 
@@ -261,17 +263,18 @@ class TensorArg {
       }
       // Another major version may lay the struct out differently: only its deleter may be called (release()).
       if (versioned_->version.major != DLPACK_MAJOR_VERSION) {
-        const std::string msg = where() + ": DLPack major version " + std::to_string(versioned_->version.major) +
-                                ", this build reads " + std::to_string(DLPACK_MAJOR_VERSION);
+        const std::string msg = where() + ": expected DLPack major version " + std::to_string(DLPACK_MAJOR_VERSION) +
+                                " (this build's), got " + std::to_string(versioned_->version.major);
         release();  // thrown from the constructor: the destructor will not run
         throw pybind11::value_error(msg);
       }
       read_only_ = (versioned_->flags & DLPACK_FLAG_BITMASK_READ_ONLY) != 0;
       t_ = &versioned_->dl_tensor;
     } else if (n == "used_dltensor" || n == "used_dltensor_versioned") {
-      throw pybind11::value_error(where() + ": this DLPack capsule was consumed already (pass a fresh one per call)");
+      throw pybind11::value_error(where() +
+                                  ": expected a fresh DLPack capsule (one per call), got one consumed already");
     } else {
-      throw pybind11::type_error(where() + " must be a DLPack capsule, got a capsule named \"" + n + "\"");
+      throw pybind11::type_error(where() + ": expected a DLPack capsule, got a capsule named \"" + n + "\"");
     }
   }
 

@@ -17,6 +17,7 @@ import random
 import re
 from dataclasses import dataclass
 
+from rapo_fast._checks import check_int
 from rapo_fast.demo.tiny_policy import WordTokenizer
 
 OPS: dict[str, str] = {"add": "+", "sub": "-", "mul": "*"}
@@ -56,7 +57,7 @@ def apply_op(op: str, a: int, b: int, modulus: int = 100) -> int:
         return (a - b) % modulus
     if op == "mul":
         return (a * b) % modulus
-    raise ValueError(f"apply_op: op must be one of {sorted(OPS)}, got {op!r}")
+    raise ValueError(f"apply_op: op: expected one of {sorted(OPS)}, got {op!r}")
 
 
 class ChainArithmeticTask:
@@ -70,15 +71,10 @@ class ChainArithmeticTask:
     answer_start = "<answer>"
 
     def __init__(self, modulus: int = 100, min_ops: int = 2, max_ops: int = 4, max_arg: int = 9):
-        if not isinstance(modulus, int) or not 2 <= modulus <= 1000:
-            raise ValueError(f"ChainArithmeticTask: modulus must be an int in [2, 1000], got {modulus!r}")
-        if not (isinstance(min_ops, int) and isinstance(max_ops, int) and 1 <= min_ops <= max_ops <= 16):
-            raise ValueError(
-                f"ChainArithmeticTask: need ints 1 <= min_ops <= max_ops <= 16, got min_ops={min_ops!r}, "
-                f"max_ops={max_ops!r}"
-            )
-        if not isinstance(max_arg, int) or not 1 <= max_arg < modulus:
-            raise ValueError(f"ChainArithmeticTask: max_arg must be an int in [1, modulus), got {max_arg!r}")
+        check_int("ChainArithmeticTask: modulus", modulus, lo=2, hi=1000)
+        check_int("ChainArithmeticTask: min_ops", min_ops, lo=1, hi=16)
+        check_int("ChainArithmeticTask: max_ops", max_ops, lo=min_ops, hi=16)
+        check_int("ChainArithmeticTask: max_arg", max_arg, lo=1, hi=modulus - 1)
         self.modulus, self.min_ops, self.max_ops, self.max_arg = modulus, min_ops, max_ops, max_arg
 
     # -- vocabulary -------------------------------------------------------------------------------------------------
@@ -91,8 +87,7 @@ class ChainArithmeticTask:
     # -- generation -------------------------------------------------------------------------------------------------
     def make_problems(self, n: int, seed: int, start_qid: int = 0) -> list[Problem]:
         """`n` random problems from `seed` (deterministic), with qids start_qid .. start_qid + n - 1."""
-        if not isinstance(n, int) or n < 0:
-            raise ValueError(f"make_problems: n must be a non-negative int, got {n!r}")
+        check_int("make_problems: n", n, lo=0)
         rng = random.Random(seed)
         out = []
         for i in range(n):

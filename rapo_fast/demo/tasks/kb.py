@@ -16,6 +16,7 @@ import re
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
+from rapo_fast._checks import check_float, check_int
 from rapo_fast.demo.tiny_policy import WordTokenizer
 
 TYPES: tuple[str, ...] = ("person", "city", "country", "company")
@@ -77,25 +78,21 @@ class KnowledgeBaseTask:
         fact_seed: int | None = None,
     ):
         counts = {"person": n_people, "city": n_cities, "country": n_countries, "company": n_companies}
-        for name, v in counts.items():
-            if not isinstance(v, int) or isinstance(v, bool) or not 2 <= v <= 500:
-                raise ValueError(f"KnowledgeBaseTask: the {name} count must be an int in [2, 500], got {v!r}")
+        for name, v in zip(("n_people", "n_cities", "n_countries", "n_companies"), counts.values()):
+            check_int(f"KnowledgeBaseTask: {name}", v, lo=2, hi=500)
         if n_countries > n_cities:
             raise ValueError(
-                f"KnowledgeBaseTask: each country needs its own capital city, so n_countries ({n_countries}) must be "
-                f"<= n_cities ({n_cities})"
+                f"KnowledgeBaseTask: n_countries: expected <= n_cities ({n_cities}: each country needs its own "
+                f"capital city), got {n_countries}"
             )
-        if not (isinstance(min_hops, int) and isinstance(max_hops, int) and 2 <= min_hops <= max_hops <= 6):
-            raise ValueError(
-                f"KnowledgeBaseTask: need ints 2 <= min_hops <= max_hops <= 6, got min_hops={min_hops!r}, "
-                f"max_hops={max_hops!r}"
-            )
+        check_int("KnowledgeBaseTask: min_hops", min_hops, lo=2, hi=6)
+        check_int("KnowledgeBaseTask: max_hops", max_hops, lo=min_hops, hi=6)
         self.min_hops, self.max_hops, self.kb_seed = min_hops, max_hops, kb_seed
         self.entities, self.facts = build_kb(counts, kb_seed, fact_seed)
         self.entity_type = {e: t for t, es in self.entities.items() for e in es}
         self.patterns = [(r, st) for r, st in self._patterns() if pattern_filter is None or pattern_filter(r)]
         if not self.patterns:
-            raise ValueError("KnowledgeBaseTask: this knowledge base has no multi-hop question; use more entities")
+            raise ValueError("KnowledgeBaseTask: expected a multi-hop question, got none; use more entities")
 
     # -- vocabulary -------------------------------------------------------------------------------------------------
     def words(self) -> list[str]:
@@ -120,15 +117,14 @@ class KnowledgeBaseTask:
         start nor the result of any single search on it). `starts`: only these start entities (e.g. one side of
         `split_starts`, so that training and held-out questions ask about disjoint entities); None: all.
         """
-        if not isinstance(n, int) or n < 0:
-            raise ValueError(f"make_problems: n must be a non-negative int, got {n!r}")
+        check_int("make_problems: n", n, lo=0)
         patterns = self.patterns
         if starts is not None:
             allowed = set(starts)
             patterns = [(r, [e for e in st if e in allowed]) for r, st in patterns]
             patterns = [(r, st) for r, st in patterns if st]
             if not patterns:
-                raise ValueError(f"make_problems: no question starts from the {len(allowed)} entities of `starts`")
+                raise ValueError(f"make_problems: starts: expected a start entity, got none of {len(allowed)}")
         rng = random.Random(seed)
         out = []
         for i in range(n):
@@ -141,8 +137,8 @@ class KnowledgeBaseTask:
         """The entities split in two (training starts, held-out starts), each type split in the same proportion,
         deterministic given `seed`: questions over one side never start from an entity of the other (their paths
         may still pass through shared entities: the knowledge base is one)."""
-        if not 0.0 < float(held_out_frac) < 1.0:
-            raise ValueError(f"split_starts: held_out_frac must be in (0, 1), got {held_out_frac!r}")
+        if not 0.0 < check_float("split_starts: held_out_frac", held_out_frac) < 1.0:
+            raise ValueError(f"split_starts: held_out_frac: expected a number in (0, 1), got {held_out_frac!r}")
         rng = random.Random(seed)
         train, held = [], []
         for t in TYPES:
@@ -306,11 +302,10 @@ def kb_solver_trajectories(
     """`n_per_query` scripted trajectories for each problem (deterministic given `seed`), in the JSONL record format
     of rapo_fast.retrieval.jsonl: {query_id, prompt, steps, answer, reward}. `error_rate`: one rate for every step,
     or one per step index (the last for later steps)."""
-    if not isinstance(n_per_query, int) or n_per_query < 1:
-        raise ValueError(f"kb_solver_trajectories: n_per_query must be a positive int, got {n_per_query!r}")
+    check_int("kb_solver_trajectories: n_per_query", n_per_query, lo=1)
     rates = [error_rate] if isinstance(error_rate, (int, float)) else list(error_rate)
     if not rates or not all(isinstance(r, (int, float)) and 0.0 <= float(r) <= 1.0 for r in rates):
-        raise ValueError(f"kb_solver_trajectories: error_rate: [0, 1] or a list of such, got {error_rate!r}")
+        raise ValueError(f"kb_solver_trajectories: error_rate: expected [0, 1] or a list of such, got {error_rate!r}")
     rate: float | list[float] = float(rates[0]) if isinstance(error_rate, (int, float)) else [float(r) for r in rates]
     rng = random.Random(seed)
     return [kb_solve(task, p, rng, rate) for p in problems for _ in range(n_per_query)]

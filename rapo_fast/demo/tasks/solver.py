@@ -15,6 +15,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+from rapo_fast._checks import check_float, check_int
 from rapo_fast.demo.tasks.arith import OPS, ChainArithmeticTask, Problem, apply_op
 from rapo_fast.retrieval.jsonl import read_jsonl, write_jsonl  # noqa: F401  (re-exported)
 
@@ -54,9 +55,7 @@ def solver_trajectories(
     seed: int = 0,
 ) -> list[dict]:
     """`n_per_query` scripted trajectories for each problem (deterministic given `seed`)."""
-    if not isinstance(n_per_query, int) or n_per_query < 1:
-        raise ValueError(f"solver_trajectories: n_per_query must be a positive int, got {n_per_query!r}")
-    if not 0.0 <= float(error_rate) <= 1.0:
-        raise ValueError(f"solver_trajectories: error_rate must be in [0, 1], got {error_rate!r}")
+    check_int("solver_trajectories: n_per_query", n_per_query, lo=1)
+    error_rate = check_float("solver_trajectories: error_rate", error_rate, min_value=0.0, max_value=1.0)
     rng = random.Random(seed)
     return [solve(task, p, rng, float(error_rate)) for p in problems for _ in range(n_per_query)]

@@ -112,11 +112,11 @@ def set_step_buffer_client(name: str, client: Any | None) -> None:
     loop looks up the job's actor(s) `name` (rapo_fast.integrations.verl.buffer_actor.get_step_buffer) on its first
     retrieval."""
     if not isinstance(name, str) or not name:
-        raise ValueError(f"set_step_buffer_client: name must be a non-empty str, got {name!r}")
+        raise ValueError(f"set_step_buffer_client: name: expected a non-empty str, got {brief(name)}")
     if client is None:
         _CLIENTS.pop(name, None)
     elif not callable(getattr(client, "retrieve", None)):
-        raise TypeError(f"set_step_buffer_client: client must have an async retrieve(), got {type(client).__name__}")
+        raise TypeError(f"set_step_buffer_client: client: expected an async retrieve(), got {type(client).__name__}")
     else:
         _CLIENTS[name] = client
 
@@ -131,8 +131,8 @@ async def _client(name: str, loop: Any) -> Any:
             client = await loop.run_in_executor(None, get_step_buffer, name)
         except ValueError as e:
             raise ValueError(
-                f"rapo agent loop: no step buffer actor named {name!r} (buffer_name); create it on the driver with "
-                f"rapo_fast.integrations.verl.buffer_actor.get_or_create_step_buffer before the rollouts start"
+                f"rapo agent loop: buffer_name: expected a step buffer actor {name!r}, got none; create it on the "
+                "driver with rapo_fast.integrations.verl.buffer_actor.get_or_create_step_buffer before rollouts start"
             ) from e
         _CLIENTS.setdefault(name, client)
     return _CLIENTS[name]
@@ -223,8 +223,8 @@ class RAPOToolAgentLoop(ToolAgentLoop):
         if active and cfg.exclude_own_group:
             if kwargs.get(cfg.group_key) is None:
                 raise ValueError(
-                    f"rapo agent loop: exclude_own_group needs the sample's group id in the non-tensor field "
-                    f"{cfg.group_key!r} (group_key), got fields {sorted(kwargs)}"
+                    f"rapo agent loop: {cfg.group_key!r} (group_key): expected the sample's group id in this non-tensor"
+                    f" field (exclude_own_group), got fields {sorted(kwargs)}"
                 )
             group = int(kwargs[cfg.group_key])
         gid = kwargs.get(cfg.group_key)

@@ -137,7 +137,7 @@ class StepBufferActor:
             from rapo_fast.retrieval.buffer import StepBuffer
 
             if build.get("capacity") is None:
-                raise ValueError("StepBufferActor: an empty buffer (source=None) needs capacity=<int>")
+                raise ValueError("StepBufferActor: capacity: expected an int (source=None: an empty buffer), got None")
             dim = int(getattr(self.encoder, "dim", 0)) or int(self.encoder(["probe"]).shape[-1])
             b = {k: build[k] for k in ("metric", "eviction", "dtype") if k in build}
             buf = StepBuffer(
@@ -304,7 +304,7 @@ class StepBufferActor:
         if op == "load":
             self.traces = self._load_traces(args[0])
             return None
-        raise ValueError(f"StepBufferActor: unknown write {op!r}")
+        raise ValueError(f"StepBufferActor: op: expected a known write, got {op!r}")
 
     def _count(self, op: str, args: tuple, stored: Any) -> Any:
         if op == "add":
@@ -369,11 +369,10 @@ def get_or_create_step_buffer(
 
     with contextlib.suppress(ValueError):
         return get_step_buffer(name, namespace)
-    if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
-        raise ValueError(f"get_or_create_step_buffer: num_shards must be a positive int, got {num_shards!r}")
+    num_shards = check_int("get_or_create_step_buffer: num_shards", num_shards, lo=1)
     replicas_per_node = check_replicas_per_node(replicas_per_node)
     if tokenizer is None:
-        raise ValueError(f"get_or_create_step_buffer: no actor {name!r} exists, and creating one needs tokenizer=")
+        raise ValueError(f"get_or_create_step_buffer: tokenizer: expected one (no actor {name!r} yet), got None")
     actor_cls = ray.remote(StepBufferActor)
     opts = {"num_cpus": num_cpus, "num_gpus": num_gpus, "get_if_exists": True, "lifetime": lifetime}
     opts = {**opts, "namespace": namespace, "max_concurrency": 1000}
@@ -401,15 +400,15 @@ def get_or_create_step_buffer(
         return StepBufferClient(handles, encoder, replicas=replicas)
 
     if src is not None and not src.exists():
-        raise ValueError(f"get_or_create_step_buffer: source must be a .jsonl file or a saved buffer, got {str(src)!r}")
+        raise ValueError(f"get_or_create_step_buffer: source: expected a .jsonl file or saved buffer, got {str(src)!r}")
     if src is None or str(src).endswith(".jsonl") or is_bare_traces(src):
         if src is not None and is_bare_traces(src) and num_shards != 1:
-            raise ValueError(f"get_or_create_step_buffer: {src} is a one-shard save, num_shards={num_shards} given")
+            raise ValueError(f"get_or_create_step_buffer: num_shards: expected 1 ({src}: one shard), got {num_shards}")
         return create([None if src is None else str(src)] * num_shards)
     with read_version(src, SAVE_PREFIX, SAVE_FORMAT, SAVE_VERSION, StepBufferSaveError) as v:
         n = check_field(v.meta, "num_shards", v.path / "meta.json", StepBufferSaveError, check_int, lo=1)
         if n != num_shards:
-            raise ValueError(f"get_or_create_step_buffer: {src} holds {n} shards, num_shards={num_shards} given")
+            raise ValueError(f"get_or_create_step_buffer: num_shards: expected {n} ({src}'s shards), got {num_shards}")
         return create([str(v.path / f"shard_{i}") for i in range(n)])
 
 
@@ -427,10 +426,9 @@ def build_step_buffer_from_jsonl(
     `num_shards` StepTraces (shard i: the queries with query_id % num_shards == i) in the layout `get_or_create_
     step_buffer(source=out_dir)` and `StepBufferClient.load` read. build: top_k, capacity, metric, eviction, dtype.
     The encoder is not saved: the actors must be given the same one. Returns out_dir."""
-    if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
-        raise ValueError(f"build_step_buffer_from_jsonl: num_shards must be a positive int, got {num_shards!r}")
+    num_shards = check_int("build_step_buffer_from_jsonl: num_shards", num_shards, lo=1)
     if not Path(jsonl).is_file():
-        raise ValueError(f"build_step_buffer_from_jsonl: jsonl must be an existing file, got {str(jsonl)!r}")
+        raise ValueError(f"build_step_buffer_from_jsonl: jsonl: expected an existing file, got {str(jsonl)!r}")
     enc, tok = make_encoder(encoder), _load_tokenizer(tokenizer, trust_remote_code)
     with VersionWriter(out_dir, SAVE_PREFIX, SAVE_FORMAT, SAVE_VERSION) as w:
         sizes = []

@@ -65,11 +65,11 @@ class StepBufferClient:
         max_batch: int = 1024,
     ):
         if not handles:
-            raise ValueError("StepBufferClient: handles must hold at least one actor handle, got none")
+            raise ValueError("StepBufferClient: handles: expected at least one actor handle, got none")
         replicas = [[] for _ in handles] if replicas is None else [list(r) for r in replicas]
         if len(replicas) != len(handles):
             raise ValueError(
-                f"StepBufferClient: replicas must list one entry per shard ({len(handles)}), got {len(replicas)}"
+                f"StepBufferClient: replicas: expected one entry per shard ({len(handles)}), got {len(replicas)}"
             )
         window_s = check_float("StepBufferClient: window_s", window_s, min_value=0.0, max_value=10.0)
         max_batch = check_int("StepBufferClient: max_batch", max_batch, lo=1)
@@ -152,7 +152,7 @@ class StepBufferClient:
         group_ids = check_groups(group_ids, len(histories), "group_ids", "add_steps", lo=0)
         steps = check_histories(steps, "add_steps", "steps")
         if len(steps) != len(histories):
-            raise ValueError(f"add_steps: steps must be a list of {len(histories)} str, got {len(steps)} entries")
+            raise ValueError(f"add_steps: steps: expected {len(histories)} entries (one per history), got {len(steps)}")
         scores = check_scores(scores, len(histories))
         if not histories:
             return 0

@@ -124,7 +124,7 @@ class RapoRewardManager(RewardManagerBase):
         self.growth = growth_config(config)
         inner_cls = get_reward_manager_cls(self.growth.inner_reward_manager)
         if getattr(inner_cls, "rapo_grows_step_buffer", False):
-            raise ValueError(f"rapo.inner_reward_manager must not be a RapoRewardManager, got {inner_cls.__name__}")
+            raise ValueError(f"rapo.inner_reward_manager: expected not a RapoRewardManager, got {inner_cls.__name__}")
         self.inner = inner_cls(config, tokenizer, compute_score, **kwargs)
         self._adds = _AddQueue(self.growth.onpolicy_add_window_s)
 
@@ -154,8 +154,8 @@ class RapoRewardManager(RewardManagerBase):
         group = fields.get("rapo_group")
         if group is None:
             raise ValueError(
-                "rapo reward manager: the trajectory has no group id (rapo_group is None: the sample lacks an int "
-                "field named by the agent loop's group_key, default 'index'); on-policy steps need one"
+                "rapo reward manager: rapo_group: expected the trajectory's group id (on-policy steps need one), got "
+                "None: the sample lacks an int field named by the agent loop's group_key, default 'index'"
             )
         p_key, r_key = verl_compat.PROMPT_LEN_KEY, verl_compat.RESPONSE_LEN_KEY
         p_len = int(nt[p_key][i]) if p_key in nt else data.batch["prompts"].shape[-1]

@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from rapo_fast._checks import INT64_MAX, INT64_MIN, check_float, check_int_list
+from rapo_fast._checks import INT64_MAX, INT64_MIN, brief, check_float, check_int_list, check_str_list
 
 __all__ = ["Coalescer", "LocalHandle", "check_groups", "check_histories", "check_scores", "settle"]
 
@@ -20,22 +20,17 @@ __all__ = ["Coalescer", "LocalHandle", "check_groups", "check_histories", "check
 def check_histories(histories: Any, who: str, name: str = "histories") -> list[str]:
     """A list of str, each encodable as UTF-8 (a lone surrogate would fail in the encoder or the tokenizer, inside a
     shared search: it is refused here, naming the caller's entry)."""
-    if isinstance(histories, str) or not isinstance(histories, Sequence):
-        raise TypeError(f"{who}: {name} must be a list of str, got {type(histories).__name__}")
+    histories = check_str_list(f"{who}: {name}", histories)
     for i, h in enumerate(histories):
-        if not isinstance(h, str):
-            raise TypeError(f"{who}: {name}[{i}] must be a str, got {type(h).__name__}")
         try:
             h.encode("utf-8")
         except UnicodeEncodeError as exc:
-            raise ValueError(f"{who}: {name}[{i}] is not valid Unicode text ({exc.reason} at {exc.start})") from None
-    return list(histories)
+            raise ValueError(f"{who}: {name}[{i}]: expected valid Unicode, got {exc.reason} at {exc.start}") from None
+    return histories
 
 
 def check_groups(groups: Any, n: int, name: str, who: str, lo: int = INT64_MIN) -> list[int]:
     """`n` ints in [lo, 2^63 - 1] (the int64 the buffer stores them in; bool refused)."""
-    if isinstance(groups, (str, bytes)) or not isinstance(groups, Sequence) or len(groups) != n:
-        raise ValueError(f"{who}: {name} must be a list of {n} ints (one per history), got {groups!r:.200}")
     return check_int_list(f"{who}: {name}", groups, n, lo=lo, hi=INT64_MAX)
 
 
@@ -43,7 +38,7 @@ def check_scores(scores: Any, n: int) -> list[float] | None:
     if scores is None:
         return None
     if isinstance(scores, (str, bytes)) or not isinstance(scores, Sequence) or len(scores) != n:
-        raise ValueError(f"add_steps: scores must be None or a list of {n} floats, got {scores!r:.200}")
+        raise ValueError(f"add_steps: scores: expected None or a list of {n} floats, got {brief(scores)}")
     return [check_float(f"add_steps: scores[{i}]", s) for i, s in enumerate(scores)]
 
 

@@ -82,7 +82,7 @@ def onpolicy_steps(
     are the agent loop's extra fields rapo_step_spans / rapo_step_obs_end. decode: token ids -> text, the same decoding
     the loop uses for its retrieval queries. The caller adds them: `await client.add_steps(hist, steps, [gid] * n)`."""
     if len(step_spans) != len(step_obs_end):
-        raise ValueError(f"onpolicy_steps: {len(step_spans)} step_spans but {len(step_obs_end)} step_obs_end")
+        raise ValueError(f"onpolicy_steps: step_obs_end: expected {len(step_spans)} entries, got {len(step_obs_end)}")
     hist, steps = [], []
     if not reward > threshold:
         return hist, steps
@@ -92,7 +92,9 @@ def onpolicy_steps(
         if obs_end == end:
             continue
         if not 0 <= start <= end <= obs_end <= len(response_ids):
-            raise ValueError(f"onpolicy_steps: span [{start}, {end}) with obs_end {obs_end} outside the response")
+            raise ValueError(
+                f"onpolicy_steps: step_spans: expected in the response, got [{start}, {end}) obs_end {obs_end}"
+            )
         hist.append(decode(ids[: p + start]))
         steps.append(decode(ids[p + start : p + obs_end]))
     return hist, steps
@@ -148,7 +150,7 @@ def step_buffer_from_config(config: Any) -> StepBufferClient:
                 "rapo.step_buffer.path"
             )
     if path is None:
-        raise ValueError("step_buffer_from_config: set rapo.step_buffer.path (a built buffer or a JSONL of traces)")
+        raise ValueError("step_buffer_from_config: rapo.step_buffer.path: expected a buffer or traces JSONL, got none")
     return get_or_create_step_buffer(name, path, **opts)
 
 
@@ -161,25 +163,24 @@ def check_growth_config(config: Any) -> None:
     if add is False:
         return
     if add is not True:
-        raise ValueError(f"rapo.add_onpolicy_steps must be a bool, got {add!r}")
+        raise ValueError(f"rapo.add_onpolicy_steps: expected a bool, got {add!r}")
     resolve_reward_manager_cls = verl_compat.get("verl.trainer.ppo.reward:resolve_reward_manager_cls")
     cls = resolve_reward_manager_cls(config)
     if not getattr(cls, "rapo_grows_step_buffer", False):
         raise ValueError(
-            f"rapo.add_onpolicy_steps is true but the reward manager is {cls.__name__}: set "
+            f"reward.reward_manager: expected rapo with rapo.add_onpolicy_steps, got {cls.__name__}: set "
             "reward.reward_manager.name=rapo (and rapo.inner_reward_manager to the one used before)"
         )
     rm = config.reward.reward_model
     if rm.get("enable", False) and not rm.get("enable_resource_pool", False):
         raise ValueError(
-            "rapo.add_onpolicy_steps needs the rollouts scored in the agent-loop workers; with reward.reward_model."
-            "enable the trainer scores them without the agent loop's fields: set reward.reward_model."
-            "enable_resource_pool=true"
+            "reward.reward_model.enable_resource_pool: expected true with rapo.add_onpolicy_steps and a reward model "
+            "(the rollouts scored in the agent-loop workers), got false: set it to true"
         )
     if rm.get("enable", False) and config.reward.custom_reward_function.get("path", None) is None:
         raise ValueError(
-            "rapo.add_onpolicy_steps: a reward model without reward.custom_reward_function.path is scored by verl's "
-            "RewardLoopWorker.compute_score_disrm, which calls no reward manager"
+            "reward.custom_reward_function.path: expected one with rapo.add_onpolicy_steps and a reward model, got "
+            "none: without it verl's RewardLoopWorker.compute_score_disrm scores the rollouts, calling no manager"
         )
 
 
@@ -197,7 +198,7 @@ class StepBufferCheckpointCallback:
 
     def on_save(self, trainer: Any = None, global_step: int = 0, checkpoint_dir: str = "", **kwargs: Any) -> None:
         if not checkpoint_dir:
-            raise ValueError("StepBufferCheckpointCallback.on_save: checkpoint_dir (global_step_N) is required")
+            raise ValueError("StepBufferCheckpointCallback.on_save: checkpoint_dir: expected global_step_N, got None")
         self.client.save(os.path.join(checkpoint_dir, CHECKPOINT_SUBDIR))
 
 

@@ -88,14 +88,14 @@ def verl_normaliser(
             g = torch.ones((), dtype=torch.float32, device=dev)
         elif batch_num_tokens is None:
             if dp_size > 1:
-                raise ValueError("(global) batch_num_tokens is required when dp_size > 1")
+                raise ValueError("batch_num_tokens: expected the (global) count with dp_size > 1, got None")
             g = mask.sum().clamp_min(1).float()
         else:
             g = torch.as_tensor(batch_num_tokens, dtype=torch.float32, device=dev)
         return "token-mean", g, dp_size
     if global_batch_size is None:
         if dp_size > 1:
-            raise ValueError("global_batch_size is required when dp_size > 1")
+            raise ValueError("global_batch_size: expected one with dp_size > 1, got None")
         n_seq = mask.any(-1).sum().clamp_min(1).float()
     else:
         n_seq = torch.as_tensor(global_batch_size, dtype=torch.float32, device=dev)
@@ -197,7 +197,7 @@ def _clip_ratios(
             raise ValueError(f"dual_clip: expected {DUAL_CLIP_FROM_CONFIG!r}, None or a float > 1, got {dual_clip!r}")
         clip_ratio_c = float(_cfg(config, "clip_ratio_c", 3.0))
         if not clip_ratio_c > 1.0:
-            raise ValueError(f"clip_ratio_c: the dual-clip bound must be > 1.0, got {clip_ratio_c}")
+            raise ValueError(f"clip_ratio_c: expected a dual-clip bound > 1.0, got {clip_ratio_c}")
         return eps_low, eps_high, clip_ratio_c
     if isinstance(dual_clip, bool) or not isinstance(dual_clip, (int, float)) or not float(dual_clip) > 1.0:
         raise ValueError(f"dual_clip: expected {DUAL_CLIP_FROM_CONFIG!r}, None or a float > 1, got {dual_clip!r}")
@@ -229,7 +229,7 @@ def _behaviour_logp(
         return rollout_log_probs, opts
     if opts.get("tis_cap") is not None or opts.get("offpolicy_train") == "truncated":
         if rollout_log_probs is None:
-            raise ValueError("rollout_log_probs: required with tis_cap or offpolicy_train='truncated'")
+            raise ValueError("rollout_log_probs: expected them with tis_cap or offpolicy_train='truncated', got None")
         return rollout_log_probs, opts
     return None, opts
 
@@ -278,7 +278,7 @@ class RapoTokenFields:
         if len(self.retrieved) != B:
             raise ValueError(f"{RETRIEVED_MASK_KEY}: expected {B} rows (response_mask's), got {len(self.retrieved)}")
         if self.response_lens and max(self.response_lens) > T:
-            raise ValueError(f"responses: a response of {max(self.response_lens)} tokens is longer than T = {T}")
+            raise ValueError(f"responses: expected at most T = {T} tokens, got one of {max(self.response_lens)}")
         retrieved = torch.zeros(B, T, dtype=torch.bool)
         for i, row in enumerate(self.retrieved):
             retrieved[i, : len(row)] = torch.as_tensor(row, dtype=torch.bool) if row else False
@@ -286,7 +286,7 @@ class RapoTokenFields:
         trajectory = torch.arange(T)[None, :] < lens[:, None]
         retrieved, trajectory = retrieved.to(response_mask.device), trajectory.to(response_mask.device)
         if bool((retrieved & response_mask.bool()).any()):
-            raise ValueError(f"{RETRIEVED_MASK_KEY}: a retrieved token has response_mask 1; expected 0 (no gradient)")
+            raise ValueError(f"{RETRIEVED_MASK_KEY}: expected retrieved tokens at response_mask 0, got one at 1")
         if self.f_ret is not None:
             f = retrieved.sum(1).double().cpu() / lens.clamp_min(1).double()
             got = torch.as_tensor(self.f_ret, dtype=torch.float64)

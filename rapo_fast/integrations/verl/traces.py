@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from rapo_fast._checks import check_float
 from rapo_fast.retrieval.jsonl import QUERY_ID_MAX, check_record, write_jsonl
 
 # The end of one step in a decoded response: the end of a tool-response block (Qwen2.5 / hermes:
@@ -33,7 +34,7 @@ def split_response(response: str, step_end: str | re.Pattern = DEFAULT_STEP_END)
     """(steps, answer) of one decoded response: each step runs through a match of `step_end`; the text after the last
     match is the answer (not a step, as in the trajectory format). No match: no step, the whole text is the answer."""
     if not isinstance(response, str):
-        raise TypeError(f"split_response: response must be a str, got {type(response).__name__}")
+        raise TypeError(f"split_response: response: expected a str, got {type(response).__name__}")
     pattern = re.compile(step_end) if isinstance(step_end, str) else step_end
     steps, start = [], 0
     for m in pattern.finditer(response):
@@ -59,12 +60,12 @@ def dump_files(paths: Sequence[str | Path]) -> list[Path]:
                 p.glob("*.jsonl"), key=lambda f: (not f.stem.isdigit(), int(f.stem) if f.stem.isdigit() else 0, f.name)
             )
             if not found:
-                raise ValueError(f"verl-traces: dump folder {p} holds no *.jsonl file")
+                raise ValueError(f"verl-traces: dump: expected a folder holding *.jsonl files, got {p} with none")
             out.extend(found)
         elif p.is_file():
             out.append(p)
         else:
-            raise ValueError(f"verl-traces: dump path {p} is neither a file nor a folder")
+            raise ValueError(f"verl-traces: dump: expected a file or a folder, got {p}")
     return out
 
 
@@ -79,9 +80,9 @@ def read_rows(files: Iterable[Path]) -> Iterator[tuple[str, dict]]:
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"verl-traces: {where} is not valid JSON ({e})") from None
+                    raise ValueError(f"verl-traces: {where}: expected a JSON object, got invalid JSON ({e})") from None
                 if not isinstance(row, dict):
-                    raise ValueError(f"verl-traces: {where} must be a JSON object, got {type(row).__name__}")
+                    raise ValueError(f"verl-traces: {where}: expected a JSON object, got {type(row).__name__}")
                 yield where, row
 
 
@@ -89,7 +90,7 @@ def _field(row: dict, key: str, kind: type | tuple, where: str) -> Any:
     v = row.get(key)
     if isinstance(v, bool) or not isinstance(v, kind):
         names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-        raise ValueError(f"verl-traces: {where}: {key!r} must be a {names}, got {v!r:.80}")
+        raise ValueError(f"verl-traces: {where}: {key!r}: expected a {names}, got {v!r:.80}")
     return v
 
 
@@ -107,8 +108,7 @@ def traces_from_rows(
     """Trajectory records (docs/formats.md section 1) of the rows scored strictly above `threshold` (the on-policy
     rule's `reward > 0.5` by default), with counts of what was read, kept and dropped. query_id: the int under
     `query_id_key`, else query_id_of(prompt). A row without a tool step, or repeating an earlier record, is dropped."""
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not math.isfinite(threshold):
-        raise ValueError(f"verl-traces: threshold must be a finite number, got {threshold!r}")
+    threshold = check_float("verl-traces: threshold", threshold)
     pattern = re.compile(step_end)
     stats = {"rows": 0, "kept": 0, "low_score": 0, "no_step": 0, "duplicate": 0, "steps": 0}
     records, seen = [], set()
@@ -122,7 +122,7 @@ def traces_from_rows(
             continue
         qid = query_id_of(prompt) if query_id_key is None else _field(row, query_id_key, int, where)
         if not 0 <= qid <= QUERY_ID_MAX:
-            raise ValueError(f"verl-traces: {where}: {query_id_key!r} must be in [0, {QUERY_ID_MAX}], got {qid}")
+            raise ValueError(f"verl-traces: {where}: {query_id_key!r}: expected in [0, {QUERY_ID_MAX}], got {qid}")
         if not keep_retrieved:
             response = RETRIEVED_SEGMENT.sub("", response)
         steps, answer = split_response(response, pattern)
@@ -160,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--keep-retrieved", action="store_true", help="keep <retrieve> segments (default: cut out)")
     args = p.parse_args(argv)
     if not math.isfinite(args.threshold):
-        p.error(f"--threshold must be a finite number, got {args.threshold}")
+        p.error(f"--threshold: expected a finite number, got {args.threshold}")
     try:
         re.compile(args.step_end)
     except re.error as e:

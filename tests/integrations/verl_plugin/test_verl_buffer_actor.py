@@ -238,7 +238,7 @@ def test_save_new_actor_load_gives_identical_results(data, tmp_path):
     assert [s["payloads"] for s in (a.stats() + b.stats() + c.stats())] == [min(36 + 30, CAP)] * 3  # the live ones
     with pytest.raises(ValueError, match="exclude_groups"):
         asyncio.run(a.retrieve(qs, [1]))
-    with pytest.raises(ValueError, match="tokenizer="):
+    with pytest.raises(ValueError, match="tokenizer: expected one"):
         get_or_create_step_buffer("rapo_test_absent", data["jsonl"])
     with pytest.raises(ValueError, match="source"):
         get_or_create_step_buffer("rapo_test_absent", tmp_path / "missing.jsonl", tokenizer=data["tok"])
@@ -343,7 +343,7 @@ def test_onpolicy_steps_follow_the_trainers_rule():
     assert hist == ["1 2", "1 2 10 11 12 13 14"]
     assert steps == ["10 11 12 13 14", "15 16 17"]
     assert onpolicy_steps(prompt, resp, spans, obs_end, 0.5, decode) == ([], [])  # not a success
-    with pytest.raises(ValueError, match="outside the response"):
+    with pytest.raises(ValueError, match=r"step_spans: expected in the response, got \[0, 3\) obs_end 11"):
         onpolicy_steps(prompt, resp, [[0, 3]], [11], 1.0, decode)
 
 
