@@ -150,7 +150,7 @@ def test_gpu_tiles_follow_dtype_and_alignment(monkeypatch):
     monkeypatch.delenv(ts.TILES_ENV, raising=False)
     assert ts.gpu_tiles(False, True) == (128, 128, 64, 8, 3)
     assert ts.gpu_tiles(False, False) == (128, 64, 16, 8, 3)
-    assert ts.gpu_tiles(True, True) == ts.gpu_tiles(True, False) == (64, 64, 32, 8, 1)
+    assert ts.gpu_tiles(True, True) == ts.gpu_tiles(True, False) == (64, 64, 16, 8, 1)
 
 
 # ---- argument checks -------------------------------------------------------------------------------------------------
