@@ -105,9 +105,10 @@ def gpu_tiles(fp32: bool, aligned: bool) -> tuple[int, int, int, int, int]:
 
     fp16/bf16, aligned: 128 x 128 x 64, 8 warps, 3 stages: 64 flop per byte streamed from L2 (the scan is L2 bound),
     at the price of a few bytes of stack reloaded once per merge, never in the per-tile path. Not aligned (an odd D):
-    loads go through registers, so BLOCK_D is 16 and BLOCK_C 64. fp32 (FMA, no TF32): 64 x 64 x 32, 8 warps, 1 stage.
-    The measured registers and spills of each choice and its alternatives: bench/NOTES_retrieval.md, "Registers and
-    spills". TILES_ENV ("128,64,64,8,3") overrides them all, for the GPU run to
+    loads go through registers, so BLOCK_D is 16 and BLOCK_C 64. fp32 (FMA, no TF32): 64 x 64 x 16, 8 warps, 1 stage
+    (BLOCK_D 32 spills 80 B under Triton 3.9 with the 64-wide tile's merge block). The measured registers and spills of
+    each choice, under the GPU image's Triton and CI's, and of their alternatives: bench/NOTES_retrieval.md, "Registers
+    and spills". TILES_ENV ("128,64,64,8,3") overrides them all, for the GPU run to
     compare (docs/retrieval.md, "Triton path"); tests/test_sm90_compile.py holds these choices' registers, spills and
     shared memory to stated bounds."""
     env = os.environ.get(TILES_ENV)
@@ -120,7 +121,7 @@ def gpu_tiles(fp32: bool, aligned: bool) -> tuple[int, int, int, int, int]:
             )
         return vals  # type: ignore[return-value]
     if fp32:
-        return (64, 64, 32, 8, 1)
+        return (64, 64, 16, 8, 1)
     return (128, 128, 64, 8, 3) if aligned else (128, 64, 16, 8, 3)
 
 
@@ -129,10 +130,13 @@ def workspace_layout(k: int, block_q: int, block_c: int, on_gpu: bool) -> tuple[
     a merge takes at a time."""
     kp = _pow2(k)
     w = _pow2(kp + 2 * block_c)  # room for at least one tile of survivors after the running list, with slack
-    # The merge's [rows, W] int64 block: 4096 entries. Triton spreads each row over all warps, so every bisection step
-    # pays one cross-warp reduction whatever `rows` is: more rows a chunk, fewer of them (sm_90a cubin: fewer spills
-    # than at 1024, none added to the per-tile path). The interpreter takes all rows at once.
-    rows = max(1, min(block_q, 4096 // w)) if on_gpu else block_q
+    # The merge's [rows, W] int64 block: 32 x BLOCK_C entries (4096 at the 128-wide tile, 2048 at the 64-wide ones).
+    # Triton spreads each row over all warps, so every bisection step pays one cross-warp reduction whatever `rows` is:
+    # more rows a chunk, fewer of them. The size is what spills least on sm_90a under both Triton 3.6 (the GPU image)
+    # and 3.9 (CI): 2048 entries take the 128-wide tile from 32 to 96 B of stack under 3.9; 4096 put 64-96 B on the
+    # 64-wide tiles under 3.6 (bench/NOTES_retrieval.md, "Registers and spills"). The interpreter takes all rows at
+    # once.
+    rows = max(1, min(block_q, 32 * block_c // w)) if on_gpu else block_q
     return kp, w, rows
 
 

@@ -2,9 +2,9 @@
 float64 brute force, under TRITON_INTERPRET=1 on CPU tensors: exclusion groups and min_score leaving rows short (each
 metric), k > C padding, ties to the smaller slot (duplicate keys, +0.0 / -0.0 scores), k up to 1024, Q=1 and odd Q, D
 not a multiple of the tile, C=1 and an empty buffer; the merges inside a split (small tiles force them) and across
-splits. Also: the GPU tiles and their override, the argument checks (before any launch), and the kernel compiled to an
-sm_80 cubin without a GPU (sm_90a, with its register and spill bounds: tests/test_sm90_compile.py). On a GPU, the
-Triton path against the CUDA backend.
+splits, and in chunks of rows as the GPU plan merges. Also: the GPU tiles and their override, the argument checks
+(before any launch), and the kernel compiled to an sm_80 cubin without a GPU (sm_90a, with its register and spill
+bounds: tests/test_sm90_compile.py). On a GPU, the Triton path against the CUDA backend.
 
 Not here: every dtype and metric through StepBuffer.search(backend="triton"), bit for bit equal to the CPU backend,
 the dispatch table and "auto" (test_retrieval_backends.py); the CUDA backend's own exactness (test_retrieval_gpu.py)
@@ -75,6 +75,22 @@ def _check(buf, q, k, exclude=None, min_score=None, splits=None):
 def test_odd_shapes(C, D, Q, k, splits):
     buf = _buffer(C, D, torch.float16, "ip")
     _check(buf, torch.randn(Q, D), k, exclude=torch.randint(-1, 4, (Q,)), splits=splits)
+
+
+@needs_interpreter
+def test_merge_in_row_chunks_as_on_the_gpu(monkeypatch):
+    # On a GPU a merge takes ROWS < BLOCK_Q rows at a time (workspace_layout); the interpreter's plan takes them all.
+    # Chunks of 4 rows of the 16-row query tile, Q = 19: a partial chunk and a partial second query tile.
+    real = ts.workspace_layout
+
+    def chunked(k, block_q, block_c, on_gpu):
+        kp, w, _ = real(k, block_q, block_c, on_gpu)
+        return kp, w, 4
+
+    monkeypatch.setattr(ts, "workspace_layout", chunked)
+    assert ts.plan(19, 300, 64, True, torch.device("cpu"), splits=2).rows == 4
+    buf = _buffer(300, 37, torch.float32, "ip")
+    _check(buf, torch.randn(19, 37), 64, exclude=torch.randint(-1, 4, (19,)), splits=2)
 
 
 @needs_interpreter
@@ -150,7 +166,7 @@ def test_gpu_tiles_follow_dtype_and_alignment(monkeypatch):
     monkeypatch.delenv(ts.TILES_ENV, raising=False)
     assert ts.gpu_tiles(False, True) == (128, 128, 64, 8, 3)
     assert ts.gpu_tiles(False, False) == (128, 64, 16, 8, 3)
-    assert ts.gpu_tiles(True, True) == ts.gpu_tiles(True, False) == (64, 64, 32, 8, 1)
+    assert ts.gpu_tiles(True, True) == ts.gpu_tiles(True, False) == (64, 64, 16, 8, 1)
 
 
 # ---- argument checks -------------------------------------------------------------------------------------------------
