@@ -63,13 +63,11 @@ _MULTIMODAL_KEYS = tuple(
 
 @dataclass(frozen=True)
 class TRLLossPlan:
-    """How one TRL configuration maps onto `rapo_loss`, made and checked once (trl_to_rapo_options).
-
-    `options`: the LossOptions every step passes to rapo_loss (return_metrics on). `normaliser`, TRL's global
-    normaliser, resolved per batch (`global_num_tokens`): None (rapo_loss's own count), "batch_x_max_len" (dr_grpo),
-    "batch" (grpo: the sequence count; luspo: the token-sum normaliser), "num_items" (dapo).
-    `divide_by_grad_accum`: whether TRL divides the loss by its gradient-accumulation steps in training mode.
-    """
+    """How one TRL configuration maps onto `rapo_loss`, made and checked once (trl_to_rapo_options): `options`, the
+    LossOptions every step passes to rapo_loss (return_metrics on); `normaliser`, TRL's global normaliser resolved per
+    batch by `global_num_tokens`: None (rapo_loss's own count), "batch_x_max_len" (dr_grpo), "batch" (grpo: the
+    sequence count; luspo: the token-sum normaliser), "num_items" (dapo); `divide_by_grad_accum`: whether TRL divides
+    the loss by its gradient-accumulation steps in training mode."""
 
     options: LossOptions
     normaliser: str | None = None
@@ -377,6 +375,7 @@ class RAPOGRPOTrainer(GRPOTrainer):
         super().__init__(*args, **kwargs)
         self.rapo_options = dict(rapo_options or {})
         self.retrieval_coef = float(retrieval_coef)
+        from accelerate.utils import is_peft_model
         from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
         if is_deepspeed_zero3_enabled():
@@ -389,7 +388,7 @@ class RAPOGRPOTrainer(GRPOTrainer):
             has_cb = any(isinstance(cb, StepTracesCheckpoint) for cb in self.callback_handler.callbacks)
             if traces is not None and not has_cb:
                 self.add_callback(StepTracesCheckpoint(traces))  # the buffer saved with, resumed from checkpoints
-        target = self.model.get_base_model() if _is_peft(self.model) else self.model
+        target = self.model.get_base_model() if is_peft_model(self.model) else self.model
         _install_rapo_forward(target, bool(getattr(self.args, "cast_lm_head_to_fp32", False)))
 
     def forward_loss(self, inputs: Mapping[str, Any]) -> ForwardLoss:
@@ -467,9 +466,3 @@ class RAPOGRPOTrainer(GRPOTrainer):
             # TRL's region: low- or high-clipped, disjoint (opposite advantage signs) over the same token count
             region = (metrics["clip_frac_low"] + metrics["clip_frac_high"]).detach().float().reshape(1)
             self._metrics[mode]["clip_ratio/region_mean"].append(self.accelerator.gather(region).mean().item())
-
-
-def _is_peft(model: Any) -> bool:
-    from accelerate.utils import is_peft_model
-
-    return bool(is_peft_model(model))

@@ -82,12 +82,13 @@ class RAPORolloutFunc:
 
     Args: env (`execute(call_text) -> observation text`: the tool), traces (a rapo_fast.StepTraces; None: plain
     on-policy multi-turn rollouts, no retrieval), tokenizer (default: the StepTraces' tokenizer, else the trainer's
-    processing_class; each tag <tool> </tool> <retrieve> </retrieve> must be one token: `add_rapo_tags` adds them),
-    success_fn ((prompt as TRL gave it, completion text) -> bool: the successful trajectories' tool steps are added
-    to traces; None: the buffer is not grown), n_hybrid (hybrid rows per group; default num_generations // 2),
-    retrieve_prob, mode ("exact" / "splice"), max_steps, max_step_tokens, exclude_own_group: as in rapo_fast.rollout;
-    retrieve_at_eval (evaluation rollouts retrieve too; they never grow the buffer), chat_tool_turns (conversational
-    prompts: a tool's output is rendered as the chat template's tool turn; False: inline in the assistant turn).
+    processing_class; each tag <tool> </tool> <retrieve> </retrieve> one token: `add_rapo_tags` adds them),
+    success_fn ((prompt as TRL gave it, completion text as TRL's reward functions get it) -> bool: the successful
+    trajectories' tool steps are added to traces; None: the buffer is not grown), n_hybrid (hybrid rows per group;
+    default num_generations // 2), retrieve_prob, mode ("exact" / "splice"), max_steps, max_step_tokens,
+    exclude_own_group: as in rapo_fast.rollout; retrieve_at_eval (evaluation rollouts retrieve too; they never grow
+    the buffer), chat_tool_turns (conversational prompts: a tool's output is rendered as the chat template's tool
+    turn; False: inline in the assistant turn).
     Completions are cut at trainer.max_completion_length. Bad arguments raise TypeError/ValueError here; the
     tokenizer's tags and the trainer's sampling options are checked when the trainer is built (RAPOGRPOTrainer) or
     at the first rollout (GRPOTrainer).
@@ -214,11 +215,12 @@ class RAPORolloutFunc:
         out = _trl_rows(batch, int(trainer.max_completion_length))
         out["retrieval_reward"] = z.tolist()
         out["num_retrievals"] = batch.num_retrievals().tolist()
-        added = self._grow(batch, problems, tok, chat) if train else 0  # evaluation never grows the training buffer
+        done = tok.batch_decode(out["completion_ids"], skip_special_tokens=True)  # the reward functions' text
+        added = self._grow(batch, problems, done, tok, chat) if train else 0  # evaluation never grows the buffer
         _log(trainer, "train" if train else "eval", batch, z, scored, added, self.traces)
         return out
 
-    def _grow(self, batch: RolloutBatch, problems: list[_Prompt], tok: Any, chat: ChatFormat | None) -> int:
+    def _grow(self, batch: RolloutBatch, problems: list[_Prompt], done: list[str], tok: Any, chat: Any) -> int:
         """Add the successful trajectories' generated tool steps to the StepTraces (under their prompt's group id), in
         the form of the seed steps: a chat tool turn is taken off (ChatFormat.plain_step)."""
         if self.traces is None or self.success_fn is None:
@@ -226,10 +228,7 @@ class RAPORolloutFunc:
         from rapo_fast.train.trainer import onpolicy_steps
 
         ok = torch.tensor(
-            [
-                float(bool(self.success_fn(problems[int(i)].source, c)))
-                for i, c in zip(batch.prompt_index, batch.completions)
-            ]
+            [float(bool(self.success_fn(problems[int(i)].source, c))) for i, c in zip(batch.prompt_index, done)]
         )
         hist, steps, groups = onpolicy_steps(batch, ok, tok)
         if chat is not None and chat.tool_turns:

@@ -24,7 +24,6 @@ try:
 except Exception as exc:  # ImportError, or any error raised while trl imports its own needs
     pytest.skip(f"trl integration needs trl and its imports: {exc!r}"[:300], allow_module_level=True)
 
-from rapo_fast.demo.tasks import ChainArithmeticTask  # noqa: E402
 from rapo_fast.demo.tiny_qwen import CHATML_TEMPLATE, build_tiny_qwen  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,7 +38,7 @@ def _example():
 
 
 EX = _example()
-TASK = ChainArithmeticTask()
+TASK = EX.make_task(EX.parse_args([]))
 
 
 @pytest.fixture(scope="module")
@@ -364,3 +363,29 @@ def test_retrieval_points_and_retrievals_are_logged(built, tmp_path):
     assert points.sum() > 0, "no hybrid row reached a tool result: the test would prove nothing"
     assert torch.equal(batch.num_retrievals(), points)  # a row that never called a tool never retrieved
     assert metrics["rapo/retrieval_points"][-1] == metrics["rapo/retrievals"][-1] == float(points.sum())
+
+
+# -- 8. the example: a learning signal in its default steps; the missing extra named -------------------------------
+def test_the_chat_example_shows_a_learning_signal_in_its_default_steps(tmp_path, capsys):
+    import re
+
+    assert EX.main(["--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    m = re.search(r"trained (\d+) steps, mean loss \S+, mean reward (\S+), buffer (\d+) -> (\d+) steps", out)
+    assert m is not None, out
+    steps, reward, before, after = int(m[1]), float(m[2]), int(m[3]), int(m[4])
+    assert steps == EX.parse_args([]).steps
+    assert reward > 0 or after > before, out
+
+
+@pytest.mark.parametrize("module", ["datasets", "trl"])
+def test_the_examples_without_the_trl_extra_name_it(monkeypatch, module):
+    import sys
+
+    arith = importlib.util.spec_from_file_location("rapo_grpo_arith", ROOT / "examples" / "trl" / "rapo_grpo_arith.py")
+    mod = importlib.util.module_from_spec(arith)
+    arith.loader.exec_module(mod)
+    monkeypatch.setitem(sys.modules, module, None)  # `import module` now fails as if it were not installed
+    for example in (EX, mod):
+        with pytest.raises(SystemExit, match=rf'{module} is missing: .*pip install -e "\.\[trl\]"'):
+            example.main(["--steps", "1"])
