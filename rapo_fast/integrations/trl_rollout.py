@@ -215,18 +215,18 @@ class RAPORolloutFunc:
         out = _trl_rows(batch, int(trainer.max_completion_length))
         out["retrieval_reward"] = z.tolist()
         out["num_retrievals"] = batch.num_retrievals().tolist()
-        done = tok.batch_decode(out["completion_ids"], skip_special_tokens=True)  # the reward functions' text
-        added = self._grow(batch, problems, done, tok, chat) if train else 0  # evaluation never grows the buffer
+        added = self._grow(batch, problems, out["completion_ids"], tok, chat) if train else 0  # never at evaluation
         _log(trainer, "train" if train else "eval", batch, z, scored, added, self.traces)
         return out
 
-    def _grow(self, batch: RolloutBatch, problems: list[_Prompt], done: list[str], tok: Any, chat: Any) -> int:
+    def _grow(self, batch: RolloutBatch, problems: list[_Prompt], completion_ids: list, tok: Any, chat: Any) -> int:
         """Add the successful trajectories' generated tool steps to the StepTraces (under their prompt's group id), in
         the form of the seed steps: a chat tool turn is taken off (ChatFormat.plain_step)."""
         if self.traces is None or self.success_fn is None:
             return 0
         from rapo_fast.train.trainer import onpolicy_steps
 
+        done = tok.batch_decode(completion_ids, skip_special_tokens=True)  # the text TRL's reward functions get
         ok = torch.tensor(
             [float(bool(self.success_fn(problems[int(i)].source, c))) for i, c in zip(batch.prompt_index, done)]
         )

@@ -41,6 +41,15 @@ EX = _example()
 TASK = EX.make_task(EX.parse_args([]))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny model on one thread, as the example runs it: more only wait on each other on a busy CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def raw():
     """(model, tokenizer) as built, before add_rapo_tags: the tags are split into byte-level pieces."""
