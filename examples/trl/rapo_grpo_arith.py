@@ -134,7 +134,7 @@ def build_trainer(args: argparse.Namespace, out: Path, warm_state: dict | None =
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    torch.set_num_threads(1)  # a tiny model: more threads only wait on each other (and on a busy CPU, much longer)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(args.out or tmp)
         out.mkdir(parents=True, exist_ok=True)
