@@ -188,10 +188,7 @@ def _clip_options(trainer: Any) -> dict[str, Any]:
         if not delta > 1.0 + eps_high:
             raise ValueError(f"delta: expected > 1 + epsilon_high = {1 + eps_high} (dual_clip), got {delta}")
         options["dual_clip"] = float(delta)
-    if trainer.importance_sampling_level not in ("token", "sequence"):
-        level = trainer.importance_sampling_level
-        raise ValueError(f"importance_sampling_level: expected 'token' or 'sequence', got {level!r}")
-    options["importance_sampling_level"] = trainer.importance_sampling_level
+    options["importance_sampling_level"] = trainer.importance_sampling_level  # checked by LossOptions
     return options
 
 
@@ -252,8 +249,7 @@ def _vllm_tis_cap(trainer: Any, extras: Mapping[str, Any]) -> float:
 def _logit_scale(model: Any) -> float:
     """The logit multiplier TRL's fused head applies before the temperature (folded into our temperature)."""
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    if getattr(cfg, "final_logit_softcapping", None) is not None:
-        cap = cfg.final_logit_softcapping
+    if (cap := getattr(cfg, "final_logit_softcapping", None)) is not None:
         raise ValueError(f"final_logit_softcapping: expected None (rapo_loss's hidden-state path), got {cap}")
     # Same lookup order as trl.trainer.utils.add_fused_lm_head.
     scale = getattr(cfg, "logit_scale", None)

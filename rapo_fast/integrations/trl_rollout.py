@@ -111,10 +111,7 @@ class RAPORolloutFunc:
         chat_tool_turns: bool = True,
     ) -> None:
         if not callable(getattr(env, "execute", None)):
-            raise TypeError(
-                f"make_rollout_func: env: expected an object with execute(call_text) -> observation text, got "
-                f"{type(env).__name__}"
-            )
+            raise TypeError(f"make_rollout_func: env: expected execute(call_text) -> text, got {type(env).__name__}")
         if traces is not None and not isinstance(traces, StepTraces):
             hint = " (wrap a StepBuffer: StepTraces(buffer, encoder, tokenizer))" if hasattr(traces, "search") else ""
             raise TypeError(
@@ -159,13 +156,9 @@ class RAPORolloutFunc:
             )
         extra = getattr(getattr(trainer, "args", None), "generation_kwargs", None)
         if extra:
-            raise ValueError(
-                f"rapo rollout_func: generation_kwargs: expected None (unused by RAPO's rollout), got {extra!r}"
-            )
+            raise ValueError(f"rapo rollout_func: generation_kwargs: expected None (unused here), got {extra!r}")
         if getattr(trainer, "use_vllm", False):
-            raise ValueError(
-                "rapo rollout_func: use_vllm: expected False (the rollout runs the trainer's model), got True"
-            )
+            raise ValueError("rapo rollout_func: use_vllm: expected False (rollouts run the trainer's model), got True")
         self._chat = None
         if getattr(tok, "chat_template", None) is not None:
             kwargs = getattr(trainer, "chat_template_kwargs", None) or {}
@@ -189,9 +182,7 @@ class RAPORolloutFunc:
         group_size = trainer.num_generations if train else trainer.num_generations_eval
         chat = self._chat if prompts and _is_chat(prompts[0]) else None
         if prompts and _is_chat(prompts[0]) and chat is None:
-            raise ValueError(
-                "rapo rollout_func: tokenizer.chat_template: expected a template for conversational prompts, got None"
-            )
+            raise ValueError("rapo rollout_func: tokenizer.chat_template: expected one for chat prompts, got None")
         problems = _groups(prompts, group_size, chat)
         tok = self.tokenizer if self.tokenizer is not None else trainer.processing_class
         n_hybrid = self._hybrid_rows(group_size, train)

@@ -40,9 +40,8 @@ def _tag_problems(tokenizer: Any) -> dict[str, str]:
 def check_rapo_tags(tokenizer: Any, who: str = "make_rollout_func", traces: Any = None) -> None:
     """Refuse a tokenizer the rollout cannot run with: the tags must each be one token (the rollout ends a tool step
     when it samples the id of </tool>: a missing tag would never end one, an unk-mapped tag would end one on every
-    sampled unk), and eos and pad must be set (a trajectory ends at eos; rows are padded with pad). Given `traces` (a
-    StepTraces), its stored steps too: each must open and close on the tag ids, which a StepTraces built before
-    add_rapo_tags does not (its tags are pieces the rollout never reads as tags)."""
+    sampled unk), and eos and pad must be set. Given `traces` (a StepTraces), each stored step must open and close on
+    the tag ids, which one built before add_rapo_tags does not (its tags are pieces the rollout never reads as tags)."""
     problems = _tag_problems(tokenizer)
     if problems:
         wrong = "; ".join(problems.values())
