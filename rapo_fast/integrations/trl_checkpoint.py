@@ -26,10 +26,7 @@ class StepTracesCheckpoint(TrainerCallback):
 
     def __init__(self, traces: StepTraces) -> None:
         if not isinstance(traces, StepTraces):
-            raise TypeError(
-                f"StepTracesCheckpoint: traces must be a rapo_fast.retrieval.step_traces.StepTraces, got "
-                f"{type(traces).__name__}"
-            )
+            raise TypeError(f"StepTracesCheckpoint: traces: expected a StepTraces, got {type(traces).__name__}")
         self.traces = traces
 
     @staticmethod
@@ -49,8 +46,8 @@ class StepTracesCheckpoint(TrainerCallback):
         folder = self.checkpoint_dir(args, state) / TRACES_DIR
         if not folder.is_dir():
             raise ValueError(
-                f"StepTracesCheckpoint: training resumes at step {state.global_step} but {folder} does not exist; "
-                "resume from a checkpoint under output_dir that was saved with this callback, or call "
+                f"StepTracesCheckpoint: checkpoint: expected {folder} (training resumes at step {state.global_step}), "
+                "got no such folder; resume from a checkpoint under output_dir saved with this callback, or call "
                 "restore(<checkpoint>) before trainer.train()"
             )
         self.restore(folder.parent)

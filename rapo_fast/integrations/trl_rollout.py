@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from rapo_fast._checks import check_bool
+from rapo_fast._checks import check_bool, check_int
 from rapo_fast.integrations.trl_setup import ChatEnv, ChatFormat, check_rapo_tags
 from rapo_fast.retrieval.step_traces import StepTraces
 from rapo_fast.rollouts.batch import KIND_GEN, KIND_RET, RolloutBatch
@@ -51,14 +51,17 @@ def _groups(prompts: Sequence[Any], group_size: int, chat: ChatFormat | None) ->
     """TRL's per-process prompt slice (each prompt repeated group_size times in a row) -> one problem per group."""
     if len(prompts) % group_size:
         raise ValueError(
-            f"rapo rollout_func: {len(prompts)} prompts on this process is not a multiple of num_generations="
-            f"{group_size}; make per_device_train_batch_size * steps_per_generation a multiple of num_generations"
+            f"rapo rollout_func: prompts: expected a multiple of num_generations={group_size} on this process "
+            f"(per_device_train_batch_size * steps_per_generation), got {len(prompts)}"
         )
     out = []
     for start in range(0, len(prompts), group_size):
         block = prompts[start : start + group_size]
         if any(p != block[0] for p in block):
-            raise ValueError("rapo rollout_func: each process must receive whole groups of num_generations prompts")
+            raise ValueError(
+                f"rapo rollout_func: prompts: expected whole groups of num_generations={group_size} equal prompts on "
+                "each process, got a group of different prompts"
+            )
         first = block[0]
         if isinstance(first, str):
             out.append(_Prompt(first, prompt_group_id(first), first))
@@ -67,7 +70,7 @@ def _groups(prompts: Sequence[Any], group_size: int, chat: ChatFormat | None) ->
             out.append(_Prompt(text, prompt_group_id(text), first, ids))
         else:
             raise TypeError(
-                f"rapo rollout_func: prompts must be text or a list of chat messages ({{'role', 'content'}} dicts), "
+                f"rapo rollout_func: prompts: expected text or a list of chat messages ({{'role', 'content'}} dicts), "
                 f"got {type(first).__name__}: {first!r:.120}"
             )
     return out
@@ -79,12 +82,13 @@ class RAPORolloutFunc:
 
     Args: env (`execute(call_text) -> observation text`: the tool), traces (a rapo_fast.StepTraces; None: plain
     on-policy multi-turn rollouts, no retrieval), tokenizer (default: the StepTraces' tokenizer, else the trainer's
-    processing_class; each tag <tool> </tool> <retrieve> </retrieve> must be one token: `add_rapo_tags` adds them),
-    success_fn ((prompt as TRL gave it, completion text) -> bool: the successful trajectories' tool steps are added
-    to traces; None: the buffer is not grown), n_hybrid (hybrid rows per group; default num_generations // 2),
-    retrieve_prob, mode ("exact" / "splice"), max_steps, max_step_tokens, exclude_own_group: as in rapo_fast.rollout;
-    retrieve_at_eval (evaluation rollouts retrieve too; they never grow the buffer), chat_tool_turns (conversational
-    prompts: a tool's output is rendered as the chat template's tool turn; False: inline in the assistant turn).
+    processing_class; each tag <tool> </tool> <retrieve> </retrieve> one token: `add_rapo_tags` adds them),
+    success_fn ((prompt as TRL gave it, completion text as TRL's reward functions get it) -> bool: the successful
+    trajectories' tool steps are added to traces; None: the buffer is not grown), n_hybrid (hybrid rows per group;
+    default num_generations // 2), retrieve_prob, mode ("exact" / "splice"), max_steps, max_step_tokens,
+    exclude_own_group: as in rapo_fast.rollout; retrieve_at_eval (evaluation rollouts retrieve too; they never grow
+    the buffer), chat_tool_turns (conversational prompts: a tool's output is rendered as the chat template's tool
+    turn; False: inline in the assistant turn).
     Completions are cut at trainer.max_completion_length. Bad arguments raise TypeError/ValueError here; the
     tokenizer's tags and the trainer's sampling options are checked when the trainer is built (RAPOGRPOTrainer) or
     at the first rollout (GRPOTrainer).
@@ -107,24 +111,22 @@ class RAPORolloutFunc:
         chat_tool_turns: bool = True,
     ) -> None:
         if not callable(getattr(env, "execute", None)):
-            raise TypeError(
-                f"make_rollout_func: env must have execute(call_text) -> observation text, got {type(env).__name__}"
-            )
+            raise TypeError(f"make_rollout_func: env: expected execute(call_text) -> text, got {type(env).__name__}")
         if traces is not None and not isinstance(traces, StepTraces):
             hint = " (wrap a StepBuffer: StepTraces(buffer, encoder, tokenizer))" if hasattr(traces, "search") else ""
             raise TypeError(
-                f"make_rollout_func: traces must be a rapo_fast.StepTraces or None, got {type(traces).__name__}{hint}"
+                f"make_rollout_func: traces: expected a rapo_fast.StepTraces or None, got {type(traces).__name__}{hint}"
             )
-        if n_hybrid is not None and (not isinstance(n_hybrid, int) or n_hybrid < 0):
-            raise ValueError(f"make_rollout_func: n_hybrid must be None or an int >= 0, got {n_hybrid!r}")
+        if n_hybrid is not None:
+            check_int("make_rollout_func: n_hybrid", n_hybrid, lo=0)
         if success_fn is not None and not callable(success_fn):
-            raise TypeError(f"make_rollout_func: success_fn must be callable or None, got {type(success_fn).__name__}")
+            raise TypeError(f"make_rollout_func: success_fn: expected a callable, got {type(success_fn).__name__}")
         for name, flag in (("retrieve_at_eval", retrieve_at_eval), ("chat_tool_turns", chat_tool_turns)):
             check_bool(f"make_rollout_func: {name}", flag)
         if tokenizer is None and traces is not None:
             tokenizer = traces.tokenizer  # the payloads' token ids are this tokenizer's: the policy must share it
         if tokenizer is not None:
-            check_rapo_tags(tokenizer)
+            check_rapo_tags(tokenizer, traces=traces)
         self.env, self.traces, self.tokenizer, self.success_fn = env, traces, tokenizer, success_fn
         self.n_hybrid, self.retrieve_prob, self.mode = n_hybrid, retrieve_prob, mode
         self.max_steps, self.max_step_tokens, self.exclude_own_group = max_steps, max_step_tokens, exclude_own_group
@@ -137,28 +139,26 @@ class RAPORolloutFunc:
         """Check the trainer against what the rollout supports (its tokenizer's tags, its sampling options);
         RAPOGRPOTrainer calls it at construction, a plain GRPOTrainer gets it at the first rollout."""
         tok = self.tokenizer if self.tokenizer is not None else trainer.processing_class
-        check_rapo_tags(tok, "rapo rollout_func")
+        check_rapo_tags(tok, "rapo rollout_func", self.traces)
         proc = trainer.processing_class
         if self.tokenizer is not None and hasattr(proc, "__len__") and hasattr(self.tokenizer, "__len__"):
             if len(proc) != len(self.tokenizer):
                 raise ValueError(
-                    f"rapo rollout_func: the rollout's tokenizer has {len(self.tokenizer)} tokens, the trainer's "
-                    f"processing_class {len(proc)}; pass the same tokenizer to both"
+                    f"rapo rollout_func: processing_class: expected the rollout's tokenizer ({len(self.tokenizer)} "
+                    f"tokens), got one of {len(proc)} tokens"
                 )
         set_ = {k: getattr(trainer, k, off) for k, off in _UNSUPPORTED_SAMPLING.items()}
         set_ = {k: v for k, v in set_.items() if v != _UNSUPPORTED_SAMPLING[k] and not (k == "top_k" and v is None)}
         if set_:
             raise ValueError(
-                f"rapo rollout_func: GRPOConfig sampling options {set_} are not implemented by RAPO's rollout "
-                f"(it samples at temperature only); leave them at their defaults {_UNSUPPORTED_SAMPLING}"
+                f"rapo rollout_func: GRPOConfig sampling options: expected their defaults {_UNSUPPORTED_SAMPLING} "
+                f"(RAPO's rollout samples at temperature only), got {set_}"
             )
         extra = getattr(getattr(trainer, "args", None), "generation_kwargs", None)
         if extra:
-            raise ValueError(
-                f"rapo rollout_func: GRPOConfig generation_kwargs={extra!r} are not used by RAPO's rollout"
-            )
+            raise ValueError(f"rapo rollout_func: generation_kwargs: expected None (unused here), got {extra!r}")
         if getattr(trainer, "use_vllm", False):
-            raise ValueError("rapo rollout_func: use_vllm=True is not supported (the rollout runs the trainer's model)")
+            raise ValueError("rapo rollout_func: use_vllm: expected False (rollouts run the trainer's model), got True")
         self._chat = None
         if getattr(tok, "chat_template", None) is not None:
             kwargs = getattr(trainer, "chat_template_kwargs", None) or {}
@@ -182,7 +182,7 @@ class RAPORolloutFunc:
         group_size = trainer.num_generations if train else trainer.num_generations_eval
         chat = self._chat if prompts and _is_chat(prompts[0]) else None
         if prompts and _is_chat(prompts[0]) and chat is None:
-            raise ValueError("rapo rollout_func: conversational prompts need a tokenizer with a chat_template")
+            raise ValueError("rapo rollout_func: tokenizer.chat_template: expected one for chat prompts, got None")
         problems = _groups(prompts, group_size, chat)
         tok = self.tokenizer if self.tokenizer is not None else trainer.processing_class
         n_hybrid = self._hybrid_rows(group_size, train)
@@ -206,23 +206,24 @@ class RAPORolloutFunc:
         out = _trl_rows(batch, int(trainer.max_completion_length))
         out["retrieval_reward"] = z.tolist()
         out["num_retrievals"] = batch.num_retrievals().tolist()
-        added = self._grow(batch, problems, tok) if train else 0  # evaluation never grows the training buffer
+        added = self._grow(batch, problems, out["completion_ids"], tok, chat) if train else 0  # never at evaluation
         _log(trainer, "train" if train else "eval", batch, z, scored, added, self.traces)
         return out
 
-    def _grow(self, batch: RolloutBatch, problems: list[_Prompt], tok: Any) -> int:
-        """Add the successful trajectories' generated tool steps to the StepTraces (under their prompt's group id)."""
+    def _grow(self, batch: RolloutBatch, problems: list[_Prompt], completion_ids: list, tok: Any, chat: Any) -> int:
+        """Add the successful trajectories' generated tool steps to the StepTraces (under their prompt's group id), in
+        the form of the seed steps: a chat tool turn is taken off (ChatFormat.plain_step)."""
         if self.traces is None or self.success_fn is None:
             return 0
         from rapo_fast.train.trainer import onpolicy_steps
 
+        done = tok.batch_decode(completion_ids, skip_special_tokens=True)  # the text TRL's reward functions get
         ok = torch.tensor(
-            [
-                float(bool(self.success_fn(problems[int(i)].source, c)))
-                for i, c in zip(batch.prompt_index, batch.completions)
-            ]
+            [float(bool(self.success_fn(problems[int(i)].source, c))) for i, c in zip(batch.prompt_index, done)]
         )
         hist, steps, groups = onpolicy_steps(batch, ok, tok)
+        if chat is not None and chat.tool_turns:
+            steps = [chat.plain_step(s) for s in steps]
         if not steps:
             return 0
         _, slots = self.traces.add_steps(hist, steps, groups, return_slots=True)
@@ -257,29 +258,18 @@ def _log(trainer: Any, mode: str, batch: RolloutBatch, z: torch.Tensor, scored: 
     n_ret = batch.num_retrievals()
     resp = ((batch.kinds >= KIND_GEN) & (batch.attention_mask > 0)).sum().clamp_min(1)
     has = scored > 0
-    local = (
-        torch.stack(
-            [
-                (n_ret > 0).float().mean(),
-                n_ret.float().mean(),
-                (batch.kinds == KIND_RET).sum() / resp,
-                z[has].float().mean() if has.any() else torch.tensor(0.0),
-                torch.tensor(float(added)),
-                torch.tensor(float(len(traces) if traces is not None else 0)),
-            ]
-        )
-        .float()
-        .to(trainer.accelerator.device)
-    )
-    values = trainer.accelerator.gather(local.reshape(1, -1)).reshape(-1, local.numel()).mean(0).tolist()
+    # a retrieval point: a tool result reached by a hybrid row (the only place a retrieval can happen)
+    rows, ends = batch.step_spans[:, 0], batch.step_spans[:, 2]
+    points = ((batch.step_obs_end > ends) & batch.hybrid[rows]).sum()
+    dev = trainer.accelerator.device
+    size, z_mean = len(traces) if traces is not None else 0, z[has].float().mean() if has.any() else 0.0
+    row = [(n_ret > 0).float().mean(), n_ret.float().mean(), (batch.kinds == KIND_RET).sum() / resp, z_mean]
+    local = torch.tensor([[float(v) for v in (*row, added, size, points, n_ret.sum())]], device=dev)
+    values = trainer.accelerator.gather(local).reshape(-1, local.shape[1]).mean(0).tolist()
     names = (
-        "retrieval_rate",
-        "retrievals_per_traj",
-        "retrieved_token_frac",
-        "retrieval_reward",
-        "buffer_added",
-        "buffer_size",
-    )
+        "retrieval_rate retrievals_per_traj retrieved_token_frac retrieval_reward buffer_added buffer_size "
+        "retrieval_points retrievals"
+    ).split()
     for name, value in zip(names, values):
         metrics[mode][f"rapo/{name}"].append(value)
 

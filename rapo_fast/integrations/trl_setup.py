@@ -1,7 +1,8 @@
 """Getting a real model's tokenizer ready for RAPO's rollouts inside TRL: the tag check, its remedy, chat prompts.
 
-What it is: `check_rapo_tags` (ValueError unless each tag is one token of the vocabulary), `add_rapo_tags` (the
-one-call remedy) and `ChatFormat` (prompts and tool turns rendered by the chat template as TRL renders prompts).
+What it is: `check_rapo_tags` (ValueError unless each tag is one token of the vocabulary, and of the steps a StepTraces
+stored), `add_rapo_tags` (the one-call remedy) and `ChatFormat` (prompts and tool turns rendered by the chat template
+as TRL renders prompts; learned steps back in the buffer's one form).
 What it is not: a tokenizer, a tool-call parser (a tool call is the text between the tags), or TRL's tool calling.
 """
 
@@ -36,17 +37,26 @@ def _tag_problems(tokenizer: Any) -> dict[str, str]:
     return out
 
 
-def check_rapo_tags(tokenizer: Any, who: str = "make_rollout_func") -> None:
+def check_rapo_tags(tokenizer: Any, who: str = "make_rollout_func", traces: Any = None) -> None:
     """Refuse a tokenizer the rollout cannot run with: the tags must each be one token (the rollout ends a tool step
     when it samples the id of </tool>: a missing tag would never end one, an unk-mapped tag would end one on every
-    sampled unk), and eos and pad must be set (a trajectory ends at eos; rows are padded with pad)."""
+    sampled unk), and eos and pad must be set. Given `traces` (a StepTraces), each stored step must open and close on
+    the tag ids, which one built before add_rapo_tags does not (its tags are pieces the rollout never reads as tags)."""
     problems = _tag_problems(tokenizer)
     if problems:
         wrong = "; ".join(problems.values())
-        raise ValueError(f"{who}: tokenizer: each tag of {TAGS} must be one token; {wrong}. {_REMEDY}")
+        raise ValueError(f"{who}: tokenizer: expected each tag of {TAGS} as one token, got {wrong}. {_REMEDY}")
     for name in ("eos_token_id", "pad_token_id"):
         if getattr(tokenizer, name, None) is None:
-            raise ValueError(f"{who}: tokenizer: {name} must be set, got None")
+            raise ValueError(f"{who}: tokenizer: expected {name} set, got None")
+    ends = [tokenizer.convert_tokens_to_ids(t) for t in ("<retrieve>", "</retrieve>")]
+    bad = [p for p, seg in (traces.payloads if traces is not None else {}).items() if [seg[0], seg[-1]] != ends]
+    if bad:
+        raise ValueError(
+            f"{who}: traces: expected steps tokenized with each tag of {TAGS} as one token, got {len(bad)} of "
+            f"{len(traces.payloads)} with the tags in pieces (payload {bad[0]} starts {traces.payloads[bad[0]][:4]}): "
+            f"the StepTraces was built before add_rapo_tags; {_REMEDY}, then build the StepTraces"
+        )
 
 
 def add_rapo_tags(tokenizer: Any, model: Any = None) -> int:
@@ -64,11 +74,13 @@ def add_rapo_tags(tokenizer: Any, model: Any = None) -> int:
     problems = _tag_problems(tokenizer)
     if problems:
         wrong = "; ".join(problems.values())
-        raise ValueError(f"add_rapo_tags: tokenizer: the tags are still not single tokens after adding them: {wrong}")
+        raise ValueError(f"add_rapo_tags: tokenizer: expected single-token tags once added, got {wrong}")
     return added
 
 
 _SENT, _OBS = "\x00RAPO-STEP\x00", "\x00RAPO-OBS\x00"  # sentinels no template or task text contains
+# chat_tool_turns=False keeps tool output inline in the assistant turn: no tool message to render
+_CHAT_ERR = "rapo rollout_func: tokenizer.chat_template (or pass chat_tool_turns=False): expected"
 
 
 @dataclass
@@ -88,7 +100,7 @@ class ChatFormat:
 
     def __post_init__(self) -> None:
         if getattr(self.tokenizer, "chat_template", None) is None:
-            raise ValueError("rapo rollout_func: chat prompts need a tokenizer with a chat_template, got None")
+            raise ValueError("rapo rollout_func: tokenizer.chat_template: expected one for chat prompts, got None")
         if self.tool_turns:
             self.tool_prefix, self.tool_suffix = self._tool_turn()
 
@@ -102,15 +114,9 @@ class ChatFormat:
         try:
             text = self._render([*turn, {"role": "tool", "content": _OBS}], True)
         except Exception as exc:  # jinja raises whatever the template author chose
-            raise ValueError(
-                f"rapo rollout_func: the chat template cannot render a 'tool' message ({exc}); pass "
-                "chat_tool_turns=False to keep tool output inline in the assistant turn"
-            ) from exc
+            raise ValueError(f"{_CHAT_ERR} a 'tool' message rendered, got {type(exc).__name__}: {exc}") from exc
         if text.count(_SENT) != 1 or text.count(_OBS) != 1 or text.index(_SENT) > text.index(_OBS):
-            raise ValueError(
-                "rapo rollout_func: the chat template does not render a tool message after the assistant's text; "
-                "pass chat_tool_turns=False to keep tool output inline in the assistant turn"
-            )
+            raise ValueError(f"{_CHAT_ERR} the tool message after the assistant's text, got another order")
         between = text[text.index(_SENT) + len(_SENT) :]
         prefix, suffix = between.split(_OBS)
         return prefix, suffix
@@ -123,6 +129,13 @@ class ChatFormat:
 
     def tool_output(self, observation: str) -> str:
         return f"{self.tool_prefix}{observation}{self.tool_suffix}"
+
+    def plain_step(self, step: str) -> str:
+        """A learned step's text (generated up to its one `</tool>`, then the tool turn around the observation) in the
+        buffer's one form, the form of the seed steps from JSONL: `... </tool> observation`, no template text."""
+        head, sep, turn = step.partition("</tool>")
+        turn = turn.strip().removeprefix(self.tool_prefix.strip()).removesuffix(self.tool_suffix.strip())
+        return f"{head}{sep} {turn.strip()}"
 
 
 class ChatEnv:

@@ -209,6 +209,8 @@ def _configure(trainer, case):
     trainer.vllm_importance_sampling_clip_min = None
     trainer.vllm_importance_sampling_clip_max = tis
     trainer.current_gradient_accumulation_steps = 2
+    if hasattr(trainer, "loss_plan"):  # the plan is made once, at construction: remade for the new attributes
+        trainer.loss_plan = trl_to_rapo_options(trainer, trainer.rapo_options)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -326,10 +328,10 @@ def test_mapping_table(trainer):
         plan = trl_to_rapo_options(trainer, {"shaping_m": 0.05})
     finally:
         _configure(trainer, {})
-    assert plan.options["loss_agg"] == "token-mean" and plan.global_num_tokens == "batch_x_max_len"
-    assert plan.options["eps_low"] == pytest.approx(0.2) and plan.options["eps_high"] == pytest.approx(0.28)
-    assert plan.options["dual_clip"] == 2.0 and plan.options["shaping_m"] == 0.05
-    assert plan.options["temperature"] == pytest.approx(TEMPERATURE)
+    assert plan.options.loss_agg == "token-mean" and plan.normaliser == "batch_x_max_len"
+    assert plan.options.eps_low == pytest.approx(0.2) and plan.options.eps_high == pytest.approx(0.28)
+    assert plan.options.dual_clip == 2.0 and plan.options.shaping_m == 0.05
+    assert plan.options.temperature == pytest.approx(TEMPERATURE)
 
 
 def test_rapo_extras_reach_rapo_loss(trainer):
@@ -374,6 +376,7 @@ def test_rapo_extras_reach_rapo_loss(trainer):
             assert_close_verbose(got_g[name], p.grad, name=f"grad {name}", atol=1e-6, rtol=2e-4)
         # Shaping changes the loss: it is not silently dropped.
         trainer.rapo_options = {"offpolicy_train": "shaped", "gamma": 0.1}
+        trainer.loss_plan = trl_to_rapo_options(trainer, trainer.rapo_options)
         plain = RAPOGRPOTrainer._compute_loss(trainer, trainer.model, dict(inputs)).detach()
         assert (plain - got).abs() > 1e-6
     finally:
@@ -408,7 +411,7 @@ def test_truncated_is_accepted_where_behaviour_logps_can_come(trainer):
     fake = copy.copy(trainer)
     _configure(fake, {})
     fake.rollout_func = lambda prompts, trainer: None
-    assert trl_to_rapo_options(fake, {"offpolicy_train": "truncated"}).options["offpolicy_train"] == "truncated"
+    assert trl_to_rapo_options(fake, {"offpolicy_train": "truncated"}).options.offpolicy_train == "truncated"
 
     class WithOwnBatches(RAPOGRPOTrainer):
         def _generate_and_score_completions(self, inputs):  # pragma: no cover - never called here
@@ -416,7 +419,7 @@ def test_truncated_is_accepted_where_behaviour_logps_can_come(trainer):
 
     sub = copy.copy(trainer)
     sub.__class__ = WithOwnBatches
-    assert trl_to_rapo_options(sub, {"offpolicy_train": "truncated"}).options["offpolicy_train"] == "truncated"
+    assert trl_to_rapo_options(sub, {"offpolicy_train": "truncated"}).options.offpolicy_train == "truncated"
 
 
 @pytest.mark.parametrize("with_old", [True, False])
@@ -433,3 +436,27 @@ def test_log_prob_passes_of_one_loss_call(trainer, monkeypatch, with_old):
     loss = RAPOGRPOTrainer._compute_loss(trainer, trainer.model, copy.copy(inputs))
     assert torch.isfinite(loss)
     assert len(calls) == (0 if with_old else 1)
+
+
+def test_one_step_hands_the_plan_s_loss_options_to_the_loss(trainer, monkeypatch):
+    """The plan is made once (at construction): a training step passes its LossOptions object to rapo_loss, with no
+    option given as a keyword, and checks the options at most once (no LossOptions rebuilt from a dict each step)."""
+    import rapo_fast
+    from rapo_fast.loss.options import LossOptions
+
+    seen, built = [], []
+    real_loss, real_init = rapo_fast.rapo_loss, LossOptions.__init__
+    monkeypatch.setattr(rapo_fast, "rapo_loss", lambda *a, **k: seen.append(k) or real_loss(*a, **k))
+    monkeypatch.setattr(LossOptions, "__init__", lambda self, *a, **k: built.append(k) or real_init(self, *a, **k))
+    _configure(trainer, {"loss_type": "dapo", "epsilon_high": 0.28})
+    built.clear()
+    try:
+        inputs = _inputs(trainer, seed=4)
+        plan = trainer.loss_plan
+        assert torch.isfinite(RAPOGRPOTrainer._compute_loss(trainer, trainer.model, copy.copy(inputs)))
+    finally:
+        _configure(trainer, {})
+    assert len(seen) == 1
+    assert isinstance(seen[0]["options"], LossOptions) and seen[0]["options"] is plan.options
+    assert not set(seen[0]) & set(LossOptions.names()), "an option passed as a keyword beside the object"
+    assert len(built) <= 1, f"LossOptions built {len(built)} times in one step"

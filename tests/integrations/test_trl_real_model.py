@@ -24,7 +24,6 @@ try:
 except Exception as exc:  # ImportError, or any error raised while trl imports its own needs
     pytest.skip(f"trl integration needs trl and its imports: {exc!r}"[:300], allow_module_level=True)
 
-from rapo_fast.demo.tasks import ChainArithmeticTask  # noqa: E402
 from rapo_fast.demo.tiny_qwen import CHATML_TEMPLATE, build_tiny_qwen  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,7 +38,16 @@ def _example():
 
 
 EX = _example()
-TASK = ChainArithmeticTask()
+TASK = EX.make_task(EX.parse_args([]))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny model on one thread, as the example runs it: more only wait on each other on a busy CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -264,7 +272,7 @@ def test_a_step_buffer_as_traces_is_refused_at_construction():
     from rapo_fast import StepBuffer
     from rapo_fast.integrations.trl import make_rollout_func
 
-    with pytest.raises(TypeError, match=r"traces must be a rapo_fast.StepTraces or None, got StepBuffer.*StepTraces\("):
+    with pytest.raises(TypeError, match=r"traces: expected a rapo_fast.StepTraces or None, got StepBuffer.*Traces\("):
         make_rollout_func(TASK, StepBuffer(16, 8))
     with pytest.raises(TypeError, match="got object"):
         make_rollout_func(object())
@@ -288,3 +296,105 @@ def test_make_rollout_func_signature_is_typed_and_the_names_come_from_one_module
         assert name in trl_path.__all__ and getattr(trl_path, name) is not None
     with pytest.raises(TypeError, match="unexpected keyword"):
         trl_path.make_rollout_func(TASK, top_p=0.9)
+
+
+# -- 7. one step form in the buffer, tags of stored steps, retrieval points ------------------------------------------
+def _seed_traces(tok, tmp_path, n=6):
+    from rapo_fast.demo.tasks import solver_trajectories, write_jsonl
+    from rapo_fast.integrations.trl import HashedNgramEncoder, StepTraces
+
+    trajectories = solver_trajectories(TASK, TASK.make_problems(n, seed=3), n_per_query=1, seed=0)
+    jsonl = write_jsonl(trajectories, tmp_path / "s.jsonl")
+    return StepTraces.from_jsonl(jsonl, HashedNgramEncoder(), tok, top_k=1)
+
+
+def test_steps_tokenized_before_add_rapo_tags_are_refused_whichever_order(raw, tmp_path):
+    import copy
+
+    from rapo_fast.integrations.trl import add_rapo_tags, make_rollout_func
+
+    model, tok = copy.deepcopy(raw[0]), copy.deepcopy(raw[1])
+    early = _seed_traces(tok, tmp_path)  # the buffer first: its steps hold the tags as byte-level pieces
+    add_rapo_tags(tok, model)
+    for kwargs in ({}, {"tokenizer": tok}):
+        with pytest.raises(ValueError, match=r"<tool>.*</retrieve>.*built before add_rapo_tags.*add_rapo_tags\("):
+            make_rollout_func(TASK, early, **kwargs)
+    late = _seed_traces(tok, tmp_path)  # the tags first: accepted, each stored step opens and closes on the tag ids
+    make_rollout_func(TASK, late)
+    ids = {tok.convert_tokens_to_ids(t) for t in ("<retrieve>", "</retrieve>")}
+    assert all({seg[0], seg[-1]} == ids for seg in late.payloads.values())
+
+
+def test_a_learned_step_in_chat_mode_is_retrieved_in_the_seed_steps_form(built, tmp_path):
+    """Steps learned from chat rollouts are stored as the seed steps from JSONL are (`... </tool> <obs> v </obs>`, no
+    chat template text), so what a later rollout inserts is `<retrieve> step </retrieve>` in that one form."""
+    from rapo_fast._tokens import encode_plain
+    from rapo_fast.retrieval.step_traces import strip_retrieve_markers
+    from rapo_fast.rollouts.batch import KIND_RET
+
+    trainer, rollout_func = _trainer(tmp_path, built, success_fn=lambda p, c: True, exclude_own_group=False)
+    tok, traces = trainer.processing_class, rollout_func.traces
+    traces.payloads.clear()  # no seed step retrievable: the second rollout can only retrieve what the first learned
+    traces.buffer.reset()
+    trainer.model.train()
+    prompts = [trainer.train_dataset[i]["prompt"] for i in range(2) for _ in range(4)]
+    rollout_func(prompts, trainer)
+    first = rollout_func.last_batch
+    want = set()  # each tool step of the first rollout, written independently in the seed form
+    for (row, start, end), obs_end in zip(first.step_spans.tolist(), first.step_obs_end.tolist()):
+        if obs_end > end:
+            text = tok.decode(first.input_ids[row, start:end])
+            _, opened, call = text.rpartition("<tool>")
+            step = strip_retrieve_markers(f"{text} {TASK.execute(call.removesuffix('</tool>') if opened else '')}")
+            want.add(tuple(encode_plain(tok, f"<retrieve> {step} </retrieve>")))
+    assert want and {tuple(s) for s in traces.payloads.values()} <= want, "a learned step in another form"
+    rollout_func(prompts, trainer)
+    second = rollout_func.last_batch
+    ret = second.kinds == KIND_RET
+    assert ret.any(), "nothing retrieved: the test would prove nothing"
+    for row in ret.any(1).nonzero()[:, 0].tolist():
+        seen = second.input_ids[row][ret[row]].tolist()
+        assert any(tuple(seen[i : i + len(w)]) == w for w in want for i in range(len(seen))), tok.decode(seen)
+        assert "<|im_start|>" not in tok.decode(seen)
+
+
+def test_retrieval_points_and_retrievals_are_logged(built, tmp_path):
+    """A retrieval happens only at a tool result of a hybrid row: with retrieve_prob=1 and a non-empty buffer, each
+    such point retrieves once, and both counts reach TRL's metrics."""
+    trainer, rollout_func = _trainer(tmp_path, built, retrieve_prob=1.0)
+    trainer.model.train()
+    prompts = [trainer.train_dataset[i]["prompt"] for i in range(2) for _ in range(4)]
+    rollout_func(prompts, trainer)
+    batch, metrics = rollout_func.last_batch, trainer._metrics["train"]
+    rows, ends = batch.step_spans[:, 0], batch.step_spans[:, 2]
+    points = torch.zeros(batch.batch_size, dtype=torch.long).index_add_(0, rows, (batch.step_obs_end > ends).long())
+    points = points * batch.hybrid
+    assert points.sum() > 0, "no hybrid row reached a tool result: the test would prove nothing"
+    assert torch.equal(batch.num_retrievals(), points)  # a row that never called a tool never retrieved
+    assert metrics["rapo/retrieval_points"][-1] == metrics["rapo/retrievals"][-1] == float(points.sum())
+
+
+# -- 8. the example: a learning signal in its default steps; the missing extra named -------------------------------
+def test_the_chat_example_shows_a_learning_signal_in_its_default_steps(tmp_path, capsys):
+    import re
+
+    assert EX.main(["--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    m = re.search(r"trained (\d+) steps, mean loss \S+, mean reward (\S+), buffer (\d+) -> (\d+) steps", out)
+    assert m is not None, out
+    steps, reward, before, after = int(m[1]), float(m[2]), int(m[3]), int(m[4])
+    assert steps == EX.parse_args([]).steps
+    assert reward > 0 or after > before, out
+
+
+@pytest.mark.parametrize("module", ["datasets", "trl"])
+def test_the_examples_without_the_trl_extra_name_it(monkeypatch, module):
+    import sys
+
+    arith = importlib.util.spec_from_file_location("rapo_grpo_arith", ROOT / "examples" / "trl" / "rapo_grpo_arith.py")
+    mod = importlib.util.module_from_spec(arith)
+    arith.loader.exec_module(mod)
+    monkeypatch.setitem(sys.modules, module, None)  # `import module` now fails as if it were not installed
+    for example in (EX, mod):
+        with pytest.raises(SystemExit, match=rf'{module} is missing: .*pip install -e "\.\[trl\]"'):
+            example.main(["--steps", "1"])

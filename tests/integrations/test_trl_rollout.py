@@ -39,6 +39,15 @@ def _example():
 EX = _example()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny model on one thread, as the example runs it: more only wait on each other on a busy CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def warm_state(tmp_path_factory):
     """The example's SFT warm-up, once for the module's tests."""
@@ -140,11 +149,12 @@ def test_without_retrieval_equals_trl_grpo_trainer(tmp_path, warm_state):
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_clip_metrics_under_trl_names_match_trl(tmp_path, warm_state, level):
     """clip_ratio/{low_mean, high_mean, region_mean, low_min, high_max}: our loss logs TRL's values on one batch."""
-    from rapo_fast.integrations.trl import RAPOGRPOTrainer
+    from rapo_fast.integrations.trl import RAPOGRPOTrainer, trl_to_rapo_options
 
     args = EX.parse_args(["--no-retrieval", "--shaping", "0"])
     trainer, _, _ = EX.build_trainer(args, tmp_path, warm_state)
     trainer.importance_sampling_level = level
+    trainer.loss_plan = trl_to_rapo_options(trainer, trainer.rapo_options)  # made at construction: remade here
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
     prompts = [trainer.train_dataset[i]["prompt"] for i in range(2) for _ in range(args.group_size)]

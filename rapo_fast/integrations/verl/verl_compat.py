@@ -241,7 +241,8 @@ def installed_version() -> str:
         if isinstance(v, str):
             return v
         raise ImportError(
-            f"rapo_fast's verl plugin: verl is not installed (supported: verl{SUPPORTED_RANGE})"
+            f"rapo_fast's verl plugin: verl is not installed (supported: verl{SUPPORTED_RANGE}): pip install -e "
+            '".[verl]" in a checkout (rapo-fast[verl]), with the constraint of README "RAPO on verl"'
         ) from None
 
 
