@@ -17,9 +17,9 @@ from functools import lru_cache
 
 import torch
 
+from experiments.table1.kb import kb_solver_trajectories
 from experiments.table1.kb_alias import AliasKBTask, chain_split, foreign_step
 from experiments.table1.kb_step import AdvancingTraces, advance_step
-from rapo_fast.demo.tasks import kb_solver_trajectories
 from rapo_fast.demo.tiny_policy import build_tiny_policy
 from rapo_fast.retrieval.step_traces import StepTraces
 from rapo_fast.train.sft import sft_warmup

@@ -13,7 +13,7 @@ import random
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from rapo_fast.demo.tasks.kb import RELATIONS, KBProblem, KnowledgeBaseTask
+from experiments.table1.kb import RELATIONS, KBProblem, KnowledgeBaseTask
 
 N_ALIASES = 18  # the relation chains of 2-3 hops whose types compose (enumerated by `all_chains`)
 ALIASES: tuple[str, ...] = tuple(f"q{i}" for i in range(N_ALIASES))

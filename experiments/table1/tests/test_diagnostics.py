@@ -9,7 +9,7 @@ import random
 import pytest
 
 from experiments.table1 import diagnostics as D
-from rapo_fast.demo.tasks import KnowledgeBaseTask, kb_solver_trajectories
+from experiments.table1.kb import KnowledgeBaseTask, kb_solver_trajectories
 
 
 @pytest.fixture(scope="module")

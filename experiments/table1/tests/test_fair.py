@@ -20,9 +20,9 @@ from experiments.table1 import diagnostics as D
 from experiments.table1 import run as table1
 from experiments.table1 import setting
 from experiments.table1.families import RL_CHAINS, AliasFamily, get_family
+from experiments.table1.kb import RELATIONS
 from experiments.table1.kb_alias import ALIASES, AliasKBTask, alias_table, all_chains, foreign_step
 from experiments.table1.report import CSV_COLUMNS
-from rapo_fast.demo.tasks.kb import RELATIONS
 
 
 def test_alias_table_is_a_bijection_and_hides_the_chain():
@@ -60,7 +60,7 @@ def test_hints_are_foreign_steps_of_the_same_relation():
 
 
 def test_foreign_warm_up_examples():
-    from rapo_fast.demo.tasks import KnowledgeBaseTask
+    from experiments.table1.kb import KnowledgeBaseTask
     from rapo_fast.rollouts.batch import KIND_GEN, KIND_RET
     from rapo_fast.train.sft import sft_examples
 

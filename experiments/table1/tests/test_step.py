@@ -206,7 +206,8 @@ def test_step_family_is_selectable_but_not_the_default():
 
 
 def _traces_args():
-    from rapo_fast.demo.tasks import kb_solver_trajectories, write_jsonl
+    from experiments.table1.kb import kb_solver_trajectories
+    from rapo_fast.demo.tasks import write_jsonl
     from rapo_fast.retrieval.encoders import HashedNgramEncoder
 
     task = AliasKBTask(chains=RL_CHAINS)

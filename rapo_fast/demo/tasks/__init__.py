@@ -5,15 +5,11 @@ off-policy solver writing JSONL trajectories with rewards (some wrong) that seed
 """
 
 from rapo_fast.demo.tasks.arith import ChainArithmeticTask, Problem
-from rapo_fast.demo.tasks.kb import KBProblem, KnowledgeBaseTask, kb_solver_trajectories
 from rapo_fast.demo.tasks.solver import read_jsonl, solver_trajectories, write_jsonl
 
 __all__ = [
     "ChainArithmeticTask",
-    "KBProblem",
-    "KnowledgeBaseTask",
     "Problem",
-    "kb_solver_trajectories",
     "read_jsonl",
     "solver_trajectories",
     "write_jsonl",

@@ -7,8 +7,7 @@ import random
 import pytest
 import torch
 
-from rapo_fast.demo.tasks import KnowledgeBaseTask, kb_solver_trajectories
-from rapo_fast.demo.tasks.kb import RELATIONS
+from experiments.table1.kb import RELATIONS, KnowledgeBaseTask, kb_solver_trajectories
 from rapo_fast.demo.tiny_policy import build_tiny_policy
 from rapo_fast.retrieval.encoders import HashedNgramEncoder
 from rapo_fast.retrieval.jsonl import read_jsonl, write_jsonl

@@ -1,10 +1,10 @@
-"""Multi-hop questions over a synthetic knowledge base with a search tool: the demo's second task family.
+"""Multi-hop questions over a synthetic knowledge base with a search tool: the Table-1 experiment's task family.
 
 What this is: a Search-R1-style family where exploration is the bottleneck: `KnowledgeBaseTask` (a seeded knowledge
 base of typed entities and functional relations; questions compose 2-3 relations, answered one search per relation)
 and `kb_solver_trajectories`, the scripted off-policy solver with errors. It has the interface of
 `ChainArithmeticTask`, so the rollout, the SFT warm-up and the trainer run on it unchanged. Format, solver and the
-hop split are described in docs/training.md section 6.
+hop split are described in experiments/table1/runner.md ("The knowledge-base task").
 What this is not: a model of real knowledge or of retrieval over text (the search is an exact lookup of one fact),
 nor a benchmark; the knowledge base is fixed per `kb_seed`.
 """
@@ -16,7 +16,6 @@ import re
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
-from rapo_fast._checks import check_float, check_int
 from rapo_fast.demo.tiny_policy import WordTokenizer
 
 TYPES: tuple[str, ...] = ("person", "city", "country", "company")
@@ -29,6 +28,22 @@ RELATIONS: dict[str, tuple[str, str]] = {
     "ceo": ("company", "person"),
     "hq_in": ("company", "city"),
 }
+
+
+def check_int(name: str, value, *, lo: int = -(2**63), hi: int = 2**63 - 1) -> int:
+    """An int (bool refused) in [lo, hi], in the library's error voice."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int in [{lo}, {hi}], got {type(value).__name__} {value!r}")
+    if not lo <= value <= hi:
+        raise ValueError(f"{name}: expected an int in [{lo}, {hi}], got {value}")
+    return value
+
+
+def check_float(name: str, value) -> float:
+    """A real number (bool refused), as a float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected a real number, got {type(value).__name__} {value!r}")
+    return float(value)
 
 
 @dataclass(frozen=True)
