@@ -109,7 +109,8 @@ def test_encoder_and_buffer_dims_must_agree_at_construction():
     from rapo_fast.retrieval.encoders import HashedNgramEncoder
     from rapo_fast.retrieval.step_traces import StepTraces
 
-    with pytest.raises(ValueError, match=r"HashedNgramEncoder.dim=256.*StepBuffer.dim=8"):
+    want = r"expected dim 8 \(the buffer.s, StepBuffer.dim\), got HashedNgramEncoder.dim=256"
+    with pytest.raises(ValueError, match=want):
         StepTraces(StepBuffer(16, 8), HashedNgramEncoder(dim=256), tokenizer=None)
     StepTraces(StepBuffer(16, 256), HashedNgramEncoder(dim=256), tokenizer=None)
 

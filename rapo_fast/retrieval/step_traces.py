@@ -76,14 +76,14 @@ class StepTraces:
         self.num_offpolicy = 0
         self.num_onpolicy = 0
         if kv_store is not None and model is None:
-            raise ValueError("StepTraces: kv_store needs the model that computes the segments' K/V (model=None given)")
+            raise ValueError("StepTraces: model: expected the model that computes kv_store's K/V, got None")
         self.pin_offpolicy = C.check_bool("StepTraces: pin_offpolicy", pin_offpolicy)
         enc_dim, buf_dim = getattr(encoder, "dim", None), getattr(buffer, "dim", None)
         if isinstance(enc_dim, int) and isinstance(buf_dim, int) and enc_dim != buf_dim:
             # caught here rather than at the first add or search, where the error names only `embeddings`
             raise ValueError(
-                f"StepTraces: the encoder's dim ({type(encoder).__name__}.dim={enc_dim}) must equal the buffer's "
-                f"dim ({type(buffer).__name__}.dim={buf_dim})"
+                f"StepTraces: encoder: expected dim {buf_dim} (the buffer's, {type(buffer).__name__}.dim), got "
+                f"{type(encoder).__name__}.dim={enc_dim}"
             )
 
     def pin_offpolicy_steps(self) -> None:
