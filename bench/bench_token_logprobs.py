@@ -342,9 +342,7 @@ s = b._step_fn(b._parity_fns({n}, {v})[{side!r}], leaves, {{k: t[k] for k in ("t
 
 
 def _parity_rss(n: int, h: int, v: int, mode: str, repeats: int) -> dict:
-    """Median extra peak RSS (MiB) of one call of the chunked op and of ours, `repeats` fresh processes each."""
-    import statistics
-
+    """Extra peak RSS (MiB) of one call of the chunked op and of ours, `repeats` fresh processes each."""
     from cpu_peak_rss import extra_peak_rss_mib
 
     mib: dict = {"chunked": [], "ours": []}
@@ -352,7 +350,7 @@ def _parity_rss(n: int, h: int, v: int, mode: str, repeats: int) -> dict:
         for side in ("chunked", "ours") if r % 2 == 0 else ("ours", "chunked"):
             setup = RSS_SETUP.format(n=n, h=h, v=v, mode=mode, side=side)
             mib[side].append(extra_peak_rss_mib(setup, "s()", "for x in leaves.values(): x.grad = None"))
-    return {k: statistics.median(x) for k, x in mib.items()}
+    return mib
 
 
 def _parity_rows(shapes, repeats: int, rss_repeats: int) -> None:
@@ -381,10 +379,14 @@ def _parity_rows(shapes, repeats: int, rss_repeats: int) -> None:
             times.setdefault("called", times["chunked"])
             a, c, b = (statistics.median(times[k]) * 1e-6 for k in ("chunked", "called", "ours"))
             mib = _parity_rss(n, h, v, mode, rss_repeats)
-            ma, mb = mib["chunked"], mib["ours"]
+            ma, mb = (statistics.median(mib[k]) for k in ("chunked", "ours"))
             row = f"{n:>6} {h:>5} {v:>6} {mode:>8} {a:>10.4f} {c:>10.4f} {b:>10.4f} {b / a:>8.3f} {b / c:>8.3f}"
             ratio = mb / ma if ma > 0 else float("nan")  # tiny shapes: within resident pages, 0 MiB either side
-            print(f"{row} {ma:>9.1f} {mb:>9.1f} {ratio:>8.3f}", flush=True)
+            print(f"{row} {ma:>9.1f} {mb:>9.1f} {ratio:>8.3f}")
+            q = {k: statistics.quantiles(x, n=5) if len(x) > 1 else x * 4 for k, x in times.items()}
+            spread = ", ".join(f"{k} {q[k][0] * 1e-6:.4g}-{q[k][3] * 1e-6:.4g}" for k in ("chunked", "ours"))
+            rss = ", ".join(f"{k} {' '.join(f'{x:.1f}' for x in mib[k])}" for k in ("chunked", "ours"))
+            print(f"  spread: ms p20-p80 {spread}; MiB per process {rss}", flush=True)
 
 
 def _parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
