@@ -42,7 +42,7 @@ import torch
 from _loss_providers import cce_linear_ce
 from plot_logprobs import plot
 
-from _args import add_bench_args, add_dtype_arg, add_grid_args, check_providers, grid_of, ordered
+from _args import add_bench_args, add_dtype_arg, add_grid_args, check_providers, grid_of, ordered, positive_int
 from _common import (
     RowWriter,
     Unavailable,
@@ -61,6 +61,7 @@ GRID_CPU = [(512, 256, 8192), (1024, 256, 32768)]
 GRID_CPU_QUICK = [(64, 32, 500), (96, 48, 1031)]
 MODES = ("fwd", "fwd+bwd")
 PARITY_REPEATS, PARITY_REPEATS_QUICK = 400, 60  # --parity: calls of each side per shape and mode
+PARITY_RSS_REPEATS = 3  # --parity: fresh processes per side, shape and mode for the extra peak RSS (1 with --quick)
 MIN_SAMPLES = 5  # CPU: timed blocks per provider and mode at least (slow providers get exactly this many)
 # provider -> the input it takes, in the default order of a run
 INPUT = {
@@ -287,15 +288,17 @@ def _triton_off(device: torch.device):
     return env_var("RAPO_FAST_DISABLE_TRITON", "1" if device.type == "cpu" else None)
 
 
-def _parity(shapes, repeats: int) -> int:
+def _parity(shapes, repeats: int, rss_repeats: int) -> int:
     """token_logprobs(hidden=...) on the CPU against torch's F.linear_cross_entropy, in fp32, two ways: as our wrapper
     calls it at that shape (rapo_fast/loss/torch_linear_ce.py: unchunked when the logits fit in SMALL_BYTES, else with
     our chunk rows), and chunked with our chunk rows at every shape (what a caller who wants torch's memory bound
-    writes). All three in one loop, the order rotating per repeat, each call timed on its own; prints the medians and
-    the ratios ours / each. Ours / "as called" is the cost of our front desk (checks, plan, the targets range check,
-    the finite-loss check). Timed as the CPU time of this thread with torch on one thread, so that a loaded machine
-    (other processes taking the cores) does not enter the numbers; torch's thread count is restored after."""
-    from rapo_fast import token_logprobs
+    writes). Time: all three in one loop, the order rotating per repeat, each call timed on its own (where the op as
+    called is the chunked one, its times are the chunked side's); prints the medians and the ratios ours / each. Ours /
+    "as called" is the cost of our front desk (checks, plan, the targets range check, the finite-loss check). Timed as
+    the CPU time of this thread with torch on one thread, so that a loaded machine (other processes taking the cores)
+    does not enter the numbers; torch's thread count is restored after. Memory: the extra peak RSS of one call of ours
+    and of the chunked op, each in `rss_repeats` fresh processes (bench/cpu_peak_rss.py, torch on one thread there
+    too), the median and the ratio."""
     from rapo_fast.loss import torch_linear_ce
 
     if not torch_linear_ce.torch_linear_ce_available():
@@ -304,28 +307,62 @@ def _parity(shapes, repeats: int) -> int:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        _parity_rows(shapes, repeats, torch_linear_ce, token_logprobs)
+        _parity_rows(shapes, repeats, rss_repeats)
     finally:
         torch.set_num_threads(threads)
     return 0
 
 
-def _parity_rows(shapes, repeats: int, tlce, token_logprobs) -> None:
+def _parity_fns(n: int, v: int) -> dict:
+    """--parity's sides at N, V: fn(tensors) -> logp; "called" is None where the op as called is the chunked one."""
+    from rapo_fast import token_logprobs
+    from rapo_fast.loss import torch_linear_ce as tlce
+
+    lce = torch.nn.functional.linear_cross_entropy
+    chunked = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=tlce.chunk_rows(n, v), chunking_method=None)
+    unchunked = 4 * n * v <= tlce.SMALL_BYTES
+    return {
+        "chunked": lambda t: -lce(t["hidden"], t["weight"], t["targets"], reduction="none", options=chunked),
+        "called": (lambda t: -lce(t["hidden"], t["weight"], t["targets"], reduction="none", options=None))
+        if unchunked
+        else None,
+        "ours": lambda t: token_logprobs(hidden=t["hidden"], weight=t["weight"], targets=t["targets"]),
+    }
+
+
+# a fresh process's --parity side: its inputs and one step of `mode` (bench/cpu_peak_rss.py runs it twice)
+RSS_SETUP = """
+import torch, rapo_fast
+import bench_token_logprobs as b
+torch.set_num_threads(1)
+t = b._inputs({n}, {h}, {v}, torch.float32, torch.device("cpu"), logits=False)
+leaves = {{k: t[k].detach().requires_grad_({mode!r} == "fwd+bwd") for k in ("hidden", "weight")}}
+s = b._step_fn(b._parity_fns({n}, {v})[{side!r}], leaves, {{k: t[k] for k in ("targets", "grad_logp")}}, {mode!r})
+"""
+
+
+def _parity_rss(n: int, h: int, v: int, mode: str, repeats: int) -> dict:
+    """Extra peak RSS (MiB) of one call of the chunked op and of ours, `repeats` fresh processes each."""
+    from cpu_peak_rss import extra_peak_rss_mib
+
+    mib: dict = {"chunked": [], "ours": []}
+    for r in range(repeats):
+        for side in ("chunked", "ours") if r % 2 == 0 else ("ours", "chunked"):
+            setup = RSS_SETUP.format(n=n, h=h, v=v, mode=mode, side=side)
+            mib[side].append(extra_peak_rss_mib(setup, "s()", "for x in leaves.values(): x.grad = None"))
+    return mib
+
+
+def _parity_rows(shapes, repeats: int, rss_repeats: int) -> None:
     import statistics
     import time
 
-    lce = torch.nn.functional.linear_cross_entropy
     head = f"{'N':>6} {'H':>5} {'V':>6} {'mode':>8} {'chunked ms':>10} {'as called':>10} {'ours ms':>10}"
-    print(f"{head} {'/chunked':>8} {'/called':>8}  ({repeats} repeats)")
+    head += f" {'/chunked':>8} {'/called':>8} {'chunk MiB':>9} {'ours MiB':>9} {'/chunked':>8}"
+    print(f"{head}  (time: {repeats} repeats; extra peak RSS: median of {rss_repeats} fresh processes)")
     for n, h, v in shapes:
         t = _inputs(n, h, v, torch.float32, torch.device("cpu"), logits=False)
-        chunked = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=tlce.chunk_rows(n, v), chunking_method=None)
-        called = None if 4 * n * v <= tlce.SMALL_BYTES else chunked
-        fns = {
-            "chunked": lambda t, o=chunked: -lce(t["hidden"], t["weight"], t["targets"], reduction="none", options=o),
-            "called": lambda t, o=called: -lce(t["hidden"], t["weight"], t["targets"], reduction="none", options=o),
-            "ours": lambda t: token_logprobs(hidden=t["hidden"], weight=t["weight"], targets=t["targets"]),
-        }
+        fns = {k: fn for k, fn in _parity_fns(n, v).items() if fn is not None}
         for mode in MODES:
             leaves = {k: t[k].detach().requires_grad_(mode == "fwd+bwd") for k in ("hidden", "weight")}
             rest = {k: x for k, x in t.items() if k not in leaves}
@@ -335,12 +372,21 @@ def _parity_rows(shapes, repeats: int, tlce, token_logprobs) -> None:
                 steps[k]()
             order = list(steps)
             for r in range(repeats):
-                for k in order[r % 3 :] + order[: r % 3]:
+                for k in order[r % len(order) :] + order[: r % len(order)]:
                     t0 = time.thread_time_ns()
                     steps[k]()
                     times[k].append(time.thread_time_ns() - t0)
+            times.setdefault("called", times["chunked"])
             a, c, b = (statistics.median(times[k]) * 1e-6 for k in ("chunked", "called", "ours"))
-            print(f"{n:>6} {h:>5} {v:>6} {mode:>8} {a:>10.4f} {c:>10.4f} {b:>10.4f} {b / a:>8.3f} {b / c:>8.3f}")
+            mib = _parity_rss(n, h, v, mode, rss_repeats)
+            ma, mb = (statistics.median(mib[k]) for k in ("chunked", "ours"))
+            row = f"{n:>6} {h:>5} {v:>6} {mode:>8} {a:>10.4f} {c:>10.4f} {b:>10.4f} {b / a:>8.3f} {b / c:>8.3f}"
+            ratio = mb / ma if ma > 0 else float("nan")  # tiny shapes: within resident pages, 0 MiB either side
+            print(f"{row} {ma:>9.1f} {mb:>9.1f} {ratio:>8.3f}")
+            q = {k: statistics.quantiles(x, n=5) if len(x) > 1 else x * 4 for k, x in times.items()}
+            spread = ", ".join(f"{k} {q[k][0] * 1e-6:.4g}-{q[k][3] * 1e-6:.4g}" for k in ("chunked", "ours"))
+            rss = ", ".join(f"{k} {' '.join(f'{x:.1f}' for x in mib[k])}" for k in ("chunked", "ours"))
+            print(f"  spread: ms p20-p80 {spread}; MiB per process {rss}", flush=True)
 
 
 def _parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
@@ -357,9 +403,12 @@ def _parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Na
     p.add_argument(
         "--parity",
         action="store_true",
-        help="only time token_logprobs(hidden=...) against the torch op it wraps on the CPU, interleaved, and print "
-        "the medians and their ratio (with --quick: tiny shapes; --shape picks others; nothing is written)",
+        help="only compare token_logprobs(hidden=...) with the torch op it wraps on the CPU: time (interleaved) and "
+        "extra peak RSS (fresh processes), medians and ratios (with --quick: tiny shapes; --shape picks others; "
+        "nothing is written)",
     )
+    p.add_argument("--repeats", type=positive_int, help="--parity: timed calls of each side per shape and mode")
+    p.add_argument("--rss-repeats", type=positive_int, help="--parity: fresh processes per side, shape and mode")
     add_grid_args(p, "N,H,V")
     args = p.parse_args(argv)
     check_providers(p, args.providers, list(INPUT))
@@ -371,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     device, shapes, dtype, reps = grid_of(args, GRID_GPU, GRID_CPU, GRID_CPU_QUICK, (300, 20, 500))
     if args.parity:  # the CPU path without Triton: torch's op is what runs there
         with _triton_off(torch.device("cpu")):
-            return _parity(shapes, PARITY_REPEATS_QUICK if args.quick else PARITY_REPEATS)
+            repeats = args.repeats or (PARITY_REPEATS_QUICK if args.quick else PARITY_REPEATS)
+            return _parity(shapes, repeats, args.rss_repeats or (1 if args.quick else PARITY_RSS_REPEATS))
     names = ordered(args.providers, list(INPUT))
     keys = [dict(provider=p_, N=n, H=h, V=v, mode=m) for n, h, v in shapes for m in MODES for p_ in names]
     with _triton_off(device):
