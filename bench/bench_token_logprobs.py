@@ -407,8 +407,8 @@ def _parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Na
         "extra peak RSS (fresh processes), medians and ratios (with --quick: tiny shapes; --shape picks others; "
         "nothing is written)",
     )
-    p.add_argument("--repeats", type=positive_int, help="--parity: timed calls of each side per shape and mode")
-    p.add_argument("--rss-repeats", type=positive_int, help="--parity: fresh processes per side, shape and mode")
+    p.add_argument("--repeats", type=positive_int, help="timed calls of each side per shape and mode (with --parity)")
+    p.add_argument("--rss-repeats", type=positive_int, help="fresh processes per side, shape and mode (with --parity)")
     add_grid_args(p, "N,H,V")
     args = p.parse_args(argv)
     check_providers(p, args.providers, list(INPUT))
