@@ -23,8 +23,9 @@ class RolloutBatch:
     each generated token under the sampling policy, 0 elsewhere); entropy [B, T] fp32 (full-vocabulary entropy of
     the sampling distribution at each generated token, 0 elsewhere); step_spans [S, 3] int64 rows (row, start, end)
     of each generated step's tokens [start, end) (the observation excluded); step_obs_end [S] int64 (end of the step
-    including its tool output); retrievals [R, 5] int64 rows (row, span index of the step before, span index of the
-    step after or -1, payload id, token count); group_ids [B] int64 (prompt query ids); prompt_index [B] int64;
+    including its tool output); retrievals [R, 5] int64 rows (row, span index of the step before or -1 when retrieved
+    right after the prompt, span index of the step after or -1, payload id, token count); group_ids [B] int64 (prompt
+    query ids); prompt_index [B] int64;
     hybrid [B] bool; parent [B] int64 (ARPO: the row a branch was copied from, -1 otherwise); branch_at [B] int64;
     origin [B, T] int64 (ARPO: a token id shared by every branch holding the same sampled token, -1 for non-generated).
     """

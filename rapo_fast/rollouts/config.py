@@ -44,11 +44,13 @@ def _retrieve_prob(name: str, v: Any) -> None:
 @dataclass(frozen=True)
 class HybridConfig(Section):
     """Strategy "hybrid": the first n_hybrid rows of each group retrieve with probability retrieve_prob (a number,
-    or a callable of the step index) at each step boundary after step 0."""
+    or a callable of the step index) at each step boundary after step 0, and, with at_prompt, also right after the
+    prompt, before step 0 (a retrieval there has no step before it, so it earns no retrieval reward)."""
 
     PATH = "rollout.hybrid"
     n_hybrid: int = option(8, rule_int(0))  # and <= group_size (RolloutConfig, with this strategy)
     retrieve_prob: float | Callable[[int], float] = option(0.5, _retrieve_prob)
+    at_prompt: bool = option(False, rule_bool())
 
 
 @dataclass(frozen=True)

@@ -157,8 +157,8 @@ class _Lockstep:
         return live
 
     def _at_boundaries(self, live: list[int]) -> None:
-        """The strategy sees the rows just past a tool result (never before step 0: only a tool result makes a
-        BOUNDARY), which then run on."""
+        """The strategy sees the rows just past a tool result (and, for a hybrid strategy with at_prompt, the rows
+        just past their prompt), which then run on."""
         at = [i for i in live if self.rows[i].state is RowState.BOUNDARY]
         if at:
             self.strategy.at_boundaries(self, at)
@@ -269,7 +269,8 @@ def _collate(rows: list[Row], pad: int, mode: str) -> RolloutBatch:
             obs_end.append(s[2])
         for after, pid, ntok in r.retrievals:
             # a retrieval inserted before step `after`; the step before it is after - 1 (step 0 never retrieves)
-            rets.append([b, base + after - 1, base + after if after < len(r.steps) else -1, pid, ntok])
+            before = base + after - 1 if after > 0 else -1  # retrieved right after the prompt: no step before
+            rets.append([b, before, base + after if after < len(r.steps) else -1, pid, ntok])
     return RolloutBatch(
         input_ids=ids,
         attention_mask=(kinds != KIND_PAD).long(),

@@ -114,6 +114,10 @@ class HybridStrategy(RolloutStrategy):
     def start(self, loop: Any) -> None:
         own = self.cfg.exclude_own_group
         self.exclude = self.traces is not None and (self.traces.has_on_policy if own is None else own)
+        if self.sub.at_prompt:  # the prompt's end is a boundary too: a hybrid row may retrieve before step 0
+            for r in loop.rows:
+                if r.hybrid and r.state is RowState.RUNNING:
+                    r.state = RowState.BOUNDARY
 
     def at_boundaries(self, loop: Any, rows: list[int]) -> None:
         """A hybrid row retrieves with probability retrieve_prob(step) (one coin draw per hybrid row, in row order)."""

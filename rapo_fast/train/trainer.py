@@ -59,12 +59,12 @@ class Retrieval(NamedTuple):
 
 def retrieval_rewards(batch: RolloutBatch, step_ent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per trajectory Z [B] (mean of tanh(2 H_delta) H_before over its retrievals, 0 without) and the number of
-    retrievals that had a step after them [B]. step_ent [S]: entropy of each step of batch.step_spans."""
+    retrievals with a step before and after them [B]. step_ent [S]: entropy of each step of batch.step_spans."""
     from rapo_fast.loss.advantages import retrieval_reward
 
     per_row: list[list[Retrieval]] = [[] for _ in range(batch.batch_size)]
     for r in map(Retrieval._make, batch.retrievals.tolist()):
-        if r.step_after >= 0:  # scored: a step after it to compare with
+        if r.step_before >= 0 and r.step_after >= 0:  # scored: a step on each side to compare
             per_row[r.row].append(r)
     hb = torch.full((len(per_row), max([1, *map(len, per_row)])), float("nan"), dtype=torch.float32)
     ha = hb.clone()

@@ -124,6 +124,35 @@ def test_step0_never_retrieves(setup):
                 assert before >= first_step_of_row[row]  # the step before a retrieval exists in the same row
 
 
+def test_at_prompt_retrieves_before_step0(setup):
+    """With at_prompt, a hybrid row may retrieve right after its prompt: the retrieved block opens the completion, the
+    retrieval's row in `retrievals` has no step before it (-1) and the step after it is the row's first span; the
+    on-policy rows of the same rollout never retrieve."""
+    task, tok, model, problems, path = setup
+    traces = _traces(tok, path)
+    hybrid = {"n_hybrid": 2, "retrieve_prob": 1.0, "at_prompt": True}
+    b = rollout(
+        model,
+        tok,
+        task,
+        problems,
+        RolloutConfig(group_size=4, max_step_tokens=16, hybrid=hybrid),
+        generator=torch.Generator().manual_seed(0),
+        traces=traces,
+    )
+    first_span = {int(r): j for j, r in reversed(list(enumerate(b.step_spans[:, 0].tolist())))}
+    at_prompt = [r for r in b.retrievals.tolist() if r[1] == -1]
+    assert at_prompt, "no retrieval right after the prompt"
+    assert (b.retrievals[:, 1] >= -1).all()
+    for row, _, after, *_ in at_prompt:
+        assert b.kinds[row, int(b.prompt_len[row])].item() == KIND_RET  # the completion opens with the block
+        assert after in (-1, first_span.get(row, -1))
+    for i in range(b.batch_size):
+        assert b.hybrid[i] or KIND_RET not in b.kinds[i].tolist()
+    with pytest.raises(TypeError, match="at_prompt"):
+        RolloutConfig(hybrid={"at_prompt": "yes"})
+
+
 def test_excludes_own_group_when_buffer_has_onpolicy_steps(setup):
     task, tok, model, problems, path = setup
     traces = _traces(tok, path)

@@ -72,8 +72,9 @@ def test_retrieval_reward_and_advantage_by_hand():
     # spans 0,1: row 0; spans 2,3,4: row 1; span 5: row 2; span 6: row 3
     spans = [[0, 1, 2], [0, 2, 3], [1, 1, 2], [1, 2, 3], [1, 3, 4], [2, 1, 2], [3, 1, 2]]
     step_ent = torch.tensor([2.0, 1.0, 1.0, 1.5, 0.25, 0.7, 0.3])
-    # row 0: one retrieval (H_b 2, H_a 1); row 1: two (1 -> 1.5, 1.5 -> 0.25); row 2: one with no step after it
-    rets = [[0, 0, 1, 11, 5], [1, 2, 3, 12, 5], [1, 3, 4, 13, 5], [2, 5, -1, 14, 5]]
+    # row 0: one retrieval (H_b 2, H_a 1); row 1: two (1 -> 1.5, 1.5 -> 0.25); row 2: one with no step after it;
+    # row 3: one right after the prompt (no step before it: at_prompt), unscored too
+    rets = [[0, 0, 1, 11, 5], [1, 2, 3, 12, 5], [1, 3, 4, 13, 5], [2, 5, -1, 14, 5], [3, -1, 6, 15, 5]]
     batch = _hand_batch(4, 5, spans, rets, [0, 0, 0, 0])
     z, counts = retrieval_rewards(batch, step_ent)
 
