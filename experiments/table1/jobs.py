@@ -20,7 +20,8 @@ import torch
 
 from experiments.table1 import diagnostics as D
 from experiments.table1.crn import StepSeeds
-from experiments.table1.endpoint import heldout_logp
+from experiments.table1.endpoint import distinct_questions, heldout_logp
+from experiments.table1.exploration import ExplorationReader, auc
 from experiments.table1.families import get_family
 from experiments.table1.setting import config, encoder
 from experiments.table1.stats import first_reach, mean_ci
@@ -85,7 +86,10 @@ def warmup_checks(
     probes = data["train"][: min(32, len(data["train"]))]
     if fam.retrieve_style == "advance":
         traces = fam.step_traces(jsonl, encoder(s["encoder"]), data["tok"], k)
-        return out | step_warmup_figures(model, data["tok"], data["task"], probes, traces, s["group_size"], seed)
+        figures = step_warmup_figures(
+            model, data["tok"], data["task"], probes, traces, s["group_size"], seed, fam.hybrid, fam.first_probe_hop
+        )
+        return out | figures
     if fam.retrieve_style == "foreign":
         out["probe"] = D.hint_probe(model, data["tok"], data["task"], probes)
     else:
@@ -133,17 +137,19 @@ def run_one(family: str, method: str, seed: int, s: dict, paths: dict[str, Path]
     warm = paths["warm_plain"] if method == "RAPO_SFT_NO_RETRIEVE" else paths["warm"]
     model = _load_policy(tok, torch.load(warm, weights_only=True), seed)
     logp_start = heldout_logp(model, tok, task, data["evals"])
-    cfg = config(method, s, seed)
+    cfg = config(method, s, seed, fam.hybrid)
     k = s["traces_top_k"]
     uses_traces = method.startswith("RAPO")
-    traces = fam.step_traces(paths["jsonl"], encoder(enc), tok, k) if uses_traces else None
+    noisy = method == "RAPO_NOISY"
+    traces = fam.step_traces(paths["jsonl"], encoder(enc), tok, k, noisy=noisy, seed=seed) if uses_traces else None
     off = OffPolicyTrajectories.from_jsonl(paths["off_jsonl"], top_k=k) if method == "OFFPOLICY_TRAJ" else None
     trainer = fam.trainer(data, model, traces, cfg, off)
     held_out = EvalCallback(lambda t: evaluate(t.model, tok, task, data["evals"], max_step_tokens=16), s["eval_every"])
     reader = D.RolloutReader(hint_copies=fam.retrieve_style != "advance")
     # kb_alias's recorded run predates the reseeding: that family keeps one stream per run
     seeds = [StepSeeds(seed)] if getattr(fam, "step_seeds", False) else []
-    callbacks = [held_out] + ([reader] if fam.readable else []) + seeds
+    explore = ExplorationReader()
+    callbacks = [held_out] + ([reader, explore] if fam.readable else []) + seeds
     history = trainer.train(s["rl_steps"], progress=False, callbacks=callbacks, desc=f"{family}/{method}/{seed}")
     tokens = [0]
     for h in history:
@@ -156,6 +162,8 @@ def run_one(family: str, method: str, seed: int, s: dict, paths: dict[str, Path]
         "eval_start": curve[0][1],
         "eval_final": curve[-1][1],
         "eval_best": max(v for _, v in curve),
+        "auc": auc(curve),
+        "n_heldout": len(distinct_questions(data["evals"])),
         "heldout_logp_start": logp_start,
         "heldout_logp_final": heldout_logp(trainer.model, tok, task, data["evals"]),
         "tokens_generated": tokens[-1],
@@ -174,6 +182,7 @@ def run_one(family: str, method: str, seed: int, s: dict, paths: dict[str, Path]
         row["training_recall_frac"] = reader.recall_frac()
         row["training_rows"], row["training_successes"] = reader.rows, reader.successes
         row["training_recalled"] = reader.recalled
+        row |= explore.figures()
         row["_training_source_quality"] = reader.source_quality()
         row["_signatures"] = reader.signatures()
         reads = D.read_greedy(trainer.model, tok, task, data["evals"])

@@ -96,6 +96,17 @@ class AliasKBTask(KnowledgeBaseTask):
             for p in super().make_problems(n, seed, start_qid, starts)
         ]
 
+    def all_problems(self, starts: Collection[str], start_qid: int = 0) -> list[AliasProblem]:
+        """Every distinct question whose start is in `starts`, each once (chain order, then start order), with qids
+        start_qid, start_qid + 1, ...: a held-out set that weights every question once."""
+        allowed, rng, out = set(starts), random.Random("hints/all"), []
+        for rels, pool in self.patterns:
+            for start in (e for e in pool if e in allowed):
+                p = KBProblem(start_qid + len(out), start, rels, tuple(self.walk(start, rels)))
+                alias = self.alias_of[rels] if self.by_alias else None
+                out.append(AliasProblem(p.qid, p.start, p.relations, p.path, alias, self._hints(p, rng)))
+        return out
+
     def _hints(self, p: KBProblem, rng: random.Random) -> tuple[str, ...]:
         out, cur = [], p.start
         for rel, nxt in zip(p.relations, p.path):

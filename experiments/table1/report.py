@@ -37,6 +37,7 @@ CSV_COLUMNS = (
     "eval_start",
     "eval_final",
     "eval_best",
+    "auc",
     "heldout_logp_start",
     "heldout_logp_final",
     "steps_to_target",
@@ -49,6 +50,13 @@ CSV_COLUMNS = (
     "hybrid_successes",
     "unobserved_success_final",
     "eval_with_retrieval_train_final",
+    "first_reward_step",
+    "first_onpolicy_reward_step",
+    "signal_frac",
+    "retrievals_hop1",
+    "retrievals_hop2",
+    "retrievals_hop3",
+    "hybrid_rows",
 )
 
 
@@ -61,7 +69,7 @@ def write_csv(path: Path, rows: list[dict], columns) -> None:
         w = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore")
         w.writeheader()
         for r in rows:
-            w.writerow({k: (f"{r[k]:.6g}" if isinstance(r[k], float) else r[k]) for k in columns})
+            w.writerow({k: (f"{r[k]:.6g}" if isinstance(r.get(k), float) else r.get(k, "")) for k in columns})
 
 
 def main_table(rows: list[dict], tasks: list[str], methods: list[str], key: str = "eval_final") -> list[str]:
@@ -96,7 +104,13 @@ def paired_table(
 # tokens); measured before it was chosen (fair setting, 3 seeds x 20 RL steps): the warm-up near -15 nats, 20 steps
 # lowering it by 0.4-6.6 nats, RAPO - GRPO -0.6 to +2.6 per seed. The table's SD column rescales n to any other
 # effect: n is proportional to (SD / effect)^2.
-ENDPOINTS = (("eval_final", "success", 0.05), ("heldout_logp_final", "log-probability (nats)", 1.0))
+# The primary endpoint is the area under the held-out success curve (exploration.auc: mean success over the run's
+# evaluations), sized at the same +0.05; final success and the log-probability (a calibration measure) beside it.
+ENDPOINTS = (
+    ("auc", "success AUC (primary)", 0.05),
+    ("eval_final", "final success", 0.05),
+    ("heldout_logp_final", "log-probability (calibration, nats)", 1.0),
+)
 POWER, ALPHA = 0.8, 0.05
 
 
@@ -198,7 +212,7 @@ def diagnostics_table(rows: list[dict], tasks: list[str], methods: list[str]) ->
     training questions (means +- 95% CI)."""
     lines = [
         "| task | method | tokens (mean) | wall s (mean) | leak_frac (pooled, n) | unobserved success | "
-        "with retrieval (train) |",
+        "policy with retrieval (train; not the paper's claim) |",
         "|---|---|---|---|---|---|---|",
     ]
     for t in tasks:
@@ -223,11 +237,43 @@ def diagnostics_table(rows: list[dict], tasks: list[str], methods: list[str]) ->
     return lines
 
 
-def checks_lines(checks: dict) -> list[str]:
-    lines = ["| check | value | bound | pass |", "|---|---|---|---|"]
-    for name, c in checks.items():
-        lines.append(f"| {name} | {c['value']:.3f} | {c['bound']:.3f} | {'yes' if c['pass'] else 'NO'} |")
+def exploration_table(rows: list[dict], tasks: list[str], methods: list[str]) -> list[str]:
+    """Per task and method, RAPO's mechanism (exploration.py): runs that ever saw a reward and the mean first step
+    (any row; on-policy rows: the policy on its own), the mean share of groups with a learning signal per step, and
+    retrieved steps per run at each hop."""
+    lines = [
+        "| task | method | runs rewarded | first reward (step) | runs rewarded on-policy | first on-policy reward "
+        "(step) | groups with signal | retrievals hop 1 / 2 / 3 (per run) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for t in tasks:
+        for m in methods:
+            rs = [r for r in rows if r["task"] == t and r["method"] == m and "signal_frac" in r]
+            if not rs:
+                continue
+            cells = []
+            for key in ("first_reward_step", "first_onpolicy_reward_step"):
+                got = [float(r[key]) for r in rs if r[key] != ""]
+                cells += [f"{len(got)}/{len(rs)}", fmt(mean_ci(got)[0], math.nan, 1)]
+            signal = fmt(*mean_ci([float(r["signal_frac"]) for r in rs]))
+            per_hop = (mean_ci([float(r[f"retrievals_hop{h}"]) for r in rs])[0] for h in (1, 2, 3))
+            hops = " / ".join(fmt(v, math.nan, 1) for v in per_hop)
+            lines.append(f"| {t} | {m} | " + " | ".join(cells) + f" | {signal} | {hops} |")
     return lines
+
+
+def checks_lines(checks: dict) -> list[str]:
+    lines = ["| check | value | bound | pass | label |", "|---|---|---|---|---|"]
+    for name, c in checks.items():
+        label = c.get("label", "")
+        lines.append(f"| {name} | {c['value']:.3f} | {c['bound']:.3f} | {'yes' if c['pass'] else 'NO'} | {label} |")
+    return lines
+
+
+def _heldout(rows: list[dict]) -> str:
+    """The range of distinct held-out questions per run ('?' for rows without the count)."""
+    ns = sorted({int(r["n_heldout"]) for r in rows if "n_heldout" in r})
+    return "?" if not ns else str(ns[0]) if len(ns) == 1 else f"{ns[0]}-{ns[-1]}"
 
 
 def _per_task(v, tasks: list[str]) -> str:
@@ -237,7 +283,8 @@ def _per_task(v, tasks: list[str]) -> str:
 def _endpoint_lines(rows: list[dict], tasks: list[str], methods: list[str]) -> list[str]:
     """table1.md's continuous endpoint (warm-up, final, paired difference) and the power table of both endpoints."""
     return [
-        "## Held-out log-probability of the correct hops (teacher-forced, distinct questions; mean ± 95% CI)",
+        "## Calibration: held-out log-probability of the correct hops (teacher-forced, distinct questions; "
+        "mean ± 95% CI)",
         "",
         "Per distinct held-out question, the summed log-probability of the policy's tokens of the correct searches and "
         "the answer, observations given (experiments/table1/endpoint.py); nats, higher is better. At the warm-up:",
@@ -250,13 +297,13 @@ def _endpoint_lines(rows: list[dict], tasks: list[str], methods: list[str]) -> l
         "",
         *paired_table(rows, tasks, methods, key="heldout_logp_final"),
         "",
-        "## Power of the paired comparison against GRPO (both endpoints)",
+        "## Power of the paired comparison against GRPO (every endpoint)",
         "",
         *power_table(rows, tasks, methods),
         "",
-        f"n: seeds for {POWER:.0%} power, two-sided alpha {ALPHA}, at the stated effect (success +0.05, the paper's "
-        "average gain; log-probability +1 nat, the correct trajectory e = 2.7 times as likely), from this run's "
-        "per-seed SD of the difference; detectable: the smallest true difference this run's n detects with that "
+        f"n: seeds for {POWER:.0%} power, two-sided alpha {ALPHA}, at the stated effect (success and its AUC +0.05, "
+        "the paper's average gain; log-probability +1 nat, the correct trajectory e = 2.7 times as likely), from this "
+        "run's per-seed SD of the difference; detectable: the smallest true difference this run's n detects with that "
         "power. Normal approximation: n = ((z_0.975 + z_0.8) SD / effect)^2, a few seeds short of a t test's at "
         "small n.",
         "",
@@ -305,17 +352,37 @@ def write_outputs(
         f"{s['seeds']} seed(s) per task; every method{other} from the same SFT warm-up weights per seed, "
         f"{s['rl_steps']} RL steps of {s['prompts_per_step']} prompts x G={s['group_size']}, lr {s['lr']:g}, "
         f"PPO mini-batches of {s['mini_batch_groups']} group(s); "
-        f"training problems: {_per_task(s['n_train'], tasks)}; greedy evaluation "
-        f"without retrieval on {s['n_eval']} problems whose questions are not training ones; "
+        f"training problems: {_per_task(s['n_train'], tasks)}; greedy evaluation without retrieval on held-out "
+        f"questions whose start entities no training question has ({_heldout(rows)} distinct questions per seed); "
         f"history encoder: {encoder}; ARPO: the released code's branching rule; wall time {wall_s:.0f} s.",
         "",
-        "## Final held-out success (mean ± 95% CI over seeds)",
+        "## Primary endpoint: held-out success AUC (mean ± 95% t interval over seeds)",
+        "",
+        f"The area under the greedy held-out success curve (evaluations every {s['eval_every']} steps, the warm-up "
+        "included), divided by the steps: the mean success over training. The policy on its own: no retrieval at "
+        "evaluation.",
+        "",
+        *main_table(rows, tasks, methods, key="auc"),
+        "",
+        *paired_table(rows, tasks, methods, key="auc"),
+        "",
+        "## Held-out success at the warm-up and after the last step",
+        "",
+        "At the warm-up (shared by the methods of a seed):",
+        "",
+        *main_table(rows, tasks, methods, key="eval_start"),
+        "",
+        "After the last step:",
         "",
         *main_table(rows, tasks, methods),
         "",
-        "## Paired difference against GRPO (same seeds)",
+        "## Paired difference against GRPO (same seeds), final success",
         "",
         *paired_table(rows, tasks, methods),
+        "",
+        "## Exploration (RAPO's mechanism, per run)",
+        "",
+        *exploration_table(rows, tasks, methods),
         "",
         *_endpoint_lines(rows, tasks, methods),
         "## Efficiency: steps and generated tokens to reach GRPO's final mean eval",
@@ -353,5 +420,6 @@ __all__ = [
     "efficiency_table",
     "plot",
     "diagnostics_table",
+    "exploration_table",
     "checks_lines",
 ]

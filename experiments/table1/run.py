@@ -31,6 +31,7 @@ _COST = {
     "RAPO_NO_RET_REWARD": 3,
     "RAPO_NO_SHAPING": 3,
     "RAPO_SFT_NO_RETRIEVE": 3,
+    "RAPO_NOISY": 3,
     "ARPO": 2,
     "OFFPOLICY_TRAJ": 2,
     "GRPO": 1,

@@ -24,7 +24,15 @@ METHODS = ("GRPO", "ARPO", "RAPO", "OFFPOLICY_TRAJ")
 # rows; GRPO keeps all group_size), RAPO without the retrieval reward (ret_coef 0), RAPO without importance shaping
 # (shaping_m 0), and RAPO from a warm-up that never showed a retrieved step (retrieve_frac 0: does RAPO need the
 # warm-up to teach the policy to use one?).
-EXTRA_METHODS = ("GRPO_ONPOLICY_MATCHED", "RAPO_NO_RET_REWARD", "RAPO_NO_SHAPING", "RAPO_SFT_NO_RETRIEVE")
+# RAPO_NOISY: RAPO with its source made noisy (kb_step.NoisyTraces: right about half the time after a right prefix),
+# the same warm-up, questions and GRPO as RAPO's seed: the fourth round's noisy-source arm.
+EXTRA_METHODS = (
+    "GRPO_ONPOLICY_MATCHED",
+    "RAPO_NO_RET_REWARD",
+    "RAPO_NO_SHAPING",
+    "RAPO_SFT_NO_RETRIEVE",
+    "RAPO_NOISY",
+)
 ALL_METHODS = METHODS + EXTRA_METHODS
 # solver_traces: scripted trajectories per source question, traces_top_k: kept per question (the best by reward) for
 # RAPO's step buffer and OFFPOLICY_TRAJ's trajectories. The RL hyper-parameters were chosen on GRPO alone in the
@@ -48,7 +56,7 @@ FULL = dict(
     seeds=5,
     sft_steps=300,
     rl_steps=100,
-    eval_every=20,
+    eval_every=5,
     n_eval=400,
     group_size=8,
     prompts_per_step=8,
@@ -70,9 +78,10 @@ def encoder(name: str):
     return MiniLMEncoder() if name == "minilm" else HashedNgramEncoder()
 
 
-def config(method: str, s: dict, seed: int) -> TrainerConfig:
+def config(method: str, s: dict, seed: int, hybrid_options: dict | None = None) -> TrainerConfig:
     """The TrainerConfig of `method` in setting `s` for `seed`: one setting for every method, the controls and
-    ablations differing from the method they control in one option each."""
+    ablations differing from the method they control in one option each; `hybrid_options`: the family's
+    rollout.hybrid options beside n_hybrid (at_prompt, retrieve_prob), for RAPO's methods."""
     common = {
         "rollout.group_size": s["group_size"],
         "rollout.max_step_tokens": 16,
@@ -82,8 +91,9 @@ def config(method: str, s: dict, seed: int) -> TrainerConfig:
         "optim.mini_batch_groups": s["mini_batch_groups"],
     }
     n_hybrid = s["group_size"] // 2
-    hybrid = {"rollout.hybrid.n_hybrid": n_hybrid}
-    if method in ("RAPO", "RAPO_SFT_NO_RETRIEVE"):  # the same RL; the second from the warm-up without retrieval
+    extra = {f"rollout.hybrid.{k}": v for k, v in (hybrid_options or {}).items()}
+    hybrid = {"rollout.hybrid.n_hybrid": n_hybrid} | extra
+    if method in ("RAPO", "RAPO_SFT_NO_RETRIEVE", "RAPO_NOISY"):  # the same RL (from another warm-up, another source)
         return TrainerConfig.RAPO(common | hybrid)
     if method == "RAPO_NO_RET_REWARD":
         return TrainerConfig.RAPO(common | hybrid | {"advantages.ret_coef": 0.0})

@@ -20,6 +20,9 @@ from experiments.table1 import diagnostics as D
 
 SOURCE_RIGHT_MIN = 0.5  # a retrieved step after a right prefix carries the right next relation at least this often
 LEAK_MAX = D.LEAK_MAX  # per seed, not only pooled
+ORACLE_MIN = 0.95  # a source right more often than this after a right prefix is labelled an oracle
+NEAR_ORACLE_MIN = 0.75
+NOISY_RANGE = (0.35, 0.65)  # the noisy arm's source: right about half the time after a right prefix
 
 
 @torch.no_grad()
@@ -34,9 +37,10 @@ def _step_prob(model, tok, context: str, step: str) -> float:
     return float(logp[pos, torch.tensor(tgt)].sum().exp())
 
 
-def advance_probe(model, tok, task, problems: Sequence) -> dict:
+def advance_probe(model, tok, task, problems: Sequence, first: int = 2) -> dict:
     """The probe of the tested form: over every problem and every hop k whose previous hop k-1 retrieval can supply
-    (1 <= k-1 <= hops-2: never the first step, never the last hop), the right hops before, hop k-1 shown as a
+    (first-1 <= k-1 <= hops-2: `first` 2 without retrieval at the prompt, 1 with; never the last hop), the right
+    hops before, hop k-1 shown as a
     retrieved block (`<retrieve> step </retrieve>`, the advancing form) or as the policy's own step: the mean
     teacher-forced probability of the right hop k after each. A policy that continues after a retrieved step as
     after its own scores the first close to the second."""
@@ -45,7 +49,7 @@ def advance_probe(model, tok, task, problems: Sequence) -> dict:
     ret, own = [], []
     for p in problems:
         steps = task.solution(p)[:-1]
-        for k in range(2, len(steps)):
+        for k in range(first, len(steps)):
             prefix = " ".join([p.prompt, *steps[: k - 1]])
             own.append(_step_prob(model, tok, f"{prefix} {steps[k - 1]}", steps[k]))
             ret.append(_step_prob(model, tok, f"{prefix} <retrieve> {steps[k - 1]} </retrieve>", steps[k]))
@@ -56,17 +60,20 @@ def advance_probe(model, tok, task, problems: Sequence) -> dict:
     return {"p_next_given_retrieved": sum(ret) / len(ret), "p_next_given_own": sum(own) / len(own), "n": len(ret)}
 
 
-def step_warmup_figures(model, tok, task, problems: Sequence, traces, group_size: int, seed: int) -> dict:
+def step_warmup_figures(
+    model, tok, task, problems: Sequence, traces, group_size: int, seed: int, hybrid: dict, first_probe_hop: int = 2
+) -> dict:
     """At the warm-up, `problems` in `task`'s facts: the advance probe, and one sampled on-policy and one hybrid
-    rollout (every row hybrid, retrieve_prob 0.5, the advancing form from `traces`, an AdvancingTraces): success
-    rates, leak, the retrieved steps' quality and the signatures (read without counting hint copies)."""
+    rollout (every row hybrid, the family's `hybrid` options, retrieve_prob 0.5 by default, the advancing form from
+    `traces`, an AdvancingTraces): success rates, leak, the retrieved steps' quality and the signatures (read
+    without counting hint copies)."""
     from rapo_fast.rollouts.config import RolloutConfig
     from rapo_fast.rollouts.loop import rollout
 
     traces.task = task
     common = dict(group_size=group_size, temperature=1.0, max_step_tokens=16)
     on_cfg = RolloutConfig(strategy="on_policy", hybrid={"n_hybrid": 0}, **common)
-    hy_cfg = RolloutConfig(strategy="hybrid", hybrid={"n_hybrid": group_size}, **common)
+    hy_cfg = RolloutConfig(strategy="hybrid", hybrid={"n_hybrid": group_size} | dict(hybrid), **common)
     on_b = rollout(model, tok, task, problems, on_cfg, seed=seed)
     hy_b = rollout(model, tok, task, problems, hy_cfg, traces=traces, seed=seed)
     on = D.read_batch(problems, on_b, hint_copies=False)
@@ -74,7 +81,7 @@ def step_warmup_figures(model, tok, task, problems: Sequence, traces, group_size
     rows_p = [problems[int(i)] for i in hy_b.prompt_index]
     on_p = [problems[int(i)] for i in on_b.prompt_index]
     return {
-        "probe": advance_probe(model, tok, task, problems),
+        "probe": advance_probe(model, tok, task, problems, first_probe_hop),
         "warmup_rollouts": {
             "onpolicy_success": sum(r["success"] for r in on) / len(on),
             "hybrid_success": sum(r["success"] for r in hy) / len(hy),
@@ -174,7 +181,63 @@ def step_checks(fam: str, rows: Sequence[dict], warm: Sequence[dict]) -> dict:
     }
     if not sq:  # the hint variant: its retrieved steps are other questions' steps, read by no source_quality
         del out[f"source_quality/{fam}"]
+    return out | source_bounds(fam, rows)
+
+
+def pooled_training_quality(rows: Sequence[dict], method: str) -> tuple[float, int]:
+    """(the share of `method`'s retrieved steps over training that carry the right relation after a right prefix,
+    pooled over its runs; how many such steps)."""
+    qs = [r.get("_training_source_quality") or {} for r in rows if r["method"] == method]
+    n = sum(int(q.get("n_right_prefix") or 0) for q in qs)
+    right = sum(float(q["right_prefix"]) * int(q["n_right_prefix"]) for q in qs if q.get("n_right_prefix"))
+    return (right / n if n else math.nan), n
+
+
+def source_label(right: float) -> str:
+    """What a source is, by how often its step after a right prefix is right."""
+    if math.isnan(right):
+        return "unmeasured"
+    return "oracle" if right > ORACLE_MIN else "near-oracle" if right >= NEAR_ORACLE_MIN else "noisy"
+
+
+def source_bounds(fam: str, rows: Sequence[dict]) -> dict:
+    """The source checked from above, over training: source_not_oracle (RAPO's retrieved steps after a right prefix
+    right at most ORACLE_MIN of the time; a family whose source is an oracle by design, the positive control, passes
+    it labelled "oracle") and, with RAPO_NOISY runs, noisy_source (its steps right after a right prefix in
+    NOISY_RANGE: about half)."""
+    from experiments.table1.families import get_family
+
+    out: dict = {}
+    right, n = pooled_training_quality(rows, "RAPO")
+    if n:
+        oracle = get_family(fam).traces_cls.label == "oracle"
+        out[f"source_not_oracle/{fam}"] = {
+            "value": right,
+            "bound": ORACLE_MIN,
+            "n": n,
+            "label": source_label(right) + (" (by design: the positive control)" if oracle else ""),
+            "pass": bool(oracle or right <= ORACLE_MIN),
+        }
+    right, n = pooled_training_quality(rows, "RAPO_NOISY")
+    if n:
+        lo, hi = NOISY_RANGE
+        out[f"noisy_source/{fam}"] = {
+            "value": right,
+            "bound": hi,
+            "low": lo,
+            "n": n,
+            "label": source_label(right),
+            "pass": bool(lo <= right <= hi),
+        }
     return out
 
 
-__all__ = ["advance_probe", "step_warmup_figures", "step_checks", "SOURCE_RIGHT_MIN"]
+__all__ = [
+    "advance_probe",
+    "pooled_training_quality",
+    "source_bounds",
+    "source_label",
+    "step_warmup_figures",
+    "step_checks",
+    "SOURCE_RIGHT_MIN",
+]
