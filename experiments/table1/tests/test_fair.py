@@ -211,7 +211,7 @@ def test_quick_fair_run_writes_every_file(tmp_path, monkeypatch):
 def test_setting_flag():
     p = setting.parser()
     fair = setting.setting_from(p.parse_args([]))
-    assert fair["families"] == ["kb_alias_step"] and fair["n_eval"] == setting.FULL["n_eval"]
+    assert fair["families"] == ["kb_hop1"] and fair["n_eval"] == setting.FULL["n_eval"]
     assert fair["methods"] == list(setting.ALL_METHODS)
     with pytest.raises(SystemExit, match="unknown families"):
         setting.setting_from(p.parse_args(["--families", "arith"]))  # a family before kb_alias: git history
