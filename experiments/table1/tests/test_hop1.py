@@ -50,7 +50,8 @@ def _traces(cls, task, tmp_path, **attrs):
     from rapo_fast.demo.tasks import write_jsonl
     from rapo_fast.retrieval.encoders import HashedNgramEncoder
 
-    path = write_jsonl(kb_solver_trajectories(task, task.make_problems(8, seed=1), 4, 0.9, seed=0), tmp_path / "t.jsonl")
+    records = kb_solver_trajectories(task, task.make_problems(8, seed=1), 4, 0.9, seed=0)
+    path = write_jsonl(records, tmp_path / "t.jsonl")
     t = cls.from_jsonl(path, HashedNgramEncoder(), task.tokenizer(), top_k=4)
     t.task = task
     for k, v in attrs.items():
