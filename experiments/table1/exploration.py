@@ -63,6 +63,18 @@ class ExplorationReader(TrainerCallback):
         return out
 
 
+def hop_split(reads: list[dict]) -> dict:
+    """Greedy held-out success split at the first hop (diagnostics.read_greedy's reads): `hop1_right`, the share of
+    questions whose first step is the policy's right hop 1, and `success_after_hop1`, the success among those (NaN
+    without any): what retrieval at hop 1 can and cannot teach (the retrieved step itself gets no gradient)."""
+    first = [bool(r["segments"]) and r["segments"][0]["kind"] == "own" and bool(r["segments"][0]["hop"]) for r in reads]
+    right = [r for r, ok in zip(reads, first) if ok]
+    return {
+        "hop1_right": sum(first) / len(reads) if reads else math.nan,
+        "success_after_hop1": sum(r["success"] for r in right) / len(right) if right else math.nan,
+    }
+
+
 def auc(curve: list[tuple[int, float]]) -> float:
     """The area under a (step, success) curve by the trapezoid rule, divided by its span of steps: the mean held-out
     success over training (the curve's one value when it has one point)."""
@@ -74,4 +86,4 @@ def auc(curve: list[tuple[int, float]]) -> float:
     return area / (curve[-1][0] - curve[0][0])
 
 
-__all__ = ["ExplorationReader", "HOPS", "auc"]
+__all__ = ["ExplorationReader", "HOPS", "auc", "hop_split"]

@@ -21,7 +21,7 @@ import torch
 from experiments.table1 import diagnostics as D
 from experiments.table1.crn import StepSeeds
 from experiments.table1.endpoint import distinct_questions, heldout_logp
-from experiments.table1.exploration import ExplorationReader, auc
+from experiments.table1.exploration import ExplorationReader, auc, hop_split
 from experiments.table1.families import get_family
 from experiments.table1.setting import config, encoder
 from experiments.table1.stats import first_reach, mean_ci
@@ -52,6 +52,8 @@ def prepare(family: str, seed: int, s: dict, out: Path) -> dict[str, Path]:
         "jsonl": out / f"traces_{family}_{seed}.jsonl",
         "checks": out / f"warmup_{family}_{seed}.json",
     }
+    if s.get("reuse_prepared") and _prepared(paths, family, seed, s, out):
+        return paths
     rapo_src = fam.rapo_source(data, s, seed)
     write_jsonl(rapo_src, paths["jsonl"])
     if fam.same_source:
@@ -67,6 +69,15 @@ def prepare(family: str, seed: int, s: dict, out: Path) -> dict[str, Path]:
     checks = warmup_checks(fam, data, warm, rapo_src, off_src, paths["jsonl"], k, s, seed)
     write_atomic(paths["checks"], lambda f: f.write(json.dumps(checks, indent=1).encode()))
     return paths
+
+
+def _prepared(paths: dict, family: str, seed: int, s: dict, out: Path) -> bool:
+    """Whether every file `prepare` writes is in `out` already (each written atomically: present means whole); fills
+    in the paths it would have chosen."""
+    paths["off_jsonl"] = paths["jsonl"] if get_family(family).same_source else out / f"offpolicy_{family}_{seed}.jsonl"
+    if _needs_plain_warm_up(s):
+        paths["warm_plain"] = out / f"warm_plain_{family}_{seed}.pt"
+    return all(Path(p).exists() for p in paths.values())
 
 
 def warmup_checks(
@@ -137,6 +148,7 @@ def run_one(family: str, method: str, seed: int, s: dict, paths: dict[str, Path]
     warm = paths["warm_plain"] if method == "RAPO_SFT_NO_RETRIEVE" else paths["warm"]
     model = _load_policy(tok, torch.load(warm, weights_only=True), seed)
     logp_start = heldout_logp(model, tok, task, data["evals"])
+    hops_start = hop_split(D.read_greedy(model, tok, task, data["evals"])) if fam.readable else {}
     cfg = config(method, s, seed, fam.hybrid)
     k = s["traces_top_k"]
     uses_traces = method.startswith("RAPO")
@@ -186,6 +198,7 @@ def run_one(family: str, method: str, seed: int, s: dict, paths: dict[str, Path]
         row["_training_source_quality"] = reader.source_quality()
         row["_signatures"] = reader.signatures()
         reads = D.read_greedy(trainer.model, tok, task, data["evals"])
+        row |= {f"{k}_start": v for k, v in hops_start.items()} | {f"{k}_final": v for k, v in hop_split(reads).items()}
         row["unobserved_success_final"] = D.unobserved_success(reads)
         src = traces if traces is not None else fam.step_traces(paths["jsonl"], encoder(enc), tok, k)
         if hasattr(src, "task"):

@@ -57,11 +57,15 @@ CSV_COLUMNS = (
     "retrievals_hop2",
     "retrievals_hop3",
     "hybrid_rows",
+    "hop1_right_start",
+    "hop1_right_final",
+    "success_after_hop1_start",
+    "success_after_hop1_final",
 )
 
 
 def _by(rows: list[dict], task: str, method: str, key: str) -> dict[int, float]:
-    return {r["seed"]: float(r[key]) for r in rows if r["task"] == task and r["method"] == method}
+    return {r["seed"]: float(r.get(key, math.nan)) for r in rows if r["task"] == task and r["method"] == method}
 
 
 def write_csv(path: Path, rows: list[dict], columns) -> None:
@@ -383,6 +387,16 @@ def write_outputs(
         "## Exploration (RAPO's mechanism, per run)",
         "",
         *exploration_table(rows, tasks, methods),
+        "",
+        "Greedy held-out, split at hop 1 (exploration.hop_split): the share of questions whose first step is the "
+        "policy's right hop 1, at the warm-up and after the last step, and the success among those after the last "
+        "step (retrieval at hop 1 shows hop 1; the retrieved step itself gets no gradient):",
+        "",
+        *main_table(rows, tasks, methods, key="hop1_right_start"),
+        "",
+        *main_table(rows, tasks, methods, key="hop1_right_final"),
+        "",
+        *main_table(rows, tasks, methods, key="success_after_hop1_final"),
         "",
         *_endpoint_lines(rows, tasks, methods),
         "## Efficiency: steps and generated tokens to reach GRPO's final mean eval",

@@ -130,6 +130,17 @@ def parser() -> argparse.ArgumentParser:
         help="1-thread worker processes (default: one per core, at most 8; 0: in this process); the "
         "results do not depend on it",
     )
+    p.add_argument(
+        "--encoder",
+        choices=("hashed", "minilm"),
+        default=None,
+        help="RAPO's history encoder (default: minilm where its package is installed, else hashed)",
+    )
+    p.add_argument(
+        "--reuse-prepared",
+        action="store_true",
+        help="reuse the warm-ups and sources already in --out (written by this code at the same seeds and setting)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -142,6 +153,7 @@ def setting_from(a: argparse.Namespace) -> dict:
             if getattr(a, key) < (1 if key != "sft_steps" else 0):
                 raise SystemExit(f"table1: --{key.replace('_', '-')}: expected >= 1, got {getattr(a, key)}")
             s[key] = getattr(a, key)
+    s["encoder"], s["reuse_prepared"] = a.encoder, a.reuse_prepared
     s["families"] = list(FAIR_FAMILIES) if a.families is None else a.families.split(",")
     s["methods"] = list(ALL_METHODS) if a.methods is None else a.methods.split(",")
     for name, known in (("families", FAIR_FAMILIES + FAIR_VARIANTS), ("methods", ALL_METHODS)):
