@@ -23,6 +23,7 @@ from experiments.table1.crn import StepSeeds
 from experiments.table1.endpoint import distinct_questions, heldout_logp
 from experiments.table1.exploration import ExplorationReader, auc, hop_split
 from experiments.table1.families import get_family
+from experiments.table1.kb_alias import from_hop_one
 from experiments.table1.setting import config, encoder
 from experiments.table1.stats import first_reach, mean_ci
 from experiments.table1.step_checks import step_warmup_figures
@@ -161,7 +162,12 @@ def run_one(family: str, method: str, seed: int, s: dict, paths: dict[str, Path]
     # kb_alias's recorded run predates the reseeding: that family keeps one stream per run
     seeds = [StepSeeds(seed)] if getattr(fam, "step_seeds", False) else []
     explore = ExplorationReader()
-    callbacks = [held_out] + ([reader, explore] if fam.readable else []) + seeds
+    # the state a retrieved hop 1 puts a row in: held-out questions with their right hop 1 taken (the policy alone)
+    from_hop1 = [from_hop_one(task, p) for p in data["evals"]] if getattr(fam, "hybrid", {}).get("at_prompt") else []
+    after_hop1 = EvalCallback(
+        lambda t: evaluate(t.model, tok, task, from_hop1, max_step_tokens=16), s["eval_every"], name="eval_from_hop1"
+    )
+    callbacks = [held_out] + ([after_hop1] if from_hop1 else []) + ([reader, explore] if fam.readable else []) + seeds
     history = trainer.train(s["rl_steps"], progress=False, callbacks=callbacks, desc=f"{family}/{method}/{seed}")
     tokens = [0]
     for h in history:
@@ -176,6 +182,9 @@ def run_one(family: str, method: str, seed: int, s: dict, paths: dict[str, Path]
         "eval_best": max(v for _, v in curve),
         "auc": auc(curve),
         "n_heldout": len(distinct_questions(data["evals"])),
+        "auc_from_hop1": auc(after_hop1.curve) if from_hop1 else math.nan,
+        "eval_from_hop1_start": after_hop1.curve[0][1] if from_hop1 else math.nan,
+        "eval_from_hop1_final": after_hop1.curve[-1][1] if from_hop1 else math.nan,
         "heldout_logp_start": logp_start,
         "heldout_logp_final": heldout_logp(trainer.model, tok, task, data["evals"]),
         "tokens_generated": tokens[-1],

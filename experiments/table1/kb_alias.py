@@ -55,6 +55,29 @@ class AliasProblem(KBProblem):
         return KBProblem.prompt.fget(self) if self.alias is None else f"<bos> ask {self.alias} {self.start}"
 
 
+@dataclass(frozen=True)
+class FromHopOne(AliasProblem):
+    """A 3-hop question asked with its right hop 1 already taken (`first`, the step text, in the prompt as the
+    policy's own step): the rest is a 2-hop question from `path[0]`, so `relations`, `path` and `start` are those of
+    the rest (read_completion reads the completion from hop 2 on). Built by `from_hop_one`."""
+
+    first: str = ""
+
+    @property
+    def prompt(self) -> str:
+        return f"<bos> ask {self.alias} {self.origin} {self.first}"
+
+    @property
+    def origin(self) -> str:
+        return self.first.split()[-5]  # `<think> rel <tool> search rel ENT </tool> <obs> X </obs>`: ENT
+
+
+def from_hop_one(task: KnowledgeBaseTask, p: AliasProblem) -> FromHopOne:
+    """`p` (by alias) with its right hop 1 taken: the state a retrieved hop 1 puts a row in."""
+    first = task.solution(p)[0]
+    return FromHopOne(p.qid, p.path[0], p.relations[1:], p.path[1:], p.alias, p.hints[1:], first)
+
+
 class AliasKBTask(KnowledgeBaseTask):
     """KnowledgeBaseTask whose questions name their chain by alias.
 
@@ -133,4 +156,14 @@ def foreign_step(problem, k: int, solution: Sequence[str]) -> tuple[str, bool]:
     return hints[k], True
 
 
-__all__ = ["ALIASES", "AliasKBTask", "AliasProblem", "alias_table", "all_chains", "chain_split", "foreign_step"]
+__all__ = [
+    "ALIASES",
+    "AliasKBTask",
+    "AliasProblem",
+    "FromHopOne",
+    "from_hop_one",
+    "alias_table",
+    "all_chains",
+    "chain_split",
+    "foreign_step",
+]
