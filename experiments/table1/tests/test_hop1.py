@@ -153,3 +153,27 @@ def test_t_quantile_beyond_the_table():
     for df, t in exact.items():
         assert t975(df) == pytest.approx(t, abs=2e-4)
     assert t975(30) == 2.042 and t975(31) < t975(30)
+
+
+def test_from_hop_one_is_the_rest_of_the_question_with_hop_1_taken():
+    from experiments.table1 import diagnostics as D
+    from experiments.table1.kb_alias import from_hop_one
+
+    task = AliasKBTask(chains=RL_CHAINS, fact_seed=4)
+    for p in task.make_problems(5, seed=6):
+        q, sol = from_hop_one(task, p), task.solution(p)
+        assert q.prompt == f"{p.prompt} {sol[0]}" and q.answer == p.answer and q.qid == p.qid
+        assert task.solution(q) == sol[1:]  # the rest: hops 2, 3 and the answer
+        assert D.read_completion(q, " ".join(sol[1:]), hint_copies=False)["success"]
+        assert task.verify(q, " ".join(sol[1:])) == 1.0 and task.verify(q, sol[-1].replace(p.answer, "e999")) == 0.0
+
+
+def test_hop_split_by_hand():
+    from experiments.table1.exploration import hop_split
+
+    def read(first_ok, success):
+        return {"segments": [{"kind": "own", "hop": first_ok}], "success": success}
+
+    got = hop_split([read(True, True), read(True, False), read(False, False), {"segments": [], "success": False}])
+    assert got == {"hop1_right": 0.5, "success_after_hop1": 0.5}
+    assert math.isnan(hop_split([read(False, False)])["success_after_hop1"])
