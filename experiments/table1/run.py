@@ -58,6 +58,29 @@ def _job_name(kind: str, args: tuple) -> str:
     return f"family {args[0]}, seed {args[1]}" if kind == "prepare" else f"{args[0]}/{args[1]}/seed {args[2]}"
 
 
+ROWS = "rows.jsonl"  # every finished run's row, appended as it lands: a run cut off keeps what it finished
+
+
+def _keep_row(out: Path, row: dict) -> None:
+    """Append `row` to out/rows.jsonl in one write (a line cut by a crash is skipped when read back)."""
+    with open(out / ROWS, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def _kept_rows(out: Path) -> dict[tuple[str, str, int], dict]:
+    """The rows out/rows.jsonl holds, by (family, method, seed); a line a crash cut is skipped."""
+    got: dict[tuple[str, str, int], dict] = {}
+    if (out / ROWS).exists():
+        for line in (out / ROWS).read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            r["_curve"] = [tuple(x) for x in r["_curve"]]
+            got[(r["task"], r["method"], int(r["seed"]))] = r
+    return got
+
+
 def _stop(pool) -> None:
     """After a failed job: drop the queued jobs and end the running ones now (shutdown alone waits for them, up to a
     whole RAPO run, while they keep writing into --out)."""
@@ -108,6 +131,7 @@ def run(s: dict, out: Path, progress: bool = True, workers: int | None = None) -
     pool = _InProcess() if workers == 0 else ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"))
     running: dict[Future, tuple] = {}
     prepared: dict[tuple[str, int], dict] = {}
+    finished = _kept_rows(out) if s.get("reuse_prepared") else {}
     try:
         while todo or running:
             while todo and len(running) < max(workers, 1):
@@ -122,10 +146,16 @@ def run(s: dict, out: Path, progress: bool = True, workers: int | None = None) -
                     raise RuntimeError(f"table1: the {kind} job of {_job_name(kind, args)} failed: {e!r}") from e
                 if kind == "prepare":
                     prepared[(args[0], args[1])] = result
-                    todo += [("run", (args[0], m, args[1], s, result, enc)) for m in s["methods"]]
+                    for m in s["methods"]:
+                        if (args[0], m, args[1]) in finished:
+                            rows.append(finished[(args[0], m, args[1])])
+                            bar.update(1)
+                        else:
+                            todo.append(("run", (args[0], m, args[1], s, result, enc)))
                     todo.sort(key=_priority)
                 else:
                     rows.append(result)
+                    _keep_row(out, result)
                 bar.update(1)
     except BaseException:
         _stop(pool)

@@ -139,7 +139,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--reuse-prepared",
         action="store_true",
-        help="reuse the warm-ups and sources already in --out (written by this code at the same seeds and setting)",
+        help="reuse the warm-ups, sources and finished runs (rows.jsonl) already in --out, written by this code in "
+        "the same setting: a run cut off goes on where it stopped",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
