@@ -177,3 +177,46 @@ def test_hop_split_by_hand():
     got = hop_split([read(True, True), read(True, False), read(False, False), {"segments": [], "success": False}])
     assert got == {"hop1_right": 0.5, "success_after_hop1": 0.5}
     assert math.isnan(hop_split([read(False, False)])["success_after_hop1"])
+
+
+def test_hop1_run_end_to_end_and_resumed_from_its_rows(tmp_path, monkeypatch):
+    """A tiny kb_hop1 run of GRPO, RAPO and the noisy arm writes the fourth round's columns and checks; run again with
+    reuse_prepared it runs no job and writes the same CSV from rows.jsonl."""
+    import csv
+    import json
+
+    from experiments.table1 import run as table1
+    from experiments.table1 import setting
+
+    monkeypatch.setenv("RAPO_FAST_DISABLE_TRITON", "1")
+    s = dict(
+        setting.QUICK,
+        seeds=1,
+        sft_steps=4,
+        rl_steps=2,
+        eval_every=1,
+        n_train=4,
+        prompts_per_step=2,
+        solver_traces=4,
+        families=["kb_hop1"],
+        methods=["GRPO", "RAPO", "RAPO_NOISY"],
+        encoder="hashed",
+    )
+    rows = table1.run(s, tmp_path, progress=False, workers=0)
+    by = {r["method"]: r for r in rows}
+    assert by["GRPO"]["retrievals_hop1"] == 0 and by["RAPO"]["retrievals_hop1"] > 0  # retrieval at the prompt
+    for r in rows:
+        assert 0.0 <= r["auc"] <= 1.0 and 0.0 <= r["auc_from_hop1"] <= 1.0 and 0.0 <= r["signal_frac"] <= 1.0
+        assert r["n_heldout"] >= 50 and len(r["_curve"]) == 3  # every distinct question; steps 0, 1, 2
+    checks = json.loads((tmp_path / "table1_checks.json").read_text())["checks"]
+    assert {"source_not_oracle/kb_hop1", "noisy_source/kb_hop1"} <= set(checks)
+    first = (tmp_path / "table1.csv").read_text()
+    assert len(list(csv.DictReader(first.splitlines()))) == 3
+
+    def no_job(*args):
+        raise AssertionError("a finished run was run again")
+
+    monkeypatch.setattr(table1, "run_one", no_job)
+    (tmp_path / "table1.csv").unlink()
+    again = table1.run(dict(s, reuse_prepared=True), tmp_path, progress=False, workers=0)
+    assert len(again) == 3 and (tmp_path / "table1.csv").read_text() == first
