@@ -23,9 +23,10 @@ from experiments.table1.report import write_outputs
 from experiments.table1.setting import encoder_name, parser, setting_from
 from rapo_fast.train.progress import PlainProgress, progress_bar
 
-# Which ready job a free worker takes first: prepare jobs (each unlocks the method runs), then the longest runs, so
-# that the last ones to finish are short (measured on a full run of the setting before kb_alias: RAPO 110-150 s,
-# ARPO and OFFPOLICY_TRAJ 50-75 s, GRPO 40-60 s).
+# Which ready job a free worker takes first: the lowest seed's (a run cut off then leaves whole seeds, every method's
+# row of a seed: the pairs the tables need; rows.jsonl keeps them), its prepare job (which unlocks its method runs),
+# then its longest runs (measured on a full run of the setting before kb_alias: RAPO 110-150 s, ARPO and
+# OFFPOLICY_TRAJ 50-75 s, GRPO 40-60 s).
 _COST = {
     "RAPO": 3,
     "RAPO_NO_RET_REWARD": 3,
@@ -49,9 +50,9 @@ def _job(kind: str, args: tuple):
     return prepare(*args) if kind == "prepare" else run_one(*args)
 
 
-def _priority(job: tuple) -> tuple[int, int]:
+def _priority(job: tuple) -> tuple[int, int, int]:
     kind, args = job
-    return (0, 0) if kind == "prepare" else (1, -_COST.get(args[1], 1))
+    return (args[1], 0, 0) if kind == "prepare" else (args[2], 1, -_COST.get(args[1], 1))
 
 
 def _job_name(kind: str, args: tuple) -> str:
