@@ -15,6 +15,7 @@ import concurrent.futures
 import contextlib
 import math
 import os
+import sys
 import tempfile
 import time
 import uuid
@@ -193,12 +194,13 @@ class StepBufferActor(PrimaryRole, ReplicaRole):
         """The counters (cumulative), and since the previous stats() call (verl's metrics route calls it once a step):
         step_queries (queries searched), search_ms_sum / search_ms_max (over those queries, the duration of the search
         that answered each: one search answers a batch), pending_max (most retrieve requests waiting for a search at
-        once); pending: those waiting now. role: "primary" or "replica". A primary's: replicas_stale (not in step
-        now), replicas_lost, replica_resyncs, replica_write_failures, read_failovers (reported by clients),
-        repeated_adds (write ids seen before); a replica's: replicas_serving (1 or 0)."""
+        once); pending: those waiting now. role: "primary" or "replica"; node: its Ray node. A primary's:
+        replicas_stale (not in step now), replicas_lost, replica_resyncs, replica_write_failures, read_failovers
+        (reported by clients), repeated_adds (write ids seen before); a replica's: replicas_serving (1 or 0)."""
         window, self._window = self._window, _new_window()
         queue = {"pending": self._searches.pending, "pending_max": self._searches.take_peak()}
         state = {"size": len(self.traces.buffer), "payloads": len(self.traces), "device": self.device}
+        state["node"] = _node_id()
         role = {"role": "replica", "replicas_serving": int(self._readable())} if self.replica else self._set.stats()
         return {**self.counters, **window, **queue, **state, **({"role": "primary"} | role)}
 
@@ -317,6 +319,12 @@ class StepBufferActor(PrimaryRole, ReplicaRole):
 
 def _new_window() -> dict:
     return {"step_queries": 0, "search_ms_sum": 0.0, "search_ms_max": 0.0}
+
+
+def _node_id() -> str | None:
+    """The Ray node this actor runs on (None in-process)."""
+    ray = sys.modules.get("ray")
+    return ray.get_runtime_context().get_node_id() if ray is not None and ray.is_initialized() else None
 
 
 def _gpu_ids() -> list:
