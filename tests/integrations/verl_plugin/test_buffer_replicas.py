@@ -256,7 +256,8 @@ def test_a_diverging_replica_is_caught_up_and_a_retried_add_is_stored_once(data)
         await _until(lambda: primary._set.counters["replica_resyncs"] == 1)
         assert primary._set.counters["replica_write_failures"] == 1
         keys = client.encode(data["queries"])
-        await _assert_same(primary, [full], keys, data["excl"], fields=("size", "payloads"))  # restored from the primary's snapshot
+        # restored from the primary's snapshot
+        await _assert_same(primary, [full], keys, data["excl"], fields=("size", "payloads"))
         assert await client.add_steps(hs, steps, groups, write_id="w1") == 5  # a retry: nothing stored again
         st = await primary.stats()
         assert st["steps_added"] == 5 and st["add_calls"] == 1 and st["repeated_adds"] == 1
