@@ -3,8 +3,10 @@ CPU cluster: several clients searching while one adds (past the ring's wrap), ev
 force (rapo_fast.reference.retrieval.search_ref) of one of the states the buffer held; concurrent requests coalesced
 into fewer requests and searches; save -> new actor -> load identical; two shards against the brute force over their
 union; read replicas (2 on the one node) answering every search as their primary after concurrent adds from two
-processes, and the clients' searches served by them; verl's checkpoint callback saving into global_step_N/ from the
-primary and a new job restoring from it, both with a replica.
+processes, and the clients' searches served by them; two replicas killed under traffic, one for good and one
+restarted by Ray (no search or add fails, adds stored once, the restarted one caught up and found again); verl's
+checkpoint callback saving into global_step_N/ from the primary and a new job restoring from it, both with a replica.
+Several nodes: test_verl_buffer_nodes.py.
 
 Skipped without ray (the main environment); the callback test also needs verl.
 """

@@ -34,7 +34,7 @@ DIM, CAP = 64, 64
 def cluster():
     from ray.cluster_utils import Cluster
 
-    os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")  # see tests/helpers/ray_local.py
+    os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")  # see tests/helpers/ray_local.py
     # a removed node is noticed within ~2 s (the defaults take ~30 s)
     config = {"health_check_period_ms": 500, "health_check_failure_threshold": 4}
     c = Cluster(
