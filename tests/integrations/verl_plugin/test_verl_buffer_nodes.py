@@ -10,7 +10,6 @@ Skipped without ray. What this is not: a measure of speed (bench/bench_buffer_ac
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 
 import pytest
@@ -34,7 +33,6 @@ DIM, CAP = 64, 64
 def cluster():
     from ray.cluster_utils import Cluster
 
-    os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")  # see tests/helpers/ray_local.py
     # a removed node is noticed within ~2 s (the defaults take ~30 s)
     config = {"health_check_period_ms": 500, "health_check_failure_threshold": 4}
     c = Cluster(
