@@ -105,7 +105,7 @@ class ReplicaSet:
         self.members: list[_Member] = []
         self.log: collections.OrderedDict[int, tuple[str, tuple, Any]] = collections.OrderedDict()
         self.log_writes, self.logged = log_writes, 0  # logged: writes 0 .. logged - 1 are in the log's past
-        names = ("replicas_stale", "replicas_lost", "replica_resyncs", "replica_write_failures", "read_failovers")
+        names = ("replicas_lost", "replica_resyncs", "replica_write_failures", "read_failovers")
         self.counters = dict.fromkeys(names, 0)
 
     async def attach(self, node: str, handle: Any, live: bool) -> None:
@@ -272,7 +272,8 @@ class PrimaryRole:
     async def _snapshot(self) -> tuple[bytes, int]:
         """This primary's state (bytes) and how many writes it holds: queued behind every write numbered before."""
         at = self._next_write
-        return await asyncio.wrap_future(self._pool.submit(pack_traces, self.traces)), at
+        # self.traces read when the snapshot runs: an earlier load in the queue replaces it
+        return await asyncio.wrap_future(self._pool.submit(lambda: pack_traces(self.traces))), at
 
 
 class ReplicaRole:
