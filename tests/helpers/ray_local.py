@@ -7,7 +7,6 @@ module-scoped fixture, so that Ray starts only where it is needed.
 from __future__ import annotations
 
 import contextlib
-import os
 import types
 from collections.abc import Iterator
 
@@ -21,8 +20,6 @@ def local_ray(pickle_by_value: types.ModuleType | None = None) -> Iterator[None]
     if pickle_by_value is not None:
         ray.cloudpickle.register_pickle_by_value(pickle_by_value)
     started = not ray.is_initialized()
-    # the raylet waits this long for its agents (default 10 s); on a loaded 2-core machine they take longer
-    os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")
     if started:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
