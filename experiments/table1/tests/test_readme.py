@@ -15,7 +15,7 @@ STEP = HERE / "results" / "step"  # the third round's run, sized by results/pilo
 
 def _section() -> str:
     readme = (HERE / "README.md").read_text()
-    return readme.split("## The tested setting: `kb_alias_step`, a run sized by a pilot", 1)[1].split("\n## ", 1)[0]
+    return readme.split("## The third round: `kb_alias_step`, a run sized by a pilot", 1)[1].split("\n## ", 1)[0]
 
 
 def test_readme_quotes_the_sized_step_run():
@@ -46,7 +46,7 @@ def test_readme_quotes_the_sized_step_run():
 def test_every_kept_run_is_quoted_and_every_link_resolves():
     readme = (HERE / "README.md").read_text()
     kept = sorted(p.name for p in (HERE / "results").iterdir() if p.is_dir())
-    assert kept == ["pilot", "step"]
+    assert kept == ["control", "hop1", "pilot", "step"]
     for name in kept:
         assert f"results/{name}/" in readme, name
         assert (HERE / "results" / name / "PREDICTION.md").exists()  # each run's prediction was written first
