@@ -27,7 +27,12 @@ HEAD_TOKENS = 64  # MiniLM: the question's (or a plain text's first) tokens; its
 # The first user turn of a chat-templated history, decoded with or without special tokens: ChatML (Qwen2.5, the
 # recipe's model: "<|im_start|>user\n", or "user\n" alone on a line once skip_special_tokens dropped the marker) and
 # Llama 3 with its markers. It ends at the next turn marker. Other templates: pass task_start / task_end.
-TASK_START = r"<\|im_start\|>user\n|<\|start_header_id\|>user<\|end_header_id\|>\n\n|(?:\A|\n)user\n"
+# Written to begin with the literal "user" (what precedes it is checked by lookbehinds) so that re scans a long system
+# prompt for that literal at ~1 us a KB; the same regex as alternatives costs ~25 us a KB.
+TASK_START = (
+    r"user(?:(?<=<\|im_start\|>user)\n|(?<=\nuser)\n|(?<![\s\S]{5})\n"
+    r"|(?<=<\|start_header_id\|>user)<\|end_header_id\|>\n\n)"
+)
 TASK_END = r"<\|im_end\|>|<\|eot_id\|>|\n(?:assistant|user|system|tool)\n"
 
 
