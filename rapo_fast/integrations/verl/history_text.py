@@ -1,15 +1,13 @@
 """The agent loop's running history as text, decoded a piece at a time: `HistoryText`.
 
-What it is: the text of a token list that only grows (a trajectory's prompt ids, then its turns, tool responses and
-retrieved segments), kept per trajectory and extended at each retrieval by decoding only the ids added since the last
-one, with a few ids of context before them. Decoding the whole history at every retrieval cost ~2-4 ms of CPU at 4k
-tokens (docs/verl.md, "The step buffer at scale"), more than a hashed key.
-Why the context: a piece decoded alone can differ from its place in the whole (a SentencePiece first token loses its
-leading space, a byte-level token may hold half of a UTF-8 character), so the new text is decode(context + new) less
-decode(context); when that is not a clean extension (the context's text is not a prefix, or a character is cut), or the
-ids before the new ones changed, the whole list is decoded instead. The result equals decode(all ids) on the
-tokenizers tested (tests/integrations/test_verl_history_text.py).
-What it is not: the encoder (the text goes to the step buffer's client, which keys it). Imports neither verl nor ray.
+What it is: the text of a token list that only grows (a trajectory's prompt, turns, tool responses, retrieved
+segments), extended at each retrieval by decoding only the ids added since the last one, with a few ids of context:
+decoding the whole history every time cost ~0.5 us a token (docs/verl.md, "The step buffer at scale"). Why the
+context: a piece decoded alone can differ from its place in the whole (a SentencePiece token's leading space, half a
+UTF-8 character in a byte-level token), so the new text is decode(context + new) less decode(context); when that is
+not a clean extension, or the ids before the new ones changed, the whole list is decoded instead. Equal to
+decode(all ids) on the tokenizers tested (tests/integrations/test_verl_history_text.py).
+What it is not: the encoder (the client keys the text). Imports neither verl nor ray.
 """
 
 from __future__ import annotations

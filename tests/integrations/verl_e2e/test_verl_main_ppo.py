@@ -156,16 +156,20 @@ def _job_dir(root: Path, prompts: list[tuple[str, str]]) -> Path:
     return root
 
 
+def _run_keys(steps: int = 2, save_freq: int = -1, grow: bool = True) -> list[str]:
+    """How long a run trains, when it saves and whether the buffer grows (the resumed run differs there)."""
+    return [
+        f"+rapo.add_onpolicy_steps={str(grow).lower()}",
+        f"trainer.total_training_steps={steps}",
+        # 2 batches an epoch: a run resumed at step 2 starts in epoch 1 (verl: global step // steps per epoch), which
+        # needs a second epoch; total_training_steps ends every run before it matters
+        "trainer.total_epochs=2",
+        f"trainer.save_freq={save_freq}",
+    ]
+
+
 def _overrides(
-    root: Path,
-    *,
-    mini_batch: int,
-    ranks: int,
-    val_before_train: bool,
-    replicas: int = 0,
-    steps: int = 2,
-    save_freq: int = -1,
-    grow: bool = True,
+    root: Path, *, mini_batch: int, ranks: int, val_before_train: bool, replicas: int = 0, **run
 ) -> list[str]:
     micro = 4 * mini_batch // ranks  # trajectories per rank in a mini-batch (rollout.n = 4): one micro-batch
     return [
@@ -220,17 +224,11 @@ def _overrides(
         "reward.reward_manager.name=rapo",
         "reward.num_workers=1",
         "+rapo.n_hybrid=2",
-        f"+rapo.add_onpolicy_steps={str(grow).lower()}",
         "+rapo.buffer_name=rapo_step_buffer",
         f"+rapo.step_buffer.path={root / 'seed.jsonl'}",
         "+rapo.step_buffer.num_cpus=0",
         f"+rapo.step_buffer.replicas_per_node={replicas}",
         "trainer.checkpoint_callback_class=rapo_fast.integrations.verl.buffer_setup.StepBufferCheckpointCallback",
-        f"trainer.total_training_steps={steps}",
-        # 2 batches an epoch: a run resumed at step 2 starts in epoch 1 (verl: global step // steps per epoch), which
-        # needs a second epoch; total_training_steps ends every run before it matters
-        "trainer.total_epochs=2",
-        f"trainer.save_freq={save_freq}",
         "trainer.test_freq=-1",
         f"trainer.val_before_train={str(val_before_train).lower()}",
         f"trainer.n_gpus_per_node={ranks}",
@@ -246,6 +244,7 @@ def _overrides(
         "ray_kwargs.ray_init.num_cpus=16",
         "+ray_kwargs.ray_init.include_dashboard=false",
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
+        *_run_keys(**run),
     ]
 
 
