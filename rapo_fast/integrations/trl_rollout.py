@@ -267,7 +267,7 @@ def success_value(value: Any) -> float:
             f"rapo rollout_func: success_fn: expected a bool or a finite number (a success above 0.5), got "
             f"{type(value).__name__} {brief(value)}"
         )
-    if not math.isfinite(value):
+    if not isinstance(value, numbers.Integral) and not math.isfinite(value):  # an int is finite (and may overflow)
         raise ValueError(
             f"rapo rollout_func: success_fn: expected a bool or a finite number (a success above 0.5), got {value}"
         )
@@ -294,7 +294,8 @@ def check_stored_ids(traces: StepTraces | None, tokenizer: Any, model: Any) -> N
         raise ValueError(
             f"rapo rollout_func: traces: expected token ids below {limit} (the tokenizer's {vocab} tokens, the model's "
             f"input embedding of {rows} rows), got {len(over)} of {len(tops)} stored steps past it (payload {worst} "
-            f"holds id {tops[worst]}): the StepTraces was built with another tokenizer; build it with the rollout's"
+            f"holds id {tops[worst]}): build the StepTraces with the rollout's tokenizer, and resize the model's "
+            "embeddings to it (add_rapo_tags(tokenizer, model) does)"
         )
 
 

@@ -229,7 +229,18 @@ def test_stored_token_ids_past_the_tokenizer_or_the_embedding_are_refused_at_bin
 
 @pytest.mark.parametrize(
     "value, want",
-    [(True, 1.0), (False, 0.0), (1, 1.0), (0, 0.0), (0.7, 1.0), (0.5, 0.0), (-3.0, 0.0), (torch.tensor(True), 1.0)],
+    [
+        (True, 1.0),
+        (False, 0.0),
+        (1, 1.0),
+        (0, 0.0),
+        (10**400, 1.0),
+        (0.7, 1.0),
+        (0.5, 0.0),
+        (-3.0, 0.0),
+        (torch.tensor(True), 1.0),
+        (torch.tensor([0.2]), 0.0),
+    ],
 )
 def test_success_values_accepted(value, want):
     import numpy as np
