@@ -50,6 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--optim", default="adamw_torch", help="transformers optimiser name (e.g. sgd)")
     p.add_argument("--shaping", type=float, default=0.05, help="RAPO shaping_m (rapo trainer only; 0: none)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-steps", type=int, default=0, help="checkpoint every N steps (0: no checkpoints)")
     p.add_argument("--out", default=None, help="output folder (default: a temporary one)")
     return p.parse_args(argv)
 
@@ -114,7 +115,8 @@ def build_trainer(args: argparse.Namespace, out: Path, warm_state: dict | None =
         use_cpu=True,
         bf16=False,
         report_to="none",
-        save_strategy="no",
+        save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500,
         loss_type="grpo",
         disable_tqdm=True,
     )

@@ -1,8 +1,8 @@
 """The step buffer in TRL's checkpoints: `StepTracesCheckpoint`, a transformers TrainerCallback.
 
 What it is: saves the StepTraces beside each TRL checkpoint (`rapo_step_traces/`, crash-safe through StepTraces.save)
-and, on resume, loads it into the traces in place. RAPOGRPOTrainer adds it by itself when its rollout_func holds a
-StepTraces; with TRL's own GRPOTrainer pass callbacks=[StepTracesCheckpoint(traces)].
+and, on resume, loads it into the traces in place, on every process. RAPOGRPOTrainer adds it by itself when its
+rollout_func holds a StepTraces; with TRL's own GRPOTrainer pass callbacks=[StepTracesCheckpoint(traces)].
 What it is not: a checkpoint of the encoder (not saved; pass the same one) or of a K/V store's model.
 """
 
@@ -35,7 +35,10 @@ class StepTracesCheckpoint(TrainerCallback):
         return Path(args.output_dir) / f"checkpoint-{state.global_step}"
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if state.is_world_process_zero:
+        # every process holds the same buffer (the rollout gathers new steps from all of them: docs/trl.md, "Several
+        # processes"), so the process that writes the checkpoint (process 0, or each node's first with
+        # save_on_each_node) writes every process's steps; a resume loads them on every process (on_train_begin)
+        if getattr(args, "should_save", state.is_world_process_zero):
             self.traces.save(self.checkpoint_dir(args, state) / TRACES_DIR)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -8,6 +8,8 @@ trainer.temperature), nor a reward function. docs/trl.md, "Hybrid rollouts insid
 
 from __future__ import annotations
 
+import math
+import numbers
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -15,7 +17,7 @@ from typing import Any
 
 import torch
 
-from rapo_fast._checks import check_bool, check_int
+from rapo_fast._checks import brief, check_bool, check_int
 from rapo_fast.integrations.trl_setup import ChatEnv, ChatFormat, check_rapo_tags
 from rapo_fast.retrieval.step_traces import StepTraces
 from rapo_fast.rollouts.batch import KIND_GEN, KIND_RET, RolloutBatch
@@ -83,15 +85,18 @@ class RAPORolloutFunc:
     Args: env (`execute(call_text) -> observation text`: the tool), traces (a rapo_fast.StepTraces; None: plain
     on-policy multi-turn rollouts, no retrieval), tokenizer (default: the StepTraces' tokenizer, else the trainer's
     processing_class; each tag <tool> </tool> <retrieve> </retrieve> one token: `add_rapo_tags` adds them),
-    success_fn ((prompt as TRL gave it, completion text as TRL's reward functions get it) -> bool: the successful
-    trajectories' tool steps are added to traces; None: the buffer is not grown), n_hybrid (hybrid rows per group;
+    success_fn ((prompt as TRL gave it, completion text as TRL's reward functions get it) -> a bool, or a finite number
+    that counts as a success above 0.5 (the trainer's reward threshold); anything else, NaN included, raises
+    TypeError/ValueError naming success_fn: the successful trajectories' tool steps are added to traces, on every
+    process (docs/trl.md, "Several processes"); None: the buffer is not grown), n_hybrid (hybrid rows per group;
     default num_generations // 2), retrieve_prob, mode ("exact" / "splice"), max_steps, max_step_tokens,
     exclude_own_group: as in rapo_fast.rollout; retrieve_at_eval (evaluation rollouts retrieve too; they never grow
     the buffer), chat_tool_turns (conversational prompts: a tool's output is rendered as the chat template's tool
     turn; False: inline in the assistant turn).
     Completions are cut at trainer.max_completion_length. Bad arguments raise TypeError/ValueError here; the
-    tokenizer's tags and the trainer's sampling options are checked when the trainer is built (RAPOGRPOTrainer) or
-    at the first rollout (GRPOTrainer).
+    tokenizer's tags, the stored steps' token ids (below the tokenizer's size and the model's embedding rows) and the
+    trainer's sampling options are checked when the trainer is built (RAPOGRPOTrainer) or at the first rollout
+    (GRPOTrainer).
     """
 
     def __init__(
@@ -136,10 +141,13 @@ class RAPORolloutFunc:
         self.last_batch: RolloutBatch | None = None  # the latest rollout, for inspection
 
     def bind(self, trainer: Any) -> None:
-        """Check the trainer against what the rollout supports (its tokenizer's tags, its sampling options);
-        RAPOGRPOTrainer calls it at construction, a plain GRPOTrainer gets it at the first rollout."""
+        """Check the trainer against what the rollout supports (its tokenizer's tags, the stored steps' token ids,
+        its sampling options); RAPOGRPOTrainer calls it at construction, a plain GRPOTrainer at the first rollout."""
         tok = self.tokenizer if self.tokenizer is not None else trainer.processing_class
         check_rapo_tags(tok, "rapo rollout_func", self.traces)
+        accelerator = getattr(trainer, "accelerator", None)
+        model = trainer.model if accelerator is None else accelerator.unwrap_model(trainer.model)
+        check_stored_ids(self.traces, tok, model)
         proc = trainer.processing_class
         if self.tokenizer is not None and hasattr(proc, "__len__") and hasattr(self.tokenizer, "__len__"):
             if len(proc) != len(self.tokenizer):
@@ -212,22 +220,95 @@ class RAPORolloutFunc:
 
     def _grow(self, batch: RolloutBatch, problems: list[_Prompt], completion_ids: list, tok: Any, chat: Any) -> int:
         """Add the successful trajectories' generated tool steps to the StepTraces (under their prompt's group id), in
-        the form of the seed steps: a chat tool turn is taken off (ChatFormat.plain_step)."""
+        the form of the seed steps (a chat tool turn is taken off: ChatFormat.plain_step); returns how many it stored.
+        Under several processes every process's new steps are gathered and added on each, in process order, so that
+        every process holds the same buffer (docs/trl.md, "Several processes"): a collective call, made on every
+        process at every training rollout; a failure on one process raises on all of them instead of leaving the
+        others waiting."""
         if self.traces is None or self.success_fn is None:
             return 0
         from rapo_fast.train.trainer import onpolicy_steps
 
-        done = tok.batch_decode(completion_ids, skip_special_tokens=True)  # the text TRL's reward functions get
-        ok = torch.tensor(
-            [float(bool(self.success_fn(problems[int(i)].source, c))) for i, c in zip(batch.prompt_index, done)]
-        )
-        hist, steps, groups = onpolicy_steps(batch, ok, tok)
-        if chat is not None and chat.tool_turns:
-            steps = [chat.plain_step(s) for s in steps]
+        failed: BaseException | None = None
+        try:
+            done = tok.batch_decode(completion_ids, skip_special_tokens=True)  # the text TRL's reward functions get
+            rows = zip(batch.prompt_index.tolist(), done)
+            ok = torch.tensor([success_value(self.success_fn(problems[i].source, c)) for i, c in rows])
+            hist, steps, groups = onpolicy_steps(batch, ok, tok)
+            if chat is not None and chat.tool_turns:
+                steps = [chat.plain_step(s) for s in steps]
+            local: Any = (self.traces.encode(hist), steps, groups)  # keys made once, where the histories are
+        except Exception as exc:
+            failed, local = exc, f"{type(exc).__name__}: {exc}"
+        parts = gather_objects(local)
+        if failed is not None:
+            raise failed
+        bad = [(rank, part) for rank, part in enumerate(parts) if isinstance(part, str)]
+        if bad:
+            raise RuntimeError(f"rapo rollout_func: process {bad[0][0]} failed growing the step buffer: {bad[0][1]}")
+        steps = [s for _, part, _ in parts for s in part]
         if not steps:
             return 0
-        _, slots = self.traces.add_steps(hist, steps, groups, return_slots=True)
+        keys = torch.cat([k for k, _, _ in parts])
+        _, slots = self.traces.add_encoded(keys, steps, [g for *_, part in parts for g in part], return_slots=True)
         return int((slots >= 0).sum())
+
+
+def success_value(value: Any) -> float:
+    """success_fn's result as 1.0 (a success) or 0.0: a bool (NumPy's, a one-element tensor's too) as it is, a finite
+    number as a success above 0.5; anything else raises naming success_fn (a NaN must not count as a success, as
+    bool(nan) would)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")):
+        return float(bool(value))
+    if not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"rapo rollout_func: success_fn: expected a bool or a finite number (a success above 0.5), got "
+            f"{type(value).__name__} {brief(value)}"
+        )
+    if not isinstance(value, numbers.Integral) and not math.isfinite(value):  # an int is finite (and may overflow)
+        raise ValueError(
+            f"rapo rollout_func: success_fn: expected a bool or a finite number (a success above 0.5), got {value}"
+        )
+    return float(value > 0.5)
+
+
+def check_stored_ids(traces: StepTraces | None, tokenizer: Any, model: Any) -> None:
+    """Every token id the StepTraces stored is below the tokenizer's size and the model's input embedding rows: a
+    buffer built with a larger tokenizer would otherwise fail inside the embedding when a step is retrieved
+    (IndexError on the CPU, a device-side assert on a GPU). ValueError naming traces and both sizes."""
+    if traces is None or not traces.payloads:
+        return
+    vocab = len(tokenizer) if hasattr(tokenizer, "__len__") else None
+    emb = model.get_input_embeddings() if callable(getattr(model, "get_input_embeddings", None)) else None
+    rows = getattr(emb, "num_embeddings", None)  # the whole table's, also where the weight is sharded
+    sizes = [n for n in (vocab, rows) if isinstance(n, int)]
+    if not sizes:
+        return
+    limit = min(sizes)
+    tops = {p: max(seg) for p, seg in traces.payloads.items()}
+    over = [p for p, top in tops.items() if top >= limit]
+    if over:
+        worst = max(over, key=tops.__getitem__)
+        raise ValueError(
+            f"rapo rollout_func: traces: expected token ids below {limit} (the tokenizer's {vocab} tokens, the model's "
+            f"input embedding of {rows} rows), got {len(over)} of {len(tops)} stored steps past it (payload {worst} "
+            f"holds id {tops[worst]}): build the StepTraces with the rollout's tokenizer, and resize the model's "
+            "embeddings to it (add_rapo_tags(tokenizer, model) does)"
+        )
+
+
+def gather_objects(obj: Any) -> list:
+    """[obj of process 0, obj of process 1, ...] under torch.distributed's default group (what accelerate, hence TRL,
+    sets up for several processes); [obj] in a single process. A collective: every process must call it."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 # The name a TRL user calls (GRPOTrainer(..., rollout_func=make_rollout_func(env, traces, ...))); the class is the type

@@ -16,9 +16,14 @@ from rapo_fast import _checks as C
 
 def as_tensor(x: Any, device: torch.device) -> Any:
     """A NumPy array (anything with `__array__` that is not a tensor) as a tensor on `device`; anything else as given,
-    for the caller's checks to judge (lists stay refused: their dtype would be a guess)."""
+    for the caller's checks to judge (lists stay refused: their dtype would be a guess). An array with a negative
+    stride (a reversed view, `a[::-1]`) is copied first: torch has no negative strides, and its own error would not
+    name the argument."""
     if isinstance(x, torch.Tensor) or not hasattr(x, "__array__"):
         return x
+    strides = getattr(x, "strides", None)
+    if strides and any(s < 0 for s in strides) and callable(getattr(x, "copy", None)):
+        x = x.copy()  # NumPy's copy is C-contiguous, whatever the view's order
     return torch.as_tensor(x, device=device)
 
 

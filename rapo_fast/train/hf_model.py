@@ -37,6 +37,13 @@ def row_lengths(attention_mask: torch.Tensor) -> torch.Tensor:
     return ((attention_mask != 0) * idx).amax(1)
 
 
+def scored_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T-1] bool: the shifted positions t of each row before its last attended token (the target t + 1 is
+    attended): the positions that score a real token; the rest only score padding."""
+    n = row_lengths(attention_mask) - 1
+    return torch.arange(attention_mask.shape[1] - 1, device=attention_mask.device)[None, :] < n[:, None]
+
+
 # A bucket's fixed cost in token slots (one more model call): on table1's tiny policy at one CPU thread a forward and
 # backward call costs about what 60-70 more token slots do (a no-grad forward ~36); a larger model's tokens cost more,
 # so the same overhead only errs towards fewer buckets there.

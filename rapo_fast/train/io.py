@@ -12,8 +12,10 @@ from __future__ import annotations
 import csv
 import io
 import math
+import os
 import random
 import warnings
+import weakref
 from pathlib import Path
 
 import torch
@@ -35,38 +37,90 @@ class MetricsLogger:
     rows: the steps the killed run logged after its checkpoint, which the resumed run does again, are not repeated.
 
     csv_path None: no record is kept (only the count and the columns; TensorBoard, when given, still gets every
-    step). A caller that wants the metrics in memory has them from RAPOTrainer.step() / train(), which return them."""
+    step). A caller that wants the metrics in memory has them from RAPOTrainer.step() / train(), which return them.
+
+    A row lands whole or not at all, and counts only once it has landed: an append that fails (a full disk) is cut
+    back off the file and raises OSError naming the file; the next append after space is freed is whole. The CSV is
+    opened per row, so only TensorBoard's writer (a thread and an event file) is held between steps: `close()` (or
+    the `with` block, or the logger being dropped) releases it; a later `log` opens a new writer (a new event file in
+    the same folder), so a closed logger still logs."""
 
     def __init__(self, csv_path: str | Path | None, tensorboard_dir: str | Path | None = None):
         self.path = Path(csv_path) if csv_path else None
         self.n_rows = 0
         self.columns: list[str] = []
-        self.tb, self.tb_dir = None, tensorboard_dir
+        self.tb_dir = tensorboard_dir
+        self._tb: list = [None, None]  # [SummaryWriter or None, its purge_step]: shared with the finalizer below
         if tensorboard_dir:
             try:
-                from torch.utils.tensorboard import SummaryWriter
+                from torch.utils.tensorboard import SummaryWriter  # noqa: F401
             except Exception as e:  # tensorboard is optional
                 raise ImportError(
                     f"tensorboard_dir was given but TensorBoard is unavailable ({e}); "
                     "pip install tensorboard or leave tensorboard_dir unset"
                 ) from e
-            self.tb = SummaryWriter(str(tensorboard_dir))
+        # a dropped logger closes its writer too (its thread would otherwise run until the process ends)
+        weakref.finalize(self, _close_writer, self._tb)
+
+    @property
+    def tb(self):
+        """TensorBoard's SummaryWriter (opened at the first step logged after construction, `restore` or `close`);
+        None without tensorboard_dir."""
+        if self.tb_dir and self._tb[0] is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            purge, self._tb[1] = self._tb[1], None
+            self._tb[0] = SummaryWriter(str(self.tb_dir), **({} if purge is None else {"purge_step": purge}))
+        return self._tb[0]
+
+    def close(self) -> None:
+        """Flush and close TensorBoard's writer (ending its thread and closing its file); idempotent."""
+        _close_writer(self._tb)
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def log(self, metrics: dict) -> None:
-        self.n_rows += 1
         new = [k for k in metrics if k not in self.columns]
-        self.columns += new
+        columns = self.columns + new
         if self.path is not None:
-            if new or not self.path.exists():
-                self._rewrite(self.n_rows - 1, metrics)
-            else:
-                with self.path.open("a", newline="", encoding="utf-8") as f:
-                    csv.DictWriter(f, fieldnames=self.columns).writerow(metrics)
+            try:
+                if new or not self.path.exists():
+                    self._rewrite(self.n_rows, metrics, columns)  # atomic: the old file or the new one
+                else:
+                    self._append(metrics, columns)
+            except OSError as exc:
+                raise OSError(
+                    exc.errno,
+                    f"MetricsLogger.log: {self.path}: row {self.n_rows + 1} not written ({exc.strerror or exc}); the "
+                    f"file holds the {self.n_rows} rows before it, and the next row logged follows them",
+                ) from exc
+        self.columns, self.n_rows = columns, self.n_rows + 1
         if self.tb is not None:
             step = int(metrics.get("step", self.n_rows))
             for k, v in metrics.items():
                 if isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v)):
                     self.tb.add_scalar(k, v, step)
+
+    def _append(self, metrics: dict, columns: list[str]) -> None:
+        """One row at the end of the CSV in one write, cut back off on a failure (no partial row stays)."""
+        text = io.StringIO()
+        csv.DictWriter(text, fieldnames=columns).writerow(metrics)
+        data = memoryview(text.getvalue().encode("utf-8"))
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        try:
+            size = os.fstat(fd).st_size
+            try:
+                while data:  # os.write may write part of it (returns the count): the rest follows
+                    data = data[os.write(fd, data) :]
+            except BaseException:
+                os.ftruncate(fd, size)
+                raise
+        finally:
+            os.close(fd)
 
     def state(self) -> dict:
         return {"n_rows": self.n_rows, "columns": list(self.columns)}
@@ -85,14 +139,13 @@ class MetricsLogger:
                     "resumed run appends to those",
                     stacklevel=2,
                 )
-        if self.tb is not None:
-            from torch.utils.tensorboard import SummaryWriter
+        if self.tb_dir:
+            self.close()  # the next writer drops the later steps' events; one row per step: the next is n_rows + 1
+            self._tb[1] = self.n_rows + 1
 
-            self.tb.close()  # one row per step: the next step is n_rows + 1
-            self.tb = SummaryWriter(str(self.tb_dir), purge_step=self.n_rows + 1)
-
-    def _rewrite(self, limit: int, extra: dict | None = None) -> int:
-        """Replace the CSV atomically with the header `columns`, its first `limit` rows and then `extra` (a new row);
+    def _rewrite(self, limit: int, extra: dict | None = None, columns: list[str] | None = None) -> int:
+        """Replace the CSV atomically with the header `columns` (default: the logger's), its first `limit` rows and then
+        `extra` (a new row);
         returns the old rows kept. Streamed from the old file in pieces of about _CSV_PIECE bytes, so the rewrite
         holds no more than that in memory; values are copied as the file holds them (each column's text unchanged)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -101,7 +154,7 @@ class MetricsLogger:
         def write(f) -> None:
             nonlocal kept
             text = io.StringIO()
-            w = csv.DictWriter(text, fieldnames=self.columns, extrasaction="ignore")
+            w = csv.DictWriter(text, fieldnames=self.columns if columns is None else columns, extrasaction="ignore")
             w.writeheader()
             for row in _csv_rows(self.path):
                 if kept == limit:
@@ -118,6 +171,13 @@ class MetricsLogger:
 
         write_file_atomic(self.path, write)
         return kept
+
+
+def _close_writer(box: list) -> None:
+    """Close the SummaryWriter in box[0], if any (MetricsLogger.close and its finalizer)."""
+    writer, box[0] = box[0], None
+    if writer is not None:
+        writer.close()
 
 
 # bytes of CSV text a rewrite gathers before writing them out

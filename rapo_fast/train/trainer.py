@@ -26,7 +26,7 @@ from rapo_fast.loss.options import LossOptions
 from rapo_fast.rollouts.batch import KIND_GEN, KIND_RET, RolloutBatch
 from rapo_fast.train.callbacks import TrainerCallback
 from rapo_fast.train.config import TrainerConfig
-from rapo_fast.train.hf_model import final_hidden_buckets, lm_head_weight, row_lengths
+from rapo_fast.train.hf_model import final_hidden_buckets, lm_head_weight, scored_positions
 from rapo_fast.train.io import MetricsLogger, load_checkpoint, save_checkpoint
 
 __all__ = [
@@ -117,13 +117,6 @@ def hard_attribution(batch: RolloutBatch, adv: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _scored_positions(attention_mask: torch.Tensor) -> torch.Tensor:
-    """[B, T-1] bool: the shifted positions t of each row before its last attended token (the target t + 1 is
-    attended): the positions that score a real token; the rest only score padding."""
-    n = row_lengths(attention_mask) - 1
-    return torch.arange(attention_mask.shape[1] - 1, device=attention_mask.device)[None, :] < n[:, None]
-
-
 class LossTensors(NamedTuple):
     """One update's tensors, rows selectable (`select`): the model's input [B, T] and the loss's per-token tensors of
     the shifted batch [B, T-1] under rapo_loss's argument names (advantages [B], or [B, T-1] with hard attribution;
@@ -145,10 +138,10 @@ class LossTensors(NamedTuple):
 
     def packed(self, hidden: torch.Tensor, opts: LossOptions) -> dict[str, Any]:
         """The loss_fn's tensor keywords, packed (docs/training.md, "The loss contract"): of each row [B, T-1] and of
-        hidden [B, T-1, H] the scored positions (_scored_positions), rows one after another, with cu_seqlens. Under
+        hidden [B, T-1, H] the scored positions (scored_positions), rows one after another, with cu_seqlens. Under
         seq-mean-token-sum-norm the padded width T-1 is global_num_tokens (the flat form would take the longest row's).
         Per-row advantages [B] go in per token: a flat [S] vector would read as per token whenever S equals N."""
-        keep = _scored_positions(self.attention_mask)
+        keep = scored_positions(self.attention_mask)
         per_token = self._asdict()
         del per_token["input_ids"], per_token["attention_mask"]
         adv = self.advantages
@@ -355,7 +348,7 @@ class RAPOTrainer:
         dev = next(self.model.parameters()).device
         with torch.no_grad():
             h = final_hidden_buckets(self.model, s["input_ids"].to(dev), s["attention_mask"].to(dev))[:, :-1]
-            keep = _scored_positions(s["attention_mask"])
+            keep = scored_positions(s["attention_mask"])
             lp, en = token_logprobs(
                 hidden=h[keep.to(dev)],
                 weight=lm_head_weight(self.model),
@@ -457,25 +450,28 @@ class RAPOTrainer:
             check_instance("train: callbacks", cb, TrainerCallback, "TrainerCallback objects") for cb in callbacks
         ]
         history: list[dict] = []
-        # every callback sees each event, even after one of them asked to stop (hence lists, not any(generator))
-        stop = any([cb.on_train_begin(self, num_steps) for cb in callbacks])
-        bar = None
-        if progress:
-            from rapo_fast.train.progress import progress_bar
+        try:
+            # every callback sees each event, even after one of them asked to stop (hence lists, not any(generator))
+            stop = any([cb.on_train_begin(self, num_steps) for cb in callbacks])
+            bar = None
+            if progress:
+                from rapo_fast.train.progress import progress_bar
 
-            bar = progress_bar(num_steps, desc)
-        with _sigterm_flag(checkpoint_dir is not None and checkpoint_on_sigterm) as term:
-            try:
-                self._loop(num_steps, history, stop, callback, callbacks, bar, term)
-            finally:
-                if bar is not None:
-                    bar.close()
+                bar = progress_bar(num_steps, desc)
+            with _sigterm_flag(checkpoint_dir is not None and checkpoint_on_sigterm) as term:
+                try:
+                    self._loop(num_steps, history, stop, callback, callbacks, bar, term)
+                finally:
+                    if bar is not None:
+                        bar.close()
+                if term:
+                    self.save_checkpoint(checkpoint_dir)
             if term:
-                self.save_checkpoint(checkpoint_dir)
-        if term:
-            signal.raise_signal(signal.SIGTERM)  # its previous disposition is back: the default ends the process here
-        for cb in callbacks:
-            cb.on_train_end(self, history)
+                signal.raise_signal(signal.SIGTERM)  # its previous disposition is back: the default ends the process
+            for cb in callbacks:
+                cb.on_train_end(self, history)
+        finally:
+            self.logger.close()  # TensorBoard's writer (a thread, a file), on error too; a later step opens a new one
         return history
 
     def _loop(self, num_steps, history, stop, callback, callbacks, bar, term) -> None:

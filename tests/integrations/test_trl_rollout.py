@@ -5,7 +5,9 @@ gradient: the loss's gradient w.r.t. the backbone's last hidden state is exactly
 retrieved token, in RAPOGRPOTrainer and in TRL's own loss; (c) with retrieval off, RAPOGRPOTrainer + the rollout_func
 equals TRL's GRPOTrainer + the same rollout_func (same seed, same warm-started weights, SGD so that the parameter
 change is the gradient): same completions, same logged loss and parameters to the parity tolerances of
-tests/integrations/test_integration_trl.py. Not tested: TRL's own generation (its sampler differs from rollout()'s).
+tests/integrations/test_integration_trl.py; (d) the rollout's inputs: stored token ids past the tokenizer or the model's
+embedding are refused at bind, success_fn's results are bools or finite numbers (NaN raises, adding nothing). Not
+tested: TRL's own generation (its sampler differs from rollout()'s). Two processes: test_trl_two_processes.py.
 """
 
 from __future__ import annotations
@@ -182,3 +184,94 @@ def test_clip_metrics_under_trl_names_match_trl(tmp_path, warm_state, level):
     assert any(v > 0 for v in want.values()), f"nothing clipped: the comparison would prove nothing ({want})"
     for k in names:
         assert ours[k] == pytest.approx(want[k], abs=1e-6), (k, ours, want)
+
+
+# -- the rollout's inputs: stored token ids, success_fn's results ----------------------------------------------------
+def _tokenizers_and_traces(tmp_path):
+    """(the task's tokenizer, one with a word more, a StepTraces of seed steps built with the larger one and holding a
+    step that uses that word: its id is past the smaller tokenizer's vocabulary)."""
+    from rapo_fast.demo.tasks import ChainArithmeticTask, solver_trajectories, write_jsonl
+    from rapo_fast.integrations.trl import HashedNgramEncoder, StepTraces
+
+    task = ChainArithmeticTask()
+    small, big = EX.hf_tokenizer(task.tokenizer()), EX.hf_tokenizer(task.tokenizer())
+    assert big.add_tokens(["zebra"]) == 1
+    jsonl = write_jsonl(solver_trajectories(task, task.make_problems(4, seed=1), 2, seed=0), tmp_path / "s.jsonl")
+    traces = StepTraces.from_jsonl(jsonl, HashedNgramEncoder(), big, top_k=1)
+    traces.add_steps(["a history"], ["zebra <tool> 1 + 2 </tool> 3"], [7])
+    return task, small, big, traces
+
+
+def test_stored_token_ids_past_the_tokenizer_or_the_embedding_are_refused_at_bind(tmp_path):
+    """A buffer built with a larger tokenizer than the rollout's (or the model's embedding) would fail inside the
+    embedding at the first retrieval of such a step: bind refuses it, naming traces and both sizes."""
+    from types import SimpleNamespace
+
+    from rapo_fast.demo.tiny_policy import build_tiny_policy
+    from rapo_fast.integrations.trl import make_rollout_func
+
+    task, small, big, traces = _tokenizers_and_traces(tmp_path)
+    n_small, n_big = len(small), len(big)
+    rollout_func = make_rollout_func(task, traces, tokenizer=small)  # the tags have the same ids in both
+    trainer = SimpleNamespace(processing_class=small, model=build_tiny_policy(n_small, hidden_size=16, seed=0))
+    match = rf"traces: expected token ids below {n_small} \(the tokenizer's {n_small} tokens, the model's input "
+    with pytest.raises(ValueError, match=match + rf"embedding of {n_small} rows\), got 1 of \d+ stored steps"):
+        rollout_func.bind(trainer)
+    # the larger tokenizer throughout, but a model whose embedding was not resized to it
+    rollout_func = make_rollout_func(task, traces)
+    trainer = SimpleNamespace(processing_class=big, model=build_tiny_policy(n_small, hidden_size=16, seed=0))
+    with pytest.raises(ValueError, match=rf"below {n_small} \(the tokenizer's {n_big} tokens, .* {n_small} rows\)"):
+        rollout_func.bind(trainer)
+    trainer.model = build_tiny_policy(n_big, hidden_size=16, seed=0)
+    rollout_func.bind(trainer)  # everything fits: accepted
+    assert rollout_func._bound is trainer
+
+
+@pytest.mark.parametrize(
+    "value, want",
+    [
+        (True, 1.0),
+        (False, 0.0),
+        (1, 1.0),
+        (0, 0.0),
+        (10**400, 1.0),
+        (0.7, 1.0),
+        (0.5, 0.0),
+        (-3.0, 0.0),
+        (torch.tensor(True), 1.0),
+        (torch.tensor([0.2]), 0.0),
+    ],
+)
+def test_success_values_accepted(value, want):
+    import numpy as np
+
+    from rapo_fast.integrations.trl_rollout import success_value
+
+    assert success_value(value) == want
+    assert success_value(np.bool_(bool(want))) == want and success_value(np.float32(want)) == want
+
+
+@pytest.mark.parametrize(
+    "value, error",
+    [(float("nan"), ValueError), (float("inf"), ValueError), (None, TypeError), ("yes", TypeError), ([1], TypeError)],
+)
+def test_success_values_refused_name_success_fn(value, error):
+    from rapo_fast.integrations.trl_rollout import success_value
+
+    with pytest.raises(error, match=r"rapo rollout_func: success_fn: expected a bool or a finite number"):
+        success_value(value)
+
+
+def test_a_nan_from_success_fn_raises_and_adds_nothing(tmp_path):
+    """success_fn returning NaN in a training rollout: ValueError naming success_fn, the buffer unchanged (before,
+    bool(nan) counted it as a success and its steps entered the buffer)."""
+    args = EX.parse_args(["--sft-steps", "0", "--prompts-per-step", "1"])
+    trainer, rollout_func, _ = EX.build_trainer(args, tmp_path)
+    rollout_func.success_fn = lambda prompt, completion: float("nan")
+    traces = rollout_func.traces
+    before = (dict(traces.payloads), traces.num_onpolicy, traces.buffer.embeddings.clone())
+    trainer.model.train()
+    prompts = [trainer.train_dataset[0]["prompt"]] * args.group_size
+    with pytest.raises(ValueError, match="success_fn: expected a bool or a finite number .*got nan"):
+        rollout_func(prompts, trainer)
+    assert (traces.payloads, traces.num_onpolicy) == before[:2] and torch.equal(traces.buffer.embeddings, before[2])

@@ -183,6 +183,24 @@ def test_numpy_arrays_in_add_and_search():
         a.add(x[:1], payload_ids=[1])
 
 
+def test_numpy_views_with_negative_strides_are_copied():
+    """A reversed NumPy view (negative strides, which torch tensors cannot have) as queries, embeddings or ids is
+    copied: the results equal those of the same values given contiguous."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((6, 4)).astype(np.float32)
+    a, b = _buf("cosine"), _buf("cosine")
+    a.add(x[::-1], payload_ids=np.arange(6)[::-1], group_ids=np.arange(6)[::-1], scores=np.ones(6)[::-1])
+    b.add(np.ascontiguousarray(x[::-1]), payload_ids=np.arange(5, -1, -1), group_ids=np.arange(5, -1, -1))
+    q = rng.standard_normal((3, 4)).astype(np.float32)
+    for view in (q[::-1], q[:, ::-1], q[::-1, ::-1], q[0][::-1]):
+        assert any(s < 0 for s in view.strides)
+        got, want = a.search(view, k=3), b.search(torch.from_numpy(np.ascontiguousarray(view)), k=3)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    excl = np.array([0, 1, 2])[::-1]
+    got = a.search(q, k=6, exclude_groups=excl)[1]
+    assert all(int(excl[i]) not in got[i].tolist() for i in range(3))
+
+
 @pytest.mark.parametrize("as_numpy", [False, True], ids=["tensor", "numpy"])
 def test_a_1d_query_is_one_query(as_numpy):
     buf = _buf("cosine")

@@ -3,20 +3,27 @@ it logs (the CSV is the record), `restore` cutting the CSV back to the checkpoin
 file of the uninterrupted run byte for byte (also across a column that first appeared after the checkpoint), a CSV
 with fewer rows than the checkpoint's (a warning), and TensorBoard: a resume's event files read back with
 TensorBoard's EventAccumulator give the uninterrupted run's scalars step for step (`purge_step`; skipped where
-tensorboard is not installed).
+tensorboard is not installed). A full disk (ENOSPC after part of a row, simulated) leaves the file as it was and the
+row uncounted, and the next append is whole; 30 TensorBoard loggers closed or dropped leave no thread or file open.
 Not here: resumes of a whole trainer in a killed process (tests/reliability/test_resume_records.py) or the checkpoint
 format's checks (tests/reliability/).
 """
 
 from __future__ import annotations
 
+import errno
+import gc
 import io
+import os
 import pickle
+import threading
 import tracemalloc
 
 import pytest
 import torch
 
+import rapo_fast._atomic
+import rapo_fast.train.io
 from rapo_fast.train.io import MetricsLogger
 
 
@@ -138,3 +145,82 @@ def test_tensorboard_after_a_resume_equals_the_uninterrupted_run(tmp_path):
     assert sorted(expected) == ["late", "loss", "reward", "step"]
     assert got == expected
     assert [s for s, _ in expected["loss"]] == list(range(1, 8))
+
+
+class _FullDisk:
+    """The os module, except that os.write writes part of what it is given and then raises ENOSPC (a disk that fills
+    up mid-row)."""
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+    @staticmethod
+    def write(fd, data):
+        os.write(fd, bytes(data[: max(1, len(data) // 2)]))
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+@pytest.mark.parametrize("new_column", [False, True], ids=["append", "rewrite"])
+def test_a_full_disk_cuts_no_row_and_the_next_append_is_whole(tmp_path, monkeypatch, new_column):
+    """ENOSPC after part of a row's bytes were written: OSError naming the file, errno ENOSPC; the file is byte for byte
+    what it was, the row is not counted and its new column not added; once space is back, the next rows are whole: the
+    file equals the file of a run whose disk never filled."""
+    want = MetricsLogger(tmp_path / "want.csv")
+    for s in range(1, 7):
+        want.log(_metrics(s))
+    logger = MetricsLogger(tmp_path / "m.csv")
+    last = 4 if new_column else 3  # step 5 brings the column `late`: the atomic rewrite's path
+    for s in range(1, last + 1):
+        logger.log(_metrics(s))
+    before, state = (tmp_path / "m.csv").read_bytes(), logger.state()
+    with monkeypatch.context() as m:
+        m.setattr(rapo_fast.train.io, "os", _FullDisk())
+        m.setattr(rapo_fast._atomic, "os", _FullDisk())
+        with pytest.raises(OSError, match=rf"m\.csv: row {last + 1} not written") as info:
+            logger.log(_metrics(last + 1))
+    assert info.value.errno == errno.ENOSPC
+    assert (tmp_path / "m.csv").read_bytes() == before
+    assert logger.state() == state
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.csv", "want.csv"]  # no temporary left behind
+    for s in range(last + 1, 7):
+        logger.log(_metrics(s))
+    assert (tmp_path / "m.csv").read_bytes() == (tmp_path / "want.csv").read_bytes()
+    assert logger.state() == want.state()
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open files through /proc")
+def test_thirty_tensorboard_loggers_closed_or_dropped_leave_no_thread_or_file(tmp_path):
+    """Each logger logs two steps (its writer thread and event file open), then half are closed (`with`), half
+    dropped: threads and open files are back to the baseline + 2. A closed logger that logs again opens a new writer,
+    released by the next close."""
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed")
+    with MetricsLogger(None, tmp_path / "warm") as warm:  # TensorBoard's imports and one-time state first
+        warm.log(_metrics(1))
+    gc.collect()
+    threads, fds = threading.active_count(), _open_fds()
+    for i in range(30):
+        if i % 2:
+            with MetricsLogger(tmp_path / f"{i}.csv", tmp_path / f"tb{i}") as logger:
+                logger.log(_metrics(1))
+                logger.log(_metrics(2))
+        else:
+            logger = MetricsLogger(tmp_path / f"{i}.csv", tmp_path / f"tb{i}")
+            logger.log(_metrics(1))
+            logger.log(_metrics(2))
+            assert threading.active_count() > threads  # the writer's thread runs: the test would see a leak
+            del logger
+            gc.collect()
+    assert threading.active_count() <= threads + 2
+    assert _open_fds() <= fds + 2
+    logger = MetricsLogger(None, tmp_path / "again")
+    logger.log(_metrics(1))
+    logger.close()
+    logger.log(_metrics(2))  # a closed logger still logs, through a new writer
+    assert threading.active_count() > threads
+    logger.close()
+    assert threading.active_count() <= threads + 2 and _open_fds() <= fds + 2
+    assert sorted(s for s, _ in _scalars(tmp_path / "again")["loss"]) == [1, 2]

@@ -430,6 +430,39 @@ def test_train_callbacks_run_every_step_can_stop_and_evaluate_inside_the_loop(wo
         EvalCallback(eval_fn, every=0)
 
 
+def test_train_closes_its_logger_when_it_returns_and_when_it_raises(world, tmp_path):
+    """With TensorBoard on, train() leaves no writer thread running after it returns or raises (a callback's error
+    mid-run); a later train() logs again (a new writer) and closes it too, every step in the CSV once."""
+    import threading
+
+    from rapo_fast.train.callbacks import TrainerCallback
+
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed")
+    task, tok, problems, _ = world
+    model = build_tiny_policy(tok.vocab_size, hidden_size=32, num_heads=2, num_kv_heads=1, seed=0)
+    logging = {"logging.log_csv": str(tmp_path / "m.csv"), "logging.tensorboard_dir": str(tmp_path / "tb")}
+    cfg = TrainerConfig.GRPO(
+        {"rollout.group_size": 2, "prompts_per_step": 1, "rollout.max_step_tokens": 4, "rollout.max_steps": 1} | logging
+    )
+    trainer = RAPOTrainer(model, tok, task, None, cfg, problems, reward_fn=_rewards_from_tokens)
+    threads = threading.active_count()
+    seen = []
+
+    class Fails(TrainerCallback):
+        def on_step_end(self, t, step, metrics):
+            seen.append(threading.active_count())  # the writer's thread runs while training
+            if step == 2:
+                raise RuntimeError("callback failed")
+
+    assert len(trainer.train(1, progress=False)) == 1
+    assert threading.active_count() == threads and trainer.logger._tb[0] is None
+    with pytest.raises(RuntimeError, match="callback failed"):
+        trainer.train(3, progress=False, callbacks=[Fails()])
+    assert seen == [threads + 1] and threading.active_count() == threads and trainer.logger._tb[0] is None
+    assert len(trainer.train(1, progress=False)) == 1 and threading.active_count() == threads
+    assert len((tmp_path / "m.csv").read_text().splitlines()) == 1 + 3  # header, steps 1-3
+
+
 def _tool_steps_rollout(*args, **kwargs):
     """The real rollout with every generated step marked as a tool step (its observation ends one token later), so
     that every successful row has steps for the buffer whatever the random policy wrote."""
