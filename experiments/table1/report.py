@@ -333,36 +333,10 @@ def _withheld_lines(withheld_by: list[str], checks: dict) -> list[str]:
     ]
 
 
-def write_outputs(
-    out: Path,
-    rows: list[dict],
-    s: dict,
-    encoder: str,
-    wall_s: float,
-    checks: dict | None = None,
-    withheld_by: list[str] = (),
-) -> None:
-    """table1.csv, table1.md and table1.png; with `withheld_by` (failing checks that gate the table), table1.md holds
-    only a note naming them and the checks: a setting that cannot test the claim reports no table."""
-    if withheld_by:
-        write_csv(out / "table1.csv", rows, CSV_COLUMNS)
-        (out / "table1.md").write_text("\n".join(_withheld_lines(withheld_by, checks)))
-        return
-    tasks = [t for t in s["families"] if any(r["task"] == t for r in rows)]
-    methods = [m for m in s["methods"] if any(r["method"] == m for r in rows)]
-    write_csv(out / "table1.csv", rows, CSV_COLUMNS)
-    # RAPO_SFT_NO_RETRIEVE's point is another warm-up (one that never showed a retrieved step)
-    other = " but RAPO_SFT_NO_RETRIEVE (a warm-up without retrieve blocks)" if "RAPO_SFT_NO_RETRIEVE" in methods else ""
-    md = [
-        "# Table 1 (miniature)",
-        "",
-        f"{s['seeds']} seed(s) per task; every method{other} from the same SFT warm-up weights per seed, "
-        f"{s['rl_steps']} RL steps of {s['prompts_per_step']} prompts x G={s['group_size']}, lr {s['lr']:g}, "
-        f"PPO mini-batches of {s['mini_batch_groups']} group(s); "
-        f"training problems: {_per_task(s['n_train'], tasks)}; greedy evaluation without retrieval on held-out "
-        f"questions whose start entities no training question has ({_heldout(rows)} distinct questions per seed); "
-        f"history encoder: {encoder}; ARPO: the released code's branching rule; wall time {wall_s:.0f} s.",
-        "",
+def _success_lines(rows: list[dict], tasks: list[str], methods: list[str], s: dict) -> list[str]:
+    """table1.md's success sections: the primary endpoint (AUC), warm-up and final success, the exploration columns
+    and the split at hop 1."""
+    return [
         "## Primary endpoint: held-out success AUC (mean ± 95% t interval over seeds)",
         "",
         f"The area under the greedy held-out success curve (evaluations every {s['eval_every']} steps, the warm-up "
@@ -408,6 +382,40 @@ def write_outputs(
         "",
         *paired_table(rows, tasks, methods, key="auc_from_hop1"),
         "",
+    ]
+
+
+def write_outputs(
+    out: Path,
+    rows: list[dict],
+    s: dict,
+    encoder: str,
+    wall_s: float,
+    checks: dict | None = None,
+    withheld_by: list[str] = (),
+) -> None:
+    """table1.csv, table1.md and table1.png; with `withheld_by` (failing checks that gate the table), table1.md holds
+    only a note naming them and the checks: a setting that cannot test the claim reports no table."""
+    if withheld_by:
+        write_csv(out / "table1.csv", rows, CSV_COLUMNS)
+        (out / "table1.md").write_text("\n".join(_withheld_lines(withheld_by, checks)))
+        return
+    tasks = [t for t in s["families"] if any(r["task"] == t for r in rows)]
+    methods = [m for m in s["methods"] if any(r["method"] == m for r in rows)]
+    write_csv(out / "table1.csv", rows, CSV_COLUMNS)
+    # RAPO_SFT_NO_RETRIEVE's point is another warm-up (one that never showed a retrieved step)
+    other = " but RAPO_SFT_NO_RETRIEVE (a warm-up without retrieve blocks)" if "RAPO_SFT_NO_RETRIEVE" in methods else ""
+    md = [
+        "# Table 1 (miniature)",
+        "",
+        f"{s['seeds']} seed(s) per task; every method{other} from the same SFT warm-up weights per seed, "
+        f"{s['rl_steps']} RL steps of {s['prompts_per_step']} prompts x G={s['group_size']}, lr {s['lr']:g}, "
+        f"PPO mini-batches of {s['mini_batch_groups']} group(s); "
+        f"training problems: {_per_task(s['n_train'], tasks)}; greedy evaluation without retrieval on held-out "
+        f"questions whose start entities no training question has ({_heldout(rows)} distinct questions per seed); "
+        f"history encoder: {encoder}; ARPO: the released code's branching rule; wall time {wall_s:.0f} s.",
+        "",
+        *_success_lines(rows, tasks, methods, s),
         *_endpoint_lines(rows, tasks, methods),
         "## Efficiency: steps and generated tokens to reach GRPO's final mean eval",
         "",
