@@ -25,6 +25,7 @@ BAD = {
     "rollout.group_size": [0, -1, True, 2.0],
     "rollout.hybrid.n_hybrid": [-1, 17, True, 1.5],
     "rollout.hybrid.retrieve_prob": [NAN, INF, -0.1, 1.5, True, "0.5"],
+    "rollout.hybrid.at_prompt": ["yes", 1, 0.0],
     "rollout.mode": ["fast", None],
     "prompts_per_step": [0, True],
     "rollout.temperature": [0.0, -1.0, NAN, INF, False],

@@ -51,10 +51,11 @@ def test_endpoint_and_power_tables_by_hand():
     sd_s = math.sqrt(((0.1 - 0.1) ** 2 + (0.0 - 0.1) ** 2 + (0.2 - 0.1) ** 2) / 2)  # success diffs 0.1, 0, 0.2
     n_s = math.ceil(((Z975 + Z80) * sd_s / effect["eval_final"]) ** 2)
     n_l = math.ceil(((Z975 + Z80) * 0.5 / effect["heldout_logp_final"]) ** 2)
-    success, logp = lines[2], lines[3]
-    assert success.startswith(f"| t | success | RAPO | {fmt(0.1, 4.303 * sd_s / math.sqrt(3))} (n=3) | {sd_s:.3f} |")
+    assert lines[2].startswith("| t | success AUC (primary) | RAPO | n/a")  # rows without an AUC: no figure
+    success, logp = lines[3], lines[4]
+    assert success.startswith(f"| t | final success | RAPO | {fmt(0.1, 4.303 * sd_s / math.sqrt(3))} (n=3) | {sd_s:.3f} |")
     assert f"| {n_s} | {(Z975 + Z80) * sd_s / math.sqrt(3):.3f} |" in success
-    assert logp.startswith(f"| t | log-probability (nats) | RAPO | {fmt(0.5, 4.303 * 0.5 / math.sqrt(3))} (n=3) |")
+    assert logp.startswith(f"| t | log-probability (calibration, nats) | RAPO | {fmt(0.5, 4.303 * 0.5 / math.sqrt(3))} (n=3) |")
     assert f"| {n_l} | {(Z975 + Z80) * 0.5 / math.sqrt(3):.3f} |" in logp
 
 
