@@ -53,9 +53,11 @@ def test_endpoint_and_power_tables_by_hand():
     n_l = math.ceil(((Z975 + Z80) * 0.5 / effect["heldout_logp_final"]) ** 2)
     assert lines[2].startswith("| t | success AUC (primary) | RAPO | n/a")  # rows without an AUC: no figure
     success, logp = lines[3], lines[4]
-    assert success.startswith(f"| t | final success | RAPO | {fmt(0.1, 4.303 * sd_s / math.sqrt(3))} (n=3) | {sd_s:.3f} |")
+    want = f"| t | final success | RAPO | {fmt(0.1, 4.303 * sd_s / math.sqrt(3))} (n=3) | {sd_s:.3f} |"
+    assert success.startswith(want)
     assert f"| {n_s} | {(Z975 + Z80) * sd_s / math.sqrt(3):.3f} |" in success
-    assert logp.startswith(f"| t | log-probability (calibration, nats) | RAPO | {fmt(0.5, 4.303 * 0.5 / math.sqrt(3))} (n=3) |")
+    want = f"| t | log-probability (calibration, nats) | RAPO | {fmt(0.5, 4.303 * 0.5 / math.sqrt(3))} (n=3) |"
+    assert logp.startswith(want)
     assert f"| {n_l} | {(Z975 + Z80) * 0.5 / math.sqrt(3):.3f} |" in logp
 
 
