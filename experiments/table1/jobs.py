@@ -163,7 +163,7 @@ def run_one(family: str, method: str, seed: int, s: dict, paths: dict[str, Path]
     seeds = [StepSeeds(seed)] if getattr(fam, "step_seeds", False) else []
     explore = ExplorationReader()
     # the state a retrieved hop 1 puts a row in: held-out questions with their right hop 1 taken (the policy alone)
-    from_hop1 = [from_hop_one(task, p) for p in data["evals"]] if getattr(fam, "hybrid", {}).get("at_prompt") else []
+    from_hop1 = [from_hop_one(task, p) for p in data["evals"]] if fam.hybrid.get("at_prompt") else []
     after_hop1 = EvalCallback(
         lambda t: evaluate(t.model, tok, task, from_hop1, max_step_tokens=16), s["eval_every"], name="eval_from_hop1"
     )
