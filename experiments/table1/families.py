@@ -198,12 +198,17 @@ class StepFamily(AliasFamily):
         return out
 
     traces_cls = AdvancingTraces
+    source_noise = 0.0  # > 0: the family's own source shows a wrong relation this often (NoisyTraces)
 
     def step_traces(self, jsonl, encoder, tok, top_k: int, noisy: bool = False, seed: int = 0):
-        """The run's step buffer: the family's source form, or the noisy one (RAPO_NOISY's, seeded by `seed`)."""
-        traces = (NoisyTraces if noisy else self.traces_cls).from_jsonl(jsonl, encoder, tok, top_k=top_k)
+        """The run's step buffer: the family's source form (with `source_noise`, seeded by `seed`), or the noisy
+        one (RAPO_NOISY's, seeded by `seed`)."""
+        cls = NoisyTraces if noisy or self.source_noise else self.traces_cls
+        traces = cls.from_jsonl(jsonl, encoder, tok, top_k=top_k)
         if noisy:
             traces.rng = random.Random(f"noisy/{seed}")
+        elif self.source_noise:
+            traces.noise, traces.rng = self.source_noise, random.Random(f"source/{seed}")
         return traces
 
     def trainer(self, data: dict, model, traces, cfg, offpolicy) -> RAPOTrainer:
@@ -240,6 +245,10 @@ class HopOneFamily(StepFamily):
 
     name = "kb_hop1"
     hybrid = {"at_prompt": True}
+    # The nearest source step at hop 1 is right ~0.955 of the time by itself (the 100-seed run's source_not_oracle
+    # failed on it): 12% of the relations shown are replaced, so that the source is right ~0.84, under the bound by
+    # construction; RAPO_NOISY's 45% makes it ~0.5.
+    source_noise = 0.12
     first_probe_hop = 1  # the advance probe starts at the hop after a retrieved hop 1
 
     def data(self, seed: int, s: dict) -> dict:
@@ -257,6 +266,7 @@ class ControlFamily(HopOneFamily):
     name = "kb_hop1_control"
     hybrid = {"at_prompt": True, "retrieve_prob": 1.0}
     traces_cls = OracleTraces
+    source_noise = 0.0
 
 
 def get_family(name: str):

@@ -55,6 +55,13 @@ def prepare(family: str, seed: int, s: dict, out: Path) -> dict[str, Path]:
     }
     if s.get("reuse_prepared") and _prepared(paths, family, seed, s, out):
         return paths
+    if s.get("reuse_prepared") and _prepared(paths, family, seed, s, out, but_checks=True):
+        # weights and sources kept, the warm-up's figures asked again (a source form changed since, or a cut run)
+        read = [[json.loads(line) for line in open(paths[p])] for p in ("jsonl", "off_jsonl")]
+        warm = torch.load(paths["warm"], weights_only=True)
+        checks = warmup_checks(fam, data, warm, *read, paths["jsonl"], k, s, seed)
+        write_atomic(paths["checks"], lambda f: f.write(json.dumps(checks, indent=1).encode()))
+        return paths
     rapo_src = fam.rapo_source(data, s, seed)
     write_jsonl(rapo_src, paths["jsonl"])
     if fam.same_source:
@@ -72,13 +79,13 @@ def prepare(family: str, seed: int, s: dict, out: Path) -> dict[str, Path]:
     return paths
 
 
-def _prepared(paths: dict, family: str, seed: int, s: dict, out: Path) -> bool:
-    """Whether every file `prepare` writes is in `out` already (each written atomically: present means whole); fills
-    in the paths it would have chosen."""
+def _prepared(paths: dict, family: str, seed: int, s: dict, out: Path, but_checks: bool = False) -> bool:
+    """Whether every file `prepare` writes (`but_checks`: but the warm-up's figures) is in `out` already (each
+    written atomically: present means whole); fills in the paths it would have chosen."""
     paths["off_jsonl"] = paths["jsonl"] if get_family(family).same_source else out / f"offpolicy_{family}_{seed}.jsonl"
     if _needs_plain_warm_up(s):
         paths["warm_plain"] = out / f"warm_plain_{family}_{seed}.pt"
-    return all(Path(p).exists() for p in paths.values())
+    return all(Path(p).exists() for name, p in paths.items() if not (but_checks and name == "checks"))
 
 
 def warmup_checks(
@@ -97,7 +104,7 @@ def warmup_checks(
     model = _load_policy(data["tok"], warm, seed)
     probes = data["train"][: min(32, len(data["train"]))]
     if fam.retrieve_style == "advance":
-        traces = fam.step_traces(jsonl, encoder(s["encoder"]), data["tok"], k)
+        traces = fam.step_traces(jsonl, encoder(s["encoder"]), data["tok"], k, seed=seed)
         figures = step_warmup_figures(
             model, data["tok"], data["task"], probes, traces, s["group_size"], seed, fam.hybrid, fam.first_probe_hop
         )
@@ -209,7 +216,7 @@ def run_one(family: str, method: str, seed: int, s: dict, paths: dict[str, Path]
         reads = D.read_greedy(trainer.model, tok, task, data["evals"])
         row |= {f"{k}_start": v for k, v in hops_start.items()} | {f"{k}_final": v for k, v in hop_split(reads).items()}
         row["unobserved_success_final"] = D.unobserved_success(reads)
-        src = traces if traces is not None else fam.step_traces(paths["jsonl"], encoder(enc), tok, k)
+        src = traces if traces is not None else fam.step_traces(paths["jsonl"], encoder(enc), tok, k, seed=seed)
         if hasattr(src, "task"):
             src.task = task  # the with-retrieval evaluation asks data["train"], in data["task"]'s facts
         row["eval_with_retrieval_train_final"] = D.greedy_with_retrieval(trainer.model, tok, task, data["train"], src)

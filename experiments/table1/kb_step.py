@@ -104,7 +104,9 @@ class AdvancingTraces(StepTraces):
 
 class NoisyTraces(AdvancingTraces):
     """A noisy source: with probability `noise` the step shown applies a wrong relation (another relation of the
-    current entity's type where there is one, else any other), drawn from `rng` (seeded per run: reproducible)."""
+    current entity's type where there is one, else any other), drawn from `rng` (seeded per run: reproducible;
+    without one, no step is replaced). The fair family's own source is one too, with a small `noise`
+    (families.HopOneFamily.source_noise): its nearest source step at hop 1 is nearly always right by itself."""
 
     noise = 0.45  # the near-oracle source is right ~0.9 after a right prefix: ~0.5 with this share replaced
     rng: random.Random | None = None

@@ -92,6 +92,30 @@ def test_noisy_source_is_wrong_where_its_coin_says_and_reproducible(tmp_path):
         assert noisy.relation(p.prompt, src) is None  # without noise: the source step's own relation
 
 
+def test_each_family_s_own_source_form(tmp_path):
+    """kb_hop1's own source replaces a share of its relations (under the oracle bound by construction), seeded by
+    the run; the control's is the oracle; RAPO_NOISY's the noisy one in every family."""
+    from experiments.table1.kb import kb_solver_trajectories
+    from rapo_fast.demo.tasks import write_jsonl
+    from rapo_fast.retrieval.encoders import HashedNgramEncoder
+
+    task = AliasKBTask(chains=RL_CHAINS, fact_seed=3)
+    path = write_jsonl(kb_solver_trajectories(task, task.make_problems(8, seed=1), 4, 0.0), tmp_path / "t.jsonl")
+    tok, enc = task.tokenizer(), HashedNgramEncoder()
+    hop1, control = get_family("kb_hop1"), get_family("kb_hop1_control")
+    own = hop1.step_traces(path, enc, tok, 4, seed=5)
+    assert isinstance(own, NoisyTraces) and 0 < own.noise == hop1.source_noise < NoisyTraces.noise
+    assert own.rng.random() == random.Random("source/5").random()
+    noisy = hop1.step_traces(path, enc, tok, 4, noisy=True, seed=5)
+    assert noisy.noise == NoisyTraces.noise and noisy.rng.random() == random.Random("noisy/5").random()
+    assert type(control.step_traces(path, enc, tok, 4, seed=5)) is OracleTraces
+    # over many draws the share replaced is the family's noise
+    own.task, probs = task, task.make_problems(40, seed=2)
+    src = [task.step_text(p.relations[0], "e0", "e1") for p in probs]
+    replaced = sum(own.relation(p.prompt, s) is not None for _ in range(25) for p, s in zip(probs, src))
+    assert abs(replaced / 1000 - hop1.source_noise) < 0.04
+
+
 def test_auc_by_hand():
     assert auc([(0, 0.0), (10, 0.2), (20, 0.2)]) == pytest.approx((10 * 0.1 + 10 * 0.2) / 20)
     assert auc([(0, 0.3)]) == 0.3 and math.isnan(auc([]))
