@@ -46,7 +46,7 @@ def test_readme_quotes_the_sized_step_run():
 def test_every_kept_run_is_quoted_and_every_link_resolves():
     readme = (HERE / "README.md").read_text()
     kept = sorted(p.name for p in (HERE / "results").iterdir() if p.is_dir())
-    assert kept == ["control", "hop1", "pilot", "step"]
+    assert kept == ["control", "hop1", "hop1_fallible", "pilot", "step"]
     for name in kept:
         assert f"results/{name}/" in readme, name
         assert (HERE / "results" / name / "PREDICTION.md").exists()  # each run's prediction was written first
@@ -55,3 +55,14 @@ def test_every_kept_run_is_quoted_and_every_link_resolves():
     assert "187ce6f" in readme and "411b066" in readme and "e95a5e4" in readme  # where the superseded runs live
     top = (ROOT / "README.md").read_text()
     assert "(experiments/table1/README.md)" in top and "python -m experiments.table1" in top
+
+
+def test_readme_quotes_the_fair_family_s_primary_differences_from_its_table():
+    """The fourth round's fair run: the README's primary figures are its table1.md's paired AUC differences."""
+    md = (HERE / "results" / "hop1_fallible" / "table1.md").read_text()
+    diffs = md.split("| method - GRPO | kb_hop1 |", 1)[1].split("\n\n", 1)[0]
+    readme = (HERE / "README.md").read_text()
+    for method in ("RAPO", "RAPO_NOISY"):
+        cell = diffs.split(f"| {method} | ", 1)[1].split(" (n=", 1)[0]  # e.g. 0.023 ± 0.020
+        assert f"{method} - GRPO +{cell}" in readme, (method, cell)
+    assert "| source_not_oracle/kb_hop1 | 0.844 | 0.950 | yes | near-oracle |" in md
