@@ -50,6 +50,17 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def torch_loss_path():
+    """rapo_loss on its torch path, as on a CPU without the interpreter: under TRITON_INTERPRET=1 the Triton kernels
+    run in Triton's interpreter, most of this module's time (the 2-step run: minutes), and this module is about the
+    tokenizer, the chat template, the rollout and the buffer, not the kernels (tests/loss; the kernels' loss and
+    gradients against TRL's own: test_integration_trl.py)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAPO_FAST_DISABLE_TRITON", "1")
+        yield
+
+
 @pytest.fixture(scope="module")
 def raw():
     """(model, tokenizer) as built, before add_rapo_tags: the tags are split into byte-level pieces."""
