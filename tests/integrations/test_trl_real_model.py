@@ -386,9 +386,16 @@ def test_retrieval_points_and_retrievals_are_logged(built, tmp_path):
 
 
 # -- 8. the example: a learning signal in its default steps; the missing extra named -------------------------------
-def test_the_chat_example_shows_a_learning_signal_in_its_default_steps(tmp_path, capsys):
+def test_the_chat_example_shows_a_learning_signal_in_its_default_steps(built, tmp_path, capsys, monkeypatch):
     import re
 
+    # main() as a user runs it, its warm-up taken from `built` (speed: the same 150 steps on one thread from the same
+    # seed and problems, so the same weights; build_trainer copies them and the trainer seeds itself before step 1)
+    def load_model(args, task, problems):
+        assert args.model is None and vars(args) == vars(EX.parse_args(["--out", str(tmp_path)])), args
+        return built
+
+    monkeypatch.setattr(EX, "load_model", load_model)
     assert EX.main(["--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     m = re.search(r"trained (\d+) steps, mean loss \S+, mean reward (\S+), buffer (\d+) -> (\d+) steps", out)
