@@ -50,6 +50,17 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def torch_loss_path():
+    """rapo_loss on its torch path, as on a CPU without the interpreter: under TRITON_INTERPRET=1 the Triton kernels
+    run in Triton's interpreter, most of this module's time (the 2-step run: minutes), and this module is about the
+    tokenizer, the chat template, the rollout and the buffer, not the kernels (tests/loss; the kernels' loss and
+    gradients against TRL's own: test_integration_trl.py)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAPO_FAST_DISABLE_TRITON", "1")
+        yield
+
+
 @pytest.fixture(scope="module")
 def raw():
     """(model, tokenizer) as built, before add_rapo_tags: the tags are split into byte-level pieces."""
@@ -375,9 +386,16 @@ def test_retrieval_points_and_retrievals_are_logged(built, tmp_path):
 
 
 # -- 8. the example: a learning signal in its default steps; the missing extra named -------------------------------
-def test_the_chat_example_shows_a_learning_signal_in_its_default_steps(tmp_path, capsys):
+def test_the_chat_example_shows_a_learning_signal_in_its_default_steps(built, tmp_path, capsys, monkeypatch):
     import re
 
+    # main() as a user runs it, its warm-up taken from `built` (speed: the same 150 steps on one thread from the same
+    # seed and problems, so the same weights; build_trainer copies them and the trainer seeds itself before step 1)
+    def load_model(args, task, problems):
+        assert args.model is None and vars(args) == vars(EX.parse_args(["--out", str(tmp_path)])), args
+        return built
+
+    monkeypatch.setattr(EX, "load_model", load_model)
     assert EX.main(["--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     m = re.search(r"trained (\d+) steps, mean loss \S+, mean reward (\S+), buffer (\d+) -> (\d+) steps", out)

@@ -87,9 +87,11 @@ def test_results_do_not_depend_on_the_number_of_workers(tmp_path, monkeypatch):
     """Every job runs at one thread, in this process (workers 0) or in worker processes that finish in any order:
     the CSV is the same apart from wall times, rows in (family, seed, method) order."""
     monkeypatch.setenv("RAPO_FAST_DISABLE_TRITON", "1")  # inherited by the spawned workers
+    # One seed (speed: CI runs this test twice): the two family kinds x two methods still make 2 prepare and 4 run
+    # jobs, so each worker runs several jobs in an order of its own while the in-process run takes them in turn.
     s = dict(
         setting.QUICK,
-        seeds=2,
+        seeds=1,
         sft_steps=4,
         rl_steps=2,
         eval_every=1,
@@ -112,17 +114,16 @@ def test_results_do_not_depend_on_the_number_of_workers(tmp_path, monkeypatch):
         ]
         with open(tmp_path / f"w{w}" / "table1.csv") as f:
             got[w] = [{k: v for k, v in r.items() if k != "wall_s"} for r in csv.DictReader(f)]
-    assert len(got[0]) == 8 and got[0] == got[2]
+    assert len(got[0]) == 4 and got[0] == got[2]
     assert returned[0] == returned[2]  # exactly: every curve point and token count, not only the CSV's 6 digits
     assert [(r["task"], r["seed"], r["method"]) for r in got[0]] == [
-        (f, str(sd), m) for f in s["families"] for sd in (0, 1) for m in s["methods"]
+        (f, "0", m) for f in s["families"] for m in s["methods"]
     ]
-    for f in s["families"]:
-        for sd in (0, 1):  # the shared inputs every method of a (family, seed) started from
-            assert (tmp_path / "w2" / f"warm_{f}_{sd}.pt").stat().st_size > 0
-            assert (tmp_path / "w2" / f"traces_{f}_{sd}.jsonl").read_text() == (
-                tmp_path / "w0" / f"traces_{f}_{sd}.jsonl"
-            ).read_text()
+    for f in s["families"]:  # the shared inputs every method of a (family, seed) started from
+        assert (tmp_path / "w2" / f"warm_{f}_0.pt").stat().st_size > 0
+        assert (tmp_path / "w2" / f"traces_{f}_0.jsonl").read_text() == (
+            tmp_path / "w0" / f"traces_{f}_0.jsonl"
+        ).read_text()
 
 
 def test_a_failed_job_names_itself_and_ends_the_workers(tmp_path, monkeypatch):
