@@ -39,6 +39,7 @@ from rapo_fast.integrations.verl.buffer_replicas import (
     StepBufferReplicaError,
     StepBufferStaleError,
     check_replicas_per_node,
+    keep_owned,
     on_node,
     replica_nodes,
 )
@@ -380,6 +381,7 @@ def place_replicas(name: str = DEFAULT_NAME, namespace: str | None = None, ready
         for node in replica_nodes():
             for _ in range(spec["per_node"] - have.count(node)):
                 made.append((primary, node, _new_replica(spec, node, uuid.uuid4().hex[:8])))
+    keep_owned(name, namespace, [h for _, _, h in made], more=True)
     ray.get([h.ready.remote() for _, _, h in made], timeout=ready_timeout_s)
     ray.get([p.add_replica.remote(node, h) for p, node, h in made])
     return len(made)
@@ -404,7 +406,8 @@ def get_or_create_step_buffer(
     ignored). source: a .jsonl of off-policy traces, a directory saved by `StepBufferClient.save` /
     `build_step_buffer_from_jsonl` / StepTraces.save, or None (empty; needs capacity=). The creating process owns the
     actors (they die with it unless lifetime="detached"): create them from the driver, e.g. through the checkpoint
-    callback. num_cpus / num_gpus are held for the actor's lifetime; num_gpus > 0 puts each shard's StepBuffer on CUDA.
+    callback; they outlive the returned client (get_step_buffer(name) finds them). num_cpus / num_gpus are held for
+    the actor's lifetime; num_gpus > 0 puts each shard's StepBuffer on CUDA.
     replicas_per_node: read replicas of every shard on each alive node with CPUs (0: none; each holds what its
     primary holds, with the same num_cpus / num_gpus; the clients search there). ready_timeout_s: how long to wait
     for the actors to be placed and built (then ray's GetTimeoutError).
@@ -443,6 +446,7 @@ def get_or_create_step_buffer(
         handles = [primary(i, p) for i, p in enumerate(paths)]
         replicas = [[(n, _new_replica(s, n, str(k))) for n in nodes for k in range(replicas_per_node)] for s in specs]
         every = handles + [h for reps in replicas for _, h in reps]
+        keep_owned(name, namespace, every)  # they live as long as this process's Ray session, as documented
         ray.get([h.ready.remote() for h in every], timeout=ready_timeout_s)  # a failed constructor raises here
         ray.get([h.attach_replicas.remote(reps, s) for h, reps, s in zip(handles, replicas, specs)])
         return StepBufferClient(handles, encoder, replicas=replicas)

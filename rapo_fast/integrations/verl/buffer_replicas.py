@@ -1,9 +1,9 @@
 """Read replicas of the verl step buffer: where they are placed, and which copy a client's search goes to.
 
 What this is: `Readers` (a client's failover), `unavailable` / `gone` (which errors mean "try another copy"), the
-replica errors, `check_replicas_per_node`, `replica_nodes` / `on_node`. The design: docs/verl.md section 4, "Read
-replicas". What it is not: how replicas are kept in step (buffer_sync.py), the actor or the client (buffer_actor.py,
-buffer_client.py). Importing it imports no ray.
+replica errors, `check_replicas_per_node`, `replica_nodes` / `on_node`, `keep_owned` (the creator's hold on its
+actors). The design: docs/verl.md section 4, "Read replicas". What it is not: how replicas are kept in step
+(buffer_sync.py), the actor or the client (buffer_actor.py, buffer_client.py). Importing it imports no ray.
 """
 
 from __future__ import annotations
@@ -25,10 +25,31 @@ __all__ = [
     "check_replicas_per_node",
     "gone",
     "handle_key",
+    "keep_owned",
     "on_node",
     "replica_nodes",
     "unavailable",
 ]
+
+
+# the creating process's handles of its buffers' actors: {(Ray node of this process, namespace, name): handles}
+_OWNED: dict[tuple[str, str | None, str], list] = {}
+
+
+def keep_owned(name: str, namespace: str | None, handles: Sequence[Any], more: bool = False) -> None:
+    """Hold this process's handles of buffer `name`'s actors (primaries and replicas it made) for as long as its Ray
+    session lasts, so they live as long as their creator, as documented. Ray kills a non-detached actor once its
+    creator holds no handle to it, and a handle from ray.get_actor (get_step_buffer's) does not count: without this
+    hold, the buffer died when the client get_or_create_step_buffer returned was collected. more: add to the held
+    handles (place_replicas), else replace them (a buffer made again under its name). Entries of an earlier Ray
+    session (another node id for this process) are dropped."""
+    import ray
+
+    here = ray.get_runtime_context().get_node_id()
+    for key in [k for k in _OWNED if k[0] != here]:
+        del _OWNED[key]
+    key = (here, namespace, name)
+    _OWNED[key] = (_OWNED.get(key, []) if more else []) + list(handles)
 
 
 class StepBufferReplicaError(RuntimeError):

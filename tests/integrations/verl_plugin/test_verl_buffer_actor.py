@@ -248,6 +248,20 @@ def test_save_new_actor_load_gives_identical_results(data, tmp_path):
         _make("rapo_test_bad", tmp_path / "ckpt", tokenizer=data["tok"], num_shards=2)
 
 
+def test_the_buffer_outlives_the_client_that_created_it(data):
+    """The creator keeps only the name (as the e2e's driver and the bench do): the actors live on, found by name."""
+    import gc
+    import time
+
+    get_or_create_step_buffer("rapo_test_owned", data["jsonl"], tokenizer=data["tok"], num_cpus=0, replicas_per_node=1)
+    gc.collect()
+    time.sleep(1.0)  # Ray kills an actor whose creator dropped every handle within this, when nothing holds it
+    client = get_step_buffer("rapo_test_owned")
+    _CREATED.append(client)
+    assert asyncio.run(client.retrieve(data["queries"][:2]))[0][1] >= 0
+    assert [s["role"] for s in client.stats()] == ["primary", "replica"]
+
+
 def test_two_shards_equal_brute_force_over_their_union(data, tmp_path):
     build_step_buffer_from_jsonl(
         data["jsonl"], tmp_path / "built", data["tok"], encoder=f"hashed:{DIM}", num_shards=2, top_k=TOP_K, capacity=256
