@@ -5,7 +5,6 @@ tool part skips without verl, the whole file without faiss.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import urllib.request
 from pathlib import Path
@@ -39,13 +38,16 @@ def test_answers_in_search_r1_shape():
 
 
 def test_the_recipe_search_tool_reads_it(monkeypatch):
-    pytest.importorskip("verl.tools.function_tool")
-    spec = importlib.util.spec_from_file_location("rapo_recipe_search_tool", RECIPE / "search_tool.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    # loaded and called as verl's agent loop does: verl's loader runs a file once per process (by path), so this holds
+    # whichever test loaded it first; a second exec of the file would register a second `search` and be refused
+    import asyncio
+
+    function_tool = pytest.importorskip("verl.tools.function_tool")
+    (tool,) = function_tool.load_function_tools_from_path(str(RECIPE / "search_tool.py"))
     with RetrievalServer(DOCS) as server:
         monkeypatch.setenv("RAPO_SEARCH_BACKEND", "http")
         monkeypatch.setenv("RAPO_SEARCH_URL", server.url)
         monkeypatch.setenv("RAPO_SEARCH_TOPK", "1")
-        assert tool._post("fact two") == "Doc 1: fact two y"
+        response, _, _ = function_tool.normalize_function_tool_return(asyncio.run(tool.call({"query": "fact two"})))
+        assert response.text == "Doc 1: fact two y"
         assert server.queries == ["fact two"]
