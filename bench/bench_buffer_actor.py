@@ -197,7 +197,9 @@ def node_rows(words: int, loops: int, nodes: int, seconds: float, capacity: int)
         return []
     from rapo_fast.integrations.verl.buffer_actor import get_or_create_step_buffer, get_step_buffer
 
-    config = {"health_check_period_ms": 500, "health_check_failure_threshold": 4}
+    # a removed node is noticed within ~5 s; Ray's limits on a process's registration lengthened (a loaded machine)
+    config = {"health_check_period_ms": 1000, "health_check_timeout_ms": 5000, "health_check_failure_threshold": 5}
+    config |= {"worker_register_timeout_seconds": 300, "agent_register_timeout_ms": 300_000}
     cluster = Cluster()
     try:
         cluster.add_node(num_cpus=0, include_dashboard=False, _system_config=config)  # the head: no CPUs

@@ -16,6 +16,8 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from helpers.ray_local import SLOW_MACHINE  # noqa: E402
+
 from rapo_fast.demo.tiny_policy import WordTokenizer  # noqa: E402
 from rapo_fast.integrations.verl.buffer_actor import (  # noqa: E402
     get_or_create_step_buffer,
@@ -33,8 +35,10 @@ DIM, CAP = 64, 64
 def cluster():
     from ray.cluster_utils import Cluster
 
-    # a removed node is noticed within ~2 s (the defaults take ~30 s)
-    config = {"health_check_period_ms": 500, "health_check_failure_threshold": 4}
+    # a removed node (its processes gone: each check fails at once) is noticed within ~5 s (the defaults take ~15 s);
+    # a live but starved one has 5 s per check, 5 checks in a row, before it is declared dead
+    health = {"health_check_period_ms": 1000, "health_check_timeout_ms": 5000, "health_check_failure_threshold": 5}
+    config = {**SLOW_MACHINE, **health}
     c = Cluster(
         initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False, "_system_config": config}
     )
