@@ -11,7 +11,6 @@ import contextlib
 import types
 from collections.abc import Iterator
 
-
 # Ray's limits on how long a process it starts may take to register (defaults: 60 s for a worker, 10 s for a raylet's
 # agents): a starved process on a loaded 2-core machine registers late, not wrongly. Ray's driver-side 30 s wait for
 # a raylet to register (ray/_private/node.py) has no setting.
@@ -28,9 +27,8 @@ def local_ray(pickle_by_value: types.ModuleType | None = None) -> Iterator[None]
         ray.cloudpickle.register_pickle_by_value(pickle_by_value)
     started = not ray.is_initialized()
     if started:
-        ray.init(
-            num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False, _system_config=SLOW_MACHINE
-        )
+        quiet = {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
+        ray.init(num_cpus=2, _system_config=SLOW_MACHINE, **quiet)
     try:
         yield
     finally:
