@@ -105,7 +105,9 @@ def test_a_node_removed_and_one_added_under_traffic(cluster, tmp_path):
                 if k == 2:
                     await loop.run_in_executor(None, c.remove_node, victim)
                 if k == 5:
-                    new = await loop.run_in_executor(None, lambda: c.add_node(num_cpus=1))
+                    # on the loop's thread: Ray's Node sets a SIGTERM handler, which only the main thread may; the
+                    # searchers wait out the node's start and go on after it
+                    new = c.add_node(num_cpus=1)
                     assert await loop.run_in_executor(None, place_replicas, name) == 1
                 out.append(await client.add_steps(hs, steps, groups))
             stop.set()
