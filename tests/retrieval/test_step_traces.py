@@ -149,14 +149,14 @@ def test_minilm_encodes_each_distinct_text_once_and_caches_the_last_ones():
     plain = MiniLMEncoder(cache_size=0)
     seen = []
     encode = enc._encode
-    enc._encode = lambda ts: seen.append(list(ts)) or encode(ts)
+    enc._encode = lambda kind, ts: seen.append(list(ts)) or encode(kind, ts)
     texts = ["calc 1 add 2", "calc 3", "calc 1 add 2", "mul 4", "calc 3"]
     x = enc(texts)
     assert seen == [["calc 1 add 2", "calc 3", "mul 4"]]
     assert torch.allclose(x, plain(texts), atol=1e-5) and torch.equal(x[0], x[2]) and torch.equal(x[1], x[4])
     y = enc(["mul 4", "sub 9"])  # "mul 4" cached; "sub 9" evicts the least recently used ("calc 1 add 2")
     assert seen[1] == ["sub 9"] and torch.equal(y[0], x[3])
-    assert list(enc._cache) == ["calc 3", "mul 4", "sub 9"]  # least recently used first
+    assert [t for _, t in enc._cache] == ["calc 3", "mul 4", "sub 9"]  # least recently used first
     enc(["calc 1 add 2"])
     assert seen[2] == ["calc 1 add 2"]
     with pytest.raises(ValueError, match="cache_size"):

@@ -20,6 +20,7 @@ from typing import Any
 from rapo_fast._checks import brief
 from rapo_fast._sections import Section, option, rule_bool, rule_choice, rule_int, section
 from rapo_fast.integrations.verl import verl_compat
+from rapo_fast.integrations.verl.history_text import HistoryText
 from rapo_fast.rollouts.config import HybridConfig
 
 AgentState = verl_compat.get("verl.experimental.agent_loop.tool_agent_loop:AgentState")
@@ -177,6 +178,7 @@ class _RunState:
     scores: list[float] = field(default_factory=list)
     latency_s: list[float] = field(default_factory=list)
     in_flight: list[int] = field(default_factory=list)
+    history: HistoryText | None = None  # the running history's text, made at the first retrieval
 
 
 class RAPOToolAgentLoop(ToolAgentLoop):
@@ -258,13 +260,11 @@ class RAPOToolAgentLoop(ToolAgentLoop):
         return state
 
     async def _retrieve_into(self, agent_data, st: _RunState) -> None:
-        """Search the buffer with the running history and append the step's segment as context tokens."""
-        history = await self.loop.run_in_executor(
-            None,
-            lambda: self.tokenizer.decode(
-                agent_data.prompt_ids, skip_special_tokens=self.rapo.history_skip_special_tokens
-            ),
-        )
+        """Search the buffer with the running history's text and append the step's segment as context tokens."""
+        if st.history is None:  # the trajectory's text, decoded only where it grew since the last retrieval
+            skip = self.rapo.history_skip_special_tokens
+            st.history = HistoryText(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=skip))
+        history = await self.loop.run_in_executor(None, st.history, agent_data.prompt_ids)
         exclude = [st.group] if self.rapo.exclude_own_group else None
         client = await _client(self.rapo.buffer_name, self.loop)
         global _IN_FLIGHT

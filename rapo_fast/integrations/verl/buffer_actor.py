@@ -10,12 +10,15 @@ What it is not: the nearest-neighbour search (rapo_fast.retrieval.buffer), the a
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import math
 import os
+import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,13 +35,21 @@ from rapo_fast.integrations.verl.buffer_client import (
     StepBufferSaveError,
     is_bare_traces,
 )
-from rapo_fast.integrations.verl.buffer_replicas import InOrder, check_replicas_per_node, on_node, replica_nodes
+from rapo_fast.integrations.verl.buffer_replicas import (
+    StepBufferReplicaError,
+    StepBufferStaleError,
+    check_replicas_per_node,
+    keep_owned,
+    on_node,
+    replica_nodes,
+)
 from rapo_fast.integrations.verl.buffer_requests import (
     Coalescer,
     check_groups,
     check_histories,
     check_scores,
 )
+from rapo_fast.integrations.verl.buffer_sync import InOrder, PrimaryRole, ReplicaRole, ReplicaSet
 from rapo_fast.retrieval.encoders import make_encoder
 from rapo_fast.retrieval.jsonl import read_jsonl, write_jsonl
 from rapo_fast.retrieval.step_traces import StepTraces
@@ -46,7 +57,9 @@ from rapo_fast.retrieval.step_traces import StepTraces
 __all__ = [
     "StepBufferActor",
     "StepBufferReplicaError",
+    "StepBufferStaleError",
     "get_or_create_step_buffer",
+    "place_replicas",
     "get_step_buffer",
     "build_step_buffer_from_jsonl",
     "register",
@@ -54,10 +67,6 @@ __all__ = [
 
 DEFAULT_NAME = "rapo_step_buffer"
 CHECKPOINT_SUBDIR = "rapo_step_buffer"  # inside verl's global_step_N/
-
-
-class StepBufferReplicaError(RuntimeError):
-    """A write was sent to a read replica, or a replica failed or stored otherwise than its primary."""
 
 
 def register() -> None:
@@ -101,15 +110,17 @@ def _build_shard(
         return StepTraces.from_jsonl(part, encoder, tokenizer, capacity=cap, device=device, **build)
 
 
-class StepBufferActor:
+class StepBufferActor(PrimaryRole, ReplicaRole):
     """One shard of the step buffer (made a Ray actor by `get_or_create_step_buffer`; usable in-process too).
 
     Args: source (a .jsonl of off-policy traces, a directory saved by StepTraces.save, or None for an empty buffer of
     `capacity`), tokenizer (HF path or an object with encode), encoder (see make_encoder: it encodes a JSONL source;
     the clients make the same one from `encoder_spec()` and send keys), shard / num_shards (which part of a JSONL this
     shard keeps), window_s (how long a search waits for more requests), max_batch (most queries per search), replica
-    (a read replica: built from its primary's source, it takes writes only as `replay` from the primary), build
-    (top_k, capacity, metric, eviction, dtype: StepTraces.from_jsonl's options).
+    (a read replica: built from its primary's source, it takes writes only as `replay` from the primary and serves
+    searches only while in step with it), replica_timeout_s (a primary's: how long a replica may take to answer before
+    it is marked stale), log_writes (a primary's: recent writes kept to catch a stale replica up without a snapshot),
+    build (top_k, capacity, metric, eviction, dtype: StepTraces.from_jsonl's options).
     """
 
     def __init__(
@@ -124,6 +135,8 @@ class StepBufferActor:
         max_batch: int = 4096,
         trust_remote_code: bool = False,
         replica: bool = False,
+        replica_timeout_s: float = 30.0,
+        log_writes: int = 256,
         **build: Any,
     ):
         self.device = "cuda" if _gpu_ids() else "cpu"
@@ -150,13 +163,18 @@ class StepBufferActor:
             self.traces = self._load_traces(source)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rapo-step-buffer")
         self._searches = Coalescer(self._serve, window_s, max_batch)
-        names = ("requests", "queries", "search_calls", "add_calls", "steps_added", "steps_dropped")
+        names = ("requests", "queries", "search_calls", "add_calls", "steps_added", "steps_dropped", "repeated_adds")
         self.counters = dict.fromkeys(names, 0)
         self._window = _new_window()
         self.replica = bool(replica)
-        self._replicas: list[tuple[str, Any]] = []  # a primary's (node id, handle): where its writes are replayed
-        self._next_write = 0  # a primary's: the sequence number of its next add or load
-        self._in_order = InOrder()  # a replica's: its primary's writes, applied by sequence number
+        # a primary's: its replicas and write log, the number of its next add or load, its recent adds' write ids
+        self._set = ReplicaSet(self._snapshot, replica_timeout_s, log_writes)
+        self._next_write = 0
+        self._done: collections.OrderedDict[str, asyncio.Task] = collections.OrderedDict()
+        self._spec: dict | None = None  # how its replicas were made (place_replicas makes more alike)
+        # a replica's: its primary's writes applied by sequence number; serving only when told it is in step
+        self._in_order, self._incarnation = InOrder(), uuid.uuid4().hex
+        self._serving = self._broken = False
 
     def _load_traces(self, path: str) -> StepTraces:
         traces = StepTraces.load(path, self.encoder, self.tokenizer)
@@ -177,21 +195,15 @@ class StepBufferActor:
         """The counters (cumulative), and since the previous stats() call (verl's metrics route calls it once a step):
         step_queries (queries searched), search_ms_sum / search_ms_max (over those queries, the duration of the search
         that answered each: one search answers a batch), pending_max (most retrieve requests waiting for a search at
-        once); pending: those waiting now. role: "primary" or "replica"."""
+        once); pending: those waiting now. role: "primary" or "replica"; node: its Ray node. A primary's:
+        replicas_stale (not in step now), replicas_lost, replica_resyncs, replica_write_failures, read_failovers
+        (reported by clients), repeated_adds (write ids seen before); a replica's: replicas_serving (1 or 0)."""
         window, self._window = self._window, _new_window()
         queue = {"pending": self._searches.pending, "pending_max": self._searches.take_peak()}
         state = {"size": len(self.traces.buffer), "payloads": len(self.traces), "device": self.device}
-        return {**self.counters, **window, **queue, **state, "role": "replica" if self.replica else "primary"}
-
-    async def attach_replicas(self, replicas: list[tuple[str, Any]]) -> None:
-        """(node id, handle) of this primary's replicas, built from its source: from now on every add and load is
-        replayed on them in this actor's order. Before the first write only (they must hold this state)."""
-        if self.replica or self._next_write:
-            raise StepBufferReplicaError("attach_replicas: a primary's replicas are attached before its first write")
-        self._replicas = list(replicas)
-
-    async def replicas(self) -> list[tuple[str, Any]]:
-        return list(self._replicas)
+        state["node"] = _node_id()
+        role = {"role": "replica", "replicas_serving": int(self._readable())} if self.replica else self._set.stats()
+        return {**self.counters, **window, **queue, **state, **({"role": "primary"} | role)}
 
     async def encoder_spec(self) -> str | Callable:
         """The encoder this buffer's keys were made with, as given (a make_encoder spec or a callable): the clients
@@ -213,7 +225,17 @@ class StepBufferActor:
         excl = [-1] * n if exclude_groups is None else check_groups(exclude_groups, n, "exclude_groups", "retrieve")
         min_score = check_min_score("retrieve: min_score", min_score)
         self.counters["requests"] += 1
-        return await self._searches.submit((keys, excl, min_score), n, min_score)
+        self._check_readable()
+        out = await self._searches.submit((keys, excl, min_score), n, min_score)
+        self._check_readable()  # told to stop while it searched: the caller asks another copy
+        return out
+
+    def _readable(self) -> bool:
+        return not self.replica or (self._serving and not self._broken)
+
+    def _check_readable(self) -> None:
+        if not self._readable():
+            raise StepBufferStaleError("retrieve: this replica is not in step with its primary; ask another copy")
 
     async def _serve(self, batch: list) -> list:
         out, seconds = await asyncio.get_running_loop().run_in_executor(self._pool, self._search, batch)
@@ -240,18 +262,28 @@ class StepBufferActor:
         return out, seconds
 
     async def add_steps(
-        self, keys: torch.Tensor, steps: list[str], group_ids: list[int], scores: list[float] | None = None
+        self,
+        keys: torch.Tensor,
+        steps: list[str],
+        group_ids: list[int],
+        scores: list[float] | None = None,
+        write_id: str | None = None,
     ) -> int:
         """The policy's own steps under their prompts' group ids (StepTraces.add_encoded; keys: their histories
         encoded by the caller); returns how many the buffer stored (a buffer whose every slot holds a pinned
         off-policy step drops new ones: counted in steps_dropped). group_ids in [0, 2^63 - 1], scores None or finite;
-        a refused call changes nothing. Returns once the replicas stored it too."""
+        a refused call changes nothing. Returns once every live replica stored it too (one that did not is stale:
+        it serves nothing until it has caught up). write_id: a repeat of a recent add with this id (a retry) stores
+        nothing again and returns the first one's result."""
         self._refuse_on_replica("add_steps")
+        if write_id is not None and write_id in self._done:
+            self.counters["repeated_adds"] += 1
+            return await asyncio.shield(self._done[write_id])
         steps = check_histories(steps, "add_steps", "steps")
         keys = self.traces.check_keys(keys, len(steps), "add_steps: keys")
         group_ids = check_groups(group_ids, len(steps), "group_ids", "add_steps", lo=0)
         scores = check_scores(scores, len(steps))
-        return await self._write("add", keys, steps, group_ids, scores)
+        return await asyncio.shield(self._remember(write_id, self._write("add", keys, steps, group_ids, scores)))
 
     async def save(self, path: str) -> None:
         """StepTraces.save (atomic, versioned) on the thread that adds, so never beside an add. A primary's only: its
@@ -262,60 +294,38 @@ class StepBufferActor:
     async def load(self, path: str) -> None:
         """Replace the state by a save (its replicas load it too, at the same point of the write order)."""
         self._refuse_on_replica("load")
-        await self._write("load", path)
-
-    async def replay(self, seq: int, op: str, *args: Any) -> Any:
-        """A replica's: its primary's write number `seq` (checked there), applied after writes 0 .. seq - 1."""
-        if not self.replica:
-            raise StepBufferReplicaError("replay: only a replica replays its primary's writes")
-        await self._in_order.wait(seq)
-        try:
-            fut = self._pool.submit(self._apply, op, args)  # the one worker thread keeps the submission order
-        finally:
-            self._in_order.advance()
-        return self._count(op, args, await asyncio.wrap_future(fut))
-
-    def _refuse_on_replica(self, what: str) -> None:
-        if self.replica:
-            raise StepBufferReplicaError(f"{what}: this actor is a read replica; writes and saves go to its primary")
-
-    async def _write(self, op: str, *args: Any) -> Any:
-        """Apply an add or load here and replay it on every replica. Its number is taken and its work queued on the
-        one worker thread with no await between, so the numbers follow the order this actor applies its writes in."""
-        seq, self._next_write = self._next_write, self._next_write + 1
-        here = asyncio.wrap_future(self._pool.submit(self._apply, op, args))
-        there = [h.replay.remote(seq, op, *args) for _, h in self._replicas]
-        out, *theirs = await asyncio.gather(here, *there, return_exceptions=True)
-        if isinstance(out, BaseException):
-            raise out
-        out = self._count(op, args, out)
-        for (node, _), got in zip(self._replicas, theirs):
-            if isinstance(got, BaseException):
-                raise StepBufferReplicaError(f"{op}: the replica on node {node} failed: {got!r}") from got
-            if got != out:
-                raise StepBufferReplicaError(f"{op}: the replica on node {node} returned {got!r}, the primary {out!r}")
-        return out
+        await asyncio.shield(self._write("load", path))
 
     def _apply(self, op: str, args: tuple) -> Any:
-        """One write on the worker thread: an add (returns the steps stored) or a load."""
+        """One write on the worker thread; returns its fingerprint (a replica's must equal its primary's): an add's
+        (steps stored, buffer size, slots), a load's (buffer size, payloads)."""
         if op == "add":
             _, slots = self.traces.add_encoded(*args, return_slots=True)
-            return int((slots >= 0).sum())
+            return int((slots >= 0).sum()), len(self.traces.buffer), tuple(slots.tolist())
         if op == "load":
             self.traces = self._load_traces(args[0])
-            return None
+            return len(self.traces.buffer), len(self.traces)
+        if op == "skip":  # a write its primary failed
+            return "skip"
         raise ValueError(f"StepBufferActor: op: expected a known write, got {op!r}")
 
-    def _count(self, op: str, args: tuple, stored: Any) -> Any:
+    def _count(self, op: str, args: tuple, out: Any) -> Any:
         if op == "add":
             self.counters["add_calls"] += 1
-            self.counters["steps_added"] += stored
-            self.counters["steps_dropped"] += len(args[1]) - stored
-        return stored
+            self.counters["steps_added"] += out[0]
+            self.counters["steps_dropped"] += len(args[1]) - out[0]
+            return out[0]
+        return None
 
 
 def _new_window() -> dict:
     return {"step_queries": 0, "search_ms_sum": 0.0, "search_ms_max": 0.0}
+
+
+def _node_id() -> str | None:
+    """The Ray node this actor runs on (None in-process)."""
+    ray = sys.modules.get("ray")
+    return ray.get_runtime_context().get_node_id() if ray is not None and ray.is_initialized() else None
 
 
 def _gpu_ids() -> list:
@@ -331,14 +341,50 @@ def _shard_name(name: str, i: int) -> str:
     return name if i == 0 else f"{name}.{i}"
 
 
-def get_step_buffer(name: str = DEFAULT_NAME, namespace: str | None = None) -> StepBufferClient:
-    """A client for the existing actor(s) `name` (ValueError when there is none)."""
+def get_step_buffer(name: str = DEFAULT_NAME, namespace: str | None = None, **client: Any) -> StepBufferClient:
+    """A client for the existing actor(s) `name` (ValueError when there is none), over the replicas serving now.
+    client: StepBufferClient's options (window_s, max_batch, timeout_s, refresh_s)."""
     import ray
 
     first = ray.get_actor(name, namespace=namespace)
     n, encoder = ray.get([first.ready.remote(), first.encoder_spec.remote()])
     handles = [first] + [ray.get_actor(_shard_name(name, i), namespace=namespace) for i in range(1, n)]
-    return StepBufferClient(handles, encoder, replicas=ray.get([h.replicas.remote() for h in handles]))
+    return StepBufferClient(handles, encoder, replicas=ray.get([h.replicas.remote(True) for h in handles]), **client)
+
+
+def _new_replica(spec: dict, node: str, suffix: str) -> Any:
+    """A replica of the shard `spec` describes (replica_spec()), pinned to `node`; Ray restarts a crashed one (on
+    that node), which its primary then catches up."""
+    import ray
+
+    opts = {**spec["opts"], "name": f"{spec['name']}.replica.{node}.{suffix}", "scheduling_strategy": on_node(node)}
+    return ray.remote(StepBufferActor).options(**opts, max_restarts=2).remote(*spec["args"], **spec["kwargs"])
+
+
+def place_replicas(name: str = DEFAULT_NAME, namespace: str | None = None, ready_timeout_s: float = 600.0) -> int:
+    """Make the replicas each alive node lacks (a node that joined, one whose replicas died): `replicas_per_node` of
+    every shard per node, made as get_or_create_step_buffer made the first ones (from the same source), then caught
+    up by their primary in the background before they serve (clients find them within their refresh_s). Call it from
+    the process that owns the buffer (the driver). Returns how many it made."""
+    import ray
+
+    client = get_step_buffer(name, namespace)
+    made = []
+    for primary, spec, reps in zip(
+        client.handles,
+        ray.get([h.replica_spec.remote() for h in client.handles]),
+        ray.get([h.replicas.remote() for h in client.handles]),
+    ):
+        if not spec:
+            continue
+        have = [n for n, _ in reps]
+        for node in replica_nodes():
+            for _ in range(spec["per_node"] - have.count(node)):
+                made.append((primary, node, _new_replica(spec, node, uuid.uuid4().hex[:8])))
+    keep_owned(name, namespace, [h for _, _, h in made], more=True)
+    ray.get([h.ready.remote() for _, _, h in made], timeout=ready_timeout_s)
+    ray.get([p.add_replica.remote(node, h) for p, node, h in made])
+    return len(made)
 
 
 def get_or_create_step_buffer(
@@ -360,7 +406,8 @@ def get_or_create_step_buffer(
     ignored). source: a .jsonl of off-policy traces, a directory saved by `StepBufferClient.save` /
     `build_step_buffer_from_jsonl` / StepTraces.save, or None (empty; needs capacity=). The creating process owns the
     actors (they die with it unless lifetime="detached"): create them from the driver, e.g. through the checkpoint
-    callback. num_cpus / num_gpus are held for the actor's lifetime; num_gpus > 0 puts each shard's StepBuffer on CUDA.
+    callback; they outlive the returned client (get_step_buffer(name) finds them). num_cpus / num_gpus are held for
+    the actor's lifetime; num_gpus > 0 puts each shard's StepBuffer on CUDA.
     replicas_per_node: read replicas of every shard on each alive node with CPUs (0: none; each holds what its
     primary holds, with the same num_cpus / num_gpus; the clients search there). ready_timeout_s: how long to wait
     for the actors to be placed and built (then ray's GetTimeoutError).
@@ -380,23 +427,28 @@ def get_or_create_step_buffer(
     nodes = replica_nodes() if replicas_per_node else []
 
     def create(paths: list[str | None]) -> StepBufferClient:
-        def actor(i: int, path: str | None, replica: str = "", **placement: Any) -> Any:
-            return actor_cls.options(name=_shard_name(name, i) + replica, **opts, **placement).remote(
-                path, tokenizer, encoder, shard=i, num_shards=num_shards, replica=bool(replica), **options
-            )
+        def spec(i: int, path: str | None) -> dict:  # how shard i's replicas are made (place_replicas: more alike)
+            kwargs = {**options, "shard": i, "num_shards": num_shards, "replica": True}
+            args = (path, tokenizer, encoder)
+            return {
+                "name": _shard_name(name, i),
+                "opts": opts,
+                "per_node": replicas_per_node,
+                "args": args,
+                "kwargs": kwargs,
+            }
 
-        handles = [actor(i, p) for i, p in enumerate(paths)]
-        replicas = [
-            [
-                (node, actor(i, p, f".replica.{node}.{k}", scheduling_strategy=on_node(node)))
-                for node in nodes
-                for k in range(replicas_per_node)
-            ]
-            for i, p in enumerate(paths)
-        ]
+        def primary(i: int, path: str | None) -> Any:
+            kw = {**options, "shard": i, "num_shards": num_shards}
+            return actor_cls.options(name=_shard_name(name, i), **opts).remote(path, tokenizer, encoder, **kw)
+
+        specs = [spec(i, p) for i, p in enumerate(paths)]
+        handles = [primary(i, p) for i, p in enumerate(paths)]
+        replicas = [[(n, _new_replica(s, n, str(k))) for n in nodes for k in range(replicas_per_node)] for s in specs]
         every = handles + [h for reps in replicas for _, h in reps]
+        keep_owned(name, namespace, every)  # they live as long as this process's Ray session, as documented
         ray.get([h.ready.remote() for h in every], timeout=ready_timeout_s)  # a failed constructor raises here
-        ray.get([h.attach_replicas.remote(reps) for h, reps in zip(handles, replicas)])
+        ray.get([h.attach_replicas.remote(reps, s) for h, reps, s in zip(handles, replicas, specs)])
         return StepBufferClient(handles, encoder, replicas=replicas)
 
     if src is not None and not src.exists():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ import torch
 
 from rapo_fast._atomic import FormatError, VersionWriter, read_version
 from rapo_fast._checks import check_field, check_float, check_int, check_min_score
-from rapo_fast.integrations.verl.buffer_replicas import Readers
+from rapo_fast.integrations.verl.buffer_replicas import Readers, gone, unavailable
 from rapo_fast.integrations.verl.buffer_requests import (
     Coalescer,
     check_groups,
@@ -52,8 +53,9 @@ class StepBufferClient:
     keys; a process's retrieves that arrive while a call is being served (or within window_s of the first one, when
     window_s > 0), up to max_batch histories, share the next encoding and call per shard. handles: the shards'
     primaries (adds, saves, loads); replicas: per shard, (node id, handle) of its read replicas, where the searches go
-    (buffer_replicas.Readers). Picklable: a copy holds the handles and settings, and makes its encoder when first
-    used."""
+    (buffer_replicas.Readers: a copy that fails or takes over timeout_s is dropped and the search asked of the next;
+    every refresh_s the serving replicas are re-read from the primaries). Picklable: a copy holds the handles and
+    settings, and makes its encoder when first used."""
 
     def __init__(
         self,
@@ -63,6 +65,8 @@ class StepBufferClient:
         replicas: Sequence[Sequence[tuple[str, Any]]] | None = None,
         window_s: float = 0.0,
         max_batch: int = 1024,
+        timeout_s: float = 30.0,
+        refresh_s: float = 10.0,
     ):
         if not handles:
             raise ValueError("StepBufferClient: handles: expected at least one actor handle, got none")
@@ -73,9 +77,11 @@ class StepBufferClient:
             )
         window_s = check_float("StepBufferClient: window_s", window_s, min_value=0.0, max_value=10.0)
         max_batch = check_int("StepBufferClient: max_batch", max_batch, lo=1)
+        timeout_s = check_float("StepBufferClient: timeout_s", timeout_s, min_value=0.0, min_inclusive=False)
+        refresh_s = check_float("StepBufferClient: refresh_s", refresh_s, min_value=0.0)
         self.handles, self.encoder_spec, self.replicas = list(handles), encoder, replicas
-        self.window_s, self.max_batch = float(window_s), max_batch
-        self._readers = Readers(self.handles, replicas)
+        self.window_s, self.max_batch, self.timeout_s, self.refresh_s = float(window_s), max_batch, timeout_s, refresh_s
+        self._readers = Readers(self.handles, replicas, timeout_s, refresh_s)
         self._encoder: Callable | None = None
         self._lock = threading.Lock()
         self._retrieves = Coalescer(self._serve_retrieve, self.window_s, max_batch)
@@ -87,6 +93,8 @@ class StepBufferClient:
             "replicas": self.replicas,
             "window_s": self.window_s,
             "max_batch": self.max_batch,
+            "timeout_s": self.timeout_s,
+            "refresh_s": self.refresh_s,
         }
 
     def __setstate__(self, state: dict) -> None:
@@ -122,12 +130,13 @@ class StepBufferClient:
         return await self._retrieves.submit((histories, excl, min_score), n, min_score)
 
     async def _serve_retrieve(self, batch: list) -> list[list[tuple[list[int] | None, int, float]]]:
-        """One encoding and one call per shard (to its primary or a replica) for the batch's histories; each request
-        gets its rows."""
+        """One encoding and one call per shard (to a replica or its primary, failing over: Readers.call) for the
+        batch's histories; each request gets its rows."""
         hist = [h for req in batch for h in req[0]]
         excl = [g for req in batch for g in req[1]]
         keys = await asyncio.get_running_loop().run_in_executor(None, self.encode, hist)
-        parts = await asyncio.gather(*(h.retrieve.remote(keys, excl, batch[0][2]) for h in self._readers.pick()))
+        search = lambda h: h.retrieve.remote(keys, excl, batch[0][2])  # noqa: E731
+        parts = await asyncio.gather(*(self._readers.call(s, search) for s in range(self.num_shards)))
         n, rows = self.num_shards, []
         for q in range(len(hist)):
             best = (None, -1, float("-inf"))
@@ -142,12 +151,20 @@ class StepBufferClient:
         return out
 
     async def add_steps(
-        self, histories: list[str], steps: list[str], group_ids: list[int], scores: list[float] | None = None
+        self,
+        histories: list[str],
+        steps: list[str],
+        group_ids: list[int],
+        scores: list[float] | None = None,
+        write_id: str | None = None,
     ) -> int:
         """Add the policy's own steps (one entry per step) under their prompts' group ids; returns how many the shards
         stored (a shard full of pinned off-policy steps drops new ones: its stats() count them in steps_dropped). The
         histories are encoded here; each shard's primary gets the keys of its groups (and replays them on its
-        replicas)."""
+        replicas). Stored means stored at the primary and at every replica that serves searches (one that missed it
+        serves none until it has caught up). write_id (default: a new one): each shard's part carries it, so a call
+        repeated with the same id (a retry after an error) stores nothing twice; this client retries a part whose
+        primary is briefly unavailable (restarting), with its id."""
         histories = check_histories(histories, "add_steps")
         group_ids = check_groups(group_ids, len(histories), "group_ids", "add_steps", lo=0)
         steps = check_histories(steps, "add_steps", "steps")
@@ -157,12 +174,12 @@ class StepBufferClient:
         if not histories:
             return 0
         keys = await asyncio.get_running_loop().run_in_executor(None, self.encode, histories)
-        n, calls = self.num_shards, []
+        n, calls, write_id = self.num_shards, [], write_id or uuid.uuid4().hex
         for s, h in enumerate(self.handles):
             idx = [i for i, g in enumerate(group_ids) if g % n == s]
             if idx:
                 part = [None if xs is None else [xs[i] for i in idx] for xs in (steps, group_ids, scores)]
-                calls.append(h.add_steps.remote(keys[idx], *part))
+                calls.append(_add_part(h, (keys[idx], *part, f"{write_id}:{s}")))
         return int(sum(await asyncio.gather(*calls)))
 
     def save(self, path: str | os.PathLike) -> None:
@@ -196,7 +213,32 @@ class StepBufferClient:
             ray.get([h.load.remote(str(v.path / f"shard_{i}")) for i, h in enumerate(self.handles)])
 
     def stats(self) -> list[dict]:
-        """Each actor's stats(): the primaries in shard order, then the replicas (role "replica")."""
+        """Each actor's stats(): the primaries in shard order, then their replicas (role "replica") that answer within
+        timeout_s (one that does not is left out: the primaries' replicas_stale / replicas_lost count it)."""
         import ray
 
-        return ray.get([h.stats.remote() for h in self.handles + [h for reps in self.replicas for _, h in reps]])
+        primaries = ray.get([h.stats.remote() for h in self.handles], timeout=self.timeout_s)
+        reps = [h for hs in ray.get([h.replicas.remote() for h in self.handles]) for _, h in hs]
+        refs = [h.stats.remote() for h in reps]
+        ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
+        out = []
+        for ref in refs:
+            try:
+                out.append(ray.get(ref, timeout=0))
+            except Exception as exc:
+                if not unavailable(exc):
+                    raise
+        return primaries + out
+
+
+async def _add_part(handle: Any, args: tuple, tries: int = 3) -> int:
+    """One shard's add, repeated with its write id while its primary is unavailable but not gone."""
+    attempt = 0
+    while True:
+        try:
+            return await handle.add_steps.remote(*args)
+        except Exception as exc:
+            attempt += 1
+            if not unavailable(exc) or gone(exc) or attempt >= tries:
+                raise
+            await asyncio.sleep(0.2 * 2**attempt)

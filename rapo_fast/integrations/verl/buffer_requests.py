@@ -9,6 +9,7 @@ inside a shared call fails alone. What this is not: the actor or client (buffer_
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -123,17 +124,31 @@ class Coalescer:
                 settle(req[3], res)
 
 
+_KILLED: weakref.WeakSet = weakref.WeakSet()
+
+
 class LocalHandle:
     """An in-process stand-in for a Ray actor handle: `handle.method.remote(*args)` is a task running
     `actor.method(*args)` on the caller's event loop, so a StepBufferClient can serve from StepBufferActors without
-    Ray (tests, benchmarks, one-process jobs). Only the async methods: the client's sync save/load/stats need Ray."""
+    Ray (tests, benchmarks, one-process jobs). Only the async methods: the client's sync save/load/stats need Ray.
+    `kill()`: from then on every call to the actor, through any of its handles, fails as a dead actor's would
+    (ConnectionAbortedError: buffer_replicas.gone)."""
 
     def __init__(self, actor: Any):
         self._actor = actor
 
+    def kill(self) -> None:
+        _KILLED.add(self._actor)
+
     def __getattr__(self, name: str) -> Any:
         method = getattr(self._actor, name)
-        return _Remote(lambda *a, **k: asyncio.ensure_future(method(*a, **k)))
+
+        async def call(*a: Any, **k: Any) -> Any:
+            if self._actor in _KILLED:
+                raise ConnectionAbortedError(f"{name}: the actor behind this LocalHandle was killed")
+            return await method(*a, **k)
+
+        return _Remote(lambda *a, **k: asyncio.ensure_future(call(*a, **k)))
 
 
 class _Remote:

@@ -3,8 +3,10 @@ CPU cluster: several clients searching while one adds (past the ring's wrap), ev
 force (rapo_fast.reference.retrieval.search_ref) of one of the states the buffer held; concurrent requests coalesced
 into fewer requests and searches; save -> new actor -> load identical; two shards against the brute force over their
 union; read replicas (2 on the one node) answering every search as their primary after concurrent adds from two
-processes, and the clients' searches served by them; verl's checkpoint callback saving into global_step_N/ from the
-primary and a new job restoring from it, both with a replica.
+processes, and the clients' searches served by them; two replicas killed under traffic, one for good and one
+restarted by Ray (no search or add fails, adds stored once, the restarted one caught up and found again); verl's
+checkpoint callback saving into global_step_N/ from the primary and a new job restoring from it, both with a replica.
+Several nodes: test_verl_buffer_nodes.py.
 
 Skipped without ray (the main environment); the callback test also needs verl.
 """
@@ -246,6 +248,20 @@ def test_save_new_actor_load_gives_identical_results(data, tmp_path):
         _make("rapo_test_bad", tmp_path / "ckpt", tokenizer=data["tok"], num_shards=2)
 
 
+def test_the_buffer_outlives_the_client_that_created_it(data):
+    """The creator keeps only the name (as the e2e's driver and the bench do): the actors live on, found by name."""
+    import gc
+    import time
+
+    get_or_create_step_buffer("rapo_test_owned", data["jsonl"], tokenizer=data["tok"], num_cpus=0, replicas_per_node=1)
+    gc.collect()
+    time.sleep(1.0)  # Ray kills an actor whose creator dropped every handle within this, when nothing holds it
+    client = get_step_buffer("rapo_test_owned")
+    _CREATED.append(client)
+    assert asyncio.run(client.retrieve(data["queries"][:2]))[0][1] >= 0
+    assert [s["role"] for s in client.stats()] == ["primary", "replica"]
+
+
 def test_two_shards_equal_brute_force_over_their_union(data, tmp_path):
     build_step_buffer_from_jsonl(
         data["jsonl"], tmp_path / "built", data["tok"], encoder=f"hashed:{DIM}", num_shards=2, top_k=TOP_K, capacity=256
@@ -355,3 +371,76 @@ def test_add_steps_counts_what_a_full_pinned_buffer_dropped(data):
     assert asyncio.run(c.add_steps(hs, steps, groups)) == 0
     (st,) = c.stats()
     assert st["steps_added"] == 0 and st["steps_dropped"] == len(steps) and st["size"] == 36
+
+
+async def _poll(cond, timeout_s: float = 45.0) -> None:
+    end = asyncio.get_running_loop().time() + timeout_s
+    while not await cond():
+        assert asyncio.get_running_loop().time() < end, "condition not reached in time"
+        await asyncio.sleep(0.1)
+
+
+def test_replicas_killed_under_traffic_one_for_good_one_restarted(data):
+    """Two replicas; while this process searches (8 callers) and adds, one replica is killed for good and the other
+    killed and restarted by Ray. No search and no add fails; each add is reported stored (6 steps) and stored once;
+    the dead replica is counted lost, the restarted one caught up by its primary and found again by the client."""
+    name = "rapo_test_replica_faults"
+    _make(
+        name,
+        data["jsonl"],
+        tokenizer=data["tok"],
+        top_k=TOP_K,
+        capacity=CAP,
+        replicas_per_node=2,
+        replica_timeout_s=5.0,
+    )
+    client = get_step_buffer(name, timeout_s=10.0, refresh_s=0.5)
+    (reps,) = client.replicas
+    (dead, _), (restarted, _) = [(h, n) for n, h in reps]
+    qs, ex = data["queries"], _excls(data["queries"], 13)
+
+    async def go():
+        stop = asyncio.Event()
+
+        async def searcher(i: int) -> int:
+            n = 0
+            while not stop.is_set():
+                (row,) = await client.retrieve([qs[(i + n) % len(qs)]], [ex[(i + n) % len(qs)]])
+                assert row[1] >= 0
+                n += 1
+            return n
+
+        async def adder() -> list[int]:
+            out = []
+            for k, (hs, steps, groups) in enumerate(data["adds"]):
+                if k == 2:
+                    ray.kill(dead)
+                    ray.kill(restarted, no_restart=False)
+                out.append(await client.add_steps(hs, steps, groups))
+            stop.set()
+            return out
+
+        *served, stored = await asyncio.gather(*(searcher(i) for i in range(8)), adder())
+        assert stored == [6] * len(data["adds"]) and min(served) >= 1
+
+        async def settled() -> bool:
+            st = await client.handles[0].stats.remote()
+            return st["replicas_lost"] == 1 and st["replicas_stale"] == 0 and st["replica_resyncs"] >= 1
+
+        await _poll(settled)
+
+        async def found_again() -> bool:  # the client re-reads the primary's serving replicas every refresh_s
+            await client.retrieve(qs[:1], ex[:1])
+            return any(h._actor_id == restarted._actor_id for h in client._readers.order(0)[:-1])
+
+        await _poll(found_again)
+        return await asyncio.gather(*(client.retrieve([q], [e]) for q, e in zip(qs, ex)))
+
+    rows = asyncio.run(go())
+    primary, *replica_stats = client.stats()
+    assert primary["steps_added"] == 48 and primary["add_calls"] == 8 and primary["repeated_adds"] == 0
+    assert [s["replicas_serving"] for s in replica_stats] == [1]  # the restarted one, in step again
+    keys = data["enc"](qs)
+    want = ray.get(client.handles[0].retrieve.remote(keys, ex))
+    assert ray.get(restarted.retrieve.remote(keys, ex)) == want
+    assert [r[0] for r in rows] == [tuple(x) for x in zip(*want)]
