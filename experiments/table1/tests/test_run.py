@@ -61,6 +61,7 @@ def test_tiny_table1_end_to_end(tmp_path, monkeypatch):
         solver_traces=4,
         families=["kb_alias"],
         methods=list(setting.METHODS),
+        encoder="hashed",  # the pipeline is the point; MiniLM's path: the workers test (.ci/run's MiniLM stage)
     )
     rows = table1.run(s, tmp_path, progress=False, workers=0)  # in this process, so that the patches hold
     assert torch.get_num_threads() == n  # restored after the run's 1-thread jobs
@@ -222,6 +223,7 @@ def test_extra_methods_run(tmp_path, monkeypatch):
         solver_traces=4,
         families=["kb_alias"],
         methods=list(setting.EXTRA_METHODS),
+        encoder="hashed",  # as the end-to-end test: MiniLM's path is the workers test's
     )
     rows = table1.run(s, tmp_path, progress=False, workers=0)
     assert [r["method"] for r in rows] == list(setting.EXTRA_METHODS)
