@@ -198,13 +198,12 @@ class StepFamily(AliasFamily):
         return out
 
     traces_cls = AdvancingTraces
-    source_noise = 0.0  # > 0: the family's own source shows a wrong relation this often (NoisyTraces)
+    source_noise = 0.0  # with traces_cls NoisyTraces: how often the family's own source shows a wrong relation
 
     def step_traces(self, jsonl, encoder, tok, top_k: int, noisy: bool = False, seed: int = 0):
         """The run's step buffer: the family's source form (with `source_noise`, seeded by `seed`), or the noisy
         one (RAPO_NOISY's, seeded by `seed`)."""
-        cls = NoisyTraces if noisy or self.source_noise else self.traces_cls
-        traces = cls.from_jsonl(jsonl, encoder, tok, top_k=top_k)
+        traces = (NoisyTraces if noisy else self.traces_cls).from_jsonl(jsonl, encoder, tok, top_k=top_k)
         if noisy:
             traces.rng = random.Random(f"noisy/{seed}")
         elif self.source_noise:
@@ -248,7 +247,7 @@ class HopOneFamily(StepFamily):
     # The nearest source step at hop 1 is right ~0.955 of the time by itself (the 100-seed run's source_not_oracle
     # failed on it): 12% of the relations shown are replaced, so that the source is right ~0.84, under the bound by
     # construction; RAPO_NOISY's 45% makes it ~0.5.
-    source_noise = 0.12
+    traces_cls, source_noise = NoisyTraces, 0.12
     first_probe_hop = 1  # the advance probe starts at the hop after a retrieved hop 1
 
     def data(self, seed: int, s: dict) -> dict:

@@ -29,6 +29,7 @@ from experiments.table1.stats import first_reach, mean_ci
 from experiments.table1.step_checks import step_warmup_figures
 from rapo_fast.demo.tasks import write_jsonl
 from rapo_fast.demo.tiny_policy import build_tiny_policy
+from rapo_fast.retrieval.jsonl import read_jsonl
 from rapo_fast.retrieval.step_traces import StepTraces
 from rapo_fast.rollouts.offpolicy import OffPolicyTrajectories
 from rapo_fast.train.callbacks import EvalCallback
@@ -56,24 +57,22 @@ def prepare(family: str, seed: int, s: dict, out: Path) -> dict[str, Path]:
     if s.get("reuse_prepared") and _prepared(paths, family, seed, s, out):
         return paths
     if s.get("reuse_prepared") and _prepared(paths, family, seed, s, out, but_checks=True):
-        # weights and sources kept, the warm-up's figures asked again (a source form changed since, or a cut run)
-        read = [[json.loads(line) for line in open(paths[p])] for p in ("jsonl", "off_jsonl")]
+        # weights and sources kept, the warm-up's figures measured again (a source form changed since, or a cut run)
+        rapo_src, off_src = read_jsonl(paths["jsonl"]), read_jsonl(paths["off_jsonl"])
         warm = torch.load(paths["warm"], weights_only=True)
-        checks = warmup_checks(fam, data, warm, *read, paths["jsonl"], k, s, seed)
-        write_atomic(paths["checks"], lambda f: f.write(json.dumps(checks, indent=1).encode()))
-        return paths
-    rapo_src = fam.rapo_source(data, s, seed)
-    write_jsonl(rapo_src, paths["jsonl"])
-    if fam.same_source:
-        off_src, paths["off_jsonl"] = rapo_src, paths["jsonl"]
     else:
-        off_src, paths["off_jsonl"] = fam.offpolicy_source(data, s, seed), out / f"offpolicy_{family}_{seed}.jsonl"
-        write_jsonl(off_src, paths["off_jsonl"])
-    warm = fam.warm_up(data, s, seed)
-    _save_atomic(warm, paths["warm"])
-    if _needs_plain_warm_up(s):
-        paths["warm_plain"] = out / f"warm_plain_{family}_{seed}.pt"
-        _save_atomic(fam.warm_up(data, s, seed, retrieve_frac=0.0), paths["warm_plain"])
+        rapo_src = fam.rapo_source(data, s, seed)
+        write_jsonl(rapo_src, paths["jsonl"])
+        if fam.same_source:
+            off_src, paths["off_jsonl"] = rapo_src, paths["jsonl"]
+        else:
+            off_src, paths["off_jsonl"] = fam.offpolicy_source(data, s, seed), out / f"offpolicy_{family}_{seed}.jsonl"
+            write_jsonl(off_src, paths["off_jsonl"])
+        warm = fam.warm_up(data, s, seed)
+        _save_atomic(warm, paths["warm"])
+        if _needs_plain_warm_up(s):
+            paths["warm_plain"] = out / f"warm_plain_{family}_{seed}.pt"
+            _save_atomic(fam.warm_up(data, s, seed, retrieve_frac=0.0), paths["warm_plain"])
     checks = warmup_checks(fam, data, warm, rapo_src, off_src, paths["jsonl"], k, s, seed)
     write_atomic(paths["checks"], lambda f: f.write(json.dumps(checks, indent=1).encode()))
     return paths

@@ -147,6 +147,24 @@ def test_a_failed_job_names_itself_and_ends_the_workers(tmp_path, monkeypatch):
             table1.run(s, tmp_path / f"w{w}", progress=False, workers=w)
 
 
+def test_a_resume_without_the_warm_up_figures_measures_them_again_from_the_kept_files(tmp_path, monkeypatch):
+    """--reuse-prepared with the weights and sources kept but warmup_*.json gone (a source form changed, a cut run):
+    the figures are measured again from the kept files, equal to the first ones, and nothing else is rewritten."""
+    import json
+
+    from experiments.table1.jobs import prepare
+
+    monkeypatch.setenv("RAPO_FAST_DISABLE_TRITON", "1")
+    s = dict(setting.QUICK, sft_steps=2, n_eval=4, n_train=4, solver_traces=4, methods=["GRPO"], encoder="hashed")
+    s["reuse_prepared"] = True
+    first = prepare("kb_hop1", 0, s, tmp_path)
+    figures, kept = json.loads(first["checks"].read_text()), {n: first[n].stat().st_mtime_ns for n in ("warm", "jsonl")}
+    first["checks"].unlink()
+    again = prepare("kb_hop1", 0, s, tmp_path)
+    assert again == first and json.loads(again["checks"].read_text()) == figures
+    assert {n: again[n].stat().st_mtime_ns for n in ("warm", "jsonl")} == kept
+
+
 def test_bad_workers_is_refused(tmp_path):
     with pytest.raises(ValueError, match="workers: expected >= 0, got -1"):
         table1.run(dict(setting.QUICK, families=["kb_alias"], methods=["GRPO"]), tmp_path, progress=False, workers=-1)
