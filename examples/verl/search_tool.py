@@ -6,9 +6,9 @@ gets the top RAPO_SEARCH_TOPK (default 3) passages from one of two backends, pic
   {"queries": [query], "topk": k, "return_scores": true};
 - `local`: BM25 over the JSONL corpus at RAPO_SEARCH_CORPUS (examples/verl/local_search.py), in the process, no
   network: the 1-GPU smoke's default, and a way to run the recipe without a server.
-What it is not: rapo_fast's step retrieval (that is the step buffer, examples/verl/build_step_buffer.sh). Not run in CI
-with the http backend (no retrieval server there); tests check that verl can load it and build its schema, and run the
-local backend through this module (tests/integrations/verl_plugin/test_verl_recipe.py) and without verl
+What it is not: rapo_fast's step retrieval (that is the step buffer, examples/verl/build_step_buffer.sh). Tested: the
+http backend inside verl's main_ppo against a loopback retrieval server (tests/integrations/verl_e2e), the local
+backend through this module (tests/integrations/verl_plugin/test_verl_recipe.py) and without verl
 (tests/integrations/test_verl_recipe_local.py).
 """
 
