@@ -57,10 +57,16 @@ def warm_state(tmp_path_factory):
     return state
 
 
-def test_example_runs_in_under_two_minutes(tmp_path, capsys, monkeypatch):
-    # As a user's CPU runs it: the loss's torch path. Under TRITON_INTERPRET=1 the Triton kernels would run in
-    # Triton's interpreter, which no user's run does, and which was most of this test's time.
+@pytest.fixture
+def torch_loss_path(monkeypatch):
+    """rapo_loss on its torch path, as a user's CPU runs it: under TRITON_INTERPRET=1 the Triton kernels would run in
+    Triton's interpreter, which no user's run does, and which was most of these tests' time. The kernels themselves:
+    their loss and gradients against TRL's own in test_integration_trl.py, a masked token's gradient exactly zero on
+    every path in tests/loss/test_masked_rows.py."""
     monkeypatch.setenv("RAPO_FAST_DISABLE_TRITON", "1")
+
+
+def test_example_runs_in_under_two_minutes(tmp_path, capsys, torch_loss_path):
     t0 = time.perf_counter()
     assert EX.main(["--steps", "2", "--out", str(tmp_path)]) == 0
     elapsed = time.perf_counter() - t0
@@ -90,12 +96,8 @@ def _hidden_grads(trainer, batch, loss_fn):
     return deltas[0].grad
 
 
-def test_retrieved_tokens_get_no_gradient(tmp_path, warm_state, monkeypatch):
+def test_retrieved_tokens_get_no_gradient(tmp_path, warm_state, torch_loss_path):
     from rapo_fast.integrations.trl import RAPOGRPOTrainer
-
-    # The adapter's masks on the loss's torch path (speed: the Triton kernels in the interpreter were most of the
-    # time); a masked token's gradient exactly zero on every path, Triton included: tests/loss/test_masked_rows.py.
-    monkeypatch.setenv("RAPO_FAST_DISABLE_TRITON", "1")
 
     args = EX.parse_args(["--retrieve-prob", "1.0"])
     trainer, rollout_func, _ = EX.build_trainer(args, tmp_path, warm_state)
@@ -136,10 +138,7 @@ def _one_run(trainer_name: str, out: Path, warm_state: dict):
     return ids, losses, params
 
 
-def test_without_retrieval_equals_trl_grpo_trainer(tmp_path, warm_state, monkeypatch):
-    # The trainers' loops compared on the loss's torch path (speed: the Triton kernels in the interpreter were most of
-    # the time); the kernels' loss and gradients against TRL's own: test_integration_trl.py.
-    monkeypatch.setenv("RAPO_FAST_DISABLE_TRITON", "1")
+def test_without_retrieval_equals_trl_grpo_trainer(tmp_path, warm_state, torch_loss_path):
     ids_trl, loss_trl, params_trl = _one_run("grpo", tmp_path / "trl", warm_state)
     ids_rapo, loss_rapo, params_rapo = _one_run("rapo", tmp_path / "rapo", warm_state)
     assert ids_rapo == ids_trl, "the two runs sampled different completions"
