@@ -27,9 +27,8 @@ from experiments.table1.kb_alias import from_hop_one
 from experiments.table1.setting import config, encoder
 from experiments.table1.stats import first_reach, mean_ci
 from experiments.table1.step_checks import step_warmup_figures
-from rapo_fast.demo.tasks import write_jsonl
+from rapo_fast.demo.tasks import read_jsonl, write_jsonl
 from rapo_fast.demo.tiny_policy import build_tiny_policy
-from rapo_fast.retrieval.jsonl import read_jsonl
 from rapo_fast.retrieval.step_traces import StepTraces
 from rapo_fast.rollouts.offpolicy import OffPolicyTrajectories
 from rapo_fast.train.callbacks import EvalCallback
